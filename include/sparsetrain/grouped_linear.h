@@ -1,0 +1,134 @@
+// GroupedLinear: G independent linear layers (experts) over one input whose rows are grouped
+// contiguously by group. With x [T, in], splits[G] rows per group and S = sum(splits) <= T:
+//   forward  y_g  = x_g W_g^T + b_g          (rows >= S are a padded tail)
+//   dgrad    dx_g = dy_g W_g
+//   wgrad    dW_g = dy_g^T x_g,  db_g = sum over the rows of dy_g   (0 for a group with no rows)
+// Accumulation is fp32 and every reduction runs in a fixed order: results are bitwise
+// deterministic. See DESIGN.md section 4 for the whole contract; weight_grad.h for what backward
+// hands back for the weight.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <vector>
+
+#include "sparsetrain/allocator.h"
+#include "sparsetrain/splits.h"
+#include "sparsetrain/tensor.h"
+#include "sparsetrain/weight_grad.h"
+
+namespace sparsetrain {
+
+// One parameter of G groups: G views of the per-group shape, or one packed view [G, ...].
+class GroupedParam {
+ public:
+  GroupedParam() = default;
+  static GroupedParam per_group(std::vector<TensorView> views);
+  static GroupedParam packed(const TensorView& view);
+
+  bool present() const { return !views_.empty(); }
+  bool is_packed() const { return packed_; }
+  int64_t num_groups() const;
+  TensorView group(int64_t g) const;  // the view of group g (a slice of the packed view)
+  const std::vector<TensorView>& views() const { return views_; }
+
+ private:
+  std::vector<TensorView> views_;
+  bool packed_ = false;
+};
+
+struct GroupedLinearOptions {
+  int64_t num_groups = 0;
+  int64_t in_features = 0;
+  int64_t out_features = 0;
+  DType dtype = DType::kBF16;            // x, weight, bias, dy and every output but main_grad
+  bool fuse_wgrad_accumulation = false;  // wgrad goes into params.main_grad (fp32), in one pass
+  bool overwrite_main_grad = false;      // with fusion: main_grad = wgrad (a group with no rows: 0)
+  bool delay_wgrad_compute = false;      // backward computes dgrad only; wgrad in backward_dw()
+  bool check_device_splits = false;      // debug: sync, read device splits and raise if invalid
+};
+
+// Non-owning references to the caller's parameters.
+struct GroupedLinearParams {
+  GroupedParam weight;     // required: G x [out, in] or [G, out, in], rows contiguous
+  GroupedParam bias;       // optional: G x [out] or [G, out]
+  GroupedParam main_grad;  // fp32, G x [out, in] or [G, out, in]; required with fusion
+  // Whether the weight parameter carries Megatron's `grad_added_to_main_grad` attribute.
+  bool has_grad_added_to_main_grad = false;
+};
+
+struct CallArgs {
+  Stream stream;
+  Workspace workspace;  // optional; workspace_size() bytes on the compute device
+};
+
+// A weight gradient as backward hands it back (see weight_grad.h).
+struct WeightGrad {
+  WeightGradKind kind = WeightGradKind::kNone;
+  // kWgrad: G views [out, in] into one packed buffer, each starting on a 256-byte boundary
+  // (the per-group stride is padded when out*in*sizeof(dtype) is not a multiple of 256).
+  // kDummy: G views of the cached zero tensor. Empty for kNone.
+  std::vector<Tensor> per_group;
+  // kWgrad: the packed buffer as one strided [G, out, in] view. kDummy with a packed weight: the
+  // [G, out, in] dummy. Otherwise undefined.
+  Tensor packed;
+  bool grad_added_to_main_grad = false;  // kDummy: set the parameter's flag to True
+};
+
+struct GroupedLinearGrads {
+  Tensor grad_input;  // backward only: the caller's grad_input buffer or a new [T, in] tensor
+  WeightGrad weight;
+  Tensor bias_grad;   // [G, out] when the layer has a bias and the disposition says "now"
+};
+
+class GroupedLinear {
+ public:
+  // `allocator`: where outputs and missing workspace come from (default_allocator() if null);
+  // it must outlive the layer.
+  GroupedLinear(const GroupedLinearOptions& options, const GroupedLinearParams& params,
+                Allocator* allocator = nullptr);
+
+  const GroupedLinearOptions& options() const { return options_; }
+  const GroupedLinearParams& params() const { return params_; }
+  Device device() const;
+
+  // Bytes of workspace forward, backward and backward_dw need for T input rows. Depends on
+  // (G, T, in, out, dtype) only, never on split values.
+  size_t workspace_size(int64_t T) const;
+
+  // y = x W^T + b per group. x: [T, in]. out: optional caller buffer, contiguous, of the layer's
+  // dtype and device, with >= T rows (>= S with host splits); rows < S are written in place, the
+  // rest untouched. Without it a new [T, out] tensor is returned with rows >= S zero.
+  Tensor forward(const TensorView& x, const Splits& splits, const TensorView& out = {},
+                 const CallArgs& args = {});
+
+  // dgrad, and unless delayed, wgrad and bias grad. x and splits as given to forward; dy [T, out].
+  // grad_input: optional caller buffer as `out` above, [>= T (>= S), in]. With delayed wgrad the
+  // layer keeps references to x, dy (and device splits): they must stay alive and unchanged until
+  // the matching backward_dw().
+  GroupedLinearGrads backward(const TensorView& x, const TensorView& dy, const Splits& splits,
+                              const TensorView& grad_input = {}, const CallArgs& args = {});
+
+  // Computes the oldest pending delayed wgrad (first in, first out): into main_grad when fused
+  // (weight.kind = kNone), otherwise returned (kWgrad); and the bias grad. Error if none pending.
+  GroupedLinearGrads backward_dw(const CallArgs& args = {});
+  size_t pending_wgrads() const { return pending_.size(); }
+
+ private:
+  struct Pending {
+    TensorView x, dy;
+    Splits splits;
+  };
+  // wgrad and bias grad with the group offsets already in the workspace.
+  GroupedLinearGrads compute_wgrad(const TensorView& x, const TensorView& dy, const int64_t* offsets,
+                                   void* scratch, Stream stream);
+  const Tensor& dummy_wgrad(Stream stream);
+
+  GroupedLinearOptions options_;
+  GroupedLinearParams params_;
+  Allocator* allocator_;
+  std::deque<Pending> pending_;
+  Tensor dummy_;  // cached zero tensor of the weight's shape and dtype; never aliases main_grad
+};
+
+}  // namespace sparsetrain

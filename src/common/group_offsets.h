@@ -1,0 +1,43 @@
+// Splits -> group row offsets, the set-up step of every grouped GEMM. Plain host/device code: the
+// CPU backend calls it directly, the CUDA set-up kernel runs the same function on the device, and
+// the CPU tests pin its behaviour. Invalid splits (a negative entry, or a sum above the row count)
+// turn every group empty and OR the matching SplitsStatus bits into *status: nothing is computed
+// from them, and the caller learns about it without a host synchronisation.
+#pragma once
+
+#include <cstdint>
+
+#include "sparsetrain/splits.h"
+
+#if defined(__CUDACC__)
+#define ST_HOST_DEVICE __host__ __device__
+#else
+#define ST_HOST_DEVICE
+#endif
+
+namespace sparsetrain {
+
+// offsets[0..G]: group g owns rows [offsets[g], offsets[g+1]); offsets[G] = S. Returns the status
+// bits found in this call (also ORed into *status when status is non-null).
+ST_HOST_DEVICE inline int32_t compute_group_offsets(const int64_t* splits, int64_t num_groups,
+                                                     int64_t num_rows, int64_t* offsets,
+                                                     int32_t* status) {
+  int32_t bits = kSplitsOk;
+  int64_t sum = 0;
+  offsets[0] = 0;
+  for (int64_t g = 0; g < num_groups; ++g) {
+    const int64_t s = splits[g];
+    if (s < 0) bits |= kSplitsNegative;
+    // Clamp before adding so that huge entries cannot overflow the running sum.
+    else if (s > num_rows - sum) bits |= kSplitsSumExceedsRows;
+    if (bits == kSplitsOk) sum += s;
+    offsets[g + 1] = sum;
+  }
+  if (bits != kSplitsOk) {
+    for (int64_t g = 0; g <= num_groups; ++g) offsets[g] = 0;
+    if (status != nullptr) *status |= bits;
+  }
+  return bits;
+}
+
+}  // namespace sparsetrain

@@ -1,0 +1,384 @@
+// GroupedLinear's rules, held once for every backend: argument validation (all of it before any
+// output is written), workspace planning from shapes only, output allocation through the caller's
+// allocator, host vs device splits, the weight-grad disposition and the delayed-wgrad queue.
+#include "sparsetrain/grouped_linear.h"
+
+#include <string>
+
+#include "common/group_offsets.h"
+#include "ops/checks.h"
+#include "ops/grouped_linear_backend.h"
+
+namespace sparsetrain {
+
+// ---------------------------------------------------------------------------------------------
+// GroupedParam
+
+GroupedParam GroupedParam::per_group(std::vector<TensorView> views) {
+  GroupedParam p;
+  p.views_ = std::move(views);
+  return p;
+}
+
+GroupedParam GroupedParam::packed(const TensorView& view) {
+  GroupedParam p;
+  p.views_ = {view};
+  p.packed_ = true;
+  return p;
+}
+
+int64_t GroupedParam::num_groups() const {
+  if (!present()) return 0;
+  return packed_ ? (views_[0].dim() > 0 ? views_[0].size(0) : 0) : int64_t(views_.size());
+}
+
+TensorView GroupedParam::group(int64_t g) const {
+  return packed_ ? views_[0].select(g) : views_[size_t(g)];
+}
+
+namespace {
+
+using backend::GroupedLinearBackend;
+
+size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+GroupedLinearBackend& backend_for(Device device, const char* arg) {
+  ST_CHECK_ARG(device.is_cpu(), arg,
+               "a tensor on cpu (this build runs GroupedLinear on the CPU reference backend only)",
+               device.str());
+  return backend::reference_backend();
+}
+
+// Checks one grouped parameter: G slices of `slice_shape`, each contiguous, of `dtype` on `device`.
+void check_grouped_param(const GroupedParam& p, const std::string& name, int64_t G,
+                         std::initializer_list<int64_t> slice_shape, const std::string& slice_desc,
+                         DType dtype, Device device) {
+  const int slice_dim = int(slice_shape.size());
+  if (p.is_packed()) {
+    const TensorView& v = p.views()[0];
+    checks::defined(v, name, "a packed tensor of shape [G, " + slice_desc + "]");
+    ST_CHECK_ARG(v.dim() == slice_dim + 1 && v.size(0) == G, name.c_str(),
+                 "packed shape [" + std::to_string(G) + " (num_groups), " + slice_desc + "]", v.shape_str());
+    int64_t slice_numel = 1;
+    for (int64_t s : slice_shape) slice_numel *= s;
+    ST_CHECK_ARG(G == 1 || v.stride(0) >= slice_numel, name.c_str(),
+                 "non-overlapping groups (stride of dim 0 >= " + std::to_string(slice_numel) + ")", v.stride(0));
+  } else {
+    ST_CHECK_ARG(int64_t(p.views().size()) == G, name.c_str(),
+                 std::to_string(G) + " per-group tensors (num_groups)", p.views().size());
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const TensorView v = p.is_packed() ? p.views()[0].select(g) : p.views()[size_t(g)];
+    const std::string n = p.is_packed() ? name : name + "[" + std::to_string(g) + "]";
+    checks::defined(v, n, "a tensor of shape [" + slice_desc + "]");
+    checks::shape(v, n, slice_shape, "[" + slice_desc + "]");
+    checks::dtype(v, n, dtype);
+    checks::device(v, n, device);
+    checks::contiguous(v, n);
+    checks::non_null(v, n);
+  }
+}
+
+// A caller output buffer: contiguous [rows >= min_rows, cols] of the layer's dtype and device.
+void check_out_buffer(const TensorView& buf, const char* name, DType dtype, Device device, int64_t cols,
+                      int64_t min_rows, const char* rows_rule) {
+  ST_CHECK_ARG(buf.dim() == 2 && buf.size(1) == cols && buf.size(0) >= min_rows, name,
+               "shape [>= " + std::to_string(min_rows) + " (" + rows_rule + "), " + std::to_string(cols) + "]",
+               buf.shape_str());
+  checks::dtype(buf, name, dtype, " (the layer's dtype)");
+  checks::device(buf, name, device);
+  checks::contiguous(buf, name);
+  checks::non_null(buf, name);
+}
+
+// A 2-D activation input [T, cols].
+void check_activation(const TensorView& t, const char* name, DType dtype, Device device, int64_t rows,
+                      int64_t cols, const char* cols_desc) {
+  checks::defined(t, name, "a tensor of shape [T, " + std::string(cols_desc) + "]");
+  ST_CHECK_ARG(t.dim() == 2 && t.size(1) == cols && (rows < 0 || t.size(0) == rows), name,
+               "shape [" + (rows < 0 ? std::string("T") : std::to_string(rows) + " (the rows of x)") + ", " +
+                   std::to_string(cols) + " (" + cols_desc + ")]",
+               t.shape_str());
+  checks::dtype(t, name, dtype, " (the layer's dtype)");
+  checks::device(t, name, device);
+  checks::rows_contiguous(t, name);
+  checks::non_null(t, name);
+}
+
+void check_host_split_values(const std::vector<int64_t>& v, int64_t T, const char* name) {
+  int64_t sum = 0;
+  for (size_t g = 0; g < v.size(); ++g) {
+    ST_CHECK_ARG(v[g] >= 0, name, "entries >= 0", v[g], " at index ", g);
+    ST_CHECK_ARG(v[g] <= T - sum, name, "a sum <= " + std::to_string(T) + " (the rows of x)",
+                 "a sum of at least ", sum + v[g], " at index ", g);
+    sum += v[g];
+  }
+}
+
+// Validates splits; returns S for host splits and -1 for device splits (S unknown to the host).
+int64_t check_splits(const Splits& s, int64_t G, int64_t T, Device device, bool checked_mode,
+                     GroupedLinearBackend& be, Stream stream) {
+  ST_CHECK_ARG(s.defined(), "splits", "host or device splits of shape [" + std::to_string(G) + "]", "none");
+  const std::string shape_rule = "shape [" + std::to_string(G) + "] (num_groups)";
+  if (!s.on_device()) {
+    const auto& v = s.host_values();
+    ST_CHECK_ARG(int64_t(v.size()) == G, "splits", shape_rule, "[", v.size(), "]");
+    check_host_split_values(v, T, "splits");
+    int64_t sum = 0;
+    for (int64_t x : v) sum += x;
+    return sum;
+  }
+  const TensorView& v = s.device_values();
+  checks::shape(v, "splits", {G}, "[" + std::to_string(G) + "] (num_groups)");
+  checks::dtype(v, "splits", DType::kInt64, " (device splits)");
+  checks::device(v, "splits", device);
+  checks::contiguous(v, "splits");
+  checks::non_null(v, "splits");
+  if (s.status().defined()) {
+    const TensorView& st = s.status();
+    ST_CHECK_ARG(st.numel() == 1, "splits status", "one element", st.shape_str());
+    checks::dtype(st, "splits status", DType::kInt32);
+    checks::device(st, "splits status", device);
+    checks::non_null(st, "splits status");
+  }
+  if (checked_mode) check_host_split_values(be.read_int64(v, stream), T, "splits (device, checked mode)");
+  return -1;
+}
+
+// Workspace layout: group offsets, a status sink for device splits without a caller status
+// word, then the backend's scratch. Every part starts on a 256-byte boundary.
+struct WorkspacePlan {
+  size_t offsets = 0, status = 0, scratch = 0, total = 0;
+};
+
+WorkspacePlan plan_workspace(const GroupedLinearOptions& o, int64_t T, const GroupedLinearBackend& be) {
+  WorkspacePlan p;
+  p.status = round_up(size_t(o.num_groups + 1) * sizeof(int64_t), kAllocAlignment);
+  p.scratch = p.status + kAllocAlignment;
+  p.total = p.scratch + round_up(be.scratch_bytes(o.dtype, o.num_groups, T, o.in_features, o.out_features),
+                                 kAllocAlignment);
+  return p;
+}
+
+// The workspace of one call: the caller's, or one taken from the allocator for the call.
+class CallWorkspace {
+ public:
+  CallWorkspace(const WorkspacePlan& plan, const Workspace& given, Device device, Allocator& alloc,
+                Stream stream) {
+    if (given.data != nullptr) {
+      ST_CHECK_ARG(given.bytes >= plan.total, "workspace", ">= " + std::to_string(plan.total) + " bytes",
+                   given.bytes, " bytes");
+      ST_CHECK_ARG(reinterpret_cast<uintptr_t>(given.data) % kAllocAlignment == 0, "workspace",
+                   "a 256-byte aligned address", given.data);
+      base_ = static_cast<char*>(given.data);
+    } else {
+      owned_ = Tensor::empty(DType::kInt32, {int64_t(plan.total / 4)}, device, alloc, stream);
+      base_ = static_cast<char*>(owned_.view().data());
+    }
+    offsets = reinterpret_cast<int64_t*>(base_ + plan.offsets);
+    status = reinterpret_cast<int32_t*>(base_ + plan.status);
+    scratch = base_ + plan.scratch;
+  }
+  int64_t* offsets;
+  int32_t* status;
+  void* scratch;
+
+ private:
+  char* base_ = nullptr;
+  Tensor owned_;
+};
+
+// Fills the workspace's group offsets from the splits (validated by check_splits).
+void prepare_offsets(const Splits& s, int64_t T, CallWorkspace& ws, GroupedLinearBackend& be, Stream stream) {
+  if (s.on_device()) {
+    int32_t* status = s.status().defined() ? s.status().data_as<int32_t>() : ws.status;
+    be.setup_device_splits(s.device_values(), T, ws.offsets, status, stream);
+    return;
+  }
+  const auto& v = s.host_values();
+  std::vector<int64_t> offsets(v.size() + 1);
+  compute_group_offsets(v.data(), int64_t(v.size()), T, offsets.data(), nullptr);
+  be.copy_from_host(ws.offsets, offsets.data(), offsets.size() * sizeof(int64_t), stream);
+}
+
+std::vector<TensorView> group_views(const GroupedParam& p, int64_t G) {
+  std::vector<TensorView> v;
+  if (!p.present()) return v;
+  for (int64_t g = 0; g < G; ++g) v.push_back(p.group(g));
+  return v;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// GroupedLinear
+
+GroupedLinear::GroupedLinear(const GroupedLinearOptions& o, const GroupedLinearParams& params,
+                             Allocator* allocator)
+    : options_(o), params_(params), allocator_(allocator ? allocator : &default_allocator()) {
+  ST_CHECK_ARG(o.num_groups >= 1, "num_groups", ">= 1", o.num_groups);
+  ST_CHECK_ARG(o.in_features >= 1, "in_features", ">= 1", o.in_features);
+  ST_CHECK_ARG(o.out_features >= 1, "out_features", ">= 1", o.out_features);
+  ST_CHECK_ARG(is_floating(o.dtype), "dtype", "bf16, fp16 or fp32", dtype_name(o.dtype));
+  ST_CHECK_ARG(!o.overwrite_main_grad || o.fuse_wgrad_accumulation, "overwrite_main_grad",
+               "false unless fuse_wgrad_accumulation is true", "true");
+  const int64_t G = o.num_groups;
+  const std::string out_in = std::to_string(o.out_features) + ", " + std::to_string(o.in_features);
+  ST_CHECK_ARG(params.weight.present(), "weight", "per-group or packed tensors", "none");
+  const Device dev = params.weight.views()[0].device();
+  backend_for(dev, "weight");
+  check_grouped_param(params.weight, "weight", G, {o.out_features, o.in_features}, out_in, o.dtype, dev);
+  if (params.bias.present())
+    check_grouped_param(params.bias, "bias", G, {o.out_features}, std::to_string(o.out_features), o.dtype, dev);
+  if (o.fuse_wgrad_accumulation) {
+    ST_CHECK_ARG(params.main_grad.present(), "main_grad",
+                 "fp32 per-group or packed tensors (fuse_wgrad_accumulation is true)", "none");
+    check_grouped_param(params.main_grad, "main_grad", G, {o.out_features, o.in_features}, out_in,
+                        DType::kFP32, dev);
+  }
+}
+
+Device GroupedLinear::device() const { return params_.weight.views()[0].device(); }
+
+size_t GroupedLinear::workspace_size(int64_t T) const {
+  return plan_workspace(options_, T, backend_for(device(), "weight")).total;
+}
+
+Tensor GroupedLinear::forward(const TensorView& x, const Splits& splits, const TensorView& out,
+                              const CallArgs& args) {
+  const GroupedLinearOptions& o = options_;
+  const Device dev = device();
+  GroupedLinearBackend& be = backend_for(dev, "x");
+  check_activation(x, "x", o.dtype, dev, -1, o.in_features, "in_features");
+  const int64_t T = x.size(0);
+  const int64_t S = check_splits(splits, o.num_groups, T, dev, o.check_device_splits, be, args.stream);
+  if (out.defined())
+    check_out_buffer(out, "out", o.dtype, dev, o.out_features, S < 0 ? T : S,
+                     S < 0 ? "T: device splits" : "S: host splits");
+
+  // Everything is valid: from here on outputs may be written.
+  Tensor y = out.defined() ? Tensor::borrowed(out)
+                           : Tensor::empty(o.dtype, {T, o.out_features}, dev, *allocator_, args.stream);
+  CallWorkspace ws(plan_workspace(o, T, be), args.workspace, dev, *allocator_, args.stream);
+  prepare_offsets(splits, T, ws, be, args.stream);
+  backend::FpropParams p{{o.dtype, o.num_groups, T, o.in_features, o.out_features, ws.offsets},
+                         x,
+                         group_views(params_.weight, o.num_groups),
+                         group_views(params_.bias, o.num_groups),
+                         y.view(),
+                         !out.defined()};
+  be.fprop(p, ws.scratch, args.stream);
+  return y;
+}
+
+const Tensor& GroupedLinear::dummy_wgrad(Stream stream) {
+  if (!dummy_.defined()) {
+    const GroupedLinearOptions& o = options_;
+    dummy_ = params_.weight.is_packed()
+                 ? Tensor::empty(o.dtype, {o.num_groups, o.out_features, o.in_features}, device(), *allocator_, stream)
+                 : Tensor::empty(o.dtype, {o.out_features, o.in_features}, device(), *allocator_, stream);
+    backend_for(device(), "weight").fill_zero(dummy_.view(), stream);
+  }
+  return dummy_;
+}
+
+GroupedLinearGrads GroupedLinear::compute_wgrad(const TensorView& x, const TensorView& dy,
+                                                const int64_t* offsets, void* scratch, Stream stream) {
+  const GroupedLinearOptions& o = options_;
+  const int64_t G = o.num_groups;
+  GroupedLinearBackend& be = backend_for(device(), "x");
+  GroupedLinearGrads grads;
+  backend::WgradParams p{{o.dtype, G, x.size(0), o.in_features, o.out_features, offsets},
+                         x, dy, backend::WgradTarget::kWeightGrad, {}, {}};
+  if (o.fuse_wgrad_accumulation) {
+    p.target = o.overwrite_main_grad ? backend::WgradTarget::kMainGradOverwrite
+                                     : backend::WgradTarget::kMainGradAccumulate;
+    p.dw = group_views(params_.main_grad, G);
+    grads.weight.kind = WeightGradKind::kNone;  // it went into main_grad
+  } else {
+    // One packed buffer; each group's view starts on a 256-byte boundary, padding the per-group
+    // stride where out*in*sizeof(dtype) is not a multiple of 256.
+    const size_t esize = dtype_size(o.dtype);
+    const int64_t group_stride =
+        int64_t(round_up(size_t(o.out_features * o.in_features) * esize, kAllocAlignment) / esize);
+    Tensor buf = Tensor::empty(o.dtype, {G * group_stride}, device(), *allocator_, stream);
+    const int64_t shape[3] = {G, o.out_features, o.in_features};
+    const int64_t strides[3] = {group_stride, o.in_features, 1};
+    const TensorView packed(buf.view().data(), o.dtype, shape, strides, 3, device());
+    grads.weight.kind = WeightGradKind::kWgrad;
+    grads.weight.packed = buf.with_view(packed);
+    for (int64_t g = 0; g < G; ++g) {
+      p.dw.push_back(packed.select(g));
+      grads.weight.per_group.push_back(buf.with_view(p.dw.back()));
+    }
+  }
+  if (params_.bias.present()) {
+    grads.bias_grad = Tensor::empty(o.dtype, {G, o.out_features}, device(), *allocator_, stream);
+    for (int64_t g = 0; g < G; ++g) p.db.push_back(grads.bias_grad.view().select(g));
+  }
+  be.wgrad(p, scratch, stream);
+  return grads;
+}
+
+GroupedLinearGrads GroupedLinear::backward(const TensorView& x, const TensorView& dy, const Splits& splits,
+                                           const TensorView& grad_input, const CallArgs& args) {
+  const GroupedLinearOptions& o = options_;
+  const Device dev = device();
+  GroupedLinearBackend& be = backend_for(dev, "x");
+  check_activation(x, "x", o.dtype, dev, -1, o.in_features, "in_features");
+  const int64_t T = x.size(0);
+  check_activation(dy, "dy", o.dtype, dev, T, o.out_features, "out_features");
+  const int64_t S = check_splits(splits, o.num_groups, T, dev, o.check_device_splits, be, args.stream);
+  if (grad_input.defined())
+    check_out_buffer(grad_input, "grad_input", o.dtype, dev, o.in_features, S < 0 ? T : S,
+                     S < 0 ? "T: device splits" : "S: host splits");
+  const WeightGradDisposition disp =
+      weight_grad_disposition(o.delay_wgrad_compute, o.fuse_wgrad_accumulation, params_.has_grad_added_to_main_grad);
+
+  // Everything is valid: from here on outputs may be written.
+  GroupedLinearGrads grads;
+  grads.grad_input = grad_input.defined()
+                         ? Tensor::borrowed(grad_input)
+                         : Tensor::empty(o.dtype, {T, o.in_features}, dev, *allocator_, args.stream);
+  CallWorkspace ws(plan_workspace(o, T, be), args.workspace, dev, *allocator_, args.stream);
+  prepare_offsets(splits, T, ws, be, args.stream);
+  backend::DgradParams p{{o.dtype, o.num_groups, T, o.in_features, o.out_features, ws.offsets},
+                         dy,
+                         group_views(params_.weight, o.num_groups),
+                         grads.grad_input.view(),
+                         !grad_input.defined()};
+  be.dgrad(p, ws.scratch, args.stream);
+
+  if (o.delay_wgrad_compute) {
+    pending_.push_back({x, dy, splits});  // references only: the caller keeps x and dy alive
+  } else {
+    GroupedLinearGrads w = compute_wgrad(x, dy, ws.offsets, ws.scratch, args.stream);
+    if (disp.weight == WeightGradKind::kWgrad) grads.weight = std::move(w.weight);
+    if (disp.bias_grad_now) grads.bias_grad = std::move(w.bias_grad);
+  }
+  if (disp.weight == WeightGradKind::kDummy) {
+    const Tensor& d = dummy_wgrad(args.stream);
+    grads.weight.kind = WeightGradKind::kDummy;
+    grads.weight.grad_added_to_main_grad = true;
+    if (params_.weight.is_packed()) grads.weight.packed = d;
+    for (int64_t g = 0; g < o.num_groups; ++g)
+      grads.weight.per_group.push_back(params_.weight.is_packed() ? d.with_view(d.view().select(g)) : d);
+  }
+  return grads;
+}
+
+GroupedLinearGrads GroupedLinear::backward_dw(const CallArgs& args) {
+  ST_CHECK_ARG(!pending_.empty(), "backward_dw",
+               "a pending delayed wgrad (from backward() with delay_wgrad_compute=true)",
+               "none pending (delay_wgrad_compute=", options_.delay_wgrad_compute ? "true" : "false", ")");
+  const Pending& pd = pending_.front();
+  GroupedLinearBackend& be = backend_for(device(), "x");
+  const int64_t T = pd.x.size(0);
+  CallWorkspace ws(plan_workspace(options_, T, be), args.workspace, device(), *allocator_, args.stream);
+  prepare_offsets(pd.splits, T, ws, be, args.stream);
+  GroupedLinearGrads grads = compute_wgrad(pd.x, pd.dy, ws.offsets, ws.scratch, args.stream);
+  pending_.pop_front();
+  return grads;
+}
+
+}  // namespace sparsetrain

@@ -1,0 +1,58 @@
+// The `sparsetrain` command: sub-commands over the library (demo, info), each with --help.
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "sparsetrain/error.h"
+#include "sparsetrain/runtime.h"
+#include "tools/commands.h"
+
+namespace {
+
+const char* kUsage =
+    "usage: sparsetrain <command> [options]\n"
+    "\n"
+    "Training kernels for MoE layers and block-sparse attention.\n"
+    "\n"
+    "commands:\n"
+    "  demo    run an MoE-shaped GroupedLinear forward + backward on the best available backend,\n"
+    "          check it against a double-precision oracle and print a report\n"
+    "  info    print the build configuration and the devices this machine offers\n"
+    "\n"
+    "Run `sparsetrain <command> --help` for the options of a command.\n";
+
+int run_info(int argc, char** argv) {
+  for (int i = 2; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--help") || !std::strcmp(argv[i], "-h")) {
+      std::printf("usage: sparsetrain info\n\nPrints the version, whether the CUDA backend was built, "
+                  "the CUDA devices found and the backend operations run on.\n");
+      return 0;
+    }
+    std::fprintf(stderr, "sparsetrain info: unknown option '%s' (try --help)\n", argv[i]);
+    return 2;
+  }
+  std::printf("sparsetrain %s\n", sparsetrain::version());
+  std::printf("CUDA backend built: %s\n", sparsetrain::built_with_cuda() ? "yes (sm_90a)" : "no");
+  std::printf("CUDA devices:       %d\n", sparsetrain::cuda_device_count());
+  std::printf("best backend:       %s\n", sparsetrain::best_backend_description().c_str());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
+    std::fputs(kUsage, argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  try {
+    const std::string cmd = argv[1];
+    if (cmd == "demo") return sparsetrain::tools::run_demo(argc, argv);
+    if (cmd == "info") return run_info(argc, argv);
+    std::fprintf(stderr, "sparsetrain: unknown command '%s'\n\n%s", argv[1], kUsage);
+    return 2;
+  } catch (const sparsetrain::Error& e) {
+    std::fprintf(stderr, "sparsetrain: error: %s\n", e.what());
+    return 1;
+  }
+}
