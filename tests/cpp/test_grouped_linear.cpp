@@ -33,8 +33,17 @@ struct Param {
   Shape shape;
   bool device_splits;
 };
-std::string param_name(const ::testing::TestParamInfo<Param>& info);
-void PrintTo(const Param& p, std::ostream* os) { *os << param_name({p, 0}); }
+
+std::string param_name(const Param& p) {
+  const Shape& s = p.shape;
+  std::string n = std::string(st::dtype_name(s.dtype)) + "_G" + std::to_string(s.G) + "_T" + std::to_string(s.T) +
+                  "_S" + std::to_string(s.S) + "_in" + std::to_string(s.in) + "_out" + std::to_string(s.out) +
+                  "_empty" + std::to_string(s.empty.size()) + (s.packed ? "_packed" : "") + (s.bias ? "_bias" : "");
+  return n + (p.device_splits ? "_devicesplits" : "_hostsplits");
+}
+
+std::string param_name_info(const ::testing::TestParamInfo<Param>& info) { return param_name(info.param); }
+void PrintTo(const Param& p, std::ostream* os) { *os << param_name(p); }
 
 class GroupedLinearVsOracle : public ::testing::TestWithParam<Param> {
  protected:
@@ -170,14 +179,6 @@ TEST_P(GroupedLinearVsOracle, CallerBuffersAreWrittenInPlaceWithTailsUntouched) 
   }
 }
 
-std::string param_name(const ::testing::TestParamInfo<Param>& info) {
-  const Shape& s = info.param.shape;
-  std::string n = std::string(st::dtype_name(s.dtype)) + "_G" + std::to_string(s.G) + "_T" + std::to_string(s.T) +
-                  "_S" + std::to_string(s.S) + "_in" + std::to_string(s.in) + "_out" + std::to_string(s.out) +
-                  "_empty" + std::to_string(s.empty.size()) + (s.packed ? "_packed" : "") + (s.bias ? "_bias" : "");
-  return n + (info.param.device_splits ? "_devicesplits" : "_hostsplits");
-}
-
 std::vector<Param> all_params() {
   std::vector<Param> p;
   for (const Shape& s : kShapes)
@@ -185,4 +186,4 @@ std::vector<Param> all_params() {
   return p;
 }
 
-INSTANTIATE_TEST_SUITE_P(Reference, GroupedLinearVsOracle, ::testing::ValuesIn(all_params()), param_name);
+INSTANTIATE_TEST_SUITE_P(Reference, GroupedLinearVsOracle, ::testing::ValuesIn(all_params()), param_name_info);
