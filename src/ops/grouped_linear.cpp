@@ -57,7 +57,10 @@ void check_grouped_param(const GroupedParam& p, const std::string& name, int64_t
   if (p.is_packed()) {
     const TensorView& v = p.views()[0];
     checks::defined(v, name, "a packed tensor of shape [G, " + slice_desc + "]");
-    ST_CHECK_ARG(v.dim() == slice_dim + 1 && v.size(0) == G, name.c_str(),
+    bool shape_ok = v.dim() == slice_dim + 1 && v.size(0) == G;
+    int d = 1;
+    for (int64_t s : slice_shape) shape_ok = shape_ok && v.size(d++) == s;
+    ST_CHECK_ARG(shape_ok, name.c_str(),
                  "packed shape [" + std::to_string(G) + " (num_groups), " + slice_desc + "]", v.shape_str());
     int64_t slice_numel = 1;
     for (int64_t s : slice_shape) slice_numel *= s;
@@ -160,16 +163,21 @@ WorkspacePlan plan_workspace(const GroupedLinearOptions& o, int64_t T, const Gro
   return p;
 }
 
-// The workspace of one call: the caller's, or one taken from the allocator for the call.
+void check_workspace(const WorkspacePlan& plan, const Workspace& given) {
+  if (given.data == nullptr) return;  // none given: one is taken from the allocator
+  ST_CHECK_ARG(given.bytes >= plan.total, "workspace", ">= " + std::to_string(plan.total) + " bytes",
+               given.bytes, " bytes");
+  ST_CHECK_ARG(reinterpret_cast<uintptr_t>(given.data) % kAllocAlignment == 0, "workspace",
+               "a 256-byte aligned address", given.data);
+}
+
+// The workspace of one call (checked by check_workspace): the caller's, or one taken from the
+// allocator for the duration of the call.
 class CallWorkspace {
  public:
   CallWorkspace(const WorkspacePlan& plan, const Workspace& given, Device device, Allocator& alloc,
                 Stream stream) {
     if (given.data != nullptr) {
-      ST_CHECK_ARG(given.bytes >= plan.total, "workspace", ">= " + std::to_string(plan.total) + " bytes",
-                   given.bytes, " bytes");
-      ST_CHECK_ARG(reinterpret_cast<uintptr_t>(given.data) % kAllocAlignment == 0, "workspace",
-                   "a 256-byte aligned address", given.data);
       base_ = static_cast<char*>(given.data);
     } else {
       owned_ = Tensor::empty(DType::kInt32, {int64_t(plan.total / 4)}, device, alloc, stream);
@@ -255,11 +263,13 @@ Tensor GroupedLinear::forward(const TensorView& x, const Splits& splits, const T
   if (out.defined())
     check_out_buffer(out, "out", o.dtype, dev, o.out_features, S < 0 ? T : S,
                      S < 0 ? "T: device splits" : "S: host splits");
+  const WorkspacePlan plan = plan_workspace(o, T, be);
+  check_workspace(plan, args.workspace);
 
   // Everything is valid: from here on outputs may be written.
   Tensor y = out.defined() ? Tensor::borrowed(out)
                            : Tensor::empty(o.dtype, {T, o.out_features}, dev, *allocator_, args.stream);
-  CallWorkspace ws(plan_workspace(o, T, be), args.workspace, dev, *allocator_, args.stream);
+  CallWorkspace ws(plan, args.workspace, dev, *allocator_, args.stream);
   prepare_offsets(splits, T, ws, be, args.stream);
   backend::FpropParams p{{o.dtype, o.num_groups, T, o.in_features, o.out_features, ws.offsets},
                          x,
@@ -332,6 +342,8 @@ GroupedLinearGrads GroupedLinear::backward(const TensorView& x, const TensorView
   if (grad_input.defined())
     check_out_buffer(grad_input, "grad_input", o.dtype, dev, o.in_features, S < 0 ? T : S,
                      S < 0 ? "T: device splits" : "S: host splits");
+  const WorkspacePlan plan = plan_workspace(o, T, be);
+  check_workspace(plan, args.workspace);
   const WeightGradDisposition disp =
       weight_grad_disposition(o.delay_wgrad_compute, o.fuse_wgrad_accumulation, params_.has_grad_added_to_main_grad);
 
@@ -340,7 +352,7 @@ GroupedLinearGrads GroupedLinear::backward(const TensorView& x, const TensorView
   grads.grad_input = grad_input.defined()
                          ? Tensor::borrowed(grad_input)
                          : Tensor::empty(o.dtype, {T, o.in_features}, dev, *allocator_, args.stream);
-  CallWorkspace ws(plan_workspace(o, T, be), args.workspace, dev, *allocator_, args.stream);
+  CallWorkspace ws(plan, args.workspace, dev, *allocator_, args.stream);
   prepare_offsets(splits, T, ws, be, args.stream);
   backend::DgradParams p{{o.dtype, o.num_groups, T, o.in_features, o.out_features, ws.offsets},
                          dy,
@@ -374,7 +386,9 @@ GroupedLinearGrads GroupedLinear::backward_dw(const CallArgs& args) {
   const Pending& pd = pending_.front();
   GroupedLinearBackend& be = backend_for(device(), "x");
   const int64_t T = pd.x.size(0);
-  CallWorkspace ws(plan_workspace(options_, T, be), args.workspace, device(), *allocator_, args.stream);
+  const WorkspacePlan plan = plan_workspace(options_, T, be);
+  check_workspace(plan, args.workspace);
+  CallWorkspace ws(plan, args.workspace, device(), *allocator_, args.stream);
   prepare_offsets(pd.splits, T, ws, be, args.stream);
   GroupedLinearGrads grads = compute_wgrad(pd.x, pd.dy, ws.offsets, ws.scratch, args.stream);
   pending_.pop_front();
