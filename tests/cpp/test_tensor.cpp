@@ -88,3 +88,16 @@ TEST(Runtime, ReportsTheBuildAndRunsWithoutADriver) {
   }
   EXPECT_FALSE(st::best_backend_description().empty());
 }
+
+// GPU test: the default allocator's CUDA path (stream-ordered cudaMallocAsync). Skipped, and
+// reported as skipped, on machines without a GPU.
+TEST(RuntimeGpu, DefaultAllocatorAllocatesAlignedDeviceMemory) {
+  if (st::cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device on this machine: GPU test skipped";
+  for (int64_t n : {int64_t(1), int64_t(1000), int64_t(1) << 24}) {
+    st::Tensor t = st::Tensor::empty(st::DType::kBF16, {n}, st::Device::cuda(0), st::default_allocator(), {});
+    EXPECT_NE(t.view().data(), nullptr);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(t.view().data()) % 256, 0u);
+    EXPECT_TRUE(t.view().device().is_cuda());
+  }
+  EXPECT_NE(st::best_backend_description().find("cuda:0"), std::string::npos);
+}
