@@ -1,0 +1,142 @@
+"""Array frameworks as the C++ core sees them: how to hand an array over (DLPack), how to
+allocate memory the library asks for (numpy.empty / torch.empty on the current stream), and how
+to view a result inside such an allocation. Results are always views of framework-owned arrays,
+never arrays built from raw pointers, so the framework keeps tracking streams and lifetimes."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import numpy as np
+
+from . import _C
+
+_ALIGN = _C.ALLOC_ALIGNMENT
+
+
+class DeviceSplits(NamedTuple):
+    """Splits that stay on the compute device: never read by the host, so the call can be captured
+    in a CUDA graph. Invalid values empty every group and OR SplitsStatus bits into `status`
+    (an int32 array of one element) instead of raising."""
+
+    values: Any
+    status: Optional[Any] = None
+
+
+def _is_torch(a: Any) -> bool:
+    return type(a).__module__.startswith("torch")
+
+
+def _numpy_bf16():
+    try:
+        import ml_dtypes  # noqa: PLC0415  (optional: only for bf16 numpy arrays)
+
+        return np.dtype(ml_dtypes.bfloat16)
+    except ImportError:  # pragma: no cover - ml_dtypes is a test dependency
+        return None
+
+
+_NP_DTYPES = {"fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32),
+              "int32": np.dtype(np.int32), "int64": np.dtype(np.int64)}
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    if name == "bf16":
+        dt = _numpy_bf16()
+        if dt is None:
+            raise ValueError("dtype: bf16 numpy arrays need the ml_dtypes package")
+        return dt
+    return _NP_DTYPES[name]
+
+
+def dtype_name(a: Any) -> str:
+    """sparsetrain's name of an array's element type."""
+    if _is_torch(a):
+        import torch  # noqa: PLC0415
+
+        names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+                 torch.int32: "int32", torch.int64: "int64"}
+        if a.dtype not in names:
+            raise ValueError(f"dtype: expected bf16, fp16, fp32, int32 or int64, got {a.dtype}")
+        return names[a.dtype]
+    dt = np.asarray(a).dtype
+    if dt == _numpy_bf16():
+        return "bf16"
+    for name, d in _NP_DTYPES.items():
+        if dt == d:
+            return name
+    raise ValueError(f"dtype: expected bf16, fp16, fp32, int32 or int64, got {dt}")
+
+
+def to_core(a: Any) -> Any:
+    """An array in the form the extension takes: itself (DLPack / buffer protocol), or for numpy
+    bf16 (a dtype DLPack cannot describe) a (uint16 view, "bf16") pair. None stays None."""
+    if a is None or _is_torch(a):
+        return a
+    if isinstance(a, np.ndarray) and a.dtype == _numpy_bf16():
+        return (a.view(np.uint16), "bf16")
+    return a
+
+
+def to_core_splits(splits: Any) -> Any:
+    if isinstance(splits, DeviceSplits):
+        return ("device", to_core(splits.values), to_core(splits.status))
+    if _is_torch(splits) and splits.is_cuda:
+        return ("device", splits, None)
+    if isinstance(splits, (list, tuple)):
+        return [int(s) for s in splits]
+    return to_core(splits)
+
+
+class Framework:
+    """numpy or torch: allocation and result views for the C++ core."""
+
+    def __init__(self, torch_module: Any = None):
+        self.torch = torch_module
+
+    @staticmethod
+    def of(a: Any) -> "Framework":
+        if _is_torch(a):
+            import torch  # noqa: PLC0415
+
+            return Framework(torch)
+        return Framework(None)
+
+    def stream_of(self, a: Any) -> int:
+        """The stream a call on `a` runs on: torch's current stream for CUDA tensors, else 0."""
+        if self.torch is not None and a.is_cuda:
+            return self.torch.cuda.current_stream(a.device).cuda_stream
+        return 0
+
+    def allocate(self, nbytes: int, device_type: str, device_index: int, stream: int):
+        """Allocator callback: (owner, 256-byte aligned address) of nbytes of fresh memory."""
+        if self.torch is not None:
+            device = self.torch.device(device_type, device_index) if device_type == "cuda" else "cpu"
+            # torch's caching allocator, on the current stream of that device (the stream the
+            # call runs on): the memory is stream-ordered like any torch tensor.
+            owner = self.torch.empty(nbytes + _ALIGN, dtype=self.torch.uint8, device=device)
+            addr = owner.data_ptr()
+        else:
+            if device_type != "cpu":
+                raise ValueError(f"device: expected cpu for numpy arrays, got {device_type}")
+            owner = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+            addr = owner.ctypes.data
+        return owner, addr + (-addr) % _ALIGN
+
+    def view(self, exported: Any) -> Any:
+        """The array a core result describes: (owner, byte offset, dtype, shape, strides)."""
+        if exported is None:
+            return None
+        owner, offset, dtype, shape, strides = exported
+        extent = 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+        if self.torch is not None:
+            tdt = {"bf16": self.torch.bfloat16, "fp16": self.torch.float16, "fp32": self.torch.float32,
+                   "int32": self.torch.int32, "int64": self.torch.int64}[dtype]
+            itemsize = tdt.itemsize
+            start = offset + (-owner.data_ptr()) % _ALIGN
+            flat = owner[start:start + extent * itemsize].view(tdt)
+            return flat.as_strided(shape, strides)
+        npdt = numpy_dtype(dtype)
+        start = offset + (-owner.ctypes.data) % _ALIGN
+        flat = owner[start:start + extent * npdt.itemsize].view(npdt)
+        return np.lib.stride_tricks.as_strided(flat, shape, [s * npdt.itemsize for s in strides])

@@ -1,0 +1,296 @@
+// sparsetrain._C: the C++ API over DLPack arrays (numpy, torch, any producer), zero-copy.
+// Inputs become TensorViews of the callers' memory. Memory the library allocates comes from a
+// Python allocator callback (numpy.empty / torch.empty on the current stream), and results go
+// back as views of those Python objects, never as arrays built from raw pointers: the framework
+// keeps tracking their streams and lifetimes. sparsetrain::Error maps to ValueError (bad argument)
+// or RuntimeError, with the C++ message.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <deque>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "sparsetrain/error.h"
+#include "sparsetrain/grouped_linear.h"
+#include "sparsetrain/runtime.h"
+
+namespace nb = nanobind;
+namespace st = sparsetrain;
+
+namespace {
+
+using Array = nb::ndarray<nb::ro>;
+
+st::DType parse_dtype(const std::string& s, const char* arg) {
+  if (s == "bf16" || s == "bfloat16") return st::DType::kBF16;
+  if (s == "fp16" || s == "float16") return st::DType::kFP16;
+  if (s == "fp32" || s == "float32") return st::DType::kFP32;
+  if (s == "int32") return st::DType::kInt32;
+  if (s == "int64") return st::DType::kInt64;
+  st::detail::throw_arg_error(arg, "one of bf16, fp16, fp32, int32, int64", s);
+}
+
+// A Python object (an array, or a tuple (array_of_uint16, "bf16"|"fp16") for 16-bit float
+// types the producer cannot describe, such as numpy arrays of ml_dtypes.bfloat16) as a view.
+st::TensorView view_of(nb::handle obj, const char* arg) {
+  nb::handle arr = obj;
+  std::string dtype_override;
+  if (nb::isinstance<nb::tuple>(obj)) {
+    nb::tuple t = nb::borrow<nb::tuple>(obj);
+    ST_CHECK_ARG(t.size() == 2, arg, "an array or a tuple (array, dtype)", "a tuple of ", t.size());
+    arr = t[0];
+    dtype_override = nb::cast<std::string>(t[1]);
+  }
+  Array a;
+  if (!nb::try_cast(arr, a, false))
+    ST_CHECK_ARG(false, arg, "an array supporting DLPack or the buffer protocol",
+                 nb::cast<std::string>(nb::str(arr.type())));
+  ST_CHECK_ARG(a.ndim() >= 1 && a.ndim() <= size_t(st::TensorView::kMaxDims), arg, "1 to 5 dimensions", a.ndim());
+  const nb::dlpack::dtype dt = a.dtype();
+  st::DType dtype;
+  using Code = nb::dlpack::dtype_code;
+  if (!dtype_override.empty()) {
+    ST_CHECK_ARG(dt.bits == 16, arg, "a 16-bit array for dtype " + dtype_override, int(dt.bits), "-bit elements");
+    dtype = parse_dtype(dtype_override, arg);
+  } else if (dt.code == uint8_t(Code::Bfloat) && dt.bits == 16) {
+    dtype = st::DType::kBF16;
+  } else if (dt.code == uint8_t(Code::Float) && dt.bits == 16) {
+    dtype = st::DType::kFP16;
+  } else if (dt.code == uint8_t(Code::Float) && dt.bits == 32) {
+    dtype = st::DType::kFP32;
+  } else if (dt.code == uint8_t(Code::Int) && dt.bits == 32) {
+    dtype = st::DType::kInt32;
+  } else if (dt.code == uint8_t(Code::Int) && dt.bits == 64) {
+    dtype = st::DType::kInt64;
+  } else {
+    ST_CHECK_ARG(false, arg, "dtype bf16, fp16, fp32, int32 or int64",
+                 "DLPack type code ", int(dt.code), " with ", int(dt.bits), " bits");
+  }
+  st::Device device;
+  if (a.device_type() == nb::device::cpu::value) {
+    device = st::Device::cpu();
+  } else if (a.device_type() == nb::device::cuda::value) {
+    device = st::Device::cuda(int(a.device_id()));
+  } else {
+    ST_CHECK_ARG(false, arg, "memory on the CPU or a CUDA device", "DLPack device type ", a.device_type());
+  }
+  int64_t shape[st::TensorView::kMaxDims], strides[st::TensorView::kMaxDims];
+  for (size_t i = 0; i < a.ndim(); ++i) {
+    shape[i] = int64_t(a.shape(i));
+    strides[i] = int64_t(a.stride(i));
+  }
+  return st::TensorView(const_cast<void*>(a.data()), dtype, shape, strides, int(a.ndim()), device);
+}
+
+st::TensorView optional_view(nb::handle obj, const char* arg) {
+  return obj.is_none() ? st::TensorView() : view_of(obj, arg);
+}
+
+// Allocations through a Python callable factory(nbytes, device_type, device_index, stream) ->
+// (owner, address): the owner (numpy or torch array) keeps the memory; address is 256-aligned.
+class PyAllocator final : public st::Allocator {
+ public:
+  explicit PyAllocator(nb::callable factory) : factory_(std::move(factory)) {}
+  void* allocate(size_t bytes, st::Device device, st::Stream stream) override {
+    nb::tuple r = nb::cast<nb::tuple>(factory_(bytes, device.is_cpu() ? "cpu" : "cuda", device.index,
+                                               reinterpret_cast<uintptr_t>(stream.handle)));
+    void* p = reinterpret_cast<void*>(nb::cast<uintptr_t>(r[1]));
+    live_[p] = {nb::borrow<nb::object>(r[0]), bytes};
+    return p;
+  }
+  void deallocate(void* p, size_t, st::Device, st::Stream) override { live_.erase(p); }
+
+  // The owner of the allocation holding `p` and the address it started at.
+  std::pair<nb::object, uintptr_t> owner_of(const void* p) const {
+    auto it = live_.upper_bound(const_cast<void*>(p));
+    if (it == live_.begin()) ST_FAIL("internal: no allocation holds address ", p);
+    --it;
+    return {it->second.owner, reinterpret_cast<uintptr_t>(it->first)};
+  }
+
+ private:
+  struct Allocation {
+    nb::object owner;
+    size_t bytes;
+  };
+  nb::callable factory_;
+  std::map<void*, Allocation> live_;
+};
+
+// A tensor the library allocated, for Python to view: (owner, byte offset into the owner's
+// allocation start, dtype, shape, strides). None for a borrowed caller buffer.
+nb::object export_tensor(const st::Tensor& t, const PyAllocator& alloc) {
+  if (!t.defined() || !t.owns_storage()) return nb::none();
+  const st::TensorView& v = t.view();
+  auto [owner, base] = alloc.owner_of(v.data());
+  std::vector<int64_t> shape(v.shape(), v.shape() + v.dim()), strides(v.strides(), v.strides() + v.dim());
+  return nb::make_tuple(owner, reinterpret_cast<uintptr_t>(v.data()) - base, st::dtype_name(v.dtype()),
+                        nb::cast(shape), nb::cast(strides));
+}
+
+st::GroupedParam grouped_param(nb::handle obj, const char* arg) {
+  if (obj.is_none()) return {};
+  if (nb::isinstance<nb::list>(obj)) {
+    std::vector<st::TensorView> views;
+    for (nb::handle h : nb::borrow<nb::list>(obj)) views.push_back(view_of(h, arg));
+    return st::GroupedParam::per_group(views);
+  }
+  return st::GroupedParam::packed(view_of(obj, arg));
+}
+
+// Splits from Python: a list of ints or a host array (host splits), or ("device", array[, status]).
+struct PySplits {
+  st::Splits splits;
+  nb::object keep;  // the arrays device splits refer to
+};
+
+PySplits make_splits(nb::handle obj) {
+  PySplits s;
+  if (nb::isinstance<nb::tuple>(obj) && nb::len(obj) >= 2 &&
+      nb::isinstance<nb::str>(nb::borrow<nb::tuple>(obj)[0])) {
+    nb::tuple t = nb::borrow<nb::tuple>(obj);
+    ST_CHECK_ARG(nb::cast<std::string>(t[0]) == "device", "splits", "(\"device\", values[, status])",
+                 nb::cast<std::string>(t[0]));
+    s.splits = st::Splits::device(view_of(t[1], "splits"),
+                                  t.size() > 2 ? optional_view(t[2], "splits status") : st::TensorView());
+    s.keep = nb::borrow<nb::object>(obj);
+    return s;
+  }
+  if (nb::isinstance<nb::list>(obj)) {
+    s.splits = st::Splits::host(nb::cast<std::vector<int64_t>>(obj));
+    return s;
+  }
+  s.splits = st::Splits::host(view_of(obj, "splits"));
+  return s;
+}
+
+st::CallArgs call_args(uintptr_t stream, nb::handle workspace) {
+  st::CallArgs a;
+  a.stream.handle = reinterpret_cast<void*>(stream);
+  if (!workspace.is_none()) {
+    const st::TensorView w = view_of(workspace, "workspace");
+    a.workspace = {w.data(), size_t(w.numel()) * w.element_size()};
+  }
+  return a;
+}
+
+nb::dict export_grads(const st::GroupedLinearGrads& g, const PyAllocator& alloc) {
+  nb::dict d;
+  d["grad_input"] = export_tensor(g.grad_input, alloc);
+  d["weight_kind"] = st::weight_grad_kind_name(g.weight.kind);
+  nb::list per_group;
+  for (const st::Tensor& t : g.weight.per_group) per_group.append(export_tensor(t, alloc));
+  d["weight_per_group"] = per_group;
+  d["weight_packed"] = export_tensor(g.weight.packed, alloc);
+  d["grad_added_to_main_grad"] = g.weight.grad_added_to_main_grad;
+  d["bias_grad"] = export_tensor(g.bias_grad, alloc);
+  return d;
+}
+
+// GroupedLinear holding Python references to everything its views point at: the parameters
+// for its lifetime, and each pending delayed wgrad's x, dy and splits until backward_dw.
+class PyGroupedLinear {
+ public:
+  PyGroupedLinear(int64_t num_groups, int64_t in_features, int64_t out_features, const std::string& dtype,
+                  nb::object weight, nb::object bias, nb::object main_grad, bool fuse_wgrad_accumulation,
+                  bool overwrite_main_grad, bool delay_wgrad_compute, bool has_grad_added_to_main_grad,
+                  bool check_device_splits, nb::callable allocator)
+      : alloc_(std::move(allocator)), params_keep_(nb::make_tuple(weight, bias, main_grad)) {
+    st::GroupedLinearOptions o;
+    o.num_groups = num_groups;
+    o.in_features = in_features;
+    o.out_features = out_features;
+    o.dtype = parse_dtype(dtype, "dtype");
+    o.fuse_wgrad_accumulation = fuse_wgrad_accumulation;
+    o.overwrite_main_grad = overwrite_main_grad;
+    o.delay_wgrad_compute = delay_wgrad_compute;
+    o.check_device_splits = check_device_splits;
+    st::GroupedLinearParams p;
+    p.weight = grouped_param(weight, "weight");
+    p.bias = grouped_param(bias, "bias");
+    p.main_grad = grouped_param(main_grad, "main_grad");
+    p.has_grad_added_to_main_grad = has_grad_added_to_main_grad;
+    layer_ = std::make_unique<st::GroupedLinear>(o, p, &alloc_);
+  }
+
+  nb::object forward(nb::handle x, nb::handle splits, nb::handle out, uintptr_t stream, nb::handle workspace) {
+    const PySplits s = make_splits(splits);
+    return export_tensor(layer_->forward(view_of(x, "x"), s.splits, optional_view(out, "out"),
+                                         call_args(stream, workspace)),
+                         alloc_);
+  }
+
+  nb::dict backward(nb::handle x, nb::handle dy, nb::handle splits, nb::handle grad_input, uintptr_t stream,
+                    nb::handle workspace) {
+    PySplits s = make_splits(splits);
+    const st::GroupedLinearGrads g = layer_->backward(view_of(x, "x"), view_of(dy, "dy"), s.splits,
+                                                      optional_view(grad_input, "grad_input"),
+                                                      call_args(stream, workspace));
+    if (layer_->options().delay_wgrad_compute)
+      pending_keep_.push_back(nb::make_tuple(nb::borrow(x), nb::borrow(dy), nb::borrow(splits)));
+    return export_grads(g, alloc_);
+  }
+
+  nb::dict backward_dw(uintptr_t stream, nb::handle workspace) {
+    nb::dict d = export_grads(layer_->backward_dw(call_args(stream, workspace)), alloc_);
+    pending_keep_.pop_front();
+    return d;
+  }
+
+  size_t workspace_size(int64_t T) const { return layer_->workspace_size(T); }
+  size_t pending_wgrads() const { return layer_->pending_wgrads(); }
+
+ private:
+  PyAllocator alloc_;  // declared before layer_: the layer's cached tensors are returned to it
+  nb::object params_keep_;
+  std::deque<nb::object> pending_keep_;
+  std::unique_ptr<st::GroupedLinear> layer_;
+};
+
+}  // namespace
+
+NB_MODULE(_C, m) {
+  m.doc() = "sparsetrain C++ core over DLPack (see the sparsetrain package for the Python API)";
+
+  // An invalid argument is a ValueError; anything else the library raises is a RuntimeError.
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const st::Error& e) {
+      PyErr_SetString(e.kind() == st::Error::Kind::kInvalidArgument ? PyExc_ValueError : PyExc_RuntimeError,
+                      e.what());
+    }
+  });
+
+  m.def("version", &st::version);
+  m.def("built_with_cuda", &st::built_with_cuda);
+  m.def("cuda_device_count", &st::cuda_device_count);
+  m.def("weight_grad_disposition", [](bool delay, bool fuse, bool has_attr) {
+    const st::WeightGradDisposition d = st::weight_grad_disposition(delay, fuse, has_attr);
+    return nb::make_tuple(st::weight_grad_kind_name(d.weight), d.bias_grad_now);
+  }, nb::arg("delay_wgrad"), nb::arg("fuse_into_main_grad"), nb::arg("has_grad_added_to_main_grad"),
+     "The one weight-grad rule: (weight grad 'wgrad'|'none'|'dummy', bias grad now?).");
+  m.attr("SPLITS_NEGATIVE") = int(st::kSplitsNegative);
+  m.attr("SPLITS_SUM_EXCEEDS_ROWS") = int(st::kSplitsSumExceedsRows);
+  m.attr("ALLOC_ALIGNMENT") = st::kAllocAlignment;
+
+  nb::class_<PyGroupedLinear>(m, "GroupedLinear")
+      .def(nb::init<int64_t, int64_t, int64_t, const std::string&, nb::object, nb::object, nb::object, bool, bool,
+                    bool, bool, bool, nb::callable>(),
+           nb::arg("num_groups"), nb::arg("in_features"), nb::arg("out_features"), nb::arg("dtype"),
+           nb::arg("weight"), nb::arg("bias").none(), nb::arg("main_grad").none(),
+           nb::arg("fuse_wgrad_accumulation"), nb::arg("overwrite_main_grad"), nb::arg("delay_wgrad_compute"),
+           nb::arg("has_grad_added_to_main_grad"), nb::arg("check_device_splits"), nb::arg("allocator"))
+      .def("forward", &PyGroupedLinear::forward, nb::arg("x"), nb::arg("splits"), nb::arg("out").none(),
+           nb::arg("stream"), nb::arg("workspace").none())
+      .def("backward", &PyGroupedLinear::backward, nb::arg("x"), nb::arg("dy"), nb::arg("splits"),
+           nb::arg("grad_input").none(), nb::arg("stream"), nb::arg("workspace").none())
+      .def("backward_dw", &PyGroupedLinear::backward_dw, nb::arg("stream"), nb::arg("workspace").none())
+      .def("workspace_size", &PyGroupedLinear::workspace_size)
+      .def_prop_ro("pending_wgrads", &PyGroupedLinear::pending_wgrads);
+}
