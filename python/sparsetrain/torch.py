@@ -50,59 +50,86 @@ def _packed_wgrad_stride(out_features: int, in_features: int, dtype: torch.dtype
 # --- custom ops -----------------------------------------------------------------------------
 # The layer's state (its C++ core, pending delayed wgrads, main_grad) is found through layer_id at
 # run time; `params` are passed so that the compiler orders the ops after parameter updates.
+# Two ops per direction: a functional one, and one that writes a caller buffer (`out`,
+# `grad_input`), so that neither has an optional mutated argument (Inductor lowers those poorly).
 
 
-@torch.library.custom_op("sparsetrain::grouped_linear_forward", mutates_args=("out",))
-def _forward_op(layer_id: int, x: Tensor, splits: Tensor, params: List[Tensor],
-                out: Optional[Tensor]) -> Tensor:
-    y = _layer(layer_id)._core().forward(x, _splits_arg(splits), out)
-    return x.new_empty(0) if out is not None else y
+@torch.library.custom_op("sparsetrain::grouped_linear_forward", mutates_args=())
+def _forward_op(layer_id: int, x: Tensor, splits: Tensor, params: List[Tensor]) -> Tensor:
+    return _layer(layer_id)._core().forward(x, _splits_arg(splits))
 
 
 @_forward_op.register_fake
+def _(layer_id, x, splits, params):
+    return x.new_empty((x.shape[0], params[0].shape[-2]))
+
+
+@torch.library.custom_op("sparsetrain::grouped_linear_forward_into", mutates_args=("out",))
+def _forward_into_op(layer_id: int, x: Tensor, splits: Tensor, params: List[Tensor], out: Tensor) -> None:
+    _layer(layer_id)._core().forward(x, _splits_arg(splits), out)
+
+
+@_forward_into_op.register_fake
 def _(layer_id, x, splits, params, out):
-    return x.new_empty(0) if out is not None else x.new_empty((x.shape[0], params[0].shape[-2]))
+    return None
 
 
-@torch.library.custom_op("sparsetrain::grouped_linear_backward", mutates_args=("grad_input",))
-def _backward_op(layer_id: int, x: Tensor, dy: Tensor, splits: Tensor, params: List[Tensor],
-                 grad_input: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+def _backward_impl(layer_id, x, dy, splits, grad_input):
     """(dx, packed weight grad or dummy, bias grad [G, out]); an empty tensor stands for none."""
     g = _layer(layer_id)._core().backward(x, dy, _splits_arg(splits), grad_input)
-    empty = x.new_empty(0)
-    dx = empty if grad_input is not None else g.grad_input
     if g.weight_kind == "none":
-        dw = empty
+        dw = x.new_empty(0)
     elif g.weight_grad_packed is not None:
         dw = g.weight_grad_packed
     else:  # the dummy of per-expert weights: one [out, in] zero tensor
         dw = g.weight_grads[0]
-    return dx, dw, empty if g.bias_grad is None else g.bias_grad
+    return g.grad_input, dw, x.new_empty(0) if g.bias_grad is None else g.bias_grad
 
 
-@_backward_op.register_fake
-def _(layer_id, x, dy, splits, params, grad_input):
+def _backward_fake(layer_id, x):
     m = _layer(layer_id)
     kind, bias_now = m._disposition()
     G, out_f, in_f = m.num_gemms, m.out_features, m.in_features
-    empty = x.new_empty(0)
-    dx = empty if grad_input is not None else x.new_empty(x.shape)
     if kind == "none":
-        dw = empty
+        dw = x.new_empty(0)
     elif kind == "wgrad":
         dw = x.new_empty_strided((G, out_f, in_f), (_packed_wgrad_stride(out_f, in_f, x.dtype), in_f, 1))
     else:
         dw = x.new_empty((G, out_f, in_f) if m.single_grouped_weight else (out_f, in_f))
-    db = x.new_empty((G, out_f)) if (m.use_bias and bias_now) else empty
-    return dx, dw, db
+    db = x.new_empty((G, out_f)) if (m.use_bias and bias_now) else x.new_empty(0)
+    return dw, db
+
+
+@torch.library.custom_op("sparsetrain::grouped_linear_backward", mutates_args=())
+def _backward_op(layer_id: int, x: Tensor, dy: Tensor, splits: Tensor,
+                 params: List[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+    return _backward_impl(layer_id, x, dy, splits, None)
+
+
+@_backward_op.register_fake
+def _(layer_id, x, dy, splits, params):
+    return (x.new_empty(x.shape), *_backward_fake(layer_id, x))
+
+
+@torch.library.custom_op("sparsetrain::grouped_linear_backward_into", mutates_args=("grad_input",))
+def _backward_into_op(layer_id: int, x: Tensor, dy: Tensor, splits: Tensor, params: List[Tensor],
+                      grad_input: Tensor) -> Tuple[Tensor, Tensor]:
+    return _backward_impl(layer_id, x, dy, splits, grad_input)[1:]
+
+
+@_backward_into_op.register_fake
+def _(layer_id, x, dy, splits, params, grad_input):
+    return _backward_fake(layer_id, x)
 
 
 class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, layer_id: int, disposition: Tuple[str, bool], packed: bool, x: Tensor, splits: Tensor,
                 out: Optional[Tensor], grad_input: Optional[Tensor], num_weights: int, *params: Tensor):
-        y = torch.ops.sparsetrain.grouped_linear_forward(layer_id, x, splits, list(params), out)
-        if out is not None:
+        if out is None:
+            y = torch.ops.sparsetrain.grouped_linear_forward(layer_id, x, splits, list(params))
+        else:
+            torch.ops.sparsetrain.grouped_linear_forward_into(layer_id, x, splits, list(params), out)
             ctx.mark_dirty(out)
             y = out
         ctx.save_for_backward(x, splits, *params)
@@ -113,12 +140,15 @@ class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor):
         x, splits, *params = ctx.saved_tensors
+        dy = dy[:x.shape[0]]  # a caller `out` buffer may have more rows than x
         if dy.stride(-1) != 1:
             dy = dy.contiguous()
-        dx, dw, db = torch.ops.sparsetrain.grouped_linear_backward(
-            ctx.layer_id, x, dy, splits, params, ctx.grad_input)
-        if ctx.grad_input is not None:
-            dx = ctx.grad_input
+        if ctx.grad_input is None:
+            dx, dw, db = torch.ops.sparsetrain.grouped_linear_backward(ctx.layer_id, x, dy, splits, params)
+        else:
+            dw, db = torch.ops.sparsetrain.grouped_linear_backward_into(
+                ctx.layer_id, x, dy, splits, params, ctx.grad_input)
+            dx = ctx.grad_input[:x.shape[0]]
         kind, bias_now = ctx.disposition
         weights, biases = params[:ctx.num_weights], params[ctx.num_weights:]
         if kind == "none":
