@@ -68,7 +68,7 @@ class GroupedLinear:
                 raise ValueError(f"weight[0]: expected shape [out, in], got {list(first.shape)}")
             groups, (out_f, in_f) = len(weight), first.shape
         self.num_groups, self.in_features, self.out_features = int(groups), int(in_f), int(out_f)
-        self.dtype = dtype_name(first)
+        self.dtype = dtype_name(first, "weight")
 
         def core(p):
             if p is None:

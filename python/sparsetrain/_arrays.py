@@ -49,15 +49,15 @@ def numpy_dtype(name: str) -> np.dtype:
     return _NP_DTYPES[name]
 
 
-def dtype_name(a: Any) -> str:
-    """sparsetrain's name of an array's element type."""
+def dtype_name(a: Any, arg: str = "dtype") -> str:
+    """sparsetrain's name of an array's element type; a ValueError naming `arg` otherwise."""
     if _is_torch(a):
         import torch  # noqa: PLC0415
 
         names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
                  torch.int32: "int32", torch.int64: "int64"}
         if a.dtype not in names:
-            raise ValueError(f"dtype: expected bf16, fp16, fp32, int32 or int64, got {a.dtype}")
+            raise ValueError(f"{arg}: expected dtype bf16, fp16, fp32, int32 or int64, got {a.dtype}")
         return names[a.dtype]
     dt = np.asarray(a).dtype
     if dt == _numpy_bf16():
@@ -65,7 +65,7 @@ def dtype_name(a: Any) -> str:
     for name, d in _NP_DTYPES.items():
         if dt == d:
             return name
-    raise ValueError(f"dtype: expected bf16, fp16, fp32, int32 or int64, got {dt}")
+    raise ValueError(f"{arg}: expected dtype bf16, fp16, fp32, int32 or int64, got {dt}")
 
 
 def to_core(a: Any) -> Any:

@@ -24,7 +24,8 @@ namespace st = sparsetrain;
 
 namespace {
 
-using Array = nb::ndarray<nb::ro>;
+using Array = nb::ndarray<nb::ro>;  // inputs: read-only producers are fine
+using WritableArray = nb::ndarray<>;  // outputs: a read-only array is refused, never written
 
 st::DType parse_dtype(const std::string& s, const char* arg) {
   if (s == "bf16" || s == "bfloat16") return st::DType::kBF16;
@@ -35,9 +36,12 @@ st::DType parse_dtype(const std::string& s, const char* arg) {
   st::detail::throw_arg_error(arg, "one of bf16, fp16, fp32, int32, int64", s);
 }
 
+enum class Access { kRead, kWrite };
+
 // A Python object (an array, or a tuple (array_of_uint16, "bf16"|"fp16") for 16-bit float
 // types the producer cannot describe, such as numpy arrays of ml_dtypes.bfloat16) as a view.
-st::TensorView view_of(nb::handle obj, const char* arg) {
+// Arrays the library writes (Access::kWrite) must be writable.
+st::TensorView view_of(nb::handle obj, const char* arg, Access access = Access::kRead) {
   nb::handle arr = obj;
   std::string dtype_override;
   if (nb::isinstance<nb::tuple>(obj)) {
@@ -50,6 +54,11 @@ st::TensorView view_of(nb::handle obj, const char* arg) {
   if (!nb::try_cast(arr, a, false))
     ST_CHECK_ARG(false, arg, "an array supporting DLPack or the buffer protocol",
                  nb::cast<std::string>(nb::str(arr.type())));
+  if (access == Access::kWrite) {
+    WritableArray w;
+    ST_CHECK_ARG(nb::try_cast(arr, w, false), arg, "a writable array (the library writes it)",
+                 "a read-only array");
+  }
   ST_CHECK_ARG(a.ndim() >= 1 && a.ndim() <= size_t(st::TensorView::kMaxDims), arg, "1 to 5 dimensions", a.ndim());
   const nb::dlpack::dtype dt = a.dtype();
   st::DType dtype;
@@ -87,8 +96,8 @@ st::TensorView view_of(nb::handle obj, const char* arg) {
   return st::TensorView(const_cast<void*>(a.data()), dtype, shape, strides, int(a.ndim()), device);
 }
 
-st::TensorView optional_view(nb::handle obj, const char* arg) {
-  return obj.is_none() ? st::TensorView() : view_of(obj, arg);
+st::TensorView optional_view(nb::handle obj, const char* arg, Access access = Access::kRead) {
+  return obj.is_none() ? st::TensorView() : view_of(obj, arg, access);
 }
 
 // Allocations through a Python callable factory(nbytes, device_type, device_index, stream) ->
@@ -133,14 +142,14 @@ nb::object export_tensor(const st::Tensor& t, const PyAllocator& alloc) {
                         nb::cast(shape), nb::cast(strides));
 }
 
-st::GroupedParam grouped_param(nb::handle obj, const char* arg) {
+st::GroupedParam grouped_param(nb::handle obj, const char* arg, Access access = Access::kRead) {
   if (obj.is_none()) return {};
   if (nb::isinstance<nb::list>(obj)) {
     std::vector<st::TensorView> views;
-    for (nb::handle h : nb::borrow<nb::list>(obj)) views.push_back(view_of(h, arg));
+    for (nb::handle h : nb::borrow<nb::list>(obj)) views.push_back(view_of(h, arg, access));
     return st::GroupedParam::per_group(views);
   }
-  return st::GroupedParam::packed(view_of(obj, arg));
+  return st::GroupedParam::packed(view_of(obj, arg, access));
 }
 
 // Splits from Python: a list of ints or a host array (host splits), or ("device", array[, status]).
@@ -157,7 +166,8 @@ PySplits make_splits(nb::handle obj) {
     ST_CHECK_ARG(nb::cast<std::string>(t[0]) == "device", "splits", "(\"device\", values[, status])",
                  nb::cast<std::string>(t[0]));
     s.splits = st::Splits::device(view_of(t[1], "splits"),
-                                  t.size() > 2 ? optional_view(t[2], "splits status") : st::TensorView());
+                                  t.size() > 2 ? optional_view(t[2], "splits status", Access::kWrite)
+                                               : st::TensorView());
     s.keep = nb::borrow<nb::object>(obj);
     return s;
   }
@@ -172,9 +182,11 @@ PySplits make_splits(nb::handle obj) {
 st::CallArgs call_args(uintptr_t stream, nb::handle workspace) {
   st::CallArgs a;
   a.stream.handle = reinterpret_cast<void*>(stream);
-  if (!workspace.is_none()) {
-    const st::TensorView w = view_of(workspace, "workspace");
-    a.workspace = {w.data(), size_t(w.numel()) * w.element_size()};
+  if (!workspace.is_none()) {  // any writable contiguous array: only its bytes matter
+    nb::ndarray<nb::c_contig> w;
+    ST_CHECK_ARG(nb::try_cast(workspace, w, false), "workspace", "a writable contiguous array",
+                 nb::cast<std::string>(nb::str(workspace.type())));
+    a.workspace = {w.data(), w.nbytes()};
   }
   return a;
 }
@@ -213,14 +225,14 @@ class PyGroupedLinear {
     st::GroupedLinearParams p;
     p.weight = grouped_param(weight, "weight");
     p.bias = grouped_param(bias, "bias");
-    p.main_grad = grouped_param(main_grad, "main_grad");
+    p.main_grad = grouped_param(main_grad, "main_grad", Access::kWrite);
     p.has_grad_added_to_main_grad = has_grad_added_to_main_grad;
     layer_ = std::make_unique<st::GroupedLinear>(o, p, &alloc_);
   }
 
   nb::object forward(nb::handle x, nb::handle splits, nb::handle out, uintptr_t stream, nb::handle workspace) {
     const PySplits s = make_splits(splits);
-    return export_tensor(layer_->forward(view_of(x, "x"), s.splits, optional_view(out, "out"),
+    return export_tensor(layer_->forward(view_of(x, "x"), s.splits, optional_view(out, "out", Access::kWrite),
                                          call_args(stream, workspace)),
                          alloc_);
   }
@@ -229,7 +241,7 @@ class PyGroupedLinear {
                     nb::handle workspace) {
     PySplits s = make_splits(splits);
     const st::GroupedLinearGrads g = layer_->backward(view_of(x, "x"), view_of(dy, "dy"), s.splits,
-                                                      optional_view(grad_input, "grad_input"),
+                                                      optional_view(grad_input, "grad_input", Access::kWrite),
                                                       call_args(stream, workspace));
     if (layer_->options().delay_wgrad_compute)
       pending_keep_.push_back(nb::make_tuple(nb::borrow(x), nb::borrow(dy), nb::borrow(splits)));

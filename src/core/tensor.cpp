@@ -49,6 +49,7 @@ int64_t TensorView::numel() const {
 }
 
 bool TensorView::is_contiguous() const {
+  if (numel() == 0) return true;  // no element to lay out (numpy gives empty arrays zero strides)
   int64_t expected = 1;
   for (int i = dim_ - 1; i >= 0; --i) {
     if (shape_[size_t(i)] != 1 && strides_[size_t(i)] != expected) return false;

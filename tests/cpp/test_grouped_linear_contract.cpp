@@ -323,3 +323,16 @@ TEST(GroupedLinearContract, StridedInputRowsAreAccepted) {
   const st::Tensor b = layer.forward(c.x.view(), st::Splits::host(c.splits));
   EXPECT_TRUE(st::testing::bytes_equal(a.view(), b.view()));
 }
+
+// Producers (numpy) give empty arrays zero strides: with no row to read they are accepted.
+TEST(GroupedLinearContract, EmptyInputsWithZeroStridesAreAccepted) {
+  GroupedLinearCase c = small_case(st::DType::kFP32);
+  st::GroupedLinear layer(c.options(), c.params());
+  const int64_t xs[2] = {0, c.in}, ys[2] = {0, c.out}, zero[2] = {0, 0};
+  const st::TensorView x(c.x.data(), c.dtype, xs, zero, 2), dy(c.dy.data(), c.dtype, ys, zero, 2);
+  const st::Splits none = st::Splits::host({0, 0, 0, 0});
+  EXPECT_EQ(layer.forward(x, none).view().size(0), 0);
+  const auto g = layer.backward(x, dy, none);
+  EXPECT_EQ(g.grad_input.view().size(0), 0);
+  EXPECT_TRUE(all_zero(g.bias_grad.view()));
+}
