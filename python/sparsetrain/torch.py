@@ -219,6 +219,7 @@ class GroupedLinear(nn.Module):
         self._core_key: Any = None
         self._id = next(_NEXT_ID)
         _LAYERS[self._id] = weakref.ref(self)
+        weakref.finalize(self, _LAYERS.pop, self._id, None)
 
     # -- parameters ------------------------------------------------------------------------
     def weights(self) -> List[Tensor]:
@@ -282,7 +283,7 @@ class GroupedLinear(nn.Module):
         return self._core_layer
 
     # -- forward / backward_dw -------------------------------------------------------------
-    def _normalize_splits(self, m_splits: Any, device: torch.device) -> Tensor:
+    def _normalize_splits(self, m_splits: Any) -> Tensor:
         if isinstance(m_splits, Tensor):
             splits = m_splits if m_splits.dtype == torch.int64 else m_splits.to(torch.int64)
         else:
@@ -297,7 +298,7 @@ class GroupedLinear(nn.Module):
         """x [T, in] grouped by expert; m_splits: list of ints, CPU tensor or CUDA tensor [G].
         out: optional [>= T, out] buffer the result is written into (rows >= S untouched);
         grad_input: optional [>= T, in] buffer backward writes dx into."""
-        splits = self._normalize_splits(m_splits, x.device)
+        splits = self._normalize_splits(m_splits)
         weights, biases = self.weights(), self.biases()
         disposition = _disposition_constant(self.delay_wgrad_compute, self.fuse_wgrad_accumulation,
                                             self._has_grad_added_attr())
