@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, List, NamedTuple, Optional
 
 from . import _C
-from ._arrays import DeviceSplits, Framework, dtype_name, to_core, to_core_splits
+from ._arrays import DeviceSplits, Framework, dtype_name, to_core, to_core_splits, workspace_to_core
 
 __all__ = ["GroupedLinear", "GroupedLinearGrads", "DeviceSplits", "weight_grad_disposition",
            "SPLITS_NEGATIVE", "SPLITS_SUM_EXCEEDS_ROWS", "version", "built_with_cuda",
@@ -75,6 +75,10 @@ class GroupedLinear:
                 return None
             return [to_core(v) for v in p] if isinstance(p, (list, tuple)) else to_core(p)
 
+        # The core holds views: keep the arrays alive (torch tensors reach it as descriptors).
+        self._params = (weight, bias, main_grad)
+        self._pending: list = []  # (x, dy, splits) of each pending delayed wgrad, for the same reason
+        self._delay = delay_wgrad_compute
         self._core = _C.GroupedLinear(
             self.num_groups, self.in_features, self.out_features, self.dtype,
             core(weight), core(bias), core(main_grad), fuse_wgrad_accumulation,
@@ -86,20 +90,25 @@ class GroupedLinear:
         """y = x W^T + b per group. `out`: optional caller buffer [>= T (>= S with host splits),
         out], written in place for rows < S; otherwise a new [T, out] array with a zero tail."""
         y = self._core.forward(to_core(x), to_core_splits(splits), to_core(out),
-                               self._stream(x, stream), to_core(workspace))
+                               self._stream(x, stream), workspace_to_core(workspace))
         return out if y is None else self._fw.view(y)
 
     def backward(self, x: Any, dy: Any, splits: Any, grad_input: Any = None, *,
                  stream: Optional[int] = None, workspace: Any = None) -> GroupedLinearGrads:
         """dgrad, and unless delayed, wgrad (or main_grad accumulation) and bias grad."""
         g = self._core.backward(to_core(x), to_core(dy), to_core_splits(splits), to_core(grad_input),
-                                self._stream(x, stream), to_core(workspace))
+                                self._stream(x, stream), workspace_to_core(workspace))
+        if self._delay:
+            self._pending.append((x, dy, splits))
         return self._grads(g, grad_input)
 
     def backward_dw(self, *, stream: Optional[int] = None, workspace: Any = None) -> GroupedLinearGrads:
         """The oldest pending delayed wgrad (first in, first out). Error if none is pending."""
-        s = stream if stream is not None else 0
-        return self._grads(self._core.backward_dw(s, to_core(workspace)), None)
+        if stream is None:
+            stream = self._fw.stream_of(self._pending[0][0]) if self._pending else 0
+        grads = self._grads(self._core.backward_dw(stream, workspace_to_core(workspace)), None)
+        self._pending.pop(0)
+        return grads
 
     @property
     def pending_wgrads(self) -> int:

@@ -69,13 +69,26 @@ def dtype_name(a: Any, arg: str = "dtype") -> str:
 
 
 def to_core(a: Any) -> Any:
-    """An array in the form the extension takes: itself (DLPack / buffer protocol), or for numpy
-    bf16 (a dtype DLPack cannot describe) a (uint16 view, "bf16") pair. None stays None."""
-    if a is None or _is_torch(a):
+    """An array in the form the extension takes: itself (DLPack / buffer protocol); for numpy
+    bf16 (a dtype DLPack cannot describe) a (uint16 view, "bf16") pair; for a torch tensor a
+    descriptor of its metadata (torch's __dlpack__ synchronises streams, which CUDA-graph
+    capture forbids). None stays None. The caller keeps the tensor alive."""
+    if a is None:
         return a
+    if _is_torch(a):
+        return ("torch", a.data_ptr(), dtype_name(a), list(a.shape), list(a.stride()), a.device.type,
+                a.device.index or 0)
     if isinstance(a, np.ndarray) and a.dtype == _numpy_bf16():
         return (a.view(np.uint16), "bf16")
     return a
+
+
+def workspace_to_core(ws: Any) -> Any:
+    """A workspace: any contiguous array; only its bytes matter."""
+    if ws is not None and _is_torch(ws):
+        return ("torch", ws.data_ptr(), "int32", [ws.numel() * ws.element_size() // 4], [1], ws.device.type,
+                ws.device.index or 0)
+    return ws
 
 
 def to_core_splits(splits: Any) -> Any:

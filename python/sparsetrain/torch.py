@@ -272,7 +272,7 @@ class GroupedLinear(nn.Module):
             def packed_or_list(ts):
                 if ts is None or not ts:
                     return None
-                return ts[0].detach() if self.single_grouped_weight else [t.detach() for t in ts]
+                return ts[0] if self.single_grouped_weight else list(ts)
 
             self._core_layer = _CoreGroupedLinear(
                 packed_or_list(weights), packed_or_list(biases), packed_or_list(main_grads),

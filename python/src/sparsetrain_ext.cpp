@@ -38,12 +38,30 @@ st::DType parse_dtype(const std::string& s, const char* arg) {
 
 enum class Access { kRead, kWrite };
 
+// A torch tensor described by the Python front as ("torch", data_ptr, dtype, shape, strides,
+// device_type, device_index). Torch tensors skip DLPack: torch's __dlpack__ synchronises streams,
+// which is not allowed while a CUDA graph is being captured. This only reads torch's metadata;
+// the tensor stays torch's.
+st::TensorView torch_view(const nb::tuple& t, const char* arg) {
+  ST_CHECK_ARG(t.size() == 7, arg, "a torch tensor descriptor of 7 fields", t.size(), " fields");
+  const auto shape = nb::cast<std::vector<int64_t>>(t[3]);
+  const auto strides = nb::cast<std::vector<int64_t>>(t[4]);
+  ST_CHECK_ARG(!shape.empty() && shape.size() <= size_t(st::TensorView::kMaxDims) && shape.size() == strides.size(),
+               arg, "1 to 5 dimensions", shape.size());
+  const std::string dev = nb::cast<std::string>(t[5]);
+  ST_CHECK_ARG(dev == "cpu" || dev == "cuda", arg, "a tensor on the CPU or a CUDA device", dev);
+  const st::Device device = dev == "cpu" ? st::Device::cpu() : st::Device::cuda(nb::cast<int>(t[6]));
+  return st::TensorView(reinterpret_cast<void*>(nb::cast<uintptr_t>(t[1])), parse_dtype(nb::cast<std::string>(t[2]), arg),
+                        shape.data(), strides.data(), int(shape.size()), device);
+}
+
 // A Python object (an array, or a tuple (array_of_uint16, "bf16"|"fp16") for 16-bit float
 // types the producer cannot describe, such as numpy arrays of ml_dtypes.bfloat16) as a view.
 // Arrays the library writes (Access::kWrite) must be writable.
 st::TensorView view_of(nb::handle obj, const char* arg, Access access = Access::kRead) {
   nb::handle arr = obj;
   std::string dtype_override;
+  if (nb::isinstance<nb::tuple>(obj) && nb::len(obj) == 7) return torch_view(nb::borrow<nb::tuple>(obj), arg);
   if (nb::isinstance<nb::tuple>(obj)) {
     nb::tuple t = nb::borrow<nb::tuple>(obj);
     ST_CHECK_ARG(t.size() == 2, arg, "an array or a tuple (array, dtype)", "a tuple of ", t.size());
@@ -160,11 +178,9 @@ struct PySplits {
 
 PySplits make_splits(nb::handle obj) {
   PySplits s;
-  if (nb::isinstance<nb::tuple>(obj) && nb::len(obj) >= 2 &&
-      nb::isinstance<nb::str>(nb::borrow<nb::tuple>(obj)[0])) {
+  if (nb::isinstance<nb::tuple>(obj) && nb::len(obj) >= 2 && nb::isinstance<nb::str>(nb::borrow<nb::tuple>(obj)[0]) &&
+      nb::cast<std::string>(nb::borrow<nb::tuple>(obj)[0]) == "device") {
     nb::tuple t = nb::borrow<nb::tuple>(obj);
-    ST_CHECK_ARG(nb::cast<std::string>(t[0]) == "device", "splits", "(\"device\", values[, status])",
-                 nb::cast<std::string>(t[0]));
     s.splits = st::Splits::device(view_of(t[1], "splits"),
                                   t.size() > 2 ? optional_view(t[2], "splits status", Access::kWrite)
                                                : st::TensorView());
@@ -182,7 +198,10 @@ PySplits make_splits(nb::handle obj) {
 st::CallArgs call_args(uintptr_t stream, nb::handle workspace) {
   st::CallArgs a;
   a.stream.handle = reinterpret_cast<void*>(stream);
-  if (!workspace.is_none()) {  // any writable contiguous array: only its bytes matter
+  if (nb::isinstance<nb::tuple>(workspace)) {  // a torch tensor descriptor
+    const st::TensorView w = view_of(workspace, "workspace");
+    a.workspace = {w.data(), size_t(w.numel()) * w.element_size()};
+  } else if (!workspace.is_none()) {  // any writable contiguous array: only its bytes matter
     nb::ndarray<nb::c_contig> w;
     ST_CHECK_ARG(nb::try_cast(workspace, w, false), "workspace", "a writable contiguous array",
                  nb::cast<std::string>(nb::str(workspace.type())));

@@ -11,24 +11,17 @@ void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) ST_FAIL(what, " failed: ", cudaGetErrorString(e));
 }
 
-// Makes `device` current for the lifetime of the guard.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    check(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
-    changed_ = previous_ != device;
-  }
-  ~DeviceGuard() {
-    if (changed_) cudaSetDevice(previous_);
-  }
-
- private:
-  int previous_ = 0;
-  bool changed_ = false;
-};
-
 }  // namespace
+
+DeviceGuard::DeviceGuard(int device) {
+  check(cudaGetDevice(&previous_), "cudaGetDevice");
+  if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
+  changed_ = previous_ != device;
+}
+
+DeviceGuard::~DeviceGuard() {
+  if (changed_) cudaSetDevice(previous_);
+}
 
 int device_count() {
   int n = 0;

@@ -14,4 +14,17 @@ std::string device_name(int device);    // "NVIDIA H100 ... (sm_90)"
 void* malloc_async(size_t bytes, int device, void* stream);
 void free_async(void* ptr, int device, void* stream);
 
+// Makes `device` current for the guard's lifetime.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool changed_ = false;
+};
+
 }  // namespace sparsetrain::cuda

@@ -43,10 +43,13 @@ using backend::GroupedLinearBackend;
 size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
 GroupedLinearBackend& backend_for(Device device, const char* arg) {
-  ST_CHECK_ARG(device.is_cpu(), arg,
-               "a tensor on cpu (this build runs GroupedLinear on the CPU reference backend only)",
-               device.str());
-  return backend::reference_backend();
+  if (device.is_cpu()) return backend::reference_backend();
+#if SPARSETRAIN_WITH_CUDA
+  (void)arg;
+  return backend::cuda_backend();
+#else
+  detail::throw_arg_error(arg, "a tensor on cpu (this build of sparsetrain has no CUDA backend)", device.str());
+#endif
 }
 
 // Checks one grouped parameter: G slices of `slice_shape`, each contiguous, of `dtype` on `device`.
@@ -234,7 +237,8 @@ GroupedLinear::GroupedLinear(const GroupedLinearOptions& o, const GroupedLinearP
   const std::string out_in = std::to_string(o.out_features) + ", " + std::to_string(o.in_features);
   ST_CHECK_ARG(params.weight.present(), "weight", "per-group or packed tensors", "none");
   const Device dev = params.weight.views()[0].device();
-  backend_for(dev, "weight");
+  const int64_t max_groups = backend_for(dev, "weight").max_groups();
+  ST_CHECK_ARG(G <= max_groups, "num_groups", "<= " + std::to_string(max_groups) + " on " + dev.str(), G);
   check_grouped_param(params.weight, "weight", G, {o.out_features, o.in_features}, out_in, o.dtype, dev);
   if (params.bias.present())
     check_grouped_param(params.bias, "bias", G, {o.out_features}, std::to_string(o.out_features), o.dtype, dev);

@@ -59,6 +59,8 @@ class GroupedLinearBackend {
  public:
   virtual ~GroupedLinearBackend() = default;
 
+  // Largest number of groups one launch takes.
+  virtual int64_t max_groups() const = 0;
   // Scratch the GEMMs need beyond the offsets; a function of the shapes only.
   virtual size_t scratch_bytes(DType dtype, int64_t num_groups, int64_t num_rows, int64_t in,
                                int64_t out) const = 0;
@@ -77,6 +79,9 @@ class GroupedLinearBackend {
 };
 
 GroupedLinearBackend& reference_backend();
+#if SPARSETRAIN_WITH_CUDA
+GroupedLinearBackend& cuda_backend();
+#endif
 // The backend that runs on `device`; an Error naming `arg` if this build has none for it.
 GroupedLinearBackend& backend_for(Device device, const char* arg);
 

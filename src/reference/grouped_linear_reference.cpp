@@ -3,6 +3,7 @@
 // in wgrad and bias grad), so results are bitwise reproducible. This is the definition of correct
 // the CUDA backend is tested against; clarity beats speed here, but the loops run along
 // contiguous rows so that the demo and tests stay quick.
+#include <cstdint>
 #include <cstring>
 
 #include "common/group_offsets.h"
@@ -132,6 +133,7 @@ template <typename E> struct Wgrad { static void run(const WgradParams& p, float
 
 class ReferenceBackend final : public GroupedLinearBackend {
  public:
+  int64_t max_groups() const override { return INT64_MAX; }
   size_t scratch_bytes(DType, int64_t, int64_t, int64_t in, int64_t) const override {
     return size_t(in) * sizeof(float);  // one fp32 row: the input row (fprop) or the accumulators
   }

@@ -269,9 +269,55 @@ def test_compiles_without_graph_breaks():
         torch.testing.assert_close(g, p.grad)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: CUDA torch test skipped")
-def test_cuda_tensors_are_rejected_clearly_until_the_cuda_backend_exists():
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: CUDA torch test skipped")
+
+
+@cuda
+@pytest.mark.parametrize("splits_on_device", [False, True], ids=["list_splits", "cuda_splits"])
+def test_cuda_gradients_match_pure_torch(splits_on_device):
     m = _make(torch.bfloat16, device="cuda")
-    x = torch.randn(T, IN, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="expected a tensor on cpu"):
-        m(x, SPLITS)
+    x, dy = (t.cuda() for t in _inputs(torch.bfloat16))
+    x = x.detach().requires_grad_()
+    splits = torch.tensor(SPLITS, device="cuda") if splits_on_device else SPLITS
+    y = m(x, splits)
+    y.backward(dy)
+    ry, rdx, rdw, rdb = _reference(m, x, dy)
+    _close(y.detach(), ry, torch.bfloat16, IN + 1)
+    assert bool((y[S:] == 0).all())
+    _close(x.grad, rdx, torch.bfloat16, OUT)
+    for g, (w, b) in enumerate(zip(m.weights(), m.biases())):
+        _close(w.grad, rdw[g], torch.bfloat16, max(SPLITS[g], 1))
+        _close(b.grad, rdb[g], torch.bfloat16, max(SPLITS[g], 1))
+        assert w.grad.is_cuda
+
+
+@cuda
+def test_cuda_graph_capture_replays_with_new_split_values():
+    m = _make(torch.bfloat16, device="cuda")
+    static_x = torch.randn(T, IN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    static_dy = torch.randn(T, OUT, device="cuda", dtype=torch.bfloat16)
+    splits = torch.tensor(SPLITS, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the graph, as torch.cuda.graph asks
+        for _ in range(2):
+            m(static_x, splits).backward(static_dy)
+    torch.cuda.current_stream().wait_stream(side)
+    static_x.grad = None
+    for p in m.parameters():
+        p.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = m(static_x, splits)
+        static_y.backward(static_dy)
+    for new in ([10, 10, 10, 7], [0, 37, 0, 0], [20, 0, 0, 12]):
+        splits.copy_(torch.tensor(new))
+        for p in [static_x, *m.parameters()]:
+            p.grad.zero_()  # the graph's backward accumulates into these
+        graph.replay()
+        torch.cuda.synchronize()
+        ry, rdx, rdw, _ = _reference(m, static_x, static_dy, new)
+        _close(static_y.detach(), ry, torch.bfloat16, IN + 1)
+        _close(static_x.grad, rdx, torch.bfloat16, OUT)
+        for g, w in enumerate(m.weights()):
+            _close(w.grad, rdw[g], torch.bfloat16, max(new[g], 1))

@@ -1,0 +1,40 @@
+// Kernel parameters of the CUDA grouped GEMMs: a framework-free struct of pointers and leading
+// dimensions passed by value (so a captured CUDA graph holds everything it needs and nothing is
+// copied from the host per launch). Per-group pointers live in the struct, which bounds G.
+#pragma once
+
+#include <cstdint>
+
+namespace sparsetrain::cuda {
+
+constexpr int kMaxGroups = 512;  // 3 pointer tables of 4 KiB: within the 32 KiB kernel-parameter limit
+
+enum class GemmKind : int { kFprop, kDgrad, kWgrad };
+enum class WgradStore : int { kWeightGrad, kMainGradAccumulate, kMainGradOverwrite };
+
+struct GroupedGemmParams {
+  GemmKind kind;
+  int64_t num_groups, num_rows, in, out;
+  const int64_t* offsets;  // [G + 1], device memory (set-up kernel or host copy)
+  const void* act;         // fprop: x [T, in]; dgrad and wgrad: dy [T, out]
+  int64_t act_ld;
+  const void* act2;        // wgrad: x [T, in]
+  int64_t act2_ld;
+  void* c;                 // fprop: y [rows, out]; dgrad: dx [rows, in] (row-contiguous)
+  int64_t c_ld;
+  WgradStore wgrad_store;
+  const void* weight[kMaxGroups];  // [out, in] contiguous
+  const void* bias[kMaxGroups];    // fprop: [out] or null
+  void* dw[kMaxGroups];            // wgrad: [out, in] contiguous, dtype or fp32 main_grad
+};
+
+// Launchers, one explicit instantiation per element type and .cu file.
+template <typename E>
+void launch_grouped_gemm(const GroupedGemmParams& p, void* stream);
+template <typename E>
+void launch_bias_grad(const int64_t* offsets, int64_t num_groups, int64_t out, const void* dy, int64_t dy_ld,
+                      void* db, void* stream);  // db: [G, out] contiguous
+template <typename E>
+void launch_zero_tail(const int64_t* offsets, int64_t num_groups, void* c, int64_t rows, int64_t cols, void* stream);
+
+}  // namespace sparsetrain::cuda

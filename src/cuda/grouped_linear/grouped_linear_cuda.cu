@@ -1,0 +1,148 @@
+// The CUDA backend of GroupedLinear: the device set-up kernel (device splits -> offsets, never
+// read by the host), and dispatch of the grouped GEMMs by element type. Every launch goes on the
+// caller's stream; nothing synchronises the host except read_int64 (checked mode only).
+#include <cuda_runtime.h>
+
+#include <cstring>
+
+#include "common/group_offsets.h"
+#include "cuda/grouped_linear/grouped_gemm_params.h"
+#include "cuda/runtime_cuda.h"
+#include "ops/grouped_linear_backend.h"
+#include "sparsetrain/error.h"
+
+namespace sparsetrain::backend {
+namespace {
+
+using cuda::GemmKind;
+using cuda::GroupedGemmParams;
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) ST_FAIL(what, " failed: ", cudaGetErrorString(e));
+}
+
+cudaStream_t as_cuda(Stream s) { return static_cast<cudaStream_t>(s.handle); }
+
+// One thread: G is at most cuda::kMaxGroups and this runs once per call.
+__global__ void setup_offsets_kernel(const int64_t* splits, int64_t num_groups, int64_t num_rows, int64_t* offsets,
+                                     int32_t* status) {
+  compute_group_offsets(splits, num_groups, num_rows, offsets, status);
+}
+
+template <typename Fn>
+void dispatch_dtype(DType t, Fn&& fn) {
+  switch (t) {
+    case DType::kBF16: fn(bf16_t{}); break;
+    case DType::kFP16: fn(fp16_t{}); break;
+    case DType::kFP32: fn(float{}); break;
+    default: ST_FAIL("CUDA GroupedLinear: unsupported dtype ", dtype_name(t));
+  }
+}
+
+GroupedGemmParams base_params(GemmKind kind, const GroupedProblem& pr) {
+  GroupedGemmParams p;
+  std::memset(&p, 0, sizeof(p));
+  p.kind = kind;
+  p.num_groups = pr.num_groups;
+  p.num_rows = pr.num_rows;
+  p.in = pr.in;
+  p.out = pr.out;
+  p.offsets = pr.offsets;
+  return p;
+}
+
+class CudaBackend final : public GroupedLinearBackend {
+ public:
+  int64_t max_groups() const override { return cuda::kMaxGroups; }
+  size_t scratch_bytes(DType, int64_t, int64_t, int64_t, int64_t) const override { return 0; }
+
+  void setup_device_splits(const TensorView& splits, int64_t num_rows, int64_t* offsets, int32_t* status,
+                           Stream stream) override {
+    cuda::DeviceGuard guard(splits.device().index);
+    setup_offsets_kernel<<<1, 1, 0, as_cuda(stream)>>>(splits.data_as<const int64_t>(), splits.size(0), num_rows,
+                                                        offsets, status);
+    check(cudaGetLastError(), "setup_offsets_kernel launch");
+  }
+  void copy_from_host(void* dst, const void* src, size_t bytes, Stream stream) override {
+    // From pageable memory: returns once the source is staged, so `src` may go away after.
+    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, as_cuda(stream)), "cudaMemcpyAsync (host splits)");
+  }
+  std::vector<int64_t> read_int64(const TensorView& t, Stream stream) override {
+    std::vector<int64_t> v(static_cast<size_t>(t.numel()));
+    check(cudaMemcpyAsync(v.data(), t.data(), v.size() * sizeof(int64_t), cudaMemcpyDeviceToHost, as_cuda(stream)),
+          "cudaMemcpyAsync (checked splits)");
+    check(cudaStreamSynchronize(as_cuda(stream)), "cudaStreamSynchronize (checked splits)");
+    return v;
+  }
+  void fill_zero(const TensorView& t, Stream stream) override {
+    ST_CHECK_ARG(t.is_contiguous(), "fill_zero", "a contiguous tensor", t.str());
+    cuda::DeviceGuard guard(t.device().index);
+    check(cudaMemsetAsync(t.data(), 0, size_t(t.numel()) * t.element_size(), as_cuda(stream)), "cudaMemsetAsync");
+  }
+
+  void fprop(const FpropParams& f, void*, Stream stream) override {
+    cuda::DeviceGuard guard(f.x.device().index);
+    GroupedGemmParams p = base_params(GemmKind::kFprop, f.problem);
+    p.act = f.x.data();
+    p.act_ld = f.x.stride(0);
+    p.c = f.y.data();
+    p.c_ld = f.y.size(1);
+    for (int64_t g = 0; g < f.problem.num_groups; ++g) {
+      p.weight[g] = f.weight[size_t(g)].data();
+      p.bias[g] = f.bias.empty() ? nullptr : f.bias[size_t(g)].data();
+    }
+    dispatch_dtype(f.problem.dtype, [&](auto e) {
+      using E = decltype(e);
+      cuda::launch_grouped_gemm<E>(p, stream.handle);
+      if (f.zero_tail)
+        cuda::launch_zero_tail<E>(f.problem.offsets, f.problem.num_groups, f.y.data(), f.y.size(0), f.y.size(1),
+                                  stream.handle);
+    });
+  }
+
+  void dgrad(const DgradParams& d, void*, Stream stream) override {
+    cuda::DeviceGuard guard(d.dy.device().index);
+    GroupedGemmParams p = base_params(GemmKind::kDgrad, d.problem);
+    p.act = d.dy.data();
+    p.act_ld = d.dy.stride(0);
+    p.c = d.dx.data();
+    p.c_ld = d.dx.size(1);
+    for (int64_t g = 0; g < d.problem.num_groups; ++g) p.weight[g] = d.weight[size_t(g)].data();
+    dispatch_dtype(d.problem.dtype, [&](auto e) {
+      using E = decltype(e);
+      cuda::launch_grouped_gemm<E>(p, stream.handle);
+      if (d.zero_tail)
+        cuda::launch_zero_tail<E>(d.problem.offsets, d.problem.num_groups, d.dx.data(), d.dx.size(0), d.dx.size(1),
+                                  stream.handle);
+    });
+  }
+
+  void wgrad(const WgradParams& w, void*, Stream stream) override {
+    cuda::DeviceGuard guard(w.dy.device().index);
+    GroupedGemmParams p = base_params(GemmKind::kWgrad, w.problem);
+    p.act = w.dy.data();
+    p.act_ld = w.dy.stride(0);
+    p.act2 = w.x.data();
+    p.act2_ld = w.x.stride(0);
+    p.wgrad_store = w.target == WgradTarget::kWeightGrad           ? cuda::WgradStore::kWeightGrad
+                    : w.target == WgradTarget::kMainGradAccumulate ? cuda::WgradStore::kMainGradAccumulate
+                                                                   : cuda::WgradStore::kMainGradOverwrite;
+    for (int64_t g = 0; g < w.problem.num_groups; ++g) p.dw[g] = w.dw[size_t(g)].data();
+    dispatch_dtype(w.problem.dtype, [&](auto e) {
+      using E = decltype(e);
+      cuda::launch_grouped_gemm<E>(p, stream.handle);
+      if (!w.db.empty())  // db views are the rows of one [G, out] tensor
+        cuda::launch_bias_grad<E>(w.problem.offsets, w.problem.num_groups, w.problem.out, w.dy.data(),
+                                  w.dy.stride(0), w.db[0].data(), stream.handle);
+    });
+  }
+};
+
+}  // namespace
+
+GroupedLinearBackend& cuda_backend() {
+  static CudaBackend backend;
+  return backend;
+}
+
+}  // namespace sparsetrain::backend

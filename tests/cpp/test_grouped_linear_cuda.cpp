@@ -1,0 +1,273 @@
+// GPU tests of the CUDA GroupedLinear (skipped, visibly, without a GPU): CUDA vs the double
+// oracle on fresh random data for odd shapes and every mode, outputs poisoned first, padded
+// tails, bitwise repeatability, main_grad fusion with empty experts, invalid device splits, and
+// CUDA-graph capture of forward + backward replayed with different split values.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include "grouped_linear_case.h"
+#include "sparsetrain/error.h"
+#include "sparsetrain/runtime.h"
+
+namespace st = sparsetrain;
+using st::testing::GroupedLinearCase;
+using st::testing::HostTensor;
+
+namespace {
+
+#define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << #x
+
+// A device copy of a host tensor, poisoned (0xFF: NaN) when made without data.
+struct DeviceTensor {
+  st::Tensor t;
+  DeviceTensor() = default;
+  explicit DeviceTensor(const HostTensor& h, bool copy = true) {
+    const st::TensorView v = h.view();
+    t = st::Tensor::empty(v.dtype(), v.shape(), v.dim(), st::Device::cuda(0), st::default_allocator(), {});
+    const size_t bytes = size_t(v.numel()) * v.element_size();
+    if (copy) {
+      EXPECT_EQ(cudaMemcpy(t.view().data(), h.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    } else {
+      EXPECT_EQ(cudaMemset(t.view().data(), 0xff, bytes), cudaSuccess);
+    }
+  }
+  const st::TensorView& view() const { return t.view(); }
+};
+
+HostTensor to_host(const st::TensorView& v) {
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  // Strided device views (per-group wgrads): copy each element run through a contiguous staging.
+  std::vector<int64_t> shape(v.shape(), v.shape() + v.dim());
+  int64_t extent = 1;
+  for (int i = 0; i < v.dim(); ++i) extent += (v.size(i) - 1) * v.stride(i);
+  HostTensor stage(v.dtype(), {v.numel() == 0 ? 0 : extent});
+  if (v.numel() > 0) {
+    EXPECT_EQ(cudaMemcpy(stage.data(), v.data(), size_t(extent) * v.element_size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  }
+  const st::TensorView sv(stage.data(), v.dtype(), v.shape(), v.strides(), v.dim());
+  return HostTensor::copy_of(sv);
+}
+
+bool have_gpu() { return st::cuda_device_count() > 0; }
+#define REQUIRE_GPU() \
+  if (have_gpu()) {   \
+  } else              \
+    GTEST_SKIP() << "no CUDA device on this machine: GPU test skipped"
+
+struct Shape {
+  st::DType dtype;
+  int64_t G, T, S, in, out;
+  std::vector<int64_t> empty;
+  bool packed, bias, device_splits;
+};
+
+const Shape kShapes[] = {
+    {st::DType::kBF16, 8, 1031, 1000, 256, 384, {5}, true, false, true},
+    {st::DType::kFP16, 8, 1031, 1031, 200, 136, {2}, false, true, false},   // not multiples of 128
+    {st::DType::kBF16, 1, 257, 257, 96, 64, {}, true, true, true},
+    {st::DType::kBF16, 128, 4099, 4000, 64, 48, {5, 77}, true, false, true}, // G = 128
+    {st::DType::kFP16, 5, 97, 89, 13, 37, {0, 3}, false, true, true},        // not multiples of 8
+    {st::DType::kBF16, 3, 61, 0, 16, 24, {0, 1, 2}, true, true, false},      // only a padded tail
+};
+
+std::string shape_name(const Shape& s) {
+  return std::string(st::dtype_name(s.dtype)) + "_G" + std::to_string(s.G) + "_T" + std::to_string(s.T) + "_S" +
+         std::to_string(s.S) + "_in" + std::to_string(s.in) + "_out" + std::to_string(s.out) +
+         (s.packed ? "_packed" : "") + (s.bias ? "_bias" : "") + (s.device_splits ? "_devicesplits" : "_hostsplits");
+}
+void PrintTo(const Shape& s, std::ostream* os) { *os << shape_name(s); }
+
+GroupedLinearCase make_case(const Shape& s) {
+  GroupedLinearCase c;
+  c.dtype = s.dtype;
+  c.G = s.G;
+  c.T = s.T;
+  c.in = s.in;
+  c.out = s.out;
+  c.packed_weight = s.packed;
+  c.bias = s.bias;
+  c.splits = st::testing::random_splits(s.G, s.S, s.empty, uint64_t(s.G * 7 + s.T));
+  c.seed = 3;
+  c.make();
+  return c;
+}
+
+// The case's parameters copied to the GPU, and the layer over them.
+struct CudaLayer {
+  DeviceTensor w, b, mg, splits, status;
+  std::unique_ptr<st::GroupedLinear> layer;
+  CudaLayer(const GroupedLinearCase& c, st::GroupedLinearOptions o) : w(c.w), b(c.b), mg(c.main_grad) {
+    HostTensor s(st::DType::kInt64, {c.G}), z(st::DType::kInt32, {1});
+    for (int64_t g = 0; g < c.G; ++g) s.set(g, double(c.splits[size_t(g)]));
+    z.set(0, 0);
+    splits = DeviceTensor(s);
+    status = DeviceTensor(z);
+    st::GroupedLinearParams p;
+    auto grouped = [&](const st::TensorView& v) {
+      if (c.packed_weight) return st::GroupedParam::packed(v);
+      std::vector<st::TensorView> views;
+      for (int64_t g = 0; g < c.G; ++g) views.push_back(v.select(g));
+      return st::GroupedParam::per_group(views);
+    };
+    p.weight = grouped(w.view());
+    if (c.bias) p.bias = grouped(b.view());
+    if (o.fuse_wgrad_accumulation) p.main_grad = grouped(mg.view());
+    p.has_grad_added_to_main_grad = c.has_attr;
+    layer = std::make_unique<st::GroupedLinear>(o, p);
+  }
+  st::Splits device_splits() const { return st::Splits::device(splits.view(), status.view()); }
+};
+
+void expect_ok(const st::testing::CompareResult& r) { EXPECT_TRUE(r.ok) << r.first_failure; }
+
+void expect_tail_zero(const HostTensor& h, int64_t S, int64_t cols) {
+  for (int64_t i = S * cols; i < h.numel(); ++i) ASSERT_EQ(h.get(i), 0.0) << "tail element " << i;
+}
+
+class GroupedLinearCuda : public ::testing::TestWithParam<Shape> {};
+
+}  // namespace
+
+TEST_P(GroupedLinearCuda, MatchesTheOracleWithTailsAndIsBitwiseRepeatable) {
+  REQUIRE_GPU();
+  const Shape& s = GetParam();
+  GroupedLinearCase c = make_case(s);
+  const auto oracle = c.oracle();
+  const int64_t S = oracle.rows_used();
+  CudaLayer L(c, c.options());
+  const DeviceTensor x(c.x), dy(c.dy);
+  const st::Splits sp = s.device_splits ? L.device_splits() : st::Splits::host(c.splits);
+  // Library outputs come from cudaMallocAsync: poison-free, so check every element is written
+  // through the caller-buffer path below too (poisoned with NaN).
+  const st::Tensor y = L.layer->forward(x.view(), sp);
+  const HostTensor yh = to_host(y.view());
+  expect_ok(st::testing::compare_with_oracle(yh, oracle.forward(), c.dtype, 1, "y"));
+  expect_tail_zero(yh, S, c.out);
+  const auto g = L.layer->backward(x.view(), dy.view(), sp);
+  const HostTensor dxh = to_host(g.grad_input.view());
+  expect_ok(st::testing::compare_with_oracle(dxh, oracle.dgrad(), c.dtype, 1, "dx"));
+  expect_tail_zero(dxh, S, c.in);
+  for (int64_t gi = 0; gi < c.G; ++gi) {
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(g.weight.per_group[size_t(gi)].view().data()) % 256, 0u);
+    expect_ok(st::testing::compare_with_oracle(to_host(g.weight.per_group[size_t(gi)].view()), oracle.wgrad(gi),
+                                               c.dtype, 1, "dW[" + std::to_string(gi) + "]"));
+    if (c.bias)
+      expect_ok(st::testing::compare_with_oracle(to_host(g.bias_grad.view().select(gi)), oracle.bias_grad(gi), c.dtype,
+                                                 1, "db"));
+  }
+  // Caller buffers poisoned with NaN: rows < S written bit-identically, the rest untouched.
+  HostTensor poison_out(c.dtype, {c.T, c.out}), poison_in(c.dtype, {c.T, c.in});
+  poison_out.poison();
+  poison_in.poison();
+  const DeviceTensor out(poison_out), gin(poison_in);
+  L.layer->forward(x.view(), sp, out.view());
+  L.layer->backward(x.view(), dy.view(), sp, gin.view());
+  const HostTensor outh = to_host(out.view()), ginh = to_host(gin.view());
+  const size_t es = st::dtype_size(c.dtype);
+  EXPECT_EQ(std::memcmp(outh.data(), yh.data(), size_t(S * c.out) * es), 0) << "out vs library path";
+  EXPECT_EQ(std::memcmp(ginh.data(), dxh.data(), size_t(S * c.in) * es), 0) << "grad_input vs library path";
+  for (int64_t i = S * c.out; i < outh.numel(); ++i) ASSERT_TRUE(std::isnan(outh.get(i))) << "out tail written";
+  for (int64_t i = S * c.in; i < ginh.numel(); ++i) ASSERT_TRUE(std::isnan(ginh.get(i))) << "grad_input tail written";
+  // Bitwise repeatability.
+  const auto g2 = L.layer->backward(x.view(), dy.view(), sp);
+  EXPECT_TRUE(to_host(g2.grad_input.view()).bytes_equal(dxh));
+  EXPECT_TRUE(to_host(g2.weight.packed.view()).bytes_equal(to_host(g.weight.packed.view())));
+  EXPECT_TRUE(to_host(L.layer->forward(x.view(), sp).view()).bytes_equal(yh));
+}
+
+INSTANTIATE_TEST_SUITE_P(Cuda, GroupedLinearCuda, ::testing::ValuesIn(kShapes),
+                         [](const ::testing::TestParamInfo<Shape>& i) { return shape_name(i.param); });
+
+TEST(GroupedLinearCudaContract, MainGradAccumulateAndOverwriteWithAnEmptyExpert) {
+  REQUIRE_GPU();
+  for (bool overwrite : {false, true}) {
+    GroupedLinearCase c = make_case({st::DType::kBF16, 4, 77, 70, 40, 24, {1}, true, true, true});
+    c.fuse = true;
+    c.overwrite = overwrite;
+    c.main_grad.set(1 * c.out * c.in + 2, -0.0);
+    CudaLayer L(c, c.options());
+    const DeviceTensor x(c.x), dy(c.dy);
+    const auto g = L.layer->backward(x.view(), dy.view(), L.device_splits());
+    EXPECT_EQ(g.weight.kind, st::WeightGradKind::kNone);
+    const HostTensor mg = to_host(L.mg.view());
+    const auto oracle = c.oracle();
+    for (int64_t gi = 0; gi < c.G; ++gi) {
+      const HostTensor before = HostTensor::copy_of(c.main_grad.view().select(gi));
+      const HostTensor after = HostTensor::copy_of(mg.view().select(gi));
+      if (gi == 1) {
+        if (overwrite) {
+          for (int64_t i = 0; i < after.numel(); ++i) ASSERT_EQ(after.get(i), 0.0);
+        } else {
+          EXPECT_TRUE(after.bytes_equal(before)) << "an empty expert's main_grad is untouched";
+        }
+        continue;
+      }
+      const std::vector<double> base = before.to_double();
+      expect_ok(st::testing::compare_with_oracle(after, oracle.wgrad(gi, overwrite ? nullptr : &base), st::DType::kFP32,
+                                                 2, "main_grad"));
+    }
+  }
+}
+
+TEST(GroupedLinearCudaContract, InvalidDeviceSplitsEmptyEveryProblemAndSetTheStatus) {
+  REQUIRE_GPU();
+  GroupedLinearCase c = make_case({st::DType::kFP16, 4, 50, 40, 16, 8, {}, true, false, true});
+  c.splits = {10, -3, 20, 10};
+  CudaLayer L(c, c.options());
+  const DeviceTensor x(c.x);
+  const st::Tensor y = L.layer->forward(x.view(), L.device_splits());
+  const HostTensor yh = to_host(y.view());
+  for (int64_t i = 0; i < yh.numel(); ++i) ASSERT_EQ(yh.get(i), 0.0);
+  EXPECT_EQ(int32_t(to_host(L.status.view()).get(0)), st::kSplitsNegative);
+  st::GroupedLinearOptions o = c.options();
+  o.check_device_splits = true;
+  CudaLayer checked(c, o);
+  EXPECT_THROW(checked.layer->forward(x.view(), checked.device_splits()), st::Error);
+}
+
+// Forward + backward captured once with device splits and caller buffers/workspace, replayed
+// after new split values (same T) are written into the splits tensor.
+TEST(GroupedLinearCudaContract, GraphCaptureReplaysWithNewSplitValues) {
+  REQUIRE_GPU();
+  GroupedLinearCase c = make_case({st::DType::kBF16, 6, 300, 300, 64, 40, {}, true, true, true});
+  c.fuse = true;
+  c.overwrite = true;  // each replay's main_grad is that replay's wgrad
+  CudaLayer L(c, c.options());
+  const DeviceTensor x(c.x), dy(c.dy);
+  HostTensor poison_out(c.dtype, {c.T, c.out}), poison_in(c.dtype, {c.T, c.in});
+  const DeviceTensor out(poison_out, false), gin(poison_in, false);
+  HostTensor ws_host(st::DType::kInt32, {int64_t(L.layer->workspace_size(c.T) / 4) + 64});
+  const DeviceTensor ws(ws_host, false);
+  st::CallArgs args;
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  args.stream.handle = stream;
+  args.workspace = {ws.view().data(), L.layer->workspace_size(c.T)};
+  cudaGraph_t graph;
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  L.layer->forward(x.view(), L.device_splits(), out.view(), args);
+  L.layer->backward(x.view(), dy.view(), L.device_splits(), gin.view(), args);
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (const std::vector<int64_t>& splits : {std::vector<int64_t>{50, 50, 50, 50, 50, 50},
+                                             std::vector<int64_t>{0, 299, 0, 0, 1, 0},
+                                             std::vector<int64_t>{120, 0, 7, 73, 0, 100}}) {
+    HostTensor s(st::DType::kInt64, {c.G});
+    for (int64_t g = 0; g < c.G; ++g) s.set(g, double(splits[size_t(g)]));
+    CUDA_OK(cudaMemcpy(L.splits.view().data(), s.data(), size_t(c.G) * 8, cudaMemcpyHostToDevice));
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    c.splits = splits;
+    const auto oracle = c.oracle();
+    expect_ok(st::testing::compare_with_oracle(to_host(out.view()), oracle.forward(), c.dtype, 1, "replayed y"));
+    expect_ok(st::testing::compare_with_oracle(to_host(gin.view()), oracle.dgrad(), c.dtype, 1, "replayed dx"));
+    const HostTensor mg = to_host(L.mg.view());
+    for (int64_t g = 0; g < c.G; ++g)
+      expect_ok(st::testing::compare_with_oracle(HostTensor::copy_of(mg.view().select(g)), oracle.wgrad(g),
+                                                 st::DType::kFP32, 2, "replayed main_grad"));
+  }
+  CUDA_OK(cudaGraphExecDestroy(exec));
+  CUDA_OK(cudaGraphDestroy(graph));
+  CUDA_OK(cudaStreamDestroy(stream));
+}
