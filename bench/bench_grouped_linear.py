@@ -1,0 +1,150 @@
+"""GroupedLinear benchmark (DESIGN.md section 9): the three MoE models' six GEMM shapes x fprop,
+dgrad, wgrad, wgrad + fp32 main_grad, ours against torch._grouped_mm, a loop of torch.mm and one
+dense GEMM of the same FLOPs, all in this process on this GPU, timed with CUDA events after
+warm-up (median over repetitions). Writes JSON (--json) and prints a table.
+
+    python bench/bench_grouped_linear.py [--models mixtral,deepseek,qwen] [--json out.json]
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+import sparsetrain
+
+MODELS = {  # name: (G, T, [(gemm, in, out)])
+    "mixtral": (8, 16384, [("fc1", 4096, 28672), ("fc2", 14336, 4096)]),
+    "deepseek": (8, 32768, [("fc1", 7168, 4096), ("fc2", 2048, 7168)]),
+    "qwen": (128, 65536, [("fc1", 2048, 1536), ("fc2", 768, 2048)]),
+}
+
+
+def routing(G, T):
+    """Expert loads from a Dirichlet(alpha = 2) draw, seed 0; expert 5 empty in the G = 128 model."""
+    rng = np.random.default_rng(0)
+    p = rng.dirichlet([2.0] * G)
+    if G == 128:
+        p[5] = 0
+        p /= p.sum()
+    s = np.floor(p * T).astype(np.int64)
+    s[np.argmax(s)] += T - s.sum()
+    return s.tolist()
+
+
+def time_ms(fn, min_reps=100, max_seconds=2.0, warmup=3):
+    """Median of CUDA-event timings; fewer than min_reps only when one call is slow (recorded)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    one = time.perf_counter() - t0
+    reps = max(5, min(min_reps, int(max_seconds / max(one, 1e-6))))
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times), reps
+
+
+def bench_shape(G, T, splits, name, k_in, n_out):
+    dev, dt = "cuda", torch.bfloat16
+    torch.manual_seed(0)
+    x = torch.randn(T, k_in, device=dev, dtype=dt)
+    dy = torch.randn(T, n_out, device=dev, dtype=dt)
+    w = torch.randn(G, n_out, k_in, device=dev, dtype=dt) / k_in ** 0.5
+    main_grad = torch.zeros(G, n_out, k_in, device=dev, dtype=torch.float32)
+    splits_dev = torch.tensor(splits, device=dev)
+    offs = torch.cumsum(splits_dev, 0).to(torch.int32)
+    S = sum(splits)
+    flops = 2.0 * S * k_in * n_out
+    layer = sparsetrain.GroupedLinear(w, delay_wgrad_compute=True)
+    fused = sparsetrain.GroupedLinear(w, main_grad=main_grad, fuse_wgrad_accumulation=True, delay_wgrad_compute=True)
+    dsplits = sparsetrain.DeviceSplits(splits_dev)
+
+    bounds = np.cumsum([0] + splits)
+    chunks = [(int(bounds[g]), int(bounds[g + 1])) for g in range(G)]
+    peers = {
+        "fprop": {
+            "grouped_mm": lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs),
+            "mm_loop": lambda: [torch.mm(x[a:b], w[g].t()) for g, (a, b) in enumerate(chunks) if b > a],
+            "dense": lambda: torch.mm(x[:S], w[0].t()),
+        },
+        "dgrad": {
+            "grouped_mm": lambda: torch._grouped_mm(dy, w, offs=offs),
+            "mm_loop": lambda: [torch.mm(dy[a:b], w[g]) for g, (a, b) in enumerate(chunks) if b > a],
+            "dense": lambda: torch.mm(dy[:S], w[0]),
+        },
+        "wgrad": {
+            "grouped_mm": lambda: torch._grouped_mm(dy.t(), x, offs=offs),
+            "mm_loop": lambda: [torch.mm(dy[a:b].t(), x[a:b]) for g, (a, b) in enumerate(chunks)],
+            "dense": lambda: torch.mm(dy[:S].t(), x[:S]),
+        },
+    }
+    rows = []
+    # dgrad alone: backward of a delayed-wgrad layer (its queue of references grows; harmless).
+    # wgrad alone: (backward + backward_dw) minus dgrad alone, so the queue stays balanced.
+    for pass_name in ["fprop", "dgrad", "wgrad", "wgrad_main_grad"]:
+        if pass_name == "fprop":
+            t, reps = time_ms(lambda: layer.forward(x, dsplits))
+        elif pass_name == "dgrad":
+            t, reps = time_ms(lambda: layer.backward(x, dy, dsplits))
+        else:
+            lay = layer if pass_name == "wgrad" else fused
+            t_both, reps = time_ms(lambda: (lay.backward(x, dy, dsplits), lay.backward_dw()))
+            t = t_both - time_ms(lambda: lay.backward(x, dy, dsplits))[0]
+        row = {"shape": name, "pass": pass_name, "G": G, "T": T, "in": k_in, "out": n_out, "ours_ms": t,
+               "ours_tflops": flops / t * 1e-9, "reps": reps}
+        peer_pass = "wgrad" if pass_name.startswith("wgrad") else pass_name
+        for peer, fn in peers[peer_pass].items():
+            try:
+                pt, _ = time_ms(fn)
+            except RuntimeError as e:  # a peer that cannot run this shape is recorded, not fatal
+                row[f"{peer}_error"] = str(e).splitlines()[0]
+                pt = float("nan")
+            row[f"{peer}_ms"] = pt
+            row[f"speedup_vs_{peer}"] = pt / t
+        if pass_name == "wgrad_main_grad":
+            # The bar: <= 1.05 x max(plain wgrad, fp32 read+write bytes / copy bandwidth).
+            src = torch.empty_like(main_grad)
+            copy_ms, _ = time_ms(lambda: main_grad.copy_(src))
+            row["bar_ms"] = 1.05 * max(rows[-1]["ours_ms"], copy_ms)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="mixtral,deepseek,qwen")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "date": time.strftime("%Y-%m-%d")}
+    rows = []
+    for model in args.models.split(","):
+        G, T, gemms = MODELS[model]
+        splits = routing(G, T)
+        for gemm, k_in, n_out in gemms:
+            rows += bench_shape(G, T, splits, f"{model}.{gemm}", k_in, n_out)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"info": info, "rows": rows}, f, indent=1)
+    print(f"\n{info}")
+    print(f"{'shape':16} {'pass':16} {'ours ms':>9} {'TFLOP/s':>8} {'vs grouped_mm':>13} {'vs mm loop':>10} {'vs dense':>9}")
+    for r in rows:
+        print(f"{r['shape']:16} {r['pass']:16} {r['ours_ms']:9.3f} {r['ours_tflops']:8.1f} "
+              f"{r['speedup_vs_grouped_mm']:13.3f} {r['speedup_vs_mm_loop']:10.3f} {r['speedup_vs_dense']:9.3f}")
+
+
+if __name__ == "__main__":
+    main()
