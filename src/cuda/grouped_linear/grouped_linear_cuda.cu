@@ -10,6 +10,10 @@
 #include "cuda/runtime_cuda.h"
 #include "ops/grouped_linear_backend.h"
 #include "sparsetrain/error.h"
+#if SPARSETRAIN_WITH_CUTLASS
+#include "cutlass/numeric_types.h"
+#include "cuda/grouped_linear/grouped_gemm_sm90.cuh"
+#endif
 
 namespace sparsetrain::backend {
 namespace {
@@ -51,10 +55,26 @@ GroupedGemmParams base_params(GemmKind kind, const GroupedProblem& pr) {
   return p;
 }
 
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// The sm90a kernels run on compute capability 9.0 only; other GPUs take the SIMT kernels.
+bool is_sm90(int device) {
+  cudaDeviceProp prop{};
+  return cudaGetDeviceProperties(&prop, device) == cudaSuccess && prop.major == 9 && prop.minor == 0;
+}
+
 class CudaBackend final : public GroupedLinearBackend {
  public:
   int64_t max_groups() const override { return cuda::kMaxGroups; }
-  size_t scratch_bytes(DType, int64_t, int64_t, int64_t, int64_t) const override { return 0; }
+  size_t scratch_bytes(DType dtype, int64_t num_groups, int64_t, int64_t, int64_t) const override {
+#if SPARSETRAIN_WITH_CUTLASS
+    if (dtype == DType::kBF16) return cuda::sm90::fprop_workspace_bytes<cutlass::bfloat16_t>(num_groups);
+#else
+    (void)dtype;
+    (void)num_groups;
+#endif
+    return 0;
+  }
 
   void setup_device_splits(const TensorView& splits, int64_t num_rows, int64_t* offsets, int32_t* status,
                            Stream stream) override {
@@ -80,7 +100,22 @@ class CudaBackend final : public GroupedLinearBackend {
     check(cudaMemsetAsync(t.data(), 0, size_t(t.numel()) * t.element_size(), as_cuda(stream)), "cudaMemsetAsync");
   }
 
-  void fprop(const FpropParams& f, void*, Stream stream) override {
+  // The TMA fast path: bf16, no bias, 16-byte aligned rows and bases (in, out multiples of 8).
+  static bool fprop_fast_path(const FpropParams& f) {
+#if SPARSETRAIN_WITH_CUTLASS
+    if (f.problem.dtype != DType::kBF16 || !f.bias.empty() || f.problem.in % 8 || f.problem.out % 8) return false;
+    if (f.x.stride(0) != f.problem.in || !aligned16(f.x.data()) || !aligned16(f.y.data())) return false;
+    for (const TensorView& w : f.weight)
+      if (!aligned16(w.data())) return false;
+    static const bool sm90 = is_sm90(f.x.device().index);
+    return sm90;
+#else
+    (void)f;
+    return false;
+#endif
+  }
+
+  void fprop(const FpropParams& f, void* scratch, Stream stream) override {
     cuda::DeviceGuard guard(f.x.device().index);
     GroupedGemmParams p = base_params(GemmKind::kFprop, f.problem);
     p.act = f.x.data();
@@ -91,9 +126,17 @@ class CudaBackend final : public GroupedLinearBackend {
       p.weight[g] = f.weight[size_t(g)].data();
       p.bias[g] = f.bias.empty() ? nullptr : f.bias[size_t(g)].data();
     }
+    const bool fast = fprop_fast_path(f);
+#if SPARSETRAIN_WITH_CUTLASS
+    if (fast)
+      cuda::sm90::run_fprop<cutlass::bfloat16_t>(p, scratch, scratch_bytes(DType::kBF16, f.problem.num_groups, 0, 0, 0),
+                                                 stream.handle);
+#else
+    (void)scratch;
+#endif
     dispatch_dtype(f.problem.dtype, [&](auto e) {
       using E = decltype(e);
-      cuda::launch_grouped_gemm<E>(p, stream.handle);
+      if (!fast) cuda::launch_grouped_gemm<E>(p, stream.handle);
       if (f.zero_tail)
         cuda::launch_zero_tail<E>(f.problem.offsets, f.problem.num_groups, f.y.data(), f.y.size(0), f.y.size(1),
                                   stream.handle);
