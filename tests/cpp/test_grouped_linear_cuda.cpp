@@ -227,9 +227,11 @@ TEST(GroupedLinearCudaContract, InvalidDeviceSplitsEmptyEveryProblemAndSetTheSta
 
 // Forward + backward captured once with device splits and caller buffers/workspace, replayed
 // after new split values (same T) are written into the splits tensor.
-TEST(GroupedLinearCudaContract, GraphCaptureReplaysWithNewSplitValues) {
+class GraphCapture : public ::testing::TestWithParam<bool> {};  // bias (no bias: the sm90 fprop path)
+
+TEST_P(GraphCapture, ReplaysWithNewSplitValues) {
   REQUIRE_GPU();
-  GroupedLinearCase c = make_case({st::DType::kBF16, 6, 300, 300, 64, 40, {}, true, true, true});
+  GroupedLinearCase c = make_case({st::DType::kBF16, 6, 300, 300, 64, 40, {}, true, GetParam(), true});
   c.fuse = true;
   c.overwrite = true;  // each replay's main_grad is that replay's wgrad
   CudaLayer L(c, c.options());
@@ -271,3 +273,6 @@ TEST(GroupedLinearCudaContract, GraphCaptureReplaysWithNewSplitValues) {
   CUDA_OK(cudaGraphDestroy(graph));
   CUDA_OK(cudaStreamDestroy(stream));
 }
+
+INSTANTIATE_TEST_SUITE_P(Cuda, GraphCapture, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& i) { return i.param ? "bias" : "nobias"; });
