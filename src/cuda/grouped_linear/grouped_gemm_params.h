@@ -3,6 +3,7 @@
 // copied from the host per launch). Per-group pointers live in the struct, which bounds G.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace sparsetrain::cuda {
@@ -26,6 +27,9 @@ struct GroupedGemmParams {
   const void* weight[kMaxGroups];  // [out, in] contiguous
   const void* bias[kMaxGroups];    // fprop: [out] or null
   void* dw[kMaxGroups];            // wgrad: [out, in] contiguous, dtype or fp32 main_grad
+  struct DwTable {
+    void* ptr[kMaxGroups];
+  };
 };
 
 // Launchers, one explicit instantiation per element type and .cu file.
@@ -36,5 +40,15 @@ void launch_bias_grad(const int64_t* offsets, int64_t num_groups, int64_t out, c
                       void* db, void* stream);  // db: [G, out] contiguous
 template <typename E>
 void launch_zero_tail(const int64_t* offsets, int64_t num_groups, void* c, int64_t rows, int64_t cols, void* stream);
+
+// The sm90 CUTLASS fast paths (bf16 operands, fp32 accumulation); compiled when CUTLASS headers
+// are found. Each variant is explicitly specialised in its own .cu.
+namespace sm90 {
+enum class Variant { kFpropBf16, kDgradBf16, kWgradBf16, kWgradF32 };
+template <Variant V>
+size_t workspace_bytes(int64_t num_groups);  // per-launch arrays + CUTLASS workspace, from G only
+template <Variant V>
+void run(const GroupedGemmParams& p, void* workspace, size_t bytes, void* stream);
+}  // namespace sm90
 
 }  // namespace sparsetrain::cuda

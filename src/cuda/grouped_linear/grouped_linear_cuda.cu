@@ -3,17 +3,15 @@
 // caller's stream; nothing synchronises the host except read_int64 (checked mode only).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstring>
+#include <initializer_list>
 
 #include "common/group_offsets.h"
 #include "cuda/grouped_linear/grouped_gemm_params.h"
 #include "cuda/runtime_cuda.h"
 #include "ops/grouped_linear_backend.h"
 #include "sparsetrain/error.h"
-#if SPARSETRAIN_WITH_CUTLASS
-#include "cutlass/numeric_types.h"
-#include "cuda/grouped_linear/grouped_gemm_sm90.cuh"
-#endif
 
 namespace sparsetrain::backend {
 namespace {
@@ -68,7 +66,12 @@ class CudaBackend final : public GroupedLinearBackend {
   int64_t max_groups() const override { return cuda::kMaxGroups; }
   size_t scratch_bytes(DType dtype, int64_t num_groups, int64_t, int64_t, int64_t) const override {
 #if SPARSETRAIN_WITH_CUTLASS
-    if (dtype == DType::kBF16) return cuda::sm90::fprop_workspace_bytes<cutlass::bfloat16_t>(num_groups);
+    using V = cuda::sm90::Variant;
+    if (dtype == DType::kBF16)
+      return std::max({cuda::sm90::workspace_bytes<V::kFpropBf16>(num_groups),
+                       cuda::sm90::workspace_bytes<V::kDgradBf16>(num_groups),
+                       cuda::sm90::workspace_bytes<V::kWgradBf16>(num_groups),
+                       cuda::sm90::workspace_bytes<V::kWgradF32>(num_groups)});
 #else
     (void)dtype;
     (void)num_groups;
@@ -100,18 +103,30 @@ class CudaBackend final : public GroupedLinearBackend {
     check(cudaMemsetAsync(t.data(), 0, size_t(t.numel()) * t.element_size(), as_cuda(stream)), "cudaMemsetAsync");
   }
 
-  // The TMA fast path: bf16, no bias, 16-byte aligned rows and bases (in, out multiples of 8).
-  static bool fprop_fast_path(const FpropParams& f) {
+  // The TMA fast path (sm90 CUTLASS): bf16, every row and base 16-byte aligned (in and out
+  // multiples of 8, activations with packed rows). Anything else runs the SIMT kernels.
+  static bool fast_path(DType dtype, const GroupedProblem& pr, std::initializer_list<const TensorView*> rows,
+                        const std::vector<TensorView>& per_group) {
 #if SPARSETRAIN_WITH_CUTLASS
-    if (f.problem.dtype != DType::kBF16 || !f.bias.empty() || f.problem.in % 8 || f.problem.out % 8) return false;
-    if (f.x.stride(0) != f.problem.in || !aligned16(f.x.data()) || !aligned16(f.y.data())) return false;
-    for (const TensorView& w : f.weight)
+    if (dtype != DType::kBF16 || pr.in % 8 || pr.out % 8) return false;
+    for (const TensorView* t : rows)
+      if (t->stride(0) != t->size(1) || !aligned16(t->data())) return false;
+    for (const TensorView& w : per_group)
       if (!aligned16(w.data())) return false;
-    static const bool sm90 = is_sm90(f.x.device().index);
+    static const bool sm90 = is_sm90(rows.begin()[0]->device().index);
     return sm90;
 #else
-    (void)f;
+    (void)dtype, (void)pr, (void)rows, (void)per_group;
     return false;
+#endif
+  }
+
+  template <cuda::sm90::Variant V>
+  void run_sm90(const GroupedGemmParams& p, void* scratch, Stream stream) {
+#if SPARSETRAIN_WITH_CUTLASS
+    cuda::sm90::run<V>(p, scratch, scratch_bytes(DType::kBF16, p.num_groups, 0, 0, 0), stream.handle);
+#else
+    (void)p, (void)scratch, (void)stream;
 #endif
   }
 
@@ -126,14 +141,8 @@ class CudaBackend final : public GroupedLinearBackend {
       p.weight[g] = f.weight[size_t(g)].data();
       p.bias[g] = f.bias.empty() ? nullptr : f.bias[size_t(g)].data();
     }
-    const bool fast = fprop_fast_path(f);
-#if SPARSETRAIN_WITH_CUTLASS
-    if (fast)
-      cuda::sm90::run_fprop<cutlass::bfloat16_t>(p, scratch, scratch_bytes(DType::kBF16, f.problem.num_groups, 0, 0, 0),
-                                                 stream.handle);
-#else
-    (void)scratch;
-#endif
+    const bool fast = f.bias.empty() && fast_path(f.problem.dtype, f.problem, {&f.x, &f.y}, f.weight);
+    if (fast) run_sm90<cuda::sm90::Variant::kFpropBf16>(p, scratch, stream);
     dispatch_dtype(f.problem.dtype, [&](auto e) {
       using E = decltype(e);
       if (!fast) cuda::launch_grouped_gemm<E>(p, stream.handle);
@@ -143,7 +152,7 @@ class CudaBackend final : public GroupedLinearBackend {
     });
   }
 
-  void dgrad(const DgradParams& d, void*, Stream stream) override {
+  void dgrad(const DgradParams& d, void* scratch, Stream stream) override {
     cuda::DeviceGuard guard(d.dy.device().index);
     GroupedGemmParams p = base_params(GemmKind::kDgrad, d.problem);
     p.act = d.dy.data();
@@ -151,16 +160,18 @@ class CudaBackend final : public GroupedLinearBackend {
     p.c = d.dx.data();
     p.c_ld = d.dx.size(1);
     for (int64_t g = 0; g < d.problem.num_groups; ++g) p.weight[g] = d.weight[size_t(g)].data();
+    const bool fast = fast_path(d.problem.dtype, d.problem, {&d.dy, &d.dx}, d.weight);
+    if (fast) run_sm90<cuda::sm90::Variant::kDgradBf16>(p, scratch, stream);
     dispatch_dtype(d.problem.dtype, [&](auto e) {
       using E = decltype(e);
-      cuda::launch_grouped_gemm<E>(p, stream.handle);
+      if (!fast) cuda::launch_grouped_gemm<E>(p, stream.handle);
       if (d.zero_tail)
         cuda::launch_zero_tail<E>(d.problem.offsets, d.problem.num_groups, d.dx.data(), d.dx.size(0), d.dx.size(1),
                                   stream.handle);
     });
   }
 
-  void wgrad(const WgradParams& w, void*, Stream stream) override {
+  void wgrad(const WgradParams& w, void* scratch, Stream stream) override {
     cuda::DeviceGuard guard(w.dy.device().index);
     GroupedGemmParams p = base_params(GemmKind::kWgrad, w.problem);
     p.act = w.dy.data();
@@ -171,9 +182,12 @@ class CudaBackend final : public GroupedLinearBackend {
                     : w.target == WgradTarget::kMainGradAccumulate ? cuda::WgradStore::kMainGradAccumulate
                                                                    : cuda::WgradStore::kMainGradOverwrite;
     for (int64_t g = 0; g < w.problem.num_groups; ++g) p.dw[g] = w.dw[size_t(g)].data();
+    const bool fast = fast_path(w.problem.dtype, w.problem, {&w.dy, &w.x}, w.dw);
+    if (fast && w.target == WgradTarget::kWeightGrad) run_sm90<cuda::sm90::Variant::kWgradBf16>(p, scratch, stream);
+    if (fast && w.target != WgradTarget::kWeightGrad) run_sm90<cuda::sm90::Variant::kWgradF32>(p, scratch, stream);
     dispatch_dtype(w.problem.dtype, [&](auto e) {
       using E = decltype(e);
-      cuda::launch_grouped_gemm<E>(p, stream.handle);
+      if (!fast) cuda::launch_grouped_gemm<E>(p, stream.handle);
       if (!w.db.empty())  // db views are the rows of one [G, out] tensor
         cuda::launch_bias_grad<E>(w.problem.offsets, w.problem.num_groups, w.problem.out, w.dy.data(),
                                   w.dy.stride(0), w.db[0].data(), stream.handle);
