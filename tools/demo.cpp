@@ -10,9 +10,13 @@
 
 #include "grouped_linear_oracle.h"
 #include "host_tensor.h"
+#include "sparsetrain/error.h"
 #include "sparsetrain/grouped_linear.h"
 #include "sparsetrain/runtime.h"
 #include "tools/commands.h"
+#if SPARSETRAIN_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
 
 namespace sparsetrain::tools {
 namespace {
@@ -21,6 +25,7 @@ struct DemoOptions {
   int64_t groups = 8, tokens = 2048, in = 512, out = 1024, padding = 37;
   DType dtype = DType::kBF16;
   uint64_t seed = 0;
+  bool cpu = false;
 };
 
 const char* kDemoHelp =
@@ -28,7 +33,8 @@ const char* kDemoHelp =
     "\n"
     "Runs one MoE-shaped GroupedLinear forward + backward (dgrad and wgrad) with uneven routing\n"
     "(Dirichlet alpha=2 expert loads, expert 5 forced empty, a padded tail of rows), on the best\n"
-    "available backend, checks every output against a double-precision oracle and prints a report.\n"
+    "available backend (the first GPU when there is one), checks every output against a\n"
+    "double-precision oracle and prints a report.\n"
     "\n"
     "options:\n"
     "  --groups G       experts (default 8)\n"
@@ -37,7 +43,8 @@ const char* kDemoHelp =
     "  --in N           in_features (default 512)\n"
     "  --out N          out_features (default 1024)\n"
     "  --dtype D        bf16, fp16 or fp32 (default bf16)\n"
-    "  --seed S         random seed (default 0)\n";
+    "  --seed S         random seed (default 0)\n"
+    "  --cpu            use the CPU reference backend even where a GPU is present\n";
 
 // Expert loads from a Dirichlet(alpha = 2) draw, one expert forced empty, summing to `rows`.
 std::vector<int64_t> dirichlet_splits(int64_t groups, int64_t rows, std::mt19937_64& rng) {
@@ -61,6 +68,10 @@ bool parse(int argc, char** argv, DemoOptions& o, int& exit_code) {
       std::fputs(kDemoHelp, stdout);
       exit_code = 0;
       return false;
+    }
+    if (a == "--cpu") {
+      o.cpu = true;
+      continue;
     }
     if (i + 1 >= argc) {
       std::fprintf(stderr, "sparsetrain demo: option '%s' needs a value (try --help)\n", a.c_str());
@@ -103,6 +114,60 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// Where the demo computes: the first GPU when there is one (copies in and out), else the host.
+struct Place {
+  Device device = Device::cpu();
+  bool gpu() const { return device.is_cuda(); }
+
+  // A copy of a host tensor on the device (or the host tensor's own view on the CPU).
+  TensorView put(const testing::HostTensor& h, std::vector<Tensor>& keep) const {
+    if (!gpu()) return h.view();
+#if SPARSETRAIN_WITH_CUDA
+    const TensorView v = h.view();
+    keep.push_back(Tensor::empty(v.dtype(), v.shape(), v.dim(), device, default_allocator(), {}));
+    check(cudaMemcpy(keep.back().view().data(), h.data(), size_t(v.numel()) * v.element_size(), cudaMemcpyHostToDevice));
+    return keep.back().view();
+#else
+    return h.view();
+#endif
+  }
+  testing::HostTensor get(const TensorView& v) const {
+    if (!gpu()) return testing::HostTensor::copy_of(v);
+#if SPARSETRAIN_WITH_CUDA
+    check(cudaDeviceSynchronize());
+    // Strided views (per-group wgrads): copy the whole extent, then gather on the host.
+    int64_t extent = 1;
+    for (int i = 0; i < v.dim(); ++i) extent += (v.size(i) - 1) * v.stride(i);
+    testing::HostTensor stage(v.dtype(), {extent});
+    check(cudaMemcpy(stage.data(), v.data(), size_t(extent) * v.element_size(), cudaMemcpyDeviceToHost));
+    return testing::HostTensor::copy_of(TensorView(stage.data(), v.dtype(), v.shape(), v.strides(), v.dim()));
+#else
+    return testing::HostTensor::copy_of(v);
+#endif
+  }
+  void sync() const {
+#if SPARSETRAIN_WITH_CUDA
+    if (gpu()) check(cudaDeviceSynchronize());
+#endif
+  }
+#if SPARSETRAIN_WITH_CUDA
+  static void check(cudaError_t e) {
+    if (e != cudaSuccess) ST_FAIL("demo: CUDA call failed: ", cudaGetErrorString(e));
+  }
+#endif
+};
+
+// Seconds per call of fn, averaged over `reps` (after a warm-up call on the GPU).
+template <typename Fn>
+double time_call(const Place& place, int reps, Fn&& fn) {
+  if (place.gpu()) fn();
+  place.sync();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < reps; ++i) fn();
+  place.sync();
+  return seconds_since(t0) / reps;
+}
+
 }  // namespace
 
 int run_demo(int argc, char** argv) {
@@ -124,13 +189,17 @@ int run_demo(int argc, char** argv) {
   opts.in_features = o.in;
   opts.out_features = o.out;
   opts.dtype = o.dtype;
+  Place place;
+  if (cuda_device_count() > 0 && !o.cpu) place.device = Device::cuda(0);
+  std::vector<Tensor> keep;
+  const TensorView xv = place.put(x, keep), wv = place.put(w, keep), dyv = place.put(dy, keep);
   GroupedLinearParams params;
-  params.weight = GroupedParam::packed(w.view());
+  params.weight = GroupedParam::packed(wv);
   GroupedLinear layer(opts, params);
 
   std::printf("sparsetrain demo: MoE GroupedLinear training step\n");
-  std::printf("  backend   %s (reference backend); CUDA devices found: %d\n", layer.device().str().c_str(),
-              cuda_device_count());
+  std::printf("  backend   %s (%s)\n", layer.device().str().c_str(),
+              place.gpu() ? best_backend_description().c_str() : "CPU reference backend");
   std::printf("  shapes    G=%lld experts, x [%lld, %lld] (%lld routed rows + %lld padding), W [%lld, %lld, %lld], %s\n",
               (long long)G, (long long)T, (long long)o.in, (long long)S, (long long)o.padding, (long long)G,
               (long long)o.out, (long long)o.in, dtype_name(o.dtype));
@@ -139,12 +208,11 @@ int run_demo(int argc, char** argv) {
   std::printf("%s]\n", G > 16 ? ", ..." : "");
 
   const Splits sp = Splits::host(splits);
-  auto t0 = std::chrono::steady_clock::now();
-  Tensor y = layer.forward(x.view(), sp);
-  const double t_fwd = seconds_since(t0);
-  t0 = std::chrono::steady_clock::now();
-  GroupedLinearGrads grads = layer.backward(x.view(), dy.view(), sp);
-  const double t_bwd = seconds_since(t0);
+  const int reps = place.gpu() ? 20 : 1;
+  Tensor y;
+  GroupedLinearGrads grads;
+  const double t_fwd = time_call(place, reps, [&] { y = layer.forward(xv, sp); });
+  const double t_bwd = time_call(place, reps, [&] { grads = layer.backward(xv, dyv, sp); });
 
   testing::GroupedLinearOracle oracle{G, T, o.in, o.out, splits, x.to_double(), dy.to_double(), {}, {}};
   for (int64_t g = 0; g < G; ++g) {
@@ -159,13 +227,15 @@ int run_demo(int argc, char** argv) {
     pass = pass && r.ok;
   };
   const double flops = 2.0 * double(S) * double(o.in) * double(o.out);
-  std::printf("  time      forward %.3f s (%.2f GFLOP/s), backward %.3f s (%.2f GFLOP/s)\n", t_fwd,
-              flops / t_fwd * 1e-9, t_bwd, 2 * flops / t_bwd * 1e-9);
-  report("y", testing::compare_with_oracle(HostTensor::copy_of(y.view()), oracle.forward(), o.dtype, 1, "y"));
-  report("dx", testing::compare_with_oracle(HostTensor::copy_of(grads.grad_input.view()), oracle.dgrad(), o.dtype, 1, "dx"));
+  std::printf("  time      forward %.3f ms (%.1f GFLOP/s), backward %.3f ms (%.1f GFLOP/s)%s\n", t_fwd * 1e3,
+              flops / t_fwd * 1e-9, t_bwd * 1e3, 2 * flops / t_bwd * 1e-9,
+              place.gpu() ? " (mean of 20 after a warm-up; this small shape does not fill the GPU)" : "");
+  const HostTensor yh = place.get(y.view());
+  report("y", testing::compare_with_oracle(yh, oracle.forward(), o.dtype, 1, "y"));
+  report("dx", testing::compare_with_oracle(place.get(grads.grad_input.view()), oracle.dgrad(), o.dtype, 1, "dx"));
   testing::CompareResult dw_all;
   for (int64_t g = 0; g < G; ++g) {
-    testing::CompareResult r = testing::compare_with_oracle(HostTensor::copy_of(grads.weight.per_group[size_t(g)].view()),
+    testing::CompareResult r = testing::compare_with_oracle(place.get(grads.weight.per_group[size_t(g)].view()),
                                                             oracle.wgrad(g), o.dtype, 1, "dW[" + std::to_string(g) + "]");
     dw_all.max_rel_error = std::max(dw_all.max_rel_error, r.max_rel_error);
     dw_all.worst_tol_ratio = std::max(dw_all.worst_tol_ratio, r.worst_tol_ratio);
@@ -174,7 +244,6 @@ int run_demo(int argc, char** argv) {
   }
   report("dW", dw_all);
   // The padded tail of library-allocated outputs is zero.
-  const HostTensor yh = HostTensor::copy_of(y.view());
   bool tail_zero = true;
   for (int64_t i = S * o.out; i < T * o.out; ++i) tail_zero = tail_zero && yh.get(i) == 0.0;
   std::printf("  tail      rows >= %lld of y are %s\n", (long long)S, tail_zero ? "zero" : "NOT zero");
