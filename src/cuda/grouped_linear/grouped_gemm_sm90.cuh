@@ -60,21 +60,16 @@ struct Sm90GroupedGemm {
   // 128x256x64 tiles, cooperative (two consumer warpgroups), cluster 2x1: the large MoE GEMMs.
   using TileShape = Shape<_128, _256, _64>;
   using ClusterShape = Shape<_2, _1, _1>;
-  // fp32 main_grad (C = D, fp32): a small epilogue tile keeps its shared memory small, so the
-  // mainloop keeps 4 stages (with the auto carve-out it got 3 and ran ~14 % slower, ncu).
-  static constexpr bool kF32Out = std::is_same_v<ElementD, float>;
-  using EpilogueTile = std::conditional_t<kF32Out, Shape<_128, _16>, cutlass::epilogue::collective::EpilogueTileAuto>;
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      EpilogueTile, float, float, ElementC, LayoutD*, kAlignC, ElementD, LayoutD*,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD*, kAlignC, ElementD, LayoutD*,
       kAlignD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
       cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC>>::CollectiveOp;
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, typename Config<V>::A*, kAlignAB, Element,
       typename Config<V>::B*, kAlignAB, float, TileShape, ClusterShape,
-      std::conditional_t<kF32Out, cutlass::gemm::collective::StageCount<4>,
-                         cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-                             sizeof(typename CollectiveEpilogue::SharedStorage))>>,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
