@@ -130,45 +130,37 @@ class CudaBackend final : public GroupedLinearBackend {
 #endif
   }
 
-  void fprop(const FpropParams& f, void* scratch, Stream stream) override {
-    cuda::DeviceGuard guard(f.x.device().index);
-    GroupedGemmParams p = base_params(GemmKind::kFprop, f.problem);
-    p.act = f.x.data();
-    p.act_ld = f.x.stride(0);
-    p.c = f.y.data();
-    p.c_ld = f.y.size(1);
-    for (int64_t g = 0; g < f.problem.num_groups; ++g) {
-      p.weight[g] = f.weight[size_t(g)].data();
-      p.bias[g] = f.bias.empty() ? nullptr : f.bias[size_t(g)].data();
+  // fprop and dgrad: a GEMM over the ragged rows (act [T, k] -> c [rows, n]), then the zeroed
+  // tail of a library-allocated output.
+  void rows_gemm(GemmKind kind, const GroupedProblem& pr, const TensorView& act, const TensorView& c,
+                 const std::vector<TensorView>& weight, const std::vector<TensorView>& bias, bool zero_tail,
+                 void* scratch, Stream stream) {
+    cuda::DeviceGuard guard(act.device().index);
+    GroupedGemmParams p = base_params(kind, pr);
+    p.act = act.data();
+    p.act_ld = act.stride(0);
+    p.c = c.data();
+    p.c_ld = c.size(1);
+    for (int64_t g = 0; g < pr.num_groups; ++g) {
+      p.weight[g] = weight[size_t(g)].data();
+      p.bias[g] = bias.empty() ? nullptr : bias[size_t(g)].data();
     }
-    const bool fast = f.bias.empty() && fast_path(f.problem.dtype, f.problem, {&f.x, &f.y}, f.weight);
-    if (fast) run_sm90<cuda::sm90::Variant::kFpropBf16>(p, scratch, stream);
-    dispatch_dtype(f.problem.dtype, [&](auto e) {
+    const bool fast = bias.empty() && fast_path(pr.dtype, pr, {&act, &c}, weight);
+    if (fast && kind == GemmKind::kFprop) run_sm90<cuda::sm90::Variant::kFpropBf16>(p, scratch, stream);
+    if (fast && kind == GemmKind::kDgrad) run_sm90<cuda::sm90::Variant::kDgradBf16>(p, scratch, stream);
+    dispatch_dtype(pr.dtype, [&](auto e) {
       using E = decltype(e);
       if (!fast) cuda::launch_grouped_gemm<E>(p, stream.handle);
-      if (f.zero_tail)
-        cuda::launch_zero_tail<E>(f.problem.offsets, f.problem.num_groups, f.y.data(), f.y.size(0), f.y.size(1),
-                                  stream.handle);
+      if (zero_tail) cuda::launch_zero_tail<E>(pr.offsets, pr.num_groups, c.data(), c.size(0), c.size(1), stream.handle);
     });
   }
 
+  void fprop(const FpropParams& f, void* scratch, Stream stream) override {
+    rows_gemm(GemmKind::kFprop, f.problem, f.x, f.y, f.weight, f.bias, f.zero_tail, scratch, stream);
+  }
+
   void dgrad(const DgradParams& d, void* scratch, Stream stream) override {
-    cuda::DeviceGuard guard(d.dy.device().index);
-    GroupedGemmParams p = base_params(GemmKind::kDgrad, d.problem);
-    p.act = d.dy.data();
-    p.act_ld = d.dy.stride(0);
-    p.c = d.dx.data();
-    p.c_ld = d.dx.size(1);
-    for (int64_t g = 0; g < d.problem.num_groups; ++g) p.weight[g] = d.weight[size_t(g)].data();
-    const bool fast = fast_path(d.problem.dtype, d.problem, {&d.dy, &d.dx}, d.weight);
-    if (fast) run_sm90<cuda::sm90::Variant::kDgradBf16>(p, scratch, stream);
-    dispatch_dtype(d.problem.dtype, [&](auto e) {
-      using E = decltype(e);
-      if (!fast) cuda::launch_grouped_gemm<E>(p, stream.handle);
-      if (d.zero_tail)
-        cuda::launch_zero_tail<E>(d.problem.offsets, d.problem.num_groups, d.dx.data(), d.dx.size(0), d.dx.size(1),
-                                  stream.handle);
-    });
+    rows_gemm(GemmKind::kDgrad, d.problem, d.dy, d.dx, d.weight, {}, d.zero_tail, scratch, stream);
   }
 
   void wgrad(const WgradParams& w, void* scratch, Stream stream) override {
