@@ -49,18 +49,7 @@ class GroupedLinearVsOracle : public ::testing::TestWithParam<Param> {
  protected:
   GroupedLinearCase make_case() const {
     const Shape& s = GetParam().shape;
-    GroupedLinearCase c;
-    c.dtype = s.dtype;
-    c.G = s.G;
-    c.T = s.T;
-    c.in = s.in;
-    c.out = s.out;
-    c.packed_weight = s.packed;
-    c.bias = s.bias;
-    c.splits = st::testing::random_splits(s.G, s.S, s.empty, uint64_t(s.G * 1000 + s.T));
-    c.seed = 11;
-    c.make();
-    return c;
+    return st::testing::random_case(s.dtype, s.G, s.T, s.S, s.in, s.out, s.empty, s.packed, s.bias, 11);
   }
 };
 

@@ -78,18 +78,7 @@ std::string shape_name(const Shape& s) {
 void PrintTo(const Shape& s, std::ostream* os) { *os << shape_name(s); }
 
 GroupedLinearCase make_case(const Shape& s) {
-  GroupedLinearCase c;
-  c.dtype = s.dtype;
-  c.G = s.G;
-  c.T = s.T;
-  c.in = s.in;
-  c.out = s.out;
-  c.packed_weight = s.packed;
-  c.bias = s.bias;
-  c.splits = st::testing::random_splits(s.G, s.S, s.empty, uint64_t(s.G * 7 + s.T));
-  c.seed = 3;
-  c.make();
-  return c;
+  return st::testing::random_case(s.dtype, s.G, s.T, s.S, s.in, s.out, s.empty, s.packed, s.bias, 3);
 }
 
 // The case's parameters copied to the GPU, and the layer over them.

@@ -110,4 +110,21 @@ inline std::vector<int64_t> random_splits(int64_t G, int64_t S, std::vector<int6
   return s;
 }
 
+// A case of the given shape with S routed rows (the listed groups empty), fresh random data.
+inline GroupedLinearCase random_case(DType dtype, int64_t G, int64_t T, int64_t S, int64_t in, int64_t out,
+                                     const std::vector<int64_t>& empty, bool packed, bool bias, uint64_t seed) {
+  GroupedLinearCase c;
+  c.dtype = dtype;
+  c.G = G;
+  c.T = T;
+  c.in = in;
+  c.out = out;
+  c.packed_weight = packed;
+  c.bias = bias;
+  c.splits = random_splits(G, S, empty, seed * 1000 + uint64_t(G * 7 + T));
+  c.seed = seed;
+  c.make();
+  return c;
+}
+
 }  // namespace sparsetrain::testing
