@@ -5,11 +5,21 @@
 
 #include <string>
 
-#include "common/group_offsets.h"
-#include "ops/checks.h"
+#include "ops/grouped_args.h"
 #include "ops/grouped_linear_backend.h"
+#include "sparsetrain/error.h"
 
 namespace sparsetrain {
+
+backend::GroupedLinearBackend& backend::backend_for(Device device, const char* arg) {
+  if (device.is_cpu()) return reference_backend();
+#if SPARSETRAIN_WITH_CUDA
+  (void)arg;
+  return cuda_backend();
+#else
+  detail::throw_arg_error(arg, "a tensor on cpu (this build of sparsetrain has no CUDA backend)", device.str());
+#endif
+}
 
 // ---------------------------------------------------------------------------------------------
 // GroupedParam
@@ -38,118 +48,14 @@ TensorView GroupedParam::group(int64_t g) const {
 
 namespace {
 
+using backend::backend_for;
 using backend::GroupedLinearBackend;
-
-size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
-
-GroupedLinearBackend& backend_for(Device device, const char* arg) {
-  if (device.is_cpu()) return backend::reference_backend();
-#if SPARSETRAIN_WITH_CUDA
-  (void)arg;
-  return backend::cuda_backend();
-#else
-  detail::throw_arg_error(arg, "a tensor on cpu (this build of sparsetrain has no CUDA backend)", device.str());
-#endif
-}
-
-// Checks one grouped parameter: G slices of `slice_shape`, each contiguous, of `dtype` on `device`.
-void check_grouped_param(const GroupedParam& p, const std::string& name, int64_t G,
-                         std::initializer_list<int64_t> slice_shape, const std::string& slice_desc,
-                         DType dtype, Device device) {
-  const int slice_dim = int(slice_shape.size());
-  if (p.is_packed()) {
-    const TensorView& v = p.views()[0];
-    checks::defined(v, name, "a packed tensor of shape [G, " + slice_desc + "]");
-    bool shape_ok = v.dim() == slice_dim + 1 && v.size(0) == G;
-    int d = 1;
-    for (int64_t s : slice_shape) shape_ok = shape_ok && v.size(d++) == s;
-    ST_CHECK_ARG(shape_ok, name.c_str(),
-                 "packed shape [" + std::to_string(G) + " (num_groups), " + slice_desc + "]", v.shape_str());
-    int64_t slice_numel = 1;
-    for (int64_t s : slice_shape) slice_numel *= s;
-    ST_CHECK_ARG(G == 1 || v.stride(0) >= slice_numel, name.c_str(),
-                 "non-overlapping groups (stride of dim 0 >= " + std::to_string(slice_numel) + ")", v.stride(0));
-  } else {
-    ST_CHECK_ARG(int64_t(p.views().size()) == G, name.c_str(),
-                 std::to_string(G) + " per-group tensors (num_groups)", p.views().size());
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    const TensorView v = p.is_packed() ? p.views()[0].select(g) : p.views()[size_t(g)];
-    const std::string n = p.is_packed() ? name : name + "[" + std::to_string(g) + "]";
-    checks::defined(v, n, "a tensor of shape [" + slice_desc + "]");
-    checks::shape(v, n, slice_shape, "[" + slice_desc + "]");
-    checks::dtype(v, n, dtype);
-    checks::device(v, n, device);
-    checks::contiguous(v, n);
-    checks::non_null(v, n);
-  }
-}
-
-// A caller output buffer: contiguous [rows >= min_rows, cols] of the layer's dtype and device.
-void check_out_buffer(const TensorView& buf, const char* name, DType dtype, Device device, int64_t cols,
-                      int64_t min_rows, const char* rows_rule) {
-  ST_CHECK_ARG(buf.dim() == 2 && buf.size(1) == cols && buf.size(0) >= min_rows, name,
-               "shape [>= " + std::to_string(min_rows) + " (" + rows_rule + "), " + std::to_string(cols) + "]",
-               buf.shape_str());
-  checks::dtype(buf, name, dtype, " (the layer's dtype)");
-  checks::device(buf, name, device);
-  checks::contiguous(buf, name);
-  checks::non_null(buf, name);
-}
-
-// A 2-D activation input [T, cols].
-void check_activation(const TensorView& t, const char* name, DType dtype, Device device, int64_t rows,
-                      int64_t cols, const char* cols_desc) {
-  checks::defined(t, name, "a tensor of shape [T, " + std::string(cols_desc) + "]");
-  ST_CHECK_ARG(t.dim() == 2 && t.size(1) == cols && (rows < 0 || t.size(0) == rows), name,
-               "shape [" + (rows < 0 ? std::string("T") : std::to_string(rows) + " (the rows of x)") + ", " +
-                   std::to_string(cols) + " (" + cols_desc + ")]",
-               t.shape_str());
-  checks::dtype(t, name, dtype, " (the layer's dtype)");
-  checks::device(t, name, device);
-  checks::rows_contiguous(t, name);
-  checks::non_null(t, name);
-}
-
-void check_host_split_values(const std::vector<int64_t>& v, int64_t T, const char* name) {
-  int64_t sum = 0;
-  for (size_t g = 0; g < v.size(); ++g) {
-    ST_CHECK_ARG(v[g] >= 0, name, "entries >= 0", v[g], " at index ", g);
-    ST_CHECK_ARG(v[g] <= T - sum, name, "a sum <= " + std::to_string(T) + " (the rows of x)",
-                 "a sum of at least ", sum + v[g], " at index ", g);
-    sum += v[g];
-  }
-}
-
-// Validates splits; returns S for host splits and -1 for device splits (S unknown to the host).
-int64_t check_splits(const Splits& s, int64_t G, int64_t T, Device device, bool checked_mode,
-                     GroupedLinearBackend& be, Stream stream) {
-  ST_CHECK_ARG(s.defined(), "splits", "host or device splits of shape [" + std::to_string(G) + "]", "none");
-  const std::string shape_rule = "shape [" + std::to_string(G) + "] (num_groups)";
-  if (!s.on_device()) {
-    const auto& v = s.host_values();
-    ST_CHECK_ARG(int64_t(v.size()) == G, "splits", shape_rule, "[", v.size(), "]");
-    check_host_split_values(v, T, "splits");
-    int64_t sum = 0;
-    for (int64_t x : v) sum += x;
-    return sum;
-  }
-  const TensorView& v = s.device_values();
-  checks::shape(v, "splits", {G}, "[" + std::to_string(G) + "] (num_groups)");
-  checks::dtype(v, "splits", DType::kInt64, " (device splits)");
-  checks::device(v, "splits", device);
-  checks::contiguous(v, "splits");
-  checks::non_null(v, "splits");
-  if (s.status().defined()) {
-    const TensorView& st = s.status();
-    ST_CHECK_ARG(st.numel() == 1, "splits status", "one element", st.shape_str());
-    checks::dtype(st, "splits status", DType::kInt32);
-    checks::device(st, "splits status", device);
-    checks::non_null(st, "splits status");
-  }
-  if (checked_mode) check_host_split_values(be.read_int64(v, stream), T, "splits (device, checked mode)");
-  return -1;
-}
+using ops::check_activation;
+using ops::check_grouped_param;
+using ops::check_out_buffer;
+using ops::check_splits;
+using ops::group_views;
+using ops::round_up;
 
 // Workspace layout: group offsets, a status sink for device splits without a caller status
 // word, then the backend's scratch. Every part starts on a 256-byte boundary.
@@ -166,58 +72,18 @@ WorkspacePlan plan_workspace(const GroupedLinearOptions& o, int64_t T, const Gro
   return p;
 }
 
-void check_workspace(const WorkspacePlan& plan, const Workspace& given) {
-  if (given.data == nullptr) return;  // none given: one is taken from the allocator
-  ST_CHECK_ARG(given.bytes >= plan.total, "workspace", ">= " + std::to_string(plan.total) + " bytes",
-               given.bytes, " bytes");
-  ST_CHECK_ARG(reinterpret_cast<uintptr_t>(given.data) % kAllocAlignment == 0, "workspace",
-               "a 256-byte aligned address", given.data);
-}
-
-// The workspace of one call (checked by check_workspace): the caller's, or one taken from the
-// allocator for the duration of the call.
-class CallWorkspace {
- public:
-  CallWorkspace(const WorkspacePlan& plan, const Workspace& given, Device device, Allocator& alloc,
-                Stream stream) {
-    if (given.data != nullptr) {
-      base_ = static_cast<char*>(given.data);
-    } else {
-      owned_ = Tensor::empty(DType::kInt32, {int64_t(plan.total / 4)}, device, alloc, stream);
-      base_ = static_cast<char*>(owned_.view().data());
-    }
-    offsets = reinterpret_cast<int64_t*>(base_ + plan.offsets);
-    status = reinterpret_cast<int32_t*>(base_ + plan.status);
-    scratch = base_ + plan.scratch;
-  }
+// The workspace of one call (checked by ops::check_workspace) carved into the plan's parts.
+struct CallWorkspace {
+  CallWorkspace(const WorkspacePlan& plan, const Workspace& given, Device device, Allocator& alloc, Stream stream)
+      : memory(plan.total, given, device, alloc, stream),
+        offsets(reinterpret_cast<int64_t*>(memory.at(plan.offsets))),
+        status(reinterpret_cast<int32_t*>(memory.at(plan.status))),
+        scratch(memory.at(plan.scratch)) {}
+  ops::WorkspaceMemory memory;
   int64_t* offsets;
   int32_t* status;
   void* scratch;
-
- private:
-  char* base_ = nullptr;
-  Tensor owned_;
 };
-
-// Fills the workspace's group offsets from the splits (validated by check_splits).
-void prepare_offsets(const Splits& s, int64_t T, CallWorkspace& ws, GroupedLinearBackend& be, Stream stream) {
-  if (s.on_device()) {
-    int32_t* status = s.status().defined() ? s.status().data_as<int32_t>() : ws.status;
-    be.setup_device_splits(s.device_values(), T, ws.offsets, status, stream);
-    return;
-  }
-  const auto& v = s.host_values();
-  std::vector<int64_t> offsets(v.size() + 1);
-  compute_group_offsets(v.data(), int64_t(v.size()), T, offsets.data(), nullptr);
-  be.copy_from_host(ws.offsets, offsets.data(), offsets.size() * sizeof(int64_t), stream);
-}
-
-std::vector<TensorView> group_views(const GroupedParam& p, int64_t G) {
-  std::vector<TensorView> v;
-  if (!p.present()) return v;
-  for (int64_t g = 0; g < G; ++g) v.push_back(p.group(g));
-  return v;
-}
 
 }  // namespace
 
@@ -265,16 +131,16 @@ Tensor GroupedLinear::forward(const TensorView& x, const Splits& splits, const T
   const int64_t T = x.size(0);
   const int64_t S = check_splits(splits, o.num_groups, T, dev, o.check_device_splits, be, args.stream);
   if (out.defined())
-    check_out_buffer(out, "out", o.dtype, dev, o.out_features, S < 0 ? T : S,
-                     S < 0 ? "T: device splits" : "S: host splits");
+    check_out_buffer(out, "out", o.dtype, dev, o.out_features, ops::min_out_rows(S, T),
+                     ops::min_out_rows_rule(S));
   const WorkspacePlan plan = plan_workspace(o, T, be);
-  check_workspace(plan, args.workspace);
+  ops::check_workspace(plan.total, args.workspace);
 
   // Everything is valid: from here on outputs may be written.
   Tensor y = out.defined() ? Tensor::borrowed(out)
                            : Tensor::empty(o.dtype, {T, o.out_features}, dev, *allocator_, args.stream);
   CallWorkspace ws(plan, args.workspace, dev, *allocator_, args.stream);
-  prepare_offsets(splits, T, ws, be, args.stream);
+  ops::prepare_offsets(splits, T, ws.offsets, ws.status, be, args.stream);
   backend::FpropParams p{{o.dtype, o.num_groups, T, o.in_features, o.out_features, ws.offsets},
                          x,
                          group_views(params_.weight, o.num_groups),
@@ -344,10 +210,10 @@ GroupedLinearGrads GroupedLinear::backward(const TensorView& x, const TensorView
   check_activation(dy, "dy", o.dtype, dev, T, o.out_features, "out_features");
   const int64_t S = check_splits(splits, o.num_groups, T, dev, o.check_device_splits, be, args.stream);
   if (grad_input.defined())
-    check_out_buffer(grad_input, "grad_input", o.dtype, dev, o.in_features, S < 0 ? T : S,
-                     S < 0 ? "T: device splits" : "S: host splits");
+    check_out_buffer(grad_input, "grad_input", o.dtype, dev, o.in_features, ops::min_out_rows(S, T),
+                     ops::min_out_rows_rule(S));
   const WorkspacePlan plan = plan_workspace(o, T, be);
-  check_workspace(plan, args.workspace);
+  ops::check_workspace(plan.total, args.workspace);
   const WeightGradDisposition disp =
       weight_grad_disposition(o.delay_wgrad_compute, o.fuse_wgrad_accumulation, params_.has_grad_added_to_main_grad);
 
@@ -357,7 +223,7 @@ GroupedLinearGrads GroupedLinear::backward(const TensorView& x, const TensorView
                          ? Tensor::borrowed(grad_input)
                          : Tensor::empty(o.dtype, {T, o.in_features}, dev, *allocator_, args.stream);
   CallWorkspace ws(plan, args.workspace, dev, *allocator_, args.stream);
-  prepare_offsets(splits, T, ws, be, args.stream);
+  ops::prepare_offsets(splits, T, ws.offsets, ws.status, be, args.stream);
   backend::DgradParams p{{o.dtype, o.num_groups, T, o.in_features, o.out_features, ws.offsets},
                          dy,
                          group_views(params_.weight, o.num_groups),
@@ -391,9 +257,9 @@ GroupedLinearGrads GroupedLinear::backward_dw(const CallArgs& args) {
   GroupedLinearBackend& be = backend_for(device(), "x");
   const int64_t T = pd.x.size(0);
   const WorkspacePlan plan = plan_workspace(options_, T, be);
-  check_workspace(plan, args.workspace);
+  ops::check_workspace(plan.total, args.workspace);
   CallWorkspace ws(plan, args.workspace, device(), *allocator_, args.stream);
-  prepare_offsets(pd.splits, T, ws, be, args.stream);
+  ops::prepare_offsets(pd.splits, T, ws.offsets, ws.status, be, args.stream);
   GroupedLinearGrads grads = compute_wgrad(pd.x, pd.dy, ws.offsets, ws.scratch, args.stream);
   pending_.pop_front();
   return grads;
