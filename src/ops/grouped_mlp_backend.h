@@ -1,0 +1,97 @@
+// The internal interface of GroupedMLP's elementwise stages (the GEMMs are GroupedLinear's): the
+// SwiGLU x probs activation, its backward, and fc2's probs-scaled bias and bias grad. A backend
+// runs them on validated arguments; ops/grouped_mlp.cpp owns every rule. Row-wise stages read the
+// group offsets from the compute device (S = offsets[G]) and never need host split values.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "sparsetrain/allocator.h"
+#include "sparsetrain/tensor.h"
+
+#if defined(__CUDACC__)
+#define ST_MLP_HOST_DEVICE __host__ __device__
+#else
+#define ST_MLP_HOST_DEVICE
+#endif
+
+namespace sparsetrain::backend {
+
+// Column of fc1's output holding a_j (b_j: + glu_block_size). Halves (k = 0): a_j at j, b_j at
+// F + j. Interleaved (k > 0): blocks of k columns alternate a, b, so a_j sits in block pair j / k.
+ST_MLP_HOST_DEVICE inline int64_t glu_a_column(int64_t j, int64_t interleave) {
+  return interleave == 0 ? j : (j / interleave) * 2 * interleave + j % interleave;
+}
+ST_MLP_HOST_DEVICE inline int64_t glu_b_offset(int64_t ffn, int64_t interleave) {
+  return interleave == 0 ? ffn : interleave;
+}
+
+struct MLPRows {
+  DType dtype;
+  int64_t num_groups;
+  int64_t num_rows;  // T
+  const int64_t* offsets;  // [G + 1] on the compute device; S = offsets[G]
+};
+
+// h'[t] = probs[t] * silu(a[t]) * b[t] in the layer's dtype for rows < S; rows >= S of h' zero.
+struct SwigluForwardParams {
+  MLPRows rows;
+  int64_t ffn, interleave;
+  TensorView fc1_out;  // [T, 2F], rows contiguous
+  TensorView probs;    // fp32 [T]
+  TensorView h;        // [T, F] contiguous
+};
+
+// From h = silu(a) * b (recomputed) and dh' (the fc2 input's gradient), for rows < S:
+//   dprobs = sum_j h_j dh'_j + dy . b2_g   (fp32, fixed order; the dot only with a bias)
+//   da = probs dh' b silu'(a),  db = probs dh' silu(a)   -> d fc1_out in fc1_out's layout.
+// Rows >= S of d fc1_out and dprobs are zero.
+struct SwigluBackwardParams {
+  MLPRows rows;
+  int64_t ffn, interleave, out;
+  TensorView fc1_out;            // [T, 2F]
+  TensorView probs;              // fp32 [T]
+  TensorView dh;                 // dh' [T, F]
+  TensorView dy;                 // [T, out]; read only with a bias
+  std::vector<TensorView> bias;  // fc2's bias, G x [out], or empty
+  TensorView fc1_out_grad;       // [T, 2F] contiguous
+  TensorView dprobs;             // fp32 [T] contiguous
+};
+
+// y[t] += probs[t] * b2_g for rows t < S of group g (fp32 add, one rounding to the dtype).
+struct ScaledBiasAddParams {
+  MLPRows rows;
+  int64_t out;
+  TensorView y;                  // [>= S, out]
+  TensorView probs;              // fp32 [T]
+  std::vector<TensorView> bias;  // G x [out]
+};
+
+// db2_g = sum over the rows of group g of probs[t] * dy[t] (fp32, rows ascending); 0 if empty.
+struct ScaledBiasGradParams {
+  MLPRows rows;
+  int64_t out;
+  TensorView dy;                 // [T, out]
+  TensorView probs;              // fp32 [T]
+  std::vector<TensorView> db;    // G x [out]
+};
+
+class GroupedMLPBackend {
+ public:
+  virtual ~GroupedMLPBackend() = default;
+  // Scratch the stages need; a function of the shapes only.
+  virtual size_t scratch_bytes(DType dtype, int64_t num_groups, int64_t num_rows, int64_t ffn,
+                               int64_t out) const = 0;
+  virtual void swiglu_forward(const SwigluForwardParams& p, void* scratch, Stream stream) = 0;
+  virtual void swiglu_backward(const SwigluBackwardParams& p, void* scratch, Stream stream) = 0;
+  virtual void scaled_bias_add(const ScaledBiasAddParams& p, void* scratch, Stream stream) = 0;
+  virtual void scaled_bias_grad(const ScaledBiasGradParams& p, void* scratch, Stream stream) = 0;
+};
+
+GroupedMLPBackend& grouped_mlp_reference_backend();
+// The backend that runs on `device`; an Error naming `arg` where there is none (CUDA for now).
+GroupedMLPBackend& grouped_mlp_backend_for(Device device, const char* arg);
+
+}  // namespace sparsetrain::backend
