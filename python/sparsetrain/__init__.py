@@ -13,7 +13,8 @@ from typing import Any, List, NamedTuple, Optional
 from . import _C
 from ._arrays import DeviceSplits, Framework, dtype_name, to_core, to_core_splits, workspace_to_core
 
-__all__ = ["GroupedLinear", "GroupedLinearGrads", "DeviceSplits", "weight_grad_disposition",
+__all__ = ["GroupedLinear", "GroupedLinearGrads", "GroupedMLP", "GroupedMLPGrads", "LayerGrads",
+           "DeviceSplits", "weight_grad_disposition",
            "SPLITS_NEGATIVE", "SPLITS_SUM_EXCEEDS_ROWS", "version", "built_with_cuda",
            "cuda_device_count"]
 
@@ -41,7 +42,95 @@ class GroupedLinearGrads(NamedTuple):
     bias_grad: Any                  # [G, out] when the layer has a bias and it is due now, else None
 
 
-class GroupedLinear:
+class LayerGrads(NamedTuple):
+    """One layer's parameter grads inside a GroupedMLP (fields as in GroupedLinearGrads)."""
+
+    weight_kind: str
+    weight_grads: Optional[List[Any]]
+    weight_grad_packed: Any
+    grad_added_to_main_grad: bool
+    bias_grad: Any
+
+
+class GroupedMLPGrads(NamedTuple):
+    grad_input: Any   # dx (the caller's grad_input buffer when one was given); None from backward_dw
+    dprobs: Any       # fp32 [T], rows >= S zero; None from backward_dw
+    fc1: LayerGrads
+    fc2: LayerGrads   # fc2's bias grad is d/d b2 of probs * b2
+
+
+def _grouped_shape(weight: Any, arg: str):
+    """(framework, G, rows, cols, dtype) of a packed [G, rows, cols] array or a list of [rows, cols]."""
+    packed = not isinstance(weight, (list, tuple))
+    first = weight if packed else weight[0]
+    if packed:
+        if len(first.shape) != 3:
+            raise ValueError(f"{arg}: expected shape [G, out, in] or a list of [out, in], got {list(first.shape)}")
+        groups, rows, cols = first.shape
+    else:
+        if len(first.shape) != 2:
+            raise ValueError(f"{arg}[0]: expected shape [out, in], got {list(first.shape)}")
+        groups, (rows, cols) = len(weight), first.shape
+    return Framework.of(first), int(groups), int(rows), int(cols), dtype_name(first, arg)
+
+
+def _param_to_core(p: Any) -> Any:
+    """A parameter (one array, a list of per-group arrays or None) in the form the core takes."""
+    if p is None:
+        return None
+    return [to_core(v) for v in p] if isinstance(p, (list, tuple)) else to_core(p)
+
+
+class _CoreLayer:
+    """What GroupedLinear and GroupedMLP share: the framework of their parameters, the stream a
+    call runs on, and the arrays each pending delayed wgrad refers to (x first), kept alive here
+    because the core holds views (torch tensors reach it as descriptors)."""
+
+    def __init__(self, fw: Framework, params: tuple, delay_wgrad_compute: bool):
+        self._fw = fw
+        self._params = params
+        self._pending: list = []
+        self._delay = delay_wgrad_compute
+        self._core: Any = None
+
+    @property
+    def pending_wgrads(self) -> int:
+        return self._core.pending_wgrads
+
+    def workspace_size(self, num_rows: int) -> int:
+        """Bytes of workspace a call with `num_rows` input rows needs (shapes only)."""
+        return self._core.workspace_size(num_rows)
+
+    def _stream(self, x: Any, stream: Optional[int]) -> int:
+        return self._fw.stream_of(x) if stream is None else int(stream)
+
+    def _queue(self, keep: tuple) -> None:
+        if self._delay:
+            self._pending.append(keep)
+
+    def _backward_dw(self, stream: Optional[int], workspace: Any) -> dict:
+        if stream is None:
+            stream = self._fw.stream_of(self._pending[0][0]) if self._pending else 0
+        g = self._core.backward_dw(stream, workspace_to_core(workspace))
+        self._pending.pop(0)
+        return g
+
+    def _layer_grads(self, g: dict) -> LayerGrads:
+        view = self._fw.view
+        return LayerGrads(
+            weight_kind=g["weight_kind"],
+            weight_grads=[view(t) for t in g["weight_per_group"]] or None,
+            weight_grad_packed=view(g["weight_packed"]),
+            grad_added_to_main_grad=g["grad_added_to_main_grad"],
+            bias_grad=view(g["bias_grad"]),
+        )
+
+    def _grad_input(self, g: dict, grad_input: Any) -> Any:
+        dx = self._fw.view(g["grad_input"])
+        return grad_input if dx is None else dx
+
+
+class GroupedLinear(_CoreLayer):
     """G independent linear layers over one input whose rows are grouped by expert.
 
     weight: one packed array [G, out, in] or a list of G arrays [out, in]; bias likewise
@@ -56,32 +145,12 @@ class GroupedLinear:
                  fuse_wgrad_accumulation: bool = False, overwrite_main_grad: bool = False,
                  delay_wgrad_compute: bool = False, has_grad_added_to_main_grad: bool = False,
                  check_device_splits: bool = False):
-        packed = not isinstance(weight, (list, tuple))
-        first = weight if packed else weight[0]
-        self._fw = Framework.of(first)
-        if packed:
-            if len(first.shape) != 3:
-                raise ValueError(f"weight: expected shape [G, out, in] or a list of [out, in], got {list(first.shape)}")
-            groups, out_f, in_f = first.shape
-        else:
-            if len(first.shape) != 2:
-                raise ValueError(f"weight[0]: expected shape [out, in], got {list(first.shape)}")
-            groups, (out_f, in_f) = len(weight), first.shape
-        self.num_groups, self.in_features, self.out_features = int(groups), int(in_f), int(out_f)
-        self.dtype = dtype_name(first, "weight")
-
-        def core(p):
-            if p is None:
-                return None
-            return [to_core(v) for v in p] if isinstance(p, (list, tuple)) else to_core(p)
-
-        # The core holds views: keep the arrays alive (torch tensors reach it as descriptors).
-        self._params = (weight, bias, main_grad)
-        self._pending: list = []  # (x, dy, splits) of each pending delayed wgrad, for the same reason
-        self._delay = delay_wgrad_compute
+        fw, groups, out_f, in_f, dtype = _grouped_shape(weight, "weight")
+        super().__init__(fw, (weight, bias, main_grad), delay_wgrad_compute)
+        self.num_groups, self.in_features, self.out_features, self.dtype = groups, in_f, out_f, dtype
         self._core = _C.GroupedLinear(
             self.num_groups, self.in_features, self.out_features, self.dtype,
-            core(weight), core(bias), core(main_grad), fuse_wgrad_accumulation,
+            _param_to_core(weight), _param_to_core(bias), _param_to_core(main_grad), fuse_wgrad_accumulation,
             overwrite_main_grad, delay_wgrad_compute, has_grad_added_to_main_grad,
             check_device_splits, self._fw.allocate)
 
@@ -98,39 +167,73 @@ class GroupedLinear:
         """dgrad, and unless delayed, wgrad (or main_grad accumulation) and bias grad."""
         g = self._core.backward(to_core(x), to_core(dy), to_core_splits(splits), to_core(grad_input),
                                 self._stream(x, stream), workspace_to_core(workspace))
-        if self._delay:
-            self._pending.append((x, dy, splits))
+        self._queue((x, dy, splits))
         return self._grads(g, grad_input)
 
     def backward_dw(self, *, stream: Optional[int] = None, workspace: Any = None) -> GroupedLinearGrads:
         """The oldest pending delayed wgrad (first in, first out). Error if none is pending."""
-        if stream is None:
-            stream = self._fw.stream_of(self._pending[0][0]) if self._pending else 0
-        grads = self._grads(self._core.backward_dw(stream, workspace_to_core(workspace)), None)
-        self._pending.pop(0)
-        return grads
-
-    @property
-    def pending_wgrads(self) -> int:
-        return self._core.pending_wgrads
-
-    def workspace_size(self, num_rows: int) -> int:
-        """Bytes of workspace a call with `num_rows` input rows needs (shapes only)."""
-        return self._core.workspace_size(num_rows)
-
-    def _stream(self, x: Any, stream: Optional[int]) -> int:
-        return self._fw.stream_of(x) if stream is None else int(stream)
+        return self._grads(self._backward_dw(stream, workspace), None)
 
     def _grads(self, g: dict, grad_input: Any) -> GroupedLinearGrads:
-        view = self._fw.view
-        dx = view(g["grad_input"])
-        per_group = [view(t) for t in g["weight_per_group"]]
-        return GroupedLinearGrads(
-            grad_input=grad_input if dx is None else dx,
-            weight_kind=g["weight_kind"],
-            weight_grads=per_group or None,
-            weight_grad_packed=view(g["weight_packed"]),
-            grad_added_to_main_grad=g["grad_added_to_main_grad"],
-            bias_grad=view(g["bias_grad"]),
-        )
+        return GroupedLinearGrads(self._grad_input(g, grad_input), *self._layer_grads(g))
 
+
+class GroupedMLP(_CoreLayer):
+    """An MoE expert MLP: fc1 (in -> 2F) -> SwiGLU -> x probs -> fc2 (F -> out), per expert:
+    y = probs * (silu(a) * b) W2^T + probs * b2, with a, b the halves of fc1's output (or
+    alternating blocks of glu_interleave_size columns).
+
+    fc1_weight: [G, 2F, in] or G x [2F, in]; fc2_weight: [G, out, F] or G x [out, F]; biases
+    [G, 2F] / [G, out] (or per-group lists); main_grads (fp32, the weights' layouts) when
+    fuse_wgrad_accumulation. has_grad_added_to_main_grad: one bool for both layers or a pair
+    (fc1, fc2). GroupedLinear's options apply to both layers. splits as for GroupedLinear;
+    probs: fp32 [T], one router probability per row of x.
+    """
+
+    def __init__(self, fc1_weight: Any, fc2_weight: Any, *, fc1_bias: Any = None, fc2_bias: Any = None,
+                 fc1_main_grad: Any = None, fc2_main_grad: Any = None, glu_interleave_size: int = 0,
+                 fuse_wgrad_accumulation: bool = False, overwrite_main_grad: bool = False,
+                 delay_wgrad_compute: bool = False, has_grad_added_to_main_grad: Any = False,
+                 check_device_splits: bool = False):
+        fw, groups, two_f, in_f, dtype = _grouped_shape(fc1_weight, "fc1.weight")
+        _, _, out_f, ffn, _ = _grouped_shape(fc2_weight, "fc2.weight")
+        super().__init__(fw, (fc1_weight, fc2_weight, fc1_bias, fc2_bias, fc1_main_grad, fc2_main_grad),
+                         delay_wgrad_compute)
+        self.num_groups, self.in_features, self.ffn_features, self.out_features = groups, in_f, ffn, out_f
+        self.dtype, self.glu_interleave_size = dtype, int(glu_interleave_size)
+        attr1, attr2 = (has_grad_added_to_main_grad if isinstance(has_grad_added_to_main_grad, (tuple, list))
+                        else (has_grad_added_to_main_grad,) * 2)
+        fc1 = (_param_to_core(fc1_weight), _param_to_core(fc1_bias), _param_to_core(fc1_main_grad), bool(attr1))
+        fc2 = (_param_to_core(fc2_weight), _param_to_core(fc2_bias), _param_to_core(fc2_main_grad), bool(attr2))
+        # The core checks fc1's width against 2 * ffn_features (taken from fc2) and every other size.
+        self._core = _C.GroupedMLP(
+            groups, in_f, ffn, out_f, dtype, self.glu_interleave_size, fc1, fc2, fuse_wgrad_accumulation,
+            overwrite_main_grad, delay_wgrad_compute, check_device_splits, self._fw.allocate)
+
+    def forward(self, x: Any, splits: Any, probs: Any, out: Any = None, *, stream: Optional[int] = None,
+                workspace: Any = None):
+        """(y, fc1_out): y [T, out] (the caller's `out` buffer when given: rows < S written, the
+        rest untouched; otherwise a new array with a zero tail) and fc1's pre-activation output
+        [T, 2F], which backward takes back (save it with x and probs)."""
+        y, fc1_out = self._core.forward(to_core(x), to_core_splits(splits), to_core(probs, "probs"),
+                                        to_core(out), self._stream(x, stream), workspace_to_core(workspace))
+        return (out if y is None else self._fw.view(y)), self._fw.view(fc1_out)
+
+    def backward(self, x: Any, fc1_out: Any, probs: Any, dy: Any, splits: Any, grad_input: Any = None, *,
+                 stream: Optional[int] = None, workspace: Any = None) -> GroupedMLPGrads:
+        """dx, dprobs and, unless delayed, both layers' weight (or main_grad) and bias grads. With
+        delay_wgrad_compute, x, dy and probs must stay unchanged until the matching backward_dw."""
+        g = self._core.backward(to_core(x), to_core(fc1_out), to_core(probs, "probs"), to_core(dy),
+                                to_core_splits(splits), to_core(grad_input), self._stream(x, stream),
+                                workspace_to_core(workspace))
+        self._queue((x, dy, probs, splits))
+        return self._grads(g, grad_input)
+
+    def backward_dw(self, *, stream: Optional[int] = None, workspace: Any = None) -> GroupedMLPGrads:
+        """Both layers' oldest pending delayed wgrads and bias grads (first in, first out); error if
+        none is pending. grad_input and dprobs are None."""
+        return self._grads(self._backward_dw(stream, workspace), None)
+
+    def _grads(self, g: dict, grad_input: Any) -> GroupedMLPGrads:
+        return GroupedMLPGrads(self._grad_input(g, grad_input), self._fw.view(g["dprobs"]),
+                               self._layer_grads(g["fc1"]), self._layer_grads(g["fc2"]))

@@ -68,15 +68,16 @@ def dtype_name(a: Any, arg: str = "dtype") -> str:
     raise ValueError(f"{arg}: expected dtype bf16, fp16, fp32, int32 or int64, got {dt}")
 
 
-def to_core(a: Any) -> Any:
+def to_core(a: Any, arg: str = "dtype") -> Any:
     """An array in the form the extension takes: itself (DLPack / buffer protocol); for numpy
     bf16 (a dtype DLPack cannot describe) a (uint16 view, "bf16") pair; for a torch tensor a
     descriptor of its metadata (torch's __dlpack__ synchronises streams, which CUDA-graph
-    capture forbids). None stays None. The caller keeps the tensor alive."""
+    capture forbids). None stays None. The caller keeps the tensor alive. `arg` names the
+    argument in the error for a dtype the library does not know."""
     if a is None:
         return a
     if _is_torch(a):
-        return ("torch", a.data_ptr(), dtype_name(a), list(a.shape), list(a.stride()), a.device.type,
+        return ("torch", a.data_ptr(), dtype_name(a, arg), list(a.shape), list(a.stride()), a.device.type,
                 a.device.index or 0)
     if isinstance(a, np.ndarray) and a.dtype == _numpy_bf16():
         return (a.view(np.uint16), "bf16")

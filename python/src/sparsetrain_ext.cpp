@@ -17,6 +17,7 @@
 
 #include "sparsetrain/error.h"
 #include "sparsetrain/grouped_linear.h"
+#include "sparsetrain/grouped_mlp.h"
 #include "sparsetrain/runtime.h"
 
 namespace nb = nanobind;
@@ -160,14 +161,25 @@ nb::object export_tensor(const st::Tensor& t, const PyAllocator& alloc) {
                         nb::cast(shape), nb::cast(strides));
 }
 
-st::GroupedParam grouped_param(nb::handle obj, const char* arg, Access access = Access::kRead) {
+st::GroupedParam grouped_param(nb::handle obj, const std::string& arg, Access access = Access::kRead) {
   if (obj.is_none()) return {};
   if (nb::isinstance<nb::list>(obj)) {
     std::vector<st::TensorView> views;
-    for (nb::handle h : nb::borrow<nb::list>(obj)) views.push_back(view_of(h, arg, access));
+    for (nb::handle h : nb::borrow<nb::list>(obj)) views.push_back(view_of(h, arg.c_str(), access));
     return st::GroupedParam::per_group(views);
   }
-  return st::GroupedParam::packed(view_of(obj, arg, access));
+  return st::GroupedParam::packed(view_of(obj, arg.c_str(), access));
+}
+
+// One GroupedLinear's parameters; `prefix` names them in errors ("fc1." inside a GroupedMLP).
+st::GroupedLinearParams linear_params(nb::handle weight, nb::handle bias, nb::handle main_grad,
+                                      bool has_grad_added_to_main_grad, const std::string& prefix = "") {
+  st::GroupedLinearParams p;
+  p.weight = grouped_param(weight, prefix + "weight");
+  p.bias = grouped_param(bias, prefix + "bias");
+  p.main_grad = grouped_param(main_grad, prefix + "main_grad", Access::kWrite);
+  p.has_grad_added_to_main_grad = has_grad_added_to_main_grad;
+  return p;
 }
 
 // Splits from Python: a list of ints or a host array (host splits), or ("device", array[, status]).
@@ -210,16 +222,32 @@ st::CallArgs call_args(uintptr_t stream, nb::handle workspace) {
   return a;
 }
 
+// One layer's weight and bias grads, as the keys the Python side reads (weight_kind, ...).
+void export_layer_grads(nb::dict& d, const st::WeightGrad& w, const st::Tensor& bias_grad, const PyAllocator& alloc) {
+  d["weight_kind"] = st::weight_grad_kind_name(w.kind);
+  nb::list per_group;
+  for (const st::Tensor& t : w.per_group) per_group.append(export_tensor(t, alloc));
+  d["weight_per_group"] = per_group;
+  d["weight_packed"] = export_tensor(w.packed, alloc);
+  d["grad_added_to_main_grad"] = w.grad_added_to_main_grad;
+  d["bias_grad"] = export_tensor(bias_grad, alloc);
+}
+
 nb::dict export_grads(const st::GroupedLinearGrads& g, const PyAllocator& alloc) {
   nb::dict d;
   d["grad_input"] = export_tensor(g.grad_input, alloc);
-  d["weight_kind"] = st::weight_grad_kind_name(g.weight.kind);
-  nb::list per_group;
-  for (const st::Tensor& t : g.weight.per_group) per_group.append(export_tensor(t, alloc));
-  d["weight_per_group"] = per_group;
-  d["weight_packed"] = export_tensor(g.weight.packed, alloc);
-  d["grad_added_to_main_grad"] = g.weight.grad_added_to_main_grad;
-  d["bias_grad"] = export_tensor(g.bias_grad, alloc);
+  export_layer_grads(d, g.weight, g.bias_grad, alloc);
+  return d;
+}
+
+nb::dict export_grads(const st::GroupedMLPGrads& g, const PyAllocator& alloc) {
+  nb::dict d, fc1, fc2;
+  d["grad_input"] = export_tensor(g.grad_input, alloc);
+  d["dprobs"] = export_tensor(g.dprobs, alloc);
+  export_layer_grads(fc1, g.fc1.weight, g.fc1.bias_grad, alloc);
+  export_layer_grads(fc2, g.fc2.weight, g.fc2.bias_grad, alloc);
+  d["fc1"] = fc1;
+  d["fc2"] = fc2;
   return d;
 }
 
@@ -241,12 +269,8 @@ class PyGroupedLinear {
     o.overwrite_main_grad = overwrite_main_grad;
     o.delay_wgrad_compute = delay_wgrad_compute;
     o.check_device_splits = check_device_splits;
-    st::GroupedLinearParams p;
-    p.weight = grouped_param(weight, "weight");
-    p.bias = grouped_param(bias, "bias");
-    p.main_grad = grouped_param(main_grad, "main_grad", Access::kWrite);
-    p.has_grad_added_to_main_grad = has_grad_added_to_main_grad;
-    layer_ = std::make_unique<st::GroupedLinear>(o, p, &alloc_);
+    layer_ = std::make_unique<st::GroupedLinear>(
+        o, linear_params(weight, bias, main_grad, has_grad_added_to_main_grad), &alloc_);
   }
 
   nb::object forward(nb::handle x, nb::handle splits, nb::handle out, uintptr_t stream, nb::handle workspace) {
@@ -281,6 +305,76 @@ class PyGroupedLinear {
   nb::object params_keep_;
   std::deque<nb::object> pending_keep_;
   std::unique_ptr<st::GroupedLinear> layer_;
+};
+
+// GroupedMLP likewise: the parameters of both layers for its lifetime; x, dy, probs and splits
+// of each pending delayed wgrad until backward_dw (the layer owns the intermediates it keeps).
+// fc1 and fc2 are each (weight, bias, main_grad, has_grad_added_to_main_grad).
+class PyGroupedMLP {
+ public:
+  PyGroupedMLP(int64_t num_groups, int64_t in_features, int64_t ffn_features, int64_t out_features,
+               const std::string& dtype, int64_t glu_interleave_size, nb::tuple fc1, nb::tuple fc2,
+               bool fuse_wgrad_accumulation, bool overwrite_main_grad, bool delay_wgrad_compute,
+               bool check_device_splits, nb::callable allocator)
+      : alloc_(std::move(allocator)), params_keep_(nb::make_tuple(fc1, fc2)) {
+    st::GroupedMLPOptions o;
+    o.num_groups = num_groups;
+    o.in_features = in_features;
+    o.ffn_features = ffn_features;
+    o.out_features = out_features;
+    o.dtype = parse_dtype(dtype, "dtype");
+    o.glu_interleave_size = glu_interleave_size;
+    o.fuse_wgrad_accumulation = fuse_wgrad_accumulation;
+    o.overwrite_main_grad = overwrite_main_grad;
+    o.delay_wgrad_compute = delay_wgrad_compute;
+    o.check_device_splits = check_device_splits;
+    st::GroupedMLPParams p;
+    p.fc1 = layer(fc1, "fc1.");
+    p.fc2 = layer(fc2, "fc2.");
+    mlp_ = std::make_unique<st::GroupedMLP>(o, p, &alloc_);
+  }
+
+  // (out, fc1_out): out is None when the caller's buffer was written.
+  nb::tuple forward(nb::handle x, nb::handle splits, nb::handle probs, nb::handle out, uintptr_t stream,
+                    nb::handle workspace) {
+    const PySplits s = make_splits(splits);
+    const st::GroupedMLPForward f =
+        mlp_->forward(view_of(x, "x"), s.splits, view_of(probs, "probs"),
+                      optional_view(out, "out", Access::kWrite), call_args(stream, workspace));
+    return nb::make_tuple(export_tensor(f.out, alloc_), export_tensor(f.fc1_out, alloc_));
+  }
+
+  nb::dict backward(nb::handle x, nb::handle fc1_out, nb::handle probs, nb::handle dy, nb::handle splits,
+                    nb::handle grad_input, uintptr_t stream, nb::handle workspace) {
+    PySplits s = make_splits(splits);
+    const st::GroupedMLPGrads g = mlp_->backward(
+        view_of(x, "x"), view_of(fc1_out, "fc1_out"), view_of(probs, "probs"), view_of(dy, "dy"), s.splits,
+        optional_view(grad_input, "grad_input", Access::kWrite), call_args(stream, workspace));
+    if (mlp_->options().delay_wgrad_compute)
+      pending_keep_.push_back(nb::make_tuple(nb::borrow(x), nb::borrow(dy), nb::borrow(probs), nb::borrow(splits)));
+    return export_grads(g, alloc_);
+  }
+
+  nb::dict backward_dw(uintptr_t stream, nb::handle workspace) {
+    nb::dict d = export_grads(mlp_->backward_dw(call_args(stream, workspace)), alloc_);
+    pending_keep_.pop_front();
+    return d;
+  }
+
+  size_t workspace_size(int64_t T) const { return mlp_->workspace_size(T); }
+  size_t pending_wgrads() const { return mlp_->pending_wgrads(); }
+
+ private:
+  static st::GroupedLinearParams layer(const nb::tuple& t, const std::string& prefix) {
+    ST_CHECK_ARG(t.size() == 4, (prefix + "params").c_str(), "(weight, bias, main_grad, has_grad_added_to_main_grad)",
+                 t.size(), " fields");
+    return linear_params(t[0], t[1], t[2], nb::cast<bool>(t[3]), prefix);
+  }
+
+  PyAllocator alloc_;  // declared before mlp_: the layer's cached tensors are returned to it
+  nb::object params_keep_;
+  std::deque<nb::object> pending_keep_;
+  std::unique_ptr<st::GroupedMLP> mlp_;
 };
 
 }  // namespace
@@ -324,4 +418,19 @@ NB_MODULE(_C, m) {
       .def("backward_dw", &PyGroupedLinear::backward_dw, nb::arg("stream"), nb::arg("workspace").none())
       .def("workspace_size", &PyGroupedLinear::workspace_size)
       .def_prop_ro("pending_wgrads", &PyGroupedLinear::pending_wgrads);
+
+  nb::class_<PyGroupedMLP>(m, "GroupedMLP")
+      .def(nb::init<int64_t, int64_t, int64_t, int64_t, const std::string&, int64_t, nb::tuple, nb::tuple, bool,
+                    bool, bool, bool, nb::callable>(),
+           nb::arg("num_groups"), nb::arg("in_features"), nb::arg("ffn_features"), nb::arg("out_features"),
+           nb::arg("dtype"), nb::arg("glu_interleave_size"), nb::arg("fc1"), nb::arg("fc2"),
+           nb::arg("fuse_wgrad_accumulation"), nb::arg("overwrite_main_grad"), nb::arg("delay_wgrad_compute"),
+           nb::arg("check_device_splits"), nb::arg("allocator"))
+      .def("forward", &PyGroupedMLP::forward, nb::arg("x"), nb::arg("splits"), nb::arg("probs"),
+           nb::arg("out").none(), nb::arg("stream"), nb::arg("workspace").none())
+      .def("backward", &PyGroupedMLP::backward, nb::arg("x"), nb::arg("fc1_out"), nb::arg("probs"), nb::arg("dy"),
+           nb::arg("splits"), nb::arg("grad_input").none(), nb::arg("stream"), nb::arg("workspace").none())
+      .def("backward_dw", &PyGroupedMLP::backward_dw, nb::arg("stream"), nb::arg("workspace").none())
+      .def("workspace_size", &PyGroupedMLP::workspace_size)
+      .def_prop_ro("pending_wgrads", &PyGroupedMLP::pending_wgrads);
 }

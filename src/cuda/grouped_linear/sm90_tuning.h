@@ -1,0 +1,60 @@
+// How an sm90 grouped GEMM is launched: a host heuristic from the shapes (G, T, in, out) only —
+// never from split values, so a captured graph stays valid when the splits change. Plain host
+// code (no CUDA), tested on the CPU (tests/cpp/test_sm90_tuning.cpp).
+#pragma once
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+namespace sparsetrain::cuda::sm90 {
+
+enum class Variant {
+  kFprop,      // y = x W^T
+  kFpropBias,  // y = x W^T + b (bias broadcast in the epilogue)
+  kDgrad,      // dx = dy W
+  kWgrad,      // dW = dy^T x in the element type
+  kWgradF32,   // fp32 main_grad (+)= dy^T x
+};
+
+// Every variant runs one kernel shape: 128x256x64 tiles, cluster 2x1, the cooperative schedule
+// (both consumer warpgroups on one tile). A 128x128 pingpong schedule was built and measured on
+// all six MoE shapes and lost everywhere but within noise (docs/PERF.md).
+constexpr int kTileM = 128, kTileN = 256;
+
+enum class Raster { kAlongM, kAlongN };  // the order the persistent scheduler walks a group's tiles
+
+// The persistent tile scheduler's runtime arguments.
+struct Tuning {
+  Raster raster = Raster::kAlongM;
+  int swizzle = 1;  // 1, 2, 4 or 8 tiles
+};
+
+// wgrad's M is out and N is in, both whole per expert. When M has many more tiles than N,
+// walking along M puts a whole wave on one or two N columns: every wave re-reads its dy panels
+// from DRAM while x's panel is shared. Walking along N shares both (measured on the H200: -5 %
+// on mixtral fc1's wgrad, -7 % with the fp32 main_grad). fprop and dgrad (M = the ragged rows)
+// measured best or tied along M.
+inline Tuning pick_tuning(Variant v, int64_t in, int64_t out) {
+  Tuning t;
+  const bool wgrad = v == Variant::kWgrad || v == Variant::kWgradF32;
+  const int64_t m_tiles = (out + kTileM - 1) / kTileM, n_tiles = (in + kTileN - 1) / kTileN;
+  if (wgrad && m_tiles >= 2 * n_tiles) t.raster = Raster::kAlongN;
+  return t;
+}
+
+// SPARSETRAIN_SM90_RASTER=m|n and SPARSETRAIN_SM90_SWIZZLE=1|2|4|8 override the heuristic (for
+// tuning sweeps: bench/bench_grouped_linear.py --sweep). Other values are ignored.
+inline Tuning tuning_override(Tuning t) {
+  if (const char* e = std::getenv("SPARSETRAIN_SM90_RASTER")) {
+    if (std::strcmp(e, "m") == 0) t.raster = Raster::kAlongM;
+    if (std::strcmp(e, "n") == 0) t.raster = Raster::kAlongN;
+  }
+  if (const char* e = std::getenv("SPARSETRAIN_SM90_SWIZZLE")) {
+    const int w = std::atoi(e);
+    if (w == 1 || w == 2 || w == 4 || w == 8) t.swizzle = w;
+  }
+  return t;
+}
+
+}  // namespace sparsetrain::cuda::sm90
