@@ -1,7 +1,7 @@
-"""The PyTorch front: `GroupedLinear(torch.nn.Module)` with TransformerEngine's options and
-semantics (main_grad accumulation, delayed wgrad with backward_dw, caller out / grad_input
-buffers, device splits), on top of `torch.library` custom ops with fake implementations so that
-models compile with torch.compile(fullgraph=True).
+"""The PyTorch front: `GroupedLinear` and `GroupedMLP` (torch.nn.Module) with TransformerEngine's
+options and semantics (main_grad accumulation, delayed wgrad with backward_dw, caller out /
+grad_input buffers, device splits), on top of `torch.library` custom ops with fake
+implementations so that models compile with torch.compile(fullgraph=True).
 
 Memory: every tensor the library allocates comes from torch's caching allocator on the current
 stream (torch.empty through the allocator callback) and is handed back as a view of that tensor.
@@ -13,26 +13,35 @@ from __future__ import annotations
 import itertools
 import math
 import weakref
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
 from . import GroupedLinear as _CoreGroupedLinear
+from . import GroupedMLP as _CoreGroupedMLP
 from . import weight_grad_disposition as _weight_grad_disposition
 from ._arrays import DeviceSplits
 
-__all__ = ["GroupedLinear"]
+__all__ = ["GroupedLinear", "GroupedMLP"]
 
 _ALIGN = 256
-_LAYERS: "dict[int, weakref.ReferenceType[GroupedLinear]]" = {}
+# Every layer module by id: the custom ops find their layer's state through it.
+_LAYERS: "dict[int, weakref.ReferenceType[nn.Module]]" = {}
 _NEXT_ID = itertools.count()
 
 
-def _layer(layer_id: int) -> "GroupedLinear":
+def _register(module: nn.Module) -> int:
+    layer_id = next(_NEXT_ID)
+    _LAYERS[layer_id] = weakref.ref(module)
+    weakref.finalize(module, _LAYERS.pop, layer_id, None)
+    return layer_id
+
+
+def _layer(layer_id: int) -> Any:
     module = _LAYERS[layer_id]()
     if module is None:
-        raise RuntimeError(f"sparsetrain GroupedLinear {layer_id} no longer exists")
+        raise RuntimeError(f"sparsetrain layer {layer_id} no longer exists")
     return module
 
 
@@ -74,20 +83,20 @@ def _(layer_id, x, splits, params, out):
     return None
 
 
-def _backward_impl(layer_id, x, dy, splits, grad_input):
-    """(dx, packed weight grad or dummy, bias grad [G, out]); an empty tensor stands for none."""
-    g = _layer(layer_id)._core().backward(x, dy, _splits_arg(splits), grad_input)
+def _layer_grad_tensors(g: Any, x: Tensor) -> Tuple[Tensor, Tensor]:
+    """One layer's grads (GroupedLinearGrads or LayerGrads) as op outputs: (packed weight grad or
+    dummy, bias grad [G, out]); an empty tensor stands for none."""
     if g.weight_kind == "none":
         dw = x.new_empty(0)
     elif g.weight_grad_packed is not None:
         dw = g.weight_grad_packed
     else:  # the dummy of per-expert weights: one [out, in] zero tensor
         dw = g.weight_grads[0]
-    return g.grad_input, dw, x.new_empty(0) if g.bias_grad is None else g.bias_grad
+    return dw, x.new_empty(0) if g.bias_grad is None else g.bias_grad
 
 
-def _backward_fake(layer_id, x):
-    m = _layer(layer_id)
+def _layer_grads_fake(m: "GroupedLinear", x: Tensor) -> Tuple[Tensor, Tensor]:
+    """The fake of _layer_grad_tensors for the GroupedLinear module `m` (its shapes and rule)."""
     kind, bias_now = m._disposition()
     G, out_f, in_f = m.num_gemms, m.out_features, m.in_features
     if kind == "none":
@@ -98,6 +107,16 @@ def _backward_fake(layer_id, x):
         dw = x.new_empty((G, out_f, in_f) if m.single_grouped_weight else (out_f, in_f))
     db = x.new_empty((G, out_f)) if (m.use_bias and bias_now) else x.new_empty(0)
     return dw, db
+
+
+def _backward_impl(layer_id, x, dy, splits, grad_input):
+    """(dx, packed weight grad or dummy, bias grad [G, out])."""
+    g = _layer(layer_id)._core().backward(x, dy, _splits_arg(splits), grad_input)
+    return (g.grad_input, *_layer_grad_tensors(g, x))
+
+
+def _backward_fake(layer_id, x):
+    return _layer_grads_fake(_layer(layer_id), x)
 
 
 @torch.library.custom_op("sparsetrain::grouped_linear_backward", mutates_args=())
@@ -149,21 +168,27 @@ class _GroupedLinearFunction(torch.autograd.Function):
             dw, db = torch.ops.sparsetrain.grouped_linear_backward_into(
                 ctx.layer_id, x, dy, splits, params, ctx.grad_input)
             dx = ctx.grad_input[:x.shape[0]]
-        kind, bias_now = ctx.disposition
-        weights, biases = params[:ctx.num_weights], params[ctx.num_weights:]
-        if kind == "none":
-            w_grads: Sequence[Optional[Tensor]] = [None] * len(weights)
-        elif kind == "wgrad":
-            w_grads = [dw] if ctx.packed else list(dw.unbind(0))
-        else:  # dummy: a cached zero tensor; Megatron reads the flag and skips its own accumulation
-            w_grads = [dw] * len(weights)
-            for w in weights:
-                w.grad_added_to_main_grad = True
-        if biases and bias_now:
-            b_grads: Sequence[Optional[Tensor]] = [db] if ctx.packed else list(db.unbind(0))
-        else:
-            b_grads = [None] * len(biases)
-        return (None, None, None, dx, None, None, None, None, *w_grads, *b_grads)
+        grads = _param_grads(ctx.disposition, ctx.packed, params[:ctx.num_weights], params[ctx.num_weights:], dw, db)
+        return (None, None, None, dx, None, None, None, None, *grads)
+
+
+def _param_grads(disposition: Tuple[str, bool], packed: bool, weights: Sequence[Tensor], biases: Sequence[Tensor],
+                 dw: Tensor, db: Tensor) -> List[Optional[Tensor]]:
+    """What autograd gets for one layer's weights then biases, from the op's (dw, db)."""
+    kind, bias_now = disposition
+    if kind == "none":
+        w_grads: List[Optional[Tensor]] = [None] * len(weights)
+    elif kind == "wgrad":
+        w_grads = [dw] if packed else list(dw.unbind(0))
+    else:  # dummy: a cached zero tensor; Megatron reads the flag and skips its own accumulation
+        w_grads = [dw] * len(weights)
+        for w in weights:
+            w.grad_added_to_main_grad = True
+    if biases and bias_now:
+        b_grads: List[Optional[Tensor]] = [db] if packed else list(db.unbind(0))
+    else:
+        b_grads = [None] * len(biases)
+    return w_grads + b_grads
 
 
 @torch.compiler.assume_constant_result
@@ -217,9 +242,7 @@ class GroupedLinear(nn.Module):
         self._hooks: List[Callable[[], None]] = []
         self._core_layer: Optional[_CoreGroupedLinear] = None
         self._core_key: Any = None
-        self._id = next(_NEXT_ID)
-        _LAYERS[self._id] = weakref.ref(self)
-        weakref.finalize(self, _LAYERS.pop, self._id, None)
+        self._id = _register(self)
 
     # -- parameters ------------------------------------------------------------------------
     def weights(self) -> List[Tensor]:
@@ -244,42 +267,46 @@ class GroupedLinear(nn.Module):
         return tuple(_weight_grad_disposition(self.delay_wgrad_compute, self.fuse_wgrad_accumulation,
                                               self._has_grad_added_attr()))
 
-    def _main_grads(self) -> Optional[List[Tensor]]:
+    def _main_grads(self, prefix: str = "") -> Optional[List[Tensor]]:
         if not self.fuse_wgrad_accumulation:
             return None
         grads = []
         for name, w in zip(self._names(), self.weights()):
             mg = getattr(w, "main_grad", None)
             if mg is None:
-                raise ValueError(f"{name}.main_grad: expected an fp32 tensor of shape {list(w.shape)} "
+                raise ValueError(f"{prefix}{name}.main_grad: expected an fp32 tensor of shape {list(w.shape)} "
                                  "(fuse_wgrad_accumulation=True), got none")
             grads.append(mg)
         return grads
 
-    def _core(self) -> _CoreGroupedLinear:
-        """The C++ layer over the current parameters, rebuilt when they (or main_grad) move."""
-        weights, biases, main_grads = self.weights(), self.biases(), self._main_grads()
+    def _param_state(self, prefix: str = "") -> "_ParamState":
+        """The parameters in the core's form, and a key that changes when any of them (or a
+        main_grad) moves; `prefix` names this layer inside a GroupedMLP in errors."""
+        weights, biases, main_grads = self.weights(), self.biases(), self._main_grads(prefix)
         overwrite = bool(self.fuse_wgrad_accumulation and getattr(weights[0], "overwrite_main_grad", False))
         has_attr = self._has_grad_added_attr()
         key = tuple((t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
                     for t in [*weights, *biases, *(main_grads or [])]) + (overwrite, has_attr)
-        if key != self._core_key:
-            if self._core_layer is not None and self._core_layer.pending_wgrads:
-                raise RuntimeError("GroupedLinear: parameters or main_grad changed while "
-                                   f"{self._core_layer.pending_wgrads} delayed wgrad(s) are pending; "
-                                   "call backward_dw() first")
 
-            def packed_or_list(ts):
-                if ts is None or not ts:
-                    return None
-                return ts[0] if self.single_grouped_weight else list(ts)
+        def packed_or_list(ts):
+            if ts is None or not ts:
+                return None
+            return ts[0] if self.single_grouped_weight else list(ts)
 
+        return _ParamState(packed_or_list(weights), packed_or_list(biases), packed_or_list(main_grads),
+                           overwrite, has_attr, key)
+
+    def _core(self) -> _CoreGroupedLinear:
+        """The C++ layer over the current parameters, rebuilt when they (or main_grad) move."""
+        p = self._param_state()
+        if p.key != self._core_key:
+            _check_no_pending(self._core_layer, "GroupedLinear")
             self._core_layer = _CoreGroupedLinear(
-                packed_or_list(weights), packed_or_list(biases), packed_or_list(main_grads),
-                fuse_wgrad_accumulation=self.fuse_wgrad_accumulation, overwrite_main_grad=overwrite,
-                delay_wgrad_compute=self.delay_wgrad_compute, has_grad_added_to_main_grad=has_attr,
+                p.weight, p.bias, p.main_grad,
+                fuse_wgrad_accumulation=self.fuse_wgrad_accumulation, overwrite_main_grad=p.overwrite,
+                delay_wgrad_compute=self.delay_wgrad_compute, has_grad_added_to_main_grad=p.has_attr,
                 check_device_splits=self.check_device_splits)
-            self._core_key = key
+            self._core_key = p.key
         return self._core_layer
 
     # -- forward / backward_dw -------------------------------------------------------------
@@ -309,15 +336,7 @@ class GroupedLinear(nn.Module):
         """Computes the oldest pending delayed wgrad (into main_grad when fused, else into the
         parameters' .grad), the bias grads, then runs the wgrad-accumulation-and-reduce hooks."""
         with torch.no_grad():
-            g = self._core().backward_dw()
-            if g.weight_kind == "wgrad":
-                grads = [g.weight_grad_packed] if self.single_grouped_weight else g.weight_grads
-                for p, grad in zip(self.weights(), grads):
-                    _accumulate_grad(p, grad)
-            if g.bias_grad is not None:
-                grads = [g.bias_grad] if self.single_grouped_weight else list(g.bias_grad.unbind(0))
-                for p, grad in zip(self.biases(), grads):
-                    _accumulate_grad(p, grad)
+            _accumulate_layer_grads(self, self._core().backward_dw())
         for hook in self._hooks:
             hook()
 
@@ -340,8 +359,240 @@ class GroupedLinear(nn.Module):
                 f"delay_wgrad_compute={self.delay_wgrad_compute}")
 
 
+class _ParamState(NamedTuple):
+    weight: Any     # in the core's form: the packed tensor (single_grouped_weight) or a list
+    bias: Any       # likewise, or None
+    main_grad: Any  # likewise, or None without fuse_wgrad_accumulation
+    overwrite: bool
+    has_attr: bool
+    key: tuple
+
+
+def _check_no_pending(core: Any, what: str) -> None:
+    if core is not None and core.pending_wgrads:
+        raise RuntimeError(f"{what}: parameters or main_grad changed while {core.pending_wgrads} delayed "
+                           "wgrad(s) are pending; call backward_dw() first")
+
+
 def _accumulate_grad(p: Tensor, grad: Tensor) -> None:
     if p.grad is None:
         p.grad = grad
     else:
         p.grad += grad
+
+
+def _accumulate_layer_grads(m: GroupedLinear, g: Any) -> None:
+    """A delayed wgrad (GroupedLinearGrads or LayerGrads) into the .grad of m's parameters; with
+    main_grad fusion the core has already written main_grad and there is nothing to add."""
+    if g.weight_kind == "wgrad":
+        grads = [g.weight_grad_packed] if m.single_grouped_weight else g.weight_grads
+        for p, grad in zip(m.weights(), grads):
+            _accumulate_grad(p, grad)
+    if g.bias_grad is not None:
+        grads = [g.bias_grad] if m.single_grouped_weight else list(g.bias_grad.unbind(0))
+        for p, grad in zip(m.biases(), grads):
+            _accumulate_grad(p, grad)
+
+
+# --- GroupedMLP ------------------------------------------------------------------------------
+# The same scheme as GroupedLinear's ops: `params` is [fc1 weights, fc1 biases, fc2 weights, fc2
+# biases]; each layer's weight grad comes back as (dw, db) under that layer's disposition.
+
+
+@torch.library.custom_op("sparsetrain::grouped_mlp_forward", mutates_args=())
+def _mlp_forward_op(layer_id: int, x: Tensor, splits: Tensor, probs: Tensor,
+                    params: List[Tensor]) -> Tuple[Tensor, Tensor]:
+    return _layer(layer_id)._core().forward(x, _splits_arg(splits), probs)
+
+
+@_mlp_forward_op.register_fake
+def _(layer_id, x, splits, probs, params):
+    m = _layer(layer_id)
+    return x.new_empty((x.shape[0], m.out_features)), x.new_empty((x.shape[0], 2 * m.ffn_hidden_size))
+
+
+@torch.library.custom_op("sparsetrain::grouped_mlp_forward_into", mutates_args=("out",))
+def _mlp_forward_into_op(layer_id: int, x: Tensor, splits: Tensor, probs: Tensor, params: List[Tensor],
+                         out: Tensor) -> Tensor:
+    return _layer(layer_id)._core().forward(x, _splits_arg(splits), probs, out)[1]
+
+
+@_mlp_forward_into_op.register_fake
+def _(layer_id, x, splits, probs, params, out):
+    return x.new_empty((x.shape[0], 2 * _layer(layer_id).ffn_hidden_size))
+
+
+def _mlp_backward_impl(layer_id, x, fc1_out, probs, dy, splits, grad_input):
+    """(dx, dprobs, fc1's dw, db, fc2's dw, db)."""
+    g = _layer(layer_id)._core().backward(x, fc1_out, probs, dy, _splits_arg(splits), grad_input)
+    return (g.grad_input, g.dprobs, *_layer_grad_tensors(g.fc1, x), *_layer_grad_tensors(g.fc2, x))
+
+
+def _mlp_backward_fake(layer_id, x, probs):
+    m = _layer(layer_id)
+    return (probs.new_empty((x.shape[0],), dtype=torch.float32), *_layer_grads_fake(m.fc1, x),
+            *_layer_grads_fake(m.fc2, x))
+
+
+@torch.library.custom_op("sparsetrain::grouped_mlp_backward", mutates_args=())
+def _mlp_backward_op(layer_id: int, x: Tensor, fc1_out: Tensor, probs: Tensor, dy: Tensor, splits: Tensor,
+                     params: List[Tensor]) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _mlp_backward_impl(layer_id, x, fc1_out, probs, dy, splits, None)
+
+
+@_mlp_backward_op.register_fake
+def _(layer_id, x, fc1_out, probs, dy, splits, params):
+    return (x.new_empty(x.shape), *_mlp_backward_fake(layer_id, x, probs))
+
+
+@torch.library.custom_op("sparsetrain::grouped_mlp_backward_into", mutates_args=("grad_input",))
+def _mlp_backward_into_op(layer_id: int, x: Tensor, fc1_out: Tensor, probs: Tensor, dy: Tensor, splits: Tensor,
+                          params: List[Tensor], grad_input: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return _mlp_backward_impl(layer_id, x, fc1_out, probs, dy, splits, grad_input)[1:]
+
+
+@_mlp_backward_into_op.register_fake
+def _(layer_id, x, fc1_out, probs, dy, splits, params, grad_input):
+    return _mlp_backward_fake(layer_id, x, probs)
+
+
+class _GroupedMLPFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, layer_id: int, dispositions: Tuple[Tuple[str, bool], Tuple[str, bool]], packed: bool,
+                x: Tensor, splits: Tensor, probs: Tensor, out: Optional[Tensor], grad_input: Optional[Tensor],
+                counts: Tuple[int, int, int, int], *params: Tensor):
+        if out is None:
+            y, fc1_out = torch.ops.sparsetrain.grouped_mlp_forward(layer_id, x, splits, probs, list(params))
+        else:
+            fc1_out = torch.ops.sparsetrain.grouped_mlp_forward_into(layer_id, x, splits, probs, list(params), out)
+            ctx.mark_dirty(out)
+            y = out
+        # Saved activations: x, fc1's pre-activation output and probs (the activation is recomputed).
+        ctx.save_for_backward(x, fc1_out, probs, splits, *params)
+        ctx.layer_id, ctx.dispositions, ctx.packed = layer_id, dispositions, packed
+        ctx.grad_input, ctx.counts = grad_input, counts
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, fc1_out, probs, splits, *params = ctx.saved_tensors
+        dy = dy[:x.shape[0]]  # a caller `out` buffer may have more rows than x
+        if dy.stride(-1) != 1:
+            dy = dy.contiguous()
+        if ctx.grad_input is None:
+            dx, dprobs, dw1, db1, dw2, db2 = torch.ops.sparsetrain.grouped_mlp_backward(
+                ctx.layer_id, x, fc1_out, probs, dy, splits, params)
+        else:
+            dprobs, dw1, db1, dw2, db2 = torch.ops.sparsetrain.grouped_mlp_backward_into(
+                ctx.layer_id, x, fc1_out, probs, dy, splits, params, ctx.grad_input)
+            dx = ctx.grad_input[:x.shape[0]]
+        nw1, nb1, nw2, nb2 = ctx.counts
+        w1, b1 = params[:nw1], params[nw1:nw1 + nb1]
+        w2, b2 = params[nw1 + nb1:nw1 + nb1 + nw2], params[nw1 + nb1 + nw2:]
+        grads = (_param_grads(ctx.dispositions[0], ctx.packed, w1, b1, dw1, db1)
+                 + _param_grads(ctx.dispositions[1], ctx.packed, w2, b2, dw2, db2))
+        return (None, None, None, dx, None, dprobs, None, None, None, *grads)
+
+
+class GroupedMLP(nn.Module):
+    """An MoE expert MLP over the row groups of one input: per expert,
+    y = probs * (silu(a) * b) fc2.W^T + probs * fc2.b, with a, b the two halves of fc1's output
+    (fc1: in -> 2 * ffn_hidden_size) or, with glu_interleave_size = k > 0, alternating blocks of
+    k columns (columns [2jk, 2jk + k) are a's block j, the next k are b's).
+
+    Parameters live in two GroupedLinear submodules, `fc1` and `fc2`, and are named like theirs:
+    fc1.weight0..fc1.weight{G-1} [2F, in], fc2.weight0.. [out, F] (fc1.bias0.., fc2.bias0.. with
+    bias=True), or with single_grouped_weight fc1.weight [G, 2F, in], fc2.weight [G, out, F] (and
+    fc1.bias, fc2.bias). Options apply to both layers, and each weight takes Megatron's
+    attributes as in GroupedLinear (main_grad, grad_added_to_main_grad, overwrite_main_grad; the
+    last must agree across the two layers). Call the MLP's own forward and backward_dw, not the
+    submodules': the MLP runs one fused C++ GroupedMLP over their parameters. backward_dw()
+    computes both layers' oldest pending wgrads, then runs the registered hooks.
+    """
+
+    def __init__(self, num_gemms: int, in_features: int, ffn_hidden_size: int,
+                 out_features: Optional[int] = None, bias: bool = False, *,
+                 params_dtype: Optional[torch.dtype] = None, device: Union[torch.device, str, None] = None,
+                 glu_interleave_size: int = 0, single_grouped_weight: bool = False,
+                 fuse_wgrad_accumulation: bool = False, delay_wgrad_compute: bool = False,
+                 check_device_splits: bool = False):
+        super().__init__()
+        out_features = in_features if out_features is None else out_features
+        kw = dict(bias=bias, params_dtype=params_dtype, device=device, single_grouped_weight=single_grouped_weight,
+                  fuse_wgrad_accumulation=fuse_wgrad_accumulation, delay_wgrad_compute=delay_wgrad_compute,
+                  check_device_splits=check_device_splits)
+        self.fc1 = GroupedLinear(num_gemms, in_features, 2 * ffn_hidden_size, **kw)
+        self.fc2 = GroupedLinear(num_gemms, ffn_hidden_size, out_features, **kw)
+        self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
+        self.ffn_hidden_size, self.glu_interleave_size = ffn_hidden_size, glu_interleave_size
+        self.use_bias, self.single_grouped_weight = bias, single_grouped_weight
+        self.fuse_wgrad_accumulation, self.delay_wgrad_compute = fuse_wgrad_accumulation, delay_wgrad_compute
+        self.check_device_splits = check_device_splits
+        self._hooks: List[Callable[[], None]] = []
+        self._core_layer: Optional[_CoreGroupedMLP] = None
+        self._core_key: Any = None
+        self._id = _register(self)
+
+    def _core(self) -> _CoreGroupedMLP:
+        """The C++ GroupedMLP over both layers' current parameters, rebuilt when any of them (or a
+        main_grad) moves. Sizes and dtypes are checked there (errors name fc1.* / fc2.*)."""
+        p1, p2 = self.fc1._param_state("fc1."), self.fc2._param_state("fc2.")
+        if p1.overwrite != p2.overwrite:
+            raise ValueError(f"fc2 weights' overwrite_main_grad: expected {p1.overwrite} (as fc1's), "
+                             f"got {p2.overwrite}")
+        key = (p1.key, p2.key)
+        if key != self._core_key:
+            _check_no_pending(self._core_layer, "GroupedMLP")
+            self._core_layer = _CoreGroupedMLP(
+                p1.weight, p2.weight, fc1_bias=p1.bias, fc2_bias=p2.bias, fc1_main_grad=p1.main_grad,
+                fc2_main_grad=p2.main_grad, glu_interleave_size=self.glu_interleave_size,
+                fuse_wgrad_accumulation=self.fuse_wgrad_accumulation, overwrite_main_grad=p1.overwrite,
+                delay_wgrad_compute=self.delay_wgrad_compute, has_grad_added_to_main_grad=(p1.has_attr, p2.has_attr),
+                check_device_splits=self.check_device_splits)
+            self._core_key = key
+        return self._core_layer
+
+    def forward(self, x: Tensor, m_splits: Union[Sequence[int], Tensor], probs: Tensor,
+                out: Optional[Tensor] = None, grad_input: Optional[Tensor] = None) -> Tensor:
+        """x [T, in] grouped by expert; m_splits as for GroupedLinear; probs fp32 [T] (the router
+        probability of each row; it gets a gradient, fp32). out: optional [>= T, out] buffer
+        written in place (rows >= S untouched); grad_input: optional [>= T, in] buffer for dx."""
+        splits = self.fc1._normalize_splits(m_splits)
+        params, counts = [], []
+        for layer in (self.fc1, self.fc2):
+            for group in (layer.weights(), layer.biases()):
+                params += group
+                counts.append(len(group))
+        dispositions = tuple(_disposition_constant(self.delay_wgrad_compute, self.fuse_wgrad_accumulation,
+                                                   layer._has_grad_added_attr()) for layer in (self.fc1, self.fc2))
+        return _GroupedMLPFunction.apply(self._id, dispositions, self.single_grouped_weight, x, splits, probs,
+                                         out, grad_input, tuple(counts), *params)
+
+    def backward_dw(self) -> None:
+        """Computes both layers' oldest pending delayed wgrads (into main_grad when fused, else into
+        the parameters' .grad) and bias grads, then runs the wgrad-accumulation-and-reduce hooks."""
+        with torch.no_grad():
+            g = self._core().backward_dw()
+            _accumulate_layer_grads(self.fc1, g.fc1)
+            _accumulate_layer_grads(self.fc2, g.fc2)
+        for hook in self._hooks:
+            hook()
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook: Callable[[], None]) -> None:
+        """`hook()` runs after each backward_dw(): with delayed wgrad, a gradient reduce must not
+        start before the wgrad exists."""
+        self._hooks.append(hook)
+
+    def need_backward_dw(self) -> bool:
+        return self.delay_wgrad_compute
+
+    @property
+    def pending_wgrads(self) -> int:
+        return 0 if self._core_layer is None else self._core_layer.pending_wgrads
+
+    def extra_repr(self) -> str:
+        return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, "
+                f"ffn_hidden_size={self.ffn_hidden_size}, out_features={self.out_features}, bias={self.use_bias}, "
+                f"glu_interleave_size={self.glu_interleave_size}, single_grouped_weight={self.single_grouped_weight}, "
+                f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}, "
+                f"delay_wgrad_compute={self.delay_wgrad_compute}")
