@@ -8,6 +8,7 @@ warm-up (median over repetitions). Writes JSON (--json) and prints a table.
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -71,7 +72,7 @@ def graph_ms(fn):
     return time_ms(graph.replay)[0]
 
 
-def bench_shape(G, T, splits, name, k_in, n_out):
+def bench_shape(G, T, splits, name, k_in, n_out, sweep=()):
     dev, dt = "cuda", torch.bfloat16
     torch.manual_seed(0)
     x = torch.randn(T, k_in, device=dev, dtype=dt)
@@ -106,19 +107,27 @@ def bench_shape(G, T, splits, name, k_in, n_out):
         },
     }
     rows = []
+
     # dgrad alone: backward of a delayed-wgrad layer (its queue of references grows; harmless).
     # wgrad alone: (backward + backward_dw) minus dgrad alone, so the queue stays balanced.
-    for pass_name in ["fprop", "dgrad", "wgrad", "wgrad_main_grad"]:
+    def ours_ms(pass_name):
         if pass_name == "fprop":
-            t, reps = time_ms(lambda: layer.forward(x, dsplits))
-        elif pass_name == "dgrad":
-            t, reps = time_ms(lambda: layer.backward(x, dy, dsplits))
-        else:
-            lay = layer if pass_name == "wgrad" else fused
-            t_both, reps = time_ms(lambda: (lay.backward(x, dy, dsplits), lay.backward_dw()))
-            t = t_both - time_ms(lambda: lay.backward(x, dy, dsplits))[0]
+            return time_ms(lambda: layer.forward(x, dsplits))
+        if pass_name == "dgrad":
+            return time_ms(lambda: layer.backward(x, dy, dsplits))
+        lay = layer if pass_name == "wgrad" else fused
+        t_both, reps = time_ms(lambda: (lay.backward(x, dy, dsplits), lay.backward_dw()))
+        return t_both - time_ms(lambda: lay.backward(x, dy, dsplits))[0], reps
+
+    for pass_name in ["fprop", "dgrad", "wgrad", "wgrad_main_grad"]:
+        t, reps = ours_ms(pass_name)
+        forced = {}
+        for var, value in sweep:  # the same pass with one tuning variable forced
+            os.environ[var] = value
+            forced[f"ours[{var}={value}]_ms"] = ours_ms(pass_name)[0]
+            del os.environ[var]
         row = {"shape": name, "pass": pass_name, "G": G, "T": T, "in": k_in, "out": n_out, "ours_ms": t,
-               "ours_tflops": flops / t * 1e-9, "reps": reps}
+               "ours_tflops": flops / t * 1e-9, "reps": reps, **forced}
         if pass_name in ("fprop", "dgrad"):  # host overhead: the same work replayed from a CUDA graph
             ours = (lambda: layer.forward(x, dsplits)) if pass_name == "fprop" else \
                 (lambda: layer.backward(x, dy, dsplits))
@@ -147,26 +156,32 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="mixtral,deepseek,qwen")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--sweep", action="append", default=[], metavar="VAR=V1,V2",
+                    help="also time ours with the environment variable VAR set to each value in turn "
+                         "(the sm90 tuning overrides, e.g. SPARSETRAIN_SM90_RASTER=m,n); repeatable")
     args = ap.parse_args()
     info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "date": time.strftime("%Y-%m-%d")}
+    sweep = [(var, value) for spec in args.sweep for var, values in [spec.split("=", 1)]
+             for value in values.split(",")]
     rows = []
     for model in args.models.split(","):
         G, T, gemms = MODELS[model]
         splits = routing(G, T)
         for gemm, k_in, n_out in gemms:
-            rows += bench_shape(G, T, splits, f"{model}.{gemm}", k_in, n_out)
+            rows += bench_shape(G, T, splits, f"{model}.{gemm}", k_in, n_out, sweep)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"info": info, "rows": rows}, f, indent=1)
     print(f"\n{info}")
     print(f"{'shape':16} {'pass':16} {'ours ms':>9} {'TFLOP/s':>8} {'vs grouped_mm':>13} {'vs mm loop':>10} "
-          f"{'vs dense':>9} {'graphed: ours/gmm ms':>22}")
+          f"{'vs dense':>9} {'graphed: ours/gmm ms':>22}  forced")
     for r in rows:
         graphed = f"{r['ours_graph_ms']:.3f}/{r['grouped_mm_graph_ms']:.3f}" if "ours_graph_ms" in r else ""
+        forced = " ".join(f"{k[5:-4].replace('SPARSETRAIN_SM90_', '')}:{v:.3f}" for k, v in r.items() if k.startswith("ours[") and k.endswith("]_ms"))
         print(f"{r['shape']:16} {r['pass']:16} {r['ours_ms']:9.3f} {r['ours_tflops']:8.1f} "
               f"{r['speedup_vs_grouped_mm']:13.3f} {r['speedup_vs_mm_loop']:10.3f} {r['speedup_vs_dense']:9.3f} "
-              f"{graphed:>22}")
+              f"{graphed:>22}  {forced}")
 
 
 if __name__ == "__main__":

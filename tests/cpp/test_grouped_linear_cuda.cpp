@@ -5,54 +5,21 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+#include <utility>
+
+#include "device_tensor.h"
 #include "grouped_linear_case.h"
 #include "sparsetrain/error.h"
 #include "sparsetrain/runtime.h"
 
 namespace st = sparsetrain;
 using st::testing::GroupedLinearCase;
+using st::testing::DeviceTensor;
 using st::testing::HostTensor;
+using st::testing::to_host;
 
 namespace {
-
-#define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << #x
-
-// A device copy of a host tensor, poisoned (0xFF: NaN) when made without data.
-struct DeviceTensor {
-  st::Tensor t;
-  DeviceTensor() = default;
-  explicit DeviceTensor(const HostTensor& h, bool copy = true) {
-    const st::TensorView v = h.view();
-    t = st::Tensor::empty(v.dtype(), v.shape(), v.dim(), st::Device::cuda(0), st::default_allocator(), {});
-    const size_t bytes = size_t(v.numel()) * v.element_size();
-    if (copy) {
-      EXPECT_EQ(cudaMemcpy(t.view().data(), h.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
-    } else {
-      EXPECT_EQ(cudaMemset(t.view().data(), 0xff, bytes), cudaSuccess);
-    }
-  }
-  const st::TensorView& view() const { return t.view(); }
-};
-
-HostTensor to_host(const st::TensorView& v) {
-  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  // Strided device views (per-group wgrads): copy each element run through a contiguous staging.
-  std::vector<int64_t> shape(v.shape(), v.shape() + v.dim());
-  int64_t extent = 1;
-  for (int i = 0; i < v.dim(); ++i) extent += (v.size(i) - 1) * v.stride(i);
-  HostTensor stage(v.dtype(), {v.numel() == 0 ? 0 : extent});
-  if (v.numel() > 0) {
-    EXPECT_EQ(cudaMemcpy(stage.data(), v.data(), size_t(extent) * v.element_size(), cudaMemcpyDeviceToHost), cudaSuccess);
-  }
-  const st::TensorView sv(stage.data(), v.dtype(), v.shape(), v.strides(), v.dim());
-  return HostTensor::copy_of(sv);
-}
-
-bool have_gpu() { return st::cuda_device_count() > 0; }
-#define REQUIRE_GPU() \
-  if (have_gpu()) {   \
-  } else              \
-    GTEST_SKIP() << "no CUDA device on this machine: GPU test skipped"
 
 struct Shape {
   st::DType dtype;
@@ -113,13 +80,8 @@ void expect_tail_zero(const HostTensor& h, int64_t S, int64_t cols) {
   for (int64_t i = S * cols; i < h.numel(); ++i) ASSERT_EQ(h.get(i), 0.0) << "tail element " << i;
 }
 
-class GroupedLinearCuda : public ::testing::TestWithParam<Shape> {};
-
-}  // namespace
-
-TEST_P(GroupedLinearCuda, MatchesTheOracleWithTailsAndIsBitwiseRepeatable) {
-  REQUIRE_GPU();
-  const Shape& s = GetParam();
+// Forward, backward (wgrad into dW) against the oracle, tails, caller buffers, repeatability.
+void check_against_oracle(const Shape& s) {
   GroupedLinearCase c = make_case(s);
   const auto oracle = c.oracle();
   const int64_t S = oracle.rows_used();
@@ -164,13 +126,11 @@ TEST_P(GroupedLinearCuda, MatchesTheOracleWithTailsAndIsBitwiseRepeatable) {
   EXPECT_TRUE(to_host(L.layer->forward(x.view(), sp).view()).bytes_equal(yh));
 }
 
-INSTANTIATE_TEST_SUITE_P(Cuda, GroupedLinearCuda, ::testing::ValuesIn(kShapes),
-                         [](const ::testing::TestParamInfo<Shape>& i) { return shape_name(i.param); });
-
-TEST(GroupedLinearCudaContract, MainGradAccumulateAndOverwriteWithAnEmptyExpert) {
-  REQUIRE_GPU();
+// main_grad fused into wgrad (accumulate, then overwrite) with expert 1 empty: accumulated
+// main_grad of an empty expert untouched bitwise, overwritten one zeroed.
+void check_main_grad(st::DType dtype) {
   for (bool overwrite : {false, true}) {
-    GroupedLinearCase c = make_case({st::DType::kBF16, 4, 77, 70, 40, 24, {1}, true, true, true});
+    GroupedLinearCase c = make_case({dtype, 4, 77, 70, 40, 24, {1}, true, true, true});
     c.fuse = true;
     c.overwrite = overwrite;
     c.main_grad.set(1 * c.out * c.in + 2, -0.0);
@@ -196,6 +156,53 @@ TEST(GroupedLinearCudaContract, MainGradAccumulateAndOverwriteWithAnEmptyExpert)
                                                  2, "main_grad"));
     }
   }
+}
+
+// Forces the sm90 tile walk for the scope (the heuristic otherwise picks it from the shapes).
+struct TuningOverride {
+  TuningOverride(const char* raster, const char* swizzle) {
+    setenv("SPARSETRAIN_SM90_RASTER", raster, 1);
+    setenv("SPARSETRAIN_SM90_SWIZZLE", swizzle, 1);
+  }
+  ~TuningOverride() {
+    unsetenv("SPARSETRAIN_SM90_RASTER");
+    unsetenv("SPARSETRAIN_SM90_SWIZZLE");
+  }
+};
+
+class GroupedLinearCuda : public ::testing::TestWithParam<Shape> {};
+
+}  // namespace
+
+TEST_P(GroupedLinearCuda, MatchesTheOracleWithTailsAndIsBitwiseRepeatable) {
+  REQUIRE_GPU();
+  check_against_oracle(GetParam());
+}
+
+// The sm90 kernels (fprop with and without bias, dgrad, wgrad, main_grad; bf16 and fp16) under
+// every tile walk, on shapes with a prime T, an empty expert, a padded tail and several tiles
+// per group in M and in N for every pass (about 370 rows per expert, out = 264, in = 520).
+TEST(GroupedLinearCudaTuning, EveryTileWalkMatchesTheOracle) {
+  REQUIRE_GPU();
+  for (const auto& [raster, swizzle] : {std::pair{"m", "1"}, std::pair{"n", "1"}, std::pair{"m", "4"}}) {
+    SCOPED_TRACE(std::string("raster ") + raster + ", swizzle " + swizzle);
+    TuningOverride force(raster, swizzle);
+    for (st::DType dtype : {st::DType::kBF16, st::DType::kFP16}) {
+      for (bool bias : {false, true}) {
+        SCOPED_TRACE(std::string(st::dtype_name(dtype)) + (bias ? " bias" : ""));
+        check_against_oracle({dtype, 5, 1499, 1480, 520, 264, {2}, true, bias, true});
+      }
+      check_main_grad(dtype);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cuda, GroupedLinearCuda, ::testing::ValuesIn(kShapes),
+                         [](const ::testing::TestParamInfo<Shape>& i) { return shape_name(i.param); });
+
+TEST(GroupedLinearCudaContract, MainGradAccumulateAndOverwriteWithAnEmptyExpert) {
+  REQUIRE_GPU();
+  check_main_grad(st::DType::kBF16);
 }
 
 TEST(GroupedLinearCudaContract, InvalidDeviceSplitsEmptyEveryProblemAndSetTheStatus) {

@@ -6,6 +6,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "cuda/grouped_linear/sm90_tuning.h"
+
 namespace sparsetrain::cuda {
 
 constexpr int kMaxGroups = 512;  // 3 pointer tables of 4 KiB: within the 32 KiB kernel-parameter limit
@@ -41,14 +43,14 @@ void launch_bias_grad(const int64_t* offsets, int64_t num_groups, int64_t out, c
 template <typename E>
 void launch_zero_tail(const int64_t* offsets, int64_t num_groups, void* c, int64_t rows, int64_t cols, void* stream);
 
-// The sm90 CUTLASS fast paths (bf16 operands, fp32 accumulation); compiled when CUTLASS headers
-// are found. Each variant is explicitly specialised in its own .cu.
+// The sm90 CUTLASS fast paths (bf16/fp16 operands, fp32 accumulation); compiled when CUTLASS
+// headers are found. Each (variant, element) is explicitly specialised in its own .cu, generated
+// by CMake from the list of instantiations (SPARSETRAIN_SM90_KERNELS).
 namespace sm90 {
-enum class Variant { kFpropBf16, kDgradBf16, kWgradBf16, kWgradF32 };
-template <Variant V>
+template <Variant V, typename E>
 size_t workspace_bytes(int64_t num_groups);  // per-launch arrays + CUTLASS workspace, from G only
-template <Variant V>
-void run(const GroupedGemmParams& p, void* workspace, size_t bytes, void* stream);
+template <Variant V, typename E>
+void run(const GroupedGemmParams& p, const Tuning& tuning, void* workspace, size_t bytes, void* stream);
 }  // namespace sm90
 
 }  // namespace sparsetrain::cuda

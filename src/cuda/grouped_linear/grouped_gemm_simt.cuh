@@ -12,18 +12,12 @@
 #include <cuda_runtime.h>
 
 #include "common/grouped_tile_scheduler.h"
+#include "cuda/element.cuh"
 #include "cuda/grouped_linear/grouped_gemm_params.h"
 #include "sparsetrain/dtype.h"
 #include "sparsetrain/error.h"
 
 namespace sparsetrain::cuda {
-
-__device__ inline float load_f32(const float* p, int64_t i) { return p[i]; }
-__device__ inline float load_f32(const bf16_t* p, int64_t i) { return __uint_as_float(uint32_t(p[i].bits) << 16); }
-__device__ inline float load_f32(const fp16_t* p, int64_t i) { return __half2float(__ushort_as_half(p[i].bits)); }
-__device__ inline void store_f32(float* p, int64_t i, float v) { p[i] = v; }
-__device__ inline void store_f32(bf16_t* p, int64_t i, float v) { p[i].bits = __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
-__device__ inline void store_f32(fp16_t* p, int64_t i, float v) { p[i].bits = __half_as_ushort(__float2half_rn(v)); }
 
 constexpr int kTileM = 64, kTileN = 64, kTileK = 16, kThreads = 256;
 

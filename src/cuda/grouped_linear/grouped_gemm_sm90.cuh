@@ -5,6 +5,7 @@
 // CUTLASS's workspace live in the caller's workspace (sizes from G only).
 //
 //   fprop  D_g [rows_g, out] = x_g [rows_g, in] . W_g^T    A row-major, B = W_g column-major
+//          (+ b_g broadcast over the rows, read by the epilogue through a per-group pointer table)
 //   dgrad  D_g [rows_g, in]  = dy_g [rows_g, out] . W_g    A row-major, B = W_g row-major
 //   wgrad  D_g [out, in]     = dy_g^T . x_g  (+ C_g)       A = dy_g column-major, B = x_g row-major,
 //          K = rows_g (ragged); fp32 main_grad: C = D = main_grad, beta 1 (accumulate) or 0
@@ -14,11 +15,14 @@
 
 #include <cuda_runtime.h>
 
+#include <map>
+#include <mutex>
 #include <type_traits>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp"
 #include "cutlass/gemm/collective/collective_builder.hpp"
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/dispatch_policy.hpp"
@@ -26,48 +30,70 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
 #include "cuda/grouped_linear/grouped_gemm_params.h"
+#include "sparsetrain/dtype.h"
 #include "sparsetrain/error.h"
 
 namespace sparsetrain::cuda::sm90 {
 
 using namespace cute;
 
-template <Variant V>
+template <typename E> struct CutlassType;
+template <> struct CutlassType<bf16_t> { using type = cutlass::bfloat16_t; };
+template <> struct CutlassType<fp16_t> { using type = cutlass::half_t; };
+
+// Operand layouts and output types of each variant (Element: the operands' type).
+template <Variant V, typename Element>
 struct Config;
-template <> struct Config<Variant::kFpropBf16> {
-  using A = cutlass::layout::RowMajor; using B = cutlass::layout::ColumnMajor; using C = void; using D = cutlass::bfloat16_t;
+template <typename E> struct Config<Variant::kFprop, E> {
+  using A = cutlass::layout::RowMajor; using B = cutlass::layout::ColumnMajor; using C = void; using D = E;
 };
-template <> struct Config<Variant::kDgradBf16> {
-  using A = cutlass::layout::RowMajor; using B = cutlass::layout::RowMajor; using C = void; using D = cutlass::bfloat16_t;
+template <typename E> struct Config<Variant::kFpropBias, E> : Config<Variant::kFprop, E> {};
+template <typename E> struct Config<Variant::kDgrad, E> {
+  using A = cutlass::layout::RowMajor; using B = cutlass::layout::RowMajor; using C = void; using D = E;
 };
-template <> struct Config<Variant::kWgradBf16> {
-  using A = cutlass::layout::ColumnMajor; using B = cutlass::layout::RowMajor; using C = void; using D = cutlass::bfloat16_t;
+template <typename E> struct Config<Variant::kWgrad, E> {
+  using A = cutlass::layout::ColumnMajor; using B = cutlass::layout::RowMajor; using C = void; using D = E;
 };
-template <> struct Config<Variant::kWgradF32> {
-  using A = cutlass::layout::ColumnMajor; using B = cutlass::layout::RowMajor; using C = float; using D = float;
+template <typename E> struct Config<Variant::kWgradF32, E> : Config<Variant::kWgrad, E> { using C = float; using D = float; };
+
+// The epilogue's fusion: D = acc (+ beta C), or D = acc + bias_g broadcast over the rows, the bias
+// read through a per-group pointer table.
+template <Variant V, typename Element, typename ElementD, typename ElementC, typename TileShape>
+struct Fusion {
+  using type = cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC>;
+};
+template <typename Element, typename ElementD, typename ElementC, typename TileShape>
+struct Fusion<Variant::kFpropBias, Element, ElementD, ElementC, TileShape> {
+  using Bias = cutlass::epilogue::fusion::Sm90RowBroadcast<0, TileShape, Element*, float, Stride<_0, _1, _0>>;
+  using type = cutlass::epilogue::fusion::Sm90EVT<
+      cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, ElementD, float, cutlass::FloatRoundStyle::round_to_nearest>,
+      cutlass::epilogue::fusion::Sm90AccFetch, Bias>;
 };
 
-template <Variant V>
+template <Variant V, typename E>
 struct Sm90GroupedGemm {
-  using Element = cutlass::bfloat16_t;
-  using ElementC = typename Config<V>::C;
-  using ElementD = typename Config<V>::D;
+  static constexpr Variant kVariant = V;
+  using Element = typename CutlassType<E>::type;
+  using Cfg = Config<V, Element>;
+  using ElementC = typename Cfg::C;
+  using ElementD = typename Cfg::D;
   using LayoutD = cutlass::layout::RowMajor;
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
   static constexpr int kAlignAB = 128 / cutlass::sizeof_bits<Element>::value;  // 16-byte TMA alignment
   static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
   static constexpr int kAlignC = std::is_void_v<ElementC> ? kAlignD : 128 / cutlass::sizeof_bits<ElementC>::value;
-  // 128x256x64 tiles, cooperative (two consumer warpgroups), cluster 2x1: the large MoE GEMMs.
-  using TileShape = Shape<_128, _256, _64>;
+  // 128x256x64 tiles, cluster 2x1, cooperative (two consumer warpgroups on one tile): the large
+  // MoE GEMMs (sm90_tuning.h says what else was measured).
+  using TileShape = Shape<Int<kTileM>, Int<kTileN>, _64>;
   using ClusterShape = Shape<_2, _1, _1>;
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD*, kAlignC, ElementD, LayoutD*,
       kAlignD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
-      cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC>>::CollectiveOp;
+      typename Fusion<V, Element, ElementD, ElementC, TileShape>::type>::CollectiveOp;
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, typename Config<V>::A*, kAlignAB, Element,
-      typename Config<V>::B*, kAlignAB, float, TileShape, ClusterShape,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, typename Cfg::A*, kAlignAB, Element,
+      typename Cfg::B*, kAlignAB, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
@@ -86,6 +112,7 @@ struct Sm90GroupedGemm {
     const Element** b;
     PtrC* c;
     ElementD** d;
+    const Element** bias;
     StrideA* stride_a;
     StrideB* stride_b;
     StrideC* stride_c;
@@ -95,7 +122,7 @@ struct Sm90GroupedGemm {
   static size_t align_up(size_t n) { return (n + 255) / 256 * 256; }
   static size_t arrays_bytes(int64_t g) {
     const size_t n = size_t(g);
-    return align_up(sizeof(Shape3) * n) + 4 * align_up(sizeof(void*) * n) + align_up(sizeof(StrideA) * n) +
+    return align_up(sizeof(Shape3) * n) + 5 * align_up(sizeof(void*) * n) + align_up(sizeof(StrideA) * n) +
            align_up(sizeof(StrideB) * n) + align_up(sizeof(StrideC) * n) + align_up(sizeof(StrideD) * n);
   }
   static Arrays carve(void* ws, int64_t g) {
@@ -110,6 +137,7 @@ struct Sm90GroupedGemm {
     take(a.b, sizeof(void*));
     take(a.c, sizeof(void*));
     take(a.d, sizeof(void*));
+    take(a.bias, sizeof(void*));
     take(a.stride_a, sizeof(StrideA));
     take(a.stride_b, sizeof(StrideB));
     take(a.stride_c, sizeof(StrideC));
@@ -117,18 +145,38 @@ struct Sm90GroupedGemm {
     return a;
   }
 
-  static typename Gemm::Arguments arguments(const GroupedGemmParams& p, const Arrays& a, int device, float beta) {
+  static typename Gemm::Arguments arguments(const GroupedGemmParams& p, const Tuning& t, const Arrays& a, int device,
+                                            float beta) {
     typename Gemm::Arguments args;
     decltype(args.epilogue.thread) fusion;
-    fusion.alpha = 1.f;
-    fusion.beta = beta;
-    const auto hw = cutlass::KernelHardwareInfo::make_kernel_hardware_info<Kernel>(device);
+    if constexpr (V == Variant::kFpropBias) {
+      fusion = {{}, {a.bias}, {}};  // EVT arguments: {AccFetch, RowBroadcast, plus}
+    } else {
+      fusion.alpha = 1.f;
+      fusion.beta = beta;
+    }
+    const cutlass::KernelHardwareInfo hw = hardware_info(device);
     args = typename Gemm::Arguments{cutlass::gemm::GemmUniversalMode::kGrouped,
                                     {int(p.num_groups), a.problems, nullptr},
                                     {a.a, a.stride_a, a.b, a.stride_b},
                                     {fusion, a.c, a.stride_c, a.d, a.stride_d},
                                     hw};
+    using RasterOrder = cutlass::gemm::kernel::detail::RasterOrderOptions;
+    args.scheduler.raster_order = t.raster == Raster::kAlongN ? RasterOrder::AlongN : RasterOrder::AlongM;
+    args.scheduler.max_swizzle_size = t.swizzle;
     return args;
+  }
+
+  // SM count and the kernel's occupancy in clusters: queried once per device (the occupancy query
+  // takes tens of microseconds, which a small MoE GEMM would pay on every call otherwise).
+  static cutlass::KernelHardwareInfo hardware_info(int device) {
+    static std::mutex mutex;
+    static std::map<int, cutlass::KernelHardwareInfo> cache;
+    const std::lock_guard<std::mutex> lock(mutex);
+    auto it = cache.find(device);
+    if (it == cache.end())
+      it = cache.emplace(device, cutlass::KernelHardwareInfo::make_kernel_hardware_info<Kernel>(device)).first;
+    return it->second;
   }
 
   static size_t workspace_bytes(int64_t g) {
@@ -136,32 +184,23 @@ struct Sm90GroupedGemm {
     p.num_groups = g;
     int device = 0;
     cudaGetDevice(&device);
-    return arrays_bytes(g) + align_up(Gemm::get_workspace_size(arguments(p, Arrays{}, device, 0.f)));
+    return arrays_bytes(g) + align_up(Gemm::get_workspace_size(arguments(p, Tuning{}, Arrays{}, device, 0.f)));
   }
 
-  static void run(const GroupedGemmParams& p, void* workspace, size_t bytes, void* stream);
+  static void run(const GroupedGemmParams& p, const Tuning& t, void* workspace, size_t bytes, void* stream);
 };
 
 // One thread per group: that group's problem, pointers and strides. A wgrad group with no rows
 // gets M = 0; zero_empty_groups_kernel writes its zeros.
-template <Variant V>
-__global__ void sm90_setup_kernel(const GroupedGemmParams p, typename Sm90GroupedGemm<V>::Arrays a) {
-  using S = Sm90GroupedGemm<V>;
+template <typename S>
+__global__ void sm90_setup_kernel(const GroupedGemmParams p, typename S::Arrays a) {
   using E = typename S::Element;
+  constexpr Variant V = S::kVariant;
   const int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (g >= p.num_groups) return;
   const int64_t row = p.offsets[g], rows = p.offsets[g + 1] - row;
   int m, n, k;
-  if constexpr (V == Variant::kFpropBf16 || V == Variant::kDgradBf16) {
-    const bool fprop = V == Variant::kFpropBf16;
-    m = int(rows);
-    n = int(fprop ? p.out : p.in);
-    k = int(fprop ? p.in : p.out);
-    a.a[g] = static_cast<const E*>(p.act) + row * p.act_ld;
-    a.b[g] = static_cast<const E*>(p.weight[g]);
-    a.d[g] = static_cast<E*>(p.c) + row * p.c_ld;
-    a.c[g] = nullptr;
-  } else {
+  if constexpr (V == Variant::kWgrad || V == Variant::kWgradF32) {
     m = rows > 0 ? int(p.out) : 0;
     n = int(p.in);
     k = int(rows);
@@ -169,6 +208,16 @@ __global__ void sm90_setup_kernel(const GroupedGemmParams p, typename Sm90Groupe
     a.b[g] = static_cast<const E*>(p.act2) + row * p.act2_ld;  // x rows of g, row-major [rows, in]
     a.d[g] = static_cast<typename S::ElementD*>(p.dw[g]);
     a.c[g] = static_cast<typename S::PtrC>(p.dw[g]);
+  } else {
+    const bool dgrad = V == Variant::kDgrad;
+    m = int(rows);
+    n = int(dgrad ? p.in : p.out);
+    k = int(dgrad ? p.out : p.in);
+    a.a[g] = static_cast<const E*>(p.act) + row * p.act_ld;
+    a.b[g] = static_cast<const E*>(p.weight[g]);
+    a.d[g] = static_cast<E*>(p.c) + row * p.c_ld;
+    a.c[g] = nullptr;
+    a.bias[g] = static_cast<const E*>(p.bias[g]);
   }
   a.problems[g] = typename S::Shape3(m, n, k);
   a.stride_a[g] = cutlass::make_cute_packed_stride(typename S::StrideA{}, cute::make_shape(m, k, 1));
@@ -188,12 +237,13 @@ __global__ void zero_empty_groups_kernel(const int64_t* offsets, GroupedGemmPara
     out[i] = T(0.f);
 }
 
-template <Variant V>
-void Sm90GroupedGemm<V>::run(const GroupedGemmParams& p, void* workspace, size_t bytes, void* stream) {
+template <Variant V, typename E>
+void Sm90GroupedGemm<V, E>::run(const GroupedGemmParams& p, const Tuning& t, void* workspace, size_t bytes,
+                                   void* stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const Arrays a = carve(workspace, p.num_groups);
-  sm90_setup_kernel<V><<<unsigned((p.num_groups + 127) / 128), 128, 0, s>>>(p, a);
-  if constexpr (V == Variant::kWgradBf16 || V == Variant::kWgradF32) {
+  sm90_setup_kernel<Sm90GroupedGemm><<<unsigned((p.num_groups + 127) / 128), 128, 0, s>>>(p, a);
+  if constexpr (V == Variant::kWgrad || V == Variant::kWgradF32) {
     if (p.wgrad_store != WgradStore::kMainGradAccumulate) {
       GroupedGemmParams::DwTable t;
       for (int64_t g = 0; g < p.num_groups; ++g) t.ptr[g] = p.dw[g];
@@ -204,7 +254,7 @@ void Sm90GroupedGemm<V>::run(const GroupedGemmParams& p, void* workspace, size_t
   int device = 0;
   cudaGetDevice(&device);
   const float beta = p.wgrad_store == WgradStore::kMainGradAccumulate && V == Variant::kWgradF32 ? 1.f : 0.f;
-  const auto args = arguments(p, a, device, beta);
+  const auto args = arguments(p, t, a, device, beta);
   Gemm gemm;
   if (arrays_bytes(p.num_groups) + Gemm::get_workspace_size(args) > bytes) ST_FAIL("sm90 grouped GEMM: workspace too small");
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) ST_FAIL("sm90 grouped GEMM: cannot implement");
@@ -213,14 +263,16 @@ void Sm90GroupedGemm<V>::run(const GroupedGemmParams& p, void* workspace, size_t
   if (gemm.run(s) != cutlass::Status::kSuccess) ST_FAIL("sm90 grouped GEMM: run failed");
 }
 
-#define SPARSETRAIN_SM90_INSTANTIATE(V)                                                             \
+// The explicit specialisation of one (variant, element); CMake generates one .cu each.
+#define SPARSETRAIN_SM90_INSTANTIATE(V, E)                                                     \
   template <>                                                                                      \
-  size_t workspace_bytes<V>(int64_t num_groups) {                                                  \
-    return Sm90GroupedGemm<V>::workspace_bytes(num_groups);                                        \
+  size_t workspace_bytes<V, E>(int64_t num_groups) {                                            \
+    return Sm90GroupedGemm<V, E>::workspace_bytes(num_groups);                                  \
   }                                                                                                \
   template <>                                                                                      \
-  void run<V>(const GroupedGemmParams& p, void* workspace, size_t bytes, void* stream) {          \
-    Sm90GroupedGemm<V>::run(p, workspace, bytes, stream);                                          \
+  void run<V, E>(const GroupedGemmParams& p, const Tuning& t, void* workspace, size_t bytes,    \
+                    void* stream) {                                                                \
+    Sm90GroupedGemm<V, E>::run(p, t, workspace, bytes, stream);                                 \
   }
 
 }  // namespace sparsetrain::cuda::sm90

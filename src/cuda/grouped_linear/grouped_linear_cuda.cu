@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <initializer_list>
+#include <type_traits>
 
 #include "common/group_offsets.h"
 #include "cuda/grouped_linear/grouped_gemm_params.h"
@@ -61,21 +62,48 @@ bool is_sm90(int device) {
   return cudaGetDeviceProperties(&prop, device) == cudaSuccess && prop.major == 9 && prop.minor == 0;
 }
 
+using cuda::sm90::Variant;
+
+// Which sm90 kernels this build has: CMakeLists.txt's SPARSETRAIN_SM90_KERNELS list (MINIMAL:
+// bf16 without bias; ALL: bf16 and fp16, biased fprop included).
+constexpr bool sm90_built(Variant v, DType dtype) {
+  if (!SPARSETRAIN_WITH_CUTLASS) return false;
+  if (!SPARSETRAIN_SM90_ALL) return dtype == DType::kBF16 && v != Variant::kFpropBias;
+  return dtype == DType::kBF16 || dtype == DType::kFP16;
+}
+template <typename E>
+constexpr DType dtype_of() {
+  return std::is_same_v<E, bf16_t> ? DType::kBF16 : DType::kFP16;
+}
+
+template <Variant V, typename E>
+size_t sm90_scratch_of([[maybe_unused]] int64_t num_groups) {
+#if SPARSETRAIN_WITH_CUTLASS
+  if constexpr (sm90_built(V, dtype_of<E>())) return cuda::sm90::workspace_bytes<V, E>(num_groups);
+#endif
+  return 0;
+}
+template <typename E>
+size_t sm90_scratch(int64_t g) {
+  return std::max({sm90_scratch_of<Variant::kFprop, E>(g), sm90_scratch_of<Variant::kFpropBias, E>(g),
+                   sm90_scratch_of<Variant::kDgrad, E>(g), sm90_scratch_of<Variant::kWgrad, E>(g),
+                   sm90_scratch_of<Variant::kWgradF32, E>(g)});
+}
+
+template <Variant V, typename E>
+void sm90_launch([[maybe_unused]] const cuda::sm90::Tuning& t, [[maybe_unused]] const GroupedGemmParams& p,
+                 [[maybe_unused]] void* scratch, [[maybe_unused]] size_t bytes, [[maybe_unused]] Stream stream) {
+#if SPARSETRAIN_WITH_CUTLASS
+  if constexpr (sm90_built(V, dtype_of<E>())) cuda::sm90::run<V, E>(p, t, scratch, bytes, stream.handle);
+#endif
+}
+
 class CudaBackend final : public GroupedLinearBackend {
  public:
   int64_t max_groups() const override { return cuda::kMaxGroups; }
   size_t scratch_bytes(DType dtype, int64_t num_groups, int64_t, int64_t, int64_t) const override {
-#if SPARSETRAIN_WITH_CUTLASS
-    using V = cuda::sm90::Variant;
-    if (dtype == DType::kBF16)
-      return std::max({cuda::sm90::workspace_bytes<V::kFpropBf16>(num_groups),
-                       cuda::sm90::workspace_bytes<V::kDgradBf16>(num_groups),
-                       cuda::sm90::workspace_bytes<V::kWgradBf16>(num_groups),
-                       cuda::sm90::workspace_bytes<V::kWgradF32>(num_groups)});
-#else
-    (void)dtype;
-    (void)num_groups;
-#endif
+    if (dtype == DType::kBF16) return sm90_scratch<bf16_t>(num_groups);
+    if (dtype == DType::kFP16) return sm90_scratch<fp16_t>(num_groups);
     return 0;
   }
 
@@ -103,31 +131,36 @@ class CudaBackend final : public GroupedLinearBackend {
     check(cudaMemsetAsync(t.data(), 0, size_t(t.numel()) * t.element_size(), as_cuda(stream)), "cudaMemsetAsync");
   }
 
-  // The TMA fast path (sm90 CUTLASS): bf16, every row and base 16-byte aligned (in and out
-  // multiples of 8, activations with packed rows). Anything else runs the SIMT kernels.
-  static bool fast_path(DType dtype, const GroupedProblem& pr, std::initializer_list<const TensorView*> rows,
+  // The TMA fast path (sm90 CUTLASS): a kernel built for (variant, dtype), every row and base
+  // 16-byte aligned (in and out multiples of 8, activations with packed rows), an sm_90 device.
+  // Anything else runs the SIMT kernels.
+  static bool fast_path(Variant v, const GroupedProblem& pr, std::initializer_list<const TensorView*> rows,
                         const std::vector<TensorView>& per_group) {
-#if SPARSETRAIN_WITH_CUTLASS
-    if (dtype != DType::kBF16 || pr.in % 8 || pr.out % 8) return false;
+    if (!sm90_built(v, pr.dtype) || pr.in % 8 || pr.out % 8) return false;
     for (const TensorView* t : rows)
       if (t->stride(0) != t->size(1) || !aligned16(t->data())) return false;
     for (const TensorView& w : per_group)
       if (!aligned16(w.data())) return false;
     static const bool sm90 = is_sm90(rows.begin()[0]->device().index);
     return sm90;
-#else
-    (void)dtype, (void)pr, (void)rows, (void)per_group;
-    return false;
-#endif
   }
 
-  template <cuda::sm90::Variant V>
-  void run_sm90(const GroupedGemmParams& p, void* scratch, Stream stream) {
-#if SPARSETRAIN_WITH_CUTLASS
-    cuda::sm90::run<V>(p, scratch, scratch_bytes(DType::kBF16, p.num_groups, 0, 0, 0), stream.handle);
-#else
-    (void)p, (void)scratch, (void)stream;
-#endif
+  // The sm90 kernel of variant v, launched with the heuristic's tuning.
+  void run_sm90(Variant v, DType dtype, const GroupedGemmParams& p, void* scratch, Stream stream) {
+    const cuda::sm90::Tuning s = cuda::sm90::tuning_override(cuda::sm90::pick_tuning(v, p.in, p.out));
+    const size_t bytes = scratch_bytes(dtype, p.num_groups, 0, 0, 0);
+    auto go = [&](auto e) {
+      using E = decltype(e);
+      switch (v) {
+        case Variant::kFprop: sm90_launch<Variant::kFprop, E>(s, p, scratch, bytes, stream); break;
+        case Variant::kFpropBias: sm90_launch<Variant::kFpropBias, E>(s, p, scratch, bytes, stream); break;
+        case Variant::kDgrad: sm90_launch<Variant::kDgrad, E>(s, p, scratch, bytes, stream); break;
+        case Variant::kWgrad: sm90_launch<Variant::kWgrad, E>(s, p, scratch, bytes, stream); break;
+        case Variant::kWgradF32: sm90_launch<Variant::kWgradF32, E>(s, p, scratch, bytes, stream); break;
+      }
+    };
+    if (dtype == DType::kBF16) go(bf16_t{});
+    if (dtype == DType::kFP16) go(fp16_t{});
   }
 
   // fprop and dgrad: a GEMM over the ragged rows (act [T, k] -> c [rows, n]), then the zeroed
@@ -145,9 +178,9 @@ class CudaBackend final : public GroupedLinearBackend {
       p.weight[g] = weight[size_t(g)].data();
       p.bias[g] = bias.empty() ? nullptr : bias[size_t(g)].data();
     }
-    const bool fast = bias.empty() && fast_path(pr.dtype, pr, {&act, &c}, weight);
-    if (fast && kind == GemmKind::kFprop) run_sm90<cuda::sm90::Variant::kFpropBf16>(p, scratch, stream);
-    if (fast && kind == GemmKind::kDgrad) run_sm90<cuda::sm90::Variant::kDgradBf16>(p, scratch, stream);
+    const Variant v = kind == GemmKind::kDgrad ? Variant::kDgrad : bias.empty() ? Variant::kFprop : Variant::kFpropBias;
+    const bool fast = fast_path(v, pr, {&act, &c}, weight);
+    if (fast) run_sm90(v, pr.dtype, p, scratch, stream);
     dispatch_dtype(pr.dtype, [&](auto e) {
       using E = decltype(e);
       if (!fast) cuda::launch_grouped_gemm<E>(p, stream.handle);
@@ -174,9 +207,9 @@ class CudaBackend final : public GroupedLinearBackend {
                     : w.target == WgradTarget::kMainGradAccumulate ? cuda::WgradStore::kMainGradAccumulate
                                                                    : cuda::WgradStore::kMainGradOverwrite;
     for (int64_t g = 0; g < w.problem.num_groups; ++g) p.dw[g] = w.dw[size_t(g)].data();
-    const bool fast = fast_path(w.problem.dtype, w.problem, {&w.dy, &w.x}, w.dw);
-    if (fast && w.target == WgradTarget::kWeightGrad) run_sm90<cuda::sm90::Variant::kWgradBf16>(p, scratch, stream);
-    if (fast && w.target != WgradTarget::kWeightGrad) run_sm90<cuda::sm90::Variant::kWgradF32>(p, scratch, stream);
+    const Variant v = w.target == WgradTarget::kWeightGrad ? Variant::kWgrad : Variant::kWgradF32;
+    const bool fast = fast_path(v, w.problem, {&w.dy, &w.x}, w.dw);
+    if (fast) run_sm90(v, w.problem.dtype, p, scratch, stream);
     dispatch_dtype(w.problem.dtype, [&](auto e) {
       using E = decltype(e);
       if (!fast) cuda::launch_grouped_gemm<E>(p, stream.handle);

@@ -1,0 +1,45 @@
+// The sm90 launch heuristic (cuda/grouped_linear/sm90_tuning.h): plain host code, so tested on
+// the CPU. It sees shapes only (a graph captured once stays valid for any split values).
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+#include "cuda/grouped_linear/sm90_tuning.h"
+
+namespace sm90 = sparsetrain::cuda::sm90;
+
+TEST(Sm90Tuning, WgradWalksAlongNWhenMHasManyMoreTiles) {
+  // mixtral fc1's wgrad: M = out = 28672 (224 tiles of 128), N = in = 4096 (16 tiles of 256).
+  EXPECT_EQ(sm90::pick_tuning(sm90::Variant::kWgrad, 4096, 28672).raster, sm90::Raster::kAlongN);
+  EXPECT_EQ(sm90::pick_tuning(sm90::Variant::kWgradF32, 4096, 28672).raster, sm90::Raster::kAlongN);
+  // mixtral fc2 (M 32 tiles, N 56) and deepseek fc1 (M 32, N 28): along M.
+  EXPECT_EQ(sm90::pick_tuning(sm90::Variant::kWgrad, 14336, 4096).raster, sm90::Raster::kAlongM);
+  EXPECT_EQ(sm90::pick_tuning(sm90::Variant::kWgradF32, 7168, 4096).raster, sm90::Raster::kAlongM);
+  // The boundary: M tiles = 2 x N tiles walks along N, one fewer along M.
+  EXPECT_EQ(sm90::pick_tuning(sm90::Variant::kWgrad, 256, 256).raster, sm90::Raster::kAlongN);
+  EXPECT_EQ(sm90::pick_tuning(sm90::Variant::kWgrad, 256, 128).raster, sm90::Raster::kAlongM);
+}
+
+TEST(Sm90Tuning, FpropAndDgradWalkAlongM) {
+  for (auto v : {sm90::Variant::kFprop, sm90::Variant::kFpropBias, sm90::Variant::kDgrad}) {
+    EXPECT_EQ(sm90::pick_tuning(v, 4096, 28672).raster, sm90::Raster::kAlongM);
+    EXPECT_EQ(sm90::pick_tuning(v, 28672, 4096).raster, sm90::Raster::kAlongM);
+    EXPECT_EQ(sm90::pick_tuning(v, 4096, 28672).swizzle, 1);
+  }
+}
+
+TEST(Sm90Tuning, EnvironmentOverridesOnlyValidValues) {
+  const sm90::Tuning base = sm90::pick_tuning(sm90::Variant::kFprop, 64, 64);
+  setenv("SPARSETRAIN_SM90_RASTER", "n", 1);
+  setenv("SPARSETRAIN_SM90_SWIZZLE", "4", 1);
+  sm90::Tuning t = sm90::tuning_override(base);
+  EXPECT_EQ(t.raster, sm90::Raster::kAlongN);
+  EXPECT_EQ(t.swizzle, 4);
+  setenv("SPARSETRAIN_SM90_RASTER", "diagonal", 1);
+  setenv("SPARSETRAIN_SM90_SWIZZLE", "3", 1);
+  t = sm90::tuning_override(base);
+  EXPECT_EQ(t.raster, base.raster);
+  EXPECT_EQ(t.swizzle, base.swizzle);
+  unsetenv("SPARSETRAIN_SM90_RASTER");
+  unsetenv("SPARSETRAIN_SM90_SWIZZLE");
+}

@@ -1,0 +1,55 @@
+// GPU test helpers: device copies of host tensors (or NaN-poisoned device buffers), copies back
+// to the host (strided views included), and the visible skip when there is no GPU.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "host_tensor.h"
+#include "sparsetrain/allocator.h"
+#include "sparsetrain/runtime.h"
+
+namespace sparsetrain::testing {
+
+#define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << #x
+
+// A device copy of a host tensor, poisoned (0xFF: NaN) when made without data.
+struct DeviceTensor {
+  Tensor t;
+  DeviceTensor() = default;
+  explicit DeviceTensor(const HostTensor& h, bool copy = true) {
+    const TensorView v = h.view();
+    t = Tensor::empty(v.dtype(), v.shape(), v.dim(), Device::cuda(0), default_allocator(), {});
+    const size_t bytes = size_t(v.numel()) * v.element_size();
+    if (copy) {
+      EXPECT_EQ(cudaMemcpy(t.view().data(), h.data(), bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    } else {
+      EXPECT_EQ(cudaMemset(t.view().data(), 0xff, bytes), cudaSuccess);
+    }
+  }
+  const TensorView& view() const { return t.view(); }
+};
+
+inline HostTensor to_host(const TensorView& v) {
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  // Strided device views (per-group wgrads): copy the whole extent, then gather on the host.
+  int64_t extent = 1;
+  for (int i = 0; i < v.dim(); ++i) extent += (v.size(i) - 1) * v.stride(i);
+  HostTensor stage(v.dtype(), {v.numel() == 0 ? 0 : extent});
+  if (v.numel() > 0) {
+    EXPECT_EQ(cudaMemcpy(stage.data(), v.data(), size_t(extent) * v.element_size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  }
+  const TensorView sv(stage.data(), v.dtype(), v.shape(), v.strides(), v.dim());
+  return HostTensor::copy_of(sv);
+}
+
+inline bool have_gpu() { return cuda_device_count() > 0; }
+
+}  // namespace sparsetrain::testing
+
+#define REQUIRE_GPU()                    \
+  if (sparsetrain::testing::have_gpu()) { \
+  } else                                  \
+    GTEST_SKIP() << "no CUDA device on this machine: GPU test skipped"
