@@ -40,4 +40,16 @@ ST_HOST_DEVICE inline int32_t compute_group_offsets(const int64_t* splits, int64
   return bits;
 }
 
+// The group owning row t < offsets[G]: the last g with offsets[g] <= t (empty groups, whose
+// offsets equal the next one's, are skipped over). O(log G) by bisection.
+ST_HOST_DEVICE inline int64_t group_of_row(const int64_t* offsets, int64_t num_groups, int64_t t) {
+  int64_t lo = 0, hi = num_groups - 1;  // invariant: offsets[lo] <= t, and the answer is in [lo, hi]
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (offsets[mid] <= t) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
 }  // namespace sparsetrain

@@ -16,8 +16,10 @@ namespace sparsetrain {
 
 backend::GroupedMLPBackend& backend::grouped_mlp_backend_for(Device device, const char* arg) {
   if (device.is_cpu()) return grouped_mlp_reference_backend();
-  // A CUDA backend of the elementwise stages plugs in here once it exists.
-  detail::throw_arg_error(arg, "a tensor on cpu (GroupedMLP has no CUDA backend yet)", device.str());
+#if SPARSETRAIN_WITH_CUDA
+  if (device.is_cuda()) return grouped_mlp_cuda_backend();
+#endif
+  detail::throw_arg_error(arg, "a tensor on cpu (this build has no CUDA backend)", device.str());
 }
 
 namespace {

@@ -91,7 +91,10 @@ class GroupedMLPBackend {
 };
 
 GroupedMLPBackend& grouped_mlp_reference_backend();
-// The backend that runs on `device`; an Error naming `arg` where there is none (CUDA for now).
+#if SPARSETRAIN_WITH_CUDA
+GroupedMLPBackend& grouped_mlp_cuda_backend();
+#endif
+// The backend that runs on `device`; an Error naming `arg` where this build has none.
 GroupedMLPBackend& grouped_mlp_backend_for(Device device, const char* arg);
 
 }  // namespace sparsetrain::backend

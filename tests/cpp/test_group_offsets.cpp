@@ -2,6 +2,7 @@
 // rule: every group empty, sticky status bits.
 #include <gtest/gtest.h>
 
+#include <random>
 #include <vector>
 
 #include "common/group_offsets.h"
@@ -49,4 +50,27 @@ TEST(GroupOffsets, SumEqualToRowsIsValid) {
   std::vector<int64_t> off(3);
   EXPECT_EQ(st::compute_group_offsets(splits.data(), 2, 10, off.data(), nullptr), st::kSplitsOk);
   EXPECT_EQ(off.back(), 10);
+}
+
+TEST(GroupOffsets, GroupOfRowSkipsEmptyGroups) {
+  // Splits {0, 3, 0, 0, 2, 1, 0}: rows 0-2 -> group 1, 3-4 -> group 4, 5 -> group 5.
+  const int64_t splits[] = {0, 3, 0, 0, 2, 1, 0};
+  int64_t offsets[8];
+  ASSERT_EQ(st::compute_group_offsets(splits, 7, 6, offsets, nullptr), st::kSplitsOk);
+  const int64_t expected[] = {1, 1, 1, 4, 4, 5};
+  for (int64_t t = 0; t < 6; ++t) EXPECT_EQ(st::group_of_row(offsets, 7, t), expected[t]) << "row " << t;
+  // Against a linear scan over random splits.
+  std::mt19937 rng(1);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int64_t G = 1 + int64_t(rng() % 40);
+    std::vector<int64_t> s(static_cast<size_t>(G)), off(static_cast<size_t>(G + 1));
+    int64_t T = 0;
+    for (auto& v : s) T += (v = rng() % 3 == 0 ? 0 : int64_t(rng() % 5));
+    st::compute_group_offsets(s.data(), G, T, off.data(), nullptr);
+    for (int64_t t = 0; t < T; ++t) {
+      int64_t g = 0;
+      while (!(off[size_t(g)] <= t && t < off[size_t(g + 1)])) ++g;
+      ASSERT_EQ(st::group_of_row(off.data(), G, t), g);
+    }
+  }
 }

@@ -331,25 +331,6 @@ TEST(GroupedMLPContract, CheckedModeRaisesOnInvalidDeviceSplitsAndWritesNothing)
   EXPECT_EQ(alloc.allocations, 0);
 }
 
-// Until GroupedMLP has a CUDA backend, a CUDA layer is refused when it is built (no GPU needed:
-// nothing is dereferenced).
-TEST(GroupedMLPContract, ACudaDeviceIsAClearErrorForNow) {
-  const GroupedMLPCase c = small_case(st::DType::kBF16);
-  st::GroupedMLPParams p = c.params();
-  const auto on_cuda = [](const HostTensor& t) {
-    return st::GroupedParam::packed(st::TensorView(t.data(), t.dtype(), t.view().shape(), t.view().strides(),
-                                                   t.view().dim(), st::Device::cuda(0)));
-  };
-  p.fc1.weight = on_cuda(c.w1);
-  p.fc1.bias = on_cuda(c.b1);
-  p.fc2.weight = on_cuda(c.w2);
-  p.fc2.bias = on_cuda(c.b2);
-  const std::string msg = expect_error([&] { st::GroupedMLP mlp(c.options(), p); });
-  EXPECT_NE(msg.find("fc1.weight: expected a tensor on cpu (GroupedMLP has no CUDA backend yet), got cuda:0"),
-            std::string::npos)
-      << msg;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Bad input
 
