@@ -26,6 +26,19 @@ class HostTensor {
     numel_ = n;
     bytes_.assign(size_t(n) * dtype_size(dtype) + 256, 0);
   }
+  // data() is aligned inside bytes_, so a copy re-aligns rather than copying bytes_ as they are
+  // (the copied vector's base can sit at a different offset from a 256-byte boundary).
+  HostTensor(const HostTensor& o)
+      : dtype_(o.dtype_), shape_(o.shape_), numel_(o.numel_), bytes_(o.bytes_.size(), 0) {
+    if (!bytes_.empty()) std::memcpy(data(), o.data(), size_t(numel_) * dtype_size(dtype_));
+  }
+  HostTensor& operator=(const HostTensor& o) {
+    if (this != &o) *this = HostTensor(o);
+    return *this;
+  }
+  HostTensor(HostTensor&&) noexcept = default;  // a moved vector keeps its buffer: data() stays put
+  HostTensor& operator=(HostTensor&&) noexcept = default;
+
   TensorView view() const {
     return TensorView::contiguous(data(), dtype_, shape_.data(), int(shape_.size()));
   }
