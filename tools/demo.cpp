@@ -1,7 +1,7 @@
 // `sparsetrain demo`: an MoE-shaped GroupedLinear training step (forward, dgrad, wgrad) with
-// uneven Dirichlet routing, one empty expert and a padded tail, on the best available backend,
-// checked element by element against the double-precision oracle; on a GPU also the TFLOP/s of a
-// large MoE shape.
+// uneven Dirichlet routing, one empty expert and a padded tail, then a GroupedMLP step (fc1 ->
+// SwiGLU x probs -> fc2, main_grad accumulation), on the best available backend, checked element by
+// element against the double-precision oracles; on a GPU also the TFLOP/s of large MoE shapes.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -11,9 +11,11 @@
 #include <vector>
 
 #include "grouped_linear_oracle.h"
+#include "grouped_mlp_case.h"
 #include "host_tensor.h"
 #include "sparsetrain/error.h"
 #include "sparsetrain/grouped_linear.h"
+#include "sparsetrain/grouped_mlp.h"
 #include "sparsetrain/runtime.h"
 #include "tools/commands.h"
 #if SPARSETRAIN_WITH_CUDA
@@ -34,10 +36,11 @@ const char* kDemoHelp =
     "usage: sparsetrain demo [options]\n"
     "\n"
     "Runs one MoE-shaped GroupedLinear forward + backward (dgrad and wgrad) with uneven routing\n"
-    "(Dirichlet alpha=2 expert loads, expert 5 forced empty, a padded tail of rows), on the best\n"
-    "available backend (the first GPU when there is one), checks every output against a\n"
-    "double-precision oracle and prints a report. On a GPU it also reports the TFLOP/s of a\n"
-    "large MoE shape (G=8, T=32768, 7168 -> 4096, bf16).\n"
+    "(Dirichlet alpha=2 expert loads, expert 5 forced empty, a padded tail of rows), then one\n"
+    "GroupedMLP step (fc1 -> SwiGLU x router probs -> fc2, fp32 main_grad accumulation for both\n"
+    "layers), on the best available backend (the first GPU when there is one), checks every output\n"
+    "against a double-precision oracle and prints a report. On a GPU it also reports the TFLOP/s\n"
+    "of large MoE shapes (G=8, T=32768, 7168 -> 4096 and 7168 -> 2 x 2048 -> 7168, bf16).\n"
     "\n"
     "options:\n"
     "  --groups G       experts (default 8)\n"
@@ -217,6 +220,94 @@ void report_gpu_throughput(const Place& place, std::mt19937_64& rng) {
               flops / t_fwd * 1e-12, t_bwd * 1e3, 2 * flops / t_bwd * 1e-12);
 }
 
+// One MoE expert-MLP training step (GroupedMLP: fc1 -> SwiGLU x router probs -> fc2) with both
+// layers' wgrads accumulated into fp32 main_grad, checked against the double-precision oracle;
+// on a GPU also the TFLOP/s of a DeepSeek-like step (G = 8, T = 32768, 7168 -> 2 x 2048 -> 7168).
+bool run_mlp_step(const Place& place, const DemoOptions& o, std::mt19937_64& rng) {
+  using testing::HostTensor;
+  const int64_t G = o.groups, T = o.tokens, S = T - o.padding, F = o.out / 8;
+  testing::GroupedMLPCase c = testing::random_mlp_case(o.dtype, G, T, S, o.in, F, o.in, 0, {}, true, false, false,
+                                                       o.seed);
+  c.splits = dirichlet_splits(G, S, rng);
+  c.fuse = true;
+  const HostTensor mg1_before = c.mg1, mg2_before = c.mg2;  // on the CPU the layer accumulates into c's
+  std::vector<Tensor> keep;
+  const TensorView x = place.put(c.x, keep), probs = place.put(c.probs, keep), dy = place.put(c.dy, keep);
+  const TensorView w1 = place.put(c.w1, keep), w2 = place.put(c.w2, keep);
+  const TensorView mg1 = place.put(c.mg1, keep), mg2 = place.put(c.mg2, keep);
+  GroupedMLPParams params;
+  params.fc1.weight = GroupedParam::packed(w1);
+  params.fc2.weight = GroupedParam::packed(w2);
+  params.fc1.main_grad = GroupedParam::packed(mg1);
+  params.fc2.main_grad = GroupedParam::packed(mg2);
+  GroupedMLP mlp(c.options(), params);
+  const Splits sp = Splits::host(c.splits);
+  const auto t0 = std::chrono::steady_clock::now();
+  const GroupedMLPForward fwd = mlp.forward(x, sp, probs);
+  const GroupedMLPGrads g = mlp.backward(x, fwd.fc1_out.view(), probs, dy, sp);
+  place.sync();
+  const double t = seconds_since(t0);
+  const auto oracle = c.oracle();
+  const auto b = oracle.backward(place.get(fwd.fc1_out.view()).to_double());
+  bool pass = true;
+  auto report = [&](const char* name, const testing::CompareResult& r) {
+    pass = pass && r.ok;
+    if (!r.ok) std::printf("            %s: %s\n", name, r.first_failure.c_str());
+  };
+  auto head = [&](const Tensor& v) { return place.get(v.view().rows(0, S)); };
+  report("out", testing::compare_bounded(head(fwd.out), oracle.forward().out, o.dtype, "out"));
+  report("dx", testing::compare_bounded(head(g.grad_input), b.dx, o.dtype, "dx"));
+  report("dprobs", testing::compare_bounded(head(g.dprobs), b.dprobs, DType::kFP32, "dprobs"));
+  const HostTensor m1 = place.get(mg1), m2 = place.get(mg2);
+  for (int64_t e = 0; e < G; ++e) {
+    const std::vector<double> base1 = HostTensor::copy_of(mg1_before.view().select(e)).to_double();
+    const std::vector<double> base2 = HostTensor::copy_of(mg2_before.view().select(e)).to_double();
+    report("main_grad1", testing::compare_bounded(HostTensor::copy_of(m1.view().select(e)), b.dw1[size_t(e)],
+                                                  DType::kFP32, "fc1 main_grad", &base1));
+    report("main_grad2", testing::compare_bounded(HostTensor::copy_of(m2.view().select(e)), b.dw2[size_t(e)],
+                                                  DType::kFP32, "fc2 main_grad", &base2));
+  }
+  std::printf("  mlp       GroupedMLP x [%lld, %lld] -> 2 x %lld -> %lld, fwd + bwd + main_grad += in %.3f ms "
+              "(first call); out, dx, dprobs, both main_grads vs oracle: %s\n",
+              (long long)T, (long long)o.in, (long long)F, (long long)o.in, t * 1e3, pass ? "ok" : "MISMATCH");
+  if (!place.gpu()) return pass;
+
+  const int64_t LG = 8, LT = 32768, hidden = 7168, ffn = 2048;
+  std::vector<Tensor> big;
+  const TensorView bx = place.random(DType::kBF16, LT, hidden, rng, big);
+  const TensorView bdy = place.random(DType::kBF16, LT, hidden, rng, big);
+  const TensorView bw1 = place.random(DType::kBF16, LG * 2 * ffn, hidden, rng, big);
+  const TensorView bw2 = place.random(DType::kBF16, LG * hidden, ffn, rng, big);
+  const TensorView bm1 = place.random(DType::kFP32, LG * 2 * ffn, hidden, rng, big);
+  const TensorView bm2 = place.random(DType::kFP32, LG * hidden, ffn, rng, big);
+  testing::HostTensor hp(DType::kFP32, {LT});
+  for (int64_t i = 0; i < LT; ++i) hp.set(i, 0.5);
+  const TensorView bp = place.put(hp, big);
+  GroupedMLPOptions lo;
+  lo.num_groups = LG;
+  lo.in_features = lo.out_features = hidden;
+  lo.ffn_features = ffn;
+  lo.dtype = DType::kBF16;
+  lo.fuse_wgrad_accumulation = true;
+  GroupedMLPParams lp;
+  lp.fc1.weight = GroupedParam::packed(TensorView(bw1.data(), DType::kBF16, {LG, 2 * ffn, hidden}, bw1.device()));
+  lp.fc2.weight = GroupedParam::packed(TensorView(bw2.data(), DType::kBF16, {LG, hidden, ffn}, bw2.device()));
+  lp.fc1.main_grad = GroupedParam::packed(TensorView(bm1.data(), DType::kFP32, {LG, 2 * ffn, hidden}, bm1.device()));
+  lp.fc2.main_grad = GroupedParam::packed(TensorView(bm2.data(), DType::kFP32, {LG, hidden, ffn}, bm2.device()));
+  GroupedMLP large(lo, lp);
+  const Splits lsp = Splits::host(dirichlet_splits(LG, LT, rng));
+  const double ts = time_call(place, 5, [&] {
+    const GroupedMLPForward f = large.forward(bx, lsp, bp);
+    large.backward(bx, f.fc1_out.view(), bp, bdy, lsp);
+  });
+  const double flops = 3 * 2.0 * double(LT) * double(hidden) * double(3 * ffn);
+  std::printf("  mlp large G=%lld, x [%lld, %lld] -> 2 x %lld -> %lld bf16, fused main_grad: fwd + bwd %.3f ms "
+              "(%.0f TFLOP/s)\n",
+              (long long)LG, (long long)LT, (long long)hidden, (long long)ffn, (long long)hidden, ts * 1e3,
+              flops / ts * 1e-12);
+  return pass;
+}
+
 }  // namespace
 
 int run_demo(int argc, char** argv) {
@@ -246,7 +337,7 @@ int run_demo(int argc, char** argv) {
   params.weight = GroupedParam::packed(wv);
   GroupedLinear layer(opts, params);
 
-  std::printf("sparsetrain demo: MoE GroupedLinear training step\n");
+  std::printf("sparsetrain demo: MoE GroupedLinear and GroupedMLP training steps\n");
   std::printf("  backend   %s (%s)\n", layer.device().str().c_str(),
               place.gpu() ? best_backend_description().c_str() : "CPU reference backend");
   std::printf("  shapes    G=%lld experts, x [%lld, %lld] (%lld routed rows + %lld padding), W [%lld, %lld, %lld], %s\n",
@@ -298,6 +389,7 @@ int run_demo(int argc, char** argv) {
   std::printf("  tail      rows >= %lld of y are %s\n", (long long)S, tail_zero ? "zero" : "NOT zero");
   pass = pass && tail_zero;
   if (place.gpu()) report_gpu_throughput(place, rng);
+  pass = run_mlp_step(place, o, rng) && pass;
   std::printf("%s\n", pass ? "PASS" : "FAIL");
   return pass ? 0 : 1;
 }
