@@ -26,7 +26,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _close(got, ref, dtype, what):
-    got, ref = got.detach().double(), ref.detach().double()
+    got, ref = got.detach().double().cpu(), ref.detach().double().cpu()
     assert got.shape == ref.shape, what
     tol = REL_TOL[dtype] * max(ref.abs().max().item(), 1e-6)
     err = (got - ref).abs()
