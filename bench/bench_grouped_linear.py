@@ -36,10 +36,16 @@ def routing(G, T):
     return s.tolist()
 
 
-def time_ms(fn, min_reps=100, max_seconds=2.0, warmup=3):
-    """Median of CUDA-event timings; fewer than min_reps only when one call is slow (recorded)."""
+def time_ms(fn, min_reps=100, max_seconds=2.0, warmup=3, setup=None):
+    """Median of CUDA-event timings; fewer than min_reps only when one call is slow (recorded).
+    setup (optional) runs before each call, outside the timed events (queued work still runs
+    first on the stream, so only fn's own kernels fall between the events)."""
+    setup = setup or (lambda: None)
     for _ in range(warmup):
+        setup()
         fn()
+    torch.cuda.synchronize()
+    setup()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     fn()
@@ -48,6 +54,7 @@ def time_ms(fn, min_reps=100, max_seconds=2.0, warmup=3):
     reps = max(5, min(min_reps, int(max_seconds / max(one, 1e-6))))
     times = []
     for _ in range(reps):
+        setup()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
@@ -108,16 +115,16 @@ def bench_shape(G, T, splits, name, k_in, n_out, sweep=()):
     }
     rows = []
 
-    # dgrad alone: backward of a delayed-wgrad layer (its queue of references grows; harmless).
-    # wgrad alone: (backward + backward_dw) minus dgrad alone, so the queue stays balanced.
+    # dgrad alone: backward of a delayed-wgrad layer, each followed (untimed) by its backward_dw.
+    # wgrad alone: backward_dw, each preceded (untimed) by the backward that queues it.
     def ours_ms(pass_name):
         if pass_name == "fprop":
             return time_ms(lambda: layer.forward(x, dsplits))
         if pass_name == "dgrad":
-            return time_ms(lambda: layer.backward(x, dy, dsplits))
+            return time_ms(lambda: layer.backward(x, dy, dsplits),
+                           setup=lambda: layer.pending_wgrads and layer.backward_dw())
         lay = layer if pass_name == "wgrad" else fused
-        t_both, reps = time_ms(lambda: (lay.backward(x, dy, dsplits), lay.backward_dw()))
-        return t_both - time_ms(lambda: lay.backward(x, dy, dsplits))[0], reps
+        return time_ms(lambda: lay.backward_dw(), setup=lambda: lay.backward(x, dy, dsplits))
 
     for pass_name in ["fprop", "dgrad", "wgrad", "wgrad_main_grad"]:
         t, reps = ours_ms(pass_name)
