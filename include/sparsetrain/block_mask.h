@@ -1,0 +1,124 @@
+// BlockMask: which (query block, key block) pairs of an attention are computed, in FlexAttention's
+// layout (DESIGN.md section 6), plus what the deterministic backward needs: the transposes, the
+// dQ write order for a column schedule, and the mask inside partial blocks.
+//
+// Index tensors are int32 with leading dims [B, H] broadcastable (size 1 or the batch / heads of
+// the attention), block counts Mq = ceil(Sq / block_q) and Nk = ceil(Skv / block_kv):
+//   kv_num_blocks [B, H, Mq]       partial kv blocks of each q block (the mask applies inside)
+//   kv_indices    [B, H, Mq, Wkv]  their kv block ids in the first kv_num_blocks entries
+//   full_kv_*                      the same for full blocks (no mask inside); may be absent
+//   q_num_blocks / q_indices [B, H, Nk(, Wq)], full_q_*: the transposes (backward walks columns)
+//   dq_write_order (_full)         int32, parallel to q_indices (full_q_indices): see below
+// W may be compact: any width >= the largest count (FlexAttention pads to Nk / Mq); every tensor
+// parallel to an index tensor, the write orders included, may be compact the same way.
+//
+// Walk order: kv column n visits the q blocks it touches, partial and full merged, in ascending
+// q-block order (builders sort; validation checks each list is strictly increasing and that no
+// block is both partial and full).
+//
+// dQ write order: for a column schedule (the order in which backward hands out kv columns), every
+// q block m is written by the columns touching it one at a time, in schedule order; the entry
+// parallel to (n, m) is n's turn (0, 1, ...) among those columns. With a kernel kv tile smaller
+// than block_kv, each block column splits into sub-columns that take turns separately
+// (DqWriteOrder::sub_tiles). Deadlock freedom (DESIGN.md section 6) holds when, at every q block,
+// turns increase with the writers' positions in the schedule — true of every order built here,
+// and checked by check_write_order().
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "sparsetrain/allocator.h"
+#include "sparsetrain/mask_spec.h"
+#include "sparsetrain/tensor.h"
+
+namespace sparsetrain {
+
+// The order in which backward hands out kv columns: left to right, right to left (SPT: on a
+// causal mask the shortest columns come first), or an explicit permutation of [0, Nk).
+enum class ScheduleKind { kLeftToRight, kShortestFirst, kPermutation };
+
+struct ColumnSchedule {
+  ScheduleKind kind = ScheduleKind::kLeftToRight;
+  std::vector<int32_t> permutation;  // kPermutation: column ids in hand-out order
+  // Column n's position in the hand-out order (Nk columns).
+  int64_t position(int64_t n, int64_t num_columns) const;
+  std::string str() const;  // "left-to-right", "shortest-first", "permutation[...]"
+};
+
+// Non-owning views of a block mask (host or device memory; int32 index tensors).
+struct BlockMask {
+  int64_t seq_q = 0, seq_kv = 0;
+  int64_t block_q = 128, block_kv = 128;
+  TensorView kv_num_blocks, kv_indices;            // required
+  TensorView full_kv_num_blocks, full_kv_indices;  // optional (both or neither)
+  TensorView q_num_blocks, q_indices;              // the transposes (required for backward)
+  TensorView full_q_num_blocks, full_q_indices;
+  TensorView dq_write_order, dq_write_order_full;  // parallel to q_indices / full_q_indices
+  int64_t write_order_sub_tiles = 1;               // kv sub-columns per block column in the order
+  ColumnSchedule schedule;                         // the schedule the write orders were built for
+  // The mask inside partial blocks: a built-in spec, or per-partial-block bitmasks
+  // (MaskKind::kBitmask): uint8 [B, H, Mq, Wkv, block_q * block_kv / 8] parallel to kv_indices,
+  // bit (i * block_kv + j) of a block = query row i, key column j of the block allowed (LSB first).
+  MaskSpec spec;
+  TensorView partial_bitmasks;
+
+  int64_t num_q_blocks() const { return (seq_q + block_q - 1) / block_q; }
+  int64_t num_kv_blocks() const { return (seq_kv + block_kv - 1) / block_kv; }
+};
+
+// Owning storage for a BlockMask built by the library (tensors from the caller's allocator).
+struct BlockMaskTensors {
+  BlockMask mask;  // views into the tensors below
+  Tensor kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices;
+  Tensor q_num_blocks, q_indices, full_q_num_blocks, full_q_indices;
+  Tensor dq_write_order, dq_write_order_full, partial_bitmasks;
+  std::vector<int32_t> schedule_permutation;
+};
+
+// Checks shapes, dtypes, broadcastable leading dims (against batch / heads when > 0), index
+// ranges, duplicates, sorted walks, a block listed as both partial and full, counts larger than
+// the index width, transposes consistent with the forward lists, and, when present, the write
+// orders against check_write_order(). Throws sparsetrain::Error naming the tensor. Host memory
+// only (a device mask is validated by copying it back: debug use).
+void validate_block_mask(const BlockMask& mask, int64_t batch = 0, int64_t heads = 0);
+
+// Builders (host memory; the caller's allocator, default_allocator() if null). `schedule`:
+// the column schedule whose dQ write order is stored; ScheduleKind "auto" is chosen by
+// choose_schedule() below when `auto_schedule` is true.
+struct BlockMaskOptions {
+  int64_t block_q = 128, block_kv = 128;
+  bool auto_schedule = true;   // choose_schedule(); otherwise `schedule`
+  ColumnSchedule schedule;
+  int64_t write_order_sub_tiles = 1;
+  Allocator* allocator = nullptr;
+};
+// From a built-in spec (MaskKind other than kBitmask); batch / heads as the spec needs (document
+// ids may differ per batch row; everything else broadcasts with B = H = 1).
+BlockMaskTensors build_block_mask(const MaskSpec& spec, int64_t seq_q, int64_t seq_kv,
+                                  const BlockMaskOptions& options = {});
+// From a dense boolean (uint8) block matrix [B, H, Mq, Nk]: 0 = skipped, 1 = partial, 2 = full.
+BlockMaskTensors build_block_mask_from_blocks(const TensorView& blocks, int64_t seq_q, int64_t seq_kv,
+                                              const BlockMaskOptions& options = {});
+// From any mask function: allowed(b, h, q, kv) evaluated once per element; blocks with every
+// element allowed become full, with none skipped, the rest partial with a bitmask.
+using MaskFunction = bool (*)(void* context, int64_t b, int64_t h, int64_t q, int64_t kv);
+BlockMaskTensors build_block_mask_from_function(MaskFunction allowed, void* context, int64_t batch, int64_t heads,
+                                                int64_t seq_q, int64_t seq_kv, const BlockMaskOptions& options = {});
+
+// The transposes (q_* from kv_*), and the dQ write orders for `schedule` with `sub_tiles` kv
+// sub-columns per block column, written into `out` (which already holds the forward lists).
+void transpose_block_mask(BlockMaskTensors& out, Allocator* allocator = nullptr);
+void compute_dq_write_order(BlockMaskTensors& out, const ColumnSchedule& schedule, int64_t sub_tiles,
+                            Allocator* allocator = nullptr);
+
+// The deadlock-freedom invariant: for every (b, h) and q block, the writers' turns are exactly
+// 0..k-1 and increase with their position in `mask.schedule`. Returns "" or the first violation.
+std::string check_write_order(const BlockMask& mask);
+
+// "auto": a pure function of the mask — the schedule (left to right or shortest first) with the
+// shorter critical path in the scheduler model (src/common/dq_schedule_model.h) at 132 workers.
+ColumnSchedule choose_schedule(const BlockMask& mask);
+
+}  // namespace sparsetrain

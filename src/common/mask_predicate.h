@@ -1,0 +1,30 @@
+// Whether query q may attend to key kv under a built-in MaskSpec: plain host/device code, the one
+// definition the builders, the CPU reference and the kernels share (tested on the CPU).
+// doc_q / doc_kv: the rows of batch b of the document ids (nullptr unless a document mask).
+#pragma once
+
+#include <cstdint>
+
+#include "common/group_offsets.h"  // ST_HOST_DEVICE
+#include "sparsetrain/mask_spec.h"
+
+namespace sparsetrain {
+
+ST_HOST_DEVICE inline bool mask_allows(MaskKind kind, int64_t window_left, int64_t window_right,
+                                       int64_t prefix_length, const int32_t* doc_q, const int32_t* doc_kv,
+                                       int64_t seq_q, int64_t seq_kv, int64_t q, int64_t kv) {
+  switch (kind) {
+    case MaskKind::kFull: return true;
+    case MaskKind::kCausal: return kv <= q;
+    case MaskKind::kCausalBottomRight: return kv <= q + (seq_kv - seq_q);
+    case MaskKind::kSlidingWindow:
+      return (window_left < 0 || kv >= q - window_left) && (window_right < 0 || kv <= q + window_right);
+    case MaskKind::kDocument: return doc_q[q] == doc_kv[kv];
+    case MaskKind::kDocumentCausal: return doc_q[q] == doc_kv[kv] && kv <= q;
+    case MaskKind::kPrefixLM: return kv <= q || kv < prefix_length;
+    case MaskKind::kBitmask: return false;  // not a built-in spec: read the block's bitmask
+  }
+  return false;
+}
+
+}  // namespace sparsetrain
