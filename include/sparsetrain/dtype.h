@@ -10,7 +10,8 @@
 
 namespace sparsetrain {
 
-enum class DType : uint8_t { kBF16, kFP16, kFP32, kInt32, kInt64 };
+// kUInt8: block-mask matrices and per-block bitmasks (block_mask.h); no arithmetic op takes it.
+enum class DType : uint8_t { kBF16, kFP16, kFP32, kInt32, kInt64, kUInt8 };
 
 constexpr size_t dtype_size(DType t) {
   switch (t) {
@@ -19,6 +20,7 @@ constexpr size_t dtype_size(DType t) {
     case DType::kFP32:
     case DType::kInt32: return 4;
     case DType::kInt64: return 8;
+    case DType::kUInt8: return 1;
   }
   return 0;
 }
@@ -30,6 +32,7 @@ constexpr const char* dtype_name(DType t) {
     case DType::kFP32: return "fp32";
     case DType::kInt32: return "int32";
     case DType::kInt64: return "int64";
+    case DType::kUInt8: return "uint8";
   }
   return "?";
 }

@@ -52,6 +52,7 @@ class HostTensor {
     switch (dtype_) {
       case DType::kInt64: return double(static_cast<const int64_t*>(data())[i]);
       case DType::kInt32: return double(static_cast<const int32_t*>(data())[i]);
+      case DType::kUInt8: return double(static_cast<const uint8_t*>(data())[i]);
       default: return double(load_float(data(), dtype_, i));
     }
   }
@@ -59,6 +60,7 @@ class HostTensor {
     switch (dtype_) {
       case DType::kInt64: static_cast<int64_t*>(data())[i] = int64_t(v); break;
       case DType::kInt32: static_cast<int32_t*>(data())[i] = int32_t(v); break;
+      case DType::kUInt8: static_cast<uint8_t*>(data())[i] = uint8_t(v); break;
       default: store_float(data(), dtype_, i, float(v)); break;
     }
   }

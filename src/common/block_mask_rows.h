@@ -1,0 +1,239 @@
+// The per-row steps of building a block mask (block_mask.h): classify the blocks of one row of
+// q blocks under a built-in spec, transpose one kv column, and give one row's columns their dQ
+// turns. Plain host/device code over raw int32 rows: the CPU builders call it once per row, and
+// a CUDA kernel can call it once per thread. Nothing here allocates; scratch is sized by shapes.
+#pragma once
+
+#include <cstdint>
+
+#include "common/group_offsets.h"  // ST_HOST_DEVICE
+#include "common/mask_predicate.h"
+#include "sparsetrain/block_mask.h"
+
+namespace sparsetrain {
+
+// Block classes, as in the dense block matrix of build_block_mask_from_blocks.
+enum : int32_t { kBlockSkipped = 0, kBlockPartial = 1, kBlockFull = 2 };
+
+// A built-in spec for one batch row: doc_q / doc_kv point at that row's document ids (contiguous).
+struct MaskRowParams {
+  MaskKind kind;
+  int64_t window_left, window_right, prefix_length;
+  int64_t seq_q, seq_kv;
+  const int32_t* doc_q;
+  const int32_t* doc_kv;
+
+  ST_HOST_DEVICE bool allows(int64_t q, int64_t kv) const {
+    return mask_allows(kind, window_left, window_right, prefix_length, doc_q, doc_kv, seq_q, seq_kv, q, kv);
+  }
+};
+
+// Exact classification by evaluating every element (stops as soon as the block is known partial).
+ST_HOST_DEVICE inline int32_t classify_block_by_elements(const MaskRowParams& p, int64_t q0, int64_t q1,
+                                                         int64_t kv0, int64_t kv1) {
+  bool any = false, all = true;
+  for (int64_t q = q0; q < q1; ++q)
+    for (int64_t kv = kv0; kv < kv1; ++kv) {
+      if (p.allows(q, kv)) any = true;
+      else all = false;
+      if (any && !all) return kBlockPartial;
+    }
+  return any ? kBlockFull : kBlockSkipped;
+}
+
+// Masks of the form "kv - q in [lo, hi]" (causal, bottom-right causal, sliding window): over a
+// rectangle, kv - q takes every integer in [dmin, dmax], so the test is exact.
+ST_HOST_DEVICE inline int32_t classify_diagonal_band(int64_t dmin, int64_t dmax, bool has_lo, int64_t lo,
+                                                     bool has_hi, int64_t hi) {
+  if ((has_lo && dmax < lo) || (has_hi && dmin > hi)) return kBlockSkipped;
+  if ((!has_lo || dmin >= lo) && (!has_hi || dmax <= hi)) return kBlockFull;
+  return kBlockPartial;
+}
+
+// Document ids: full when both sides hold one and the same id, skipped when the id sets are
+// disjoint. Ranges decide most blocks; sorted runs (the usual packed documents) are intersected
+// exactly by a merge; anything else falls back to the elements.
+ST_HOST_DEVICE inline int32_t classify_document_block(const MaskRowParams& p, int64_t q0, int64_t q1, int64_t kv0,
+                                                      int64_t kv1) {
+  int32_t qmin = p.doc_q[q0], qmax = qmin, kmin = p.doc_kv[kv0], kmax = kmin;
+  bool q_sorted = true, kv_sorted = true;
+  for (int64_t q = q0 + 1; q < q1; ++q) {
+    const int32_t d = p.doc_q[q];
+    q_sorted = q_sorted && d >= p.doc_q[q - 1];
+    qmin = d < qmin ? d : qmin;
+    qmax = d > qmax ? d : qmax;
+  }
+  for (int64_t kv = kv0 + 1; kv < kv1; ++kv) {
+    const int32_t d = p.doc_kv[kv];
+    kv_sorted = kv_sorted && d >= p.doc_kv[kv - 1];
+    kmin = d < kmin ? d : kmin;
+    kmax = d > kmax ? d : kmax;
+  }
+  if (qmin == qmax && kmin == kmax && qmin == kmin) return kBlockFull;
+  if (qmax < kmin || kmax < qmin) return kBlockSkipped;
+  if (!q_sorted || !kv_sorted) {
+    const MaskRowParams doc_only = {MaskKind::kDocument, 0, 0, 0, p.seq_q, p.seq_kv, p.doc_q, p.doc_kv};
+    return classify_block_by_elements(doc_only, q0, q1, kv0, kv1);
+  }
+  // Not one shared id, so any common id makes the block partial.
+  int64_t i = q0, j = kv0;
+  while (i < q1 && j < kv1) {
+    if (p.doc_q[i] == p.doc_kv[j]) return kBlockPartial;
+    if (p.doc_q[i] < p.doc_kv[j]) ++i;
+    else ++j;
+  }
+  return kBlockSkipped;
+}
+
+// The class of block (m, n) under a built-in spec, judged on the elements inside the sequences
+// (the last row / column of blocks may be cut short): exact, and cheap for every kind except
+// the diagonal blocks of a document-causal mask at document boundaries (element scan).
+ST_HOST_DEVICE inline int32_t classify_block(const MaskRowParams& p, int64_t block_q, int64_t block_kv, int64_t m,
+                                             int64_t n) {
+  const int64_t q0 = m * block_q, kv0 = n * block_kv;
+  const int64_t q1 = q0 + block_q < p.seq_q ? q0 + block_q : p.seq_q;
+  const int64_t kv1 = kv0 + block_kv < p.seq_kv ? kv0 + block_kv : p.seq_kv;
+  if (q0 >= q1 || kv0 >= kv1) return kBlockSkipped;
+  const int64_t dmin = kv0 - (q1 - 1), dmax = (kv1 - 1) - q0;  // range of kv - q over the block
+  switch (p.kind) {
+    case MaskKind::kFull: return kBlockFull;
+    case MaskKind::kCausal: return classify_diagonal_band(dmin, dmax, false, 0, true, 0);
+    case MaskKind::kCausalBottomRight:
+      return classify_diagonal_band(dmin, dmax, false, 0, true, p.seq_kv - p.seq_q);
+    case MaskKind::kSlidingWindow:
+      return classify_diagonal_band(dmin, dmax, p.window_left >= 0, -p.window_left, p.window_right >= 0,
+                                    p.window_right);
+    case MaskKind::kPrefixLM: {
+      // Allowed iff kv < max(q + 1, prefix): row q0 allows the fewest keys, row q1 - 1 the most.
+      const int64_t fewest = q0 + 1 > p.prefix_length ? q0 + 1 : p.prefix_length;
+      const int64_t most = q1 > p.prefix_length ? q1 : p.prefix_length;
+      if (kv0 >= most) return kBlockSkipped;
+      return kv1 <= fewest ? kBlockFull : kBlockPartial;
+    }
+    case MaskKind::kDocument: return classify_document_block(p, q0, q1, kv0, kv1);
+    case MaskKind::kDocumentCausal: {
+      const int32_t c = classify_diagonal_band(dmin, dmax, false, 0, true, 0);
+      if (c == kBlockSkipped) return kBlockSkipped;
+      const int32_t d = classify_document_block(p, q0, q1, kv0, kv1);
+      if (d == kBlockSkipped) return kBlockSkipped;
+      if (c == kBlockFull) return d;
+      if (d == kBlockFull) return c;
+      return classify_block_by_elements(p, q0, q1, kv0, kv1);
+    }
+    case MaskKind::kBitmask: return kBlockPartial;  // not a built-in spec: builders reject it
+  }
+  return kBlockPartial;
+}
+
+// Row m of a built-in spec's block mask: the partial and full kv blocks in ascending order (each
+// list has room for num_kv_blocks entries), and their counts.
+ST_HOST_DEVICE inline void build_block_row(const MaskRowParams& p, int64_t block_q, int64_t block_kv, int64_t m,
+                                           int64_t num_kv_blocks, int32_t* partial, int32_t* num_partial,
+                                           int32_t* full, int32_t* num_full) {
+  int32_t np = 0, nf = 0;
+  for (int64_t n = 0; n < num_kv_blocks; ++n) {
+    const int32_t c = classify_block(p, block_q, block_kv, m, n);
+    if (c == kBlockPartial) partial[np++] = int32_t(n);
+    else if (c == kBlockFull) full[nf++] = int32_t(n);
+  }
+  *num_partial = np;
+  *num_full = nf;
+}
+
+// A strided [rows, width] int32 index list with its [rows] counts (one (b, h) slice of a mask).
+struct IndexRows {
+  const int32_t* counts = nullptr;
+  int64_t count_stride = 0;
+  const int32_t* indices = nullptr;
+  int64_t row_stride = 0, elem_stride = 1;
+
+  ST_HOST_DEVICE bool present() const { return counts != nullptr; }
+  ST_HOST_DEVICE int32_t count(int64_t r) const { return counts != nullptr ? counts[r * count_stride] : 0; }
+  ST_HOST_DEVICE int32_t at(int64_t r, int64_t i) const { return indices[r * row_stride + i * elem_stride]; }
+  // Where `value` sits in row r's sorted list, or -1.
+  ST_HOST_DEVICE int64_t find(int64_t r, int32_t value) const {
+    int64_t lo = 0, hi = int64_t(count(r)) - 1;
+    while (lo <= hi) {
+      const int64_t mid = (lo + hi) / 2;
+      const int32_t v = at(r, mid);
+      if (v == value) return mid;
+      if (v < value) lo = mid + 1;
+      else hi = mid - 1;
+    }
+    return -1;
+  }
+};
+
+// Column n of the transpose: the rows whose (sorted) list holds n, ascending, into out[]; returns
+// how many.
+ST_HOST_DEVICE inline int32_t transpose_column(const IndexRows& rows, int64_t num_rows, int32_t n, int32_t* out) {
+  int32_t k = 0;
+  for (int64_t r = 0; r < num_rows; ++r)
+    if (rows.find(r, n) >= 0) out[k++] = int32_t(r);
+  return k;
+}
+
+// The position of column n in a schedule's hand-out order, and the column at position p.
+// inverse / permutation: kPermutation only (inverse[n] = position of n).
+ST_HOST_DEVICE inline int64_t schedule_position(ScheduleKind kind, const int32_t* inverse, int64_t n,
+                                                int64_t num_columns) {
+  switch (kind) {
+    case ScheduleKind::kLeftToRight: return n;
+    case ScheduleKind::kShortestFirst: return num_columns - 1 - n;
+    case ScheduleKind::kPermutation: return inverse[n];
+  }
+  return n;
+}
+ST_HOST_DEVICE inline int64_t schedule_column(ScheduleKind kind, const int32_t* permutation, int64_t p,
+                                              int64_t num_columns) {
+  switch (kind) {
+    case ScheduleKind::kLeftToRight: return p;
+    case ScheduleKind::kShortestFirst: return num_columns - 1 - p;
+    case ScheduleKind::kPermutation: return permutation[p];
+  }
+  return p;
+}
+
+// Where one (b, h) slice's write orders go: parallel to the q-side lists (q_rows / full_q_rows).
+struct WriteOrderOut {
+  int32_t* order = nullptr;
+  int64_t row_stride = 0, elem_stride = 1;
+  ST_HOST_DEVICE int32_t& at(int64_t n, int64_t i) const { return order[n * row_stride + i * elem_stride]; }
+};
+
+// The dQ turns at q block m: the columns touching m (row m's partial and full lists) take turns in
+// schedule order, each block column as `sub_tiles` consecutive writers; the stored entry of
+// (column n, q block m) is the turn of n's first sub-column (rank * sub_tiles), sub-column t
+// takes that + t. `rank_scratch` has num_columns entries, all zero on entry and on return.
+ST_HOST_DEVICE inline void write_order_row(const IndexRows& kv_rows, const IndexRows& full_kv_rows, int64_t m,
+                                           const IndexRows& q_rows, const IndexRows& full_q_rows,
+                                           const WriteOrderOut& out, const WriteOrderOut& full_out,
+                                           ScheduleKind kind, const int32_t* inverse, int64_t num_columns,
+                                           int64_t sub_tiles, int32_t* rank_scratch) {
+  const int32_t np = kv_rows.count(m), nf = full_kv_rows.count(m);
+  // Ranks by position: mark the positions taken, then an exclusive prefix count over them.
+  for (int32_t i = 0; i < np; ++i) rank_scratch[schedule_position(kind, inverse, kv_rows.at(m, i), num_columns)] = 1;
+  for (int32_t i = 0; i < nf; ++i)
+    rank_scratch[schedule_position(kind, inverse, full_kv_rows.at(m, i), num_columns)] = 1;
+  int32_t rank = 0;
+  for (int64_t p = 0; p < num_columns; ++p) {
+    if (rank_scratch[p] != 0) rank_scratch[p] = ++rank;  // rank + 1, so that 0 still means "absent"
+  }
+  for (int32_t i = 0; i < np; ++i) {
+    const int32_t n = kv_rows.at(m, i);
+    int32_t& r = rank_scratch[schedule_position(kind, inverse, n, num_columns)];
+    const int64_t j = q_rows.find(n, int32_t(m));
+    if (j >= 0) out.at(n, j) = int32_t((r - 1) * sub_tiles);
+  }
+  for (int32_t i = 0; i < nf; ++i) {
+    const int32_t n = full_kv_rows.at(m, i);
+    int32_t& r = rank_scratch[schedule_position(kind, inverse, n, num_columns)];
+    const int64_t j = full_q_rows.find(n, int32_t(m));
+    if (j >= 0) full_out.at(n, j) = int32_t((r - 1) * sub_tiles);
+  }
+  for (int32_t i = 0; i < np; ++i) rank_scratch[schedule_position(kind, inverse, kv_rows.at(m, i), num_columns)] = 0;
+  for (int32_t i = 0; i < nf; ++i)
+    rank_scratch[schedule_position(kind, inverse, full_kv_rows.at(m, i), num_columns)] = 0;
+}
+
+}  // namespace sparsetrain

@@ -1,0 +1,218 @@
+// The deterministic block-sparse backward's scheduler (DESIGN.md section 6): the dynamic column
+// hand-out the kernel uses (plain host/device code: a ticket from a shared counter -> a work item),
+// and a CPU model of the persistent kernel built on it, which reports success or the blocked
+// workers, and the critical path in unit costs per block.
+//
+// Work items: one per (batch, kv head, kv sub-column). A block column n of the mask splits into
+// `sub_tiles` sub-columns n * sub_tiles + t when the kernel's kv tile is block_kv / sub_tiles;
+// each is a separate writer. Hand-out order (ticket order): sub-column position major, then
+// (batch, kv head) — every head's first sub-column goes out before any head's second, so that
+// independent heads run side by side. Within a block column, sub-columns go out in ascending t,
+// so sub-column (n, t) has position position(n) * sub_tiles + t in the schedule.
+// A worker walks, for each query head of its kv head's group in ascending order, the q blocks of
+// its column in ascending order; at each it waits until q block m's semaphore (per batch, query
+// head and q block) equals its turn, adds its dQ partial (one unit of time), and increments it.
+// The turn of sub-column t is the stored write order (the turn of sub-column 0) + t.
+#pragma once
+
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "common/block_mask_rows.h"  // schedule_column, ST_HOST_DEVICE
+#include "sparsetrain/block_mask.h"
+
+namespace sparsetrain {
+
+struct DqWorkItem {
+  int64_t batch, kv_head, column, sub_tile;  // column: the mask's block column
+};
+
+// Tickets 0, 1, ... (an atomic counter on the device, reset inside the graph) -> work items.
+struct DqColumnHandout {
+  int64_t batch = 1, kv_heads = 1, num_columns = 0, sub_tiles = 1;
+  ScheduleKind kind = ScheduleKind::kLeftToRight;
+  const int32_t* permutation = nullptr;  // kPermutation: block column ids in hand-out order
+
+  ST_HOST_DEVICE int64_t num_items() const { return batch * kv_heads * num_columns * sub_tiles; }
+  ST_HOST_DEVICE DqWorkItem item(int64_t ticket) const {
+    const int64_t groups = batch * kv_heads;
+    const int64_t sub_position = ticket / groups, g = ticket % groups;
+    const int64_t column = schedule_column(kind, permutation, sub_position / sub_tiles, num_columns);
+    return {g / kv_heads, g % kv_heads, column, sub_position % sub_tiles};
+  }
+};
+
+// What the model runs on: for every (b, query head) slice and block column n, the walk of n — its
+// q blocks in ascending order with the stored turn (of sub-column 0) at each.
+struct DqModelProblem {
+  int64_t batch = 1, q_heads = 1, kv_heads = 1, num_q_blocks = 0, num_columns = 0, sub_tiles = 1;
+  std::vector<int64_t> walk_begin;  // [batch * q_heads * num_columns + 1]
+  std::vector<int32_t> walk_q_block, walk_turn;
+
+  int64_t walk_index(int64_t b, int64_t h, int64_t n) const { return (b * q_heads + h) * num_columns + n; }
+};
+
+struct DqBlockedWorker {
+  int64_t worker;
+  DqWorkItem item;
+  int64_t q_head, q_block, turn, semaphore;  // waiting for `turn` while the semaphore holds this
+};
+
+struct DqModelResult {
+  bool ok = false;
+  int64_t critical_path = 0;  // time steps until the last add (or until nothing could move)
+  int64_t total_work = 0;     // block visits done
+  int64_t items_not_handed_out = 0;
+  std::vector<DqBlockedWorker> blocked;  // every worker left waiting, when !ok
+
+  std::string str() const {
+    std::ostringstream os;
+    if (ok) {
+      os << "ok: critical path " << critical_path << ", work " << total_work;
+      return os.str();
+    }
+    os << "blocked after " << critical_path << " steps (" << total_work << " adds done, " << items_not_handed_out
+       << " items never handed out):";
+    for (size_t i = 0; i < blocked.size() && i < 8; ++i) {
+      const auto& w = blocked[i];
+      os << " [worker " << w.worker << ": b " << w.item.batch << " kv head " << w.item.kv_head << " column "
+         << w.item.column << "." << w.item.sub_tile << ", q head " << w.q_head << " q block " << w.q_block
+         << " waits for turn " << w.turn << ", semaphore at " << w.semaphore << "]";
+    }
+    if (blocked.size() > 8) os << " ... (" << blocked.size() << " in all)";
+    return os.str();
+  }
+};
+
+// Discrete-time simulation: in each step every worker whose turn has come adds (one unit) and
+// increments the semaphore; a worker that finished its item takes the next ticket for the next
+// step. Event-driven (a waiting worker is woken only by the increment it waits for), so a run costs
+// O(work + workers). When no worker can move and work is left, the model stops and reports the
+// waiting workers: a dependency cycle, or starvation (everyone waits on an item not handed out).
+inline DqModelResult simulate_dq_backward(const DqModelProblem& pb, const DqColumnHandout& handout, int64_t workers) {
+  DqModelResult res;
+  const int64_t group = pb.q_heads / pb.kv_heads, s = pb.sub_tiles;
+  const int64_t num_sems = pb.batch * pb.q_heads * pb.num_q_blocks;
+  // Writers per semaphore (sub-columns touching it): the wait slots for each turn.
+  std::vector<int64_t> slot_begin(size_t(num_sems + 1), 0);
+  for (int64_t b = 0; b < pb.batch; ++b)
+    for (int64_t h = 0; h < pb.q_heads; ++h)
+      for (int64_t n = 0; n < pb.num_columns; ++n) {
+        const int64_t w = pb.walk_index(b, h, n);
+        for (int64_t i = pb.walk_begin[size_t(w)]; i < pb.walk_begin[size_t(w + 1)]; ++i)
+          slot_begin[size_t((b * pb.q_heads + h) * pb.num_q_blocks + pb.walk_q_block[size_t(i)] + 1)] += s;
+      }
+  for (int64_t i = 0; i < num_sems; ++i) slot_begin[size_t(i + 1)] += slot_begin[size_t(i)];
+  std::vector<int32_t> sem(size_t(num_sems), 0);
+  std::vector<int32_t> slot_head(static_cast<size_t>(slot_begin.back()), -1), next_waiter(size_t(workers), -1);
+
+  struct Worker {
+    int64_t ticket = -1;  // -1: no item (done)
+    DqWorkItem item{};
+    int64_t head = 0, pos = 0, end = 0;  // head within the group; walk position and end
+    int64_t sem = 0, turn = 0;
+  };
+  std::vector<Worker> ws(static_cast<size_t>(workers));
+  int64_t next_ticket = 0;
+  const int64_t num_items = handout.num_items();
+
+  // Point w at its next block (next head of the group, next item); false when nothing is left.
+  auto load_block = [&](Worker& w) {
+    const int64_t h = w.item.kv_head * group + w.head;
+    w.sem = (w.item.batch * pb.q_heads + h) * pb.num_q_blocks + pb.walk_q_block[size_t(w.pos)];
+    w.turn = int64_t(pb.walk_turn[size_t(w.pos)]) + w.item.sub_tile;
+  };
+  auto start_head = [&](Worker& w) {  // w.head set: position at the head's walk, skip empty heads
+    while (w.head < group) {
+      const int64_t widx = pb.walk_index(w.item.batch, w.item.kv_head * group + w.head, w.item.column);
+      w.pos = pb.walk_begin[size_t(widx)];
+      w.end = pb.walk_begin[size_t(widx + 1)];
+      if (w.pos < w.end) return true;
+      ++w.head;
+    }
+    return false;
+  };
+  auto take_item = [&](Worker& w) {
+    while (next_ticket < num_items) {
+      w.ticket = next_ticket++;
+      w.item = handout.item(w.ticket);
+      w.head = 0;
+      if (start_head(w)) {
+        load_block(w);
+        return true;
+      }
+    }
+    w.ticket = -1;
+    return false;
+  };
+  auto advance = [&](Worker& w) {
+    if (++w.pos < w.end) {
+      load_block(w);
+      return true;
+    }
+    ++w.head;
+    if (start_head(w)) {
+      load_block(w);
+      return true;
+    }
+    return take_item(w);
+  };
+  std::vector<int32_t> ready, next_ready, stuck;
+  // A worker at a block: ready now, waiting in its turn's slot, or stuck (its turn passed, or
+  // lies outside 0..writers-1: it can never come).
+  auto place = [&](int32_t wi) {
+    Worker& w = ws[size_t(wi)];
+    const int64_t writers = slot_begin[size_t(w.sem + 1)] - slot_begin[size_t(w.sem)];
+    const int64_t v = sem[size_t(w.sem)];
+    if (w.turn == v) {
+      next_ready.push_back(wi);
+    } else if (w.turn > v && w.turn < writers) {
+      int32_t& head = slot_head[size_t(slot_begin[size_t(w.sem)] + w.turn)];
+      next_waiter[size_t(wi)] = head;
+      head = wi;
+    } else {
+      stuck.push_back(wi);
+    }
+  };
+  for (int64_t i = 0; i < workers; ++i)
+    if (take_item(ws[size_t(i)])) place(int32_t(i));
+  std::vector<int64_t> bumped;
+  while (!next_ready.empty()) {
+    ready.swap(next_ready);
+    next_ready.clear();
+    ++res.critical_path;
+    bumped.clear();
+    for (int32_t wi : ready) {
+      const int64_t sm = ws[size_t(wi)].sem;
+      ++sem[size_t(sm)];
+      ++res.total_work;
+      bumped.push_back(sm);
+    }
+    for (int32_t wi : ready)
+      if (advance(ws[size_t(wi)])) place(wi);
+    for (int64_t sm : bumped) {  // wake whoever waits for the semaphore's new value
+      const int64_t v = sem[size_t(sm)];
+      if (v >= slot_begin[size_t(sm + 1)] - slot_begin[size_t(sm)]) continue;
+      int32_t& head = slot_head[size_t(slot_begin[size_t(sm)] + v)];
+      for (int32_t wi = head; wi >= 0;) {
+        const int32_t nx = next_waiter[size_t(wi)];
+        next_ready.push_back(wi);
+        wi = nx;
+      }
+      head = -1;
+    }
+  }
+  res.items_not_handed_out = num_items - next_ticket;
+  for (int64_t i = 0; i < workers; ++i) {
+    const Worker& w = ws[size_t(i)];
+    if (w.ticket < 0) continue;
+    res.blocked.push_back({i, w.item, w.item.kv_head * group + w.head,
+                           pb.walk_q_block[size_t(w.pos)], w.turn, sem[size_t(w.sem)]});
+  }
+  res.ok = res.blocked.empty();
+  return res;
+}
+
+}  // namespace sparsetrain

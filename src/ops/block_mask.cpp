@@ -1,0 +1,557 @@
+// Block-mask builders (built-in spec, dense block matrix, mask function), the transposes and the dQ
+// write orders. Each builder is a plain loop over rows of blocks calling the host/device row
+// functions of src/common/block_mask_rows.h, so a CUDA kernel can run the same steps per row;
+// tensors are full width (Nk / Mq), sized by shapes alone — except the function builder's
+// bitmasks, whose width is the largest partial count (a host-only builder: the function is host code).
+#include <algorithm>
+#include <tuple>
+#include <sstream>
+#include <vector>
+
+#include "common/block_mask_rows.h"
+#include "common/dq_schedule_model.h"
+#include "ops/block_mask_internal.h"
+#include "ops/checks.h"
+#include "sparsetrain/block_mask.h"
+#include "sparsetrain/error.h"
+
+namespace sparsetrain {
+
+// ---- ColumnSchedule / MaskSpec --------------------------------------------------------------
+
+int64_t ColumnSchedule::position(int64_t n, int64_t num_columns) const {
+  ST_CHECK_ARG(n >= 0 && n < num_columns, "ColumnSchedule::position column",
+               "0 <= column < " + std::to_string(num_columns), n);
+  switch (kind) {
+    case ScheduleKind::kLeftToRight: return n;
+    case ScheduleKind::kShortestFirst: return num_columns - 1 - n;
+    case ScheduleKind::kPermutation:
+      for (size_t p = 0; p < permutation.size(); ++p)
+        if (permutation[p] == n) return int64_t(p);
+      ST_CHECK_ARG(false, "ColumnSchedule permutation", "a permutation holding column " + std::to_string(n),
+                   str());
+  }
+  return n;
+}
+
+std::string ColumnSchedule::str() const {
+  switch (kind) {
+    case ScheduleKind::kLeftToRight: return "left-to-right";
+    case ScheduleKind::kShortestFirst: return "shortest-first";
+    case ScheduleKind::kPermutation: {
+      std::ostringstream os;
+      os << "permutation[";
+      for (size_t i = 0; i < permutation.size() && i < 32; ++i) os << (i ? ", " : "") << permutation[i];
+      if (permutation.size() > 32) os << ", ... (" << permutation.size() << " columns)";
+      os << "]";
+      return os.str();
+    }
+  }
+  return "?";
+}
+
+std::string MaskSpec::str() const {
+  std::ostringstream os;
+  switch (kind) {
+    case MaskKind::kFull: return "full";
+    case MaskKind::kCausal: return "causal";
+    case MaskKind::kCausalBottomRight: return "causal_bottom_right";
+    case MaskKind::kSlidingWindow:
+      os << "sliding_window(left=" << window_left << ", right=" << window_right << ")";
+      return os.str();
+    case MaskKind::kDocument: return "document";
+    case MaskKind::kDocumentCausal: return "document_causal";
+    case MaskKind::kPrefixLM:
+      os << "prefix_lm(prefix_length=" << prefix_length << ")";
+      return os.str();
+    case MaskKind::kBitmask: return "bitmask";
+  }
+  return "?";
+}
+
+// ---- slices --------------------------------------------------------------------------------
+
+namespace {
+int64_t bcast(const TensorView& t, int d, int64_t i) { return t.size(d) == 1 ? 0 : i; }
+}  // namespace
+
+IndexRows mask_rows(const TensorView& counts, const TensorView& indices, int64_t b, int64_t h) {
+  IndexRows r;
+  if (!counts.defined() || !indices.defined()) return r;
+  r.counts = reinterpret_cast<const int32_t*>(counts.byte_ptr(bcast(counts, 0, b) * counts.stride(0) +
+                                                              bcast(counts, 1, h) * counts.stride(1)));
+  r.count_stride = counts.stride(2);
+  r.indices = reinterpret_cast<const int32_t*>(indices.byte_ptr(bcast(indices, 0, b) * indices.stride(0) +
+                                                                bcast(indices, 1, h) * indices.stride(1)));
+  r.row_stride = indices.stride(2);
+  r.elem_stride = indices.stride(3);
+  return r;
+}
+
+WriteOrderOut mask_write_order(const TensorView& order, int64_t b, int64_t h) {
+  WriteOrderOut w;
+  if (!order.defined()) return w;
+  w.order = reinterpret_cast<int32_t*>(order.byte_ptr(bcast(order, 0, b) * order.stride(0) +
+                                                      bcast(order, 1, h) * order.stride(1)));
+  w.row_stride = order.stride(2);
+  w.elem_stride = order.stride(3);
+  return w;
+}
+
+void mask_leading_dims(const BlockMask& mask, int64_t* batch, int64_t* heads) {
+  int64_t b = 1, h = 1;
+  for (const TensorView* t : {&mask.kv_num_blocks, &mask.kv_indices, &mask.full_kv_num_blocks, &mask.full_kv_indices,
+                              &mask.q_num_blocks, &mask.q_indices, &mask.full_q_num_blocks, &mask.full_q_indices,
+                              &mask.dq_write_order, &mask.dq_write_order_full, &mask.partial_bitmasks}) {
+    if (!t->defined() || t->dim() < 2) continue;
+    b = std::max(b, t->size(0));
+    h = std::max(h, t->size(1));
+  }
+  *batch = b;
+  *heads = h;
+}
+
+DqColumnHandout dq_handout(const ColumnSchedule& schedule, int64_t batch, int64_t kv_heads, int64_t num_columns,
+                           int64_t sub_tiles) {
+  DqColumnHandout d;
+  d.batch = batch;
+  d.kv_heads = kv_heads;
+  d.num_columns = num_columns;
+  d.sub_tiles = sub_tiles;
+  d.kind = schedule.kind;
+  d.permutation = schedule.permutation.data();
+  return d;
+}
+
+namespace {
+
+void check_model_shape(const BlockMask& mask, int64_t batch, int64_t q_heads, int64_t kv_heads) {
+  ST_CHECK_ARG(mask.q_num_blocks.defined() && mask.q_indices.defined(), "BlockMask q_indices",
+               "the transposes (transpose_block_mask)", "none");
+  ST_CHECK_ARG(batch >= 1 && q_heads >= 1 && kv_heads >= 1 && q_heads % kv_heads == 0, "model heads",
+               "batch >= 1 and q_heads a multiple of kv_heads", "batch ", batch, ", q_heads ", q_heads,
+               ", kv_heads ", kv_heads);
+}
+
+// Merged walk of column n (partial and full lists ascending) with a turn per entry.
+template <typename TurnOf>
+void append_walk(const IndexRows& q, const IndexRows& fq, int64_t n, DqModelProblem& pb, TurnOf turn_of) {
+  const int32_t np = q.count(n), nf = fq.count(n);
+  int32_t i = 0, j = 0;
+  while (i < np || j < nf) {
+    const bool take_partial = j >= nf || (i < np && q.at(n, i) < fq.at(n, j));
+    const int32_t m = take_partial ? q.at(n, i) : fq.at(n, j);
+    pb.walk_q_block.push_back(m);
+    pb.walk_turn.push_back(turn_of(take_partial, take_partial ? i : j, m));
+    if (take_partial) ++i;
+    else ++j;
+  }
+}
+
+DqModelProblem empty_problem(const BlockMask& mask, int64_t sub_tiles, int64_t batch, int64_t q_heads,
+                             int64_t kv_heads) {
+  DqModelProblem pb;
+  pb.batch = batch;
+  pb.q_heads = q_heads;
+  pb.kv_heads = kv_heads;
+  pb.num_q_blocks = mask.num_q_blocks();
+  pb.num_columns = mask.num_kv_blocks();
+  pb.sub_tiles = sub_tiles;
+  pb.walk_begin.reserve(size_t(batch * q_heads * pb.num_columns + 1));
+  pb.walk_begin.push_back(0);
+  return pb;
+}
+
+}  // namespace
+
+DqModelProblem dq_model_problem(const BlockMask& mask, int64_t batch, int64_t q_heads, int64_t kv_heads) {
+  check_model_shape(mask, batch, q_heads, kv_heads);
+  ST_CHECK_ARG(mask.dq_write_order.defined(), "BlockMask dq_write_order", "the write orders (compute_dq_write_order)",
+               "none");
+  DqModelProblem pb = empty_problem(mask, mask.write_order_sub_tiles, batch, q_heads, kv_heads);
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < q_heads; ++h) {
+      const IndexRows q = mask_rows(mask.q_num_blocks, mask.q_indices, b, h);
+      const IndexRows fq = mask_rows(mask.full_q_num_blocks, mask.full_q_indices, b, h);
+      const WriteOrderOut wo = mask_write_order(mask.dq_write_order, b, h);
+      const WriteOrderOut fwo = mask_write_order(mask.dq_write_order_full, b, h);
+      for (int64_t n = 0; n < pb.num_columns; ++n) {
+        append_walk(q, fq, n, pb, [&](bool partial, int32_t i, int32_t) { return partial ? wo.at(n, i) : fwo.at(n, i); });
+        pb.walk_begin.push_back(int64_t(pb.walk_q_block.size()));
+      }
+    }
+  return pb;
+}
+
+DqModelProblem dq_model_problem(const BlockMask& mask, const ColumnSchedule& schedule, int64_t sub_tiles,
+                                int64_t batch, int64_t q_heads, int64_t kv_heads) {
+  check_model_shape(mask, batch, q_heads, kv_heads);
+  DqModelProblem pb = empty_problem(mask, sub_tiles, batch, q_heads, kv_heads);
+  const int64_t Nk = pb.num_columns, Mq = pb.num_q_blocks;
+  std::vector<int32_t> next_turn(static_cast<size_t>(Mq));
+  std::vector<int32_t> turns;
+  std::vector<int64_t> turn_begin(static_cast<size_t>(Nk + 1));
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < q_heads; ++h) {
+      const IndexRows q = mask_rows(mask.q_num_blocks, mask.q_indices, b, h);
+      const IndexRows fq = mask_rows(mask.full_q_num_blocks, mask.full_q_indices, b, h);
+      // Turns by walking the columns in hand-out order: each q block's next turn goes to the next
+      // column touching it.
+      std::fill(next_turn.begin(), next_turn.end(), 0);
+      turn_begin[0] = 0;
+      for (int64_t n = 0; n < Nk; ++n) turn_begin[size_t(n + 1)] = turn_begin[size_t(n)] + q.count(n) + fq.count(n);
+      turns.assign(size_t(turn_begin[size_t(Nk)]), 0);
+      for (int64_t p = 0; p < Nk; ++p) {
+        const int64_t n = schedule_column(schedule.kind, schedule.permutation.data(), p, Nk);
+        int64_t k = turn_begin[size_t(n)];
+        for (int32_t i = 0; i < q.count(n); ++i, ++k) {
+          turns[size_t(k)] = next_turn[size_t(q.at(n, i))];
+          next_turn[size_t(q.at(n, i))] += int32_t(sub_tiles);
+        }
+        for (int32_t i = 0; i < fq.count(n); ++i, ++k) {
+          turns[size_t(k)] = next_turn[size_t(fq.at(n, i))];
+          next_turn[size_t(fq.at(n, i))] += int32_t(sub_tiles);
+        }
+      }
+      for (int64_t n = 0; n < Nk; ++n) {
+        const int64_t base = turn_begin[size_t(n)], np = q.count(n);
+        append_walk(q, fq, n, pb, [&](bool partial, int32_t i, int32_t) {
+          return turns[size_t(base + (partial ? i : np + i))];
+        });
+        pb.walk_begin.push_back(int64_t(pb.walk_q_block.size()));
+      }
+    }
+  return pb;
+}
+
+// ---- builders ------------------------------------------------------------------------------
+
+namespace {
+
+Allocator& alloc_or_default(Allocator* a) { return a != nullptr ? *a : default_allocator(); }
+
+Tensor new_tensor(DType dtype, std::initializer_list<int64_t> shape, Allocator& alloc) {
+  return Tensor::empty(dtype, shape, Device::cpu(), alloc, Stream{});
+}
+
+void check_options(const BlockMaskOptions& o, int64_t seq_q, int64_t seq_kv) {
+  ST_CHECK_ARG(seq_q >= 1, "seq_q", ">= 1", seq_q);
+  ST_CHECK_ARG(seq_kv >= 1, "seq_kv", ">= 1", seq_kv);
+  ST_CHECK_ARG(o.block_q >= 1, "BlockMaskOptions block_q", ">= 1", o.block_q);
+  ST_CHECK_ARG(o.block_kv >= 1, "BlockMaskOptions block_kv", ">= 1", o.block_kv);
+  ST_CHECK_ARG(o.write_order_sub_tiles >= 1 && o.block_kv % o.write_order_sub_tiles == 0,
+               "BlockMaskOptions write_order_sub_tiles", ">= 1 and dividing block_kv " + std::to_string(o.block_kv),
+               o.write_order_sub_tiles);
+}
+
+// Empty forward lists [B, H, Mq(, Nk)] (full width), with the mask's geometry filled in.
+BlockMaskTensors new_forward(int64_t B, int64_t H, int64_t seq_q, int64_t seq_kv, const BlockMaskOptions& o) {
+  BlockMaskTensors t;
+  BlockMask& m = t.mask;
+  m.seq_q = seq_q;
+  m.seq_kv = seq_kv;
+  m.block_q = o.block_q;
+  m.block_kv = o.block_kv;
+  const int64_t Mq = m.num_q_blocks(), Nk = m.num_kv_blocks();
+  Allocator& a = alloc_or_default(o.allocator);
+  t.kv_num_blocks = new_tensor(DType::kInt32, {B, H, Mq}, a);
+  t.kv_indices = new_tensor(DType::kInt32, {B, H, Mq, Nk}, a);
+  t.full_kv_num_blocks = new_tensor(DType::kInt32, {B, H, Mq}, a);
+  t.full_kv_indices = new_tensor(DType::kInt32, {B, H, Mq, Nk}, a);
+  // Entries past the counts are padding: zero them so that nothing reads as garbage.
+  std::fill_n(t.kv_indices.view().data_as<int32_t>(), B * H * Mq * Nk, 0);
+  std::fill_n(t.full_kv_indices.view().data_as<int32_t>(), B * H * Mq * Nk, 0);
+  m.kv_num_blocks = t.kv_num_blocks.view();
+  m.kv_indices = t.kv_indices.view();
+  m.full_kv_num_blocks = t.full_kv_num_blocks.view();
+  m.full_kv_indices = t.full_kv_indices.view();
+  return t;
+}
+
+// Transposes, then the write orders for the chosen (or given) schedule.
+void finish(BlockMaskTensors& t, const BlockMaskOptions& o) {
+  transpose_block_mask(t, o.allocator);
+  t.mask.write_order_sub_tiles = o.write_order_sub_tiles;
+  const ColumnSchedule schedule = o.auto_schedule ? choose_schedule(t.mask) : o.schedule;
+  compute_dq_write_order(t, schedule, o.write_order_sub_tiles, o.allocator);
+}
+
+int32_t* row_ptr(const Tensor& t, int64_t b, int64_t h, int64_t r) {
+  const TensorView& v = t.view();
+  return v.data_as<int32_t>() + (b * v.size(1) + h) * v.size(2) * (v.dim() > 3 ? v.size(3) : 1) +
+         r * (v.dim() > 3 ? v.size(3) : 1);
+}
+
+}  // namespace
+
+BlockMaskTensors build_block_mask(const MaskSpec& spec, int64_t seq_q, int64_t seq_kv,
+                                  const BlockMaskOptions& options) {
+  check_options(options, seq_q, seq_kv);
+  ST_CHECK_ARG(spec.kind != MaskKind::kBitmask, "spec.kind", "a built-in mask kind (build_block_mask_from_function "
+               "makes bitmasks)", spec.str());
+  int64_t B = 1;
+  const bool doc = spec.kind == MaskKind::kDocument || spec.kind == MaskKind::kDocumentCausal;
+  if (doc) {
+    for (const auto& [t, name, len] : {std::make_tuple(&spec.doc_q, "spec.doc_q", seq_q),
+                                       std::make_tuple(&spec.doc_kv, "spec.doc_kv", seq_kv)}) {
+      checks::defined(*t, name, "int32 document ids [B or 1, S]");
+      checks::dtype(*t, name, DType::kInt32);
+      checks::device(*t, name, Device::cpu());
+      checks::shape(*t, name, {-1, len}, "[B or 1, " + std::to_string(len) + "]");
+      checks::non_null(*t, name);
+      ST_CHECK_ARG(t->stride(1) == 1 || len == 1, name, "a unit stride in the last dimension", t->stride(1));
+    }
+    const int64_t bq = spec.doc_q.size(0), bk = spec.doc_kv.size(0);
+    ST_CHECK_ARG(bq == bk || bq == 1 || bk == 1, "spec.doc_kv", "a batch broadcastable with doc_q's " + std::to_string(bq),
+                 bk);
+    B = std::max(bq, bk);
+  }
+  BlockMaskTensors t = new_forward(B, 1, seq_q, seq_kv, options);
+  t.mask.spec = spec;
+  const int64_t Mq = t.mask.num_q_blocks(), Nk = t.mask.num_kv_blocks();
+  for (int64_t b = 0; b < B; ++b) {
+    MaskRowParams p{spec.kind, spec.window_left, spec.window_right, spec.prefix_length, seq_q, seq_kv, nullptr, nullptr};
+    if (doc) {
+      p.doc_q = reinterpret_cast<const int32_t*>(spec.doc_q.byte_ptr(bcast(spec.doc_q, 0, b) * spec.doc_q.stride(0)));
+      p.doc_kv = reinterpret_cast<const int32_t*>(spec.doc_kv.byte_ptr(bcast(spec.doc_kv, 0, b) * spec.doc_kv.stride(0)));
+    }
+    for (int64_t m = 0; m < Mq; ++m)
+      build_block_row(p, options.block_q, options.block_kv, m, Nk, row_ptr(t.kv_indices, b, 0, m),
+                      row_ptr(t.kv_num_blocks, b, 0, m), row_ptr(t.full_kv_indices, b, 0, m),
+                      row_ptr(t.full_kv_num_blocks, b, 0, m));
+  }
+  finish(t, options);
+  return t;
+}
+
+BlockMaskTensors build_block_mask_from_blocks(const TensorView& blocks, int64_t seq_q, int64_t seq_kv,
+                                              const BlockMaskOptions& options) {
+  check_options(options, seq_q, seq_kv);
+  const int64_t Mq = (seq_q + options.block_q - 1) / options.block_q;
+  const int64_t Nk = (seq_kv + options.block_kv - 1) / options.block_kv;
+  checks::defined(blocks, "blocks", "a uint8 block matrix [B, H, Mq, Nk]");
+  checks::dtype(blocks, "blocks", DType::kUInt8);
+  checks::device(blocks, "blocks", Device::cpu());
+  checks::shape(blocks, "blocks", {-1, -1, Mq, Nk},
+                "[B, H, Mq=" + std::to_string(Mq) + ", Nk=" + std::to_string(Nk) + "]");
+  checks::non_null(blocks, "blocks");
+  const int64_t B = blocks.size(0), H = blocks.size(1);
+  ST_CHECK_ARG(B >= 1 && H >= 1, "blocks", "leading dims >= 1", blocks.shape_str());
+  auto at = [&](int64_t b, int64_t h, int64_t m, int64_t n) {
+    return *reinterpret_cast<const uint8_t*>(
+        blocks.byte_ptr(b * blocks.stride(0) + h * blocks.stride(1) + m * blocks.stride(2) + n * blocks.stride(3)));
+  };
+  for (int64_t b = 0; b < B; ++b)  // validate everything before allocating
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t m = 0; m < Mq; ++m)
+        for (int64_t n = 0; n < Nk; ++n) {
+          const uint8_t v = at(b, h, m, n);
+          if (v > 2) {
+            std::ostringstream where;
+            where << "blocks[" << b << ", " << h << ", " << m << ", " << n << "]";
+            ST_CHECK_ARG(false, where.str().c_str(), "0 (skipped), 1 (partial) or 2 (full)", int(v));
+          }
+        }
+  BlockMaskTensors t = new_forward(B, H, seq_q, seq_kv, options);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t m = 0; m < Mq; ++m) {
+        int32_t *pi = row_ptr(t.kv_indices, b, h, m), *fi = row_ptr(t.full_kv_indices, b, h, m);
+        int32_t np = 0, nf = 0;
+        for (int64_t n = 0; n < Nk; ++n) {
+          const uint8_t v = at(b, h, m, n);
+          if (v == kBlockPartial) pi[np++] = int32_t(n);
+          else if (v == kBlockFull) fi[nf++] = int32_t(n);
+        }
+        *row_ptr(t.kv_num_blocks, b, h, m) = np;
+        *row_ptr(t.full_kv_num_blocks, b, h, m) = nf;
+      }
+  finish(t, options);
+  return t;
+}
+
+BlockMaskTensors build_block_mask_from_function(MaskFunction allowed, void* context, int64_t batch, int64_t heads,
+                                                int64_t seq_q, int64_t seq_kv, const BlockMaskOptions& options) {
+  check_options(options, seq_q, seq_kv);
+  ST_CHECK_ARG(allowed != nullptr, "allowed", "a mask function", "null");
+  ST_CHECK_ARG(batch >= 1, "batch", ">= 1", batch);
+  ST_CHECK_ARG(heads >= 1, "heads", ">= 1", heads);
+  const int64_t bq = options.block_q, bk = options.block_kv;
+  const int64_t bytes_per_block = (bq * bk + 7) / 8;
+  BlockMaskTensors t = new_forward(batch, heads, seq_q, seq_kv, options);
+  t.mask.spec = MaskSpec{};
+  t.mask.spec.kind = MaskKind::kBitmask;
+  const int64_t Mq = t.mask.num_q_blocks(), Nk = t.mask.num_kv_blocks();
+  // Bitmasks of the partial blocks, row by row, until the widest row is known.
+  std::vector<uint8_t> bits;
+  std::vector<int64_t> row_bits(static_cast<size_t>(batch * heads * Mq));
+  std::vector<uint8_t> block(static_cast<size_t>(bytes_per_block));
+  int32_t width = 1;
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t m = 0; m < Mq; ++m) {
+        row_bits[size_t((b * heads + h) * Mq + m)] = int64_t(bits.size());
+        int32_t *pi = row_ptr(t.kv_indices, b, h, m), *fi = row_ptr(t.full_kv_indices, b, h, m);
+        int32_t np = 0, nf = 0;
+        const int64_t q0 = m * bq, q1 = std::min(q0 + bq, seq_q);
+        for (int64_t n = 0; n < Nk; ++n) {
+          const int64_t kv0 = n * bk, kv1 = std::min(kv0 + bk, seq_kv);
+          std::fill(block.begin(), block.end(), uint8_t(0));
+          int64_t count = 0;
+          for (int64_t q = q0; q < q1; ++q)
+            for (int64_t kv = kv0; kv < kv1; ++kv)
+              if (allowed(context, b, h, q, kv)) {
+                const int64_t bit = (q - q0) * bk + (kv - kv0);
+                block[size_t(bit / 8)] = uint8_t(block[size_t(bit / 8)] | (1u << (bit % 8)));
+                ++count;
+              }
+          if (count == 0) continue;
+          if (count == (q1 - q0) * (kv1 - kv0)) {
+            fi[nf++] = int32_t(n);
+          } else {
+            pi[np++] = int32_t(n);
+            bits.insert(bits.end(), block.begin(), block.end());
+          }
+        }
+        *row_ptr(t.kv_num_blocks, b, h, m) = np;
+        *row_ptr(t.full_kv_num_blocks, b, h, m) = nf;
+        width = std::max(width, np);
+      }
+  Allocator& a = alloc_or_default(options.allocator);
+  t.partial_bitmasks = new_tensor(DType::kUInt8, {batch, heads, Mq, width, bytes_per_block}, a);
+  uint8_t* dst = t.partial_bitmasks.view().data_as<uint8_t>();
+  std::fill_n(dst, batch * heads * Mq * width * bytes_per_block, uint8_t(0));
+  for (int64_t r = 0; r < batch * heads * Mq; ++r) {
+    const int64_t np = t.kv_num_blocks.view().data_as<int32_t>()[r];
+    std::copy_n(bits.begin() + row_bits[size_t(r)], np * bytes_per_block, dst + r * width * bytes_per_block);
+  }
+  t.mask.partial_bitmasks = t.partial_bitmasks.view();
+  finish(t, options);
+  return t;
+}
+
+// ---- transposes and write orders -----------------------------------------------------------
+
+void transpose_block_mask(BlockMaskTensors& out, Allocator* allocator) {
+  BlockMask& m = out.mask;
+  ST_CHECK_ARG(m.kv_num_blocks.defined() && m.kv_indices.defined(), "BlockMask kv_indices",
+               "the forward lists (kv_num_blocks, kv_indices)", "none");
+  ST_CHECK_ARG(m.kv_num_blocks.device().is_cpu() && m.kv_indices.device().is_cpu(), "BlockMask kv_indices",
+               "host tensors (transpose_block_mask runs on the host)", m.kv_indices.device().str());
+  const bool has_full = m.full_kv_num_blocks.defined() && m.full_kv_indices.defined();
+  int64_t B = 1, H = 1;
+  for (const TensorView* v : {&m.kv_num_blocks, &m.kv_indices, &m.full_kv_num_blocks, &m.full_kv_indices}) {
+    if (!v->defined() || v->dim() < 2) continue;
+    B = std::max(B, v->size(0));
+    H = std::max(H, v->size(1));
+  }
+  const int64_t Mq = m.num_q_blocks(), Nk = m.num_kv_blocks();
+  Allocator& a = alloc_or_default(allocator);
+  out.q_num_blocks = new_tensor(DType::kInt32, {B, H, Nk}, a);
+  out.q_indices = new_tensor(DType::kInt32, {B, H, Nk, Mq}, a);
+  std::fill_n(out.q_indices.view().data_as<int32_t>(), B * H * Nk * Mq, 0);
+  if (has_full) {
+    out.full_q_num_blocks = new_tensor(DType::kInt32, {B, H, Nk}, a);
+    out.full_q_indices = new_tensor(DType::kInt32, {B, H, Nk, Mq}, a);
+    std::fill_n(out.full_q_indices.view().data_as<int32_t>(), B * H * Nk * Mq, 0);
+  } else {
+    out.full_q_num_blocks = Tensor();
+    out.full_q_indices = Tensor();
+  }
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      const IndexRows kv = mask_rows(m.kv_num_blocks, m.kv_indices, b, h);
+      const IndexRows fkv = mask_rows(m.full_kv_num_blocks, m.full_kv_indices, b, h);
+      for (int64_t n = 0; n < Nk; ++n) {
+        *row_ptr(out.q_num_blocks, b, h, n) = transpose_column(kv, Mq, int32_t(n), row_ptr(out.q_indices, b, h, n));
+        if (has_full)
+          *row_ptr(out.full_q_num_blocks, b, h, n) =
+              transpose_column(fkv, Mq, int32_t(n), row_ptr(out.full_q_indices, b, h, n));
+      }
+    }
+  m.q_num_blocks = out.q_num_blocks.view();
+  m.q_indices = out.q_indices.view();
+  m.full_q_num_blocks = out.full_q_num_blocks.view();
+  m.full_q_indices = out.full_q_indices.view();
+  // Write orders of the old lists no longer apply.
+  out.dq_write_order = Tensor();
+  out.dq_write_order_full = Tensor();
+  m.dq_write_order = TensorView();
+  m.dq_write_order_full = TensorView();
+}
+
+namespace {
+void check_schedule(const ColumnSchedule& s, int64_t Nk) {
+  if (s.kind != ScheduleKind::kPermutation) return;
+  std::vector<char> seen(size_t(Nk), 0);
+  bool ok = int64_t(s.permutation.size()) == Nk;
+  for (size_t i = 0; ok && i < s.permutation.size(); ++i) {
+    const int32_t c = s.permutation[i];
+    ok = c >= 0 && c < Nk && !seen[size_t(c)];
+    if (ok) seen[size_t(c)] = 1;
+  }
+  ST_CHECK_ARG(ok, "schedule.permutation", "a permutation of the " + std::to_string(Nk) + " kv block columns",
+               s.str());
+}
+}  // namespace
+
+void compute_dq_write_order(BlockMaskTensors& out, const ColumnSchedule& schedule, int64_t sub_tiles,
+                            Allocator* allocator) {
+  BlockMask& m = out.mask;
+  ST_CHECK_ARG(m.q_num_blocks.defined() && m.q_indices.defined(), "BlockMask q_indices",
+               "the transposes (transpose_block_mask)", "none");
+  ST_CHECK_ARG(m.kv_num_blocks.defined() && m.kv_indices.defined(), "BlockMask kv_indices",
+               "the forward lists (kv_num_blocks, kv_indices)", "none");
+  ST_CHECK_ARG(sub_tiles >= 1 && m.block_kv % sub_tiles == 0, "sub_tiles",
+               ">= 1 and dividing block_kv " + std::to_string(m.block_kv), sub_tiles);
+  const int64_t Mq = m.num_q_blocks(), Nk = m.num_kv_blocks();
+  check_schedule(schedule, Nk);
+  const bool has_full = m.full_q_num_blocks.defined() && m.full_q_indices.defined();
+  Allocator& a = alloc_or_default(allocator);
+  // Parallel to q_indices / full_q_indices: same shape, compact widths included.
+  auto parallel = [&](const TensorView& like) {
+    Tensor t = new_tensor(DType::kInt32, {like.size(0), like.size(1), like.size(2), like.size(3)}, a);
+    std::fill_n(t.view().data_as<int32_t>(), t.view().numel(), 0);
+    return t;
+  };
+  out.dq_write_order = parallel(m.q_indices);
+  out.dq_write_order_full = has_full ? parallel(m.full_q_indices) : Tensor();
+  out.schedule_permutation = schedule.permutation;
+  m.schedule = schedule;
+  m.write_order_sub_tiles = sub_tiles;
+  m.dq_write_order = out.dq_write_order.view();
+  m.dq_write_order_full = out.dq_write_order_full.view();
+  std::vector<int32_t> inverse(size_t(Nk), 0), scratch(size_t(Nk), 0);
+  if (schedule.kind == ScheduleKind::kPermutation)
+    for (int64_t p = 0; p < Nk; ++p) inverse[size_t(schedule.permutation[size_t(p)])] = int32_t(p);
+  int64_t B = 1, H = 1;
+  mask_leading_dims(m, &B, &H);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      const IndexRows kv = mask_rows(m.kv_num_blocks, m.kv_indices, b, h);
+      const IndexRows fkv = mask_rows(m.full_kv_num_blocks, m.full_kv_indices, b, h);
+      const IndexRows q = mask_rows(m.q_num_blocks, m.q_indices, b, h);
+      const IndexRows fq = mask_rows(m.full_q_num_blocks, m.full_q_indices, b, h);
+      const WriteOrderOut wo = mask_write_order(m.dq_write_order, b, h);
+      const WriteOrderOut fwo = mask_write_order(m.dq_write_order_full, b, h);
+      for (int64_t row = 0; row < Mq; ++row)
+        write_order_row(kv, fkv, row, q, fq, wo, fwo, schedule.kind, inverse.data(), Nk, sub_tiles, scratch.data());
+    }
+}
+
+ColumnSchedule choose_schedule(const BlockMask& mask) {
+  int64_t B = 1, H = 1;
+  mask_leading_dims(mask, &B, &H);
+  constexpr int64_t kWorkers = 132;  // H100 SXM's SM count: one persistent CTA per SM
+  const int64_t s = std::max<int64_t>(1, mask.write_order_sub_tiles), Nk = mask.num_kv_blocks();
+  ColumnSchedule ltr, spt;
+  spt.kind = ScheduleKind::kShortestFirst;
+  const DqModelResult a =
+      simulate_dq_backward(dq_model_problem(mask, ltr, s, B, H, H), dq_handout(ltr, B, H, Nk, s), kWorkers);
+  const DqModelResult b =
+      simulate_dq_backward(dq_model_problem(mask, spt, s, B, H, H), dq_handout(spt, B, H, Nk, s), kWorkers);
+  // Both always succeed (the orders are built for their own hand-out); ties go left to right.
+  return b.critical_path < a.critical_path ? spt : ltr;
+}
+
+}  // namespace sparsetrain

@@ -1,0 +1,33 @@
+// Internal helpers of the block-mask code (src/ops/block_mask*.cpp) that the tests use too: (b, h)
+// slices of a mask's index tensors with broadcasting, and the scheduler model's input built from a
+// mask (src/common/dq_schedule_model.h).
+#pragma once
+
+#include <cstdint>
+
+#include "common/block_mask_rows.h"
+#include "common/dq_schedule_model.h"
+#include "sparsetrain/block_mask.h"
+
+namespace sparsetrain {
+
+// Slice (b, h) of counts [B, H, R] / indices [B, H, R, W], a size-1 leading dim broadcasting.
+// Undefined tensors give an empty list (count 0 everywhere).
+IndexRows mask_rows(const TensorView& counts, const TensorView& indices, int64_t b, int64_t h);
+WriteOrderOut mask_write_order(const TensorView& order, int64_t b, int64_t h);
+
+// The leading dims [B, H] of a mask: the largest over its tensors (each is 1 or that).
+void mask_leading_dims(const BlockMask& mask, int64_t* batch, int64_t* heads);
+
+// The hand-out of a schedule over num_columns block columns.
+DqColumnHandout dq_handout(const ColumnSchedule& schedule, int64_t batch, int64_t kv_heads, int64_t num_columns,
+                           int64_t sub_tiles);
+
+// The model's input for an attention of `batch` x `q_heads` (kv_heads divides q_heads) over the
+// mask (broadcast): turns from the mask's stored write orders (sub_tiles: the mask's) ...
+DqModelProblem dq_model_problem(const BlockMask& mask, int64_t batch, int64_t q_heads, int64_t kv_heads);
+// ... or computed here for `schedule` from the q-side lists (independently of compute_dq_write_order).
+DqModelProblem dq_model_problem(const BlockMask& mask, const ColumnSchedule& schedule, int64_t sub_tiles,
+                                int64_t batch, int64_t q_heads, int64_t kv_heads);
+
+}  // namespace sparsetrain

@@ -1,0 +1,492 @@
+// Block masks: every builder against brute force (mask_allows per element) on odd sizes, the
+// transposes, the function builder's bitmasks bit for bit, compact index and write-order tensors,
+// and each kind of bad input rejected with a message naming the tensor and the entry.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "block_mask_testing.h"
+#include "host_tensor.h"
+#include "sparsetrain/block_mask.h"
+#include "sparsetrain/error.h"
+
+namespace st = sparsetrain;
+using st::testing::HostTensor;
+
+namespace {
+
+// Runs fn and checks it throws sparsetrain::Error whose message contains every fragment.
+void expect_error(const std::function<void()>& fn, std::initializer_list<std::string> fragments) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error raised (expected " << *fragments.begin() << ")";
+  } catch (const st::Error& e) {
+    const std::string msg = e.what();
+    for (const auto& f : fragments) EXPECT_NE(msg.find(f), std::string::npos) << "message: " << msg << "\nmissing: " << f;
+  }
+}
+
+int32_t* i32(const st::Tensor& t) { return t.view().data_as<int32_t>(); }
+
+// Documents of the given lengths, packed: position -> document index.
+HostTensor packed_docs(int64_t batch, int64_t len, std::mt19937& rng, int64_t min_doc, int64_t max_doc) {
+  HostTensor t(st::DType::kInt32, {batch, len});
+  auto* p = static_cast<int32_t*>(t.data());
+  for (int64_t b = 0; b < batch; ++b) {
+    int32_t doc = 0;
+    int64_t left = min_doc + int64_t(rng() % uint32_t(max_doc - min_doc + 1));
+    for (int64_t i = 0; i < len; ++i) {
+      if (left == 0) {
+        ++doc;
+        left = min_doc + int64_t(rng() % uint32_t(max_doc - min_doc + 1));
+      }
+      p[b * len + i] = doc;
+      --left;
+    }
+  }
+  return t;
+}
+
+void expect_matches_brute_force(const st::MaskSpec& spec, const st::BlockMaskTensors& t, int64_t batch) {
+  const st::BlockMask& m = t.mask;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int32_t* dq = spec.doc_q.defined() ? spec.doc_q.data_as<int32_t>() + (spec.doc_q.size(0) == 1 ? 0 : b) * m.seq_q : nullptr;
+    const int32_t* dk = spec.doc_kv.defined() ? spec.doc_kv.data_as<int32_t>() + (spec.doc_kv.size(0) == 1 ? 0 : b) * m.seq_kv : nullptr;
+    const auto want = st::testing::brute_force_classes(spec, dq, dk, m.seq_q, m.seq_kv, m.block_q, m.block_kv);
+    ASSERT_EQ(st::testing::classes_of(m, b, 0, false), want) << spec.str() << " b=" << b;
+    ASSERT_EQ(st::testing::classes_of(m, b, 0, true), want) << spec.str() << " b=" << b << " (transposes)";
+  }
+  EXPECT_NO_THROW(st::validate_block_mask(m));
+  EXPECT_EQ(st::check_write_order(m), "");
+}
+
+struct Geometry {
+  int64_t seq_q, seq_kv, block_q, block_kv;
+};
+std::string name_of(const Geometry& g) {
+  return "Sq" + std::to_string(g.seq_q) + "_Skv" + std::to_string(g.seq_kv) + "_bq" + std::to_string(g.block_q) +
+         "_bkv" + std::to_string(g.block_kv);
+}
+
+class BuiltinSpecs : public ::testing::TestWithParam<Geometry> {};
+
+TEST_P(BuiltinSpecs, MatchBruteForce) {
+  const Geometry g = GetParam();
+  st::BlockMaskOptions o;
+  o.block_q = g.block_q;
+  o.block_kv = g.block_kv;
+  std::vector<st::MaskSpec> specs;
+  for (st::MaskKind k : {st::MaskKind::kFull, st::MaskKind::kCausal, st::MaskKind::kCausalBottomRight}) {
+    st::MaskSpec s;
+    s.kind = k;
+    specs.push_back(s);
+  }
+  for (auto [l, r] : std::vector<std::pair<int64_t, int64_t>>{{100, 0}, {0, 0}, {0, 50}, {-1, 30}, {64, -1}, {300, 300},
+                                                              {127, 129}, {-1, -1}}) {
+    st::MaskSpec s;
+    s.kind = st::MaskKind::kSlidingWindow;
+    s.window_left = l;
+    s.window_right = r;
+    specs.push_back(s);
+  }
+  for (int64_t p : {int64_t(0), int64_t(1), int64_t(100), int64_t(129), int64_t(5000)}) {
+    st::MaskSpec s;
+    s.kind = st::MaskKind::kPrefixLM;
+    s.prefix_length = p;
+    specs.push_back(s);
+  }
+  for (const auto& s : specs) {
+    SCOPED_TRACE(s.str());
+    const st::BlockMaskTensors t = st::build_block_mask(s, g.seq_q, g.seq_kv, o);
+    ASSERT_EQ(t.mask.kv_indices.size(0), 1);
+    expect_matches_brute_force(s, t, 1);
+  }
+  // Documents of odd lengths (a few shorter than a block, some longer), per batch row.
+  std::mt19937 rng(uint32_t(g.seq_q * 31 + g.seq_kv));
+  for (st::MaskKind k : {st::MaskKind::kDocument, st::MaskKind::kDocumentCausal}) {
+    for (auto [lo, hi] : std::vector<std::pair<int64_t, int64_t>>{{1, 7}, {13, 200}, {90, 700}}) {
+      const HostTensor dq = packed_docs(3, g.seq_q, rng, lo, hi), dk = packed_docs(3, g.seq_kv, rng, lo, hi);
+      st::MaskSpec s;
+      s.kind = k;
+      s.doc_q = dq.view();
+      s.doc_kv = dk.view();
+      SCOPED_TRACE(s.str() + " docs " + std::to_string(lo) + ".." + std::to_string(hi));
+      const st::BlockMaskTensors t = st::build_block_mask(s, g.seq_q, g.seq_kv, o);
+      ASSERT_EQ(t.mask.kv_indices.size(0), 3);
+      expect_matches_brute_force(s, t, 3);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Odd, BuiltinSpecs,
+                         ::testing::Values(Geometry{1000, 1000, 128, 128}, Geometry{777, 1300, 64, 128},
+                                           Geometry{1300, 777, 128, 64}, Geometry{200, 200, 64, 64},
+                                           Geometry{513, 257, 128, 128}, Geometry{1, 1, 64, 64},
+                                           Geometry{129, 700, 128, 128}, Geometry{640, 384, 128, 64}),
+                         [](const ::testing::TestParamInfo<Geometry>& p) { return name_of(p.param); });
+
+TEST(BlockMaskBuilders, DocumentsUnsortedAndBroadcastIdsMatchBruteForce) {
+  // Ids need not be sorted or contiguous: random small ids per position (element fallback).
+  std::mt19937 rng(5);
+  const int64_t Sq = 300, Skv = 333;
+  HostTensor dq(st::DType::kInt32, {2, Sq}), dk(st::DType::kInt32, {1, Skv});
+  for (int64_t i = 0; i < dq.numel(); ++i) dq.set(i, double(rng() % 3));
+  for (int64_t i = 0; i < dk.numel(); ++i) dk.set(i, double(rng() % 4));
+  for (st::MaskKind k : {st::MaskKind::kDocument, st::MaskKind::kDocumentCausal}) {
+    st::MaskSpec s;
+    s.kind = k;
+    s.doc_q = dq.view();
+    s.doc_kv = dk.view();
+    st::BlockMaskOptions o;
+    o.block_q = 64;
+    o.block_kv = 64;
+    const auto t = st::build_block_mask(s, Sq, Skv, o);
+    EXPECT_EQ(t.mask.kv_indices.size(0), 2);
+    expect_matches_brute_force(s, t, 2);
+  }
+}
+
+TEST(BlockMaskBuilders, CausalBlocksAreTheExpectedLists) {
+  st::MaskSpec s;
+  s.kind = st::MaskKind::kCausal;
+  const auto t = st::build_block_mask(s, 300, 300);  // 128 x 128: 3 x 3 blocks, the last cut short
+  const st::BlockMask& m = t.mask;
+  ASSERT_EQ(m.num_q_blocks(), 3);
+  for (int64_t r = 0; r < 3; ++r) {
+    EXPECT_EQ(i32(t.kv_num_blocks)[r], 1) << "the diagonal block is partial";
+    EXPECT_EQ(i32(t.kv_indices)[r * 3], r);
+    EXPECT_EQ(i32(t.full_kv_num_blocks)[r], r);
+    for (int64_t i = 0; i < r; ++i) EXPECT_EQ(i32(t.full_kv_indices)[r * 3 + i], i);
+  }
+  // Column 0 walks q blocks 0 (partial), 1, 2 (full).
+  EXPECT_EQ(i32(t.q_num_blocks)[0], 1);
+  EXPECT_EQ(i32(t.full_q_num_blocks)[0], 2);
+  EXPECT_EQ(m.schedule.kind, st::ScheduleKind::kShortestFirst) << "auto on a causal mask";
+}
+
+TEST(BlockMaskBuilders, FromBlocksRoundTripsRandomMatrices) {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 50; ++trial) {
+    const int64_t B = 1 + rng() % 2, H = 1 + rng() % 3, bq = (rng() % 2) ? 64 : 128, bk = (rng() % 2) ? 64 : 128;
+    const int64_t Sq = 1 + rng() % 1500, Skv = 1 + rng() % 1500;
+    const int64_t Mq = (Sq + bq - 1) / bq, Nk = (Skv + bk - 1) / bk;
+    const double density = (rng() % 100) / 100.0;
+    HostTensor blocks(st::DType::kUInt8, {B, H, Mq, Nk});
+    std::uniform_real_distribution<double> u(0, 1);
+    for (int64_t i = 0; i < blocks.numel(); ++i) blocks.set(i, u(rng) < density ? double(1 + rng() % 2) : 0.0);
+    st::BlockMaskOptions o;
+    o.block_q = bq;
+    o.block_kv = bk;
+    const auto t = st::build_block_mask_from_blocks(blocks.view(), Sq, Skv, o);
+    ASSERT_NO_THROW(st::validate_block_mask(t.mask, B, H));
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h) {
+        const auto* src = static_cast<const uint8_t*>(blocks.data()) + (b * H + h) * Mq * Nk;
+        const std::vector<uint8_t> want(src, src + Mq * Nk);
+        ASSERT_EQ(st::testing::classes_of(t.mask, b, h, false), want);
+        ASSERT_EQ(st::testing::classes_of(t.mask, b, h, true), want);
+      }
+  }
+}
+
+// A mask function with full, skipped and ragged partial blocks: a banded pattern that differs
+// per (b, h), plus a hole.
+struct Pattern {
+  int64_t seq_q, seq_kv;
+  static bool allowed(void* ctx, int64_t b, int64_t h, int64_t q, int64_t kv) {
+    (void)ctx;
+    if (q >= 40 && q < 45 && kv == 7) return false;
+    const int64_t d = kv - q + 3 * b - 2 * h;
+    return (d >= -90 && d <= 20) || (kv % 97 == 3 && q % 5 == (b + h) % 5);
+  }
+};
+
+TEST(BlockMaskBuilders, FromFunctionBitmasksAreExact) {
+  for (auto g : {Geometry{250, 333, 64, 128}, Geometry{130, 70, 32, 16}, Geometry{17, 23, 8, 8}}) {
+    SCOPED_TRACE(name_of(g));
+    const int64_t B = 2, H = 3;
+    st::BlockMaskOptions o;
+    o.block_q = g.block_q;
+    o.block_kv = g.block_kv;
+    const auto t = st::build_block_mask_from_function(&Pattern::allowed, nullptr, B, H, g.seq_q, g.seq_kv, o);
+    const st::BlockMask& m = t.mask;
+    ASSERT_EQ(m.spec.kind, st::MaskKind::kBitmask);
+    ASSERT_NO_THROW(st::validate_block_mask(m, B, H));
+    const int64_t Mq = m.num_q_blocks(), Nk = m.num_kv_blocks(), bytes = g.block_q * g.block_kv / 8;
+    const int64_t W = m.partial_bitmasks.size(3);
+    ASSERT_EQ(m.partial_bitmasks.size(4), bytes);
+    int64_t partial_blocks = 0;
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h) {
+        const auto cls = st::testing::classes_of(m, b, h, false);
+        for (int64_t r = 0; r < Mq; ++r)
+          for (int64_t n = 0; n < Nk; ++n) {
+            int64_t yes = 0, all = 0;
+            for (int64_t q = r * g.block_q; q < std::min((r + 1) * g.block_q, g.seq_q); ++q)
+              for (int64_t kv = n * g.block_kv; kv < std::min((n + 1) * g.block_kv, g.seq_kv); ++kv, ++all)
+                yes += Pattern::allowed(nullptr, b, h, q, kv);
+            ASSERT_EQ(cls[size_t(r * Nk + n)], yes == 0 ? 0 : yes == all ? 2 : 1) << "block " << r << "," << n;
+          }
+        const int32_t* cnt = m.kv_num_blocks.data_as<int32_t>() + (b * H + h) * Mq;
+        for (int64_t r = 0; r < Mq; ++r)
+          for (int32_t i = 0; i < cnt[r]; ++i) {
+            ++partial_blocks;
+            const int32_t n = m.kv_indices.data_as<int32_t>()[((b * H + h) * Mq + r) * Nk + i];
+            const uint8_t* bits = m.partial_bitmasks.data_as<uint8_t>() + (((b * H + h) * Mq + r) * W + i) * bytes;
+            for (int64_t qi = 0; qi < g.block_q; ++qi)
+              for (int64_t kj = 0; kj < g.block_kv; ++kj) {
+                const int64_t q = r * g.block_q + qi, kv = n * g.block_kv + kj;
+                const bool want = q < g.seq_q && kv < g.seq_kv && Pattern::allowed(nullptr, b, h, q, kv);
+                const int64_t bit = qi * g.block_kv + kj;  // LSB first
+                ASSERT_EQ(bool((bits[bit / 8] >> (bit % 8)) & 1), want) << "row " << qi << " col " << kj;
+              }
+          }
+      }
+    EXPECT_GT(partial_blocks, 0);
+  }
+}
+
+TEST(BlockMaskBuilders, BitmaskBitOrderIsLsbFirst) {
+  // One 8 x 8 block, only (row 0, col 1) and (row 1, col 0) allowed: byte 0 = 0b10, byte 1 = 0b1.
+  auto f = [](void*, int64_t, int64_t, int64_t q, int64_t kv) { return (q == 0 && kv == 1) || (q == 1 && kv == 0); };
+  st::BlockMaskOptions o;
+  o.block_q = o.block_kv = 8;
+  const auto t = st::build_block_mask_from_function(+f, nullptr, 1, 1, 8, 8, o);
+  const uint8_t* bits = t.mask.partial_bitmasks.data_as<uint8_t>();
+  EXPECT_EQ(bits[0], 0x02);
+  EXPECT_EQ(bits[1], 0x01);
+  for (int i = 2; i < 8; ++i) EXPECT_EQ(bits[i], 0);
+}
+
+TEST(BlockMaskBuilders, TransposeMatchesAndDropsStaleWriteOrders) {
+  st::MaskSpec s;
+  s.kind = st::MaskKind::kSlidingWindow;
+  s.window_left = 200;
+  s.window_right = 0;
+  auto t = st::build_block_mask(s, 1000, 900);
+  ASSERT_TRUE(t.mask.dq_write_order.defined());
+  st::transpose_block_mask(t);
+  EXPECT_FALSE(t.mask.dq_write_order.defined());
+  EXPECT_EQ(st::testing::classes_of(t.mask, 0, 0, true), st::testing::classes_of(t.mask, 0, 0, false));
+  st::compute_dq_write_order(t, st::ColumnSchedule{}, 2);
+  EXPECT_EQ(t.mask.write_order_sub_tiles, 2);
+  EXPECT_NO_THROW(st::validate_block_mask(t.mask));
+}
+
+TEST(BlockMaskSchedule, PositionAndStr) {
+  st::ColumnSchedule s;
+  EXPECT_EQ(s.position(3, 5), 3);
+  EXPECT_EQ(s.str(), "left-to-right");
+  s.kind = st::ScheduleKind::kShortestFirst;
+  EXPECT_EQ(s.position(3, 5), 1);
+  EXPECT_EQ(s.str(), "shortest-first");
+  s.kind = st::ScheduleKind::kPermutation;
+  s.permutation = {2, 0, 1};
+  EXPECT_EQ(s.position(1, 3), 2);
+  EXPECT_EQ(s.str(), "permutation[2, 0, 1]");
+  expect_error([&] { s.position(3, 3); }, {"column", "got 3"});
+  st::MaskSpec m;
+  m.kind = st::MaskKind::kSlidingWindow;
+  m.window_left = 2048;
+  m.window_right = 0;
+  EXPECT_EQ(m.str(), "sliding_window(left=2048, right=0)");
+  m.kind = st::MaskKind::kPrefixLM;
+  m.prefix_length = 7;
+  EXPECT_EQ(m.str(), "prefix_lm(prefix_length=7)");
+}
+
+// ---- compact tensors -----------------------------------------------------------------------
+
+// A contiguous copy of a [B, H, R, W] int32 tensor cut to width w.
+HostTensor narrowed(const st::TensorView& v, int64_t w) {
+  HostTensor h(st::DType::kInt32, {v.size(0), v.size(1), v.size(2), w});
+  auto* dst = static_cast<int32_t*>(h.data());
+  for (int64_t r = 0; r < v.size(0) * v.size(1) * v.size(2); ++r)
+    for (int64_t i = 0; i < w; ++i) dst[r * w + i] = v.data_as<int32_t>()[r * v.size(3) + i];
+  return h;
+}
+int64_t max_count(const st::TensorView& counts) {
+  int64_t m = 0;
+  for (int64_t i = 0; i < counts.numel(); ++i) m = std::max<int64_t>(m, counts.data_as<int32_t>()[i]);
+  return m;
+}
+
+TEST(BlockMaskCompact, CompactIndexAndWriteOrderTensorsAreAccepted) {
+  st::MaskSpec s;
+  s.kind = st::MaskKind::kSlidingWindow;
+  s.window_left = 300;
+  s.window_right = 0;
+  st::BlockMaskOptions o;
+  o.block_q = o.block_kv = 64;
+  o.write_order_sub_tiles = 2;
+  const auto t = st::build_block_mask(s, 2000, 2000, o);  // 32 x 32 blocks, rows of <= 6
+  st::BlockMask m = t.mask;
+  const int64_t wkv = max_count(m.kv_num_blocks), wfkv = max_count(m.full_kv_num_blocks);
+  const int64_t wq = max_count(m.q_num_blocks), wfq = max_count(m.full_q_num_blocks);
+  ASSERT_LT(wq, m.q_indices.size(3));
+  // Contiguous compact copies (FlexAttention's compact layout).
+  const HostTensor kv = narrowed(m.kv_indices, wkv), fkv = narrowed(m.full_kv_indices, wfkv);
+  const HostTensor q = narrowed(m.q_indices, wq), fq = narrowed(m.full_q_indices, wfq);
+  const HostTensor wo = narrowed(m.dq_write_order, wq), fwo = narrowed(m.dq_write_order_full, wfq);
+  m.kv_indices = kv.view();
+  m.full_kv_indices = fkv.view();
+  m.q_indices = q.view();
+  m.full_q_indices = fq.view();
+  m.dq_write_order = wo.view();
+  m.dq_write_order_full = fwo.view();
+  EXPECT_NO_THROW(st::validate_block_mask(m));
+  EXPECT_EQ(st::check_write_order(m), "");
+  // The scheduler model reads them the same way.
+  const auto res = st::simulate_dq_backward(st::dq_model_problem(m, 1, 1, 1),
+                                            st::dq_handout(m.schedule, 1, 1, m.num_kv_blocks(), 2), 7);
+  EXPECT_TRUE(res.ok) << res.str();
+  // A write order narrower than the largest count is not.
+  const HostTensor short_wo = narrowed(t.mask.dq_write_order, wq - 1);
+  m.dq_write_order = short_wo.view();
+  expect_error([&] { st::validate_block_mask(m); }, {"dq_write_order", "a width >= the q_num_blocks count " + std::to_string(wq), "got " + std::to_string(wq - 1)});
+  // Compact strided views (a wider buffer, narrower shape) work as well.
+  st::BlockMask v = t.mask;
+  auto narrow_view = [](const st::TensorView& x, int64_t w) {
+    const int64_t shape[4] = {x.size(0), x.size(1), x.size(2), w};
+    return st::TensorView(x.data(), x.dtype(), shape, x.strides(), 4);
+  };
+  v.q_indices = narrow_view(v.q_indices, wq);
+  v.dq_write_order = narrow_view(v.dq_write_order, wq);
+  EXPECT_NO_THROW(st::validate_block_mask(v));
+}
+
+TEST(BlockMaskCompact, CompactTransposeInputAndWriteOrderFromIt) {
+  // Write orders computed for compact q lists come out compact too (parallel shapes).
+  st::MaskSpec s;
+  s.kind = st::MaskKind::kCausal;
+  auto t = st::build_block_mask(s, 700, 700);
+  const int64_t wq = max_count(t.mask.q_num_blocks);
+  HostTensor q = narrowed(t.mask.q_indices, wq);
+  t.mask.q_indices = q.view();
+  st::compute_dq_write_order(t, st::ColumnSchedule{}, 1);
+  EXPECT_EQ(t.mask.dq_write_order.size(3), wq);
+  EXPECT_NO_THROW(st::validate_block_mask(t.mask));
+}
+
+// ---- bad input -----------------------------------------------------------------------------
+
+st::BlockMaskTensors doc_causal_mask() {
+  // 3 x 3 blocks of 64 with full, partial and skipped blocks.
+  st::MaskSpec s;
+  s.kind = st::MaskKind::kSlidingWindow;
+  s.window_left = 100;
+  s.window_right = 0;
+  st::BlockMaskOptions o;
+  o.block_q = o.block_kv = 64;
+  return st::build_block_mask(s, 192, 192, o);
+}
+
+TEST(BlockMaskErrors, EachKindOfBadInputIsRejectedWithItsMessage) {
+  using T = st::BlockMaskTensors;
+  auto expect_bad = [](const std::function<void(T&)>& mutate, std::initializer_list<std::string> msg) {
+    T t = doc_causal_mask();
+    ASSERT_NO_THROW(st::validate_block_mask(t.mask));
+    mutate(t);
+    expect_error([&] { st::validate_block_mask(t.mask); }, msg);
+  };
+  // Row 1 (q block 1) of the window mask: partial {0, 1}? Print-free: use what the builder made.
+  {
+    T t = doc_causal_mask();
+    ASSERT_EQ(i32(t.kv_num_blocks)[1], 2);  // kv blocks 0 and 1 partial
+    ASSERT_EQ(i32(t.full_kv_num_blocks)[1], 0);
+  }
+  expect_bad([](T& t) { t.mask.kv_indices = st::TensorView(); }, {"kv_indices", "expected", "no tensor"});
+  expect_bad([](T& t) { t.mask.full_kv_indices = st::TensorView(); }, {"full_kv_indices", "come together"});
+  expect_bad([](T& t) { t.mask.q_num_blocks = st::TensorView(); }, {"q_num_blocks", "come together"});
+  expect_bad([](T& t) {
+    const auto& v = t.mask.kv_indices;
+    t.mask.kv_indices = st::TensorView(v.data(), st::DType::kInt64, {1, 1, 3, 1});
+  }, {"kv_indices: expected dtype int32, got int64"});
+  expect_bad([](T& t) {
+    t.mask.kv_num_blocks = st::TensorView(t.mask.kv_num_blocks.data(), st::DType::kInt32, {1, 1, 2});
+  }, {"kv_num_blocks: expected size 3 (Mq = 3) in dim 2, got 2"});
+  expect_bad([](T& t) { t.mask.seq_q = 400; }, {"kv_num_blocks", "Mq = 7"});
+  expect_bad([](T& t) {
+    t.mask.kv_indices = st::TensorView(t.mask.kv_indices.data(), st::DType::kInt32, {1, 3, 1});
+  }, {"kv_indices: expected 4 dimensions, got 3"});
+  expect_bad([](T& t) {
+    const int64_t shape[4] = {2, 1, 3, 3}, strides[4] = {0, 9, 3, 1};
+    t.mask.kv_indices = st::TensorView(t.mask.kv_indices.data(), st::DType::kInt32, shape, strides, 4);
+    const int64_t s3[3] = {3, 1, 3}, st3[3] = {0, 3, 1};
+    t.mask.kv_num_blocks = st::TensorView(t.mask.kv_num_blocks.data(), st::DType::kInt32, s3, st3, 3);
+  }, {"kv_indices: expected leading dims broadcastable to [B=3, H=1], got [2, 1, 3, 3]"});
+  expect_bad([](T& t) { i32(t.kv_num_blocks)[1] = 4; }, {"kv_num_blocks[b=0, h=0, q block 1]", "width of kv_indices (3)", "got 4"});
+  expect_bad([](T& t) { i32(t.kv_num_blocks)[1] = -1; }, {"kv_num_blocks[b=0, h=0, q block 1]", "count >= 0", "got -1"});
+  expect_bad([](T& t) { i32(t.kv_indices)[3 + 1] = 3; }, {"kv_indices[b=0, h=0, q block 1] entry 1", "kv block in [0, 3)", "got 3"});
+  expect_bad([](T& t) { i32(t.kv_indices)[3 + 1] = 0; }, {"kv_indices[b=0, h=0, q block 1] entry 1", "no duplicate", "0 twice"});
+  expect_bad([](T& t) { std::swap(i32(t.kv_indices)[3], i32(t.kv_indices)[4]); }, {"kv_indices[b=0, h=0, q block 1] entry 1", "ascending"});
+  expect_bad([](T& t) {  // kv block 0 of q block 1 also listed as full
+    i32(t.full_kv_num_blocks)[1] = 1;
+    i32(t.full_kv_indices)[3] = 0;
+  }, {"full_kv_indices[b=0, h=0, q block 1]", "not also partial", "kv block 0 in both"});
+  expect_bad([](T& t) {  // q side disagrees: column 2 lists q block 0
+    i32(t.q_indices)[2 * 3] = 0;
+  }, {"q_indices[b=0, h=0, kv block 2]", "transpose of kv_indices", "q block 0"});
+  expect_bad([](T& t) { i32(t.q_num_blocks)[0] -= 1; }, {"q_num_blocks", "transpose of kv_indices"});
+  expect_bad([](T& t) {  // swap the turns of columns 0 and 1 at q block 1
+    int32_t* wo = i32(t.dq_write_order);
+    const int32_t* q = i32(t.q_indices);
+    int64_t a = -1, b = -1;
+    for (int64_t i = 0; i < i32(t.q_num_blocks)[0]; ++i) if (q[i] == 1) a = i;
+    for (int64_t i = 0; i < i32(t.q_num_blocks)[1]; ++i) if (q[3 + i] == 1) b = 3 + i;
+    std::swap(wo[a], wo[b]);
+  }, {"dq_write_order[b=0, h=0, column", "q block 1]: expected turn"});
+  expect_bad([](T& t) { t.mask.dq_write_order_full = st::TensorView(); }, {"dq_write_order_full", "exactly when"});
+  expect_bad([](T& t) {
+    t.mask.schedule.kind = st::ScheduleKind::kPermutation;
+    t.mask.schedule.permutation = {0, 1, 1};
+  }, {"schedule.permutation", "a permutation of the 3 kv block columns", "permutation[0, 1, 1]"});
+  expect_bad([](T& t) { t.mask.write_order_sub_tiles = 3; }, {"write_order_sub_tiles", "dividing block_kv 64", "got 3"});
+  expect_bad([](T& t) { t.mask.spec.kind = st::MaskKind::kBitmask; }, {"partial_bitmasks", "no tensor"});
+  expect_bad([](T& t) { t.mask.spec.kind = st::MaskKind::kDocumentCausal; }, {"spec.doc_q", "no tensor"});
+  expect_bad([](T& t) { t.mask.block_q = 0; }, {"block_q: expected >= 1, got 0"});
+  // Leading dims against the attention's batch / heads.
+  {
+    T t = doc_causal_mask();
+    EXPECT_NO_THROW(st::validate_block_mask(t.mask, 4, 16)) << "B = H = 1 broadcasts";
+  }
+  {
+    HostTensor blocks(st::DType::kUInt8, {2, 1, 1, 1});
+    for (int64_t i = 0; i < blocks.numel(); ++i) blocks.set(i, 1);
+    const auto t = st::build_block_mask_from_blocks(blocks.view(), 100, 100);
+    expect_error([&] { st::validate_block_mask(t.mask, 3, 1); }, {"kv_num_blocks", "broadcastable to [B=3, H=1]", "[2, 1, 1]"});
+  }
+}
+
+TEST(BlockMaskErrors, BuilderArgumentsAreChecked) {
+  st::MaskSpec s;
+  expect_error([&] { st::build_block_mask(s, 0, 10); }, {"seq_q: expected >= 1, got 0"});
+  st::BlockMaskOptions o;
+  o.write_order_sub_tiles = 3;
+  expect_error([&] { st::build_block_mask(s, 10, 10, o); }, {"write_order_sub_tiles", "dividing block_kv 128", "got 3"});
+  s.kind = st::MaskKind::kBitmask;
+  expect_error([&] { st::build_block_mask(s, 10, 10); }, {"spec.kind", "built-in", "bitmask"});
+  s.kind = st::MaskKind::kDocument;
+  expect_error([&] { st::build_block_mask(s, 10, 10); }, {"spec.doc_q", "no tensor"});
+  HostTensor dq(st::DType::kInt32, {1, 10}), dk(st::DType::kInt32, {1, 9});
+  s.doc_q = dq.view();
+  s.doc_kv = dk.view();
+  expect_error([&] { st::build_block_mask(s, 10, 10); }, {"spec.doc_kv", "[B or 1, 10]", "[1, 9]"});
+  HostTensor blocks(st::DType::kUInt8, {1, 1, 1, 1});
+  blocks.set(0, 3);
+  expect_error([&] { st::build_block_mask_from_blocks(blocks.view(), 10, 10); }, {"blocks[0, 0, 0, 0]", "0 (skipped), 1 (partial) or 2 (full)", "got 3"});
+  expect_error([&] { st::build_block_mask_from_blocks(blocks.view(), 10, 300); }, {"blocks", "Nk=3", "[1, 1, 1, 1]"});
+  HostTensor wrong(st::DType::kInt32, {1, 1, 1, 1});
+  expect_error([&] { st::build_block_mask_from_blocks(wrong.view(), 10, 10); }, {"blocks: expected dtype uint8, got int32"});
+  auto t = st::build_block_mask(st::MaskSpec{}, 300, 300);
+  st::ColumnSchedule bad;
+  bad.kind = st::ScheduleKind::kPermutation;
+  bad.permutation = {0, 1};
+  expect_error([&] { st::compute_dq_write_order(t, bad, 1); }, {"schedule.permutation", "3 kv block columns"});
+}
+
+}  // namespace
