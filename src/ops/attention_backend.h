@@ -1,0 +1,58 @@
+// The internal interface every block-sparse attention backend implements (CPU reference now, CUDA
+// later). ops/attention.cpp owns every rule (validation of the tensors and the mask, the default
+// scale, output allocation); a backend runs forward and backward on validated arguments and
+// writes every element of its outputs. Params are framework-free views in the style of FA3's
+// params structs.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "sparsetrain/allocator.h"
+#include "sparsetrain/block_mask.h"
+#include "sparsetrain/tensor.h"
+
+namespace sparsetrain::backend {
+
+struct AttentionProblem {
+  DType dtype;  // of q, k, v, o, dout, dq, dk, dv
+  int64_t batch, seq_q, seq_kv, heads_q, heads_kv, head_dim;
+  float scale;  // resolved: never 0
+};
+
+// q [B, Sq, Hq, D], k / v [B, Skv, Hkv, D]: last dim contiguous, any other strides.
+// o [B, Sq, Hq, D] and lse fp32 [B, Hq, Sq]: contiguous, written in full (o = 0, lse = -inf for a
+// query row with no allowed key).
+struct AttentionForwardParams {
+  AttentionProblem problem;
+  TensorView q, k, v;
+  const BlockMask* mask;  // validated against the problem; leading dims broadcast to [B, Hq]
+  TensorView o, lse;
+};
+
+// o and dout [B, Sq, Hq, D] (last dim contiguous), lse fp32 [B, Hq, Sq] (any strides).
+// dq [B, Sq, Hq, D], dk / dv [B, Skv, Hkv, D]: contiguous, written in full (zero where nothing
+// contributes).
+struct AttentionBackwardParams {
+  AttentionProblem problem;
+  TensorView q, k, v, o, lse, dout;
+  const BlockMask* mask;  // with its transposes (q_num_blocks / q_indices, full_q_*)
+  bool deterministic;
+  TensorView dq, dk, dv;
+};
+
+class AttentionBackend {
+ public:
+  virtual ~AttentionBackend() = default;
+  // Scratch each pass needs; a function of the shapes only.
+  virtual size_t forward_scratch_bytes(const AttentionProblem& p) const = 0;
+  virtual size_t backward_scratch_bytes(const AttentionProblem& p) const = 0;
+  virtual void forward(const AttentionForwardParams& p, void* scratch, Stream stream) = 0;
+  virtual void backward(const AttentionBackwardParams& p, void* scratch, Stream stream) = 0;
+};
+
+AttentionBackend& attention_reference_backend();
+// The backend that runs on `device`; an Error naming `arg` where this build has none.
+AttentionBackend& attention_backend_for(Device device, const char* arg);
+
+}  // namespace sparsetrain::backend
