@@ -19,10 +19,13 @@
 // dQ write order: for a column schedule (the order in which backward hands out kv columns), every
 // q block m is written by the columns touching it one at a time, in schedule order; the entry
 // parallel to (n, m) is n's turn (0, 1, ...) among those columns. With a kernel kv tile smaller
-// than block_kv, each block column splits into sub-columns that take turns separately
-// (DqWriteOrder::sub_tiles). Deadlock freedom (DESIGN.md section 6) holds when, at every q block,
-// turns increase with the writers' positions in the schedule — true of every order built here,
-// and checked by check_write_order().
+// than block_kv, each block column n splits into s = write_order_sub_tiles sub-columns
+// n * s + t that take turns separately; they are handed out consecutively (sub-column (n, t) has
+// position position(n) * s + t), so their turns at m are consecutive too: the tensors keep the
+// shape of q_indices and store the turn of sub-column 0 (rank * s), sub-column t taking stored + t
+// (src/common/dq_schedule_model.h is the hand-out and the model). Deadlock freedom (DESIGN.md
+// section 6) holds when, at every q block, turns increase with the writers' positions in the
+// schedule — true of every order built here, and checked by check_write_order().
 #pragma once
 
 #include <cstdint>
@@ -94,15 +97,20 @@ struct BlockMaskOptions {
   int64_t write_order_sub_tiles = 1;
   Allocator* allocator = nullptr;
 };
+// A block is full when every element inside the sequences is allowed (the last row / column of
+// blocks may be cut short: positions past seq_q / seq_kv do not count), skipped when none is.
 // From a built-in spec (MaskKind other than kBitmask); batch / heads as the spec needs (document
 // ids may differ per batch row; everything else broadcasts with B = H = 1).
 BlockMaskTensors build_block_mask(const MaskSpec& spec, int64_t seq_q, int64_t seq_kv,
                                   const BlockMaskOptions& options = {});
 // From a dense boolean (uint8) block matrix [B, H, Mq, Nk]: 0 = skipped, 1 = partial, 2 = full.
+// The mask's spec is kFull (nothing masked inside partial blocks): set mask.spec for another.
 BlockMaskTensors build_block_mask_from_blocks(const TensorView& blocks, int64_t seq_q, int64_t seq_kv,
                                               const BlockMaskOptions& options = {});
 // From any mask function: allowed(b, h, q, kv) evaluated once per element; blocks with every
-// element allowed become full, with none skipped, the rest partial with a bitmask.
+// element allowed become full, with none skipped, the rest partial with a bitmask. Bits of
+// positions past the sequences are 0. The bitmask tensor's width is the largest partial count
+// (compact; this builder runs the host function, so it may size by data).
 using MaskFunction = bool (*)(void* context, int64_t b, int64_t h, int64_t q, int64_t kv);
 BlockMaskTensors build_block_mask_from_function(MaskFunction allowed, void* context, int64_t batch, int64_t heads,
                                                 int64_t seq_q, int64_t seq_kv, const BlockMaskOptions& options = {});

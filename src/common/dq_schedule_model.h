@@ -66,11 +66,19 @@ struct DqModelResult {
   int64_t total_work = 0;     // block visits done
   int64_t items_not_handed_out = 0;
   std::vector<DqBlockedWorker> blocked;  // every worker left waiting, when !ok
+  // Adds that ran at the same step on the same semaphore (two writers holding one turn): a race
+  // in the kernel, so not ok even when nothing blocks.
+  int64_t races = 0;
 
   std::string str() const {
     std::ostringstream os;
     if (ok) {
       os << "ok: critical path " << critical_path << ", work " << total_work;
+      return os.str();
+    }
+    if (races > 0) os << races << " racing add(s) (writers sharing a turn); ";
+    if (blocked.empty()) {
+      os << "nothing blocked: critical path " << critical_path;
       return os.str();
     }
     os << "blocked after " << critical_path << " steps (" << total_work << " adds done, " << items_not_handed_out
@@ -91,6 +99,8 @@ struct DqModelResult {
 // step. Event-driven (a waiting worker is woken only by the increment it waits for), so a run costs
 // O(work + workers). When no worker can move and work is left, the model stops and reports the
 // waiting workers: a dependency cycle, or starvation (everyone waits on an item not handed out).
+// Two writers holding the same turn either race (both ready in one step: counted in `races`) or
+// leave one of them waiting for a value the semaphore has passed (blocked).
 inline DqModelResult simulate_dq_backward(const DqModelProblem& pb, const DqColumnHandout& handout, int64_t workers) {
   DqModelResult res;
   const int64_t group = pb.q_heads / pb.kv_heads, s = pb.sub_tiles;
@@ -178,7 +188,7 @@ inline DqModelResult simulate_dq_backward(const DqModelProblem& pb, const DqColu
   };
   for (int64_t i = 0; i < workers; ++i)
     if (take_item(ws[size_t(i)])) place(int32_t(i));
-  std::vector<int64_t> bumped;
+  std::vector<int64_t> bumped, last_step(static_cast<size_t>(num_sems), -1);
   while (!next_ready.empty()) {
     ready.swap(next_ready);
     next_ready.clear();
@@ -186,6 +196,8 @@ inline DqModelResult simulate_dq_backward(const DqModelProblem& pb, const DqColu
     bumped.clear();
     for (int32_t wi : ready) {
       const int64_t sm = ws[size_t(wi)].sem;
+      if (last_step[size_t(sm)] == res.critical_path) ++res.races;
+      last_step[size_t(sm)] = res.critical_path;
       ++sem[size_t(sm)];
       ++res.total_work;
       bumped.push_back(sm);
@@ -211,7 +223,7 @@ inline DqModelResult simulate_dq_backward(const DqModelProblem& pb, const DqColu
     res.blocked.push_back({i, w.item, w.item.kv_head * group + w.head,
                            pb.walk_q_block[size_t(w.pos)], w.turn, sem[size_t(w.sem)]});
   }
-  res.ok = res.blocked.empty();
+  res.ok = res.blocked.empty() && res.races == 0;
   return res;
 }
 

@@ -1,0 +1,409 @@
+// The deterministic backward's scheduling: the dynamic column hand-out, the CPU model of the
+// persistent kernel (success, blocked sets, critical paths), check_write_order, and "auto".
+// The property test builds >= 10,000 random masks (built-in specs, documents, windows, random block
+// matrices, GQA, schedules incl. random permutations, sub-tile factors 1/2/4, 1..132 workers) and
+// shows that every order the library builds passes both the checker and the model, and that
+// inconsistent orders are caught by both.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <numeric>
+#include <random>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "block_mask_testing.h"
+#include "common/dq_schedule_model.h"
+#include "host_tensor.h"
+#include "ops/block_mask_internal.h"
+#include "sparsetrain/block_mask.h"
+
+namespace st = sparsetrain;
+using st::testing::HostTensor;
+
+namespace {
+
+st::ColumnSchedule schedule_of(st::ScheduleKind k, std::vector<int32_t> perm = {}) {
+  st::ColumnSchedule s;
+  s.kind = k;
+  s.permutation = std::move(perm);
+  return s;
+}
+const st::ColumnSchedule kLTR = schedule_of(st::ScheduleKind::kLeftToRight);
+const st::ColumnSchedule kSPT = schedule_of(st::ScheduleKind::kShortestFirst);
+
+st::BlockMaskTensors spec_mask(st::MaskKind kind, int64_t seq, const st::ColumnSchedule* schedule, int64_t sub_tiles = 1) {
+  st::MaskSpec s;
+  s.kind = kind;
+  st::BlockMaskOptions o;
+  o.write_order_sub_tiles = sub_tiles;
+  if (schedule != nullptr) {
+    o.auto_schedule = false;
+    o.schedule = *schedule;
+  }
+  return st::build_block_mask(s, seq, seq, o);
+}
+
+st::DqModelResult run_model(const st::BlockMask& m, int64_t workers, const st::ColumnSchedule* handout = nullptr,
+                            int64_t batch = 1, int64_t q_heads = 1, int64_t kv_heads = 1) {
+  const st::ColumnSchedule& h = handout != nullptr ? *handout : m.schedule;
+  return st::simulate_dq_backward(st::dq_model_problem(m, batch, q_heads, kv_heads),
+                                  st::dq_handout(h, batch, kv_heads, m.num_kv_blocks(), m.write_order_sub_tiles),
+                                  workers);
+}
+
+TEST(DqHandout, TicketsCoverEveryItemOnceInScheduleOrder) {
+  const std::vector<int32_t> perm = {2, 0, 3, 1};
+  for (const auto& s : {kLTR, kSPT, schedule_of(st::ScheduleKind::kPermutation, perm)}) {
+    for (int64_t sub : {1, 2, 4}) {
+      st::DqColumnHandout h = st::dq_handout(s, 2, 3, 4, sub);
+      ASSERT_EQ(h.num_items(), 2 * 3 * 4 * sub);
+      std::set<std::tuple<int64_t, int64_t, int64_t, int64_t>> seen;
+      int64_t last_pos = -1;
+      for (int64_t t = 0; t < h.num_items(); ++t) {
+        const st::DqWorkItem it = h.item(t);
+        EXPECT_TRUE(seen.insert({it.batch, it.kv_head, it.column, it.sub_tile}).second);
+        // Sub-column position = position(column) * sub + t: non-decreasing in ticket order, and
+        // every (batch, kv head) gets position p before anyone gets p + 1.
+        const int64_t pos = s.position(it.column, 4) * sub + it.sub_tile;
+        EXPECT_EQ(pos, t / 6) << s.str() << " ticket " << t;
+        EXPECT_GE(pos, last_pos);
+        last_pos = pos;
+      }
+    }
+  }
+  // Left to right, one head: tickets are the sub-columns in order.
+  st::DqColumnHandout h = st::dq_handout(kLTR, 1, 1, 3, 2);
+  EXPECT_EQ(h.item(3).column, 1);
+  EXPECT_EQ(h.item(3).sub_tile, 1);
+}
+
+TEST(DqModel, CausalCriticalPathsLeftToRightVersusShortestFirst) {
+  // 8 x 8 causal blocks, enough workers for every column. Left to right, column n does q block m
+  // at step m + n + 1 (it waits for column n - 1 there): 2N - 1 = 15 steps. Shortest first, column
+  // n's turn at m is m - n, so it never waits after its first block: N = 8 steps.
+  const auto ltr = spec_mask(st::MaskKind::kCausal, 1024, &kLTR);
+  const auto spt = spec_mask(st::MaskKind::kCausal, 1024, &kSPT);
+  const auto a = run_model(ltr.mask, 132), b = run_model(spt.mask, 132);
+  ASSERT_TRUE(a.ok) << a.str();
+  ASSERT_TRUE(b.ok) << b.str();
+  EXPECT_EQ(a.critical_path, 15);
+  EXPECT_EQ(b.critical_path, 8);
+  EXPECT_EQ(a.total_work, 36);
+  EXPECT_EQ(b.total_work, 36);
+  // One worker: everything in series, 36 steps either way.
+  EXPECT_EQ(run_model(ltr.mask, 1).critical_path, 36);
+  EXPECT_EQ(run_model(spt.mask, 1).critical_path, 36);
+  // Two sub-tiles per block column: 16 writers; each sub-column pair serialises at every block.
+  const auto spt2 = spec_mask(st::MaskKind::kCausal, 1024, &kSPT, 2);
+  const auto c = run_model(spt2.mask, 132);
+  ASSERT_TRUE(c.ok) << c.str();
+  EXPECT_EQ(c.total_work, 72);
+  // Each q block's writers take turns one at a time, so the bottom q block's 8 x 2 writers bound
+  // the critical path from below; shortest first reaches that bound (at s = 1 too: 8 writers).
+  EXPECT_EQ(c.critical_path, 16);
+  const auto ltr2 = spec_mask(st::MaskKind::kCausal, 1024, &kLTR, 2);
+  const auto d = run_model(ltr2.mask, 132);
+  ASSERT_TRUE(d.ok) << d.str();
+  EXPECT_GT(d.critical_path, c.critical_path);
+}
+
+TEST(DqModel, AutoPicksShortestFirstForCausalAndLeftToRightForFull) {
+  // Why (the model at 132 workers, one head): on a causal mask the left-most column is the
+  // longest (it touches every q block) and left to right makes every other column queue behind
+  // it at each block: 2N - 1 steps. Shortest first hands the right-most (one-block) columns out
+  // first, each column's turns are m - n, and the whole mask finishes in N steps: SPT, as FA3 and
+  // seed 004 found. On a full mask every column touches every q block and the two orders are
+  // mirror images (Mq + Nk - 1 steps each); ties go left to right.
+  const auto causal = spec_mask(st::MaskKind::kCausal, 8 * 128, nullptr);
+  EXPECT_EQ(causal.mask.schedule.kind, st::ScheduleKind::kShortestFirst);
+  EXPECT_EQ(run_model(causal.mask, 132).critical_path, 8);
+  const auto causal_ltr = spec_mask(st::MaskKind::kCausal, 8 * 128, &kLTR);
+  EXPECT_EQ(run_model(causal_ltr.mask, 132).critical_path, 15);
+
+  const auto full = spec_mask(st::MaskKind::kFull, 8 * 128, nullptr);
+  EXPECT_EQ(full.mask.schedule.kind, st::ScheduleKind::kLeftToRight);
+  EXPECT_EQ(run_model(full.mask, 132).critical_path, 15);
+  const auto full_spt = spec_mask(st::MaskKind::kFull, 8 * 128, &kSPT);
+  EXPECT_EQ(run_model(full_spt.mask, 132).critical_path, 15);
+
+  // A longer causal mask (64 x 64 blocks, the benchmark's S = 8192): 64 vs 127 steps.
+  const auto long_causal = spec_mask(st::MaskKind::kCausal, 8192, nullptr);
+  EXPECT_EQ(long_causal.mask.schedule.kind, st::ScheduleKind::kShortestFirst);
+  EXPECT_EQ(run_model(long_causal.mask, 132).critical_path, 64);
+  EXPECT_EQ(st::choose_schedule(long_causal.mask).kind, st::ScheduleKind::kShortestFirst);
+}
+
+TEST(DqModel, OrdersAgainstTheHandOutStarve) {
+  // Seed 004's failure: causal orders built for left to right, columns handed out right to left.
+  // With fewer workers than columns the first workers wait on columns never handed out.
+  const auto m = spec_mask(st::MaskKind::kCausal, 5 * 128, &kLTR);
+  const auto r = run_model(m.mask, 2, &kSPT);
+  ASSERT_FALSE(r.ok);
+  ASSERT_EQ(r.blocked.size(), 2u);
+  EXPECT_EQ(r.blocked[0].item.column, 4);  // waits at q block 4 for turn 4; the semaphore is at 0
+  EXPECT_EQ(r.blocked[0].q_block, 4);
+  EXPECT_EQ(r.blocked[0].turn, 4);
+  EXPECT_EQ(r.blocked[0].semaphore, 0);
+  EXPECT_EQ(r.items_not_handed_out, 3);
+  EXPECT_NE(r.str().find("blocked"), std::string::npos);
+  // The checker sees it without running anything.
+  st::BlockMask claimed = m.mask;
+  claimed.schedule = kSPT;
+  EXPECT_NE(st::check_write_order(claimed).find("expected turn"), std::string::npos);
+  // With a worker per column there is no starvation (the model is exact; the checker is the
+  // sufficient condition for every worker count).
+  EXPECT_TRUE(run_model(m.mask, 5, &kSPT).ok);
+}
+
+TEST(DqModel, DuplicateAndPassedTurnsBlock) {
+  // Two writers with the same turn at a block: the semaphore passes the other turn by, so one of
+  // them waits forever for a value already gone.
+  auto m = spec_mask(st::MaskKind::kFull, 3 * 128, &kLTR);
+  int32_t* wo = m.dq_write_order_full.view().data_as<int32_t>();  // full mask: all blocks are full
+  const int64_t W = m.mask.dq_write_order_full.size(3);
+  wo[1 * W + 0] = 0;  // column 1 at q block 0: turn 0, like column 0
+  EXPECT_NE(st::check_write_order(m.mask), "");
+  // Three workers: columns 0 and 1 both add at q block 0 in step 1 (a race in the kernel).
+  const auto r = run_model(m.mask, 3);
+  EXPECT_FALSE(r.ok) << r.str();
+  EXPECT_EQ(r.races, 1);
+  EXPECT_TRUE(r.blocked.empty());
+  // One worker: column 1 arrives after the semaphore has passed turn 0 and waits forever.
+  const auto one = run_model(m.mask, 1);
+  EXPECT_FALSE(one.ok);
+  ASSERT_EQ(one.blocked.size(), 1u);
+  EXPECT_EQ(one.blocked[0].item.column, 1);
+  EXPECT_EQ(one.blocked[0].turn, 0);
+  EXPECT_EQ(one.blocked[0].semaphore, 1);
+}
+
+// ---- property test -------------------------------------------------------------------------
+
+struct Case {
+  st::BlockMaskTensors t;
+  std::vector<HostTensor> keep;  // document ids the spec points at
+  int64_t batch = 1, q_heads = 1, kv_heads = 1;
+  std::string what;
+};
+
+HostTensor random_docs(std::mt19937& rng, int64_t batch, int64_t len) {
+  HostTensor t(st::DType::kInt32, {batch, len});
+  const int64_t max_doc = 1 + int64_t(rng() % 600);
+  for (int64_t b = 0; b < batch; ++b) {
+    int32_t doc = 0;
+    int64_t left = 1 + int64_t(rng() % uint32_t(max_doc));
+    for (int64_t i = 0; i < len; ++i) {
+      if (left-- == 0) {
+        ++doc;
+        left = int64_t(rng() % uint32_t(max_doc));
+      }
+      static_cast<int32_t*>(t.data())[b * len + i] = doc;
+    }
+  }
+  return t;
+}
+
+Case random_case(std::mt19937& rng) {
+  Case c;
+  const int64_t bq = rng() % 2 ? 64 : 128, bk = rng() % 2 ? 64 : 128;
+  const int64_t Sq = 1 + int64_t(rng() % 1700), Skv = 1 + int64_t(rng() % 1700);
+  st::BlockMaskOptions o;
+  o.block_q = bq;
+  o.block_kv = bk;
+  const int64_t subs[] = {1, 2, 4};
+  o.write_order_sub_tiles = subs[rng() % 3];
+  const int64_t Nk = (Skv + bk - 1) / bk, Mq = (Sq + bq - 1) / bq;
+  switch (rng() % 4) {
+    case 0: o.auto_schedule = true; break;
+    case 1: o.auto_schedule = false; o.schedule = kLTR; break;
+    case 2: o.auto_schedule = false; o.schedule = kSPT; break;
+    default: {
+      o.auto_schedule = false;
+      std::vector<int32_t> p(static_cast<size_t>(Nk));
+      std::iota(p.begin(), p.end(), 0);
+      std::shuffle(p.begin(), p.end(), rng);
+      o.schedule = schedule_of(st::ScheduleKind::kPermutation, p);
+    }
+  }
+  const int64_t hq_choices[] = {1, 2, 4, 8};
+  c.q_heads = hq_choices[rng() % 4];
+  c.kv_heads = c.q_heads >> (rng() % 4);
+  if (c.kv_heads < 1) c.kv_heads = 1;
+  const int kind = int(rng() % 9);
+  if (kind < 7) {
+    st::MaskSpec s;
+    const st::MaskKind kinds[] = {st::MaskKind::kFull, st::MaskKind::kCausal, st::MaskKind::kCausalBottomRight,
+                                  st::MaskKind::kSlidingWindow, st::MaskKind::kDocument, st::MaskKind::kDocumentCausal,
+                                  st::MaskKind::kPrefixLM};
+    s.kind = kinds[kind];
+    s.window_left = rng() % 4 == 0 ? -1 : int64_t(rng() % 900);
+    s.window_right = rng() % 3 == 0 ? -1 : rng() % 2 ? 0 : int64_t(rng() % 400);
+    s.prefix_length = int64_t(rng() % 1000);
+    if (s.kind == st::MaskKind::kDocument || s.kind == st::MaskKind::kDocumentCausal) {
+      c.batch = 1 + int64_t(rng() % 3);
+      c.keep.push_back(random_docs(rng, c.batch, Sq));
+      c.keep.push_back(random_docs(rng, c.batch, Skv));
+      s.doc_q = c.keep[0].view();
+      s.doc_kv = c.keep[1].view();
+    }
+    c.what = s.str();
+    c.t = st::build_block_mask(s, Sq, Skv, o);
+  } else if (kind == 7) {  // random block matrix, per head (GQA: a mask per query head)
+    const int64_t B = 1 + int64_t(rng() % 2), H = rng() % 2 ? c.q_heads : 1;
+    HostTensor blocks(st::DType::kUInt8, {B, H, Mq, Nk});
+    const double density = double(rng() % 101) / 100.0, full_share = double(rng() % 101) / 100.0;
+    std::uniform_real_distribution<double> u(0, 1);
+    for (int64_t i = 0; i < blocks.numel(); ++i) blocks.set(i, u(rng) < density ? (u(rng) < full_share ? 2 : 1) : 0);
+    c.batch = B;
+    c.what = "blocks(density " + std::to_string(density) + ")";
+    c.t = st::build_block_mask_from_blocks(blocks.view(), Sq, Skv, o);
+  } else {  // a mask function on small sizes (every element is evaluated)
+    o.block_q = o.block_kv = 16;
+    o.write_order_sub_tiles = subs[rng() % 3];
+    struct Ctx { int64_t w, period; };
+    static thread_local Ctx ctx;
+    ctx = {int64_t(rng() % 60), 2 + int64_t(rng() % 30)};
+    auto f = [](void* p, int64_t b, int64_t h, int64_t q, int64_t kv) {
+      const Ctx& x = *static_cast<Ctx*>(p);
+      return (kv <= q && q - kv <= x.w + 7 * h) || (kv + b) % x.period == 0;
+    };
+    c.batch = 1;
+    if (o.schedule.kind == st::ScheduleKind::kPermutation) {
+      o.auto_schedule = true;  // the permutation was drawn for another block size
+    }
+    c.what = "function";
+    c.t = st::build_block_mask_from_function(+f, &ctx, 1, c.q_heads, 1 + int64_t(rng() % 200), 1 + int64_t(rng() % 200), o);
+  }
+  return c;
+}
+
+// Whether writers of some q block come in a different order under schedule a than under b.
+bool orders_disagree(const st::BlockMask& m, const st::ColumnSchedule& a, const st::ColumnSchedule& b) {
+  int64_t B = 1, H = 1;
+  st::mask_leading_dims(m, &B, &H);
+  const int64_t Nk = m.num_kv_blocks();
+  for (int64_t bi = 0; bi < B; ++bi)
+    for (int64_t h = 0; h < H; ++h) {
+      const auto cls = st::testing::classes_of(m, bi, h, true);
+      for (int64_t q = 0; q < m.num_q_blocks(); ++q) {
+        std::vector<std::pair<int64_t, int64_t>> w;
+        for (int64_t n = 0; n < Nk; ++n)
+          if (cls[size_t(q * Nk + n)] != 0) w.push_back({a.position(n, Nk), b.position(n, Nk)});
+        std::sort(w.begin(), w.end());
+        for (size_t i = 1; i < w.size(); ++i)
+          if (w[i].second < w[i - 1].second) return true;
+      }
+    }
+  return false;
+}
+
+// Swaps the stored turns of two writers of one q block; false when no q block has two writers.
+bool swap_two_turns(st::BlockMask& m, std::mt19937& rng) {
+  int64_t B = 1, H = 1;
+  st::mask_leading_dims(m, &B, &H);
+  const int64_t Nk = m.num_kv_blocks();
+  std::vector<int32_t*> cells;
+  for (int tries = 0; tries < 8 && cells.size() < 2; ++tries) {
+    const int64_t b = int64_t(rng() % uint32_t(B)), h = int64_t(rng() % uint32_t(H));
+    const int32_t q = int32_t(rng() % uint32_t(m.num_q_blocks()));
+    cells.clear();
+    const st::IndexRows p = st::mask_rows(m.q_num_blocks, m.q_indices, b, h);
+    const st::IndexRows f = st::mask_rows(m.full_q_num_blocks, m.full_q_indices, b, h);
+    const st::WriteOrderOut wp = st::mask_write_order(m.dq_write_order, b, h);
+    const st::WriteOrderOut wf = st::mask_write_order(m.dq_write_order_full, b, h);
+    for (int64_t n = 0; n < Nk; ++n) {
+      int64_t i = p.find(n, q);
+      if (i >= 0) cells.push_back(&wp.at(n, i));
+      i = f.present() ? f.find(n, q) : -1;
+      if (i >= 0) cells.push_back(&wf.at(n, i));
+    }
+  }
+  if (cells.size() < 2) return false;
+  std::shuffle(cells.begin(), cells.end(), rng);
+  std::swap(*cells[0], *cells[1]);
+  return true;
+}
+
+TEST(DqScheduleProperty, BuiltOrdersPassCheckerAndModelInconsistentOnesAreCaught) {
+  const auto start = std::chrono::steady_clock::now();
+  std::mt19937 rng(2024);
+  constexpr int kCases = 10000;
+  int swapped = 0, swapped_blocked_random_w = 0, mismatched = 0, mismatched_blocked_random_w = 0;
+  int64_t max_nk = 0;
+  for (int i = 0; i < kCases; ++i) {
+    Case c = random_case(rng);
+    st::BlockMask& m = c.t.mask;
+    const int64_t workers = 1 + int64_t(rng() % 132), Nk = m.num_kv_blocks();
+    max_nk = std::max(max_nk, Nk);
+    SCOPED_TRACE("case " + std::to_string(i) + ": " + c.what + " Sq " + std::to_string(m.seq_q) + " Skv " +
+                 std::to_string(m.seq_kv) + " blocks " + std::to_string(m.block_q) + "x" + std::to_string(m.block_kv) +
+                 " " + m.schedule.str() + " sub " + std::to_string(m.write_order_sub_tiles) + " heads " +
+                 std::to_string(c.q_heads) + "/" + std::to_string(c.kv_heads) + " workers " + std::to_string(workers));
+    ASSERT_NO_THROW(st::validate_block_mask(m, c.batch, c.q_heads));
+    ASSERT_EQ(st::check_write_order(m), "");
+    const auto ok = run_model(m, workers, nullptr, c.batch, c.q_heads, c.kv_heads);
+    ASSERT_TRUE(ok.ok) << ok.str();
+    // Every block visited once per sub-column.
+    int64_t blocks = 0;
+    for (int64_t b = 0; b < c.batch; ++b)
+      for (int64_t h = 0; h < c.q_heads; ++h) {
+        const auto cls = st::testing::classes_of(m, m.q_indices.size(0) == 1 ? 0 : b, m.q_indices.size(1) == 1 ? 0 : h, true);
+        blocks += std::count_if(cls.begin(), cls.end(), [](uint8_t v) { return v != 0; });
+      }
+    ASSERT_EQ(ok.total_work, blocks * m.write_order_sub_tiles);
+    ASSERT_GE(ok.critical_path, (blocks * m.write_order_sub_tiles + workers - 1) / workers);
+    if (i % 10 == 0) {  // "auto" is never worse than the other fixed order in the model
+      const auto a = st::simulate_dq_backward(st::dq_model_problem(m, kLTR, m.write_order_sub_tiles, 1, 1, 1),
+                                              st::dq_handout(kLTR, 1, 1, Nk, m.write_order_sub_tiles), 132);
+      const auto s = st::simulate_dq_backward(st::dq_model_problem(m, kSPT, m.write_order_sub_tiles, 1, 1, 1),
+                                              st::dq_handout(kSPT, 1, 1, Nk, m.write_order_sub_tiles), 132);
+      ASSERT_TRUE(a.ok && s.ok);
+      if (m.q_indices.size(0) == 1 && m.q_indices.size(1) == 1) {
+        const auto chosen = st::choose_schedule(m);
+        ASSERT_EQ(chosen.kind, s.critical_path < a.critical_path ? st::ScheduleKind::kShortestFirst
+                                                                 : st::ScheduleKind::kLeftToRight);
+      }
+    }
+    // A hand-out order the turns were not built for: the checker flags it exactly when some q
+    // block's writers come in another order, and then one worker starves.
+    std::vector<int32_t> perm(static_cast<size_t>(Nk));
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    const st::ColumnSchedule other = schedule_of(st::ScheduleKind::kPermutation, perm);
+    const bool disagree = orders_disagree(m, m.schedule, other);
+    {
+      st::BlockMask claimed = m;
+      claimed.schedule = other;
+      ASSERT_EQ(st::check_write_order(claimed).empty(), !disagree);
+      const auto one = run_model(m, 1, &other, c.batch, c.q_heads, c.kv_heads);
+      ASSERT_EQ(one.ok, !disagree) << one.str();
+      if (disagree) {
+        ++mismatched;
+        ASSERT_FALSE(one.blocked.empty());
+        mismatched_blocked_random_w += !run_model(m, workers, &other, c.batch, c.q_heads, c.kv_heads).ok;
+      }
+    }
+    // Two turns swapped at one q block: the checker names it, and one worker blocks.
+    if (swap_two_turns(m, rng)) {
+      ++swapped;
+      ASSERT_NE(st::check_write_order(m), "");
+      const auto one = run_model(m, 1, nullptr, c.batch, c.q_heads, c.kv_heads);
+      ASSERT_FALSE(one.ok) << "a swapped pair must starve a single worker";
+      ASSERT_FALSE(one.blocked.empty());
+      swapped_blocked_random_w += !run_model(m, workers, nullptr, c.batch, c.q_heads, c.kv_heads).ok;
+    }
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf("%d cases (Nk up to %lld) in %.2f s: %d swapped turns (all caught; %d also block at the random "
+              "worker count), %d mismatched hand-outs (all caught; %d block at the random worker count)\n",
+              kCases, (long long)max_nk, secs, swapped, swapped_blocked_random_w, mismatched,
+              mismatched_blocked_random_w);
+  EXPECT_GT(swapped, kCases / 2);
+  EXPECT_GT(mismatched, kCases / 4);
+}
+
+}  // namespace
