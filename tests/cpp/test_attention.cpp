@@ -3,8 +3,9 @@
 // / fp16, strided views (BHSD tensors transposed to BSHD), every built-in mask kind and a bitmask
 // mask, rows with no allowed key, compact and full-width index tensors, with and without full
 // blocks; outputs come from a poisoning allocator so unwritten elements show. Masks come from a
-// test-side brute-force builder (tests/support/brute_block_mask.h). Plus bitwise determinism and
-// a finite-difference check of the oracle's own backward.
+// test-side brute-force builder (tests/support/brute_block_mask.h) and, separately, from the
+// library's builders. Plus bitwise determinism and a finite-difference check of the oracle's own
+// backward.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -16,6 +17,7 @@
 #include "attention_oracle.h"
 #include "brute_block_mask.h"
 #include "sparsetrain/attention.h"
+#include "sparsetrain/block_mask.h"
 
 namespace st = sparsetrain;
 using st::DType;
@@ -129,8 +131,15 @@ struct CaseMask {
   int64_t Bm = 1, Hm = 1;
   st::testing::ElementPredicate pred;
   std::unique_ptr<BruteBlockMask> brute;
+  std::unique_ptr<st::BlockMaskTensors> library;  // the library's builders (block_mask.h), when asked
 
-  CaseMask(const Shape& s, std::mt19937_64& rng) {
+  const st::BlockMask& mask() const { return library ? library->mask : brute->mask; }
+
+  static bool call_predicate(void* context, int64_t b, int64_t h, int64_t q, int64_t kv) {
+    return (*static_cast<const st::testing::ElementPredicate*>(context))(b, h, q, kv);
+  }
+
+  CaseMask(const Shape& s, std::mt19937_64& rng, bool use_library = false) {
     spec.kind = s.kind;
     switch (s.kind) {
       case MaskKind::kSlidingWindow:
@@ -177,6 +186,15 @@ struct CaseMask {
     o.extra_width = s.compact ? 1 : 0;
     o.bitmasks = s.kind == MaskKind::kBitmask;
     brute = std::make_unique<BruteBlockMask>(pred, spec, Bm, Hm, Sq, Skv, o);
+    if (use_library) {
+      st::BlockMaskOptions lo;
+      lo.block_q = s.block_q;
+      lo.block_kv = s.block_kv;
+      library = std::make_unique<st::BlockMaskTensors>(
+          s.kind == MaskKind::kBitmask
+              ? st::build_block_mask_from_function(&CaseMask::call_predicate, &pred, Bm, Hm, Sq, Skv, lo)
+              : st::build_block_mask(spec, Sq, Skv, lo));
+    }
   }
   // The predicate over the attention's (b, hq).
   std::function<bool(int64_t, int64_t, int64_t, int64_t)> attention_predicate() const {
@@ -200,19 +218,33 @@ st::testing::CompareResult compare_lse(const HostTensor& got, const AttentionOra
   return r;
 }
 
-void PrintTo(const Shape& s, std::ostream* os) { *os << shape_name(s); }
 
-class AttentionVsOracle : public ::testing::TestWithParam<Shape> {};
+// Masks from the test's brute-force builder, or from the library's builders.
+struct Param {
+  Shape shape;
+  bool library_mask;
+};
+std::string param_name(const Param& p) { return shape_name(p.shape) + (p.library_mask ? "_librarymask" : "_brutemask"); }
+void PrintTo(const Param& p, std::ostream* os) { *os << param_name(p); }
+
+std::vector<Param> all_params() {
+  std::vector<Param> v;
+  for (const Shape& s : kShapes)
+    for (bool lib : {false, true}) v.push_back({s, lib});
+  return v;
+}
+
+class AttentionVsOracle : public ::testing::TestWithParam<Param> {};
 
 TEST_P(AttentionVsOracle, ForwardAndBackward) {
-  const Shape s = GetParam();
+  const Shape s = GetParam().shape;
   std::mt19937_64 rng(std::hash<std::string>{}(shape_name(s)));
   Input q(s.dtype, s.B, s.Sq, s.Hq, s.D, s.strided, rng, 2.0);
   Input k(s.dtype, s.B, s.Skv, s.Hkv, s.D, s.strided, rng, 1.0);
   Input v(s.dtype, s.B, s.Skv, s.Hkv, s.D, s.strided, rng, 1.0);
   Input dout(s.dtype, s.B, s.Sq, s.Hq, s.D, s.strided, rng, 1.0);
-  CaseMask cm(s, rng);
-  const st::BlockMask& mask = cm.brute->mask;
+  CaseMask cm(s, rng, GetParam().library_mask);
+  const st::BlockMask& mask = cm.mask();
 
   st::testing::PoisonAllocator alloc;
   st::AttentionCall call;
@@ -266,8 +298,8 @@ TEST_P(AttentionVsOracle, ForwardAndBackward) {
   EXPECT_TRUE(st::testing::bytes_equal(grads.dv.view(), grads2.dv.view()));
 }
 
-INSTANTIATE_TEST_SUITE_P(Reference, AttentionVsOracle, ::testing::ValuesIn(kShapes),
-                         [](const ::testing::TestParamInfo<Shape>& p) { return shape_name(p.param); });
+INSTANTIATE_TEST_SUITE_P(Reference, AttentionVsOracle, ::testing::ValuesIn(all_params()),
+                         [](const ::testing::TestParamInfo<Param>& p) { return param_name(p.param); });
 
 // The brute-force mask describes its predicate exactly: element (i, j) is allowed by the block
 // lists (+ bitmask inside partial blocks) iff the predicate says so.
