@@ -1,7 +1,8 @@
 """sparsetrain: training kernels for MoE layers and block-sparse attention.
 
 This module is the framework-neutral API over DLPack arrays (numpy on the CPU, torch CPU and
-CUDA tensors, any DLPack producer), zero-copy. `sparsetrain.torch` (where torch is installed)
+CUDA tensors, any DLPack producer), zero-copy: GroupedLinear, GroupedMLP, BlockMask (block-sparse
+attention masks: builders, torch's flex_attention BlockMask) and the attention forward/backward. `sparsetrain.torch` (where torch is installed)
 has the torch.nn.Module front. Bad arguments raise ValueError, other failures RuntimeError, with
 the C++ library's message (argument, what was expected, what came).
 """
@@ -12,9 +13,12 @@ from typing import Any, List, NamedTuple, Optional
 
 from . import _C
 from ._arrays import DeviceSplits, Framework, dtype_name, to_core, to_core_splits, workspace_to_core
+from ._block_mask import (MASK_KINDS, BlockMask, MaskSpec, block_sparse_attention_backward,
+                          block_sparse_attention_forward)
 
 __all__ = ["GroupedLinear", "GroupedLinearGrads", "GroupedMLP", "GroupedMLPGrads", "LayerGrads",
-           "DeviceSplits", "weight_grad_disposition",
+           "DeviceSplits", "weight_grad_disposition", "BlockMask", "MaskSpec", "MASK_KINDS",
+           "block_sparse_attention_forward", "block_sparse_attention_backward",
            "SPLITS_NEGATIVE", "SPLITS_SUM_EXCEEDS_ROWS", "version", "built_with_cuda",
            "cuda_device_count"]
 

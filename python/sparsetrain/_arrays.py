@@ -37,7 +37,8 @@ def _numpy_bf16():
 
 
 _NP_DTYPES = {"fp16": np.dtype(np.float16), "fp32": np.dtype(np.float32),
-              "int32": np.dtype(np.int32), "int64": np.dtype(np.int64)}
+              "int32": np.dtype(np.int32), "int64": np.dtype(np.int64),
+              "uint8": np.dtype(np.uint8)}  # uint8: block matrices and bitmasks (block masks)
 
 
 def numpy_dtype(name: str) -> np.dtype:
@@ -55,7 +56,7 @@ def dtype_name(a: Any, arg: str = "dtype") -> str:
         import torch  # noqa: PLC0415
 
         names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-                 torch.int32: "int32", torch.int64: "int64"}
+                 torch.int32: "int32", torch.int64: "int64", torch.uint8: "uint8"}
         if a.dtype not in names:
             raise ValueError(f"{arg}: expected dtype bf16, fp16, fp32, int32 or int64, got {a.dtype}")
         return names[a.dtype]
@@ -145,7 +146,7 @@ class Framework:
         extent = 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, strides))
         if self.torch is not None:
             tdt = {"bf16": self.torch.bfloat16, "fp16": self.torch.float16, "fp32": self.torch.float32,
-                   "int32": self.torch.int32, "int64": self.torch.int64}[dtype]
+                   "int32": self.torch.int32, "int64": self.torch.int64, "uint8": self.torch.uint8}[dtype]
             itemsize = tdt.itemsize
             start = offset + (-owner.data_ptr()) % _ALIGN
             flat = owner[start:start + extent * itemsize].view(tdt)

@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "sparsetrain/attention.h"
+#include "sparsetrain/block_mask.h"
 #include "sparsetrain/error.h"
 #include "sparsetrain/grouped_linear.h"
 #include "sparsetrain/grouped_mlp.h"
@@ -34,7 +36,8 @@ st::DType parse_dtype(const std::string& s, const char* arg) {
   if (s == "fp32" || s == "float32") return st::DType::kFP32;
   if (s == "int32") return st::DType::kInt32;
   if (s == "int64") return st::DType::kInt64;
-  st::detail::throw_arg_error(arg, "one of bf16, fp16, fp32, int32, int64", s);
+  if (s == "uint8") return st::DType::kUInt8;
+  st::detail::throw_arg_error(arg, "one of bf16, fp16, fp32, int32, int64, uint8", s);
 }
 
 enum class Access { kRead, kWrite };
@@ -95,6 +98,8 @@ st::TensorView view_of(nb::handle obj, const char* arg, Access access = Access::
     dtype = st::DType::kInt32;
   } else if (dt.code == uint8_t(Code::Int) && dt.bits == 64) {
     dtype = st::DType::kInt64;
+  } else if (dt.code == uint8_t(Code::UInt) && dt.bits == 8) {
+    dtype = st::DType::kUInt8;  // block matrices and bitmasks (block_mask.h)
   } else {
     ST_CHECK_ARG(false, arg, "dtype bf16, fp16, fp32, int32 or int64",
                  "DLPack type code ", int(dt.code), " with ", int(dt.bits), " bits");
@@ -377,6 +382,200 @@ class PyGroupedMLP {
   std::unique_ptr<st::GroupedMLP> mlp_;
 };
 
+
+// ---- block masks and attention ---------------------------------------------------------------
+// A BlockMask crosses the binding as a dict that sparsetrain.BlockMask builds (_core_mask): its
+// sizes, the index tensors (arrays, torch descriptors or None), the spec and the schedule. The
+// dict keeps every array alive for the call; the C++ mask is a set of views of them.
+
+st::MaskKind parse_mask_kind(const std::string& s) {
+  static const std::pair<const char*, st::MaskKind> kinds[] = {
+      {"full", st::MaskKind::kFull},
+      {"causal", st::MaskKind::kCausal},
+      {"causal_bottom_right", st::MaskKind::kCausalBottomRight},
+      {"sliding_window", st::MaskKind::kSlidingWindow},
+      {"document", st::MaskKind::kDocument},
+      {"document_causal", st::MaskKind::kDocumentCausal},
+      {"prefix_lm", st::MaskKind::kPrefixLM},
+      {"bitmask", st::MaskKind::kBitmask}};
+  for (const auto& [name, kind] : kinds)
+    if (s == name) return kind;
+  st::detail::throw_arg_error("kind",
+                              "one of full, causal, causal_bottom_right, sliding_window, document, "
+                              "document_causal, prefix_lm, bitmask",
+                              s);
+}
+
+const char* mask_kind_name(st::MaskKind k) {
+  switch (k) {
+    case st::MaskKind::kFull: return "full";
+    case st::MaskKind::kCausal: return "causal";
+    case st::MaskKind::kCausalBottomRight: return "causal_bottom_right";
+    case st::MaskKind::kSlidingWindow: return "sliding_window";
+    case st::MaskKind::kDocument: return "document";
+    case st::MaskKind::kDocumentCausal: return "document_causal";
+    case st::MaskKind::kPrefixLM: return "prefix_lm";
+    case st::MaskKind::kBitmask: return "bitmask";
+  }
+  return "?";
+}
+
+const char* schedule_name(st::ScheduleKind k) {
+  switch (k) {
+    case st::ScheduleKind::kLeftToRight: return "left_to_right";
+    case st::ScheduleKind::kShortestFirst: return "shortest_first";
+    case st::ScheduleKind::kPermutation: return "permutation";
+  }
+  return "?";
+}
+
+// A schedule from Python: "left_to_right", "shortest_first", or a list of column ids ("auto" is
+// handled by the callers: it is a choice made when the mask is built).
+st::ColumnSchedule parse_schedule(nb::handle obj) {
+  st::ColumnSchedule s;
+  if (nb::isinstance<nb::str>(obj)) {
+    const std::string name = nb::cast<std::string>(obj);
+    if (name == "left_to_right") return s;
+    if (name == "shortest_first") {
+      s.kind = st::ScheduleKind::kShortestFirst;
+      return s;
+    }
+    st::detail::throw_arg_error("schedule", "\"auto\", \"left_to_right\", \"shortest_first\" or a permutation", name);
+  }
+  s.kind = st::ScheduleKind::kPermutation;
+  s.permutation = nb::cast<std::vector<int32_t>>(obj);
+  return s;
+}
+
+st::MaskSpec spec_of(const nb::dict& d) {
+  st::MaskSpec spec;
+  spec.kind = parse_mask_kind(nb::cast<std::string>(d["kind"]));
+  spec.window_left = nb::cast<int64_t>(d["window_left"]);
+  spec.window_right = nb::cast<int64_t>(d["window_right"]);
+  spec.prefix_length = nb::cast<int64_t>(d["prefix_length"]);
+  spec.doc_q = optional_view(d["doc_q"], "doc_q");
+  spec.doc_kv = optional_view(d["doc_kv"], "doc_kv");
+  return spec;
+}
+
+const char* const kMaskTensorNames[] = {"kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                                        "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices",
+                                        "dq_write_order", "dq_write_order_full", "partial_bitmasks"};
+
+st::TensorView* mask_tensor(st::BlockMask& m, int i) {
+  st::TensorView* fields[] = {&m.kv_num_blocks, &m.kv_indices, &m.full_kv_num_blocks, &m.full_kv_indices,
+                              &m.q_num_blocks, &m.q_indices, &m.full_q_num_blocks, &m.full_q_indices,
+                              &m.dq_write_order, &m.dq_write_order_full, &m.partial_bitmasks};
+  return fields[i];
+}
+
+st::BlockMask mask_of(const nb::dict& d) {
+  st::BlockMask m;
+  m.seq_q = nb::cast<int64_t>(d["seq_q"]);
+  m.seq_kv = nb::cast<int64_t>(d["seq_kv"]);
+  m.block_q = nb::cast<int64_t>(d["block_q"]);
+  m.block_kv = nb::cast<int64_t>(d["block_kv"]);
+  for (int i = 0; i < 11; ++i) *mask_tensor(m, i) = optional_view(d[kMaskTensorNames[i]], kMaskTensorNames[i]);
+  m.write_order_sub_tiles = nb::cast<int64_t>(d["sub_tiles"]);
+  nb::handle perm = d["schedule_permutation"];
+  m.schedule = parse_schedule(perm.is_none() ? nb::handle(d["schedule"]) : perm);
+  m.spec = spec_of(nb::cast<nb::dict>(d["spec"]));
+  return m;
+}
+
+// The tensors of a mask the library built, as exported tensors (None where absent or borrowed),
+// with the sizes, the schedule and the spec kind.
+nb::dict export_mask(st::BlockMaskTensors& t, const PyAllocator& alloc) {
+  nb::dict d;
+  const st::BlockMask& m = t.mask;
+  d["seq_q"] = m.seq_q;
+  d["seq_kv"] = m.seq_kv;
+  d["block_q"] = m.block_q;
+  d["block_kv"] = m.block_kv;
+  const st::Tensor* owned[] = {&t.kv_num_blocks, &t.kv_indices, &t.full_kv_num_blocks, &t.full_kv_indices,
+                               &t.q_num_blocks, &t.q_indices, &t.full_q_num_blocks, &t.full_q_indices,
+                               &t.dq_write_order, &t.dq_write_order_full, &t.partial_bitmasks};
+  for (int i = 0; i < 11; ++i) d[kMaskTensorNames[i]] = export_tensor(*owned[i], alloc);
+  d["sub_tiles"] = m.write_order_sub_tiles;
+  d["schedule"] = schedule_name(m.schedule.kind);
+  d["schedule_permutation"] =
+      m.schedule.kind == st::ScheduleKind::kPermutation ? nb::cast(m.schedule.permutation) : nb::none();
+  d["spec_kind"] = mask_kind_name(m.spec.kind);
+  return d;
+}
+
+st::BlockMaskOptions mask_options(int64_t block_q, int64_t block_kv, nb::handle schedule, int64_t sub_tiles,
+                                  st::Allocator* alloc) {
+  st::BlockMaskOptions o;
+  o.block_q = block_q;
+  o.block_kv = block_kv;
+  o.auto_schedule = nb::isinstance<nb::str>(schedule) && nb::cast<std::string>(schedule) == "auto";
+  if (!o.auto_schedule) o.schedule = parse_schedule(schedule);
+  o.write_order_sub_tiles = sub_tiles;
+  o.allocator = alloc;
+  return o;
+}
+
+nb::dict build_mask(nb::dict spec, int64_t seq_q, int64_t seq_kv, int64_t block_q, int64_t block_kv,
+                    nb::handle schedule, int64_t sub_tiles, nb::callable allocator) {
+  PyAllocator alloc(std::move(allocator));
+  st::BlockMaskTensors t = st::build_block_mask(spec_of(spec), seq_q, seq_kv,
+                                                mask_options(block_q, block_kv, schedule, sub_tiles, &alloc));
+  return export_mask(t, alloc);
+}
+
+nb::dict build_mask_from_blocks(nb::handle blocks, int64_t seq_q, int64_t seq_kv, int64_t block_q, int64_t block_kv,
+                                nb::handle schedule, int64_t sub_tiles, nb::callable allocator) {
+  PyAllocator alloc(std::move(allocator));
+  st::BlockMaskTensors t = st::build_block_mask_from_blocks(
+      view_of(blocks, "blocks"), seq_q, seq_kv, mask_options(block_q, block_kv, schedule, sub_tiles, &alloc));
+  return export_mask(t, alloc);
+}
+
+// The transposes and write orders of a mask given by its forward lists (the caller's arrays):
+// a dict with q_*, dq_write_order(_full), sub_tiles and the schedule (other tensors None).
+nb::dict complete_mask(nb::dict mask, nb::handle schedule, int64_t sub_tiles, nb::callable allocator) {
+  PyAllocator alloc(std::move(allocator));
+  st::BlockMaskTensors t;
+  t.mask = mask_of(mask);
+  st::transpose_block_mask(t, &alloc);
+  t.mask.write_order_sub_tiles = sub_tiles;
+  const bool is_auto = nb::isinstance<nb::str>(schedule) && nb::cast<std::string>(schedule) == "auto";
+  const st::ColumnSchedule s = is_auto ? st::choose_schedule(t.mask) : parse_schedule(schedule);
+  st::compute_dq_write_order(t, s, sub_tiles, &alloc);
+  return export_mask(t, alloc);
+}
+
+st::AttentionOptions attention_options(float scale, bool deterministic) {
+  st::AttentionOptions o;
+  o.scale = scale;
+  o.deterministic = deterministic;
+  return o;
+}
+
+nb::tuple attention_forward(nb::handle q, nb::handle k, nb::handle v, nb::dict mask, float scale, bool deterministic,
+                            uintptr_t stream, nb::callable allocator) {
+  PyAllocator alloc(std::move(allocator));
+  st::AttentionCall call;
+  call.stream.handle = reinterpret_cast<void*>(stream);
+  call.allocator = &alloc;
+  const st::AttentionForward f = st::block_sparse_attention_forward(
+      view_of(q, "q"), view_of(k, "k"), view_of(v, "v"), mask_of(mask), attention_options(scale, deterministic), call);
+  return nb::make_tuple(export_tensor(f.o, alloc), export_tensor(f.lse, alloc));
+}
+
+nb::tuple attention_backward(nb::handle q, nb::handle k, nb::handle v, nb::handle o, nb::handle lse, nb::handle dout,
+                             nb::dict mask, float scale, bool deterministic, uintptr_t stream, nb::callable allocator) {
+  PyAllocator alloc(std::move(allocator));
+  st::AttentionCall call;
+  call.stream.handle = reinterpret_cast<void*>(stream);
+  call.allocator = &alloc;
+  const st::AttentionGrads g = st::block_sparse_attention_backward(
+      view_of(q, "q"), view_of(k, "k"), view_of(v, "v"), view_of(o, "o"), view_of(lse, "lse"),
+      view_of(dout, "dout"), mask_of(mask), attention_options(scale, deterministic), call);
+  return nb::make_tuple(export_tensor(g.dq, alloc), export_tensor(g.dk, alloc), export_tensor(g.dv, alloc));
+}
+
 }  // namespace
 
 NB_MODULE(_C, m) {
@@ -433,4 +632,25 @@ NB_MODULE(_C, m) {
       .def("backward_dw", &PyGroupedMLP::backward_dw, nb::arg("stream"), nb::arg("workspace").none())
       .def("workspace_size", &PyGroupedMLP::workspace_size)
       .def_prop_ro("pending_wgrads", &PyGroupedMLP::pending_wgrads);
+
+  // Block masks (block_mask.h): each builder returns a dict of exported tensors (see export_mask).
+  m.def("build_block_mask", &build_mask, nb::arg("spec"), nb::arg("seq_q"), nb::arg("seq_kv"), nb::arg("block_q"),
+        nb::arg("block_kv"), nb::arg("schedule"), nb::arg("sub_tiles"), nb::arg("allocator"));
+  m.def("build_block_mask_from_blocks", &build_mask_from_blocks, nb::arg("blocks"), nb::arg("seq_q"),
+        nb::arg("seq_kv"), nb::arg("block_q"), nb::arg("block_kv"), nb::arg("schedule"), nb::arg("sub_tiles"),
+        nb::arg("allocator"));
+  m.def("complete_block_mask", &complete_mask, nb::arg("mask"), nb::arg("schedule"), nb::arg("sub_tiles"),
+        nb::arg("allocator"));
+  m.def("validate_block_mask", [](nb::dict mask, int64_t batch, int64_t heads) {
+    st::validate_block_mask(mask_of(mask), batch, heads);
+  }, nb::arg("mask"), nb::arg("batch"), nb::arg("heads"));
+  m.def("check_write_order", [](nb::dict mask) { return st::check_write_order(mask_of(mask)); }, nb::arg("mask"));
+  m.def("choose_schedule", [](nb::dict mask) {
+    return std::string(schedule_name(st::choose_schedule(mask_of(mask)).kind));
+  }, nb::arg("mask"));
+  m.def("attention_forward", &attention_forward, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("mask"),
+        nb::arg("scale"), nb::arg("deterministic"), nb::arg("stream"), nb::arg("allocator"));
+  m.def("attention_backward", &attention_backward, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"),
+        nb::arg("lse"), nb::arg("dout"), nb::arg("mask"), nb::arg("scale"), nb::arg("deterministic"),
+        nb::arg("stream"), nb::arg("allocator"));
 }

@@ -1,0 +1,500 @@
+"""sparsetrain.BlockMask (block_mask.h in Python) and block-sparse attention over arrays.
+
+A BlockMask holds its index tensors as numpy arrays or as torch CPU tensors (`framework`), all
+int32 in FlexAttention's layout with leading dims [B, H] (size 1 broadcasts), plus the sizes, the
+mask inside partial blocks (`spec`) and the column schedule its dQ write order was built for. The
+builders run in C++ (`build`, `from_blocks`, `with_schedule`); `from_torch` converts torch's
+flex_attention BlockMask as it is: its lists, and its mask_mod evaluated once per partial block
+into per-block bitmasks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import _C
+from ._arrays import Framework, _is_torch, to_core
+
+__all__ = ["BlockMask", "MaskSpec", "MASK_KINDS", "block_sparse_attention_forward",
+           "block_sparse_attention_backward"]
+
+MASK_KINDS = ("full", "causal", "causal_bottom_right", "sliding_window", "document", "document_causal",
+              "prefix_lm")
+_DOC_KINDS = ("document", "document_causal")
+# The index tensors of a mask, in block_mask.h's order (None where absent).
+TENSOR_NAMES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                "q_indices", "full_q_num_blocks", "full_q_indices", "dq_write_order", "dq_write_order_full",
+                "partial_bitmasks")
+
+
+class MaskSpec(NamedTuple):
+    """The mask inside partial blocks (mask_spec.h): a built-in kind with its parameters, or
+    "bitmask" (the mask's partial_bitmasks). doc_q / doc_kv: int32 document ids [B or 1, S]."""
+
+    kind: str = "full"
+    window_left: int = -1    # sliding_window: q - window_left <= kv (negative: unbounded)
+    window_right: int = -1   # sliding_window: kv <= q + window_right (0: causal)
+    prefix_length: int = 0   # prefix_lm: kv <= q or kv < prefix_length
+    doc_q: Any = None
+    doc_kv: Any = None
+
+    def _core(self) -> dict:
+        return {"kind": self.kind, "window_left": int(self.window_left), "window_right": int(self.window_right),
+                "prefix_length": int(self.prefix_length), "doc_q": to_core(self.doc_q, "doc_q"),
+                "doc_kv": to_core(self.doc_kv, "doc_kv")}
+
+
+def _framework(name: Optional[str], *arrays: Any) -> Framework:
+    if name is None:
+        name = "torch" if any(a is not None and _is_torch(a) for a in arrays) else "numpy"
+    if name == "numpy":
+        return Framework(None)
+    if name == "torch":
+        import torch  # noqa: PLC0415
+
+        return Framework(torch)
+    raise ValueError(f"framework: expected 'numpy', 'torch' or None (from the inputs), got {name!r}")
+
+
+def _block_size(block_size: Union[int, Sequence[int]]) -> Tuple[int, int]:
+    if isinstance(block_size, (int, np.integer)):
+        return int(block_size), int(block_size)
+    bs = tuple(int(b) for b in block_size)
+    if len(bs) != 2:
+        raise ValueError(f"block_size: expected an int or (block_q, block_kv), got {block_size!r}")
+    return bs
+
+
+def _schedule_arg(schedule: Any) -> Any:
+    """"auto", "left_to_right", "shortest_first", or a permutation of the kv block columns."""
+    if isinstance(schedule, str):
+        if schedule not in ("auto", "left_to_right", "shortest_first"):
+            raise ValueError("schedule: expected 'auto', 'left_to_right', 'shortest_first' or a permutation of "
+                             f"the kv block columns, got {schedule!r}")
+        return schedule
+    try:
+        return [int(c) for c in (schedule.tolist() if hasattr(schedule, "tolist") else schedule)]
+    except (TypeError, ValueError):
+        raise ValueError("schedule: expected 'auto', 'left_to_right', 'shortest_first' or a permutation of the kv "
+                         f"block columns, got {schedule!r}") from None
+
+
+def _doc_ids(a: Any, fw: Framework, arg: str) -> Any:
+    """Document ids as int32 [B or 1, S] host arrays of the framework (int64 ids are converted)."""
+    if fw.torch is not None:
+        torch = fw.torch
+        t = a if _is_torch(a) else torch.as_tensor(np.asarray(a))
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{arg}: expected integer document ids (int32 or int64), got {t.dtype}")
+        t = t.detach().to("cpu", torch.int32)
+        return (t.unsqueeze(0) if t.dim() == 1 else t).contiguous()
+    arr = a.detach().cpu().numpy() if _is_torch(a) else np.asarray(a)
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"{arg}: expected integer document ids (int32 or int64), got {arr.dtype}")
+    arr = np.ascontiguousarray(arr, dtype=np.int32)
+    return arr[None] if arr.ndim == 1 else arr
+
+
+class BlockMask:
+    """Which (query block, key block) pairs an attention computes, in FlexAttention's layout
+    (include/sparsetrain/block_mask.h): kv_num_blocks [B, H, Mq], kv_indices [B, H, Mq, W] (partial
+    blocks: `spec` or the bitmasks apply inside), full_kv_* (no mask inside; may be None), the
+    transposes q_* for backward, and dq_write_order(_full), the deterministic backward's dQ turns
+    for `schedule` ("left_to_right", "shortest_first" or "permutation" with `schedule_permutation`)
+    with `sub_tiles` kv sub-columns per block column. Leading dims broadcast over the batch and
+    the query heads.
+
+    Build one with `BlockMask.build(kind, seq_q, seq_kv, ...)`, `BlockMask.from_blocks(blocks, ...)`
+    or `BlockMask.from_torch(flex_block_mask)`. The arrays are numpy arrays or torch CPU tensors
+    (`framework`; `to_torch()` / `to_numpy()` convert without copies). Treat them as read-only.
+    """
+
+    def __init__(self, *, seq_q: int, seq_kv: int, block_q: int, block_kv: int, tensors: Dict[str, Any],
+                 spec: MaskSpec, schedule: str, schedule_permutation: Any, sub_tiles: int, framework: Framework):
+        self.seq_q, self.seq_kv = int(seq_q), int(seq_kv)
+        self.block_q, self.block_kv = int(block_q), int(block_kv)
+        for name in TENSOR_NAMES:
+            setattr(self, name, tensors.get(name))
+        self.spec = spec
+        self.schedule = schedule
+        self.schedule_permutation = schedule_permutation
+        self.sub_tiles = int(sub_tiles)
+        self._fw = framework
+        self._other: Optional[BlockMask] = None  # the cached to_torch() / to_numpy() twin
+
+    # -- builders ------------------------------------------------------------------------------
+    @classmethod
+    def build(cls, kind: str, seq_q: int, seq_kv: Optional[int] = None, *, window_left: int = -1,
+              window_right: int = -1, prefix_length: int = 0, document_ids: Any = None, doc_q: Any = None,
+              doc_kv: Any = None, block_size: Union[int, Sequence[int]] = 128, schedule: Any = "auto",
+              sub_tiles: int = 1, framework: Optional[str] = None) -> "BlockMask":
+        """A mask from a built-in kind (mask_spec.h), seq_kv = seq_q by default:
+        "full"; "causal" (kv <= q, FlexAttention's top-left convention); "causal_bottom_right"
+        (kv <= q + seq_kv - seq_q, FlashAttention's); "sliding_window" (q - window_left <= kv <=
+        q + window_right, a negative bound is unbounded); "document" / "document_causal"
+        (document_ids [B or 1, S] or [S] for both sides, or doc_q and doc_kv; int32 or int64);
+        "prefix_lm" (kv <= q or kv < prefix_length). block_size: 128 or (block_q, block_kv).
+        schedule: "auto" (chosen from the mask by the scheduler model), "left_to_right",
+        "shortest_first", or a permutation of the kv block columns. framework: "numpy", "torch",
+        or None (torch when the document ids are torch tensors)."""
+        seq_kv = seq_q if seq_kv is None else seq_kv
+        if kind not in MASK_KINDS:
+            raise ValueError(f"kind: expected one of {', '.join(MASK_KINDS)}, got {kind!r}")
+        if document_ids is not None:
+            if doc_q is not None or doc_kv is not None:
+                raise ValueError("document_ids: expected either document_ids or doc_q / doc_kv, got both")
+            doc_q = doc_kv = document_ids
+        fw = _framework(framework, doc_q, doc_kv)
+        if kind in _DOC_KINDS:
+            if doc_q is None or doc_kv is None:
+                raise ValueError(f"document_ids: expected document ids [B or 1, S] for kind {kind!r}, got none")
+            doc_q, doc_kv = _doc_ids(doc_q, fw, "doc_q"), _doc_ids(doc_kv, fw, "doc_kv")
+        elif doc_q is not None or doc_kv is not None:
+            raise ValueError(f"document_ids: expected none for kind {kind!r} (only document kinds take them)")
+        spec = MaskSpec(kind, int(window_left), int(window_right), int(prefix_length), doc_q, doc_kv)
+        bq, bkv = _block_size(block_size)
+        d = _C.build_block_mask(spec._core(), int(seq_q), int(seq_kv), bq, bkv, _schedule_arg(schedule),
+                                int(sub_tiles), fw.allocate)
+        return cls._from_core(d, fw, spec)
+
+    @classmethod
+    def from_blocks(cls, blocks: Any, seq_q: int, seq_kv: int, *, block_size: Union[int, Sequence[int]] = 128,
+                    schedule: Any = "auto", sub_tiles: int = 1, spec: Optional[MaskSpec] = None,
+                    framework: Optional[str] = None) -> "BlockMask":
+        """A mask from a dense block matrix, uint8 (or bool) [B, H, Mq, Nk]: 0 skipped, 1 partial,
+        2 full (bool: True = full). `spec` is what applies inside partial blocks (default
+        MaskSpec("full"): nothing; partial then computes like full)."""
+        fw = _framework(framework, blocks)
+        blocks = _uint8_blocks(blocks, fw)
+        bq, bkv = _block_size(block_size)
+        spec = MaskSpec() if spec is None else spec
+        if spec.kind == "bitmask":
+            raise ValueError("spec: expected a built-in kind (bitmasks come from from_torch), got 'bitmask'")
+        if spec.kind in _DOC_KINDS:
+            spec = spec._replace(doc_q=_doc_ids(spec.doc_q, fw, "spec.doc_q"),
+                                 doc_kv=_doc_ids(spec.doc_kv, fw, "spec.doc_kv"))
+        d = _C.build_block_mask_from_blocks(to_core(blocks, "blocks"), int(seq_q), int(seq_kv), bq, bkv,
+                                            _schedule_arg(schedule), int(sub_tiles), fw.allocate)
+        return cls._from_core(d, fw, spec)
+
+    @classmethod
+    def from_torch(cls, block_mask: Any, *, batch: Optional[int] = None, heads: Optional[int] = None,
+                   schedule: Any = "auto", sub_tiles: int = 1) -> "BlockMask":
+        """torch.nn.attention.flex_attention.BlockMask as it is: its partial and full blocks
+        (full_kv_* may be None: every listed block is then partial), BLOCK_SIZE and seq_lengths,
+        and its mask_mod evaluated once per partial block into bitmasks (vectorised with torch.vmap
+        over broadcast index tensors, as flex's create_mask does). torch's q_* are not used: the
+        transposes and dQ write orders are ours (for `schedule`). mask_mod sees the block mask's own
+        batch / head indices; one that depends on b or h under a mask built with B or H = 1 (flex
+        then broadcasts it) needs `batch` / `heads` here to be evaluated per batch row / head.
+        The result holds torch CPU tensors."""
+        import torch  # noqa: PLC0415
+
+        return _from_flex(cls, torch, block_mask, batch, heads, schedule, sub_tiles)
+
+    def with_schedule(self, schedule: Any = "auto", sub_tiles: Optional[int] = None) -> "BlockMask":
+        """The same mask with the transposes and dQ write orders rebuilt for another schedule
+        (or sub-tile count); the forward lists and bitmasks are shared."""
+        sub_tiles = self.sub_tiles if sub_tiles is None else int(sub_tiles)
+        d = _C.complete_block_mask(self._core_mask(), _schedule_arg(schedule), sub_tiles, self._fw.allocate)
+        tensors = {n: getattr(self, n) for n in TENSOR_NAMES}
+        for n in ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices", "dq_write_order",
+                  "dq_write_order_full"):
+            tensors[n] = self._fw.view(d[n])
+        return BlockMask(seq_q=self.seq_q, seq_kv=self.seq_kv, block_q=self.block_q, block_kv=self.block_kv,
+                         tensors=tensors, spec=self.spec, schedule=d["schedule"],
+                         schedule_permutation=self._permutation(d["schedule_permutation"], self._fw),
+                         sub_tiles=d["sub_tiles"], framework=self._fw)
+
+    @classmethod
+    def _from_core(cls, d: dict, fw: Framework, spec: MaskSpec) -> "BlockMask":
+        tensors = {n: fw.view(d[n]) for n in TENSOR_NAMES}
+        return cls(seq_q=d["seq_q"], seq_kv=d["seq_kv"], block_q=d["block_q"], block_kv=d["block_kv"],
+                   tensors=tensors, spec=spec, schedule=d["schedule"],
+                   schedule_permutation=cls._permutation(d["schedule_permutation"], fw),
+                   sub_tiles=d["sub_tiles"], framework=fw)
+
+    @staticmethod
+    def _permutation(perm: Optional[list], fw: Framework) -> Any:
+        if perm is None:
+            return None
+        if fw.torch is not None:
+            return fw.torch.tensor(perm, dtype=fw.torch.int32)
+        return np.asarray(perm, dtype=np.int32)
+
+    # -- checks --------------------------------------------------------------------------------
+    def validate(self, batch: int = 0, heads: int = 0) -> None:
+        """Every rule of block_mask.h (shapes, ranges, duplicates, sorted walks, transposes, write
+        orders; leading dims against batch / heads when > 0); ValueError naming the tensor."""
+        _C.validate_block_mask(self._core_mask(), int(batch), int(heads))
+
+    def check_write_order(self) -> str:
+        """The deadlock-freedom invariant of the dQ write order for the mask's schedule: "" when
+        it holds, else the first violation."""
+        return _C.check_write_order(self._core_mask())
+
+    # -- sizes and conversions -----------------------------------------------------------------
+    @property
+    def num_q_blocks(self) -> int:
+        return -(-self.seq_q // self.block_q)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return -(-self.seq_kv // self.block_kv)
+
+    @property
+    def framework(self) -> str:
+        return "numpy" if self._fw.torch is None else "torch"
+
+    def to_torch(self) -> "BlockMask":
+        """This mask over torch CPU tensors sharing the arrays' memory (itself if it already is)."""
+        if self._fw.torch is not None:
+            return self
+        if self._other is None:
+            import torch  # noqa: PLC0415
+
+            self._other = self._convert(Framework(torch), torch.from_numpy)
+            self._other._other = self
+        return self._other
+
+    def to_numpy(self) -> "BlockMask":
+        """This mask over numpy arrays sharing the tensors' memory (itself if it already is)."""
+        if self._fw.torch is None:
+            return self
+        if self._other is None:
+            self._other = self._convert(Framework(None), lambda t: t.detach().cpu().numpy())
+            self._other._other = self
+        return self._other
+
+    def _convert(self, fw: Framework, conv) -> "BlockMask":
+        def c(a):
+            return None if a is None else conv(a)
+
+        spec = self.spec._replace(doc_q=c(self.spec.doc_q), doc_kv=c(self.spec.doc_kv))
+        return BlockMask(seq_q=self.seq_q, seq_kv=self.seq_kv, block_q=self.block_q, block_kv=self.block_kv,
+                         tensors={n: c(getattr(self, n)) for n in TENSOR_NAMES}, spec=spec,
+                         schedule=self.schedule, schedule_permutation=c(self.schedule_permutation),
+                         sub_tiles=self.sub_tiles, framework=fw)
+
+    def _for(self, fw: Framework) -> "BlockMask":
+        return self.to_numpy() if fw.torch is None else self.to_torch()
+
+    def _core_mask(self) -> dict:
+        """The dict the extension reads (views of this mask's arrays)."""
+        perm = self.schedule_permutation
+        d = {"seq_q": self.seq_q, "seq_kv": self.seq_kv, "block_q": self.block_q, "block_kv": self.block_kv,
+             "sub_tiles": self.sub_tiles, "schedule": self.schedule,
+             "schedule_permutation": None if perm is None else [int(c) for c in perm.tolist()],
+             "spec": self.spec._core()}
+        for n in TENSOR_NAMES:
+            d[n] = to_core(getattr(self, n), n)
+        return d
+
+    def __repr__(self) -> str:
+        lead = list(self.kv_num_blocks.shape[:2])
+        sched = self.schedule if self.schedule != "permutation" else f"permutation{list(self.schedule_permutation.tolist())}"
+        return (f"BlockMask(seq_q={self.seq_q}, seq_kv={self.seq_kv}, block_size=({self.block_q}, {self.block_kv}), "
+                f"leading_dims={lead}, spec={self.spec.kind}, schedule={sched}, sub_tiles={self.sub_tiles}, "
+                f"framework={self.framework})")
+
+
+def _uint8_blocks(blocks: Any, fw: Framework) -> Any:
+    """A block matrix as uint8 in the framework: bool becomes 0 / 2 (skipped / full)."""
+    if fw.torch is not None:
+        torch = fw.torch
+        t = blocks if _is_torch(blocks) else torch.as_tensor(np.asarray(blocks))
+        t = t.detach().cpu()
+        if t.dtype == torch.bool:
+            t = t.to(torch.uint8) * 2
+        elif t.dtype != torch.uint8:
+            raise ValueError(f"blocks: expected a uint8 (or bool) block matrix [B, H, Mq, Nk], got {t.dtype}")
+        return t
+    a = blocks.detach().cpu().numpy() if _is_torch(blocks) else np.asarray(blocks)
+    if a.dtype == np.bool_:
+        a = a.astype(np.uint8) * 2
+    elif a.dtype != np.uint8:
+        raise ValueError(f"blocks: expected a uint8 (or bool) block matrix [B, H, Mq, Nk], got {a.dtype}")
+    return a
+
+
+# -- torch's flex_attention BlockMask --------------------------------------------------------------
+
+def _flex_lists(torch, counts: Any, indices: Any, name: str, mq: int) -> Tuple[Any, Any]:
+    """A flex (counts, indices) pair as int64 CPU tensors [B, H, Mq] / [B, H, Mq, W]."""
+    counts = counts.detach().to("cpu", torch.int64)
+    indices = indices.detach().to("cpu", torch.int64)
+    while indices.dim() < 4:
+        indices, counts = indices.unsqueeze(0), counts.unsqueeze(0)
+    if indices.dim() != 4 or counts.shape != indices.shape[:3]:
+        raise ValueError(f"block_mask.{name}: expected [B, H, Mq, W] with counts [B, H, Mq], got "
+                         f"{list(indices.shape)} and {list(counts.shape)}")
+    if indices.shape[2] != mq:
+        raise ValueError(f"block_mask.{name}: expected {mq} rows of q blocks (ceil(seq_lengths[0] / BLOCK_SIZE[0])), "
+                         f"got shape {list(indices.shape)}")
+    return counts, indices
+
+
+def _flex_dense(torch, counts: Any, indices: Any, name: str, shape: Tuple[int, int, int, int]) -> Any:
+    """The blocks a flex list pair names, as a bool [B, H, Mq, Nk]; a ValueError for counts past
+    the width, ids out of range or duplicates (which a dense matrix would silently merge)."""
+    B, H, mq, nk = shape
+    width = indices.shape[-1]
+    counts, indices = counts.expand(B, H, mq), indices.expand(B, H, mq, width)
+    if bool(((counts < 0) | (counts > width)).any()):
+        raise ValueError(f"block_mask.{name}: expected counts in [0, {width}] (the width of the index tensor), "
+                         f"got {counts.min().item()}..{counts.max().item()}")
+    valid = torch.arange(width) < counts[..., None]
+    ids = indices[valid]
+    if bool(((ids < 0) | (ids >= nk)).any()):
+        bad = ids[(ids < 0) | (ids >= nk)][0].item()
+        raise ValueError(f"block_mask.{name}: expected kv block ids in [0, {nk}), got {bad}")
+    hits = torch.zeros(B, H, mq, nk + 1, dtype=torch.int32)
+    hits.scatter_add_(-1, torch.where(valid, indices, nk), torch.ones_like(indices, dtype=torch.int32))
+    hits = hits[..., :nk]
+    if bool((hits > 1).any()):
+        raise ValueError(f"block_mask.{name}: expected no duplicate kv blocks in a row, got a block listed twice")
+    return hits > 0
+
+
+def _from_flex(cls, torch, m: Any, batch: Optional[int], heads: Optional[int], schedule: Any,
+               sub_tiles: int) -> BlockMask:
+    needed = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "BLOCK_SIZE", "seq_lengths",
+              "mask_mod")
+    if not all(hasattr(m, a) for a in needed):
+        raise ValueError("block_mask: expected a torch.nn.attention.flex_attention.BlockMask, got "
+                         f"{type(m).__module__}.{type(m).__qualname__}")
+    bs = m.BLOCK_SIZE
+    bq, bkv = (int(bs), int(bs)) if isinstance(bs, int) else (int(bs[0]), int(bs[1]))
+    sq, skv = (int(s) for s in m.seq_lengths)
+    mq, nk = -(-sq // bq), -(-skv // bkv)
+    kvn, kvi = _flex_lists(torch, m.kv_num_blocks, m.kv_indices, "kv_indices", mq)
+    lists = [(kvn, kvi, "kv_indices")]
+    if m.full_kv_num_blocks is not None:
+        fkvn, fkvi = _flex_lists(torch, m.full_kv_num_blocks, m.full_kv_indices, "full_kv_indices", mq)
+        lists.append((fkvn, fkvi, "full_kv_indices"))
+    B = max(c.shape[0] for c, _, _ in lists)
+    H = max(c.shape[1] for c, _, _ in lists)
+    for arg, want, have in (("batch", batch, B), ("heads", heads, H)):
+        if want is not None and (int(want) < 1 or (have != 1 and have != int(want))):
+            raise ValueError(f"{arg}: expected a size the block mask's leading dim {have} broadcasts to, got {want}")
+    B, H = (B if batch is None else int(batch)), (H if heads is None else int(heads))
+    for c, _, name in lists:
+        if c.shape[0] not in (1, B) or c.shape[1] not in (1, H):
+            raise ValueError(f"block_mask.{name}: expected leading dims broadcastable to [{B}, {H}], "
+                             f"got {list(c.shape[:2])}")
+    partial = _flex_dense(torch, kvn, kvi, "kv_indices", (B, H, mq, nk))
+    blocks = partial.to(torch.uint8)
+    if len(lists) == 2:
+        full = _flex_dense(torch, fkvn, fkvi, "full_kv_indices", (B, H, mq, nk))
+        if bool((partial & full).any()):
+            raise ValueError("block_mask.full_kv_indices: expected kv blocks not also partial (in kv_indices), "
+                             "got a block in both")
+        blocks += full.to(torch.uint8) * 2
+    fw = Framework(torch)
+    d = _C.build_block_mask_from_blocks(to_core(blocks.contiguous()), sq, skv, bq, bkv, _schedule_arg(schedule),
+                                        int(sub_tiles), fw.allocate)
+    mask = cls._from_core(d, fw, MaskSpec("bitmask"))
+    mask.partial_bitmasks = _evaluate_bitmasks(torch, m.mask_mod, mask.kv_num_blocks, mask.kv_indices, bq, bkv, sq,
+                                               skv, m.kv_indices.device)
+    return mask
+
+
+def _vmap_blocks(torch, mask_mod):
+    """mask_mod(b, h, q, kv) over index tensors b [P], h [P], q [P, bq], kv [P, bkv] -> [P, bq, bkv]:
+    one vmap level per index as in flex's create_mask, the outer one over the partial blocks."""
+    fn = torch.vmap(mask_mod, in_dims=(None, None, None, 0))
+    fn = torch.vmap(fn, in_dims=(None, None, 0, None))
+    return torch.vmap(fn, in_dims=(0, 0, 0, 0))
+
+
+def _evaluate_bitmasks(torch, mask_mod, counts, indices, bq: int, bkv: int, sq: int, skv: int, device) -> Any:
+    """uint8 [B, H, Mq, W, ceil(bq * bkv / 8)] parallel to kv_indices (W = the largest partial
+    count): bit i * bkv + j (LSB first) = mask_mod at row i, column j of the block; positions past
+    the sequences are 0. mask_mod runs on `device` (where its captured tensors live)."""
+    B, H, mq = counts.shape
+    width = max(1, int(counts.max()))
+    nbytes = (bq * bkv + 7) // 8
+    out = torch.zeros(B, H, mq, width, nbytes, dtype=torch.uint8)
+    valid = torch.arange(width) < counts.to(torch.int64)[..., None]
+    b_i, h_i, m_i, w_i = valid.nonzero(as_tuple=True)
+    n_i = indices.to(torch.int64)[b_i, h_i, m_i, w_i]
+    if b_i.numel() == 0:
+        return out
+    fn = _vmap_blocks(torch, mask_mod)
+    try:  # flex's create_mask evaluates under this too: tensor[idx] with a batched idx becomes index()
+        from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex  # noqa: PLC0415
+        ctx = TransformGetItemToIndex
+    except ImportError:  # pragma: no cover - older torch
+        import contextlib  # noqa: PLC0415
+        ctx = contextlib.nullcontext
+    rq = torch.arange(bq, device=device)
+    rk = torch.arange(bkv, device=device)
+    weights = (1 << torch.arange(8, device=device)).to(torch.int32)
+    pad = nbytes * 8 - bq * bkv
+    chunk = max(1, (1 << 22) // (bq * bkv))  # bounds the evaluated elements per step
+    for s in range(0, b_i.numel(), chunk):
+        sl = slice(s, s + chunk)
+        b, h = b_i[sl].to(device), h_i[sl].to(device)
+        q = m_i[sl].to(device)[:, None] * bq + rq
+        kv = n_i[sl].to(device)[:, None] * bkv + rk
+        with ctx():
+            allowed = fn(b, h, q.clamp(max=sq - 1), kv.clamp(max=skv - 1)).to(torch.bool)
+        allowed = allowed & (q < sq)[:, :, None] & (kv < skv)[:, None, :]
+        flat = allowed.reshape(allowed.shape[0], -1).to(torch.int32)
+        if pad:
+            flat = torch.nn.functional.pad(flat, (0, pad))
+        packed = (flat.view(-1, nbytes, 8) * weights).sum(-1).to(torch.uint8)
+        out[b_i[sl], h_i[sl], m_i[sl], w_i[sl]] = packed.cpu()
+    return out
+
+
+# -- attention over arrays --------------------------------------------------------------------------
+
+def _scale_arg(scale: Optional[float]) -> float:
+    if scale is None:
+        return 0.0  # the core's default: 1 / sqrt(D)
+    s = float(scale)
+    if s == 0.0 or not math.isfinite(s):
+        raise ValueError(f"scale: expected a finite nonzero number or None (1 / sqrt(D)), got {scale}")
+    return s
+
+
+def _check_mask(block_mask: Any) -> BlockMask:
+    if isinstance(block_mask, BlockMask):
+        return block_mask
+    if type(block_mask).__name__ == "BlockMask" and hasattr(block_mask, "mask_mod"):
+        raise ValueError("block_mask: expected a sparsetrain.BlockMask, got torch's flex_attention BlockMask "
+                         "(convert it once with sparsetrain.BlockMask.from_torch(block_mask))")
+    raise ValueError(f"block_mask: expected a sparsetrain.BlockMask, got {type(block_mask).__name__}")
+
+
+def block_sparse_attention_forward(q: Any, k: Any, v: Any, block_mask: BlockMask, *, scale: Optional[float] = None,
+                                   deterministic: bool = True, stream: Optional[int] = None) -> Tuple[Any, Any]:
+    """attention.h's forward over arrays (numpy, torch CPU tensors): q [B, Sq, Hq, D], k and v
+    [B, Skv, Hkv, D] (any strides, last dim contiguous; fp32, bf16 or fp16). Returns (o
+    [B, Sq, Hq, D] in q's dtype, lse fp32 [B, Hq, Sq]); a row with no allowed key gives o = 0 and
+    lse = -inf."""
+    fw = Framework.of(q)
+    mask = _check_mask(block_mask)._for(fw)
+    o, lse = _C.attention_forward(to_core(q, "q"), to_core(k, "k"), to_core(v, "v"), mask._core_mask(),
+                                  _scale_arg(scale), bool(deterministic),
+                                  fw.stream_of(q) if stream is None else int(stream), fw.allocate)
+    return fw.view(o), fw.view(lse)
+
+
+def block_sparse_attention_backward(q: Any, k: Any, v: Any, o: Any, lse: Any, dout: Any, block_mask: BlockMask, *,
+                                    scale: Optional[float] = None, deterministic: bool = True,
+                                    stream: Optional[int] = None) -> Tuple[Any, Any, Any]:
+    """attention.h's backward: (dq [B, Sq, Hq, D], dk, dv [B, Skv, Hkv, D]) from the forward's o and
+    lse and the output gradient dout [B, Sq, Hq, D]. The mask needs its transposes (every builder
+    makes them)."""
+    fw = Framework.of(q)
+    mask = _check_mask(block_mask)._for(fw)
+    dq, dk, dv = _C.attention_backward(to_core(q, "q"), to_core(k, "k"), to_core(v, "v"), to_core(o, "o"),
+                                       to_core(lse, "lse"), to_core(dout, "dout"), mask._core_mask(),
+                                       _scale_arg(scale), bool(deterministic),
+                                       fw.stream_of(q) if stream is None else int(stream), fw.allocate)
+    return fw.view(dq), fw.view(dk), fw.view(dv)
