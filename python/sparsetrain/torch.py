@@ -1,7 +1,8 @@
 """The PyTorch front: `GroupedLinear` and `GroupedMLP` (torch.nn.Module) with TransformerEngine's
 options and semantics (main_grad accumulation, delayed wgrad with backward_dw, caller out /
-grad_input buffers, device splits), on top of `torch.library` custom ops with fake
-implementations so that models compile with torch.compile(fullgraph=True).
+grad_input buffers, device splits), and `block_sparse_attention` (FlexAttention's layout, a
+sparsetrain.BlockMask), on top of `torch.library` custom ops with fake implementations so that
+models compile with torch.compile(fullgraph=True).
 
 Memory: every tensor the library allocates comes from torch's caching allocator on the current
 stream (torch.empty through the allocator callback) and is handed back as a view of that tensor.
@@ -22,8 +23,15 @@ from . import GroupedLinear as _CoreGroupedLinear
 from . import GroupedMLP as _CoreGroupedMLP
 from . import weight_grad_disposition as _weight_grad_disposition
 from ._arrays import DeviceSplits
+from ._arrays import Framework as _Framework
+from ._block_mask import TENSOR_NAMES as _TENSOR_NAMES
+from ._block_mask import BlockMask
+from ._block_mask import MaskSpec as _MaskSpec
+from ._block_mask import _check_mask, _scale_arg
+from ._block_mask import block_sparse_attention_backward as _attention_backward
+from ._block_mask import block_sparse_attention_forward as _attention_forward
 
-__all__ = ["GroupedLinear", "GroupedMLP"]
+__all__ = ["GroupedLinear", "GroupedMLP", "BlockMask", "block_sparse_attention"]
 
 _ALIGN = 256
 # Every layer module by id: the custom ops find their layer's state through it.
@@ -596,3 +604,136 @@ class GroupedMLP(nn.Module):
                 f"glu_interleave_size={self.glu_interleave_size}, single_grouped_weight={self.single_grouped_weight}, "
                 f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}, "
                 f"delay_wgrad_compute={self.delay_wgrad_compute}")
+
+
+# --- block-sparse attention -------------------------------------------------------------------
+# FlexAttention's layout [B, H, S, D] outside; the core takes [B, S, H, D], so the ops pass
+# transpose(1, 2) views (no copies) and return views of the core's [B, S, H, D] outputs. A
+# BlockMask crosses the op boundary as its tensors (in TENSOR_NAMES order, then doc_q, doc_kv and
+# the schedule permutation; None where absent), its sizes and its kind names, so that the compiler
+# sees every tensor the op reads.
+
+
+def _mask_args(mask: BlockMask) -> Tuple[List[Optional[Tensor]], List[int], str]:
+    tensors = [getattr(mask, n) for n in _TENSOR_NAMES]
+    tensors += [mask.spec.doc_q, mask.spec.doc_kv, mask.schedule_permutation]
+    sizes = [mask.seq_q, mask.seq_kv, mask.block_q, mask.block_kv, mask.sub_tiles, mask.spec.window_left,
+             mask.spec.window_right, mask.spec.prefix_length]
+    return tensors, sizes, f"{mask.spec.kind},{mask.schedule}"
+
+
+def _mask_from_args(tensors: Sequence[Optional[Tensor]], sizes: Sequence[int], kinds: str) -> BlockMask:
+    seq_q, seq_kv, block_q, block_kv, sub_tiles, window_left, window_right, prefix_length = sizes
+    kind, schedule = kinds.split(",")
+    n = len(_TENSOR_NAMES)
+    spec = _MaskSpec(kind, window_left, window_right, prefix_length, tensors[n], tensors[n + 1])
+    return BlockMask(seq_q=seq_q, seq_kv=seq_kv, block_q=block_q, block_kv=block_kv,
+                     tensors=dict(zip(_TENSOR_NAMES, tensors[:n])), spec=spec, schedule=schedule,
+                     schedule_permutation=tensors[n + 2], sub_tiles=sub_tiles, framework=_Framework(torch))
+
+
+def _bshd(t: Tensor) -> Tensor:
+    return t.transpose(1, 2)
+
+
+@torch.library.custom_op("sparsetrain::block_sparse_attention_forward", mutates_args=())
+def _attention_forward_op(q: Tensor, k: Tensor, v: Tensor, mask_tensors: List[Optional[Tensor]],
+                          mask_sizes: List[int], mask_kinds: str, scale: float,
+                          deterministic: bool) -> Tuple[Tensor, Tensor]:
+    mask = _mask_from_args(mask_tensors, mask_sizes, mask_kinds)
+    o, lse = _attention_forward(_bshd(q), _bshd(k), _bshd(v), mask, scale=scale or None,
+                                deterministic=deterministic)
+    return _bshd(o), lse
+
+
+@_attention_forward_op.register_fake
+def _(q, k, v, mask_tensors, mask_sizes, mask_kinds, scale, deterministic):
+    B, H, S, D = q.shape
+    return _bshd(q.new_empty((B, S, H, D))), q.new_empty((B, H, S), dtype=torch.float32)
+
+
+@torch.library.custom_op("sparsetrain::block_sparse_attention_backward", mutates_args=())
+def _attention_backward_op(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dout: Tensor,
+                           mask_tensors: List[Optional[Tensor]], mask_sizes: List[int], mask_kinds: str,
+                           scale: float, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    mask = _mask_from_args(mask_tensors, mask_sizes, mask_kinds)
+    dq, dk, dv = _attention_backward(_bshd(q), _bshd(k), _bshd(v), _bshd(o), lse, _bshd(dout), mask,
+                                     scale=scale or None, deterministic=deterministic)
+    return _bshd(dq), _bshd(dk), _bshd(dv)
+
+
+@_attention_backward_op.register_fake
+def _(q, k, v, o, lse, dout, mask_tensors, mask_sizes, mask_kinds, scale, deterministic):
+    def like(t):
+        B, H, S, D = t.shape
+        return _bshd(t.new_empty((B, S, H, D)))
+
+    return like(q), like(k), like(v)
+
+
+class _AttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sizes: List[int], kinds: str, scale: float,
+                deterministic: bool, *mask_tensors: Optional[Tensor]):
+        o, lse = torch.ops.sparsetrain.block_sparse_attention_forward(q, k, v, list(mask_tensors), sizes, kinds,
+                                                                       scale, deterministic)
+        ctx.mark_non_differentiable(lse)
+        ctx.save_for_backward(q, k, v, o, lse, *mask_tensors)
+        ctx.sizes, ctx.kinds, ctx.scale, ctx.deterministic = sizes, kinds, scale, deterministic
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do: Tensor, dlse: Optional[Tensor]):
+        q, k, v, o, lse, *mask_tensors = ctx.saved_tensors
+        if do.stride(-1) != 1:
+            do = do.contiguous()
+        dq, dk, dv = torch.ops.sparsetrain.block_sparse_attention_backward(
+            q, k, v, o, lse, do, list(mask_tensors), ctx.sizes, ctx.kinds, ctx.scale, ctx.deterministic)
+        return (dq, dk, dv, None, None, None, None, *([None] * len(mask_tensors)))
+
+
+def _check_attention_inputs(q: Any, k: Any, v: Any, mask: BlockMask) -> None:
+    """The [B, H, S, D] contract in the caller's terms (the core would name [B, S, H, D] dims)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor [B, H, S, D], got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected a 4-d tensor [B, H, S, D], got shape {list(t.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.device.type != "cpu":
+            raise NotImplementedError(
+                f"block_sparse_attention: {name} is on {t.device}, but only CPU tensors are supported for now "
+                "(the CUDA attention kernels are a later issue); move q, k and v to the CPU")
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"q: expected dtype float32, bfloat16 or float16, got {q.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name}: expected dtype {q.dtype} (q's dtype), got {t.dtype}")
+    B, Hq, Sq, D = q.shape
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k: expected shape [{B} (q's B), Hkv, Skv, {D} (q's D)], got {list(k.shape)}")
+    if Hq % k.shape[1] != 0:
+        raise ValueError(f"k: expected a head count Hkv that divides q's Hq = {Hq} (GQA / MQA), got {k.shape[1]}")
+    if v.shape != k.shape:
+        raise ValueError(f"v: expected shape {list(k.shape)} (k's shape), got {list(v.shape)}")
+    if mask.seq_q != Sq or mask.seq_kv != k.shape[2]:
+        raise ValueError(f"block_mask: expected seq lengths ({Sq}, {k.shape[2]}) (q's and k's S), got "
+                         f"({mask.seq_q}, {mask.seq_kv})")
+
+
+def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, scale: Optional[float] = None,
+                           deterministic: bool = True, return_lse: bool = False):
+    """Block-sparse attention in FlexAttention's layout: q [B, Hq, Sq, D], k and v [B, Hkv, Skv, D]
+    (Hq a multiple of Hkv: GQA / MQA; fp32, bf16 or fp16; any strides with the last dim
+    contiguous), block_mask a sparsetrain.BlockMask (convert flex's once with
+    BlockMask.from_torch). scale: default 1 / sqrt(D). Returns o [B, Hq, Sq, D] (and the fp32
+    natural-log log-sum-exp [B, Hq, Sq] with return_lse=True; it has no gradient). A query row
+    with no allowed key gives o = 0, lse = -inf and zero gradients. Autograd through q, k and v;
+    `deterministic` picks the backward's dQ reduction order (the CPU reference always is).
+    CPU tensors only for now: CUDA tensors raise NotImplementedError."""
+    mask = _check_mask(block_mask)
+    _check_attention_inputs(q, k, v, mask)
+    mask = mask.to_torch()
+    tensors, sizes, kinds = _mask_args(mask)
+    o, lse = _AttentionFunction.apply(q, k, v, sizes, kinds, _scale_arg(scale), bool(deterministic), *tensors)
+    return (o, lse) if return_lse else o
