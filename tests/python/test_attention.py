@@ -1,0 +1,557 @@
+"""sparsetrain.torch.block_sparse_attention and sparsetrain.BlockMask from torch: forward, lse and
+gradients (through autograd) against a pure-torch dense masked reference in float64 for every
+built-in mask kind, odd sizes (S not a multiple of the block, Sq != Skv), GQA and D = 64;
+BlockMask.from_torch on flex_attention's masks (causal, sliding window, documents, arbitrary
+mask_mods, full_kv_* absent) against the dense reference, our own builder and torch's
+flex_attention itself (eager: it runs on the CPU in this torch); torch.compile(fullgraph=True)
+of forward + backward; bad input. CPU tensors only (CUDA raises until the CUDA kernels land);
+skipped visibly where torch is not installed."""
+
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed: torch tests skipped")
+
+import sparsetrain as st  # noqa: E402
+import sparsetrain.torch as stt  # noqa: E402
+
+# -- the dense reference ---------------------------------------------------------------------------
+
+
+def _dense_mask(kind, sq, skv, *, window_left=-1, window_right=-1, prefix_length=0, doc_q=None, doc_kv=None):
+    """bool [B or 1, 1, Sq, Skv] straight from mask_spec.h's definitions (independent of the library)."""
+    q = torch.arange(sq)[:, None]
+    kv = torch.arange(skv)[None, :]
+    if kind == "full":
+        m = torch.ones(sq, skv, dtype=torch.bool)
+    elif kind == "causal":
+        m = kv <= q
+    elif kind == "causal_bottom_right":
+        m = kv <= q + (skv - sq)
+    elif kind == "sliding_window":
+        m = torch.ones(sq, skv, dtype=torch.bool)
+        if window_left >= 0:
+            m = m & (kv >= q - window_left)
+        if window_right >= 0:
+            m = m & (kv <= q + window_right)
+    elif kind == "prefix_lm":
+        m = (kv <= q) | (kv < prefix_length)
+    elif kind in ("document", "document_causal"):
+        dq, dkv = torch.as_tensor(doc_q).reshape(-1, sq), torch.as_tensor(doc_kv).reshape(-1, skv)
+        m = dq[:, :, None] == dkv[:, None, :]
+        if kind == "document_causal":
+            m = m & (kv <= q)
+        return m[:, None]
+    else:
+        raise AssertionError(kind)
+    return m[None, None]
+
+
+def _reference(q, k, v, allowed, scale=None):
+    """float64 masked attention under autograd: (o [B, Hq, Sq, D], lse [B, Hq, Sq]); q/k/v are
+    leaf float64 tensors requiring grad. A row with no allowed key gives o = 0, lse = -inf and
+    zero gradients (its scores are zeroed before the softmax and its probabilities dropped)."""
+    G = q.shape[1] // k.shape[1]
+    k2, v2 = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+    scale = 1.0 / q.shape[-1] ** 0.5 if scale is None else scale
+    s = (q @ k2.transpose(-1, -2)) * scale
+    allowed = allowed.expand_as(s)
+    any_row = allowed.any(-1, keepdim=True)
+    lse = torch.where(allowed, s, float("-inf")).logsumexp(-1)
+    s = torch.where(allowed, s, float("-inf"))
+    s = torch.where(any_row, s, 0.0)
+    p = torch.softmax(s, -1) * any_row
+    return p @ v2, lse
+
+
+def _inputs(B, Hq, Hkv, Sq, Skv, D, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, Sq, D, generator=gen).to(dtype).requires_grad_()
+    k = torch.randn(B, Hkv, Skv, D, generator=gen).to(dtype).requires_grad_()
+    v = torch.randn(B, Hkv, Skv, D, generator=gen).to(dtype).requires_grad_()
+    do = torch.randn(B, Hq, Sq, D, generator=gen).to(dtype)
+    return q, k, v, do
+
+
+def _leaf64(t):
+    return t.detach().double().requires_grad_()
+
+
+def _close(got, ref, tol, what):
+    got, ref = got.detach().double(), ref.detach().double()
+    assert got.shape == ref.shape, f"{what}: shape {list(got.shape)} vs {list(ref.shape)}"
+    finite = torch.isfinite(ref)
+    assert bool((torch.isfinite(got) == finite).all()), f"{what}: infinities differ"
+    assert bool((got[~finite] == ref[~finite]).all()), f"{what}: infinities differ in sign"
+    err = (got[finite] - ref[finite]).abs()
+    bound = tol * (1 + ref[finite].abs())
+    assert bool((err <= bound).all()), f"{what}: max error {err.max().item():.3e} (tol {tol:g})"
+
+
+def _check_against_reference(mask, allowed, B, Hq, Hkv, Sq, Skv, D, dtype=torch.float32, tol=2e-5, scale=None):
+    q, k, v, do = _inputs(B, Hq, Hkv, Sq, Skv, D, dtype)
+    o, lse = stt.block_sparse_attention(q, k, v, mask, scale=scale, return_lse=True)
+    o.backward(do)
+    q64, k64, v64 = _leaf64(q), _leaf64(k), _leaf64(v)
+    ro, rlse = _reference(q64, k64, v64, allowed, scale)
+    ro.backward(do.double())
+    assert o.shape == (B, Hq, Sq, D) and o.dtype == dtype and lse.dtype == torch.float32
+    _close(o, ro, tol, "o")
+    _close(lse, rlse, tol, "lse")
+    _close(q.grad, q64.grad, tol, "dq")
+    _close(k.grad, k64.grad, tol, "dk")
+    _close(v.grad, v64.grad, tol, "dv")
+    return o, lse
+
+
+def _docs(B, S, seed):
+    """Random document ids [B, S]: sorted segment ids with a few boundaries per row."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(B, S, dtype=torch.int64)
+    for b in range(B):
+        cuts = torch.randint(1, S, (3,), generator=gen)
+        ids[b, cuts] = 1
+    return ids.cumsum(-1)
+
+
+# -- the built-in kinds ----------------------------------------------------------------------------
+
+# (kind, params, Sq, Skv): S not a multiple of the block (16) everywhere, Sq != Skv where the kind
+# allows it (document masks take doc_q and doc_kv of the two lengths).
+KIND_CASES = {
+    "full": ("full", {}, 37, 53),
+    "causal": ("causal", {}, 45, 45),
+    "causal_sq_lt_skv": ("causal", {}, 29, 61),
+    "causal_bottom_right": ("causal_bottom_right", {}, 29, 61),
+    "sliding_window": ("sliding_window", {"window_left": 9, "window_right": 0}, 53, 53),
+    "sliding_window_two_sided": ("sliding_window", {"window_left": 5, "window_right": 20}, 41, 50),
+    "document": ("document", {}, 47, 47),
+    "document_causal": ("document_causal", {}, 47, 47),
+    "prefix_lm": ("prefix_lm", {"prefix_length": 19}, 50, 50),
+}
+
+
+@pytest.mark.parametrize("case", list(KIND_CASES), ids=list(KIND_CASES))
+def test_kind_matches_dense_reference(case):
+    kind, params, Sq, Skv = KIND_CASES[case]
+    B, Hq, Hkv, D = 2, 4, 2, 16
+    if kind.startswith("document"):
+        params = {"doc_q": _docs(B, Sq, 1), "doc_kv": _docs(B, Skv, 1)}
+    mask = st.BlockMask.build(kind, Sq, Skv, block_size=16, framework="torch", **params)
+    mask.validate(B, Hq)
+    assert mask.check_write_order() == ""
+    _check_against_reference(mask, _dense_mask(kind, Sq, Skv, **params), B, Hq, Hkv, Sq, Skv, D)
+
+
+def test_gqa_8_to_1_head_dim_64():
+    B, Hq, Hkv, S, D = 1, 8, 1, 70, 64
+    mask = st.BlockMask.build("causal", S, block_size=32)
+    _check_against_reference(mask, _dense_mask("causal", S, S), B, Hq, Hkv, S, S, D)
+
+
+def test_rectangular_blocks_and_scale():
+    Sq, Skv = 33, 57
+    mask = st.BlockMask.build("sliding_window", Sq, Skv, window_left=12, window_right=3, block_size=(8, 16))
+    _check_against_reference(mask, _dense_mask("sliding_window", Sq, Skv, window_left=12, window_right=3),
+                             2, 2, 2, Sq, Skv, 16, scale=0.3)
+
+
+def test_empty_rows_give_zero_output_and_gradients():
+    # causal with Sq > Skv in FlashAttention's bottom-right convention: the first rows see no key.
+    Sq, Skv = 40, 24
+    mask = st.BlockMask.build("causal_bottom_right", Sq, Skv, block_size=16)
+    o, lse = _check_against_reference(mask, _dense_mask("causal_bottom_right", Sq, Skv), 1, 2, 1, Sq, Skv, 16)
+    assert bool((o[:, :, :Sq - Skv] == 0).all()) and bool(torch.isneginf(lse[:, :, :Sq - Skv]).all())
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 3e-2), (torch.float16, 4e-3)], ids=["bf16", "fp16"])
+def test_half_precision(dtype, tol):
+    S = 45
+    mask = st.BlockMask.build("causal", S, block_size=16)
+    _check_against_reference(mask, _dense_mask("causal", S, S), 2, 2, 1, S, S, 32, dtype=dtype, tol=tol)
+
+
+def test_numpy_mask_and_schedules_give_identical_results():
+    """A numpy-built mask is converted without copies; every schedule (and sub-tile count) gives
+    bit-identical results, and so does a second run (the deterministic backward)."""
+    S, B, H, D = 61, 1, 2, 16
+    q, k, v, do = _inputs(B, H, H, S, S, D)
+    outs = []
+    base = st.BlockMask.build("causal", S, block_size=16)
+    nk = base.num_kv_blocks
+    masks = [base, base, base.with_schedule("left_to_right"), base.with_schedule("shortest_first", sub_tiles=4),
+             base.with_schedule([2, 0, 3, 1][:nk])]
+    assert masks[-1].schedule == "permutation" and list(masks[-1].schedule_permutation) == [2, 0, 3, 1]
+    assert masks[3].sub_tiles == 4
+    for m in masks:
+        assert m.check_write_order() == ""
+        q.grad = k.grad = v.grad = None
+        o = stt.block_sparse_attention(q, k, v, m)
+        o.backward(do)
+        outs.append((o.detach().clone(), q.grad.clone(), k.grad.clone(), v.grad.clone()))
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            assert torch.equal(a, b)
+
+
+def test_strided_inputs_are_not_copied_and_lse_matches():
+    """[B, S, H, D] storage viewed as [B, H, S, D] (transpose(1, 2)) works as it is."""
+    B, H, S, D = 2, 3, 35, 16
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(B, S, H, D, generator=gen).transpose(1, 2)
+    k = torch.randn(B, S, H, D, generator=gen).transpose(1, 2)
+    v = torch.randn(B, S, H, D, generator=gen).transpose(1, 2)
+    mask = st.BlockMask.build("causal", S, block_size=16)
+    o, lse = stt.block_sparse_attention(q, k, v, mask, return_lse=True)
+    ro, rlse = _reference(q.double(), k.double(), v.double(), _dense_mask("causal", S, S))
+    _close(o, ro, 2e-5, "o")
+    _close(lse, rlse, 2e-5, "lse")
+
+
+# -- BlockMask API ---------------------------------------------------------------------------------
+
+
+def test_block_mask_arrays_and_conversions():
+    m = st.BlockMask.build("causal", 64, block_size=16)
+    assert m.framework == "numpy" and isinstance(m.kv_indices, np.ndarray)
+    assert m.kv_indices.dtype == np.int32 and m.kv_indices.shape == (1, 1, 4, 4)
+    assert m.kv_num_blocks.tolist() == [[[1, 1, 1, 1]]] and m.full_kv_num_blocks.tolist() == [[[0, 1, 2, 3]]]
+    assert m.q_num_blocks.tolist() == [[[1, 1, 1, 1]]] and m.full_q_num_blocks.tolist() == [[[3, 2, 1, 0]]]
+    assert m.schedule == "shortest_first"  # "auto" on causal: the shortest columns first
+    t = m.to_torch()
+    assert t.framework == "torch" and isinstance(t.kv_indices, torch.Tensor)
+    assert t.kv_indices.data_ptr() == m.kv_indices.ctypes.data  # shared, not copied
+    assert t.to_numpy() is m
+    mt = st.BlockMask.build("document", 32, document_ids=torch.tensor([0] * 10 + [1] * 22), block_size=8)
+    assert mt.framework == "torch" and mt.spec.doc_q.dtype == torch.int32 and mt.spec.doc_q.shape == (1, 32)
+    assert "spec=document" in repr(mt)
+
+
+def test_from_blocks():
+    blocks = np.array([[[[2, 0, 0], [1, 2, 0], [0, 1, 1]]]], np.uint8)
+    m = st.BlockMask.from_blocks(blocks, 40, 40, block_size=16, schedule="left_to_right")
+    assert m.kv_num_blocks.tolist() == [[[0, 1, 2]]] and m.full_kv_num_blocks.tolist() == [[[1, 1, 0]]]
+    assert m.schedule == "left_to_right"
+    m.validate()
+    # Partial blocks compute like full ones under the default spec ("full"): the dense mask is the blocks.
+    dense = torch.from_numpy(blocks > 0).repeat_interleave(16, -2).repeat_interleave(16, -1)[..., :40, :40]
+    _check_against_reference(m, dense, 1, 2, 2, 40, 40, 16)
+    # With a spec, it applies inside partial blocks only.
+    mc = st.BlockMask.from_blocks(torch.from_numpy(blocks), 40, 40, block_size=16, spec=st.MaskSpec("causal"))
+    assert mc.framework == "torch"
+    allowed = dense & (torch.from_numpy(blocks == 2).repeat_interleave(16, -2).repeat_interleave(16, -1)[..., :40, :40]
+                       | _dense_mask("causal", 40, 40))
+    _check_against_reference(mc, allowed, 1, 2, 2, 40, 40, 16)
+
+
+# -- torch's flex_attention BlockMask --------------------------------------------------------------
+
+flex = pytest.importorskip("torch.nn.attention.flex_attention",
+                           reason="torch.nn.attention.flex_attention is not available in this torch")
+
+
+def _flex_dense(mask_mod, B, H, Sq, Skv):
+    return flex.create_mask(mask_mod, B, H, Sq, Skv, device="cpu")
+
+
+def _causal(b, h, q, kv):
+    return q >= kv
+
+
+def _sliding(b, h, q, kv):
+    return (q - kv <= 10) & (kv <= q)
+
+
+def _mod3(b, h, q, kv):
+    return (q + kv) % 3 != 0
+
+
+def _checker(b, h, q, kv):
+    return ((q // 16) + (kv // 16)) % 2 == 0
+
+
+def _document_mod(doc):
+    def mask_mod(b, h, q, kv):
+        return (doc[b, q] == doc[b, kv]) & (kv <= q)
+    return mask_mod
+
+
+def _head_dependent(b, h, q, kv):
+    return (kv <= q + h * 7) & (kv + 20 >= q)
+
+
+FLEX_CASES = {
+    "causal": (_causal, 1, 1, 64, 64),
+    "causal_odd": (_causal, 1, 1, 45, 45),
+    "sliding_window": (_sliding, 1, 1, 64, 64),
+    "mod3": (_mod3, 1, 1, 48, 37),
+    "checkerboard": (_checker, 1, 1, 64, 80),
+    "document_causal": ("document", 2, 1, 57, 57),
+    "per_head": (_head_dependent, 1, 3, 50, 50),
+}
+
+
+def _flex_case(name):
+    mask_mod, B, H, Sq, Skv = FLEX_CASES[name]
+    if mask_mod == "document":
+        mask_mod = _document_mod(_docs(B, Sq, 3))
+    return mask_mod, B, H, Sq, Skv
+
+
+@pytest.mark.parametrize("name", list(FLEX_CASES), ids=list(FLEX_CASES))
+def test_from_torch_matches_dense_reference(name):
+    mask_mod, B, H, Sq, Skv = _flex_case(name)
+    fm = flex.create_block_mask(mask_mod, B, H, Sq, Skv, device="cpu", BLOCK_SIZE=16)
+    m = st.BlockMask.from_torch(fm)
+    assert m.framework == "torch" and m.spec.kind == "bitmask"
+    assert (m.seq_q, m.seq_kv, m.block_q, m.block_kv) == (Sq, Skv, 16, 16)
+    m.validate(B, H)
+    dense = _flex_dense(mask_mod, B, H, Sq, Skv)
+    # The bitmasks hold mask_mod exactly: rebuild the dense mask from the lists and bits.
+    rebuilt = torch.zeros(B, H, -(-Sq // 16) * 16, -(-Skv // 16) * 16, dtype=torch.bool)
+    bits = m.partial_bitmasks
+    for b in range(B):
+        for h in range(H):
+            for r in range(m.num_q_blocks):
+                for i in range(int(m.kv_num_blocks[b, h, r])):
+                    n = int(m.kv_indices[b, h, r, i])
+                    by = bits[b, h, r, i]
+                    block = ((by[:, None] >> torch.arange(8)) & 1).reshape(16, 16).bool()
+                    rebuilt[b, h, r * 16:(r + 1) * 16, n * 16:(n + 1) * 16] = block
+                for i in range(int(m.full_kv_num_blocks[b, h, r])):
+                    n = int(m.full_kv_indices[b, h, r, i])
+                    rebuilt[b, h, r * 16:(r + 1) * 16, n * 16:(n + 1) * 16] = True
+    assert torch.equal(rebuilt[..., :Sq, :Skv], dense)
+    assert not rebuilt[..., Sq:, :].any() or Sq % 16 == 0  # bits past the sequence are 0 in partial blocks
+    _check_against_reference(m, dense, B, H, 1, Sq, Skv, 16)
+
+
+@pytest.mark.parametrize("kind,mask_mod,params", [
+    ("causal", _causal, {}),
+    ("sliding_window", _sliding, {"window_left": 10, "window_right": 0}),
+], ids=["causal", "sliding_window"])
+def test_from_torch_blocks_match_our_builder(kind, mask_mod, params):
+    S = 128  # a multiple of the block: flex and our builder classify every block the same way
+    fm = flex.create_block_mask(mask_mod, 1, 1, S, S, device="cpu", BLOCK_SIZE=16)
+    ours = st.BlockMask.build(kind, S, block_size=16, framework="torch", **params)
+    conv = st.BlockMask.from_torch(fm)
+    for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                 "q_indices", "full_q_num_blocks", "full_q_indices", "dq_write_order", "dq_write_order_full"):
+        assert torch.equal(getattr(conv, name), getattr(ours, name)), name
+    assert conv.schedule == ours.schedule
+
+
+def test_from_torch_documents_match_our_builder():
+    S, B = 96, 2
+    doc = _docs(B, S, 4)
+    fm = flex.create_block_mask(_document_mod(doc), B, 1, S, S, device="cpu", BLOCK_SIZE=16)
+    conv = st.BlockMask.from_torch(fm)
+    ours = st.BlockMask.build("document_causal", S, document_ids=doc, block_size=16)
+    for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
+        assert torch.equal(getattr(conv, name), getattr(ours, name)), name
+
+
+def test_from_torch_without_full_blocks_and_compact_indices():
+    """from_kv_blocks with no full_kv_* (every listed block partial) and a compact width."""
+    kv_num = torch.tensor([[[1, 2, 2]]], dtype=torch.int32)
+    kv_idx = torch.tensor([[[[0, 0], [0, 1], [1, 2]]]], dtype=torch.int32)  # width 2 < Nk = 3
+    fm = flex.BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=16, mask_mod=_mod3, seq_lengths=(40, 40))
+    m = st.BlockMask.from_torch(fm)
+    assert m.full_kv_num_blocks.sum() == 0
+    blocks = torch.zeros(3, 3, dtype=torch.bool)
+    blocks[0, 0] = blocks[1, 0] = blocks[1, 1] = blocks[2, 1] = blocks[2, 2] = True
+    allowed = blocks.repeat_interleave(16, 0).repeat_interleave(16, 1)[:40, :40] & _flex_dense(_mod3, 1, 1, 40, 40)[0, 0]
+    _check_against_reference(m, allowed[None, None], 1, 2, 2, 40, 40, 16)
+
+
+def _blocks_dense(counts, indices, Sq, Skv, bs):
+    """The element positions of the blocks a (counts, indices) list pair names: bool [B, H, Sq, Skv]."""
+    B, H, mq = counts.shape
+    nk = -(-Skv // bs)
+    d = torch.zeros(B, H, mq, nk, dtype=torch.bool)
+    for b in range(B):
+        for h in range(H):
+            for r in range(mq):
+                d[b, h, r, indices[b, h, r, :int(counts[b, h, r])].long()] = True
+    return d.repeat_interleave(bs, 2).repeat_interleave(bs, 3)[:, :, :Sq, :Skv]
+
+
+def test_from_torch_broadcast_mask_evaluated_per_head():
+    """A B = H = 1 flex mask whose mask_mod reads h: flex's fused kernel evaluates mask_mod with
+    each head's index inside the (head-0) partial blocks and skips it in full ones; heads=
+    reproduces that (flex's eager path would apply mask_mod densely instead, ignoring the lists)."""
+    fm = flex.create_block_mask(_head_dependent, 1, 1, 50, 50, device="cpu", BLOCK_SIZE=16)
+    m = st.BlockMask.from_torch(fm, heads=3)
+    assert m.kv_num_blocks.shape == (1, 3, 4) and m.partial_bitmasks.shape[:3] == (1, 3, 4)
+    m.validate(1, 3)
+    partial = _blocks_dense(fm.kv_num_blocks, fm.kv_indices, 50, 50, 16)
+    full = _blocks_dense(fm.full_kv_num_blocks, fm.full_kv_indices, 50, 50, 16)
+    allowed = (partial & _flex_dense(_head_dependent, 1, 3, 50, 50)) | full
+    assert not torch.equal(allowed, _flex_dense(_head_dependent, 1, 3, 50, 50))  # the case is not trivial
+    _check_against_reference(m, allowed, 1, 3, 3, 50, 50, 16)
+    with pytest.raises(ValueError, match="heads: expected a size the block mask's leading dim 3 broadcasts to"):
+        st.BlockMask.from_torch(flex.create_block_mask(_head_dependent, 1, 3, 50, 50, device="cpu", BLOCK_SIZE=16),
+                                heads=2)
+
+
+def test_from_torch_rejects_bad_lists():
+    kv_num = torch.tensor([[[1, 3]]], dtype=torch.int32)
+    kv_idx = torch.tensor([[[[0, 0], [0, 1]]]], dtype=torch.int32)
+    fm = flex.BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=16, seq_lengths=(32, 32))
+    with pytest.raises(ValueError, match=r"block_mask.kv_indices: expected counts in \[0, 2\]"):
+        st.BlockMask.from_torch(fm)
+    kv_idx = torch.tensor([[[[0, 0], [1, 1]]]], dtype=torch.int32)
+    fm = flex.BlockMask.from_kv_blocks(torch.tensor([[[1, 2]]], dtype=torch.int32), kv_idx, BLOCK_SIZE=16,
+                                       seq_lengths=(32, 32))
+    with pytest.raises(ValueError, match="block_mask.kv_indices: expected no duplicate"):
+        st.BlockMask.from_torch(fm)
+    with pytest.raises(ValueError, match="block_mask: expected a torch.nn.attention.flex_attention.BlockMask"):
+        st.BlockMask.from_torch(object())
+
+
+@pytest.mark.parametrize("name", ["causal_odd", "mod3", "document_causal", "per_head"])
+def test_matches_torch_flex_attention(name):
+    """torch's own flex_attention (eager: the unfused implementation, the one that runs on the
+    CPU; it applies mask_mod densely, which equals the block semantics for a mask that
+    create_block_mask built from the same mask_mod) on the same BlockMask, forward and lse in
+    float64. Its backward does not run on the CPU
+    in torch 2.11 ("FlexAttention does not support backward on CPU"): gradients are compared with
+    the dense reference (test_from_torch_matches_dense_reference), which matches flex's forward."""
+    mask_mod, B, H, Sq, Skv = _flex_case(name)
+    fm = flex.create_block_mask(mask_mod, B, H, Sq, Skv, device="cpu", BLOCK_SIZE=16)
+    q, k, v, _ = _inputs(B, H, H, Sq, Skv, 16)
+    q, k, v = q.detach(), k.detach(), v.detach()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ref, ref_lse = flex.flex_attention(q.double(), k.double(), v.double(), block_mask=fm, return_lse=True)
+    except Exception as e:  # pragma: no cover - depends on the torch build
+        pytest.skip(f"flex_attention does not run on the CPU in this torch ({torch.__version__}): {e}")
+    o, lse = stt.block_sparse_attention(q, k, v, st.BlockMask.from_torch(fm), return_lse=True)
+    _close(o, ref, 2e-5, "o")
+    _close(lse, ref_lse, 2e-5, "lse")
+
+
+# -- torch.compile ---------------------------------------------------------------------------------
+
+
+def test_torch_compile_fullgraph_forward_backward():
+    S, D = 45, 16
+    mask = st.BlockMask.build("causal", S, block_size=16, framework="torch")
+    q, k, v, do = _inputs(1, 2, 1, S, S, D)
+
+    def step(q, k, v, do):
+        o = stt.block_sparse_attention(q, k, v, mask)
+        (o * do).sum().backward()
+        return o.detach()
+
+    ref_o = step(q, k, v, do)
+    ref = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+
+    @torch.compile(fullgraph=True)
+    def loss(q, k, v, do):
+        o = stt.block_sparse_attention(q, k, v, mask)
+        return (o * do).sum(), o
+
+    l, o = loss(q, k, v, do)
+    l.backward()
+    assert torch.equal(o.detach(), ref_o)
+    for t, r in zip((q, k, v), ref):
+        assert torch.equal(t.grad, r)
+
+
+def test_custom_ops_pass_opcheck():
+    """Schema and AOT dispatch. (test_faketensor would fail on the storage offset alone: the
+    outputs start at the first 256-byte boundary of a torch.empty allocation, as every tensor the
+    library allocates does; sizes and strides match the fake.)"""
+    S = 40
+    mask = st.BlockMask.build("causal", S, block_size=16, framework="torch")
+    q, k, v, _ = _inputs(1, 2, 1, S, S, 16)
+    tensors, sizes, kinds = stt._mask_args(mask)
+    torch.library.opcheck(torch.ops.sparsetrain.block_sparse_attention_forward.default,
+                          (q.detach(), k.detach(), v.detach(), tensors, sizes, kinds, 0.0, True),
+                          test_utils=("test_schema", "test_autograd_registration", "test_aot_dispatch_dynamic"))
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+
+def _good(S=40):
+    q, k, v, _ = _inputs(1, 2, 1, S, S, 16)
+    return q, k, v, st.BlockMask.build("causal", S, block_size=16)
+
+
+BAD = {
+    "q_3d": (lambda q, k, v, m: (q[0], k, v, m), r"q: expected a 4-d tensor \[B, H, S, D\]"),
+    "k_batch": (lambda q, k, v, m: (q, torch.cat([k, k]), v, m), r"k: expected shape \[1 \(q's B\)"),
+    "k_head_dim": (lambda q, k, v, m: (q, k[..., :8], v, m), r"k: expected shape \[1 \(q's B\), Hkv, Skv, 16"),
+    "k_heads_not_dividing": (lambda q, k, v, m: (q, torch.cat([k] * 3, 1), torch.cat([v] * 3, 1), m),
+                             "k: expected a head count Hkv that divides q's Hq = 2"),
+    "v_shape": (lambda q, k, v, m: (q, k, v[:, :, :30], m), r"v: expected shape \[1, 1, 40, 16\] \(k's shape\)"),
+    "q_dtype_float64": (lambda q, k, v, m: (q.double(), k.double(), v.double(), m),
+                        "q: expected dtype float32, bfloat16 or float16, got torch.float64"),
+    "k_dtype": (lambda q, k, v, m: (q, k.half(), v, m), "k: expected dtype torch.float32 .q's dtype., got torch.float16"),
+    "mask_seq": (lambda q, k, v, m: (q[:, :, :30], k, v, m), r"block_mask: expected seq lengths \(30, 40\)"),
+    "mask_type": (lambda q, k, v, m: (q, k, v, "causal"), "block_mask: expected a sparsetrain.BlockMask, got str"),
+    "q_last_dim_strided": (lambda q, k, v, m: (q.transpose(2, 3).contiguous().transpose(2, 3)[..., :40, :], k, v, m),
+                           "q: expected a unit stride in the last dimension"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
+def test_bad_input_raises_value_error_naming_the_argument(case):
+    make, message = BAD[case]
+    q, k, v, m = make(*_good())
+    with pytest.raises(ValueError, match=message):
+        stt.block_sparse_attention(q, k, v, m)
+
+
+def test_flex_block_mask_passed_directly_says_how_to_convert():
+    q, k, v, _ = _good()
+    fm = flex.create_block_mask(_causal, 1, 1, 40, 40, device="cpu", BLOCK_SIZE=16)
+    with pytest.raises(ValueError, match=r"BlockMask.from_torch"):
+        stt.block_sparse_attention(q, k, v, fm)
+
+
+def test_bad_scale_and_builder_arguments():
+    q, k, v, m = _good()
+    with pytest.raises(ValueError, match="scale: expected a finite nonzero number"):
+        stt.block_sparse_attention(q, k, v, m, scale=float("nan"))
+    with pytest.raises(ValueError, match="kind: expected one of full, causal"):
+        st.BlockMask.build("diagonal", 40)
+    with pytest.raises(ValueError, match="schedule: expected 'auto'"):
+        st.BlockMask.build("causal", 40, schedule="fastest")
+    with pytest.raises(ValueError, match="schedule.permutation: expected a permutation of the 3 kv block columns"):
+        st.BlockMask.build("causal", 40, block_size=16, schedule=[0, 0, 1])
+    with pytest.raises(ValueError, match="document_ids: expected document ids"):
+        st.BlockMask.build("document", 40)
+    with pytest.raises(ValueError, match="sub_tiles"):
+        st.BlockMask.build("causal", 40, block_size=16, sub_tiles=3)
+    with pytest.raises(ValueError, match="doc_q: expected integer document ids"):
+        st.BlockMask.build("document", 4, document_ids=torch.tensor([0.0, 0.0, 1.0, 1.0]))
+
+
+def test_corrupted_mask_is_rejected_by_validation():
+    q, k, v, _ = _good()
+    m = st.BlockMask.build("causal", 40, block_size=16, framework="torch")
+    m.kv_indices[0, 0, 1, 0] = 7  # out of range
+    with pytest.raises(ValueError, match=r"mask.kv_indices\[b=0, h=0, q block 1\] entry 0: expected a kv block in \[0, 3\)"):
+        stt.block_sparse_attention(q, k, v, m)
+    m2 = st.BlockMask.build("causal", 40, block_size=16, framework="torch")
+    m2.dq_write_order_full[0, 0, 0, :2] = m2.dq_write_order_full[0, 0, 0, :2].flip(0)
+    assert m2.check_write_order() != ""
+
+
+@pytest.mark.parametrize("device", ["meta", "cuda"])
+def test_non_cpu_tensors_raise_a_clear_error(device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device: the same check is exercised with a meta tensor")
+    q, k, v, m = _good()
+    q, k, v = (t.detach().to(device) for t in (q, k, v))
+    with pytest.raises(NotImplementedError, match=r"only CPU tensors are supported for now \(the CUDA attention "
+                                                  r"kernels are a later issue\)"):
+        stt.block_sparse_attention(q, k, v, m)
