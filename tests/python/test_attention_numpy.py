@@ -1,0 +1,99 @@
+"""sparsetrain.BlockMask and block-sparse attention over numpy arrays (no torch needed: runs in
+CI): builders and their tensors, schedules, validation, and forward/backward in the core's
+[B, S, H, D] layout against a float64 numpy dense reference, bad input."""
+
+import numpy as np
+import pytest
+
+import sparsetrain as st
+
+
+def _allowed(kind, sq, skv, **p):
+    q, kv = np.arange(sq)[:, None], np.arange(skv)[None, :]
+    return {"full": np.ones((sq, skv), bool), "causal": kv <= q, "causal_bottom_right": kv <= q + skv - sq,
+            "prefix_lm": (kv <= q) | (kv < p.get("prefix_length", 0))}[kind]
+
+
+def _reference(q, k, v, allowed, scale=None):
+    """float64 (o [B, Sq, Hq, D], lse [B, Hq, Sq], and a backward closure) for [B, S, H, D] inputs."""
+    G = q.shape[2] // k.shape[2]
+    q, k, v = (a.astype(np.float64) for a in (q, k, v))
+    k2, v2 = np.repeat(k, G, axis=2), np.repeat(v, G, axis=2)
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    s = np.einsum("bqhd,bkhd->bhqk", q, k2) * scale
+    s = np.where(allowed, s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    any_row = np.isfinite(m)
+    p = np.where(any_row, np.exp(s - np.where(any_row, m, 0)), 0)
+    denom = p.sum(-1, keepdims=True)
+    p = np.where(any_row, p / np.where(any_row, denom, 1), 0)
+    lse = np.where(any_row[..., 0], (m + np.log(np.where(any_row, denom, 1)))[..., 0], -np.inf)
+    o = np.einsum("bhqk,bkhd->bqhd", p, v2)
+
+    def backward(do):
+        do = do.astype(np.float64)
+        dp = np.einsum("bqhd,bkhd->bhqk", do, v2)
+        ds = p * (dp - (dp * p).sum(-1, keepdims=True)) * scale
+        dq = np.einsum("bhqk,bkhd->bqhd", ds, k2)
+        dk2 = np.einsum("bhqk,bqhd->bkhd", ds, q)
+        dv2 = np.einsum("bhqk,bqhd->bkhd", p, do)
+        B, S, _, D = k.shape
+        return dq, dk2.reshape(B, S, -1, G, D).sum(3), dv2.reshape(B, S, -1, G, D).sum(3)
+
+    return o, lse, backward
+
+
+@pytest.mark.parametrize("kind,sq,skv", [("causal", 45, 45), ("causal_bottom_right", 29, 61), ("full", 37, 53),
+                                         ("prefix_lm", 50, 50)])
+def test_forward_backward_vs_float64(kind, sq, skv):
+    rng = np.random.default_rng(0)
+    B, Hq, Hkv, D = 2, 4, 2, 16
+    q = rng.standard_normal((B, sq, Hq, D), np.float32)
+    k = rng.standard_normal((B, skv, Hkv, D), np.float32)
+    v = rng.standard_normal((B, skv, Hkv, D), np.float32)
+    do = rng.standard_normal((B, sq, Hq, D), np.float32)
+    mask = st.BlockMask.build(kind, sq, skv, block_size=16, prefix_length=19)
+    o, lse = st.block_sparse_attention_forward(q, k, v, mask)
+    dq, dk, dv = st.block_sparse_attention_backward(q, k, v, o, lse, do, mask)
+    ro, rlse, back = _reference(q, k, v, _allowed(kind, sq, skv, prefix_length=19))
+    rdq, rdk, rdv = back(do)
+    assert o.shape == (B, sq, Hq, D) and lse.shape == (B, Hq, sq) and o.dtype == np.float32
+    for got, ref in ((o, ro), (lse, rlse), (dq, rdq), (dk, rdk), (dv, rdv)):
+        np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5)
+
+
+def test_builders_schedules_and_checks():
+    m = st.BlockMask.build("causal", 64, block_size=16, schedule="left_to_right", sub_tiles=2)
+    assert (m.schedule, m.sub_tiles, m.framework) == ("left_to_right", 2, "numpy")
+    assert m.kv_num_blocks.tolist() == [[[1, 1, 1, 1]]] and m.full_kv_indices[0, 0, 3, :3].tolist() == [0, 1, 2]
+    assert m.check_write_order() == ""
+    m.validate()
+    p = m.with_schedule([3, 1, 2, 0])
+    assert p.schedule == "permutation" and p.schedule_permutation.tolist() == [3, 1, 2, 0]
+    assert p.check_write_order() == "" and p.kv_indices is m.kv_indices
+    d = st.BlockMask.build("document_causal", 40, document_ids=np.repeat([0, 1, 2], [10, 20, 10]), block_size=8)
+    assert d.spec.doc_q.dtype == np.int32 and d.spec.doc_q.shape == (1, 40)
+    d.validate()
+    blocks = np.zeros((1, 1, 3, 3), np.uint8)
+    blocks[0, 0, [0, 1, 2], [0, 1, 2]] = 1
+    b = st.BlockMask.from_blocks(blocks, 48, 48, block_size=16)
+    assert b.kv_num_blocks.tolist() == [[[1, 1, 1]]] and b.full_kv_num_blocks.tolist() == [[[0, 0, 0]]]
+
+
+def test_bad_input():
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, 40, 2, 16), np.float32)
+    k = rng.standard_normal((1, 40, 1, 16), np.float32)
+    m = st.BlockMask.build("causal", 40, block_size=16)
+    with pytest.raises(ValueError, match="v: expected shape"):
+        st.block_sparse_attention_forward(q, k, k[:, :30], m)
+    with pytest.raises(ValueError, match="k: expected dtype fp32"):
+        st.block_sparse_attention_forward(q, k.astype(np.float16), k, m)
+    with pytest.raises(ValueError, match=r"mask.seq_q: expected 30 \(q's Sq\), got 40"):
+        st.block_sparse_attention_forward(q[:, :30], k, k, m)
+    bad = st.BlockMask.build("causal", 40, block_size=16)
+    bad.q_indices[0, 0, 0, 0] = 2
+    with pytest.raises(ValueError, match="q_indices"):
+        bad.validate()
+    with pytest.raises(ValueError, match=r"blocks\[0, 0, 0, 0\]: expected 0 \(skipped\), 1 \(partial\) or 2 \(full\)"):
+        st.BlockMask.from_blocks(np.full((1, 1, 3, 3), 3, np.uint8), 40, 40, block_size=16)
