@@ -76,18 +76,18 @@ class HostTensor {
   }
   // All bytes 0xFF: NaN in bf16, fp16 and fp32, so any element left unwritten shows.
   void poison() { std::memset(data(), 0xff, size_t(numel_) * dtype_size(dtype_)); }
-  // Copy of any strided host view (up to 3 dims) into a new contiguous tensor.
+  // Copy of any strided host view (any rank) into a new contiguous tensor, in row-major order.
   static HostTensor copy_of(const TensorView& v) {
     std::vector<int64_t> shape(v.shape(), v.shape() + v.dim());
     HostTensor h(v.dtype(), shape);
-    const int64_t n0 = v.dim() > 2 ? v.size(-3) : 1, n1 = v.dim() > 1 ? v.size(-2) : 1, n2 = v.size(-1);
-    const int64_t s0 = v.dim() > 2 ? v.stride(-3) : 0, s1 = v.dim() > 1 ? v.stride(-2) : 0, s2 = v.stride(-1);
     const size_t es = dtype_size(v.dtype());
-    int64_t i = 0;
-    for (int64_t a = 0; a < n0; ++a)
-      for (int64_t b = 0; b < n1; ++b)
-        for (int64_t c = 0; c < n2; ++c, ++i)
-          std::memcpy(static_cast<char*>(h.data()) + size_t(i) * es, v.byte_ptr(a * s0 + b * s1 + c * s2), es);
+    std::vector<int64_t> idx(shape.size(), 0);
+    for (int64_t i = 0; i < h.numel(); ++i) {
+      int64_t off = 0;
+      for (int d = 0; d < v.dim(); ++d) off += idx[size_t(d)] * v.stride(d);
+      std::memcpy(static_cast<char*>(h.data()) + size_t(i) * es, v.byte_ptr(off), es);
+      for (int d = v.dim() - 1; d >= 0 && ++idx[size_t(d)] == shape[size_t(d)]; --d) idx[size_t(d)] = 0;
+    }
     return h;
   }
   bool bytes_equal(const HostTensor& o) const {
