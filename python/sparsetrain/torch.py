@@ -207,7 +207,33 @@ def _disposition_constant(delay: bool, fuse: bool, has_attr: bool) -> Tuple[str,
 # --- the module -----------------------------------------------------------------------------
 
 
-class GroupedLinear(nn.Module):
+class _DelayedWgrad:
+    """TransformerEngine's delayed-wgrad surface, shared by GroupedLinear and GroupedMLP: the
+    module keeps `_hooks`, `_core_layer` and `delay_wgrad_compute`, and defines
+    `_accumulate_backward_dw()` (its pending wgrads into main_grad or .grad, and bias grads)."""
+
+    def backward_dw(self) -> None:
+        """Computes the oldest pending delayed wgrad (into main_grad when fused, else into the
+        parameters' .grad), the bias grads, then runs the wgrad-accumulation-and-reduce hooks."""
+        with torch.no_grad():
+            self._accumulate_backward_dw()
+        for hook in self._hooks:
+            hook()
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook: Callable[[], None]) -> None:
+        """`hook()` runs after each backward_dw(): with delayed wgrad, a gradient reduce must not
+        start before the wgrad exists."""
+        self._hooks.append(hook)
+
+    def need_backward_dw(self) -> bool:
+        return self.delay_wgrad_compute
+
+    @property
+    def pending_wgrads(self) -> int:
+        return 0 if self._core_layer is None else self._core_layer.pending_wgrads
+
+
+class GroupedLinear(_DelayedWgrad, nn.Module):
     """num_gemms linear layers (experts) applied to the row groups of one input.
 
     Options as in TransformerEngine's GroupedLinear. Parameters: weight0..weight{G-1} [out, in]
@@ -340,25 +366,8 @@ class GroupedLinear(nn.Module):
         return _GroupedLinearFunction.apply(self._id, disposition, self.single_grouped_weight, x, splits,
                                             out, grad_input, len(weights), *weights, *biases)
 
-    def backward_dw(self) -> None:
-        """Computes the oldest pending delayed wgrad (into main_grad when fused, else into the
-        parameters' .grad), the bias grads, then runs the wgrad-accumulation-and-reduce hooks."""
-        with torch.no_grad():
-            _accumulate_layer_grads(self, self._core().backward_dw())
-        for hook in self._hooks:
-            hook()
-
-    def register_wgrad_accumulation_and_reduce_hooks(self, hook: Callable[[], None]) -> None:
-        """`hook()` runs after each backward_dw(): with delayed wgrad, a gradient reduce must not
-        start before the wgrad exists."""
-        self._hooks.append(hook)
-
-    def need_backward_dw(self) -> bool:
-        return self.delay_wgrad_compute
-
-    @property
-    def pending_wgrads(self) -> int:
-        return 0 if self._core_layer is None else self._core_layer.pending_wgrads
+    def _accumulate_backward_dw(self) -> None:
+        _accumulate_layer_grads(self, self._core().backward_dw())
 
     def extra_repr(self) -> str:
         return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, out_features={self.out_features}, "
@@ -502,7 +511,7 @@ class _GroupedMLPFunction(torch.autograd.Function):
         return (None, None, None, dx, None, dprobs, None, None, None, *grads)
 
 
-class GroupedMLP(nn.Module):
+class GroupedMLP(_DelayedWgrad, nn.Module):
     """An MoE expert MLP over the row groups of one input: per expert,
     y = probs * (silu(a) * b) fc2.W^T + probs * fc2.b, with a, b the two halves of fc1's output
     (fc1: in -> 2 * ffn_hidden_size) or, with glu_interleave_size = k > 0, alternating blocks of
@@ -576,27 +585,10 @@ class GroupedMLP(nn.Module):
         return _GroupedMLPFunction.apply(self._id, dispositions, self.single_grouped_weight, x, splits, probs,
                                          out, grad_input, tuple(counts), *params)
 
-    def backward_dw(self) -> None:
-        """Computes both layers' oldest pending delayed wgrads (into main_grad when fused, else into
-        the parameters' .grad) and bias grads, then runs the wgrad-accumulation-and-reduce hooks."""
-        with torch.no_grad():
-            g = self._core().backward_dw()
-            _accumulate_layer_grads(self.fc1, g.fc1)
-            _accumulate_layer_grads(self.fc2, g.fc2)
-        for hook in self._hooks:
-            hook()
-
-    def register_wgrad_accumulation_and_reduce_hooks(self, hook: Callable[[], None]) -> None:
-        """`hook()` runs after each backward_dw(): with delayed wgrad, a gradient reduce must not
-        start before the wgrad exists."""
-        self._hooks.append(hook)
-
-    def need_backward_dw(self) -> bool:
-        return self.delay_wgrad_compute
-
-    @property
-    def pending_wgrads(self) -> int:
-        return 0 if self._core_layer is None else self._core_layer.pending_wgrads
+    def _accumulate_backward_dw(self) -> None:  # both layers' oldest pending wgrads
+        g = self._core().backward_dw()
+        _accumulate_layer_grads(self.fc1, g.fc1)
+        _accumulate_layer_grads(self.fc2, g.fc2)
 
     def extra_repr(self) -> str:
         return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, "
