@@ -96,6 +96,12 @@ struct BlockMaskOptions {
   ColumnSchedule schedule;
   int64_t write_order_sub_tiles = 1;
   Allocator* allocator = nullptr;
+  // build_block_mask only: a CUDA device builds the same tensors there (document ids on that
+  // device), one thread per row / column, on `stream`, without a host synchronisation; index
+  // tensors are full width. "auto" needs the scheduler model on the host, so a device build
+  // takes an explicit schedule (auto_schedule = false).
+  Device device = Device::cpu();
+  Stream stream;
 };
 // A block is full when every element inside the sequences is allowed (the last row / column of
 // blocks may be cut short: positions past seq_q / seq_kv do not count), skipped when none is.

@@ -282,6 +282,85 @@ int32_t* row_ptr(const Tensor& t, int64_t b, int64_t h, int64_t r) {
          r * (v.dim() > 3 ? v.size(3) : 1);
 }
 
+void check_schedule(const ColumnSchedule& s, int64_t Nk);
+
+// build_block_mask on a CUDA device (options.device): the same tensors, full width, built there
+// by src/cuda/attention/block_mask_cuda.cu on options.stream.
+BlockMaskTensors build_on_device(const MaskSpec& spec, int64_t B, int64_t seq_q, int64_t seq_kv,
+                                 const BlockMaskOptions& o) {
+#if SPARSETRAIN_WITH_CUDA
+  ST_CHECK_ARG(!o.auto_schedule, "BlockMaskOptions auto_schedule",
+               "false on a CUDA device (\"auto\" runs the scheduler model on the host: pass a schedule)", "true");
+  BlockMaskTensors t;
+  BlockMask& m = t.mask;
+  m.seq_q = seq_q;
+  m.seq_kv = seq_kv;
+  m.block_q = o.block_q;
+  m.block_kv = o.block_kv;
+  m.spec = spec;
+  const int64_t Mq = m.num_q_blocks(), Nk = m.num_kv_blocks();
+  check_schedule(o.schedule, Nk);
+  Allocator& a = alloc_or_default(o.allocator);
+  const auto dev = [&](std::initializer_list<int64_t> shape) {
+    return Tensor::empty(DType::kInt32, shape, o.device, a, o.stream);
+  };
+  t.kv_num_blocks = dev({B, 1, Mq});
+  t.kv_indices = dev({B, 1, Mq, Nk});
+  t.full_kv_num_blocks = dev({B, 1, Mq});
+  t.full_kv_indices = dev({B, 1, Mq, Nk});
+  t.q_num_blocks = dev({B, 1, Nk});
+  t.q_indices = dev({B, 1, Nk, Mq});
+  t.full_q_num_blocks = dev({B, 1, Nk});
+  t.full_q_indices = dev({B, 1, Nk, Mq});
+  t.dq_write_order = dev({B, 1, Nk, Mq});
+  t.dq_write_order_full = dev({B, 1, Nk, Mq});
+  const Tensor scratch = dev({B * Mq * Nk + Nk});  // per-row rank scratch, then the inverse permutation
+  m.kv_num_blocks = t.kv_num_blocks.view();
+  m.kv_indices = t.kv_indices.view();
+  m.full_kv_num_blocks = t.full_kv_num_blocks.view();
+  m.full_kv_indices = t.full_kv_indices.view();
+  m.q_num_blocks = t.q_num_blocks.view();
+  m.q_indices = t.q_indices.view();
+  m.full_q_num_blocks = t.full_q_num_blocks.view();
+  m.full_q_indices = t.full_q_indices.view();
+  m.dq_write_order = t.dq_write_order.view();
+  m.dq_write_order_full = t.dq_write_order_full.view();
+  m.schedule = o.schedule;
+  m.write_order_sub_tiles = o.write_order_sub_tiles;
+  t.schedule_permutation = o.schedule.permutation;
+  std::vector<int32_t> inverse(size_t(Nk), 0);
+  if (o.schedule.kind == ScheduleKind::kPermutation)
+    for (int64_t p = 0; p < Nk; ++p) inverse[size_t(o.schedule.permutation[size_t(p)])] = int32_t(p);
+  const bool doc = spec.kind == MaskKind::kDocument || spec.kind == MaskKind::kDocumentCausal;
+  int32_t* rank_scratch = scratch.view().data_as<int32_t>();
+  DeviceMaskBuild p{spec.kind,
+                    spec.window_left,
+                    spec.window_right,
+                    spec.prefix_length,
+                    doc ? spec.doc_q.data_as<const int32_t>() : nullptr,
+                    doc ? spec.doc_kv.data_as<const int32_t>() : nullptr,
+                    doc ? spec.doc_q.size(0) : 1,
+                    doc ? spec.doc_q.stride(0) : 0,
+                    doc ? spec.doc_kv.size(0) : 1,
+                    doc ? spec.doc_kv.stride(0) : 0,
+                    B,
+                    seq_q,
+                    seq_kv,
+                    o.block_q,
+                    o.block_kv,
+                    o.write_order_sub_tiles,
+                    o.schedule.kind,
+                    inverse.data(),
+                    rank_scratch + B * Mq * Nk,
+                    rank_scratch};
+  build_block_mask_cuda(p, t, o.stream);
+  return t;
+#else
+  (void)spec, (void)B, (void)seq_q, (void)seq_kv;
+  detail::throw_arg_error("BlockMaskOptions device", "cpu (this build has no CUDA backend)", o.device.str());
+#endif
+}
+
 }  // namespace
 
 BlockMaskTensors build_block_mask(const MaskSpec& spec, int64_t seq_q, int64_t seq_kv,
@@ -296,7 +375,7 @@ BlockMaskTensors build_block_mask(const MaskSpec& spec, int64_t seq_q, int64_t s
                                        std::make_tuple(&spec.doc_kv, "spec.doc_kv", seq_kv)}) {
       checks::defined(*t, name, "int32 document ids [B or 1, S]");
       checks::dtype(*t, name, DType::kInt32);
-      checks::device(*t, name, Device::cpu());
+      checks::device(*t, name, options.device);
       checks::shape(*t, name, {-1, len}, "[B or 1, " + std::to_string(len) + "]");
       checks::non_null(*t, name);
       ST_CHECK_ARG(t->stride(1) == 1 || len == 1, name, "a unit stride in the last dimension", t->stride(1));
@@ -306,6 +385,8 @@ BlockMaskTensors build_block_mask(const MaskSpec& spec, int64_t seq_q, int64_t s
                  bk);
     B = std::max(bq, bk);
   }
+  if (options.device.is_cuda()) return build_on_device(spec, B, seq_q, seq_kv, options);
+  ST_CHECK_ARG(options.device.is_cpu(), "BlockMaskOptions device", "cpu or cuda", options.device.str());
   BlockMaskTensors t = new_forward(B, 1, seq_q, seq_kv, options);
   t.mask.spec = spec;
   const int64_t Mq = t.mask.num_q_blocks(), Nk = t.mask.num_kv_blocks();

@@ -30,4 +30,23 @@ DqModelProblem dq_model_problem(const BlockMask& mask, int64_t batch, int64_t q_
 DqModelProblem dq_model_problem(const BlockMask& mask, const ColumnSchedule& schedule, int64_t sub_tiles,
                                 int64_t batch, int64_t q_heads, int64_t kv_heads);
 
+#if SPARSETRAIN_WITH_CUDA
+// build_block_mask's device path (src/cuda/attention/block_mask_cuda.cu): fills t's forward lists,
+// transposes and write orders, all allocated full width on the device; doc_q / doc_kv: [B or 1, S]
+// rows (row strides in elements) or null.
+struct DeviceMaskBuild {
+  MaskKind kind;
+  int64_t window_left, window_right, prefix_length;
+  const int32_t* doc_q;
+  const int32_t* doc_kv;
+  int64_t doc_q_batch, doc_q_stride, doc_kv_batch, doc_kv_stride;
+  int64_t batch, seq_q, seq_kv, block_q, block_kv, sub_tiles;
+  ScheduleKind schedule;
+  const int32_t* inverse_host;  // kPermutation: [Nk] positions (copied to `inverse` on the stream)
+  int32_t* inverse;             // [Nk] on the device
+  int32_t* rank_scratch;        // [batch * Mq * Nk] on the device
+};
+void build_block_mask_cuda(const DeviceMaskBuild& b, BlockMaskTensors& t, Stream stream);
+#endif
+
 }  // namespace sparsetrain
