@@ -185,7 +185,8 @@ def main():
           f"{'vs dense':>9} {'graphed: ours/gmm ms':>22}  forced")
     for r in rows:
         graphed = f"{r['ours_graph_ms']:.3f}/{r['grouped_mm_graph_ms']:.3f}" if "ours_graph_ms" in r else ""
-        forced = " ".join(f"{k[5:-4].replace('SPARSETRAIN_SM90_', '')}:{v:.3f}" for k, v in r.items() if k.startswith("ours[") and k.endswith("]_ms"))
+        forced = " ".join(f"{k[5:-4].replace('SPARSETRAIN_SM90_', '')}:{v:.3f}" for k, v in r.items()
+                          if k.startswith("ours[") and k.endswith("]_ms"))
         print(f"{r['shape']:16} {r['pass']:16} {r['ours_ms']:9.3f} {r['ours_tflops']:8.1f} "
               f"{r['speedup_vs_grouped_mm']:13.3f} {r['speedup_vs_mm_loop']:10.3f} {r['speedup_vs_dense']:9.3f} "
               f"{graphed:>22}  {forced}")
