@@ -13,7 +13,7 @@
 #include <limits>
 #include <vector>
 
-#include "grouped_mlp_oracle.h"  // Bounded, compare_bounded, rounding_error
+#include "bounded.h"
 #include "host_tensor.h"
 #include "sparsetrain/mask_spec.h"
 

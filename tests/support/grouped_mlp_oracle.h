@@ -12,51 +12,10 @@
 #include <string>
 #include <vector>
 
+#include "bounded.h"
 #include "host_tensor.h"
 
 namespace sparsetrain::testing {
-
-// Exact values and a bound on the error before the final rounding to the output type.
-struct Bounded {
-  std::vector<double> value, err;
-  explicit Bounded(size_t n = 0) : value(n, 0.0), err(n, 0.0) {}
-};
-
-// Rounding of a value to `t`: relative unit roundoff, plus half the subnormal step for fp16 (whose
-// subnormals start at 6e-5; bf16 and fp32 share fp32's range).
-inline double rounding_error(DType t, double v) {
-  return unit_roundoff(t) * std::fabs(v) + (t == DType::kFP16 ? std::ldexp(1.0, -25) : 0.0);
-}
-
-// `got` (the library's output, as many elements as `ref`) must be finite and within twice the
-// bound (first-order analysis: the factor absorbs second-order terms). `base`: main_grad before an
-// accumulating wgrad, added to the expected value in fp32.
-inline CompareResult compare_bounded(const HostTensor& got, const Bounded& ref, DType out_type,
-                                     const std::string& name, const std::vector<double>* base = nullptr) {
-  CompareResult r;
-  const double u32 = std::ldexp(1.0, -24);
-  double max_err = 0, max_ref = 0;
-  for (size_t i = 0; i < ref.value.size(); ++i) {
-    const double b = base ? (*base)[i] : 0.0;
-    const double e = ref.value[i] + b;
-    const double bound = ref.err[i] + (base ? u32 * (std::fabs(b) + std::fabs(e)) : 0.0) + rounding_error(out_type, e);
-    const double tol = 2.0 * bound + 1e-300;
-    const double g = got.get(int64_t(i)), err = std::fabs(g - e);
-    if (!(err <= tol)) {  // NaN fails here too
-      if (r.ok) {
-        std::ostringstream os;
-        os << name << "[" << i << "]: got " << g << ", expected " << e << " +- " << tol;
-        r.first_failure = os.str();
-      }
-      r.ok = false;
-    }
-    max_err = std::isfinite(err) ? std::max(max_err, err) : INFINITY;
-    max_ref = std::max(max_ref, std::fabs(e));
-    r.worst_tol_ratio = std::isfinite(err) ? std::max(r.worst_tol_ratio, err / tol) : INFINITY;
-  }
-  r.max_rel_error = max_ref > 0 ? max_err / max_ref : max_err;
-  return r;
-}
 
 struct GroupedMLPOracle {
   DType dtype;

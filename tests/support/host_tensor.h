@@ -3,6 +3,7 @@
 // and the `sparsetrain demo` self-check.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -145,6 +146,29 @@ struct CompareResult {
   double max_rel_error = 0;  // normwise: max |got - ref| / max |ref|
   double worst_tol_ratio = 0;  // max |got - ref| / tolerance (<= 1 passes)
   std::string first_failure;
+
+  // Element i: `got` against `expected` within `tol` (NaN never passes). finish() after the last.
+  void check(const std::string& name, size_t i, double got, double expected, double tol) {
+    const double err = std::fabs(got - expected);
+    if (!(err <= tol)) {
+      if (ok) {
+        std::ostringstream os;
+        os << name << "[" << i << "]: got " << got << ", expected " << expected << " +- " << tol;
+        first_failure = os.str();
+      }
+      ok = false;
+    }
+    max_err_ = std::isfinite(err) ? std::max(max_err_, err) : INFINITY;
+    max_ref_ = std::max(max_ref_, std::fabs(expected));
+    worst_tol_ratio = std::isfinite(err) ? std::max(worst_tol_ratio, err / tol) : INFINITY;
+  }
+  CompareResult& finish() {
+    max_rel_error = max_ref_ > 0 ? max_err_ / max_ref_ : max_err_;
+    return *this;
+  }
+
+ private:
+  double max_err_ = 0, max_ref_ = 0;
 };
 
 // Every element must be finite and within the error bound of an fp32 accumulation of `terms`
@@ -155,27 +179,13 @@ inline CompareResult compare_with_oracle(const HostTensor& got, const OracleValu
                                          int extra_fp32_ops = 1, const std::string& name = "") {
   CompareResult r;
   const double u32 = std::ldexp(1.0, -24), u = unit_roundoff(out_dtype);
-  double max_err = 0, max_ref = 0;
   const double tiny = out_dtype == DType::kFP16 ? std::ldexp(1.0, -24) : 1e-30;  // fp16 subnormal step
   for (size_t i = 0; i < ref.value.size(); ++i) {
-    const double g = got.get(int64_t(i)), e = ref.value[i];
+    const double e = ref.value[i];
     const double acc_err = (double(ref.terms[i]) + 2 + extra_fp32_ops) * u32 * (ref.abs_sum[i] + std::fabs(e));
-    const double tol = 1.0001 * (acc_err + u * (std::fabs(e) + acc_err)) + tiny;
-    const double err = std::fabs(g - e);
-    if (!(err <= tol)) {  // NaN fails here too
-      if (r.ok) {
-        std::ostringstream os;
-        os << name << "[" << i << "]: got " << g << ", expected " << e << " +- " << tol;
-        r.first_failure = os.str();
-      }
-      r.ok = false;
-    }
-    max_err = std::isfinite(err) ? std::max(max_err, err) : INFINITY;
-    max_ref = std::max(max_ref, std::fabs(e));
-    r.worst_tol_ratio = std::isfinite(err) ? std::max(r.worst_tol_ratio, err / tol) : INFINITY;
+    r.check(name, i, got.get(int64_t(i)), e, 1.0001 * (acc_err + u * (std::fabs(e) + acc_err)) + tiny);
   }
-  r.max_rel_error = max_ref > 0 ? max_err / max_ref : max_err;
-  return r;
+  return r.finish();
 }
 
 }  // namespace sparsetrain::testing
