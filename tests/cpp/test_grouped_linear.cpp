@@ -10,6 +10,8 @@ namespace st = sparsetrain;
 using st::testing::GroupedLinearCase;
 using st::testing::HostTensor;
 
+using st::testing::SplitsHolder;
+
 namespace {
 
 struct Shape {
@@ -53,21 +55,6 @@ class GroupedLinearVsOracle : public ::testing::TestWithParam<Param> {
   }
 };
 
-// Device splits on the CPU backend: an int64 tensor that the layer must treat as device memory.
-struct SplitsHolder {
-  HostTensor values{st::DType::kInt64, {1}}, status{st::DType::kInt32, {1}};
-  st::Splits splits;
-  SplitsHolder(const std::vector<int64_t>& v, bool device) {
-    if (!device) {
-      splits = st::Splits::host(v);
-      return;
-    }
-    values = HostTensor(st::DType::kInt64, {int64_t(v.size())});
-    for (size_t i = 0; i < v.size(); ++i) values.set(int64_t(i), double(v[i]));
-    status.set(0, 0);
-    splits = st::Splits::device(values.view(), status.view());
-  }
-};
 
 void expect_rows_zero(const st::TensorView& t, int64_t from_row, const char* what) {
   const HostTensor h = HostTensor::copy_of(t);

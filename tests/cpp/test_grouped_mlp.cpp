@@ -14,6 +14,8 @@ namespace st = sparsetrain;
 using st::testing::GroupedMLPCase;
 using st::testing::HostTensor;
 
+using st::testing::SplitsHolder;
+
 namespace {
 
 struct Shape {
@@ -50,21 +52,6 @@ std::string param_name(const Param& p) {
 std::string param_name_info(const ::testing::TestParamInfo<Param>& info) { return param_name(info.param); }
 void PrintTo(const Param& p, std::ostream* os) { *os << param_name(p); }
 
-// Host splits, or device splits (an int64 tensor the CPU backend must treat as device memory).
-struct SplitsHolder {
-  HostTensor values{st::DType::kInt64, {1}}, status{st::DType::kInt32, {1}};
-  st::Splits splits;
-  SplitsHolder(const std::vector<int64_t>& v, bool device) {
-    if (!device) {
-      splits = st::Splits::host(v);
-      return;
-    }
-    values = HostTensor(st::DType::kInt64, {int64_t(v.size())});
-    for (size_t i = 0; i < v.size(); ++i) values.set(int64_t(i), double(v[i]));
-    status.set(0, 0);
-    splits = st::Splits::device(values.view(), status.view());
-  }
-};
 
 void expect_ok(const st::testing::CompareResult& r) { EXPECT_TRUE(r.ok) << r.first_failure; }
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "sparsetrain/allocator.h"
+#include "sparsetrain/splits.h"
 #include "sparsetrain/tensor.h"
 
 namespace sparsetrain::testing {
@@ -139,6 +140,23 @@ struct OracleValues {
   std::vector<double> value;
   std::vector<double> abs_sum;
   std::vector<int64_t> terms;  // number of products summed for the element
+};
+
+// Host splits, or device splits: an int64 tensor in host memory that the CPU backend must treat
+// as device memory (never read for shapes), with its status word.
+struct SplitsHolder {
+  HostTensor values{DType::kInt64, {1}}, status{DType::kInt32, {1}};
+  Splits splits;
+  SplitsHolder(const std::vector<int64_t>& v, bool device) {
+    if (!device) {
+      splits = Splits::host(v);
+      return;
+    }
+    values = HostTensor(DType::kInt64, {int64_t(v.size())});
+    for (size_t i = 0; i < v.size(); ++i) values.set(int64_t(i), double(v[i]));
+    status.set(0, 0);
+    splits = Splits::device(values.view(), status.view());
+  }
 };
 
 struct CompareResult {
