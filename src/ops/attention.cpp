@@ -8,6 +8,7 @@
 #include <string>
 
 #include "ops/attention_backend.h"
+#include "ops/block_mask_internal.h"
 #include "ops/checks.h"
 #include "ops/grouped_args.h"
 
@@ -15,7 +16,10 @@ namespace sparsetrain {
 
 backend::AttentionBackend& backend::attention_backend_for(Device device, const char* arg) {
   if (device.is_cpu()) return attention_reference_backend();
-  detail::throw_arg_error(arg, "a tensor on cpu (this build has no CUDA attention backend yet)", device.str());
+#if SPARSETRAIN_WITH_CUDA
+  if (device.is_cuda()) return attention_cuda_backend();
+#endif
+  detail::throw_arg_error(arg, "a tensor on cpu (this build has no CUDA backend)", device.str());
 }
 
 namespace {
@@ -78,14 +82,19 @@ AttentionProblem check_inputs(const TensorView& q, const TensorView& k, const Te
 
 // The mask against the problem: its sizes, the transposes for backward, and its structure
 // (validate_block_mask, with leading dims broadcastable to [B, Hq]); errors are named "mask.*".
-void check_mask(const BlockMask& mask, const AttentionProblem& p, bool backward) {
+// A mask on the device gets the structural checks only (shapes, dtypes, its tensors on q's
+// device): reading its contents would synchronise the host, and the kernels clamp what they read.
+void check_mask(const BlockMask& mask, const AttentionProblem& p, bool backward, Device device) {
   ST_CHECK_ARG(mask.seq_q == p.seq_q, "mask.seq_q", num(p.seq_q) + " (q's Sq)", mask.seq_q);
   ST_CHECK_ARG(mask.seq_kv == p.seq_kv, "mask.seq_kv", num(p.seq_kv) + " (k's Skv)", mask.seq_kv);
   if (backward)
     ST_CHECK_ARG(mask.q_num_blocks.defined() && mask.q_indices.defined(), "mask.q_indices",
                  "the transposes q_num_blocks / q_indices for backward (transpose_block_mask)", "none");
   try {
-    validate_block_mask(mask, p.batch, p.heads_q);
+    if (device.is_cpu())
+      validate_block_mask(mask, p.batch, p.heads_q);
+    else
+      check_block_mask_structure(mask, p.batch, p.heads_q, device);
   } catch (const Error& e) {
     throw Error(e.kind(), std::string("mask.") + e.what());
   }
@@ -116,7 +125,8 @@ AttentionForward block_sparse_attention_forward(const TensorView& q, const Tenso
   const AttentionProblem p = check_inputs(q, k, v, options);
   const Device dev = q.device();
   backend::AttentionBackend& be = backend::attention_backend_for(dev, "q");
-  check_mask(mask, p, /*backward=*/false);
+  check_mask(mask, p, /*backward=*/false, dev);
+  be.check_supported(p, q, k, v, mask, /*backward=*/false);
 
   // Everything is valid: from here on memory may be allocated and written.
   Allocator& alloc = call.allocator ? *call.allocator : default_allocator();
@@ -136,7 +146,8 @@ AttentionGrads block_sparse_attention_backward(const TensorView& q, const Tensor
   const Device dev = q.device();
   backend::AttentionBackend& be = backend::attention_backend_for(dev, "q");
   check_backward_inputs(o, lse, dout, p, dev);
-  check_mask(mask, p, /*backward=*/true);
+  check_mask(mask, p, /*backward=*/true, dev);
+  be.check_supported(p, q, k, v, mask, /*backward=*/true);
 
   Allocator& alloc = call.allocator ? *call.allocator : default_allocator();
   AttentionGrads g;

@@ -44,6 +44,11 @@ struct AttentionBackwardParams {
 class AttentionBackend {
  public:
   virtual ~AttentionBackend() = default;
+  // What this backend cannot run (a dtype, a head dim, an alignment, the pass itself) throws an
+  // Error naming the argument, before anything is allocated. q, k, v and the mask have passed the
+  // backend-independent checks.
+  virtual void check_supported(const AttentionProblem& /*p*/, const TensorView& /*q*/, const TensorView& /*k*/,
+                               const TensorView& /*v*/, const BlockMask& /*mask*/, bool /*backward*/) const {}
   // Scratch each pass needs; a function of the shapes only.
   virtual size_t forward_scratch_bytes(const AttentionProblem& p) const = 0;
   virtual size_t backward_scratch_bytes(const AttentionProblem& p) const = 0;
@@ -52,6 +57,10 @@ class AttentionBackend {
 };
 
 AttentionBackend& attention_reference_backend();
+#if SPARSETRAIN_WITH_CUDA
+// The sm90 kernels (src/cuda/attention/attention_cuda.cu); forward only for now.
+AttentionBackend& attention_cuda_backend();
+#endif
 // The backend that runs on `device`; an Error naming `arg` where this build has none.
 AttentionBackend& attention_backend_for(Device device, const char* arg);
 

@@ -16,6 +16,11 @@ namespace sparsetrain {
 IndexRows mask_rows(const TensorView& counts, const TensorView& indices, int64_t b, int64_t h);
 WriteOrderOut mask_write_order(const TensorView& order, int64_t b, int64_t h);
 
+// validate_block_mask's structural half, for a mask whose tensors live on `device`: presence,
+// dtypes, ranks, row counts, broadcastable leading dims, the bitmask / document-id tensors; not
+// the contents (validate_block_mask reads those on the host).
+void check_block_mask_structure(const BlockMask& mask, int64_t batch, int64_t heads, Device device);
+
 // The leading dims [B, H] of a mask: the largest over its tensors (each is 1 or that).
 void mask_leading_dims(const BlockMask& mask, int64_t* batch, int64_t* heads);
 

@@ -21,12 +21,15 @@ std::string entry(const char* name, int64_t b, int64_t h, const char* row_kind, 
   return os.str();
 }
 
-// Structure of one tensor: dtype, host memory, rank, the row count, and leading dims [B, H]
+// Structure of one tensor: dtype, device, rank, the row count, and leading dims [B, H]
 // broadcastable to the mask's.
 void check_tensor(const TensorView& t, const char* name, int dim, int64_t rows, const char* rows_name, DType dtype,
-                  int64_t B, int64_t H) {
+                  int64_t B, int64_t H, Device device) {
   checks::dtype(t, name, dtype);
-  ST_CHECK_ARG(t.device().is_cpu(), name, "a host tensor (validate_block_mask reads host memory)", t.device().str());
+  ST_CHECK_ARG(t.device() == device, name,
+               device.is_cpu() ? std::string("a host tensor (validate_block_mask reads host memory)")
+                               : "a tensor on " + device.str() + " (q's device)",
+               t.device().str());
   ST_CHECK_ARG(t.dim() == dim, name, std::to_string(dim) + " dimensions", t.dim(), " (shape ", t.shape_str(), ")");
   ST_CHECK_ARG(t.size(2) == rows, name, std::string("size ") + std::to_string(rows) + " (" + rows_name + ") in dim 2",
                t.size(2), " (shape ", t.shape_str(), ")");
@@ -70,7 +73,7 @@ void check_rows(const IndexRows& r, int64_t rows, int64_t width, int64_t range, 
 
 }  // namespace
 
-void validate_block_mask(const BlockMask& mask, int64_t batch, int64_t heads) {
+void check_block_mask_structure(const BlockMask& mask, int64_t batch, int64_t heads, Device device) {
   ST_CHECK_ARG(mask.seq_q >= 1, "BlockMask seq_q", ">= 1", mask.seq_q);
   ST_CHECK_ARG(mask.seq_kv >= 1, "BlockMask seq_kv", ">= 1", mask.seq_kv);
   ST_CHECK_ARG(mask.block_q >= 1, "BlockMask block_q", ">= 1", mask.block_q);
@@ -100,24 +103,24 @@ void validate_block_mask(const BlockMask& mask, int64_t batch, int64_t heads) {
   mask_leading_dims(mask, &mb, &mh);
   if (B == 0) B = mb;
   if (H == 0) H = mh;
-  check_tensor(mask.kv_num_blocks, "kv_num_blocks", 3, Mq, mq.c_str(), DType::kInt32, B, H);
-  check_tensor(mask.kv_indices, "kv_indices", 4, Mq, mq.c_str(), DType::kInt32, B, H);
+  check_tensor(mask.kv_num_blocks, "kv_num_blocks", 3, Mq, mq.c_str(), DType::kInt32, B, H, device);
+  check_tensor(mask.kv_indices, "kv_indices", 4, Mq, mq.c_str(), DType::kInt32, B, H, device);
   if (has_full) {
-    check_tensor(mask.full_kv_num_blocks, "full_kv_num_blocks", 3, Mq, mq.c_str(), DType::kInt32, B, H);
-    check_tensor(mask.full_kv_indices, "full_kv_indices", 4, Mq, mq.c_str(), DType::kInt32, B, H);
+    check_tensor(mask.full_kv_num_blocks, "full_kv_num_blocks", 3, Mq, mq.c_str(), DType::kInt32, B, H, device);
+    check_tensor(mask.full_kv_indices, "full_kv_indices", 4, Mq, mq.c_str(), DType::kInt32, B, H, device);
   }
   if (has_q) {
-    check_tensor(mask.q_num_blocks, "q_num_blocks", 3, Nk, nk.c_str(), DType::kInt32, B, H);
-    check_tensor(mask.q_indices, "q_indices", 4, Nk, nk.c_str(), DType::kInt32, B, H);
+    check_tensor(mask.q_num_blocks, "q_num_blocks", 3, Nk, nk.c_str(), DType::kInt32, B, H, device);
+    check_tensor(mask.q_indices, "q_indices", 4, Nk, nk.c_str(), DType::kInt32, B, H, device);
     if (has_full) {
-      check_tensor(mask.full_q_num_blocks, "full_q_num_blocks", 3, Nk, nk.c_str(), DType::kInt32, B, H);
-      check_tensor(mask.full_q_indices, "full_q_indices", 4, Nk, nk.c_str(), DType::kInt32, B, H);
+      check_tensor(mask.full_q_num_blocks, "full_q_num_blocks", 3, Nk, nk.c_str(), DType::kInt32, B, H, device);
+      check_tensor(mask.full_q_indices, "full_q_indices", 4, Nk, nk.c_str(), DType::kInt32, B, H, device);
     }
   }
   if (mask.dq_write_order.defined()) {
-    check_tensor(mask.dq_write_order, "dq_write_order", 4, Nk, nk.c_str(), DType::kInt32, B, H);
+    check_tensor(mask.dq_write_order, "dq_write_order", 4, Nk, nk.c_str(), DType::kInt32, B, H, device);
     if (mask.dq_write_order_full.defined())
-      check_tensor(mask.dq_write_order_full, "dq_write_order_full", 4, Nk, nk.c_str(), DType::kInt32, B, H);
+      check_tensor(mask.dq_write_order_full, "dq_write_order_full", 4, Nk, nk.c_str(), DType::kInt32, B, H, device);
     ST_CHECK_ARG(mask.write_order_sub_tiles >= 1 && mask.block_kv % mask.write_order_sub_tiles == 0,
                  "BlockMask write_order_sub_tiles", ">= 1 and dividing block_kv " + std::to_string(mask.block_kv),
                  mask.write_order_sub_tiles);
@@ -138,7 +141,7 @@ void validate_block_mask(const BlockMask& mask, int64_t batch, int64_t heads) {
   const MaskSpec& spec = mask.spec;
   if (spec.kind == MaskKind::kBitmask) {
     checks::defined(mask.partial_bitmasks, "partial_bitmasks", "uint8 bitmasks (spec.kind is bitmask)");
-    check_tensor(mask.partial_bitmasks, "partial_bitmasks", 5, Mq, mq.c_str(), DType::kUInt8, B, H);
+    check_tensor(mask.partial_bitmasks, "partial_bitmasks", 5, Mq, mq.c_str(), DType::kUInt8, B, H, device);
     const int64_t bytes = (mask.block_q * mask.block_kv + 7) / 8;
     ST_CHECK_ARG(mask.partial_bitmasks.size(4) == bytes, "partial_bitmasks",
                  "a last dim of " + std::to_string(bytes) + " bytes (block_q * block_kv bits)",
@@ -148,7 +151,8 @@ void validate_block_mask(const BlockMask& mask, int64_t batch, int64_t heads) {
                                        std::make_tuple(&spec.doc_kv, "spec.doc_kv", mask.seq_kv)}) {
       checks::defined(*t, name, "int32 document ids [B or 1, S]");
       checks::dtype(*t, name, DType::kInt32);
-      ST_CHECK_ARG(t->device().is_cpu(), name, "a host tensor", t->device().str());
+      ST_CHECK_ARG(t->device() == device, name, device.is_cpu() ? "a host tensor" : "a tensor on " + device.str(),
+                   t->device().str());
       checks::shape(*t, name, {-1, len}, "[B or 1, " + std::to_string(len) + "]");
       ST_CHECK_ARG(t->size(0) == 1 || t->size(0) == B, name,
                    "a batch of 1 or " + std::to_string(B), t->shape_str());
@@ -156,6 +160,16 @@ void validate_block_mask(const BlockMask& mask, int64_t batch, int64_t heads) {
       checks::non_null(*t, name);
     }
   }
+
+}
+
+void validate_block_mask(const BlockMask& mask, int64_t batch, int64_t heads) {
+  check_block_mask_structure(mask, batch, heads, Device::cpu());
+  const int64_t Mq = mask.num_q_blocks(), Nk = mask.num_kv_blocks();
+  const MaskSpec& spec = mask.spec;
+  const bool has_full = mask.full_kv_indices.defined(), has_q = mask.q_indices.defined();
+  int64_t mb = 1, mh = 1;
+  mask_leading_dims(mask, &mb, &mh);
 
   // Contents, slice by slice (over the tensors' own leading dims: broadcasting repeats nothing).
   const int64_t W = mask.kv_indices.size(3), FW = has_full ? mask.full_kv_indices.size(3) : 0;

@@ -52,6 +52,9 @@ struct AttentionOracle {
   int64_t B = 0, Sq = 0, Skv = 0, Hq = 0, Hkv = 0, D = 0;
   double scale = 0;
   DType dtype = DType::kFP32;
+  // The type P is rounded to before o = P V: the GPU kernels feed that GEMM 16-bit P (the CPU
+  // reference keeps fp32); each term of o then carries P's rounding too.
+  DType p_operand = DType::kFP32;
   TensorView q, k, v, dout;  // [B, S, H, D] views (any strides) of what the library sees
   // allowed(b, hq, i, j) over the attention's batch and query heads.
   std::function<bool(int64_t, int64_t, int64_t, int64_t)> allowed;
@@ -137,7 +140,7 @@ struct AttentionOracle {
           p.assign(n, 0.0);
           for (size_t t = 0; t < n; ++t) p[t] = std::exp(s[t] - lse);
           // Forward: p's relative error (scores, exp, the sum, the division), then o's accumulation.
-          const double ep_f = 2 * Es + double(n + 4) * u32;
+          const double ep_f = 2 * Es + double(n + 4) * u32 + (p_operand == DType::kFP32 ? 0.0 : unit_roundoff(p_operand));
           for (int64_t d = 0; d < D; ++d) {
             double o = 0, a = 0;
             for (size_t t = 0; t < n; ++t) {

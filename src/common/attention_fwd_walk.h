@@ -1,0 +1,107 @@
+// The forward kernel's index math, as plain host/device code tested on the CPU: which work items
+// there are (one per (batch, query head, q tile)), how a q tile walks the kv tiles its mask row
+// lists (partial blocks first, then full ones, each block split into kernel-sized kv tiles), and
+// the cost the longest-first scheduler sorts by.
+//
+// A mask that lives on the device cannot be validated on the host without a synchronisation, so
+// the walk never trusts it: counts are clamped to [0, width] and a block id outside [0, Nk) makes
+// its tiles invalid (skipped by the loads and the math alike). Bad device masks thus give wrong
+// numbers at worst, never out-of-bounds memory accesses.
+#pragma once
+
+#include <cstdint>
+
+#include "common/group_offsets.h"  // ST_HOST_DEVICE
+
+namespace sparsetrain {
+
+// One int32 tensor of a block mask, [B, H, R(, W)], with the broadcast leading dims given stride 0:
+// the walk indexes it with the attention's (b, h).
+struct MaskIndexView {
+  const int32_t* data = nullptr;  // null: an absent tensor (every count 0)
+  int64_t stride_b = 0, stride_h = 0, stride_r = 0, stride_w = 0;
+  int32_t width = 0;  // of the last dim (index tensors); counts are clamped to it
+
+  ST_HOST_DEVICE const int32_t* row(int64_t b, int64_t h, int64_t r) const {
+    return data + b * stride_b + h * stride_h + r * stride_r;
+  }
+};
+
+// The forward lists of a mask (kv_* and full_kv_*), as the walk reads them.
+struct MaskWalkLists {
+  MaskIndexView partial_count, partial_index, full_count, full_index;
+  int32_t num_kv_blocks = 0;  // Nk of the mask
+  int32_t block_q = 128;      // mask block rows (a multiple of the kernel's q tile)
+  int32_t sub_tiles = 1;      // kernel kv tiles per mask block column (block_kv / kernel kv tile)
+};
+
+// One kv tile of a walk: kernel kv tile `tile` (units of the kernel's kv tile), from a partial
+// block (`entry`: its position in the partial list, which indexes the bitmasks) or a full one.
+struct WalkTile {
+  int32_t tile;  // -1: invalid (a block id out of range): skip it
+  int32_t entry;
+  bool partial;
+};
+
+// The clamped counts of mask row m of (b, h): partial and full blocks.
+struct WalkCounts {
+  int32_t partial, full;
+};
+
+ST_HOST_DEVICE inline int32_t clamp_count(const MaskIndexView& counts, const MaskIndexView& index, int64_t b, int64_t h,
+                                          int64_t m) {
+  if (counts.data == nullptr || index.data == nullptr) return 0;
+  const int32_t c = *counts.row(b, h, m);
+  return c < 0 ? 0 : (c > index.width ? index.width : c);
+}
+
+ST_HOST_DEVICE inline WalkCounts walk_counts(const MaskWalkLists& l, int64_t b, int64_t h, int64_t m) {
+  return {clamp_count(l.partial_count, l.partial_index, b, h, m), clamp_count(l.full_count, l.full_index, b, h, m)};
+}
+
+// Number of kernel kv tiles the walk of row m visits (invalid ones included).
+ST_HOST_DEVICE inline int32_t walk_length(const MaskWalkLists& l, const WalkCounts& c) {
+  return (c.partial + c.full) * l.sub_tiles;
+}
+
+// Tile t in [0, walk_length) of the walk of mask row m of (b, h): the partial blocks' tiles, then
+// the full blocks'; a block's sub-tiles consecutively.
+ST_HOST_DEVICE inline WalkTile walk_tile(const MaskWalkLists& l, const WalkCounts& c, int64_t b, int64_t h, int64_t m,
+                                         int32_t t) {
+  const int32_t block = t / l.sub_tiles, sub = t - block * l.sub_tiles;
+  const bool partial = block < c.partial;
+  const int32_t entry = partial ? block : block - c.partial;
+  const MaskIndexView& idx = partial ? l.partial_index : l.full_index;
+  const int32_t n = idx.row(b, h, m)[int64_t(entry) * idx.stride_w];
+  const bool valid = n >= 0 && n < l.num_kv_blocks;
+  return {valid ? n * l.sub_tiles + sub : -1, entry, partial};
+}
+
+// Work items: one per (batch b, query head h, q tile), numbered so that the q tiles of one head
+// are adjacent, and the heads of one kv head (GQA) next to each other.
+struct FwdWorkItem {
+  int32_t b, h, q_tile;
+};
+
+ST_HOST_DEVICE inline FwdWorkItem fwd_work_item(int64_t item, int32_t heads_q, int32_t q_tiles) {
+  const int32_t q_tile = int32_t(item % q_tiles);
+  const int64_t bh = item / q_tiles;
+  return {int32_t(bh / heads_q), int32_t(bh % heads_q), q_tile};
+}
+
+// Mask row of a q tile: tile rows [q_tile * tile_q, ...) lie in block q_tile * tile_q / block_q.
+ST_HOST_DEVICE inline int32_t fwd_mask_row(int32_t q_tile, int32_t tile_q, int32_t block_q) {
+  return int32_t(int64_t(q_tile) * tile_q / block_q);
+}
+
+// The scheduler's cost of an item: its kv tiles (partial ones cost the same: the mask is a few
+// instructions per element next to two GEMMs). Items are handed out by decreasing cost (longest
+// processing time first), so that the long rows of a skewed mask start early and the short ones
+// fill the gaps at the end.
+ST_HOST_DEVICE inline int32_t fwd_item_cost(const MaskWalkLists& l, int64_t item, int32_t heads_q, int32_t q_tiles,
+                                            int32_t tile_q) {
+  const FwdWorkItem w = fwd_work_item(item, heads_q, q_tiles);
+  return walk_length(l, walk_counts(l, w.b, w.h, fwd_mask_row(w.q_tile, tile_q, l.block_q)));
+}
+
+}  // namespace sparsetrain

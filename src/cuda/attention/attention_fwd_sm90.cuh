@@ -1,0 +1,434 @@
+// Block-sparse attention forward for sm_90a, written on CuTe: a persistent, warp-specialised
+// kernel in the shape of FlashAttention-3's.
+//
+//   scheduler  work items (batch, query head, 128-row q tile) in longest-first order, handed out
+//              round-robin to persistent CTAs (common/attention_fwd_walk.h for the index math)
+//   mainloop   a producer warpgroup loads the q tile once and streams the kv tiles the mask row
+//              lists (partial blocks, then full ones) through a 2-stage TMA pipeline; two consumer
+//              warpgroups (64 query rows each) compute S = Q K^T with wgmma from shared memory,
+//              apply the mask inside partial blocks only, update the online softmax in registers
+//              and accumulate O += P V with P straight from registers (wgmma RS)
+//   epilogue   O / rowsum in the input dtype and the natural-log lse, from registers to global
+//
+// The mask kind is a runtime switch (one branch per partial tile), so one instantiation serves
+// every built-in spec and the per-block bitmasks. Rows past Sq and columns past Skv of the last
+// tiles are zero-filled by TMA and masked here; rows with no allowed key give o = 0, lse = -inf.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/numeric_types.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "common/mask_predicate.h"
+#include "cuda/attention/attention_fwd_params.h"
+#include "sparsetrain/error.h"
+
+namespace sparsetrain::cuda::attn {
+
+using namespace cute;
+
+// The widest K-major swizzle a row of kHeadDim elements allows (128-byte rows and up: SW128).
+template <class Element, int kHeadDim>
+constexpr auto smem_atom_k_major() {
+  constexpr int row_bytes = kHeadDim * int(sizeof(Element));
+  if constexpr (row_bytes % 128 == 0) {
+    return GMMA::Layout_K_SW128_Atom<Element>{};
+  } else if constexpr (row_bytes % 64 == 0) {
+    return GMMA::Layout_K_SW64_Atom<Element>{};
+  } else {
+    return GMMA::Layout_K_SW32_Atom<Element>{};
+  }
+}
+
+template <class Element_, int kHeadDim_>
+struct FwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kTileQ, kBlockN = kTileKv;
+  static constexpr int kStages = 2;
+  static constexpr int kConsumerWarpgroups = 2;
+  static constexpr int kMmaThreads = 128 * kConsumerWarpgroups;
+  static constexpr int kThreads = kMmaThreads + 128;  // + the producer warpgroup
+  // setmaxnreg budgets (per thread): the producer needs few, the consumers hold S, P and O.
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+
+  using TileQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // S = Q K^T: M x N x K
+  using TilePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;  // O += P V: M x D x N
+  using WarpgroupsAlongM = Layout<Shape<Int<kConsumerWarpgroups>, _1, _1>>;
+  using MmaQK = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, TileQK>(), WarpgroupsAlongM{}));
+  // V stays [kv, D] in shared memory (D contiguous): as PV's B operand (D x kv) it is MN-major.
+  using MmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, TilePV, GMMA::Major::K, GMMA::Major::MN>(), WarpgroupsAlongM{}));
+
+  using SmemAtom = decltype(smem_atom_k_major<Element, kHeadDim>());
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+
+  // Global q / k / v as TMA sees them: (S, D, H, B), D contiguous, any other strides.
+  using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
+  using GmemTensor =
+      decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemShape{}, GmemStride{}));
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutQ{},
+                                      Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutKV{}),
+                                       Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+
+  struct SharedStorage {
+    array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+    array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
+    array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
+    typename Pipeline::SharedStorage pipe_k, pipe_v;
+    uint64_t q_full;   // the q tile landed (TMA transaction barrier)
+    uint64_t q_empty;  // the consumers are done with it (every consumer thread arrives)
+  };
+
+  struct Params {
+    FwdArgs args;
+    TmaQ tma_q;
+    TmaKV tma_k, tma_v;
+    float scale_log2;  // scale * log2(e): the softmax runs in base 2
+  };
+};
+
+// ---- small register-level helpers --------------------------------------------------------------
+
+__device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx(-inf) = +0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// A wgmma accumulator's layout ((2 cols, 2 row halves, N/8), M tiles, N tiles) viewed as
+// (rows, cols) = ((2, M), (2, N/8, N)): the row a thread holds, and the columns along it.
+template <class Layout>
+__device__ __forceinline__ auto acc_rowcol(Layout l) {
+  return make_layout(make_layout(get<0, 1>(l), get<1>(l)), make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)));
+}
+
+// The same accumulator as a 16-bit A operand of the next wgmma: each k-block of 16 columns is two
+// adjacent 8-column groups, so (2, 2, N/8) splits into (2, 2, 2) x N/16 k-blocks.
+template <class Layout>
+__device__ __forceinline__ auto acc_as_a_operand(Layout l) {
+  auto groups = logical_divide(get<0, 2>(l), Tile<_2>{});  // (2, N/16)
+  return make_layout(make_layout(get<0, 0>(l), get<0, 1>(l), get<0, 0>(groups)), get<1>(l),
+                     coalesce(make_layout(get<0, 1>(groups), get<2>(l))));
+}
+
+// One warpgroup GEMM C (+)= A B over all k-blocks, waited for. B may carry a pipeline stage
+// (b(_, _, k) indexes the stage's slice).
+template <bool kZeroInit, class Mma, class TA, class TB, class TC>
+__device__ __forceinline__ void warpgroup_gemm(Mma& mma, TA const& a, TB const& b, TC& c) {
+  constexpr bool kRegisterA = !is_base_of<GMMA::DescriptorIterator, typename Mma::FrgTypeA>::value;
+  if constexpr (kRegisterA) warpgroup_fence_operand(const_cast<TA&>(a));
+  warpgroup_fence_operand(c);
+  warpgroup_arrive();
+  mma.accumulate_ = kZeroInit ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+  CUTLASS_PRAGMA_UNROLL
+  for (int kb = 0; kb < size<2>(a); ++kb) {
+    cute::gemm(mma, a(_, _, kb), b(_, _, kb), c);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_wait<0>();
+  warpgroup_fence_operand(c);
+  if constexpr (kRegisterA) warpgroup_fence_operand(const_cast<TA&>(a));
+}
+
+// S(i, j) = -inf where allowed(q, kv) is false; rows / cols are the tile's absolute positions.
+template <class TS, class TC, class Allowed>
+__device__ __forceinline__ void mask_scores(TS& s, TC const& coord, int q0, int kv0, Allowed allowed) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size<0>(s); ++i) {
+    const int q = q0 + get<0>(coord(i, 0));
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < size<1>(s); ++j)
+      if (!allowed(q, kv0 + get<1>(coord(i, j)))) s(i, j) = -INFINITY;
+  }
+}
+
+// The mask inside one partial tile (runtime kind), or only the Skv bound of a full one.
+template <MaskKind kKind, class TS, class TC>
+__device__ __forceinline__ void mask_builtin(TS& s, TC const& coord, int q0, int kv0, const FwdArgs& a,
+                                             const int32_t* doc_q, const int32_t* doc_kv) {
+  const FwdMaskSpec& m = a.spec;
+  const int sq = a.seq_q, skv = a.seq_kv;
+  mask_scores(s, coord, q0, kv0, [&](int q, int kv) {
+    return kv < skv && q < sq &&
+           mask_allows(kKind, m.window_left, m.window_right, m.prefix_length, doc_q, doc_kv, sq, skv, q, kv);
+  });
+}
+
+template <class TS, class TC>
+__device__ void mask_partial_tile(TS& s, TC const& coord, int q0, int kv0, const FwdArgs& a, int b, int h,
+                                  int mask_row, const WalkTile& tile) {
+  const FwdMaskSpec& m = a.spec;
+  const int32_t* doc_q = m.doc_q ? m.doc_q + b * m.doc_q_stride_b : nullptr;
+  const int32_t* doc_kv = m.doc_kv ? m.doc_kv + b * m.doc_kv_stride_b : nullptr;
+  switch (m.kind) {
+    case MaskKind::kFull: mask_builtin<MaskKind::kFull>(s, coord, q0, kv0, a, doc_q, doc_kv); break;
+    case MaskKind::kCausal: mask_builtin<MaskKind::kCausal>(s, coord, q0, kv0, a, doc_q, doc_kv); break;
+    case MaskKind::kCausalBottomRight:
+      mask_builtin<MaskKind::kCausalBottomRight>(s, coord, q0, kv0, a, doc_q, doc_kv);
+      break;
+    case MaskKind::kSlidingWindow:
+      mask_builtin<MaskKind::kSlidingWindow>(s, coord, q0, kv0, a, doc_q, doc_kv);
+      break;
+    case MaskKind::kDocument: mask_builtin<MaskKind::kDocument>(s, coord, q0, kv0, a, doc_q, doc_kv); break;
+    case MaskKind::kDocumentCausal:
+      mask_builtin<MaskKind::kDocumentCausal>(s, coord, q0, kv0, a, doc_q, doc_kv);
+      break;
+    case MaskKind::kPrefixLM: mask_builtin<MaskKind::kPrefixLM>(s, coord, q0, kv0, a, doc_q, doc_kv); break;
+    case MaskKind::kBitmask: {
+      // Bit (row_in_block * block_kv + col_in_block) of the entry's block, LSB first.
+      const uint8_t* bits = m.bits + b * m.bits_stride_b + h * m.bits_stride_h + mask_row * m.bits_stride_m +
+                            tile.entry * m.bits_stride_w;
+      const int row0 = mask_row * a.lists.block_q, col0 = (tile.tile / a.lists.sub_tiles) * m.block_kv;
+      const int sq = a.seq_q, skv = a.seq_kv, bkv = m.block_kv;
+      mask_scores(s, coord, q0, kv0, [&](int q, int kv) {
+        if (q >= sq || kv >= skv) return false;
+        const int bit = (q - row0) * bkv + (kv - col0);
+        return ((__ldg(bits + (bit >> 3)) >> (bit & 7)) & 1) != 0;
+      });
+      break;
+    }
+  }
+}
+
+// ---- the kernel ----------------------------------------------------------------------------------
+
+template <class T>
+__device__ void produce(const typename T::Params& p, typename T::SharedStorage& ss, typename T::Pipeline& pipe_k,
+                        typename T::Pipeline& pipe_v) {
+  const FwdArgs& a = p.args;
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutKV{});
+  Tensor mQ = p.tma_q.get_tma_tensor(make_shape(a.seq_q, int32_t(T::kHeadDim), a.heads_q, a.batch));
+  Tensor mK = p.tma_k.get_tma_tensor(make_shape(a.seq_kv, int32_t(T::kHeadDim), a.heads_kv, a.batch));
+  Tensor mV = p.tma_v.get_tma_tensor(make_shape(a.seq_kv, int32_t(T::kHeadDim), a.heads_kv, a.batch));
+  using QTile = Shape<Int<T::kBlockM>, Int<T::kHeadDim>>;
+  using KVTile = Shape<Int<T::kBlockN>, Int<T::kHeadDim>>;
+
+  auto write = cutlass::make_producer_start_state<typename T::Pipeline>();
+  int q_loads = 0;
+  const int group = a.heads_q / a.heads_kv;
+  for (int it = blockIdx.x; it < a.num_items; it += gridDim.x) {
+    const FwdWorkItem w = fwd_work_item(a.order[it], a.heads_q, a.q_tiles);
+    const int row = fwd_mask_row(w.q_tile, T::kBlockM, a.lists.block_q);
+    const WalkCounts counts = walk_counts(a.lists, w.b, w.h, row);
+    const int length = walk_length(a.lists, counts);
+    if (length == 0) continue;
+    if (q_loads > 0) cutlass::arch::ClusterBarrier::wait(&ss.q_empty, (q_loads - 1) & 1);
+    ++q_loads;
+    Tensor gQ = local_tile(mQ(_, _, w.h, w.b), QTile{}, make_coord(w.q_tile, 0));
+    auto [tQgQ, tQsQ] = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.q_full, T::kQBytes);
+    copy(p.tma_q.with(ss.q_full), tQgQ, tQsQ);
+
+    const int hkv = w.h / group;
+    Tensor gK = local_tile(mK(_, _, hkv, w.b), KVTile{}, make_coord(_, 0));  // (N, D, tiles)
+    Tensor gV = local_tile(mV(_, _, hkv, w.b), KVTile{}, make_coord(_, 0));
+    auto [tKgK, tKsK] = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto [tVgV, tVsV] = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    for (int t = 0; t < length; ++t) {
+      const WalkTile tile = walk_tile(a.lists, counts, w.b, w.h, row, t);
+      if (tile.tile < 0) continue;  // a block id out of range (device masks are not validated)
+      pipe_k.producer_acquire(write);
+      copy(p.tma_k.with(*pipe_k.producer_get_barrier(write), 0), tKgK(_, tile.tile), tKsK(_, write.index()));
+      pipe_v.producer_acquire(write);
+      copy(p.tma_v.with(*pipe_v.producer_get_barrier(write), 0), tVgV(_, tile.tile), tVsV(_, write.index()));
+      ++write;
+    }
+  }
+}
+
+template <class T>
+__device__ void consume(const typename T::Params& p, typename T::SharedStorage& ss, typename T::Pipeline& pipe_k,
+                        typename T::Pipeline& pipe_v, int tid) {
+  using Element = typename T::Element;
+  const FwdArgs& a = p.args;
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutKV{});
+  Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutVt{});
+  typename T::MmaQK mma_qk;
+  typename T::MmaPV mma_pv;
+  auto thr_qk = mma_qk.get_thread_slice(tid);
+  auto thr_pv = mma_pv.get_thread_slice(tid);
+  Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // descriptors
+  Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, N, K, stage)
+  Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, D, N, stage)
+  Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});
+  Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<T::kBlockM>, Int<T::kHeadDim>>{});
+  Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
+  Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kHeadDim>>{}));
+  Tensor S = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
+  Tensor S_coord = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
+  Tensor O = make_tensor(tOrO.data(), acc_rowcol(tOrO.layout()));
+  Tensor O_coord = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
+  constexpr int kRows = decltype(size<0>(S))::value;  // 2 rows per thread
+
+  cutlass::PipelineState<T::kStages> read;
+  int q_loads = 0;
+  const float scale_log2 = p.scale_log2;
+  Element* out = static_cast<Element*>(a.o);
+  for (int it = blockIdx.x; it < a.num_items; it += gridDim.x) {
+    const FwdWorkItem w = fwd_work_item(a.order[it], a.heads_q, a.q_tiles);
+    const int row = fwd_mask_row(w.q_tile, T::kBlockM, a.lists.block_q);
+    const WalkCounts counts = walk_counts(a.lists, w.b, w.h, row);
+    const int length = walk_length(a.lists, counts);
+    const int q0 = w.q_tile * T::kBlockM;
+
+    float row_max[kRows], row_sum[kRows];
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) row_max[i] = -INFINITY, row_sum[i] = 0.f;
+    clear(tOrO);
+    if (length > 0) {
+      cutlass::arch::ClusterBarrier::wait(&ss.q_full, q_loads & 1);
+      for (int t = 0; t < length; ++t) {
+        const WalkTile tile = walk_tile(a.lists, counts, w.b, w.h, row, t);
+        if (tile.tile < 0) continue;
+        const int kv0 = tile.tile * T::kBlockN;
+        pipe_k.consumer_wait(read);
+        warpgroup_gemm<true>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+        pipe_k.consumer_release(read);
+        if (tile.partial) {
+          mask_partial_tile(S, S_coord, q0, kv0, a, w.b, w.h, row, tile);
+        } else if (kv0 + T::kBlockN > a.seq_kv) {
+          mask_builtin<MaskKind::kFull>(S, S_coord, q0, kv0, a, nullptr, nullptr);
+        }
+        // Online softmax: new row maxima, rescale what was accumulated, exponentiate.
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < kRows; ++i) {
+          float mx = row_max[i];
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < size<1>(S); ++j) mx = fmaxf(mx, S(i, j));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));  // a row lives in 4 adjacent lanes
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+          const float correction = row_max[i] == -INFINITY ? 0.f : fast_exp2((row_max[i] - mx) * scale_log2);
+          row_max[i] = mx;
+          const float offset = mx == -INFINITY ? 0.f : mx * scale_log2;  // all masked so far: p = 0
+          float sum = 0.f;
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < size<1>(S); ++j) {
+            S(i, j) = fast_exp2(S(i, j) * scale_log2 - offset);
+            sum += S(i, j);
+          }
+          row_sum[i] = row_sum[i] * correction + sum;
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < size<1>(O); ++j) O(i, j) *= correction;
+        }
+        Tensor rP = make_tensor_like<Element>(tSrS);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(rP); ++i) rP(i) = Element(tSrS(i));
+        Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
+        pipe_v.consumer_wait(read);
+        warpgroup_gemm<false>(mma_pv, tOrP, tOrV(_, _, _, read.index()), tOrO);
+        pipe_v.consumer_release(read);
+        ++read;
+      }
+      cutlass::arch::ClusterBarrier::arrive(&ss.q_empty);  // every S of this tile is computed
+      ++q_loads;
+    }
+
+    // Epilogue: normalise, write o (pairs of adjacent columns) and lse; rows past Sq are dropped.
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      float sum = row_sum[i];
+      sum += __shfl_xor_sync(0xffffffff, sum, 1);
+      sum += __shfl_xor_sync(0xffffffff, sum, 2);
+      const bool any = sum > 0.f;
+      const float inv = any ? 1.f / sum : 0.f;
+      const int q = q0 + get<0>(O_coord(i, 0));
+      if (q >= a.seq_q) continue;
+      Element* orow = out + ((int64_t(w.b) * a.seq_q + q) * a.heads_q + w.h) * T::kHeadDim;
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < size<1>(O); j += 2) {
+        cutlass::Array<Element, 2> pair;
+        pair[0] = Element(O(i, j) * inv);
+        pair[1] = Element(O(i, j + 1) * inv);
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(orow + get<1>(O_coord(i, j))) = pair;
+      }
+      if ((tid & 3) == 0)
+        a.lse[(int64_t(w.b) * a.heads_q + w.h) * a.seq_q + q] =
+            any ? row_max[i] * a.scale + logf(sum) : -INFINITY;
+    }
+  }
+}
+
+template <class T>
+__global__ void __launch_bounds__(T::kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT const typename T::Params p) {
+  extern __shared__ __align__(1024) char smem[];
+  auto& ss = *reinterpret_cast<typename T::SharedStorage*>(smem);
+  const int warp = cutlass::canonical_warp_idx_sync();
+  const int warpgroup = warp / 4;
+  if (warp == 0 && cute::elect_one_sync()) {
+    cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+    cutlass::arch::ClusterTransactionBarrier::init(&ss.q_full, 1);
+    cutlass::arch::ClusterBarrier::init(&ss.q_empty, T::kMmaThreads);
+  }
+  typename T::Pipeline::Params pp;
+  pp.transaction_bytes = T::kKVBytes;
+  pp.role = warpgroup == 0 ? T::Pipeline::ThreadCategory::Producer : T::Pipeline::ThreadCategory::Consumer;
+  pp.is_leader = threadIdx.x == 0;
+  pp.num_consumers = T::kMmaThreads;
+  typename T::Pipeline pipe_k(ss.pipe_k, pp, Shape<_1, _1, _1>{});
+  typename T::Pipeline pipe_v(ss.pipe_v, pp, Shape<_1, _1, _1>{});
+  cutlass::arch::fence_barrier_init();
+  __syncthreads();
+
+  if (warpgroup == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
+    if (threadIdx.x == 0) produce<T>(p, ss, pipe_k, pipe_v);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
+    consume<T>(p, ss, pipe_k, pipe_v, int(threadIdx.x) - 128);
+  }
+}
+
+inline void check_cuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) ST_FAIL("sm90 attention forward: ", what, " failed: ", cudaGetErrorString(e));
+}
+
+template <FwdElement E, int HeadDim>
+void run_fwd_sm90(const FwdArgs& a, void* stream) {
+  using Element = std::conditional_t<E == FwdElement::kBF16, cutlass::bfloat16_t, cutlass::half_t>;
+  using T = FwdTraits<Element, HeadDim>;
+  auto gmem = [&](const void* ptr, int32_t seq, int32_t heads, int64_t sb, int64_t ss, int64_t sh) {
+    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), make_shape(seq, int32_t(HeadDim), heads, a.batch),
+                       make_stride(ss, _1{}, sh, sb));
+  };
+  typename T::Params p{a,
+                       make_tma_copy(SM90_TMA_LOAD{}, gmem(a.q, a.seq_q, a.heads_q, a.q_stride_b, a.q_stride_s, a.q_stride_h),
+                                     typename T::SmemLayoutQ{}, Shape<Int<T::kBlockM>, Int<HeadDim>>{}, _1{}),
+                       make_tma_copy(SM90_TMA_LOAD{}, gmem(a.k, a.seq_kv, a.heads_kv, a.k_stride_b, a.k_stride_s, a.k_stride_h),
+                                     take<0, 2>(typename T::SmemLayoutKV{}), Shape<Int<T::kBlockN>, Int<HeadDim>>{}, _1{}),
+                       make_tma_copy(SM90_TMA_LOAD{}, gmem(a.v, a.seq_kv, a.heads_kv, a.v_stride_b, a.v_stride_s, a.v_stride_h),
+                                     take<0, 2>(typename T::SmemLayoutKV{}), Shape<Int<T::kBlockN>, Int<HeadDim>>{}, _1{}),
+                       float(a.scale * M_LOG2E)};
+  constexpr int smem_bytes = int(sizeof(typename T::SharedStorage));
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(fwd_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
+  check_cuda(attr, "cudaFuncSetAttribute");
+  fwd_kernel<T><<<a.grid, T::kThreads, smem_bytes, static_cast<cudaStream_t>(stream)>>>(p);
+  check_cuda(cudaGetLastError(), "launch");
+}
+
+}  // namespace sparsetrain::cuda::attn
+
+// One instantiation per translation unit (attention_fwd_sm90_instance.cu.in).
+#define SPARSETRAIN_ATTN_FWD_INSTANTIATE(E, D) \
+  template void run_fwd_sm90<E, D>(const FwdArgs& a, void* stream);

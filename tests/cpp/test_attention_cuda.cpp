@@ -1,0 +1,330 @@
+// GPU tests of the sm90 attention forward (skipped, visibly, without a GPU): CUDA vs the
+// double-precision oracle on fresh random inputs, for every built-in mask kind and a bitmask mask,
+// S not a multiple of the tile, Sq != Skv, GQA and MQA, D = 64 and 128, bf16 and fp16, BHSD views,
+// mask blocks larger than the kernel tile, rows with no allowed key, masks built on the host and
+// copied over as well as built on the device; outputs are NaN-poisoned first; two runs give the
+// same bytes. Then everything the CUDA path refuses, each with its error and no allocation.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attention_oracle.h"
+#include "device_tensor.h"
+#include "sparsetrain/attention.h"
+#include "sparsetrain/block_mask.h"
+#include "sparsetrain/error.h"
+
+namespace st = sparsetrain;
+using st::DType;
+using st::MaskKind;
+using st::testing::AttentionOracle;
+using st::testing::DeviceTensor;
+using st::testing::HostTensor;
+using st::testing::to_host;
+
+namespace {
+
+// Device memory from cudaMalloc, filled with 0xFF (NaN in every float type) so that an element
+// the kernel does not write shows; counts what it hands out.
+class DevicePoisonAllocator final : public st::Allocator {
+ public:
+  int allocations = 0;
+  void* allocate(size_t bytes, st::Device device, st::Stream stream) override {
+    void* p = st::default_allocator().allocate(bytes, device, stream);
+    EXPECT_EQ(cudaMemset(p, 0xff, bytes), cudaSuccess);
+    ++allocations;
+    return p;
+  }
+  void deallocate(void* p, size_t bytes, st::Device device, st::Stream stream) override {
+    st::default_allocator().deallocate(p, bytes, device, stream);
+  }
+};
+
+// A [B, S, H, D] input on the device: contiguous, or stored [B, H, S, D] and viewed transposed;
+// the host copy is what the oracle reads.
+struct Input {
+  HostTensor host;
+  DeviceTensor dev;
+  st::TensorView host_view, dev_view;
+  Input(DType dt, int64_t B, int64_t S, int64_t H, int64_t D, bool bhsd, std::mt19937_64& rng, double scale) {
+    const int64_t shape[4] = {B, S, H, D};
+    host = bhsd ? HostTensor(dt, {B, H, S, D}) : HostTensor(dt, {B, S, H, D});
+    host.fill_random(rng, scale);
+    dev = DeviceTensor(host);
+    const int64_t bshd[4] = {S * H * D, H * D, D, 1}, transposed[4] = {H * S * D, D, S * D, 1};
+    const int64_t* strides = bhsd ? transposed : bshd;
+    host_view = st::TensorView(host.data(), dt, shape, strides, 4);
+    dev_view = st::TensorView(dev.view().data(), dt, shape, strides, 4, st::Device::cuda(0));
+  }
+};
+
+// Every tensor of a host-built mask copied to the device, and the mask viewing them.
+struct DeviceMask {
+  std::vector<DeviceTensor> storage;
+  st::BlockMask mask;
+  explicit DeviceMask(const st::BlockMask& host) : mask(host) {
+    storage.reserve(16);
+    auto move = [&](st::TensorView& v) {
+      if (!v.defined()) return;
+      storage.emplace_back(HostTensor::copy_of(v));
+      v = storage.back().view();
+    };
+    for (st::TensorView* v : {&mask.kv_num_blocks, &mask.kv_indices, &mask.full_kv_num_blocks, &mask.full_kv_indices,
+                              &mask.q_num_blocks, &mask.q_indices, &mask.full_q_num_blocks, &mask.full_q_indices,
+                              &mask.dq_write_order, &mask.dq_write_order_full, &mask.partial_bitmasks,
+                              &mask.spec.doc_q, &mask.spec.doc_kv})
+      move(*v);
+  }
+};
+
+struct Case {
+  std::string name;
+  DType dtype;
+  int64_t B, Sq, Skv, Hq, Hkv, D, block_q, block_kv;
+  MaskKind kind;
+  bool bhsd = false, device_build = false, expect_empty_rows = false;
+  int64_t left = -1, right = -1, prefix = 0;
+};
+
+std::vector<Case> cases() {
+  using K = MaskKind;
+  std::vector<Case> v = {
+      {"causal_bf16_S1000_D128", DType::kBF16, 1, 1000, 1000, 2, 2, 128, 128, 128, K::kCausal},
+      {"causal_fp16_S1000_D64_mqa_bhsd", DType::kFP16, 1, 1000, 1000, 4, 1, 64, 128, 128, K::kCausal, true},
+      {"causalbr_bf16_Sq300_Skv517", DType::kBF16, 2, 300, 517, 2, 1, 128, 128, 128, K::kCausalBottomRight},
+      {"causal_bf16_Sq517_Skv300_emptyfree", DType::kBF16, 1, 517, 300, 2, 2, 64, 128, 128, K::kCausal},
+      {"window_bf16_S777_gqa_blk256", DType::kBF16, 1, 777, 777, 8, 2, 128, 256, 256, K::kSlidingWindow, false, false,
+       false, 200, 0},
+      {"window_fp16_bothsides_D64_device", DType::kFP16, 2, 650, 650, 2, 2, 64, 128, 128, K::kSlidingWindow, false, true,
+       false, 100, 60},
+      {"doccausal_bf16_S1031_B2", DType::kBF16, 2, 1031, 1031, 2, 1, 128, 128, 128, K::kDocumentCausal},
+      {"doccausal_bf16_S1031_B2_device_bhsd", DType::kBF16, 2, 1031, 1031, 2, 2, 128, 128, 128, K::kDocumentCausal, true,
+       true},
+      {"document_fp16_Sq611", DType::kFP16, 2, 611, 611, 2, 2, 64, 128, 256, K::kDocument},
+      {"prefixlm_bf16_S800", DType::kBF16, 1, 800, 800, 2, 2, 128, 128, 128, K::kPrefixLM, false, false, false, -1,
+       -1, 300},
+      {"full_bf16_Sq45_Skv300", DType::kBF16, 1, 45, 300, 2, 1, 128, 128, 128, K::kFull},
+      {"bitmask_bf16_S700_emptyrows", DType::kBF16, 1, 700, 533, 4, 2, 128, 128, 128, K::kBitmask, true, false, true},
+      {"bitmask_fp16_D64_blk256x128", DType::kFP16, 2, 389, 389, 2, 1, 64, 256, 128, K::kBitmask, false, false, true},
+  };
+  return v;
+}
+
+HostTensor document_ids(int64_t B, int64_t S, std::mt19937_64& rng) {
+  HostTensor t(DType::kInt32, {B, S});
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0, doc = 0, left = 0; s < S; ++s) {
+      if (left-- == 0) left = 1 + int64_t(rng() % 300), ++doc;  // documents of 2..301 positions
+      t.set(b * S + s, double(doc));
+    }
+  return t;
+}
+
+uint64_t mix(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdULL;
+  x ^= x >> 33;
+  return x ^ (x >> 29);
+}
+
+// The bitmask cases' predicate: random pairs (one in three allowed), per (b, h); query rows
+// 0 mod 7 allow nothing (empty rows); kv rows past a diagonal band are cut so whole blocks skip.
+struct RandomMask {
+  uint64_t seed;
+  bool operator()(int64_t b, int64_t h, int64_t q, int64_t kv) const {
+    if (q % 7 == 0) return false;
+    if (kv > q + 200) return false;
+    return mix(seed ^ uint64_t(b) << 48 ^ uint64_t(h) << 40 ^ uint64_t(q) << 20 ^ uint64_t(kv)) % 3 == 0;
+  }
+  static bool call(void* ctx, int64_t b, int64_t h, int64_t q, int64_t kv) {
+    return (*static_cast<RandomMask*>(ctx))(b, h, q, kv);
+  }
+};
+
+class AttentionCuda : public ::testing::TestWithParam<Case> {};
+
+TEST_P(AttentionCuda, ForwardMatchesTheOracle) {
+  REQUIRE_GPU();
+  const Case c = GetParam();
+  std::mt19937_64 rng(std::hash<std::string>{}(c.name));
+  Input q(c.dtype, c.B, c.Sq, c.Hq, c.D, c.bhsd, rng, 2.0);
+  Input k(c.dtype, c.B, c.Skv, c.Hkv, c.D, c.bhsd, rng, 1.0);
+  Input v(c.dtype, c.B, c.Skv, c.Hkv, c.D, c.bhsd, rng, 1.0);
+
+  st::MaskSpec spec;
+  spec.kind = c.kind;
+  spec.window_left = c.left;
+  spec.window_right = c.right;
+  spec.prefix_length = c.prefix;
+  HostTensor doc = document_ids(c.B, std::max(c.Sq, c.Skv), rng);
+  const bool is_doc = c.kind == MaskKind::kDocument || c.kind == MaskKind::kDocumentCausal;
+  if (is_doc) {
+    ASSERT_EQ(c.Sq, c.Skv);
+    spec.doc_q = spec.doc_kv = doc.view();
+  }
+  st::BlockMaskOptions opts;
+  opts.block_q = c.block_q;
+  opts.block_kv = c.block_kv;
+  RandomMask random{rng()};
+  std::function<bool(int64_t, int64_t, int64_t, int64_t)> allowed;
+  std::unique_ptr<st::BlockMaskTensors> host_mask;
+  std::unique_ptr<DeviceMask> copied;
+  st::BlockMaskTensors device_built;
+  DeviceTensor ddoc;
+  st::BlockMask mask;
+  if (c.kind == MaskKind::kBitmask) {
+    host_mask = std::make_unique<st::BlockMaskTensors>(
+        st::build_block_mask_from_function(&RandomMask::call, &random, c.B, c.Hq, c.Sq, c.Skv, opts));
+    allowed = random;
+  } else {
+    host_mask = std::make_unique<st::BlockMaskTensors>(st::build_block_mask(spec, c.Sq, c.Skv, opts));
+    allowed = [spec, c](int64_t b, int64_t, int64_t i, int64_t j) {
+      return st::testing::spec_allows(spec, b, c.Sq, c.Skv, i, j);
+    };
+  }
+  st::validate_block_mask(host_mask->mask, c.B, c.Hq);
+  if (c.device_build) {
+    st::MaskSpec dspec = spec;
+    if (is_doc) {
+      ddoc = DeviceTensor(doc);
+      dspec.doc_q = dspec.doc_kv = ddoc.view();
+    }
+    opts.device = st::Device::cuda(0);
+    opts.auto_schedule = false;
+    device_built = st::build_block_mask(dspec, c.Sq, c.Skv, opts);
+    mask = device_built.mask;
+  } else {
+    copied = std::make_unique<DeviceMask>(host_mask->mask);
+    mask = copied->mask;
+  }
+
+  DevicePoisonAllocator alloc;
+  st::AttentionCall call;
+  call.allocator = &alloc;
+  const st::AttentionForward fwd = st::block_sparse_attention_forward(q.dev_view, k.dev_view, v.dev_view, mask, {}, call);
+  EXPECT_EQ(alloc.allocations, 3);  // o, lse and the work order, from the call's allocator
+
+  AttentionOracle oracle;
+  oracle.B = c.B, oracle.Sq = c.Sq, oracle.Skv = c.Skv, oracle.Hq = c.Hq, oracle.Hkv = c.Hkv, oracle.D = c.D;
+  oracle.scale = 1.0 / std::sqrt(double(c.D));
+  oracle.dtype = c.dtype;
+  oracle.p_operand = c.dtype;
+  oracle.q = q.host_view, oracle.k = k.host_view, oracle.v = v.host_view, oracle.dout = q.host_view;
+  oracle.allowed = allowed;
+  const AttentionOracle::Result ref = oracle.run();
+  ASSERT_GT(ref.allowed_pairs, 0);
+  if (c.expect_empty_rows) {
+    EXPECT_GT(ref.empty_rows, 0);
+  }
+
+  const HostTensor o = to_host(fwd.o.view()), lse = to_host(fwd.lse.view());
+  const auto ro = st::testing::compare_bounded(o, ref.o, c.dtype, "o");
+  EXPECT_TRUE(ro.ok) << ro.first_failure << " (worst error / tolerance " << ro.worst_tol_ratio << ")";
+  st::testing::CompareResult rl;
+  for (size_t x = 0; x < ref.lse.size(); ++x) {
+    const double e = ref.lse[x];
+    if (std::isinf(e)) {
+      const double g = lse.get(int64_t(x));
+      if (!(std::isinf(g) && g < 0)) rl.check("lse (empty row)", x, g, -1e30, 0.0);
+    } else {
+      rl.check("lse", x, lse.get(int64_t(x)), e, 2 * ref.lse_err[x] + 1e-6 * std::fabs(e));
+    }
+  }
+  rl = rl.finish();
+  EXPECT_TRUE(rl.ok) << rl.first_failure;
+
+  // Bitwise determinism: a second run gives the same bytes.
+  const st::AttentionForward again = st::block_sparse_attention_forward(q.dev_view, k.dev_view, v.dev_view, mask);
+  EXPECT_TRUE(st::testing::bytes_equal(o.view(), to_host(again.o.view()).view()));
+  EXPECT_TRUE(st::testing::bytes_equal(lse.view(), to_host(again.lse.view()).view()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Cuda, AttentionCuda, ::testing::ValuesIn(cases()),
+                         [](const ::testing::TestParamInfo<Case>& p) { return p.param.name; });
+
+// What the CUDA path refuses: each error names its argument, and nothing is allocated.
+TEST(AttentionCudaErrors, RefusedInputsAllocateNothing) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(3);
+  const int64_t S = 256;
+  Input q(DType::kBF16, 1, S, 2, 128, false, rng, 1.0), k(DType::kBF16, 1, S, 2, 128, false, rng, 1.0);
+  Input q96(DType::kBF16, 1, S, 2, 96, false, rng, 1.0), k96(DType::kBF16, 1, S, 2, 96, false, rng, 1.0);
+  Input q32(DType::kFP32, 1, S, 2, 128, false, rng, 1.0), k32(DType::kFP32, 1, S, 2, 128, false, rng, 1.0);
+  st::MaskSpec causal;
+  causal.kind = MaskKind::kCausal;
+  const st::BlockMaskTensors host = st::build_block_mask(causal, S, S);
+  DeviceMask dev(host.mask);
+  st::BlockMaskOptions small;
+  small.block_q = small.block_kv = 64;
+  const st::BlockMaskTensors host64 = st::build_block_mask(causal, S, S, small);
+  DeviceMask dev64(host64.mask);
+  // An unaligned view: rows 8 bytes apart do not meet TMA's 16-byte stride rule.
+  const int64_t shape[4] = {1, S / 2, 2, 128}, odd[4] = {S * 2 * 128, 2 * 128 + 4, 128, 1};
+  const st::TensorView unaligned(q.dev.view().data(), DType::kBF16, shape, odd, 4, st::Device::cuda(0));
+
+  struct Bad {
+    const char* what;
+    std::function<void(st::AttentionCall&)> run;
+    const char* message;
+  };
+  const Bad bad[] = {
+      {"fp32", [&](auto& call) { st::block_sparse_attention_forward(q32.dev_view, k32.dev_view, k32.dev_view, dev.mask, {}, call); },
+       "q: expected dtype bf16 or fp16 on CUDA"},
+      {"D=96", [&](auto& call) { st::block_sparse_attention_forward(q96.dev_view, k96.dev_view, k96.dev_view, dev.mask, {}, call); },
+       "q: expected a head dim with a CUDA kernel"},
+      {"host mask", [&](auto& call) { st::block_sparse_attention_forward(q.dev_view, k.dev_view, k.dev_view, host.mask, {}, call); },
+       "mask.kv_num_blocks: expected a tensor on cuda"},
+      {"64x64 blocks", [&](auto& call) { st::block_sparse_attention_forward(q.dev_view, k.dev_view, k.dev_view, dev64.mask, {}, call); },
+       "mask.block_q: expected a multiple of the CUDA kernel's q tile (128)"},
+      {"unaligned", [&](auto& call) {
+         st::BlockMaskTensors m = st::build_block_mask(causal, S / 2, S / 2);
+         DeviceMask dm(m.mask);
+         st::block_sparse_attention_forward(unaligned, unaligned, unaligned, dm.mask, {}, call);
+       },
+       "q: expected a 16-byte aligned base and strides that are multiples of 16 bytes"},
+  };
+  for (const Bad& b : bad) {
+    DevicePoisonAllocator alloc;
+    st::AttentionCall call;
+    call.allocator = &alloc;
+    try {
+      b.run(call);
+      ADD_FAILURE() << b.what << ": no error";
+    } catch (const st::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(b.message), std::string::npos) << b.what << ": " << e.what();
+    }
+    EXPECT_EQ(alloc.allocations, 0) << b.what;
+  }
+}
+
+// The backward on CUDA is refused (until the deterministic kernel lands) with valid arguments.
+TEST(AttentionCudaErrors, BackwardIsRefusedClearly) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(5);
+  const int64_t S = 256;
+  Input q(DType::kBF16, 1, S, 2, 128, false, rng, 1.0), k(DType::kBF16, 1, S, 2, 128, false, rng, 1.0);
+  st::MaskSpec causal;
+  causal.kind = MaskKind::kCausal;
+  const st::BlockMaskTensors host = st::build_block_mask(causal, S, S);
+  DeviceMask dev(host.mask);
+  const st::AttentionForward f = st::block_sparse_attention_forward(q.dev_view, k.dev_view, k.dev_view, dev.mask);
+  DevicePoisonAllocator alloc;
+  st::AttentionCall call;
+  call.allocator = &alloc;
+  try {
+    st::block_sparse_attention_backward(q.dev_view, k.dev_view, k.dev_view, f.o.view(), f.lse.view(), q.dev_view,
+                                        dev.mask, {}, call);
+    ADD_FAILURE() << "no error";
+  } catch (const st::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("the CUDA backward is not implemented yet"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(alloc.allocations, 0);
+}
+
+}  // namespace

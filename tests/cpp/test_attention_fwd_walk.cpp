@@ -1,0 +1,123 @@
+// The forward kernel's index math on the CPU (common/attention_fwd_walk.h): work items cover every
+// (b, h, q tile) once; a q tile's walk visits exactly the kernel kv tiles of its mask row's
+// partial and full blocks (mask blocks larger than the kernel tiles included, broadcast leading
+// dims, compact widths), partial ones first with their list entries; a bad device mask (counts
+// above the width or below 0, block ids out of range) is clamped or skipped, never read past; and
+// the cost the longest-first order sorts by is the walk's length.
+#include <gtest/gtest.h>
+
+#include <set>
+#include <tuple>
+#include <vector>
+
+#include "common/attention_fwd_walk.h"
+#include "sparsetrain/block_mask.h"
+
+namespace st = sparsetrain;
+
+namespace {
+
+st::MaskIndexView view_of(const st::TensorView& t) {
+  st::MaskIndexView v;
+  if (!t.defined()) return v;
+  v.data = static_cast<const int32_t*>(t.data());
+  v.stride_b = t.size(0) == 1 ? 0 : t.stride(0);
+  v.stride_h = t.size(1) == 1 ? 0 : t.stride(1);
+  v.stride_r = t.stride(2);
+  v.stride_w = t.dim() > 3 ? t.stride(3) : 0;
+  v.width = t.dim() > 3 ? int32_t(t.size(3)) : 0;
+  return v;
+}
+
+st::MaskWalkLists lists_of(const st::BlockMask& m, int32_t tile_kv) {
+  st::MaskWalkLists l;
+  l.partial_count = view_of(m.kv_num_blocks);
+  l.partial_index = view_of(m.kv_indices);
+  l.full_count = view_of(m.full_kv_num_blocks);
+  l.full_index = view_of(m.full_kv_indices);
+  l.num_kv_blocks = int32_t(m.num_kv_blocks());
+  l.block_q = int32_t(m.block_q);
+  l.sub_tiles = int32_t(m.block_kv / tile_kv);
+  return l;
+}
+
+}  // namespace
+
+TEST(AttentionFwdWalk, VisitsExactlyTheRowsBlocks) {
+  struct Geo {
+    st::MaskKind kind;
+    int64_t B, Sq, Skv, block_q, block_kv, left, right;
+  };
+  const Geo geos[] = {
+      {st::MaskKind::kCausal, 1, 1000, 1000, 128, 128, -1, -1},
+      {st::MaskKind::kCausalBottomRight, 1, 300, 517, 128, 256, -1, -1},
+      {st::MaskKind::kSlidingWindow, 1, 777, 777, 256, 256, 200, 0},
+      {st::MaskKind::kFull, 1, 45, 300, 128, 128, -1, -1},
+  };
+  const int32_t tile_q = 128, tile_kv = 128, heads = 3;
+  for (const Geo& g : geos) {
+    st::MaskSpec spec;
+    spec.kind = g.kind;
+    spec.window_left = g.left;
+    spec.window_right = g.right;
+    st::BlockMaskOptions o;
+    o.block_q = g.block_q;
+    o.block_kv = g.block_kv;
+    const st::BlockMaskTensors t = st::build_block_mask(spec, g.Sq, g.Skv, o);
+    const st::MaskWalkLists l = lists_of(t.mask, tile_kv);
+    const int32_t q_tiles = int32_t((g.Sq + tile_q - 1) / tile_q);
+    const int64_t items = g.B * heads * q_tiles;
+    std::set<std::tuple<int, int, int>> seen;
+    for (int64_t it = 0; it < items; ++it) {
+      const st::FwdWorkItem w = st::fwd_work_item(it, heads, q_tiles);
+      EXPECT_TRUE(seen.insert({w.b, w.h, w.q_tile}).second);
+      const int32_t row = st::fwd_mask_row(w.q_tile, tile_q, l.block_q);
+      const st::WalkCounts c = st::walk_counts(l, w.b, w.h, row);
+      const int32_t n = st::walk_length(l, c);
+      EXPECT_EQ(st::fwd_item_cost(l, it, heads, q_tiles, tile_q), n);
+      // Expected: every kernel tile of the row's partial blocks, then of its full blocks.
+      const int32_t* pc = static_cast<const int32_t*>(t.mask.kv_num_blocks.data());
+      const int32_t* pi = static_cast<const int32_t*>(t.mask.kv_indices.data());
+      const int32_t* fc = static_cast<const int32_t*>(t.mask.full_kv_num_blocks.data());
+      const int32_t* fi = static_cast<const int32_t*>(t.mask.full_kv_indices.data());
+      const int64_t W = t.mask.kv_indices.size(3), FW = t.mask.full_kv_indices.size(3);
+      std::vector<std::tuple<int, int, bool>> want;
+      for (int e = 0; e < pc[row]; ++e)
+        for (int s = 0; s < l.sub_tiles; ++s) want.emplace_back(pi[row * W + e] * l.sub_tiles + s, e, true);
+      for (int e = 0; e < fc[row]; ++e)
+        for (int s = 0; s < l.sub_tiles; ++s) want.emplace_back(fi[row * FW + e] * l.sub_tiles + s, e, false);
+      ASSERT_EQ(size_t(n), want.size()) << "item " << it;
+      for (int32_t k = 0; k < n; ++k) {
+        const st::WalkTile tile = st::walk_tile(l, c, w.b, w.h, row, k);
+        EXPECT_EQ(std::make_tuple(int(tile.tile), int(tile.entry), tile.partial), want[size_t(k)]) << "tile " << k;
+      }
+    }
+    EXPECT_EQ(int64_t(seen.size()), items);
+  }
+}
+
+TEST(AttentionFwdWalk, BadCountsAndIdsAreClampedOrSkipped) {
+  // One row, width 2: count 5 reads 2 entries; count -3 reads none; ids -1 and 9 (Nk = 4) are skipped.
+  int32_t counts[1] = {5}, idx[2] = {-1, 2}, fcounts[1] = {-3}, fidx[2] = {9, 9};
+  st::MaskWalkLists l;
+  l.partial_count = {counts, 0, 0, 1, 0, 0};
+  l.partial_index = {idx, 0, 0, 2, 1, 2};
+  l.full_count = {fcounts, 0, 0, 1, 0, 0};
+  l.full_index = {fidx, 0, 0, 2, 1, 2};
+  l.num_kv_blocks = 4;
+  l.sub_tiles = 2;
+  const st::WalkCounts c = st::walk_counts(l, 0, 0, 0);
+  EXPECT_EQ(c.partial, 2);
+  EXPECT_EQ(c.full, 0);
+  ASSERT_EQ(st::walk_length(l, c), 4);
+  EXPECT_EQ(st::walk_tile(l, c, 0, 0, 0, 0).tile, -1);
+  EXPECT_EQ(st::walk_tile(l, c, 0, 0, 0, 1).tile, -1);
+  EXPECT_EQ(st::walk_tile(l, c, 0, 0, 0, 2).tile, 4);
+  EXPECT_EQ(st::walk_tile(l, c, 0, 0, 0, 3).tile, 5);
+  fcounts[0] = 1;
+  const st::WalkCounts c2 = st::walk_counts(l, 0, 0, 0);
+  EXPECT_EQ(st::walk_tile(l, c2, 0, 0, 0, 4).tile, -1);  // full id 9 >= Nk
+  // An absent full list counts 0.
+  l.full_count = {};
+  EXPECT_EQ(st::walk_counts(l, 0, 0, 0).full, 0);
+}
