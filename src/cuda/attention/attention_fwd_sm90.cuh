@@ -7,7 +7,9 @@
 //              lists (partial blocks, then full ones) through a 2-stage TMA pipeline; two consumer
 //              warpgroups (64 query rows each) compute S = Q K^T with wgmma from shared memory,
 //              apply the mask inside partial blocks only, update the online softmax in registers
-//              and accumulate O += P V with P straight from registers (wgmma RS)
+//              and accumulate O += P V with P straight from registers (wgmma RS). The softmax of
+//              tile j overlaps the PV GEMM of tile j - 1, and the two warpgroups take turns
+//              issuing GEMMs (ping-pong), as in FlashAttention-3
 //   epilogue   O / rowsum in the input dtype and the natural-log lse, from registers to global
 //
 // The mask kind is a runtime switch (one branch per partial tile), so one instantiation serves
@@ -126,10 +128,10 @@ __device__ __forceinline__ auto acc_as_a_operand(Layout l) {
                      coalesce(make_layout(get<0, 1>(groups), get<2>(l))));
 }
 
-// One warpgroup GEMM C (+)= A B over all k-blocks, waited for. B may carry a pipeline stage
-// (b(_, _, k) indexes the stage's slice).
+// Issues one warpgroup GEMM C (+)= A B over all k-blocks and commits it as one wgmma batch; the
+// caller waits (warpgroup_wait<N>: at most N batches still in flight) and then fences C.
 template <bool kZeroInit, class Mma, class TA, class TB, class TC>
-__device__ __forceinline__ void warpgroup_gemm(Mma& mma, TA const& a, TB const& b, TC& c) {
+__device__ __forceinline__ void warpgroup_gemm_issue(Mma& mma, TA const& a, TB const& b, TC& c) {
   constexpr bool kRegisterA = !is_base_of<GMMA::DescriptorIterator, typename Mma::FrgTypeA>::value;
   if constexpr (kRegisterA) warpgroup_fence_operand(const_cast<TA&>(a));
   warpgroup_fence_operand(c);
@@ -141,9 +143,6 @@ __device__ __forceinline__ void warpgroup_gemm(Mma& mma, TA const& a, TB const& 
     mma.accumulate_ = GMMA::ScaleOut::One;
   }
   warpgroup_commit_batch();
-  warpgroup_wait<0>();
-  warpgroup_fence_operand(c);
-  if constexpr (kRegisterA) warpgroup_fence_operand(const_cast<TA&>(a));
 }
 
 // S(i, j) = -inf where allowed(q, kv) is false; rows / cols are the tile's absolute positions.
@@ -279,10 +278,19 @@ __device__ void consume(const typename T::Params& p, typename T::SharedStorage& 
   Tensor O_coord = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
   constexpr int kRows = decltype(size<0>(S))::value;  // 2 rows per thread
 
-  cutlass::PipelineState<T::kStages> read;
+  cutlass::PipelineState<T::kStages> read, p_read;  // p_read: the stage of the V that P waits for
   int q_loads = 0;
   const float scale_log2 = p.scale_log2;
   Element* out = static_cast<Element*>(a.o);
+  Tensor rP = make_tensor_like<Element>(tSrS);
+  Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
+  // Ping-pong: the two consumer warpgroups take turns issuing their GEMMs (named barriers 0 and
+  // 1, one per warpgroup), so one's softmax runs while the other's GEMMs keep the tensor cores
+  // busy. Warpgroup 0 goes first.
+  const int wg = tid / 128;
+  auto wait_turn = [&] { cutlass::arch::NamedBarrier::sync(T::kMmaThreads, wg); };
+  auto pass_turn = [&] { cutlass::arch::NamedBarrier::arrive(T::kMmaThreads, 1 - wg); };
+  if (wg == 1) pass_turn();
   for (int it = blockIdx.x; it < a.num_items; it += gridDim.x) {
     const FwdWorkItem w = fwd_work_item(a.order[it], a.heads_q, a.q_tiles);
     const int row = fwd_mask_row(w.q_tile, T::kBlockM, a.lists.block_q);
@@ -296,19 +304,36 @@ __device__ void consume(const typename T::Params& p, typename T::SharedStorage& 
     clear(tOrO);
     if (length > 0) {
       cutlass::arch::ClusterBarrier::wait(&ss.q_full, q_loads & 1);
+      // Software pipeline (FlashAttention-3's intra-warpgroup overlap): tile j's S = Q K^T is
+      // issued together with O += P V of tile j - 1, and tile j's softmax runs while that PV
+      // GEMM is in flight. `have_p`: a P is waiting for its PV GEMM.
+      bool have_p = false;
       for (int t = 0; t < length; ++t) {
         const WalkTile tile = walk_tile(a.lists, counts, w.b, w.h, row, t);
         if (tile.tile < 0) continue;
         const int kv0 = tile.tile * T::kBlockN;
         pipe_k.consumer_wait(read);
-        warpgroup_gemm<true>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+        wait_turn();
+        warpgroup_gemm_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+        if (have_p) {
+          pipe_v.consumer_wait(p_read);
+          warpgroup_gemm_issue<false>(mma_pv, tOrP, tOrV(_, _, _, p_read.index()), tOrO);
+        }
+        pass_turn();
+        if (have_p) {
+          warpgroup_wait<1>();
+        } else {
+          warpgroup_wait<0>();
+        }
+        warpgroup_fence_operand(tSrS);
         pipe_k.consumer_release(read);
         if (tile.partial) {
           mask_partial_tile(S, S_coord, q0, kv0, a, w.b, w.h, row, tile);
         } else if (kv0 + T::kBlockN > a.seq_kv) {
           mask_builtin<MaskKind::kFull>(S, S_coord, q0, kv0, a, nullptr, nullptr);
         }
-        // Online softmax: new row maxima, rescale what was accumulated, exponentiate.
+        // Online softmax: new row maxima, exponentiate; O is rescaled once its PV GEMM is done.
+        float correction[kRows];
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < kRows; ++i) {
           float mx = row_max[i];
@@ -316,7 +341,7 @@ __device__ void consume(const typename T::Params& p, typename T::SharedStorage& 
           for (int j = 0; j < size<1>(S); ++j) mx = fmaxf(mx, S(i, j));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));  // a row lives in 4 adjacent lanes
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-          const float correction = row_max[i] == -INFINITY ? 0.f : fast_exp2((row_max[i] - mx) * scale_log2);
+          correction[i] = row_max[i] == -INFINITY ? 0.f : fast_exp2((row_max[i] - mx) * scale_log2);
           row_max[i] = mx;
           const float offset = mx == -INFINITY ? 0.f : mx * scale_log2;  // all masked so far: p = 0
           float sum = 0.f;
@@ -325,21 +350,35 @@ __device__ void consume(const typename T::Params& p, typename T::SharedStorage& 
             S(i, j) = fast_exp2(S(i, j) * scale_log2 - offset);
             sum += S(i, j);
           }
-          row_sum[i] = row_sum[i] * correction + sum;
-          CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < size<1>(O); ++j) O(i, j) *= correction;
+          row_sum[i] = row_sum[i] * correction[i] + sum;
         }
-        Tensor rP = make_tensor_like<Element>(tSrS);
+        if (have_p) {
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(tOrO);
+          pipe_v.consumer_release(p_read);
+        }
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < kRows; ++i) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < size<1>(O); ++j) O(i, j) *= correction[i];
+        }
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size(rP); ++i) rP(i) = Element(tSrS(i));
-        Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
-        pipe_v.consumer_wait(read);
-        warpgroup_gemm<false>(mma_pv, tOrP, tOrV(_, _, _, read.index()), tOrO);
-        pipe_v.consumer_release(read);
+        p_read = read;
         ++read;
+        have_p = true;
       }
       cutlass::arch::ClusterBarrier::arrive(&ss.q_empty);  // every S of this tile is computed
       ++q_loads;
+      if (have_p) {  // the last tile's PV
+        pipe_v.consumer_wait(p_read);
+        wait_turn();
+        warpgroup_gemm_issue<false>(mma_pv, tOrP, tOrV(_, _, _, p_read.index()), tOrO);
+        pass_turn();
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tOrO);
+        pipe_v.consumer_release(p_read);
+      }
     }
 
     // Epilogue: normalise, write o (pairs of adjacent columns) and lse; rows past Sq are dropped.
@@ -365,6 +404,7 @@ __device__ void consume(const typename T::Params& p, typename T::SharedStorage& 
             any ? row_max[i] * a.scale + logf(sum) : -INFINITY;
     }
   }
+  if (wg == 0) wait_turn();  // takes warpgroup 1's last hand-over: no arrival is left pending
 }
 
 template <class T>
