@@ -4,6 +4,7 @@
 // deterministic kernel (issue 8); until then it is refused with a clear error.
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <cub/block/block_scan.cuh>
 #include <string>
 
@@ -70,6 +71,12 @@ MaskIndexView index_view(const TensorView& t) {
   v.stride_w = t.dim() > 3 ? t.stride(3) : 0;
   v.width = t.dim() > 3 ? int32_t(t.size(3)) : 0;
   return v;
+}
+
+// Tuning switches for sweeps: unset or anything but "0" is on.
+bool env_flag(const char* name) {
+  const char* v = std::getenv(name);
+  return v == nullptr || std::string(v) != "0";
 }
 
 int64_t q_tiles_of(const AttentionProblem& p) { return (p.seq_q + kTileQ - 1) / kTileQ; }
@@ -186,6 +193,8 @@ class AttentionCuda final : public backend::AttentionBackend {
     a.num_items = int32_t(p.batch * p.heads_q * a.q_tiles);
     a.order = static_cast<const int32_t*>(scratch);
     a.grid = int32_t(std::min<int64_t>(a.num_items, sm_count(fp.q.device().index)));
+    static const bool pingpong = env_flag("SPARSETRAIN_ATTN_PINGPONG");
+    a.pingpong = pingpong;
 
     cudaStream_t s = static_cast<cudaStream_t>(stream.handle);
     sort_items_kernel<<<1, kSortThreads, 0, s>>>(a.lists, a.heads_q, a.q_tiles, a.num_items,

@@ -170,7 +170,7 @@ __device__ __forceinline__ void mask_builtin(TS& s, TC const& coord, int q0, int
 }
 
 template <class TS, class TC>
-__device__ void mask_partial_tile(TS& s, TC const& coord, int q0, int kv0, const FwdArgs& a, int b, int h,
+__device__ __forceinline__ void mask_partial_tile(TS& s, TC const& coord, int q0, int kv0, const FwdArgs& a, int b, int h,
                                   int mask_row, const WalkTile& tile) {
   const FwdMaskSpec& m = a.spec;
   const int32_t* doc_q = m.doc_q ? m.doc_q + b * m.doc_q_stride_b : nullptr;
@@ -205,10 +205,51 @@ __device__ void mask_partial_tile(TS& s, TC const& coord, int q0, int kv0, const
   }
 }
 
+// After S of a tile is in registers: the mask (partial tiles; the Skv bound of a full tile that
+// crosses it), the new row maxima, and P = exp(S - max) in place; `correction` gets each row's
+// rescale factor for what was accumulated before. Rows live in 4 adjacent lanes.
+template <int kBlockN, class TS, class TC, int kRows>
+__device__ __forceinline__ void masked_softmax(TS& S, TC const& coord, const WalkTile& tile, const FwdWorkItem& w,
+                                               int mask_row, int q0, const FwdArgs& a, float scale_log2,
+                                               float (&row_max)[kRows], float (&row_sum)[kRows],
+                                               float (&correction)[kRows]) {
+  const int kv0 = tile.tile * kBlockN;
+  if (tile.partial) {
+    mask_partial_tile(S, coord, q0, kv0, a, w.b, w.h, mask_row, tile);
+  } else if (kv0 + kBlockN > a.seq_kv) {
+    mask_builtin<MaskKind::kFull>(S, coord, q0, kv0, a, nullptr, nullptr);
+  }
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < kRows; ++i) {
+    float mx = row_max[i];
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < size<1>(S); ++j) mx = fmaxf(mx, S(i, j));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+    correction[i] = row_max[i] == -INFINITY ? 0.f : fast_exp2((row_max[i] - mx) * scale_log2);
+    row_max[i] = mx;
+    const float offset = mx == -INFINITY ? 0.f : mx * scale_log2;  // all masked so far: p = 0
+    float sum = 0.f;
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < size<1>(S); ++j) {
+      S(i, j) = fast_exp2(S(i, j) * scale_log2 - offset);
+      sum += S(i, j);
+    }
+    row_sum[i] = row_sum[i] * correction[i] + sum;
+  }
+}
+
+// P in the input type, the A operand of O += P V.
+template <class TS, class TP>
+__device__ __forceinline__ void convert_p(TS const& s, TP& p) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size(p); ++i) p(i) = typename TP::value_type(s(i));
+}
+
 // ---- the kernel ----------------------------------------------------------------------------------
 
 template <class T>
-__device__ void produce(const typename T::Params& p, typename T::SharedStorage& ss, typename T::Pipeline& pipe_k,
+__device__ __forceinline__ void produce(const typename T::Params& p, typename T::SharedStorage& ss, typename T::Pipeline& pipe_k,
                         typename T::Pipeline& pipe_v) {
   const FwdArgs& a = p.args;
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQ{});
@@ -254,7 +295,7 @@ __device__ void produce(const typename T::Params& p, typename T::SharedStorage& 
 }
 
 template <class T>
-__device__ void consume(const typename T::Params& p, typename T::SharedStorage& ss, typename T::Pipeline& pipe_k,
+__device__ __forceinline__ void consume(const typename T::Params& p, typename T::SharedStorage& ss, typename T::Pipeline& pipe_k,
                         typename T::Pipeline& pipe_v, int tid) {
   using Element = typename T::Element;
   const FwdArgs& a = p.args;
@@ -288,97 +329,86 @@ __device__ void consume(const typename T::Params& p, typename T::SharedStorage& 
   // 1, one per warpgroup), so one's softmax runs while the other's GEMMs keep the tensor cores
   // busy. Warpgroup 0 goes first.
   const int wg = tid / 128;
-  auto wait_turn = [&] { cutlass::arch::NamedBarrier::sync(T::kMmaThreads, wg); };
-  auto pass_turn = [&] { cutlass::arch::NamedBarrier::arrive(T::kMmaThreads, 1 - wg); };
+  const bool pingpong = a.pingpong;
+  auto wait_turn = [&] {
+    if (pingpong) cutlass::arch::NamedBarrier::sync(T::kMmaThreads, wg);
+  };
+  auto pass_turn = [&] {
+    if (pingpong) cutlass::arch::NamedBarrier::arrive(T::kMmaThreads, 1 - wg);
+  };
   if (wg == 1) pass_turn();
+
+  float row_max[kRows], row_sum[kRows], correction[kRows];
   for (int it = blockIdx.x; it < a.num_items; it += gridDim.x) {
     const FwdWorkItem w = fwd_work_item(a.order[it], a.heads_q, a.q_tiles);
     const int row = fwd_mask_row(w.q_tile, T::kBlockM, a.lists.block_q);
     const WalkCounts counts = walk_counts(a.lists, w.b, w.h, row);
     const int length = walk_length(a.lists, counts);
     const int q0 = w.q_tile * T::kBlockM;
+    // The walk's next valid tile at or after t (invalid ones are skipped by the producer too).
+    auto next_tile = [&](int t, WalkTile& tile) {
+      for (; t < length; ++t) {
+        tile = walk_tile(a.lists, counts, w.b, w.h, row, t);
+        if (tile.tile >= 0) break;
+      }
+      return t;
+    };
 
-    float row_max[kRows], row_sum[kRows];
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) row_max[i] = -INFINITY, row_sum[i] = 0.f;
     clear(tOrO);
-    if (length > 0) {
+    WalkTile tile{};
+    int t = next_tile(0, tile);
+    if (t < length) {
       cutlass::arch::ClusterBarrier::wait(&ss.q_full, q_loads & 1);
-      // Software pipeline (FlashAttention-3's intra-warpgroup overlap): tile j's S = Q K^T is
-      // issued together with O += P V of tile j - 1, and tile j's softmax runs while that PV
-      // GEMM is in flight. `have_p`: a P is waiting for its PV GEMM.
-      bool have_p = false;
-      for (int t = 0; t < length; ++t) {
-        const WalkTile tile = walk_tile(a.lists, counts, w.b, w.h, row, t);
-        if (tile.tile < 0) continue;
-        const int kv0 = tile.tile * T::kBlockN;
+      // First tile: S only.
+      pipe_k.consumer_wait(read);
+      wait_turn();
+      warpgroup_gemm_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+      pass_turn();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tSrS);
+      pipe_k.consumer_release(read);
+      masked_softmax<T::kBlockN>(S, S_coord, tile, w, row, q0, a, scale_log2, row_max, row_sum, correction);
+      convert_p(tSrS, rP);
+      p_read = read;
+      ++read;
+      // Steady state (FlashAttention-3's intra-warpgroup overlap): tile j's S = Q K^T is issued
+      // together with O += P V of tile j - 1, and tile j's softmax runs while that PV GEMM is in
+      // flight. No wgmma sits on a divergent path (ptxas would serialise them all).
+      for (t = next_tile(t + 1, tile); t < length; t = next_tile(t + 1, tile)) {
         pipe_k.consumer_wait(read);
+        pipe_v.consumer_wait(p_read);
         wait_turn();
         warpgroup_gemm_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
-        if (have_p) {
-          pipe_v.consumer_wait(p_read);
-          warpgroup_gemm_issue<false>(mma_pv, tOrP, tOrV(_, _, _, p_read.index()), tOrO);
-        }
+        warpgroup_gemm_issue<false>(mma_pv, tOrP, tOrV(_, _, _, p_read.index()), tOrO);
         pass_turn();
-        if (have_p) {
-          warpgroup_wait<1>();
-        } else {
-          warpgroup_wait<0>();
-        }
+        warpgroup_wait<1>();
         warpgroup_fence_operand(tSrS);
         pipe_k.consumer_release(read);
-        if (tile.partial) {
-          mask_partial_tile(S, S_coord, q0, kv0, a, w.b, w.h, row, tile);
-        } else if (kv0 + T::kBlockN > a.seq_kv) {
-          mask_builtin<MaskKind::kFull>(S, S_coord, q0, kv0, a, nullptr, nullptr);
-        }
-        // Online softmax: new row maxima, exponentiate; O is rescaled once its PV GEMM is done.
-        float correction[kRows];
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < kRows; ++i) {
-          float mx = row_max[i];
-          CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < size<1>(S); ++j) mx = fmaxf(mx, S(i, j));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));  // a row lives in 4 adjacent lanes
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-          correction[i] = row_max[i] == -INFINITY ? 0.f : fast_exp2((row_max[i] - mx) * scale_log2);
-          row_max[i] = mx;
-          const float offset = mx == -INFINITY ? 0.f : mx * scale_log2;  // all masked so far: p = 0
-          float sum = 0.f;
-          CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < size<1>(S); ++j) {
-            S(i, j) = fast_exp2(S(i, j) * scale_log2 - offset);
-            sum += S(i, j);
-          }
-          row_sum[i] = row_sum[i] * correction[i] + sum;
-        }
-        if (have_p) {
-          warpgroup_wait<0>();
-          warpgroup_fence_operand(tOrO);
-          pipe_v.consumer_release(p_read);
-        }
+        masked_softmax<T::kBlockN>(S, S_coord, tile, w, row, q0, a, scale_log2, row_max, row_sum, correction);
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tOrO);
+        pipe_v.consumer_release(p_read);
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < kRows; ++i) {
           CUTLASS_PRAGMA_UNROLL
           for (int j = 0; j < size<1>(O); ++j) O(i, j) *= correction[i];
         }
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(rP); ++i) rP(i) = Element(tSrS(i));
+        convert_p(tSrS, rP);
         p_read = read;
         ++read;
-        have_p = true;
       }
-      cutlass::arch::ClusterBarrier::arrive(&ss.q_empty);  // every S of this tile is computed
+      cutlass::arch::ClusterBarrier::arrive(&ss.q_empty);  // every S of this q tile is computed
       ++q_loads;
-      if (have_p) {  // the last tile's PV
-        pipe_v.consumer_wait(p_read);
-        wait_turn();
-        warpgroup_gemm_issue<false>(mma_pv, tOrP, tOrV(_, _, _, p_read.index()), tOrO);
-        pass_turn();
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(tOrO);
-        pipe_v.consumer_release(p_read);
-      }
+      // The last tile's PV.
+      pipe_v.consumer_wait(p_read);
+      wait_turn();
+      warpgroup_gemm_issue<false>(mma_pv, tOrP, tOrV(_, _, _, p_read.index()), tOrO);
+      pass_turn();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tOrO);
+      pipe_v.consumer_release(p_read);
     }
 
     // Epilogue: normalise, write o (pairs of adjacent columns) and lse; rows past Sq are dropped.
