@@ -1,11 +1,12 @@
 """sparsetrain.BlockMask (block_mask.h in Python) and block-sparse attention over arrays.
 
-A BlockMask holds its index tensors as numpy arrays or as torch CPU tensors (`framework`), all
-int32 in FlexAttention's layout with leading dims [B, H] (size 1 broadcasts), plus the sizes, the
-mask inside partial blocks (`spec`) and the column schedule its dQ write order was built for. The
-builders run in C++ (`build`, `from_blocks`, `with_schedule`); `from_torch` converts torch's
-flex_attention BlockMask as it is: its lists, and its mask_mod evaluated once per partial block
-into per-block bitmasks.
+A BlockMask holds its index tensors as numpy arrays or as torch tensors (`framework`; torch
+tensors on the CPU or on one CUDA device), all int32 in FlexAttention's layout with leading dims
+[B, H] (size 1 broadcasts), plus the sizes, the mask inside partial blocks (`spec`) and the column
+schedule its dQ write order was built for. The builders run in C++ (`build` on the host or on a
+CUDA device, `from_blocks`, `with_schedule`); `from_torch` converts torch's flex_attention
+BlockMask as it is: its lists, and its mask_mod evaluated once per partial block into per-block
+bitmasks. `to(device)` moves a mask (torch tensors).
 """
 
 from __future__ import annotations
@@ -82,14 +83,39 @@ def _schedule_arg(schedule: Any) -> Any:
                          f"block columns, got {schedule!r}") from None
 
 
-def _doc_ids(a: Any, fw: Framework, arg: str) -> Any:
-    """Document ids as int32 [B or 1, S] host arrays of the framework (int64 ids are converted)."""
+def _device_arg(device: Any, framework: Optional[str]) -> Any:
+    """A build's device: None or "cpu" for the host, else a torch.device of type cuda with its
+    index (the current device for a bare "cuda"); a ValueError for anything else."""
+    if device is None or (isinstance(device, str) and device == "cpu"):
+        return None
+    if framework == "numpy":
+        raise ValueError(f"device: expected 'cpu' for framework 'numpy' (a mask on a CUDA device holds torch "
+                         f"tensors), got {device!r}")
+    import torch  # noqa: PLC0415
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device: expected 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r}") from None
+    if dev.type == "cpu":
+        return None
+    if dev.type != "cuda":
+        raise ValueError(f"device: expected 'cpu' or a CUDA device, got {dev}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device: expected an available CUDA device, got {dev} (torch.cuda.is_available() "
+                         "is False)")
+    return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+
+
+def _doc_ids(a: Any, fw: Framework, arg: str, device: Any = None) -> Any:
+    """Document ids as int32 [B or 1, S] arrays of the framework (int64 ids are converted), on
+    the host or, for a build on a CUDA device, on that device."""
     if fw.torch is not None:
         torch = fw.torch
         t = a if _is_torch(a) else torch.as_tensor(np.asarray(a))
         if t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{arg}: expected integer document ids (int32 or int64), got {t.dtype}")
-        t = t.detach().to("cpu", torch.int32)
+        t = t.detach().to("cpu" if device is None else device, torch.int32)
         return (t.unsqueeze(0) if t.dim() == 1 else t).contiguous()
     arr = a.detach().cpu().numpy() if _is_torch(a) else np.asarray(a)
     if arr.dtype.kind not in "iu":
@@ -107,9 +133,11 @@ class BlockMask:
     with `sub_tiles` kv sub-columns per block column. Leading dims broadcast over the batch and
     the query heads.
 
-    Build one with `BlockMask.build(kind, seq_q, seq_kv, ...)`, `BlockMask.from_blocks(blocks, ...)`
-    or `BlockMask.from_torch(flex_block_mask)`. The arrays are numpy arrays or torch CPU tensors
-    (`framework`; `to_torch()` / `to_numpy()` convert without copies). Treat them as read-only.
+    Build one with `BlockMask.build(kind, seq_q, seq_kv, ...)` (on the host or, with device=, on
+    a CUDA device), `BlockMask.from_blocks(blocks, ...)` or `BlockMask.from_torch(flex_block_mask)`.
+    The arrays are numpy arrays or torch tensors (`framework`; `to_torch()` / `to_numpy()` convert
+    host masks without copies), on the host or one CUDA device (`device`; `to(device)`, `cuda()`
+    and `cpu()` move them). Treat them as read-only.
     """
 
     def __init__(self, *, seq_q: int, seq_kv: int, block_q: int, block_kv: int, tensors: Dict[str, Any],
@@ -129,17 +157,21 @@ class BlockMask:
     @classmethod
     def build(cls, kind: str, seq_q: int, seq_kv: Optional[int] = None, *, window_left: int = -1,
               window_right: int = -1, prefix_length: int = 0, document_ids: Any = None, doc_q: Any = None,
-              doc_kv: Any = None, block_size: Union[int, Sequence[int]] = 128, schedule: Any = "auto",
-              sub_tiles: int = 1, framework: Optional[str] = None) -> "BlockMask":
+              doc_kv: Any = None, block_size: Union[int, Sequence[int]] = 128, schedule: Any = None,
+              sub_tiles: int = 1, framework: Optional[str] = None, device: Any = None) -> "BlockMask":
         """A mask from a built-in kind (mask_spec.h), seq_kv = seq_q by default:
         "full"; "causal" (kv <= q, FlexAttention's top-left convention); "causal_bottom_right"
         (kv <= q + seq_kv - seq_q, FlashAttention's); "sliding_window" (q - window_left <= kv <=
         q + window_right, a negative bound is unbounded); "document" / "document_causal"
         (document_ids [B or 1, S] or [S] for both sides, or doc_q and doc_kv; int32 or int64);
         "prefix_lm" (kv <= q or kv < prefix_length). block_size: 128 or (block_q, block_kv).
-        schedule: "auto" (chosen from the mask by the scheduler model), "left_to_right",
-        "shortest_first", or a permutation of the kv block columns. framework: "numpy", "torch",
-        or None (torch when the document ids are torch tensors)."""
+        schedule: "auto" (chosen from the mask by the scheduler model; the default on the host),
+        "left_to_right" (the default on a CUDA device), "shortest_first", or a permutation of the
+        kv block columns. framework: "numpy", "torch", or None (torch when the document ids are
+        torch tensors or the device is CUDA). device: None or "cpu" builds on the host; a CUDA
+        device ("cuda", "cuda:1", a torch.device) builds the same tensors there, on torch's current
+        stream, without a host synchronisation (torch tensors from torch's allocator; document ids
+        are moved there first; "auto" is not available: it runs the scheduler model on the host)."""
         seq_kv = seq_q if seq_kv is None else seq_kv
         if kind not in MASK_KINDS:
             raise ValueError(f"kind: expected one of {', '.join(MASK_KINDS)}, got {kind!r}")
@@ -147,17 +179,29 @@ class BlockMask:
             if doc_q is not None or doc_kv is not None:
                 raise ValueError("document_ids: expected either document_ids or doc_q / doc_kv, got both")
             doc_q = doc_kv = document_ids
-        fw = _framework(framework, doc_q, doc_kv)
+        dev = _device_arg(device, framework)
+        fw = _framework("torch" if dev is not None and framework is None else framework, doc_q, doc_kv)
+        if schedule is None:
+            schedule = "auto" if dev is None else "left_to_right"
+        elif dev is not None and isinstance(schedule, str) and schedule == "auto":
+            raise ValueError(f"schedule: expected 'left_to_right', 'shortest_first' or a permutation for a build on "
+                             f"{dev} (\"auto\" runs the scheduler model on the host: build there, or pick one), "
+                             "got 'auto'")
         if kind in _DOC_KINDS:
             if doc_q is None or doc_kv is None:
                 raise ValueError(f"document_ids: expected document ids [B or 1, S] for kind {kind!r}, got none")
-            doc_q, doc_kv = _doc_ids(doc_q, fw, "doc_q"), _doc_ids(doc_kv, fw, "doc_kv")
+            doc_q, doc_kv = _doc_ids(doc_q, fw, "doc_q", dev), _doc_ids(doc_kv, fw, "doc_kv", dev)
         elif doc_q is not None or doc_kv is not None:
             raise ValueError(f"document_ids: expected none for kind {kind!r} (only document kinds take them)")
         spec = MaskSpec(kind, int(window_left), int(window_right), int(prefix_length), doc_q, doc_kv)
         bq, bkv = _block_size(block_size)
-        d = _C.build_block_mask(spec._core(), int(seq_q), int(seq_kv), bq, bkv, _schedule_arg(schedule),
-                                int(sub_tiles), fw.allocate)
+        if dev is None:
+            d = _C.build_block_mask(spec._core(), int(seq_q), int(seq_kv), bq, bkv, _schedule_arg(schedule),
+                                    int(sub_tiles), fw.allocate)
+        else:
+            stream = fw.torch.cuda.current_stream(dev).cuda_stream
+            d = _C.build_block_mask(spec._core(), int(seq_q), int(seq_kv), bq, bkv, _schedule_arg(schedule),
+                                    int(sub_tiles), fw.allocate, "cuda", dev.index, stream)
         return cls._from_core(d, fw, spec)
 
     @classmethod
@@ -182,7 +226,7 @@ class BlockMask:
 
     @classmethod
     def from_torch(cls, block_mask: Any, *, batch: Optional[int] = None, heads: Optional[int] = None,
-                   schedule: Any = "auto", sub_tiles: int = 1) -> "BlockMask":
+                   schedule: Any = "auto", sub_tiles: int = 1, device: Any = None) -> "BlockMask":
         """torch.nn.attention.flex_attention.BlockMask as it is: its partial and full blocks
         (full_kv_* may be None: every listed block is then partial), BLOCK_SIZE and seq_lengths,
         and its mask_mod evaluated once per partial block into bitmasks (vectorised with torch.vmap
@@ -190,14 +234,19 @@ class BlockMask:
         transposes and dQ write orders are ours (for `schedule`). mask_mod sees the block mask's own
         batch / head indices; one that depends on b or h under a mask built with B or H = 1 (flex
         then broadcasts it) needs `batch` / `heads` here to be evaluated per batch row / head.
-        The result holds torch CPU tensors."""
+        The result holds torch tensors on `device`: by default the flex mask's own device (the
+        lists, transposes and write orders are built on the host and copied there; mask_mod always
+        runs on the flex mask's device, where the tensors it captures live)."""
         import torch  # noqa: PLC0415
 
-        return _from_flex(cls, torch, block_mask, batch, heads, schedule, sub_tiles)
+        return _from_flex(cls, torch, block_mask, batch, heads, schedule, sub_tiles, device)
 
     def with_schedule(self, schedule: Any = "auto", sub_tiles: Optional[int] = None) -> "BlockMask":
         """The same mask with the transposes and dQ write orders rebuilt for another schedule
-        (or sub-tile count); the forward lists and bitmasks are shared."""
+        (or sub-tile count); the forward lists and bitmasks are shared. On a CUDA mask they are
+        rebuilt on a host copy and copied back (a synchronising debug/setup path)."""
+        if self._on_device():
+            return self.cpu().with_schedule(schedule, sub_tiles).to(self.device)
         sub_tiles = self.sub_tiles if sub_tiles is None else int(sub_tiles)
         d = _C.complete_block_mask(self._core_mask(), _schedule_arg(schedule), sub_tiles, self._fw.allocate)
         tensors = {n: getattr(self, n) for n in TENSOR_NAMES}
@@ -228,13 +277,16 @@ class BlockMask:
     # -- checks --------------------------------------------------------------------------------
     def validate(self, batch: int = 0, heads: int = 0) -> None:
         """Every rule of block_mask.h (shapes, ranges, duplicates, sorted walks, transposes, write
-        orders; leading dims against batch / heads when > 0); ValueError naming the tensor."""
-        _C.validate_block_mask(self._core_mask(), int(batch), int(heads))
+        orders; leading dims against batch / heads when > 0); ValueError naming the tensor. A
+        mask on a CUDA device is checked on a host copy (synchronises: a debug path)."""
+        m = self.cpu() if self._on_device() else self
+        _C.validate_block_mask(m._core_mask(), int(batch), int(heads))
 
     def check_write_order(self) -> str:
         """The deadlock-freedom invariant of the dQ write order for the mask's schedule: "" when
-        it holds, else the first violation."""
-        return _C.check_write_order(self._core_mask())
+        it holds, else the first violation (a CUDA mask: on a host copy)."""
+        m = self.cpu() if self._on_device() else self
+        return _C.check_write_order(m._core_mask())
 
     # -- sizes and conversions -----------------------------------------------------------------
     @property
@@ -249,8 +301,47 @@ class BlockMask:
     def framework(self) -> str:
         return "numpy" if self._fw.torch is None else "torch"
 
+    @property
+    def device(self) -> Any:
+        """Where the tensors are: "cpu" for a numpy mask, the torch.device of a torch mask."""
+        return "cpu" if self._fw.torch is None else self.kv_num_blocks.device
+
+    def _on_device(self) -> bool:
+        return self._fw.torch is not None and self.kv_num_blocks.device.type != "cpu"
+
+    def tensors(self) -> Dict[str, Any]:
+        """Every array of the mask by name (TENSOR_NAMES, then spec.doc_q / spec.doc_kv); None
+        where absent. The schedule permutation stays a host array on every device."""
+        d = {n: getattr(self, n) for n in TENSOR_NAMES}
+        d["doc_q"], d["doc_kv"] = self.spec.doc_q, self.spec.doc_kv
+        return d
+
+    def to(self, device: Any) -> "BlockMask":
+        """This mask with every tensor (the document ids and bitmasks included) on `device` ("cpu",
+        "cuda", "cuda:N" or a torch.device): itself when they are already there, else a copy in
+        torch tensors (a numpy mask becomes torch first). The schedule permutation stays on the
+        host (the library reads it there)."""
+        import torch  # noqa: PLC0415
+
+        dev = torch.device(device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        m = self.to_torch()
+        if all(t is None or t.device == dev for t in m.tensors().values()):
+            return m
+        return m._convert(Framework(torch), lambda t: t.to(dev), convert_permutation=False)
+
+    def cuda(self, device: Any = None) -> "BlockMask":
+        """to() the current CUDA device (or `device`)."""
+        return self.to("cuda" if device is None else device)
+
+    def cpu(self) -> "BlockMask":
+        """A host mask: itself if it is one, else a torch CPU copy."""
+        return self if not self._on_device() else self.to("cpu")
+
     def to_torch(self) -> "BlockMask":
-        """This mask over torch CPU tensors sharing the arrays' memory (itself if it already is)."""
+        """This mask over torch CPU tensors sharing the arrays' memory (itself if it already is
+        torch, on any device)."""
         if self._fw.torch is not None:
             return self
         if self._other is None:
@@ -261,22 +352,26 @@ class BlockMask:
         return self._other
 
     def to_numpy(self) -> "BlockMask":
-        """This mask over numpy arrays sharing the tensors' memory (itself if it already is)."""
+        """This mask over numpy arrays sharing the tensors' memory (itself if it already is); a
+        CUDA mask is copied to the host first."""
         if self._fw.torch is None:
             return self
+        if self._on_device():
+            return self.cpu().to_numpy()
         if self._other is None:
             self._other = self._convert(Framework(None), lambda t: t.detach().cpu().numpy())
             self._other._other = self
         return self._other
 
-    def _convert(self, fw: Framework, conv) -> "BlockMask":
+    def _convert(self, fw: Framework, conv, convert_permutation: bool = True) -> "BlockMask":
         def c(a):
             return None if a is None else conv(a)
 
         spec = self.spec._replace(doc_q=c(self.spec.doc_q), doc_kv=c(self.spec.doc_kv))
+        perm = c(self.schedule_permutation) if convert_permutation else self.schedule_permutation
         return BlockMask(seq_q=self.seq_q, seq_kv=self.seq_kv, block_q=self.block_q, block_kv=self.block_kv,
                          tensors={n: c(getattr(self, n)) for n in TENSOR_NAMES}, spec=spec,
-                         schedule=self.schedule, schedule_permutation=c(self.schedule_permutation),
+                         schedule=self.schedule, schedule_permutation=perm,
                          sub_tiles=self.sub_tiles, framework=fw)
 
     def _for(self, fw: Framework) -> "BlockMask":
@@ -298,7 +393,7 @@ class BlockMask:
         sched = self.schedule if self.schedule != "permutation" else f"permutation{list(self.schedule_permutation.tolist())}"
         return (f"BlockMask(seq_q={self.seq_q}, seq_kv={self.seq_kv}, block_size=({self.block_q}, {self.block_kv}), "
                 f"leading_dims={lead}, spec={self.spec.kind}, schedule={sched}, sub_tiles={self.sub_tiles}, "
-                f"framework={self.framework})")
+                f"framework={self.framework}, device={self.device})")
 
 
 def _uint8_blocks(blocks: Any, fw: Framework) -> Any:
@@ -360,7 +455,7 @@ def _flex_dense(torch, counts: Any, indices: Any, name: str, shape: Tuple[int, i
 
 
 def _from_flex(cls, torch, m: Any, batch: Optional[int], heads: Optional[int], schedule: Any,
-               sub_tiles: int) -> BlockMask:
+               sub_tiles: int, device: Any) -> BlockMask:
     needed = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "BLOCK_SIZE", "seq_lengths",
               "mask_mod")
     if not all(hasattr(m, a) for a in needed):
@@ -393,13 +488,15 @@ def _from_flex(cls, torch, m: Any, batch: Optional[int], heads: Optional[int], s
             raise ValueError("block_mask.full_kv_indices: expected kv blocks not also partial (in kv_indices), "
                              "got a block in both")
         blocks += full.to(torch.uint8) * 2
+    target = m.kv_indices.device if device is None else _device_arg(device, "torch")
+    target = torch.device("cpu") if target is None else target
     fw = Framework(torch)
     d = _C.build_block_mask_from_blocks(to_core(blocks.contiguous()), sq, skv, bq, bkv, _schedule_arg(schedule),
                                         int(sub_tiles), fw.allocate)
     mask = cls._from_core(d, fw, MaskSpec("bitmask"))
     mask.partial_bitmasks = _evaluate_bitmasks(torch, m.mask_mod, mask.kv_num_blocks, mask.kv_indices, bq, bkv, sq,
-                                               skv, m.kv_indices.device)
-    return mask
+                                               skv, m.kv_indices.device, target)
+    return mask.to(target)
 
 
 def _vmap_blocks(torch, mask_mod):
@@ -410,14 +507,16 @@ def _vmap_blocks(torch, mask_mod):
     return torch.vmap(fn, in_dims=(0, 0, 0, 0))
 
 
-def _evaluate_bitmasks(torch, mask_mod, counts, indices, bq: int, bkv: int, sq: int, skv: int, device) -> Any:
+def _evaluate_bitmasks(torch, mask_mod, counts, indices, bq: int, bkv: int, sq: int, skv: int, device,
+                       out_device) -> Any:
     """uint8 [B, H, Mq, W, ceil(bq * bkv / 8)] parallel to kv_indices (W = the largest partial
-    count): bit i * bkv + j (LSB first) = mask_mod at row i, column j of the block; positions past
-    the sequences are 0. mask_mod runs on `device` (where its captured tensors live)."""
+    count) on `out_device`: bit i * bkv + j (LSB first) = mask_mod at row i, column j of the block;
+    positions past the sequences are 0. mask_mod runs on `device` (where its captured tensors
+    live); counts and indices are host tensors."""
     B, H, mq = counts.shape
     width = max(1, int(counts.max()))
     nbytes = (bq * bkv + 7) // 8
-    out = torch.zeros(B, H, mq, width, nbytes, dtype=torch.uint8)
+    out = torch.zeros(B, H, mq, width, nbytes, dtype=torch.uint8, device=out_device)
     valid = torch.arange(width) < counts.to(torch.int64)[..., None]
     b_i, h_i, m_i, w_i = valid.nonzero(as_tuple=True)
     n_i = indices.to(torch.int64)[b_i, h_i, m_i, w_i]
@@ -447,7 +546,8 @@ def _evaluate_bitmasks(torch, mask_mod, counts, indices, bq: int, bkv: int, sq: 
         if pad:
             flat = torch.nn.functional.pad(flat, (0, pad))
         packed = (flat.view(-1, nbytes, 8) * weights).sum(-1).to(torch.uint8)
-        out[b_i[sl], h_i[sl], m_i[sl], w_i[sl]] = packed.cpu()
+        idx = tuple(i[sl].to(out_device) for i in (b_i, h_i, m_i, w_i))
+        out[idx] = packed.to(out_device)
     return out
 
 
@@ -473,8 +573,9 @@ def _check_mask(block_mask: Any) -> BlockMask:
 
 def block_sparse_attention_forward(q: Any, k: Any, v: Any, block_mask: BlockMask, *, scale: Optional[float] = None,
                                    deterministic: bool = True, stream: Optional[int] = None) -> Tuple[Any, Any]:
-    """attention.h's forward over arrays (numpy, torch CPU tensors): q [B, Sq, Hq, D], k and v
-    [B, Skv, Hkv, D] (any strides, last dim contiguous; fp32, bf16 or fp16). Returns (o
+    """attention.h's forward over arrays (numpy, torch CPU or CUDA tensors; the mask on their
+    device): q [B, Sq, Hq, D], k and v [B, Skv, Hkv, D] (any strides, last dim contiguous; fp32,
+    bf16 or fp16; on CUDA bf16 / fp16 with 16-byte aligned strides). Returns (o
     [B, Sq, Hq, D] in q's dtype, lse fp32 [B, Hq, Sq]); a row with no allowed key gives o = 0 and
     lse = -inf."""
     fw = Framework.of(q)

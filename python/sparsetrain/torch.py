@@ -11,6 +11,7 @@ What backward returns for a weight follows the one rule in C++ (`weight_grad_dis
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import weakref
@@ -628,13 +629,26 @@ def _bshd(t: Tensor) -> Tensor:
     return t.transpose(1, 2)
 
 
+def _device_guard(t: Tensor) -> Any:
+    """The CUDA device of `t` made current for the call (torch's current stream there is the
+    one the library runs on); nothing for a CPU tensor."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+_CUDA_BACKWARD_MESSAGE = (
+    "sparsetrain.torch.block_sparse_attention: the CUDA backward is not implemented yet (issue 8); the "
+    "forward runs on CUDA tensors, so run it without gradients (torch.no_grad(), or q, k, v that do not "
+    "require grad), or run the attention on CPU tensors to train")
+
+
 @torch.library.custom_op("sparsetrain::block_sparse_attention_forward", mutates_args=())
 def _attention_forward_op(q: Tensor, k: Tensor, v: Tensor, mask_tensors: List[Optional[Tensor]],
                           mask_sizes: List[int], mask_kinds: str, scale: float,
                           deterministic: bool) -> Tuple[Tensor, Tensor]:
     mask = _mask_from_args(mask_tensors, mask_sizes, mask_kinds)
-    o, lse = _attention_forward(_bshd(q), _bshd(k), _bshd(v), mask, scale=scale or None,
-                                deterministic=deterministic)
+    with _device_guard(q):
+        o, lse = _attention_forward(_bshd(q), _bshd(k), _bshd(v), mask, scale=scale or None,
+                                    deterministic=deterministic)
     return _bshd(o), lse
 
 
@@ -648,6 +662,10 @@ def _(q, k, v, mask_tensors, mask_sizes, mask_kinds, scale, deterministic):
 def _attention_backward_op(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dout: Tensor,
                            mask_tensors: List[Optional[Tensor]], mask_sizes: List[int], mask_kinds: str,
                            scale: float, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
+    # Raised here, when a backward actually runs (not in the autograd Function, which
+    # torch.compile traces while compiling a forward that only may need one).
+    if q.is_cuda:
+        raise NotImplementedError(_CUDA_BACKWARD_MESSAGE)
     mask = _mask_from_args(mask_tensors, mask_sizes, mask_kinds)
     dq, dk, dv = _attention_backward(_bshd(q), _bshd(k), _bshd(v), _bshd(o), lse, _bshd(dout), mask,
                                      scale=scale or None, deterministic=deterministic)
@@ -685,17 +703,24 @@ class _AttentionFunction(torch.autograd.Function):
 
 
 def _check_attention_inputs(q: Any, k: Any, v: Any, mask: BlockMask) -> None:
-    """The [B, H, S, D] contract in the caller's terms (the core would name [B, S, H, D] dims)."""
+    """The [B, H, S, D] contract in the caller's terms (the core would name [B, S, H, D] dims);
+    the rules of the CUDA kernels (dtypes, head dims, alignment) are the core's to check."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise ValueError(f"{name}: expected a torch.Tensor [B, H, S, D], got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name}: expected a 4-d tensor [B, H, S, D], got shape {list(t.shape)}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.device.type != "cpu":
-            raise NotImplementedError(
-                f"block_sparse_attention: {name} is on {t.device}, but only CPU tensors are supported for now "
-                "(the CUDA attention kernels are a later issue); move q, k and v to the CPU")
+    if q.device.type not in ("cpu", "cuda"):
+        raise NotImplementedError(f"block_sparse_attention: q is on {q.device}; expected CPU or CUDA tensors")
+    for name, t in (("k", k), ("v", v)):
+        if t.device != q.device:
+            raise ValueError(f"{name}: expected a tensor on {q.device} (q's device), got {t.device}")
+    for name, t in mask.tensors().items():
+        if t is not None and t.device != q.device:
+            where = "spec." + name if name.startswith("doc_") else name
+            raise ValueError(f"block_mask.{where}: expected a tensor on {q.device} (q's device), got {t.device} "
+                             "(move the mask once with block_mask.to(q.device), or build it there with "
+                             "BlockMask.build(..., device=q.device))")
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"q: expected dtype float32, bfloat16 or float16, got {q.dtype}")
     for name, t in (("k", k), ("v", v)):
@@ -722,10 +747,11 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMas
     natural-log log-sum-exp [B, Hq, Sq] with return_lse=True; it has no gradient). A query row
     with no allowed key gives o = 0, lse = -inf and zero gradients. Autograd through q, k and v;
     `deterministic` picks the backward's dQ reduction order (the CPU reference always is).
-    CPU tensors only for now: CUDA tensors raise NotImplementedError."""
-    mask = _check_mask(block_mask)
+    CPU or CUDA tensors; the mask's tensors must be on q's device (`block_mask.to(q.device)`, or
+    `BlockMask.build(..., device=...)`). On CUDA (bf16 / fp16, D 64 or 128, mask blocks multiples
+    of 128) only the forward exists for now: a backward through it raises NotImplementedError."""
+    mask = _check_mask(block_mask).to_torch()
     _check_attention_inputs(q, k, v, mask)
-    mask = mask.to_torch()
     tensors, sizes, kinds = _mask_args(mask)
     o, lse = _AttentionFunction.apply(q, k, v, sizes, kinds, _scale_arg(scale), bool(deterministic), *tensors)
     return (o, lse) if return_lse else o

@@ -516,11 +516,20 @@ st::BlockMaskOptions mask_options(int64_t block_q, int64_t block_kv, nb::handle 
   return o;
 }
 
+// device "cpu" builds on the host; "cuda" (device_index) builds there on `stream` without a host
+// sync (block_mask.h: document ids on that device, an explicit schedule), the tensors coming from
+// the allocator callback on that device (torch.empty on the current stream).
 nb::dict build_mask(nb::dict spec, int64_t seq_q, int64_t seq_kv, int64_t block_q, int64_t block_kv,
-                    nb::handle schedule, int64_t sub_tiles, nb::callable allocator) {
+                    nb::handle schedule, int64_t sub_tiles, nb::callable allocator, const std::string& device,
+                    int device_index, uintptr_t stream) {
   PyAllocator alloc(std::move(allocator));
-  st::BlockMaskTensors t = st::build_block_mask(spec_of(spec), seq_q, seq_kv,
-                                                mask_options(block_q, block_kv, schedule, sub_tiles, &alloc));
+  st::BlockMaskOptions o = mask_options(block_q, block_kv, schedule, sub_tiles, &alloc);
+  ST_CHECK_ARG(device == "cpu" || device == "cuda", "device", "cpu or cuda", device);
+  if (device == "cuda") {
+    o.device = st::Device::cuda(device_index);
+    o.stream.handle = reinterpret_cast<void*>(stream);
+  }
+  st::BlockMaskTensors t = st::build_block_mask(spec_of(spec), seq_q, seq_kv, o);
   return export_mask(t, alloc);
 }
 
@@ -635,7 +644,8 @@ NB_MODULE(_C, m) {
 
   // Block masks (block_mask.h): each builder returns a dict of exported tensors (see export_mask).
   m.def("build_block_mask", &build_mask, nb::arg("spec"), nb::arg("seq_q"), nb::arg("seq_kv"), nb::arg("block_q"),
-        nb::arg("block_kv"), nb::arg("schedule"), nb::arg("sub_tiles"), nb::arg("allocator"));
+        nb::arg("block_kv"), nb::arg("schedule"), nb::arg("sub_tiles"), nb::arg("allocator"),
+        nb::arg("device") = "cpu", nb::arg("device_index") = 0, nb::arg("stream") = 0);
   m.def("build_block_mask_from_blocks", &build_mask_from_blocks, nb::arg("blocks"), nb::arg("seq_q"),
         nb::arg("seq_kv"), nb::arg("block_q"), nb::arg("block_kv"), nb::arg("schedule"), nb::arg("sub_tiles"),
         nb::arg("allocator"));

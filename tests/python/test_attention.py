@@ -4,8 +4,8 @@ built-in mask kind, odd sizes (S not a multiple of the block, Sq != Skv), GQA an
 BlockMask.from_torch on flex_attention's masks (causal, sliding window, documents, arbitrary
 mask_mods, full_kv_* absent) against the dense reference, our own builder and torch's
 flex_attention itself (eager: it runs on the CPU in this torch); torch.compile(fullgraph=True)
-of forward + backward; bad input. CPU tensors only (CUDA raises until the CUDA kernels land);
-skipped visibly where torch is not installed."""
+of forward + backward; bad input; BlockMask.to(device). CPU tensors (the CUDA ones are in
+test_attention_cuda.py); skipped visibly where torch is not installed."""
 
 import warnings
 
@@ -546,12 +546,62 @@ def test_corrupted_mask_is_rejected_by_validation():
     assert m2.check_write_order() != ""
 
 
-@pytest.mark.parametrize("device", ["meta", "cuda"])
-def test_non_cpu_tensors_raise_a_clear_error(device):
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device: the same check is exercised with a meta tensor")
+def test_unsupported_devices_and_mixed_devices_raise_a_clear_error():
+    """CPU and CUDA tensors are accepted (tests/python/test_attention_cuda.py runs CUDA); other
+    devices, k / v away from q, and a mask away from q name what to do."""
     q, k, v, m = _good()
-    q, k, v = (t.detach().to(device) for t in (q, k, v))
-    with pytest.raises(NotImplementedError, match=r"only CPU tensors are supported for now \(the CUDA attention "
-                                                  r"kernels are a later issue\)"):
-        stt.block_sparse_attention(q, k, v, m)
+    q, k, v = (t.detach() for t in (q, k, v))
+    with pytest.raises(NotImplementedError, match="block_sparse_attention: q is on meta; expected CPU or CUDA"):
+        stt.block_sparse_attention(*(t.to("meta") for t in (q, k, v)), m)
+    with pytest.raises(ValueError, match=r"v: expected a tensor on cpu \(q's device\), got meta"):
+        stt.block_sparse_attention(q, k, v.to("meta"), m)
+    with pytest.raises(ValueError, match=r"block_mask.kv_num_blocks: expected a tensor on cpu \(q's device\), got "
+                                         r"meta \(move the mask once with block_mask.to\(q.device\)"):
+        stt.block_sparse_attention(q, k, v, m.to("meta"))
+    md = st.BlockMask.build("document_causal", 40, document_ids=_docs(1, 40, 2), block_size=16, framework="torch")
+    md.spec = md.spec._replace(doc_q=md.spec.doc_q.to("meta"))
+    with pytest.raises(ValueError, match=r"block_mask.spec.doc_q: expected a tensor on cpu"):
+        stt.block_sparse_attention(q, k, v, md)
+
+
+def test_block_mask_to_device_and_back():
+    """to() moves every tensor (document ids and bitmasks too) and keeps the schedule permutation on
+    the host; to() the device a mask is on is the mask itself. "meta" stands in for a CUDA device."""
+    m = st.BlockMask.build("document_causal", 70, document_ids=_docs(2, 70, 5), block_size=16,
+                           schedule=[3, 1, 0, 4, 2], framework="numpy")
+    assert m.device == "cpu" and m.to("cpu") is m.to_torch() and m.cpu() is m
+    mt = m.to_torch()
+    assert mt.device == torch.device("cpu") and mt.to("cpu") is mt and mt.cpu() is mt
+    moved = m.to("meta")
+    assert moved.framework == "torch" and moved.device == torch.device("meta") and "device=meta" in repr(moved)
+    for name, t in moved.tensors().items():
+        if t is not None:
+            assert t.device.type == "meta", name
+            assert t.shape == mt.tensors()[name].shape and t.dtype == mt.tensors()[name].dtype, name
+    assert moved.spec.doc_q.device.type == "meta" and moved.schedule_permutation.device.type == "cpu"
+    assert moved.to("meta") is moved
+    assert (moved.schedule, moved.sub_tiles, moved.seq_q, moved.block_kv) == ("permutation", 1, 70, 16)
+    fm = flex.create_block_mask(_mod3, 1, 1, 48, 37, device="cpu", BLOCK_SIZE=16)
+    bm = st.BlockMask.from_torch(fm)
+    assert bm.device == torch.device("cpu")
+    assert bm.to("meta").partial_bitmasks.device.type == "meta"
+    assert torch.equal(st.BlockMask.from_torch(fm, device="cpu").partial_bitmasks, bm.partial_bitmasks)
+
+
+def test_device_build_arguments():
+    """build(device=...) on the host is the default build; CUDA builds are tested in
+    test_attention_cuda.py, their argument errors here."""
+    a = st.BlockMask.build("causal", 300, framework="torch")
+    b = st.BlockMask.build("causal", 300, framework="torch", device="cpu")
+    assert a.schedule == b.schedule == "shortest_first"  # "auto" stays the host default
+    for name, t in a.tensors().items():
+        assert (t is None and b.tensors()[name] is None) or torch.equal(t, b.tensors()[name]), name
+    with pytest.raises(ValueError, match="device: expected 'cpu' for framework 'numpy'"):
+        st.BlockMask.build("causal", 300, framework="numpy", device="cuda")
+    with pytest.raises(ValueError, match="device: expected 'cpu' or a CUDA device, got meta"):
+        st.BlockMask.build("causal", 300, device="meta")
+    with pytest.raises(ValueError, match="device: expected 'cpu', 'cuda', 'cuda:N' or a torch.device"):
+        st.BlockMask.build("causal", 300, device="gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"device: expected an available CUDA device, got cuda"):
+            st.BlockMask.build("causal", 300, device="cuda")
