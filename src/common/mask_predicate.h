@@ -27,4 +27,28 @@ ST_HOST_DEVICE inline bool mask_allows(MaskKind kind, int64_t window_left, int64
   return false;
 }
 
+// The specs whose allowed keys for a query form one interval: [lo, hi) for query q, or false
+// for the others (documents, bitmasks). The kernels mask a partial tile with two compares per
+// element instead of evaluating the spec per element. Intersect with [0, seq_kv) for the bound.
+ST_HOST_DEVICE inline bool mask_row_interval(MaskKind kind, int64_t window_left, int64_t window_right,
+                                             int64_t prefix_length, int64_t seq_q, int64_t seq_kv, int64_t q,
+                                             int64_t* lo, int64_t* hi) {
+  *lo = 0;
+  *hi = seq_kv;
+  switch (kind) {
+    case MaskKind::kFull: return true;
+    case MaskKind::kCausal: *hi = q + 1; return true;
+    case MaskKind::kCausalBottomRight: *hi = q + (seq_kv - seq_q) + 1; return true;
+    case MaskKind::kSlidingWindow:
+      if (window_left >= 0) *lo = q - window_left;
+      if (window_right >= 0) *hi = q + window_right + 1;
+      return true;
+    case MaskKind::kPrefixLM: *hi = q + 1 > prefix_length ? q + 1 : prefix_length; return true;
+    case MaskKind::kDocument:
+    case MaskKind::kDocumentCausal:
+    case MaskKind::kBitmask: return false;
+  }
+  return false;
+}
+
 }  // namespace sparsetrain

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/attention_fwd_walk.h"
+#include "common/mask_predicate.h"
 #include "sparsetrain/block_mask.h"
 
 namespace st = sparsetrain;
@@ -120,4 +121,29 @@ TEST(AttentionFwdWalk, BadCountsAndIdsAreClampedOrSkipped) {
   // An absent full list counts 0.
   l.full_count = {};
   EXPECT_EQ(st::walk_counts(l, 0, 0, 0).full, 0);
+}
+
+TEST(AttentionFwdWalk, RowIntervalsAreTheSpecsRows) {
+  // mask_row_interval (the kernels' fast path) against mask_allows (the definition) per element.
+  struct Spec {
+    st::MaskKind kind;
+    int64_t left, right, prefix;
+  };
+  const Spec specs[] = {{st::MaskKind::kFull, -1, -1, 0},          {st::MaskKind::kCausal, -1, -1, 0},
+                        {st::MaskKind::kCausalBottomRight, -1, -1, 0}, {st::MaskKind::kSlidingWindow, 7, 0, 0},
+                        {st::MaskKind::kSlidingWindow, 5, 3, 0},   {st::MaskKind::kSlidingWindow, -1, 2, 0},
+                        {st::MaskKind::kSlidingWindow, 4, -1, 0},  {st::MaskKind::kPrefixLM, -1, -1, 9}};
+  for (const auto& [sq, skv] : {std::pair<int64_t, int64_t>{23, 23}, {17, 31}, {31, 17}})
+    for (const Spec& s : specs)
+      for (int64_t q = 0; q < sq; ++q) {
+        int64_t lo = -7, hi = -7;
+        ASSERT_TRUE(st::mask_row_interval(s.kind, s.left, s.right, s.prefix, sq, skv, q, &lo, &hi));
+        for (int64_t kv = 0; kv < skv; ++kv)
+          EXPECT_EQ(kv >= lo && kv < hi,
+                    st::mask_allows(s.kind, s.left, s.right, s.prefix, nullptr, nullptr, sq, skv, q, kv))
+              << "kind " << int(s.kind) << " q " << q << " kv " << kv;
+      }
+  int64_t lo, hi;
+  for (st::MaskKind k : {st::MaskKind::kDocument, st::MaskKind::kDocumentCausal, st::MaskKind::kBitmask})
+    EXPECT_FALSE(st::mask_row_interval(k, -1, -1, 0, 8, 8, 0, &lo, &hi));
 }

@@ -26,7 +26,7 @@
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
-#include "common/mask_predicate.h"
+#include "common/mask_predicate.h"  // mask_row_interval
 #include "cuda/attention/attention_fwd_params.h"
 #include "sparsetrain/error.h"
 
@@ -145,61 +145,82 @@ __device__ __forceinline__ void warpgroup_gemm_issue(Mma& mma, TA const& a, TB c
   warpgroup_commit_batch();
 }
 
-// S(i, j) = -inf where allowed(q, kv) is false; rows / cols are the tile's absolute positions.
-template <class TS, class TC, class Allowed>
-__device__ __forceinline__ void mask_scores(TS& s, TC const& coord, int q0, int kv0, Allowed allowed) {
+// The Skv bound alone (a full tile that crosses the end of the keys).
+template <class TS, class TC>
+__device__ __forceinline__ void mask_seq_kv(TS& s, TC const& coord, int kv0, int seq_kv) {
   CUTLASS_PRAGMA_UNROLL
-  for (int i = 0; i < size<0>(s); ++i) {
-    const int q = q0 + get<0>(coord(i, 0));
+  for (int j = 0; j < size<1>(s); ++j) {
+    const bool out = kv0 + get<1>(coord(0, j)) >= seq_kv;  // columns are the same in every row
     CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < size<1>(s); ++j)
-      if (!allowed(q, kv0 + get<1>(coord(i, j)))) s(i, j) = -INFINITY;
+    for (int i = 0; i < size<0>(s); ++i)
+      if (out) s(i, j) = -INFINITY;
   }
 }
 
-// The mask inside one partial tile (runtime kind), or only the Skv bound of a full one.
-template <MaskKind kKind, class TS, class TC>
-__device__ __forceinline__ void mask_builtin(TS& s, TC const& coord, int q0, int kv0, const FwdArgs& a,
-                                             const int32_t* doc_q, const int32_t* doc_kv) {
+// The mask inside one partial tile, by kind (a runtime switch). Specs whose rows are intervals
+// (causal, bottom-right causal, sliding window, prefix-LM, full) cost two compares per element;
+// documents compare ids, bitmasks test the row's bits (read as 32-bit words).
+template <class TS, class TC>
+__device__ __forceinline__ void mask_partial_tile(TS& s, TC const& coord, int q0, int kv0, const FwdArgs& a, int b,
+                                                  int h, int mask_row, const WalkTile& tile) {
   const FwdMaskSpec& m = a.spec;
   const int sq = a.seq_q, skv = a.seq_kv;
-  mask_scores(s, coord, q0, kv0, [&](int q, int kv) {
-    return kv < skv && q < sq &&
-           mask_allows(kKind, m.window_left, m.window_right, m.prefix_length, doc_q, doc_kv, sq, skv, q, kv);
-  });
-}
-
-template <class TS, class TC>
-__device__ __forceinline__ void mask_partial_tile(TS& s, TC const& coord, int q0, int kv0, const FwdArgs& a, int b, int h,
-                                  int mask_row, const WalkTile& tile) {
-  const FwdMaskSpec& m = a.spec;
-  const int32_t* doc_q = m.doc_q ? m.doc_q + b * m.doc_q_stride_b : nullptr;
-  const int32_t* doc_kv = m.doc_kv ? m.doc_kv + b * m.doc_kv_stride_b : nullptr;
   switch (m.kind) {
-    case MaskKind::kFull: mask_builtin<MaskKind::kFull>(s, coord, q0, kv0, a, doc_q, doc_kv); break;
-    case MaskKind::kCausal: mask_builtin<MaskKind::kCausal>(s, coord, q0, kv0, a, doc_q, doc_kv); break;
-    case MaskKind::kCausalBottomRight:
-      mask_builtin<MaskKind::kCausalBottomRight>(s, coord, q0, kv0, a, doc_q, doc_kv);
+    case MaskKind::kDocument:
+    case MaskKind::kDocumentCausal: {
+      const int32_t* doc_q = m.doc_q + b * m.doc_q_stride_b;
+      const int32_t* doc_kv = m.doc_kv + b * m.doc_kv_stride_b;
+      const bool causal = m.kind == MaskKind::kDocumentCausal;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size<0>(s); ++i) {
+        const int q = q0 + get<0>(coord(i, 0));
+        const int32_t dq = q < sq ? __ldg(doc_q + q) : -1;
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < size<1>(s); ++j) {
+          const int kv = kv0 + get<1>(coord(i, j));
+          const bool ok = q < sq && kv < skv && __ldg(doc_kv + kv) == dq && (!causal || kv <= q);
+          if (!ok) s(i, j) = -INFINITY;
+        }
+      }
       break;
-    case MaskKind::kSlidingWindow:
-      mask_builtin<MaskKind::kSlidingWindow>(s, coord, q0, kv0, a, doc_q, doc_kv);
-      break;
-    case MaskKind::kDocument: mask_builtin<MaskKind::kDocument>(s, coord, q0, kv0, a, doc_q, doc_kv); break;
-    case MaskKind::kDocumentCausal:
-      mask_builtin<MaskKind::kDocumentCausal>(s, coord, q0, kv0, a, doc_q, doc_kv);
-      break;
-    case MaskKind::kPrefixLM: mask_builtin<MaskKind::kPrefixLM>(s, coord, q0, kv0, a, doc_q, doc_kv); break;
+    }
     case MaskKind::kBitmask: {
-      // Bit (row_in_block * block_kv + col_in_block) of the entry's block, LSB first.
+      // Row r of the block is block_kv bits from bit r * block_kv on (block_kv a multiple of 128:
+      // the kernel tile's 128 columns are 4 aligned 32-bit words).
       const uint8_t* bits = m.bits + b * m.bits_stride_b + h * m.bits_stride_h + mask_row * m.bits_stride_m +
                             tile.entry * m.bits_stride_w;
       const int row0 = mask_row * a.lists.block_q, col0 = (tile.tile / a.lists.sub_tiles) * m.block_kv;
-      const int sq = a.seq_q, skv = a.seq_kv, bkv = m.block_kv;
-      mask_scores(s, coord, q0, kv0, [&](int q, int kv) {
-        if (q >= sq || kv >= skv) return false;
-        const int bit = (q - row0) * bkv + (kv - col0);
-        return ((__ldg(bits + (bit >> 3)) >> (bit & 7)) & 1) != 0;
-      });
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size<0>(s); ++i) {
+        const int q = q0 + get<0>(coord(i, 0));
+        const uint32_t* words =
+            reinterpret_cast<const uint32_t*>(bits + (int64_t(q - row0) * m.block_kv + (kv0 - col0)) / 8);
+        static_assert(kTileKv == 128, "the row's bits are 4 words");
+        const uint32_t w0 = q < sq ? __ldg(words) : 0u, w1 = q < sq ? __ldg(words + 1) : 0u;
+        const uint32_t w2 = q < sq ? __ldg(words + 2) : 0u, w3 = q < sq ? __ldg(words + 3) : 0u;
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < size<1>(s); ++j) {
+          const int c = get<1>(coord(i, j));
+          const uint32_t word = c < 64 ? (c < 32 ? w0 : w1) : (c < 96 ? w2 : w3);  // selects, no local array
+          const bool ok = kv0 + c < skv && ((word >> (c & 31)) & 1u);
+          if (!ok) s(i, j) = -INFINITY;
+        }
+      }
+      break;
+    }
+    default: {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size<0>(s); ++i) {
+        const int q = q0 + get<0>(coord(i, 0));
+        int64_t lo, hi;
+        mask_row_interval(m.kind, m.window_left, m.window_right, m.prefix_length, sq, skv, q, &lo, &hi);
+        const int from = int(max(lo, int64_t(0)) - kv0), to = int(min(hi, int64_t(skv)) - kv0);  // tile columns
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < size<1>(s); ++j) {
+          const int c = get<1>(coord(i, j));
+          if (c < from || c >= to) s(i, j) = -INFINITY;
+        }
+      }
       break;
     }
   }
@@ -217,7 +238,7 @@ __device__ __forceinline__ void masked_softmax(TS& S, TC const& coord, const Wal
   if (tile.partial) {
     mask_partial_tile(S, coord, q0, kv0, a, w.b, w.h, mask_row, tile);
   } else if (kv0 + kBlockN > a.seq_kv) {
-    mask_builtin<MaskKind::kFull>(S, coord, q0, kv0, a, nullptr, nullptr);
+    mask_seq_kv(S, coord, kv0, a.seq_kv);
   }
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < kRows; ++i) {
