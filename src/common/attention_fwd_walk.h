@@ -77,6 +77,18 @@ ST_HOST_DEVICE inline WalkTile walk_tile(const MaskWalkLists& l, const WalkCount
   return {valid ? n * l.sub_tiles + sub : -1, entry, partial};
 }
 
+// The first valid tile at or after t (its index; walk_length when none is left), in *tile. The
+// producer and the consumers walk the same valid tiles this way: the loads and the math agree.
+ST_HOST_DEVICE inline int32_t walk_next_valid(const MaskWalkLists& l, const WalkCounts& c, int64_t b, int64_t h,
+                                              int64_t m, int32_t t, WalkTile* tile) {
+  const int32_t length = walk_length(l, c);
+  for (; t < length; ++t) {
+    *tile = walk_tile(l, c, b, h, m, t);
+    if (tile->tile >= 0) break;
+  }
+  return t;
+}
+
 // Work items: one per (batch b, query head h, q tile), numbered so that the q tiles of one head
 // are adjacent, and the heads of one kv head (GQA) next to each other.
 struct FwdWorkItem {

@@ -328,3 +328,49 @@ TEST(AttentionCudaErrors, BackwardIsRefusedClearly) {
 }
 
 }  // namespace
+
+namespace {
+
+// A corrupted device mask (not validated: that would synchronise) gives wrong numbers at worst:
+// counts are clamped to the width, out-of-range block ids skipped, and a q tile left with nothing
+// valid writes o = 0, lse = -inf; no hang, no out-of-bounds access (memcheck runs this one).
+TEST(AttentionCudaErrors, CorruptDeviceMaskNeverReadsOutOfBounds) {
+  REQUIRE_GPU();
+  std::mt19937_64 rng(11);
+  const int64_t S = 256, H = 2, D = 128;
+  Input q(DType::kBF16, 1, S, H, D, false, rng, 1.0), k(DType::kBF16, 1, S, H, D, false, rng, 1.0);
+  st::MaskSpec causal;
+  causal.kind = MaskKind::kCausal;
+  const st::BlockMaskTensors host = st::build_block_mask(causal, S, S);
+  // Row 0: a count far above the width (2); row 1: its partial id out of range, full count < 0.
+  HostTensor kv_num = HostTensor::copy_of(host.mask.kv_num_blocks), kv_idx = HostTensor::copy_of(host.mask.kv_indices);
+  HostTensor full_num = HostTensor::copy_of(host.mask.full_kv_num_blocks);
+  kv_num.set(0, 1000);
+  kv_idx.set(1 * kv_idx.view().size(3), 99);
+  full_num.set(1, -5);
+  st::BlockMask bad = host.mask;
+  bad.kv_num_blocks = kv_num.view();
+  bad.kv_indices = kv_idx.view();
+  bad.full_kv_num_blocks = full_num.view();
+  DeviceMask dev(bad);
+  const st::AttentionForward f = st::block_sparse_attention_forward(q.dev_view, k.dev_view, k.dev_view, dev.mask);
+  const HostTensor o = to_host(f.o.view()), lse = to_host(f.lse.view());
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t i = 0; i < S; ++i) {
+      const double l = lse.get(h * S + i);
+      if (i >= 128) {
+        EXPECT_TRUE(std::isinf(l) && l < 0) << "row " << i << " has no valid tile: lse " << l;
+      } else {
+        EXPECT_TRUE(std::isfinite(l)) << "row " << i;
+      }
+    }
+  for (int64_t x = 0; x < o.numel(); ++x) {
+    const int64_t row = x / (H * D);
+    ASSERT_TRUE(std::isfinite(o.get(x))) << x;
+    if (row >= 128) {
+      ASSERT_EQ(o.get(x), 0.0) << x;
+    }
+  }
+}
+
+}  // namespace

@@ -115,9 +115,18 @@ TEST(AttentionFwdWalk, BadCountsAndIdsAreClampedOrSkipped) {
   EXPECT_EQ(st::walk_tile(l, c, 0, 0, 0, 1).tile, -1);
   EXPECT_EQ(st::walk_tile(l, c, 0, 0, 0, 2).tile, 4);
   EXPECT_EQ(st::walk_tile(l, c, 0, 0, 0, 3).tile, 5);
+  // The producer and the consumers skip to the same valid tiles.
+  st::WalkTile tile{};
+  EXPECT_EQ(st::walk_next_valid(l, c, 0, 0, 0, 0, &tile), 2);
+  EXPECT_EQ(tile.tile, 4);
+  EXPECT_EQ(st::walk_next_valid(l, c, 0, 0, 0, 3, &tile), 3);
+  EXPECT_EQ(tile.tile, 5);
   fcounts[0] = 1;
   const st::WalkCounts c2 = st::walk_counts(l, 0, 0, 0);
   EXPECT_EQ(st::walk_tile(l, c2, 0, 0, 0, 4).tile, -1);  // full id 9 >= Nk
+  EXPECT_EQ(st::walk_next_valid(l, c2, 0, 0, 0, 4, &tile), st::walk_length(l, c2));  // none left
+  idx[1] = 7;  // every entry out of range: the item has nothing to load
+  EXPECT_EQ(st::walk_next_valid(l, c2, 0, 0, 0, 0, &tile), st::walk_length(l, c2));
   // An absent full list counts 0.
   l.full_count = {};
   EXPECT_EQ(st::walk_counts(l, 0, 0, 0).full, 0);

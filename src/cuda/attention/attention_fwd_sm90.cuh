@@ -69,6 +69,10 @@ struct FwdTraits {
 
   using SmemAtom = decltype(smem_atom_k_major<Element, kHeadDim>());
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  // Two q tiles: the producer loads the next item's q (and its first kv tiles) while the
+  // consumers finish the current one.
+  static constexpr int kQBuffers = 2;
+  using SmemLayoutQs = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kQBuffers>>{}));
   using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
   using SmemLayoutVt = decltype(composition(
       SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
@@ -88,12 +92,13 @@ struct FwdTraits {
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
 
   struct SharedStorage {
-    array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+    array_aligned<Element, cosize_v<SmemLayoutQs>, 1024> q;
     array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
     array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
     typename Pipeline::SharedStorage pipe_k, pipe_v;
-    uint64_t q_full;   // the q tile landed (TMA transaction barrier)
-    uint64_t q_empty;  // the consumers are done with it (every consumer thread arrives)
+    uint64_t q_full[kQBuffers];   // the q tile landed (TMA transaction barrier)
+    uint64_t q_empty[kQBuffers];  // the consumers are done with it (every consumer thread arrives)
+    int32_t doc_kv[kConsumerWarpgroups][kBlockN];  // a partial tile's key document ids, per warpgroup
   };
 
   struct Params {
@@ -160,25 +165,33 @@ __device__ __forceinline__ void mask_seq_kv(TS& s, TC const& coord, int kv0, int
 // The mask inside one partial tile, by kind (a runtime switch). Specs whose rows are intervals
 // (causal, bottom-right causal, sliding window, prefix-LM, full) cost two compares per element;
 // documents compare ids, bitmasks test the row's bits (read as 32-bit words).
+// doc_stage: this warpgroup's kTileKv slots in shared memory (named barrier 2 + wg syncs them).
 template <class TS, class TC>
 __device__ __forceinline__ void mask_partial_tile(TS& s, TC const& coord, int q0, int kv0, const FwdArgs& a, int b,
-                                                  int h, int mask_row, const WalkTile& tile) {
+                                                  int h, int mask_row, const WalkTile& tile, int32_t* doc_stage,
+                                                  int wg) {
   const FwdMaskSpec& m = a.spec;
   const int sq = a.seq_q, skv = a.seq_kv;
   switch (m.kind) {
     case MaskKind::kDocument:
     case MaskKind::kDocumentCausal: {
+      // The tile's key ids go through shared memory: one coalesced load per thread instead of
+      // 32 scattered ones in the softmax's critical path.
       const int32_t* doc_q = m.doc_q + b * m.doc_q_stride_b;
       const int32_t* doc_kv = m.doc_kv + b * m.doc_kv_stride_b;
       const bool causal = m.kind == MaskKind::kDocumentCausal;
+      const int lane = threadIdx.x % 128;
+      cutlass::arch::NamedBarrier::sync(128, 2 + wg);  // the previous partial tile's reads are done
+      doc_stage[lane] = kv0 + lane < skv ? __ldg(doc_kv + kv0 + lane) : INT32_MIN;
+      cutlass::arch::NamedBarrier::sync(128, 2 + wg);
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size<0>(s); ++i) {
         const int q = q0 + get<0>(coord(i, 0));
-        const int32_t dq = q < sq ? __ldg(doc_q + q) : -1;
+        const int32_t dq = q < sq ? __ldg(doc_q + q) : INT32_MAX;  // never a key's id
         CUTLASS_PRAGMA_UNROLL
         for (int j = 0; j < size<1>(s); ++j) {
           const int kv = kv0 + get<1>(coord(i, j));
-          const bool ok = q < sq && kv < skv && __ldg(doc_kv + kv) == dq && (!causal || kv <= q);
+          const bool ok = q < sq && doc_stage[kv - kv0] == dq && (!causal || kv <= q);
           if (!ok) s(i, j) = -INFINITY;
         }
       }
@@ -233,10 +246,10 @@ template <int kBlockN, class TS, class TC, int kRows>
 __device__ __forceinline__ void masked_softmax(TS& S, TC const& coord, const WalkTile& tile, const FwdWorkItem& w,
                                                int mask_row, int q0, const FwdArgs& a, float scale_log2,
                                                float (&row_max)[kRows], float (&row_sum)[kRows],
-                                               float (&correction)[kRows]) {
+                                               float (&correction)[kRows], int32_t* doc_stage, int wg) {
   const int kv0 = tile.tile * kBlockN;
   if (tile.partial) {
-    mask_partial_tile(S, coord, q0, kv0, a, w.b, w.h, mask_row, tile);
+    mask_partial_tile(S, coord, q0, kv0, a, w.b, w.h, mask_row, tile, doc_stage, wg);
   } else if (kv0 + kBlockN > a.seq_kv) {
     mask_seq_kv(S, coord, kv0, a.seq_kv);
   }
@@ -273,7 +286,7 @@ template <class T>
 __device__ __forceinline__ void produce(const typename T::Params& p, typename T::SharedStorage& ss, typename T::Pipeline& pipe_k,
                         typename T::Pipeline& pipe_v) {
   const FwdArgs& a = p.args;
-  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQ{});
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQs{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutKV{});
   Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutKV{});
   Tensor mQ = p.tma_q.get_tma_tensor(make_shape(a.seq_q, int32_t(T::kHeadDim), a.heads_q, a.batch));
@@ -290,22 +303,24 @@ __device__ __forceinline__ void produce(const typename T::Params& p, typename T:
     const int row = fwd_mask_row(w.q_tile, T::kBlockM, a.lists.block_q);
     const WalkCounts counts = walk_counts(a.lists, w.b, w.h, row);
     const int length = walk_length(a.lists, counts);
-    if (length == 0) continue;
-    if (q_loads > 0) cutlass::arch::ClusterBarrier::wait(&ss.q_empty, (q_loads - 1) & 1);
+    WalkTile tile{};
+    int t = walk_next_valid(a.lists, counts, w.b, w.h, row, 0, &tile);
+    if (t == length) continue;  // nothing to load: the consumers write o = 0, lse = -inf
+    const int buf = q_loads % T::kQBuffers, use = q_loads / T::kQBuffers;  // use: of this buffer
+    if (use > 0) cutlass::arch::ClusterBarrier::wait(&ss.q_empty[buf], (use - 1) & 1);
     ++q_loads;
     Tensor gQ = local_tile(mQ(_, _, w.h, w.b), QTile{}, make_coord(w.q_tile, 0));
-    auto [tQgQ, tQsQ] = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.q_full, T::kQBytes);
-    copy(p.tma_q.with(ss.q_full), tQgQ, tQsQ);
+    auto [tQgQ, tQsQ] =
+        tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ(_, _, buf)), group_modes<0, 2>(gQ));
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.q_full[buf], T::kQBytes);
+    copy(p.tma_q.with(ss.q_full[buf]), tQgQ, tQsQ);
 
     const int hkv = w.h / group;
     Tensor gK = local_tile(mK(_, _, hkv, w.b), KVTile{}, make_coord(_, 0));  // (N, D, tiles)
     Tensor gV = local_tile(mV(_, _, hkv, w.b), KVTile{}, make_coord(_, 0));
     auto [tKgK, tKsK] = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto [tVgV, tVsV] = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-    for (int t = 0; t < length; ++t) {
-      const WalkTile tile = walk_tile(a.lists, counts, w.b, w.h, row, t);
-      if (tile.tile < 0) continue;  // a block id out of range (device masks are not validated)
+    for (; t < length; t = walk_next_valid(a.lists, counts, w.b, w.h, row, t + 1, &tile)) {
       pipe_k.producer_acquire(write);
       copy(p.tma_k.with(*pipe_k.producer_get_barrier(write), 0), tKgK(_, tile.tile), tKsK(_, write.index()));
       pipe_v.producer_acquire(write);
@@ -320,14 +335,14 @@ __device__ __forceinline__ void consume(const typename T::Params& p, typename T:
                         typename T::Pipeline& pipe_v, int tid) {
   using Element = typename T::Element;
   const FwdArgs& a = p.args;
-  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQ{});
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQs{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutKV{});
   Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutVt{});
   typename T::MmaQK mma_qk;
   typename T::MmaPV mma_pv;
   auto thr_qk = mma_qk.get_thread_slice(tid);
   auto thr_pv = mma_pv.get_thread_slice(tid);
-  Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // descriptors
+  Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // descriptors (MMA, M, K, buffer)
   Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, N, K, stage)
   Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, D, N, stage)
   Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});
@@ -366,48 +381,45 @@ __device__ __forceinline__ void consume(const typename T::Params& p, typename T:
     const WalkCounts counts = walk_counts(a.lists, w.b, w.h, row);
     const int length = walk_length(a.lists, counts);
     const int q0 = w.q_tile * T::kBlockM;
-    // The walk's next valid tile at or after t (invalid ones are skipped by the producer too).
-    auto next_tile = [&](int t, WalkTile& tile) {
-      for (; t < length; ++t) {
-        tile = walk_tile(a.lists, counts, w.b, w.h, row, t);
-        if (tile.tile >= 0) break;
-      }
-      return t;
-    };
 
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) row_max[i] = -INFINITY, row_sum[i] = 0.f;
     clear(tOrO);
     WalkTile tile{};
-    int t = next_tile(0, tile);
+    int t = walk_next_valid(a.lists, counts, w.b, w.h, row, 0, &tile);
     if (t < length) {
-      cutlass::arch::ClusterBarrier::wait(&ss.q_full, q_loads & 1);
+      const int buf = q_loads % T::kQBuffers;
+      cutlass::arch::ClusterBarrier::wait(&ss.q_full[buf], (q_loads / T::kQBuffers) & 1);
+      Tensor tSrQb = tSrQ(_, _, _, buf);
       // First tile: S only.
       pipe_k.consumer_wait(read);
       wait_turn();
-      warpgroup_gemm_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+      warpgroup_gemm_issue<true>(mma_qk, tSrQb, tSrK(_, _, _, read.index()), tSrS);
       pass_turn();
       warpgroup_wait<0>();
       warpgroup_fence_operand(tSrS);
       pipe_k.consumer_release(read);
-      masked_softmax<T::kBlockN>(S, S_coord, tile, w, row, q0, a, scale_log2, row_max, row_sum, correction);
+      masked_softmax<T::kBlockN>(S, S_coord, tile, w, row, q0, a, scale_log2, row_max, row_sum, correction,
+                                   ss.doc_kv[wg], wg);
       convert_p(tSrS, rP);
       p_read = read;
       ++read;
       // Steady state (FlashAttention-3's intra-warpgroup overlap): tile j's S = Q K^T is issued
       // together with O += P V of tile j - 1, and tile j's softmax runs while that PV GEMM is in
       // flight. No wgmma sits on a divergent path (ptxas would serialise them all).
-      for (t = next_tile(t + 1, tile); t < length; t = next_tile(t + 1, tile)) {
+      for (t = walk_next_valid(a.lists, counts, w.b, w.h, row, t + 1, &tile); t < length;
+           t = walk_next_valid(a.lists, counts, w.b, w.h, row, t + 1, &tile)) {
         pipe_k.consumer_wait(read);
         pipe_v.consumer_wait(p_read);
         wait_turn();
-        warpgroup_gemm_issue<true>(mma_qk, tSrQ, tSrK(_, _, _, read.index()), tSrS);
+        warpgroup_gemm_issue<true>(mma_qk, tSrQb, tSrK(_, _, _, read.index()), tSrS);
         warpgroup_gemm_issue<false>(mma_pv, tOrP, tOrV(_, _, _, p_read.index()), tOrO);
         pass_turn();
         warpgroup_wait<1>();
         warpgroup_fence_operand(tSrS);
         pipe_k.consumer_release(read);
-        masked_softmax<T::kBlockN>(S, S_coord, tile, w, row, q0, a, scale_log2, row_max, row_sum, correction);
+        masked_softmax<T::kBlockN>(S, S_coord, tile, w, row, q0, a, scale_log2, row_max, row_sum, correction,
+                                   ss.doc_kv[wg], wg);
         warpgroup_wait<0>();
         warpgroup_fence_operand(tOrO);
         pipe_v.consumer_release(p_read);
@@ -420,7 +432,7 @@ __device__ __forceinline__ void consume(const typename T::Params& p, typename T:
         p_read = read;
         ++read;
       }
-      cutlass::arch::ClusterBarrier::arrive(&ss.q_empty);  // every S of this q tile is computed
+      cutlass::arch::ClusterBarrier::arrive(&ss.q_empty[buf]);  // every S of this q tile is computed
       ++q_loads;
       // The last tile's PV.
       pipe_v.consumer_wait(p_read);
@@ -468,8 +480,10 @@ __global__ void __launch_bounds__(T::kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT 
     cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
-    cutlass::arch::ClusterTransactionBarrier::init(&ss.q_full, 1);
-    cutlass::arch::ClusterBarrier::init(&ss.q_empty, T::kMmaThreads);
+    for (int i = 0; i < T::kQBuffers; ++i) {
+      cutlass::arch::ClusterTransactionBarrier::init(&ss.q_full[i], 1);
+      cutlass::arch::ClusterBarrier::init(&ss.q_empty[i], T::kMmaThreads);
+    }
   }
   typename T::Pipeline::Params pp;
   pp.transaction_bytes = T::kKVBytes;
