@@ -32,7 +32,12 @@ void check(cudaError_t e, const char* what) {
 constexpr int kSortThreads = 1024, kBinsPerThread = 2, kBins = kSortThreads * kBinsPerThread;
 
 __global__ void __launch_bounds__(kSortThreads) sort_items_kernel(const MaskWalkLists lists, int32_t heads_q,
-                                                                  int32_t q_tiles, int32_t num_items, int32_t* order) {
+                                                                  int32_t q_tiles, int32_t num_items, int32_t* order,
+                                                                  bool natural) {
+  if (natural) {  // a tuning switch: item order as numbered (the q tiles of one head together)
+    for (int32_t item = threadIdx.x; item < num_items; item += kSortThreads) order[item] = item;
+    return;
+  }
   using Scan = cub::BlockScan<int32_t, kSortThreads>;
   __shared__ typename Scan::TempStorage scan;
   __shared__ int32_t bins[kBins];  // counts, then each bin's next free slot
@@ -193,12 +198,12 @@ class AttentionCuda final : public backend::AttentionBackend {
     a.num_items = int32_t(p.batch * p.heads_q * a.q_tiles);
     a.order = static_cast<const int32_t*>(scratch);
     a.grid = int32_t(std::min<int64_t>(a.num_items, sm_count(fp.q.device().index)));
-    static const bool pingpong = env_flag("SPARSETRAIN_ATTN_PINGPONG");
+    static const bool pingpong = env_flag("SPARSETRAIN_ATTN_PINGPONG"), lpt = env_flag("SPARSETRAIN_ATTN_LPT");
     a.pingpong = pingpong;
 
     cudaStream_t s = static_cast<cudaStream_t>(stream.handle);
     sort_items_kernel<<<1, kSortThreads, 0, s>>>(a.lists, a.heads_q, a.q_tiles, a.num_items,
-                                                 static_cast<int32_t*>(scratch));
+                                                 static_cast<int32_t*>(scratch), !lpt);
     check(cudaGetLastError(), "sort_items_kernel launch");
     dispatch(p.dtype, p.head_dim, a, stream.handle);
   }
