@@ -3,8 +3,9 @@
 //
 //   scheduler  work items (batch, query head, 128-row q tile) in longest-first order, handed out
 //              round-robin to persistent CTAs (common/attention_fwd_walk.h for the index math)
-//   mainloop   a producer warpgroup loads the q tile once and streams the kv tiles the mask row
-//              lists (partial blocks, then full ones) through a 2-stage TMA pipeline; two consumer
+//   mainloop   a producer warpgroup loads the q tile once (two q buffers: the next item's loads
+//              start early) and streams the kv tiles the mask row lists (partial blocks, then full
+//              ones) through TMA pipelines (K: 2 stages, V: 3, one producer thread each); two consumer
 //              warpgroups (64 query rows each) compute S = Q K^T with wgmma from shared memory,
 //              apply the mask inside partial blocks only, update the online softmax in registers
 //              and accumulate O += P V with P straight from registers (wgmma RS). The softmax of
@@ -52,7 +53,9 @@ struct FwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kTileQ, kBlockN = kTileKv;
-  static constexpr int kStages = 2;
+  // Pipeline depth: V is held longer than K (until the PV GEMM of the next iteration), so it gets
+  // one more stage; each has its own producer thread, so K never waits for a V slot.
+  static constexpr int kStagesK = 2, kStagesV = 3;
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kMmaThreads = 128 * kConsumerWarpgroups;
   static constexpr int kThreads = kMmaThreads + 128;  // + the producer warpgroup
@@ -73,9 +76,10 @@ struct FwdTraits {
   // consumers finish the current one.
   static constexpr int kQBuffers = 2;
   using SmemLayoutQs = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kQBuffers>>{}));
-  using SmemLayoutKV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutK = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStagesK>>{}));
+  using SmemLayoutV = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStagesV>>{}));
   using SmemLayoutVt = decltype(composition(
-      SmemLayoutKV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+      SmemLayoutV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStagesV>>{}, Step<_2, _1, _3>{})));
 
   // Global q / k / v as TMA sees them: (S, D, H, B), D contiguous, any other strides.
   using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
@@ -84,22 +88,26 @@ struct FwdTraits {
       decltype(make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemShape{}, GmemStride{}));
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutQ{},
                                       Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
-  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutKV{}),
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutK{}),
                                        Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
 
-  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineK = cutlass::PipelineTmaAsync<kStagesK>;
+  using PipelineV = cutlass::PipelineTmaAsync<kStagesV>;
 
   struct SharedStorage {
     array_aligned<Element, cosize_v<SmemLayoutQs>, 1024> q;
-    array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> k;
-    array_aligned<Element, cosize_v<SmemLayoutKV>, 1024> v;
-    typename Pipeline::SharedStorage pipe_k, pipe_v;
+    array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
+    array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
+    typename PipelineK::SharedStorage pipe_k;
+    typename PipelineV::SharedStorage pipe_v;
     uint64_t q_full[kQBuffers];   // the q tile landed (TMA transaction barrier)
     uint64_t q_empty[kQBuffers];  // the consumers are done with it (every consumer thread arrives)
     int32_t doc_kv[kConsumerWarpgroups][kBlockN];  // a partial tile's key document ids, per warpgroup
   };
+
+  static_assert(sizeof(SharedStorage) <= 227 * 1024, "sm90 allows 227 KiB of shared memory per CTA");
 
   struct Params {
     FwdArgs args;
@@ -282,20 +290,22 @@ __device__ __forceinline__ void convert_p(TS const& s, TP& p) {
 
 // ---- the kernel ----------------------------------------------------------------------------------
 
+// One thread of the producer warpgroup per role: loads_v false loads q and K, true loads V.
 template <class T>
-__device__ __forceinline__ void produce(const typename T::Params& p, typename T::SharedStorage& ss, typename T::Pipeline& pipe_k,
-                        typename T::Pipeline& pipe_v) {
+__device__ __forceinline__ void produce(const typename T::Params& p, typename T::SharedStorage& ss,
+                                        typename T::PipelineK& pipe_k, typename T::PipelineV& pipe_v, bool loads_v) {
   const FwdArgs& a = p.args;
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQs{});
-  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutKV{});
-  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutKV{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutV{});
   Tensor mQ = p.tma_q.get_tma_tensor(make_shape(a.seq_q, int32_t(T::kHeadDim), a.heads_q, a.batch));
   Tensor mK = p.tma_k.get_tma_tensor(make_shape(a.seq_kv, int32_t(T::kHeadDim), a.heads_kv, a.batch));
   Tensor mV = p.tma_v.get_tma_tensor(make_shape(a.seq_kv, int32_t(T::kHeadDim), a.heads_kv, a.batch));
   using QTile = Shape<Int<T::kBlockM>, Int<T::kHeadDim>>;
   using KVTile = Shape<Int<T::kBlockN>, Int<T::kHeadDim>>;
 
-  auto write = cutlass::make_producer_start_state<typename T::Pipeline>();
+  auto write_k = cutlass::make_producer_start_state<typename T::PipelineK>();
+  auto write_v = cutlass::make_producer_start_state<typename T::PipelineV>();
   int q_loads = 0;
   const int group = a.heads_q / a.heads_kv;
   for (int it = blockIdx.x; it < a.num_items; it += gridDim.x) {
@@ -306,6 +316,17 @@ __device__ __forceinline__ void produce(const typename T::Params& p, typename T:
     WalkTile tile{};
     int t = walk_next_valid(a.lists, counts, w.b, w.h, row, 0, &tile);
     if (t == length) continue;  // nothing to load: the consumers write o = 0, lse = -inf
+    const int hkv = w.h / group;
+    if (loads_v) {
+      Tensor gV = local_tile(mV(_, _, hkv, w.b), KVTile{}, make_coord(_, 0));  // (N, D, tiles)
+      auto [tVgV, tVsV] = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+      for (; t < length; t = walk_next_valid(a.lists, counts, w.b, w.h, row, t + 1, &tile)) {
+        pipe_v.producer_acquire(write_v);
+        copy(p.tma_v.with(*pipe_v.producer_get_barrier(write_v), 0), tVgV(_, tile.tile), tVsV(_, write_v.index()));
+        ++write_v;
+      }
+      continue;
+    }
     const int buf = q_loads % T::kQBuffers, use = q_loads / T::kQBuffers;  // use: of this buffer
     if (use > 0) cutlass::arch::ClusterBarrier::wait(&ss.q_empty[buf], (use - 1) & 1);
     ++q_loads;
@@ -315,28 +336,23 @@ __device__ __forceinline__ void produce(const typename T::Params& p, typename T:
     cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.q_full[buf], T::kQBytes);
     copy(p.tma_q.with(ss.q_full[buf]), tQgQ, tQsQ);
 
-    const int hkv = w.h / group;
     Tensor gK = local_tile(mK(_, _, hkv, w.b), KVTile{}, make_coord(_, 0));  // (N, D, tiles)
-    Tensor gV = local_tile(mV(_, _, hkv, w.b), KVTile{}, make_coord(_, 0));
     auto [tKgK, tKsK] = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-    auto [tVgV, tVsV] = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
     for (; t < length; t = walk_next_valid(a.lists, counts, w.b, w.h, row, t + 1, &tile)) {
-      pipe_k.producer_acquire(write);
-      copy(p.tma_k.with(*pipe_k.producer_get_barrier(write), 0), tKgK(_, tile.tile), tKsK(_, write.index()));
-      pipe_v.producer_acquire(write);
-      copy(p.tma_v.with(*pipe_v.producer_get_barrier(write), 0), tVgV(_, tile.tile), tVsV(_, write.index()));
-      ++write;
+      pipe_k.producer_acquire(write_k);
+      copy(p.tma_k.with(*pipe_k.producer_get_barrier(write_k), 0), tKgK(_, tile.tile), tKsK(_, write_k.index()));
+      ++write_k;
     }
   }
 }
 
 template <class T>
-__device__ __forceinline__ void consume(const typename T::Params& p, typename T::SharedStorage& ss, typename T::Pipeline& pipe_k,
-                        typename T::Pipeline& pipe_v, int tid) {
+__device__ __forceinline__ void consume(const typename T::Params& p, typename T::SharedStorage& ss,
+                                        typename T::PipelineK& pipe_k, typename T::PipelineV& pipe_v, int tid) {
   using Element = typename T::Element;
   const FwdArgs& a = p.args;
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQs{});
-  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutKV{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutK{});
   Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutVt{});
   typename T::MmaQK mma_qk;
   typename T::MmaPV mma_pv;
@@ -355,7 +371,8 @@ __device__ __forceinline__ void consume(const typename T::Params& p, typename T:
   Tensor O_coord = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
   constexpr int kRows = decltype(size<0>(S))::value;  // 2 rows per thread
 
-  cutlass::PipelineState<T::kStages> read, p_read;  // p_read: the stage of the V that P waits for
+  cutlass::PipelineState<T::kStagesK> read;           // the K of the tile whose S comes next
+  cutlass::PipelineState<T::kStagesV> read_v, p_read;  // the V of that tile; the V the pending P waits for
   int q_loads = 0;
   const float scale_log2 = p.scale_log2;
   Element* out = static_cast<Element*>(a.o);
@@ -402,8 +419,9 @@ __device__ __forceinline__ void consume(const typename T::Params& p, typename T:
       masked_softmax<T::kBlockN>(S, S_coord, tile, w, row, q0, a, scale_log2, row_max, row_sum, correction,
                                    ss.doc_kv[wg], wg);
       convert_p(tSrS, rP);
-      p_read = read;
+      p_read = read_v;
       ++read;
+      ++read_v;
       // Steady state (FlashAttention-3's intra-warpgroup overlap): tile j's S = Q K^T is issued
       // together with O += P V of tile j - 1, and tile j's softmax runs while that PV GEMM is in
       // flight. No wgmma sits on a divergent path (ptxas would serialise them all).
@@ -429,8 +447,9 @@ __device__ __forceinline__ void consume(const typename T::Params& p, typename T:
           for (int j = 0; j < size<1>(O); ++j) O(i, j) *= correction[i];
         }
         convert_p(tSrS, rP);
-        p_read = read;
+        p_read = read_v;
         ++read;
+        ++read_v;
       }
       cutlass::arch::ClusterBarrier::arrive(&ss.q_empty[buf]);  // every S of this q tile is computed
       ++q_loads;
@@ -485,19 +504,25 @@ __global__ void __launch_bounds__(T::kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT 
       cutlass::arch::ClusterBarrier::init(&ss.q_empty[i], T::kMmaThreads);
     }
   }
-  typename T::Pipeline::Params pp;
-  pp.transaction_bytes = T::kKVBytes;
-  pp.role = warpgroup == 0 ? T::Pipeline::ThreadCategory::Producer : T::Pipeline::ThreadCategory::Consumer;
-  pp.is_leader = threadIdx.x == 0;
-  pp.num_consumers = T::kMmaThreads;
-  typename T::Pipeline pipe_k(ss.pipe_k, pp, Shape<_1, _1, _1>{});
-  typename T::Pipeline pipe_v(ss.pipe_v, pp, Shape<_1, _1, _1>{});
+  // Producer threads: 0 loads q and K, 32 (the next warp) loads V.
+  typename T::PipelineK::Params pk;
+  pk.transaction_bytes = T::kKVBytes;
+  pk.role = warpgroup == 0 ? T::PipelineK::ThreadCategory::Producer : T::PipelineK::ThreadCategory::Consumer;
+  pk.is_leader = threadIdx.x == 0;
+  pk.num_consumers = T::kMmaThreads;
+  typename T::PipelineV::Params pv;
+  pv.transaction_bytes = T::kKVBytes;
+  pv.role = warpgroup == 0 ? T::PipelineV::ThreadCategory::Producer : T::PipelineV::ThreadCategory::Consumer;
+  pv.is_leader = threadIdx.x == 32;
+  pv.num_consumers = T::kMmaThreads;
+  typename T::PipelineK pipe_k(ss.pipe_k, pk, Shape<_1, _1, _1>{});
+  typename T::PipelineV pipe_v(ss.pipe_v, pv, Shape<_1, _1, _1>{});
   cutlass::arch::fence_barrier_init();
   __syncthreads();
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
-    if (threadIdx.x == 0) produce<T>(p, ss, pipe_k, pipe_v);
+    if (threadIdx.x == 0 || threadIdx.x == 32) produce<T>(p, ss, pipe_k, pipe_v, threadIdx.x == 32);
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
     consume<T>(p, ss, pipe_k, pipe_v, int(threadIdx.x) - 128);
@@ -520,9 +545,9 @@ void run_fwd_sm90(const FwdArgs& a, void* stream) {
                        make_tma_copy(SM90_TMA_LOAD{}, gmem(a.q, a.seq_q, a.heads_q, a.q_stride_b, a.q_stride_s, a.q_stride_h),
                                      typename T::SmemLayoutQ{}, Shape<Int<T::kBlockM>, Int<HeadDim>>{}, _1{}),
                        make_tma_copy(SM90_TMA_LOAD{}, gmem(a.k, a.seq_kv, a.heads_kv, a.k_stride_b, a.k_stride_s, a.k_stride_h),
-                                     take<0, 2>(typename T::SmemLayoutKV{}), Shape<Int<T::kBlockN>, Int<HeadDim>>{}, _1{}),
+                                     take<0, 2>(typename T::SmemLayoutK{}), Shape<Int<T::kBlockN>, Int<HeadDim>>{}, _1{}),
                        make_tma_copy(SM90_TMA_LOAD{}, gmem(a.v, a.seq_kv, a.heads_kv, a.v_stride_b, a.v_stride_s, a.v_stride_h),
-                                     take<0, 2>(typename T::SmemLayoutKV{}), Shape<Int<T::kBlockN>, Int<HeadDim>>{}, _1{}),
+                                     take<0, 2>(typename T::SmemLayoutK{}), Shape<Int<T::kBlockN>, Int<HeadDim>>{}, _1{}),
                        float(a.scale * M_LOG2E)};
   constexpr int smem_bytes = int(sizeof(typename T::SharedStorage));
   static const cudaError_t attr =
