@@ -50,28 +50,36 @@ ST_HOST_DEVICE inline int32_t classify_diagonal_band(int64_t dmin, int64_t dmax,
   return kBlockPartial;
 }
 
+// The document ids of one side of a block, positions [begin, end) (begin < end): their least and
+// greatest id, and whether they never decrease (ids[i] >= ids[i - 1] for every begin < i < end).
+struct DocIdSpan {
+  int32_t min, max;
+  int32_t sorted;  // 0 or 1
+};
+ST_HOST_DEVICE inline DocIdSpan doc_id_span(const int32_t* ids, int64_t begin, int64_t end) {
+  DocIdSpan s{ids[begin], ids[begin], 1};
+  for (int64_t i = begin + 1; i < end; ++i) {
+    const int32_t d = ids[i];
+    s.sorted = s.sorted && d >= ids[i - 1];
+    s.min = d < s.min ? d : s.min;
+    s.max = d > s.max ? d : s.max;
+  }
+  return s;
+}
+
 // Document ids: full when both sides hold one and the same id, skipped when the id sets are
 // disjoint. Ranges decide most blocks; sorted runs (the usual packed documents) are intersected
-// exactly by a merge; anything else falls back to the elements.
+// exactly by a merge; anything else falls back to the elements. q_span / kv_span: the blocks'
+// doc_id_span when the caller has them already (a CUDA build computes them once per block), else
+// null.
 ST_HOST_DEVICE inline int32_t classify_document_block(const MaskRowParams& p, int64_t q0, int64_t q1, int64_t kv0,
-                                                      int64_t kv1) {
-  int32_t qmin = p.doc_q[q0], qmax = qmin, kmin = p.doc_kv[kv0], kmax = kmin;
-  bool q_sorted = true, kv_sorted = true;
-  for (int64_t q = q0 + 1; q < q1; ++q) {
-    const int32_t d = p.doc_q[q];
-    q_sorted = q_sorted && d >= p.doc_q[q - 1];
-    qmin = d < qmin ? d : qmin;
-    qmax = d > qmax ? d : qmax;
-  }
-  for (int64_t kv = kv0 + 1; kv < kv1; ++kv) {
-    const int32_t d = p.doc_kv[kv];
-    kv_sorted = kv_sorted && d >= p.doc_kv[kv - 1];
-    kmin = d < kmin ? d : kmin;
-    kmax = d > kmax ? d : kmax;
-  }
-  if (qmin == qmax && kmin == kmax && qmin == kmin) return kBlockFull;
-  if (qmax < kmin || kmax < qmin) return kBlockSkipped;
-  if (!q_sorted || !kv_sorted) {
+                                                      int64_t kv1, const DocIdSpan* q_span = nullptr,
+                                                      const DocIdSpan* kv_span = nullptr) {
+  const DocIdSpan qs = q_span != nullptr ? *q_span : doc_id_span(p.doc_q, q0, q1);
+  const DocIdSpan ks = kv_span != nullptr ? *kv_span : doc_id_span(p.doc_kv, kv0, kv1);
+  if (qs.min == qs.max && ks.min == ks.max && qs.min == ks.min) return kBlockFull;
+  if (qs.max < ks.min || ks.max < qs.min) return kBlockSkipped;
+  if (!qs.sorted || !ks.sorted) {
     const MaskRowParams doc_only = {MaskKind::kDocument, 0, 0, 0, p.seq_q, p.seq_kv, p.doc_q, p.doc_kv};
     return classify_block_by_elements(doc_only, q0, q1, kv0, kv1);
   }
@@ -88,8 +96,10 @@ ST_HOST_DEVICE inline int32_t classify_document_block(const MaskRowParams& p, in
 // The class of block (m, n) under a built-in spec, judged on the elements inside the sequences
 // (the last row / column of blocks may be cut short): exact, and cheap for every kind except
 // the diagonal blocks of a document-causal mask at document boundaries (element scan).
+// q_span / kv_span (document kinds): as classify_document_block takes them.
 ST_HOST_DEVICE inline int32_t classify_block(const MaskRowParams& p, int64_t block_q, int64_t block_kv, int64_t m,
-                                             int64_t n) {
+                                             int64_t n, const DocIdSpan* q_span = nullptr,
+                                             const DocIdSpan* kv_span = nullptr) {
   const int64_t q0 = m * block_q, kv0 = n * block_kv;
   const int64_t q1 = q0 + block_q < p.seq_q ? q0 + block_q : p.seq_q;
   const int64_t kv1 = kv0 + block_kv < p.seq_kv ? kv0 + block_kv : p.seq_kv;
@@ -110,11 +120,11 @@ ST_HOST_DEVICE inline int32_t classify_block(const MaskRowParams& p, int64_t blo
       if (kv0 >= most) return kBlockSkipped;
       return kv1 <= fewest ? kBlockFull : kBlockPartial;
     }
-    case MaskKind::kDocument: return classify_document_block(p, q0, q1, kv0, kv1);
+    case MaskKind::kDocument: return classify_document_block(p, q0, q1, kv0, kv1, q_span, kv_span);
     case MaskKind::kDocumentCausal: {
       const int32_t c = classify_diagonal_band(dmin, dmax, false, 0, true, 0);
       if (c == kBlockSkipped) return kBlockSkipped;
-      const int32_t d = classify_document_block(p, q0, q1, kv0, kv1);
+      const int32_t d = classify_document_block(p, q0, q1, kv0, kv1, q_span, kv_span);
       if (d == kBlockSkipped) return kBlockSkipped;
       if (c == kBlockFull) return d;
       if (d == kBlockFull) return c;

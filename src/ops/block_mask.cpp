@@ -314,7 +314,10 @@ BlockMaskTensors build_on_device(const MaskSpec& spec, int64_t B, int64_t seq_q,
   t.full_q_indices = dev({B, 1, Nk, Mq});
   t.dq_write_order = dev({B, 1, Nk, Mq});
   t.dq_write_order_full = dev({B, 1, Nk, Mq});
-  const Tensor scratch = dev({B * Mq * Nk + Nk});  // per-row rank scratch, then the inverse permutation
+  const bool doc = spec.kind == MaskKind::kDocument || spec.kind == MaskKind::kDocumentCausal;
+  const int64_t doc_q_batch = doc ? spec.doc_q.size(0) : 1, doc_kv_batch = doc ? spec.doc_kv.size(0) : 1;
+  // The permutation, the per-block records, the document-id spans (block_mask_internal.h).
+  const Tensor scratch = dev({device_mask_build_scratch(B, Mq, Nk, doc_q_batch, doc_kv_batch, doc)});
   m.kv_num_blocks = t.kv_num_blocks.view();
   m.kv_indices = t.kv_indices.view();
   m.full_kv_num_blocks = t.full_kv_num_blocks.view();
@@ -328,20 +331,16 @@ BlockMaskTensors build_on_device(const MaskSpec& spec, int64_t B, int64_t seq_q,
   m.schedule = o.schedule;
   m.write_order_sub_tiles = o.write_order_sub_tiles;
   t.schedule_permutation = o.schedule.permutation;
-  std::vector<int32_t> inverse(size_t(Nk), 0);
-  if (o.schedule.kind == ScheduleKind::kPermutation)
-    for (int64_t p = 0; p < Nk; ++p) inverse[size_t(o.schedule.permutation[size_t(p)])] = int32_t(p);
-  const bool doc = spec.kind == MaskKind::kDocument || spec.kind == MaskKind::kDocumentCausal;
-  int32_t* rank_scratch = scratch.view().data_as<int32_t>();
+  int32_t* scratch_begin = scratch.view().data_as<int32_t>();
   DeviceMaskBuild p{spec.kind,
                     spec.window_left,
                     spec.window_right,
                     spec.prefix_length,
                     doc ? spec.doc_q.data_as<const int32_t>() : nullptr,
                     doc ? spec.doc_kv.data_as<const int32_t>() : nullptr,
-                    doc ? spec.doc_q.size(0) : 1,
+                    doc_q_batch,
                     doc ? spec.doc_q.stride(0) : 0,
-                    doc ? spec.doc_kv.size(0) : 1,
+                    doc_kv_batch,
                     doc ? spec.doc_kv.stride(0) : 0,
                     B,
                     seq_q,
@@ -350,9 +349,10 @@ BlockMaskTensors build_on_device(const MaskSpec& spec, int64_t B, int64_t seq_q,
                     o.block_kv,
                     o.write_order_sub_tiles,
                     o.schedule.kind,
-                    inverse.data(),
-                    rank_scratch + B * Mq * Nk,
-                    rank_scratch};
+                    o.schedule.kind == ScheduleKind::kPermutation ? o.schedule.permutation.data() : nullptr,
+                    scratch_begin,
+                    scratch_begin + Nk,
+                    doc ? reinterpret_cast<DocIdSpan*>(scratch_begin + Nk + B * Mq * Nk) : nullptr};
   build_block_mask_cuda(p, t, o.stream);
   return t;
 #else

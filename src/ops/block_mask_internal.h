@@ -47,10 +47,21 @@ struct DeviceMaskBuild {
   int64_t doc_q_batch, doc_q_stride, doc_kv_batch, doc_kv_stride;
   int64_t batch, seq_q, seq_kv, block_q, block_kv, sub_tiles;
   ScheduleKind schedule;
-  const int32_t* inverse_host;  // kPermutation: [Nk] positions (copied to `inverse` on the stream)
-  int32_t* inverse;             // [Nk] on the device
-  int32_t* rank_scratch;        // [batch * Mq * Nk] on the device
+  const int32_t* permutation_host;  // kPermutation: [Nk] column ids in hand-out order (copied to
+                                    // `permutation` on the stream)
+  int32_t* permutation;             // [Nk] on the device
+  int32_t* records;                 // [batch * Mq * Nk] on the device (per-block class and dQ rank)
+  DocIdSpan* doc_spans;             // document kinds: [doc_q_batch * Mq + doc_kv_batch * Nk] on the
+                                    // device (the q blocks' spans, then the kv blocks'), else null
 };
+// Device scratch (int32 elements) that a build needs for DeviceMaskBuild's permutation, records and
+// doc_spans, in that order.
+inline int64_t device_mask_build_scratch(int64_t batch, int64_t Mq, int64_t Nk, int64_t doc_q_batch,
+                                         int64_t doc_kv_batch, bool document) {
+  static_assert(sizeof(DocIdSpan) % sizeof(int32_t) == 0 && alignof(DocIdSpan) <= alignof(int32_t), "DocIdSpan");
+  const int64_t spans = document ? (doc_q_batch * Mq + doc_kv_batch * Nk) * int64_t(sizeof(DocIdSpan) / 4) : 0;
+  return Nk + batch * Mq * Nk + spans;
+}
 void build_block_mask_cuda(const DeviceMaskBuild& b, BlockMaskTensors& t, Stream stream);
 #endif
 

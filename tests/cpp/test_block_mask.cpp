@@ -4,12 +4,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <functional>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "block_mask_testing.h"
+#include "common/block_mask_rows.h"
 #include "host_tensor.h"
 #include "sparsetrain/block_mask.h"
 #include "sparsetrain/error.h"
@@ -275,6 +277,115 @@ TEST(BlockMaskBuilders, TransposeMatchesAndDropsStaleWriteOrders) {
   st::compute_dq_write_order(t, st::ColumnSchedule{}, 2);
   EXPECT_EQ(t.mask.write_order_sub_tiles, 2);
   EXPECT_NO_THROW(st::validate_block_mask(t.mask));
+}
+
+// The device builder (src/cuda/attention/block_mask_cuda.cu) computes every block's document-id
+// spans once, as a reduction over the lanes of a warp (lane l takes positions begin + l, + 32, ...),
+// and hands them to classify_block: the same spans, the same classes as computing them in place.
+TEST(BlockMaskBuilders, DocumentSpansGivenOrComputedClassifyAlike) {
+  std::mt19937 rng(13);
+  const int64_t Sq = 777, Skv = 901, bq = 64, bkv = 128;
+  for (int sorted = 0; sorted < 2; ++sorted) {
+    const HostTensor dq = sorted ? packed_docs(1, Sq, rng, 1, 300) : HostTensor(st::DType::kInt32, {1, Sq});
+    const HostTensor dk = sorted ? packed_docs(1, Skv, rng, 1, 300) : HostTensor(st::DType::kInt32, {1, Skv});
+    auto* q = static_cast<int32_t*>(dq.data());
+    auto* kv = static_cast<int32_t*>(dk.data());
+    if (!sorted) {
+      for (int64_t i = 0; i < Sq; ++i) q[i] = int32_t(rng() % 5);
+      for (int64_t i = 0; i < Skv; ++i) kv[i] = int32_t(rng() % 5);
+    }
+    const auto lane_reduced = [](const int32_t* ids, int64_t begin, int64_t end) {
+      st::DocIdSpan s{INT32_MAX, INT32_MIN, 1};
+      for (int64_t lane = 0; lane < 32; ++lane)
+        for (int64_t k = begin + lane; k < end; k += 32) {
+          s.min = std::min(s.min, ids[k]);
+          s.max = std::max(s.max, ids[k]);
+          if (k > begin && ids[k] < ids[k - 1]) s.sorted = 0;
+        }
+      return s;
+    };
+    for (st::MaskKind kind : {st::MaskKind::kDocument, st::MaskKind::kDocumentCausal}) {
+      const st::MaskRowParams p{kind, 0, 0, 0, Sq, Skv, q, kv};
+      for (int64_t m = 0; m * bq < Sq; ++m)
+        for (int64_t n = 0; n * bkv < Skv; ++n) {
+          const st::DocIdSpan qs = st::doc_id_span(q, m * bq, std::min(Sq, (m + 1) * bq));
+          const st::DocIdSpan ks = st::doc_id_span(kv, n * bkv, std::min(Skv, (n + 1) * bkv));
+          const st::DocIdSpan lq = lane_reduced(q, m * bq, std::min(Sq, (m + 1) * bq));
+          const st::DocIdSpan lk = lane_reduced(kv, n * bkv, std::min(Skv, (n + 1) * bkv));
+          ASSERT_TRUE(qs.min == lq.min && qs.max == lq.max && qs.sorted == lq.sorted) << "q block " << m;
+          ASSERT_TRUE(ks.min == lk.min && ks.max == lk.max && ks.sorted == lk.sorted) << "kv block " << n;
+          ASSERT_EQ(st::classify_block(p, bq, bkv, m, n, &lq, &lk), st::classify_block(p, bq, bkv, m, n))
+              << "block (" << m << ", " << n << ") sorted " << sorted;
+        }
+    }
+  }
+}
+
+// What the device builder computes, per (b, kv block n), from the dense class matrix: the
+// transposes are the q blocks m whose class at n is partial / full, ascending, zero-padded, and
+// the write order next to each is sub_tiles x the number of columns touching m (partial or full)
+// handed out before n (walking schedule_column). The host builder's tensors (write_order_row over
+// the lists) satisfy exactly that, for every schedule kind.
+TEST(BlockMaskBuilders, WriteOrdersAreScheduleOrderCountsOfTheClassMatrix) {
+  std::mt19937 rng(17);
+  const HostTensor docs = packed_docs(2, 1500, rng, 50, 700);
+  std::vector<st::MaskSpec> specs(4);
+  specs[0].kind = st::MaskKind::kCausal;
+  specs[1].kind = st::MaskKind::kSlidingWindow;
+  specs[1].window_left = 300;
+  specs[1].window_right = 100;
+  specs[2].kind = st::MaskKind::kDocumentCausal;
+  specs[2].doc_q = specs[2].doc_kv = docs.view();
+  specs[3].kind = st::MaskKind::kPrefixLM;
+  specs[3].prefix_length = 200;
+  for (const st::MaskSpec& spec : specs)
+    for (int kind = 0; kind < 3; ++kind)
+      for (int64_t sub_tiles : {int64_t(1), int64_t(4)}) {
+        st::BlockMaskOptions o;
+        o.block_q = 64;
+        o.block_kv = 128;
+        o.auto_schedule = false;
+        o.write_order_sub_tiles = sub_tiles;
+        const int64_t Mq = (1500 + 63) / 64, Nk = (1500 + 127) / 128;
+        o.schedule.kind = kind == 0 ? st::ScheduleKind::kLeftToRight
+                          : kind == 1 ? st::ScheduleKind::kShortestFirst
+                                      : st::ScheduleKind::kPermutation;
+        if (kind == 2) {
+          for (int64_t n = 0; n < Nk; ++n) o.schedule.permutation.push_back(int32_t(n));
+          std::shuffle(o.schedule.permutation.begin(), o.schedule.permutation.end(), rng);
+        }
+        SCOPED_TRACE(spec.str() + " " + o.schedule.str() + " sub_tiles " + std::to_string(sub_tiles));
+        const st::BlockMaskTensors t = st::build_block_mask(spec, 1500, 1500, o);
+        const int64_t B = t.kv_num_blocks.view().size(0);
+        for (int64_t b = 0; b < B; ++b) {
+          const std::vector<uint8_t> cls = st::testing::classes_of(t.mask, b, 0, false);  // [Mq, Nk]
+          std::vector<int32_t> rank(size_t(Mq * Nk), -1);                               // turns before n at m
+          for (int64_t m = 0; m < Mq; ++m) {
+            int32_t before = 0;
+            for (int64_t pos = 0; pos < Nk; ++pos) {
+              const int64_t n = st::schedule_column(o.schedule.kind, o.schedule.permutation.data(), pos, Nk);
+              rank[size_t(m * Nk + n)] = before;
+              before += cls[size_t(m * Nk + n)] != 0 ? 1 : 0;
+            }
+          }
+          for (int64_t n = 0; n < Nk; ++n)
+            for (int full = 0; full < 2; ++full) {
+              const int32_t* count = i32(full ? t.full_q_num_blocks : t.q_num_blocks) + b * Nk + n;
+              const int32_t* idx = i32(full ? t.full_q_indices : t.q_indices) + (b * Nk + n) * Mq;
+              const int32_t* order = i32(full ? t.dq_write_order_full : t.dq_write_order) + (b * Nk + n) * Mq;
+              int32_t k = 0;
+              for (int64_t m = 0; m < Mq; ++m) {
+                if (cls[size_t(m * Nk + n)] != (full ? 2 : 1)) continue;
+                ASSERT_LT(k, *count);
+                EXPECT_EQ(idx[k], m);
+                EXPECT_EQ(order[k], rank[size_t(m * Nk + n)] * sub_tiles) << "column " << n << " row " << m;
+                ++k;
+              }
+              ASSERT_EQ(k, *count) << "column " << n;
+              for (int64_t j = k; j < Mq; ++j) EXPECT_TRUE(idx[j] == 0 && order[j] == 0) << "padding " << j;
+            }
+        }
+      }
 }
 
 TEST(BlockMaskSchedule, PositionAndStr) {

@@ -1,7 +1,8 @@
 // GPU tests of build_block_mask on a CUDA device (skipped, visibly, without a GPU): for every
-// built-in kind, odd geometries, per-batch document ids, each schedule kind and sub-tile factors,
-// the device-built tensors (forward lists, transposes, write orders) equal the host builder's
-// bit for bit; the device mask passes validation and the write-order check once copied back; and
+// built-in kind, odd geometries (rows and columns longer than one CTA's threads included),
+// per-batch, broadcast and unsorted document ids, each schedule kind and sub-tile factors, the
+// device-built tensors (forward lists, transposes, write orders) equal the host builder's bit for
+// bit; the device mask passes validation and the write-order check once copied back; and
 // the build time of an S = 8192 mask is reported.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -46,6 +47,41 @@ std::vector<std::pair<const char*, st::TensorView*>> tensors(st::BlockMask& m) {
           {"dq_write_order", &m.dq_write_order},     {"dq_write_order_full", &m.dq_write_order_full}};
 }
 
+// Builds spec on the host (document ids: host_q / host_kv) and on the device (dev_q / dev_kv)
+// with options o and expects the same tensors bit for bit, a valid mask and a valid write order.
+void expect_device_build_equals_host(st::MaskSpec spec, int64_t seq_q, int64_t seq_kv, st::BlockMaskOptions o,
+                                     const HostTensor* host_q, const HostTensor* host_kv, const DeviceTensor* dev_q,
+                                     const DeviceTensor* dev_kv) {
+  const bool doc = host_q != nullptr;
+  if (doc) spec.doc_q = host_q->view(), spec.doc_kv = host_kv->view();
+  o.device = st::Device::cpu();
+  const st::BlockMaskTensors host = st::build_block_mask(spec, seq_q, seq_kv, o);
+  o.device = st::Device::cuda(0);
+  if (doc) spec.doc_q = dev_q->view(), spec.doc_kv = dev_kv->view();
+  const st::BlockMaskTensors dev = st::build_block_mask(spec, seq_q, seq_kv, o);
+  st::BlockMask expected = host.mask, back = dev.mask;  // back: the device mask copied to the host
+  const auto h = tensors(expected), d = tensors(back);
+  std::vector<HostTensor> keep;
+  keep.reserve(d.size());
+  for (size_t i = 0; i < h.size(); ++i) {
+    keep.push_back(to_host(*d[i].second));
+    EXPECT_TRUE(keep.back().bytes_equal(HostTensor::copy_of(*h[i].second))) << d[i].first;
+    *d[i].second = keep.back().view();
+  }
+  if (doc) back.spec.doc_q = host_q->view(), back.spec.doc_kv = host_kv->view();
+  EXPECT_NO_THROW(st::validate_block_mask(back));
+  EXPECT_EQ(st::check_write_order(back), "");
+}
+
+std::vector<st::ColumnSchedule> every_schedule_kind(int64_t Nk, std::mt19937& rng) {
+  std::vector<st::ColumnSchedule> schedules(3);
+  schedules[1].kind = st::ScheduleKind::kShortestFirst;
+  schedules[2].kind = st::ScheduleKind::kPermutation;
+  for (int64_t n = 0; n < Nk; ++n) schedules[2].permutation.push_back(int32_t(n));
+  std::shuffle(schedules[2].permutation.begin(), schedules[2].permutation.end(), rng);
+  return schedules;
+}
+
 }  // namespace
 
 TEST(BlockMaskCuda, DeviceBuildEqualsTheHostBuildForEveryKindAndSchedule) {
@@ -60,6 +96,10 @@ TEST(BlockMaskCuda, DeviceBuildEqualsTheHostBuildForEveryKindAndSchedule) {
       {st::MaskKind::kDocument, 611, 611, 128, 128, 3},
       {st::MaskKind::kDocumentCausal, 1031, 1031, 128, 128, 2},
       {st::MaskKind::kPrefixLM, 800, 800, 128, 128, 1, -1, -1, 300},
+      // Rows and columns longer than one CTA's threads (the builder's kernels loop over chunks).
+      {st::MaskKind::kCausal, 40000, 40000, 128, 64, 1},
+      {st::MaskKind::kSlidingWindow, 20000, 33000, 64, 128, 1, 3000, 500},
+      {st::MaskKind::kDocumentCausal, 20000, 20000, 64, 64, 2},
   };
   for (const Case& c : cases) {
     st::MaskSpec spec;
@@ -77,12 +117,7 @@ TEST(BlockMaskCuda, DeviceBuildEqualsTheHostBuildForEveryKindAndSchedule) {
       ddoc_kv = DeviceTensor(doc_kv);
     }
     const int64_t Nk = (c.seq_kv + c.block_kv - 1) / c.block_kv;
-    std::vector<st::ColumnSchedule> schedules(3);
-    schedules[1].kind = st::ScheduleKind::kShortestFirst;
-    schedules[2].kind = st::ScheduleKind::kPermutation;
-    for (int64_t n = 0; n < Nk; ++n) schedules[2].permutation.push_back(int32_t(n));
-    std::shuffle(schedules[2].permutation.begin(), schedules[2].permutation.end(), rng);
-    for (const st::ColumnSchedule& schedule : schedules)
+    for (const st::ColumnSchedule& schedule : every_schedule_kind(Nk, rng))
       for (int64_t sub_tiles : {int64_t(1), int64_t(2)}) {
         SCOPED_TRACE(spec.str() + " Sq " + std::to_string(c.seq_q) + " Skv " + std::to_string(c.seq_kv) + " " +
                      schedule.str() + " sub_tiles " + std::to_string(sub_tiles));
@@ -92,24 +127,39 @@ TEST(BlockMaskCuda, DeviceBuildEqualsTheHostBuildForEveryKindAndSchedule) {
         o.auto_schedule = false;
         o.schedule = schedule;
         o.write_order_sub_tiles = sub_tiles;
-        if (doc) spec.doc_q = doc_q.view(), spec.doc_kv = doc_kv.view();
-        const st::BlockMaskTensors host = st::build_block_mask(spec, c.seq_q, c.seq_kv, o);
-        o.device = st::Device::cuda(0);
-        if (doc) spec.doc_q = ddoc_q.view(), spec.doc_kv = ddoc_kv.view();
-        const st::BlockMaskTensors dev = st::build_block_mask(spec, c.seq_q, c.seq_kv, o);
-        st::BlockMask expected = host.mask, back = dev.mask;  // back: the device mask copied to the host
-        const auto h = tensors(expected), d = tensors(back);
-        std::vector<HostTensor> keep;
-        keep.reserve(d.size());
-        for (size_t i = 0; i < h.size(); ++i) {
-          keep.push_back(to_host(*d[i].second));
-          EXPECT_TRUE(keep.back().bytes_equal(HostTensor::copy_of(*h[i].second))) << d[i].first;
-          *d[i].second = keep.back().view();
-        }
-        if (doc) back.spec.doc_q = doc_q.view(), back.spec.doc_kv = doc_kv.view();
-        EXPECT_NO_THROW(st::validate_block_mask(back));
-        EXPECT_EQ(st::check_write_order(back), "");
+        expect_device_build_equals_host(spec, c.seq_q, c.seq_kv, o, doc ? &doc_q : nullptr, doc ? &doc_kv : nullptr,
+                                        doc ? &ddoc_q : nullptr, doc ? &ddoc_kv : nullptr);
       }
+  }
+}
+
+TEST(BlockMaskCuda, DeviceBuildEqualsTheHostBuildForBroadcastAndUnsortedDocumentIds) {
+  REQUIRE_GPU();
+  std::mt19937 rng(11);
+  const int64_t Sq = 700, Skv = 900;
+  // Per-batch q ids, one kv row for both (broadcast); then random small ids (not sorted: the
+  // element fallback) on both sides.
+  const HostTensor sorted_q = documents(2, Sq, rng), sorted_kv = documents(1, Skv, rng);
+  HostTensor random_q(st::DType::kInt32, {2, Sq}), random_kv(st::DType::kInt32, {2, Skv});
+  for (int64_t i = 0; i < random_q.numel(); ++i) random_q.set(i, double(rng() % 3));
+  for (int64_t i = 0; i < random_kv.numel(); ++i) random_kv.set(i, double(rng() % 4));
+  using Ids = std::pair<const HostTensor*, const HostTensor*>;
+  for (const auto& [hq, hkv] : {Ids(&sorted_q, &sorted_kv), Ids(&random_q, &random_kv)}) {
+    const DeviceTensor dq(*hq), dkv(*hkv);
+    for (st::MaskKind kind : {st::MaskKind::kDocument, st::MaskKind::kDocumentCausal}) {
+      st::MaskSpec spec;
+      spec.kind = kind;
+      st::BlockMaskOptions o;
+      o.block_q = 64;
+      o.block_kv = 128;
+      o.auto_schedule = false;
+      for (const st::ColumnSchedule& schedule : every_schedule_kind((Skv + 127) / 128, rng)) {
+        SCOPED_TRACE(spec.str() + " kv batch " + std::to_string(hkv->view().size(0)) + " " + schedule.str());
+        o.schedule = schedule;
+        o.write_order_sub_tiles = 4;
+        expect_device_build_equals_host(spec, Sq, Skv, o, hq, hkv, &dq, &dkv);
+      }
+    }
   }
 }
 

@@ -1,8 +1,24 @@
-// build_block_mask on a CUDA device: the same per-row / per-column functions as the host builder
-// (common/block_mask_rows.h), one thread each, so the device mask equals the host one bit for
-// bit. Three launches on the caller's stream (rows, transposed columns, write-order rows), no
-// host synchronisation; padding past the counts is zeroed like the host builder's.
+// build_block_mask on a CUDA device. Every block's class comes from classify_block
+// (common/block_mask_rows.h), the host builder's own function, so the device mask equals the host
+// one bit for bit; the lists, transposes and write orders are order-preserving compactions of the
+// [B, Mq, Nk] class matrix, each row / column by one CTA with its threads side by side:
+//   spans_kernel (document kinds only): doc_id_span of every q block and kv block, one warp each
+//     (min, max and "never decreases" are reductions over the block's ids), so that classifying a
+//     block no longer scans its ids.
+//   rows_kernel: one CTA per (b, q block m), one thread per kv block n (in chunks of blockDim): the
+//     class, then a CTA-wide exclusive prefix count of the partial / full blocks before n gives n's
+//     slot in the ascending lists (exactly build_block_row's lists; padding zeroed). Then the
+//     columns are walked in hand-out order (schedule_column) and a second prefix count gives every
+//     column touching m (partial or full) its dQ rank at m: the number of touching columns handed
+//     out before it, i.e. write_order_row's rank - 1. Class and rank go to the row's records.
+//   cols_kernel: one CTA per (b, kv block n), one thread per q block m: the same compaction down
+//     column n of the records gives the transposes (the rows m whose list holds n, ascending:
+//     transpose_column) and, next to each entry, its write order rank * sub_tiles
+//     (write_order_row's); padding zeroed.
+// Two launches (three for documents) on the caller's stream, no memsets, no host synchronisation.
 #include <cuda_runtime.h>
+
+#include <climits>
 
 #include "common/block_mask_rows.h"
 #include "cuda/runtime_cuda.h"
@@ -12,70 +28,192 @@
 namespace sparsetrain {
 namespace {
 
-constexpr int kThreads = 128;
+constexpr int kMaxThreads = 256;  // per row / column CTA (longer rows loop over chunks)
+constexpr int kSpanThreads = 256;  // spans_kernel: 8 warps, one span each
 
 void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) ST_FAIL(what, " failed: ", cudaGetErrorString(e));
 }
 
-// Slice b of a [B, 1, R] counts / [B, 1, R, W] indices pair (contiguous, full width).
-__host__ __device__ IndexRows rows_of(const int32_t* counts, const int32_t* indices, int64_t b, int64_t R,
-                                      int64_t W) {
-  IndexRows r;
-  if (counts == nullptr) return r;
-  r.counts = counts + b * R;
-  r.count_stride = 1;
-  r.indices = indices + b * R * W;
-  r.row_stride = W;
-  r.elem_stride = 1;
-  return r;
+// Two counters in one scan value: partial blocks in the low 32 bits, full blocks in the high 32
+// (each count <= the row / column length < 2^31, so the low half never carries).
+using Counts = unsigned long long;
+constexpr Counts kOnePartial = 1ull, kOneFull = 1ull << 32;
+__device__ __forceinline__ int32_t partial_count(Counts c) { return int32_t(c & 0xffffffffull); }
+__device__ __forceinline__ int32_t full_count(Counts c) { return int32_t(c >> 32); }
+__device__ __forceinline__ Counts count_of(int32_t cls) {
+  return cls == kBlockPartial ? kOnePartial : cls == kBlockFull ? kOneFull : 0ull;
 }
 
+// A block's record: its class (2 bits) and its dQ rank in its q block's row (the bits above).
+__device__ __forceinline__ int32_t make_record(int32_t cls, int32_t rank) {
+  return int32_t((uint32_t(rank) << 2) | uint32_t(cls));
+}
+__device__ __forceinline__ int32_t record_class(int32_t r) { return r & 3; }
+__device__ __forceinline__ int32_t record_rank(int32_t r) { return int32_t(uint32_t(r) >> 2); }
+
+// Exclusive prefix sum over the CTA, in thread order, of one value per thread; *total: the CTA's
+// sum. blockDim.x a multiple of 32 (<= 1024); every thread of the CTA calls it (uniform control
+// flow). warp_sums: __shared__ [32], free again on return (ends with a barrier).
+__device__ Counts cta_exclusive_sum(Counts v, Counts* total, Counts* warp_sums) {
+  const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  Counts inclusive = v;
+#pragma unroll
+  for (unsigned d = 1; d < 32; d <<= 1) {
+    const Counts up = __shfl_up_sync(0xffffffffu, inclusive, d);
+    if (lane >= d) inclusive += up;
+  }
+  if (lane == 31) warp_sums[warp] = inclusive;  // the warp's total
+  __syncthreads();
+  if (warp == 0) {
+    Counts w = lane < warps ? warp_sums[lane] : 0ull;
+#pragma unroll
+    for (unsigned d = 1; d < 32; d <<= 1) {
+      const Counts up = __shfl_up_sync(0xffffffffu, w, d);
+      if (lane >= d) w += up;
+    }
+    warp_sums[lane] = w;  // inclusive over the warps: warp_sums[k] = totals of warps 0..k
+  }
+  __syncthreads();
+  const Counts before_warp = warp == 0 ? 0ull : warp_sums[warp - 1];
+  *total = warp_sums[warps - 1];
+  __syncthreads();
+  return before_warp + inclusive - v;
+}
+
+// One warp per span: warps [0, doc_q_batch * Mq) the q blocks, then doc_kv_batch * Nk kv blocks.
+// Equal to doc_id_span(ids, begin, end): min / max over [begin, end) and, for every begin < k < end,
+// ids[k] >= ids[k - 1]; the lanes take k = begin + lane, + 32, ... and the warp reduces.
+__global__ void spans_kernel(const DeviceMaskBuild p, int64_t Mq, int64_t Nk) {
+  const int64_t s = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const unsigned lane = threadIdx.x & 31u;
+  const int64_t q_spans = p.doc_q_batch * Mq;
+  if (s >= q_spans + p.doc_kv_batch * Nk) return;  // the whole warp
+  const int32_t* ids;
+  int64_t begin, end;
+  if (s < q_spans) {
+    ids = p.doc_q + (s / Mq) * p.doc_q_stride;
+    begin = (s % Mq) * p.block_q;
+    end = begin + p.block_q < p.seq_q ? begin + p.block_q : p.seq_q;
+  } else {
+    ids = p.doc_kv + ((s - q_spans) / Nk) * p.doc_kv_stride;
+    begin = ((s - q_spans) % Nk) * p.block_kv;
+    end = begin + p.block_kv < p.seq_kv ? begin + p.block_kv : p.seq_kv;
+  }
+  int32_t lo = INT_MAX, hi = INT_MIN, sorted = 1;
+  for (int64_t k = begin + lane; k < end; k += 32) {
+    const int32_t d = ids[k];
+    lo = d < lo ? d : lo;
+    hi = d > hi ? d : hi;
+    if (k > begin && d < ids[k - 1]) sorted = 0;
+  }
+  lo = __reduce_min_sync(0xffffffffu, lo);
+  hi = __reduce_max_sync(0xffffffffu, hi);
+  sorted = __all_sync(0xffffffffu, sorted) ? 1 : 0;
+  if (lane == 0) p.doc_spans[s] = DocIdSpan{lo, hi, sorted};
+}
+
+// One CTA per (b, q block m): the forward lists of row m and the row's records.
 __global__ void rows_kernel(const DeviceMaskBuild p, int32_t* kv_num, int32_t* kv_idx, int32_t* full_num,
                             int32_t* full_idx, int64_t Mq, int64_t Nk) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= p.batch * Mq) return;
-  const int64_t b = i / Mq, m = i % Mq;
+  __shared__ Counts warp_sums[32];
+  const int64_t i = blockIdx.x, b = i / Mq, m = i % Mq;
   MaskRowParams row{p.kind, p.window_left, p.window_right, p.prefix_length, p.seq_q, p.seq_kv, nullptr, nullptr};
+  const DocIdSpan* q_span = nullptr;
+  const DocIdSpan* kv_spans = nullptr;
   if (p.doc_q != nullptr) {
-    row.doc_q = p.doc_q + (p.doc_q_batch == 1 ? 0 : b) * p.doc_q_stride;
-    row.doc_kv = p.doc_kv + (p.doc_kv_batch == 1 ? 0 : b) * p.doc_kv_stride;
+    const int64_t bq = p.doc_q_batch == 1 ? 0 : b, bk = p.doc_kv_batch == 1 ? 0 : b;
+    row.doc_q = p.doc_q + bq * p.doc_q_stride;
+    row.doc_kv = p.doc_kv + bk * p.doc_kv_stride;
+    q_span = p.doc_spans + bq * Mq + m;
+    kv_spans = p.doc_spans + p.doc_q_batch * Mq + bk * Nk;
   }
   int32_t* partial = kv_idx + i * Nk;
   int32_t* full = full_idx + i * Nk;
-  for (int64_t n = 0; n < Nk; ++n) partial[n] = full[n] = 0;
-  build_block_row(row, p.block_q, p.block_kv, m, Nk, partial, kv_num + i, full, full_num + i);
+  int32_t* records = p.records + i * Nk;
+
+  // The lists: block n goes to slot (partial / full blocks before n) of its list.
+  Counts listed = 0;
+  for (int64_t base = 0; base < Nk; base += blockDim.x) {
+    const int64_t n = base + threadIdx.x;
+    int32_t cls = kBlockSkipped;
+    if (n < Nk)
+      cls = classify_block(row, p.block_q, p.block_kv, m, n, q_span, kv_spans != nullptr ? kv_spans + n : nullptr);
+    Counts chunk;
+    const Counts before = listed + cta_exclusive_sum(count_of(cls), &chunk, warp_sums);
+    if (cls == kBlockPartial) partial[partial_count(before)] = int32_t(n);
+    else if (cls == kBlockFull) full[full_count(before)] = int32_t(n);
+    if (n < Nk) records[n] = make_record(cls, 0);
+    listed += chunk;
+  }
+  const int32_t np = partial_count(listed), nf = full_count(listed);
+  for (int64_t k = np + threadIdx.x; k < Nk; k += blockDim.x) partial[k] = 0;
+  for (int64_t k = nf + threadIdx.x; k < Nk; k += blockDim.x) full[k] = 0;
+  if (threadIdx.x == 0) {
+    kv_num[i] = np;
+    full_num[i] = nf;
+  }
+  __syncthreads();  // the classes in `records` are visible to the whole CTA
+
+  // The dQ ranks: hand-out position pos holds column schedule_column(pos) (each column once); a
+  // touching column's rank is the number of touching columns at earlier positions.
+  Counts ranked = 0;
+  for (int64_t base = 0; base < Nk; base += blockDim.x) {
+    const int64_t pos = base + threadIdx.x;
+    int64_t n = 0;
+    int32_t cls = kBlockSkipped;
+    if (pos < Nk) {
+      n = schedule_column(p.schedule, p.permutation, pos, Nk);
+      cls = record_class(records[n]);
+    }
+    Counts chunk;
+    const Counts before = ranked + cta_exclusive_sum(cls != kBlockSkipped ? 1ull : 0ull, &chunk, warp_sums);
+    if (pos < Nk) records[n] = make_record(cls, int32_t(before));
+    ranked += chunk;
+  }
 }
 
-__global__ void transpose_kernel(int64_t batch, const int32_t* kv_num, const int32_t* kv_idx, const int32_t* full_num,
-                                 const int32_t* full_idx, int32_t* q_num, int32_t* q_idx, int32_t* fq_num,
-                                 int32_t* fq_idx, int64_t Mq, int64_t Nk) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= batch * Nk) return;
-  const int64_t b = i / Nk, n = i % Nk;
+// One CTA per (b, kv block n): the transposes of column n and their write orders.
+__global__ void cols_kernel(const DeviceMaskBuild p, int32_t* q_num, int32_t* q_idx, int32_t* fq_num,
+                            int32_t* fq_idx, int32_t* order, int32_t* full_order, int64_t Mq, int64_t Nk) {
+  __shared__ Counts warp_sums[32];
+  const int64_t i = blockIdx.x, b = i / Nk, n = i % Nk;
+  const int32_t* records = p.records + b * Mq * Nk + n;  // row m's record of column n: records[m * Nk]
   int32_t* q = q_idx + i * Mq;
   int32_t* fq = fq_idx + i * Mq;
-  for (int64_t m = 0; m < Mq; ++m) q[m] = fq[m] = 0;
-  q_num[i] = transpose_column(rows_of(kv_num, kv_idx, b, Mq, Nk), Mq, int32_t(n), q);
-  fq_num[i] = transpose_column(rows_of(full_num, full_idx, b, Mq, Nk), Mq, int32_t(n), fq);
+  int32_t* wo = order + i * Mq;
+  int32_t* fwo = full_order + i * Mq;
+  Counts listed = 0;
+  for (int64_t base = 0; base < Mq; base += blockDim.x) {
+    const int64_t m = base + threadIdx.x;
+    const int32_t r = m < Mq ? records[m * Nk] : make_record(kBlockSkipped, 0);
+    const int32_t cls = record_class(r);
+    const int32_t turn = int32_t(int64_t(record_rank(r)) * p.sub_tiles);
+    Counts chunk;
+    const Counts before = listed + cta_exclusive_sum(count_of(cls), &chunk, warp_sums);
+    if (cls == kBlockPartial) {
+      q[partial_count(before)] = int32_t(m);
+      wo[partial_count(before)] = turn;
+    } else if (cls == kBlockFull) {
+      fq[full_count(before)] = int32_t(m);
+      fwo[full_count(before)] = turn;
+    }
+    listed += chunk;
+  }
+  const int32_t np = partial_count(listed), nf = full_count(listed);
+  for (int64_t k = np + threadIdx.x; k < Mq; k += blockDim.x) q[k] = wo[k] = 0;
+  for (int64_t k = nf + threadIdx.x; k < Mq; k += blockDim.x) fq[k] = fwo[k] = 0;
+  if (threadIdx.x == 0) {
+    q_num[i] = np;
+    fq_num[i] = nf;
+  }
 }
 
-// One thread per (b, q block m); rank_scratch: [B * Mq, Nk], zero on entry (and on return).
-__global__ void write_order_kernel(const DeviceMaskBuild p, const int32_t* kv_num, const int32_t* kv_idx,
-                                   const int32_t* full_num, const int32_t* full_idx, const int32_t* q_num,
-                                   const int32_t* q_idx, const int32_t* fq_num, const int32_t* fq_idx,
-                                   int32_t* order, int32_t* full_order, int32_t* rank_scratch, int64_t Mq,
-                                   int64_t Nk) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= p.batch * Mq) return;
-  const int64_t b = i / Mq, m = i % Mq;
-  WriteOrderOut wo{order + b * Nk * Mq, Mq, 1}, fwo{full_order + b * Nk * Mq, Mq, 1};
-  write_order_row(rows_of(kv_num, kv_idx, b, Mq, Nk), rows_of(full_num, full_idx, b, Mq, Nk), m,
-                  rows_of(q_num, q_idx, b, Nk, Mq), rows_of(fq_num, fq_idx, b, Nk, Mq), wo, fwo, p.schedule, p.inverse,
-                  Nk, p.sub_tiles, rank_scratch + i * Nk);
+// Threads for a CTA over `len` entries: a multiple of 32, at most kMaxThreads.
+unsigned threads_for(int64_t len) {
+  const int64_t t = (len + 31) / 32 * 32;
+  return unsigned(t < kMaxThreads ? t : kMaxThreads);
 }
-
-unsigned blocks_for(int64_t n) { return unsigned((n + kThreads - 1) / kThreads); }
 int32_t* ptr(const Tensor& t) { return t.view().data_as<int32_t>(); }
 
 }  // namespace
@@ -83,26 +221,24 @@ int32_t* ptr(const Tensor& t) { return t.view().data_as<int32_t>(); }
 void build_block_mask_cuda(const DeviceMaskBuild& p, BlockMaskTensors& t, Stream stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream.handle);
   const int64_t Mq = t.mask.num_q_blocks(), Nk = t.mask.num_kv_blocks(), B = p.batch;
+  if (B * Mq > INT_MAX || B * Nk > INT_MAX)
+    ST_FAIL("build_block_mask on a CUDA device: too many blocks (B * Mq = ", B * Mq, ", B * Nk = ", B * Nk, ")");
   cuda::DeviceGuard guard(t.kv_indices.view().device().index);
   if (p.schedule == ScheduleKind::kPermutation)  // from pageable memory: staged before this returns
-    check(cudaMemcpyAsync(p.inverse, p.inverse_host, size_t(Nk) * sizeof(int32_t), cudaMemcpyHostToDevice, s),
+    check(cudaMemcpyAsync(p.permutation, p.permutation_host, size_t(Nk) * sizeof(int32_t), cudaMemcpyHostToDevice, s),
           "cudaMemcpyAsync (schedule)");
-  rows_kernel<<<blocks_for(B * Mq), kThreads, 0, s>>>(p, ptr(t.kv_num_blocks), ptr(t.kv_indices),
-                                                      ptr(t.full_kv_num_blocks), ptr(t.full_kv_indices), Mq, Nk);
+  if (p.doc_q != nullptr) {
+    const int64_t spans = p.doc_q_batch * Mq + p.doc_kv_batch * Nk, per_cta = kSpanThreads / 32;
+    spans_kernel<<<unsigned((spans + per_cta - 1) / per_cta), kSpanThreads, 0, s>>>(p, Mq, Nk);
+    check(cudaGetLastError(), "block mask spans_kernel launch");
+  }
+  rows_kernel<<<unsigned(B * Mq), threads_for(Nk), 0, s>>>(p, ptr(t.kv_num_blocks), ptr(t.kv_indices),
+                                                           ptr(t.full_kv_num_blocks), ptr(t.full_kv_indices), Mq, Nk);
   check(cudaGetLastError(), "block mask rows_kernel launch");
-  transpose_kernel<<<blocks_for(B * Nk), kThreads, 0, s>>>(
-      B, ptr(t.kv_num_blocks), ptr(t.kv_indices), ptr(t.full_kv_num_blocks), ptr(t.full_kv_indices),
-      ptr(t.q_num_blocks), ptr(t.q_indices), ptr(t.full_q_num_blocks), ptr(t.full_q_indices), Mq, Nk);
-  check(cudaGetLastError(), "block mask transpose_kernel launch");
-  const size_t order_bytes = size_t(B * Nk * Mq) * sizeof(int32_t);
-  check(cudaMemsetAsync(ptr(t.dq_write_order), 0, order_bytes, s), "cudaMemsetAsync (write order)");
-  check(cudaMemsetAsync(ptr(t.dq_write_order_full), 0, order_bytes, s), "cudaMemsetAsync (write order)");
-  check(cudaMemsetAsync(p.rank_scratch, 0, size_t(B * Mq * Nk) * sizeof(int32_t), s), "cudaMemsetAsync (rank scratch)");
-  write_order_kernel<<<blocks_for(B * Mq), kThreads, 0, s>>>(
-      p, ptr(t.kv_num_blocks), ptr(t.kv_indices), ptr(t.full_kv_num_blocks), ptr(t.full_kv_indices),
-      ptr(t.q_num_blocks), ptr(t.q_indices), ptr(t.full_q_num_blocks), ptr(t.full_q_indices), ptr(t.dq_write_order),
-      ptr(t.dq_write_order_full), p.rank_scratch, Mq, Nk);
-  check(cudaGetLastError(), "block mask write_order_kernel launch");
+  cols_kernel<<<unsigned(B * Nk), threads_for(Mq), 0, s>>>(p, ptr(t.q_num_blocks), ptr(t.q_indices),
+                                                           ptr(t.full_q_num_blocks), ptr(t.full_q_indices),
+                                                           ptr(t.dq_write_order), ptr(t.dq_write_order_full), Mq, Nk);
+  check(cudaGetLastError(), "block mask cols_kernel launch");
 }
 
 }  // namespace sparsetrain
