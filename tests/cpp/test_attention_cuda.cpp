@@ -92,6 +92,8 @@ struct Case {
   int64_t left = -1, right = -1, prefix = 0;
 };
 
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
 std::vector<Case> cases() {
   using K = MaskKind;
   std::vector<Case> v = {

@@ -74,7 +74,9 @@ const ErrorCase kCases[] = {
        e.q_view = st::TensorView(e.q.data(), DType::kBF16, shape, strides, 4, st::Device::cuda(0));
        e.forward();
      },
-     "q: expected a tensor on cpu (this build has no CUDA attention backend yet), got cuda:0"},
+     // A CUDA build takes q's device and refuses the host k; a CPU-only build refuses q itself.
+     SPARSETRAIN_WITH_CUDA ? "k: expected a tensor on cuda:0 (q's device), got cpu"
+                           : "q: expected a tensor on cpu (this build has no CUDA backend), got cuda:0"},
     {"KDtype", [](Env& e) { e.k_view = Env::as(e.k, {2, 12, 2, 16}, {384, 32, 16, 1}, DType::kFP16); e.forward(); },
      "k: expected dtype bf16 (q's dtype), got fp16"},
     {"KHeadDim", [](Env& e) { e.k_view = Env::as(e.k, {2, 12, 2, 8}, {384, 32, 16, 1}, DType::kBF16); e.forward(); },
