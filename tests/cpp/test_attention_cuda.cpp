@@ -103,11 +103,11 @@ std::vector<Case> cases() {
       {"causal_bf16_Sq517_Skv300_emptyfree", DType::kBF16, 1, 517, 300, 2, 2, 64, 128, 128, K::kCausal},
       {"window_bf16_S777_gqa_blk256", DType::kBF16, 1, 777, 777, 8, 2, 128, 256, 256, K::kSlidingWindow, false, false,
        false, 200, 0},
-      {"window_fp16_bothsides_D64_device", DType::kFP16, 2, 650, 650, 2, 2, 64, 128, 128, K::kSlidingWindow, false, true,
-       false, 100, 60},
+      {"window_fp16_bothsides_D64_device", DType::kFP16, 2, 650, 650, 2, 2, 64, 128, 128, K::kSlidingWindow, false,
+       true, false, 100, 60},
       {"doccausal_bf16_S1031_B2", DType::kBF16, 2, 1031, 1031, 2, 1, 128, 128, 128, K::kDocumentCausal},
-      {"doccausal_bf16_S1031_B2_device_bhsd", DType::kBF16, 2, 1031, 1031, 2, 2, 128, 128, 128, K::kDocumentCausal, true,
-       true},
+      {"doccausal_bf16_S1031_B2_device_bhsd", DType::kBF16, 2, 1031, 1031, 2, 2, 128, 128, 128, K::kDocumentCausal,
+       true, true},
       {"document_fp16_Sq611", DType::kFP16, 2, 611, 611, 2, 2, 64, 128, 256, K::kDocument},
       {"prefixlm_bf16_S800", DType::kBF16, 1, 800, 800, 2, 2, 128, 128, 128, K::kPrefixLM, false, false, false, -1,
        -1, 300},
@@ -209,7 +209,8 @@ TEST_P(AttentionCuda, ForwardMatchesTheOracle) {
   DevicePoisonAllocator alloc;
   st::AttentionCall call;
   call.allocator = &alloc;
-  const st::AttentionForward fwd = st::block_sparse_attention_forward(q.dev_view, k.dev_view, v.dev_view, mask, {}, call);
+  const st::AttentionForward fwd =
+      st::block_sparse_attention_forward(q.dev_view, k.dev_view, v.dev_view, mask, {}, call);
   EXPECT_EQ(alloc.allocations, 3);  // o, lse and the work order, from the call's allocator
 
   AttentionOracle oracle;
@@ -275,14 +276,15 @@ TEST(AttentionCudaErrors, RefusedInputsAllocateNothing) {
     std::function<void(st::AttentionCall&)> run;
     const char* message;
   };
+  auto forward = [](const Input& qi, const Input& ki, const st::BlockMask& m, st::AttentionCall& call) {
+    st::block_sparse_attention_forward(qi.dev_view, ki.dev_view, ki.dev_view, m, {}, call);
+  };
   const Bad bad[] = {
-      {"fp32", [&](auto& call) { st::block_sparse_attention_forward(q32.dev_view, k32.dev_view, k32.dev_view, dev.mask, {}, call); },
-       "q: expected dtype bf16 or fp16 on CUDA"},
-      {"D=96", [&](auto& call) { st::block_sparse_attention_forward(q96.dev_view, k96.dev_view, k96.dev_view, dev.mask, {}, call); },
-       "q: expected a head dim with a CUDA kernel"},
-      {"host mask", [&](auto& call) { st::block_sparse_attention_forward(q.dev_view, k.dev_view, k.dev_view, host.mask, {}, call); },
+      {"fp32", [&](auto& call) { forward(q32, k32, dev.mask, call); }, "q: expected dtype bf16 or fp16 on CUDA"},
+      {"D=96", [&](auto& call) { forward(q96, k96, dev.mask, call); }, "q: expected a head dim with a CUDA kernel"},
+      {"host mask", [&](auto& call) { forward(q, k, host.mask, call); },
        "mask.kv_num_blocks: expected a tensor on cuda"},
-      {"64x64 blocks", [&](auto& call) { st::block_sparse_attention_forward(q.dev_view, k.dev_view, k.dev_view, dev64.mask, {}, call); },
+      {"64x64 blocks", [&](auto& call) { forward(q, k, dev64.mask, call); },
        "mask.block_q: expected a multiple of the CUDA kernel's q tile (128)"},
       {"unaligned", [&](auto& call) {
          st::BlockMaskTensors m = st::build_block_mask(causal, S / 2, S / 2);

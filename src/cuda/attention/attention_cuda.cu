@@ -98,7 +98,8 @@ int sm_count(int device) {
 bool have_kernel(DType dtype, int64_t head_dim) {
   if (!SPARSETRAIN_WITH_CUTLASS) return false;
   if (dtype == DType::kBF16 && head_dim == 128) return true;
-  return SPARSETRAIN_SM90_ALL && (dtype == DType::kBF16 || dtype == DType::kFP16) && (head_dim == 64 || head_dim == 128);
+  const bool dims = head_dim == 64 || head_dim == 128;
+  return SPARSETRAIN_SM90_ALL && (dtype == DType::kBF16 || dtype == DType::kFP16) && dims;
 }
 
 void dispatch(DType dtype, int64_t head_dim, const FwdArgs& a, void* stream) {

@@ -1,16 +1,17 @@
 // Block-sparse attention forward for sm_90a, written on CuTe: a persistent, warp-specialised
 // kernel in the shape of FlashAttention-3's.
 //
-//   scheduler  work items (batch, query head, 128-row q tile) in longest-first order, handed out
-//              round-robin to persistent CTAs (common/attention_fwd_walk.h for the index math)
+//   scheduler  work items (batch, query head, 128-row q tile) in longest-first order (a counting
+//              sort on the device, attention_cuda.cu), handed out round-robin to persistent CTAs
+//              (common/attention_fwd_walk.h for the index math)
 //   mainloop   a producer warpgroup loads the q tile once (two q buffers: the next item's loads
-//              start early) and streams the kv tiles the mask row lists (partial blocks, then full
-//              ones) through TMA pipelines (K: 2 stages, V: 3, one producer thread each); two consumer
-//              warpgroups (64 query rows each) compute S = Q K^T with wgmma from shared memory,
-//              apply the mask inside partial blocks only, update the online softmax in registers
-//              and accumulate O += P V with P straight from registers (wgmma RS). The softmax of
-//              tile j overlaps the PV GEMM of tile j - 1, and the two warpgroups take turns
-//              issuing GEMMs (ping-pong), as in FlashAttention-3
+//              start early) and streams the kv tiles the mask row lists (partial blocks, then
+//              full ones) through TMA pipelines (K: 2 stages, V: 3, one producer thread each);
+//              two consumer warpgroups (64 query rows each) compute S = Q K^T with wgmma from
+//              shared memory, apply the mask inside partial blocks only, update the online softmax
+//              in registers and accumulate O += P V with P straight from registers (wgmma RS).
+//              The softmax of tile j overlaps the PV GEMM of tile j - 1, and the two warpgroups
+//              take turns issuing GEMMs (ping-pong), as in FlashAttention-3
 //   epilogue   O / rowsum in the input dtype and the natural-log lse, from registers to global
 //
 // The mask kind is a runtime switch (one branch per partial tile), so one instantiation serves
@@ -20,6 +21,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cmath>
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
@@ -537,22 +539,32 @@ template <FwdElement E, int HeadDim>
 void run_fwd_sm90(const FwdArgs& a, void* stream) {
   using Element = std::conditional_t<E == FwdElement::kBF16, cutlass::bfloat16_t, cutlass::half_t>;
   using T = FwdTraits<Element, HeadDim>;
-  auto gmem = [&](const void* ptr, int32_t seq, int32_t heads, int64_t sb, int64_t ss, int64_t sh) {
-    return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), make_shape(seq, int32_t(HeadDim), heads, a.batch),
-                       make_stride(ss, _1{}, sh, sb));
+  auto tma = [&](const void* ptr, int32_t seq, int32_t heads, int64_t sb, int64_t ss, int64_t sh, auto smem_layout,
+                 auto tile) {
+    Tensor g = make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
+                           make_shape(seq, int32_t(HeadDim), heads, a.batch), make_stride(ss, _1{}, sh, sb));
+    return make_tma_copy(SM90_TMA_LOAD{}, g, smem_layout, tile, _1{});
   };
-  typename T::Params p{a,
-                       make_tma_copy(SM90_TMA_LOAD{}, gmem(a.q, a.seq_q, a.heads_q, a.q_stride_b, a.q_stride_s, a.q_stride_h),
-                                     typename T::SmemLayoutQ{}, Shape<Int<T::kBlockM>, Int<HeadDim>>{}, _1{}),
-                       make_tma_copy(SM90_TMA_LOAD{}, gmem(a.k, a.seq_kv, a.heads_kv, a.k_stride_b, a.k_stride_s, a.k_stride_h),
-                                     take<0, 2>(typename T::SmemLayoutK{}), Shape<Int<T::kBlockN>, Int<HeadDim>>{}, _1{}),
-                       make_tma_copy(SM90_TMA_LOAD{}, gmem(a.v, a.seq_kv, a.heads_kv, a.v_stride_b, a.v_stride_s, a.v_stride_h),
-                                     take<0, 2>(typename T::SmemLayoutK{}), Shape<Int<T::kBlockN>, Int<HeadDim>>{}, _1{}),
-                       float(a.scale * M_LOG2E)};
+  using QTile = Shape<Int<T::kBlockM>, Int<HeadDim>>;
+  using KVTile = Shape<Int<T::kBlockN>, Int<HeadDim>>;
+  using KVStage = decltype(take<0, 2>(typename T::SmemLayoutK{}));
+  typename T::Params p{
+      a,
+      tma(a.q, a.seq_q, a.heads_q, a.q_stride_b, a.q_stride_s, a.q_stride_h, typename T::SmemLayoutQ{}, QTile{}),
+      tma(a.k, a.seq_kv, a.heads_kv, a.k_stride_b, a.k_stride_s, a.k_stride_h, KVStage{}, KVTile{}),
+      tma(a.v, a.seq_kv, a.heads_kv, a.v_stride_b, a.v_stride_s, a.v_stride_h, KVStage{}, KVTile{}),
+      float(a.scale * M_LOG2E)};
   constexpr int smem_bytes = int(sizeof(typename T::SharedStorage));
-  static const cudaError_t attr =
-      cudaFuncSetAttribute(fwd_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
-  check_cuda(attr, "cudaFuncSetAttribute");
+  // The shared-memory opt-in is per device: done once for each (bit d: device d).
+  static std::atomic<uint64_t> opted_in{0};
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
+  if (bit == 0 || !(opted_in.load() & bit)) {
+    check_cuda(cudaFuncSetAttribute(fwd_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes),
+               "cudaFuncSetAttribute");
+    opted_in.fetch_or(bit);
+  }
   fwd_kernel<T><<<a.grid, T::kThreads, smem_bytes, static_cast<cudaStream_t>(stream)>>>(p);
   check_cuda(cudaGetLastError(), "launch");
 }
