@@ -748,8 +748,9 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMas
     with no allowed key gives o = 0, lse = -inf and zero gradients. Autograd through q, k and v;
     `deterministic` picks the backward's dQ reduction order (the CPU reference always is).
     CPU or CUDA tensors; the mask's tensors must be on q's device (`block_mask.to(q.device)`, or
-    `BlockMask.build(..., device=...)`). On CUDA (bf16 / fp16, D 64 or 128, mask blocks multiples
-    of 128) only the forward exists for now: a backward through it raises NotImplementedError."""
+    `BlockMask.build(..., device=...)`). On CUDA (bf16 / fp16, D 64, 96 or 128, mask blocks
+    multiples of 128) only the forward exists for now: a backward through it raises
+    NotImplementedError."""
     mask = _check_mask(block_mask).to_torch()
     _check_attention_inputs(q, k, v, mask)
     tensors, sizes, kinds = _mask_args(mask)

@@ -112,6 +112,8 @@ std::vector<Case> cases() {
       {"prefixlm_bf16_S800", DType::kBF16, 1, 800, 800, 2, 2, 128, 128, 128, K::kPrefixLM, false, false, false, -1,
        -1, 300},
       {"full_bf16_Sq45_Skv300", DType::kBF16, 1, 45, 300, 2, 1, 128, 128, 128, K::kFull},
+      {"causal_bf16_S700_D96_gqa", DType::kBF16, 1, 700, 700, 4, 2, 96, 128, 128, K::kCausal},
+      {"doccausal_fp16_S611_D96_bhsd", DType::kFP16, 2, 611, 611, 2, 1, 96, 128, 128, K::kDocumentCausal, true},
       {"bitmask_bf16_S700_emptyrows", DType::kBF16, 1, 700, 533, 4, 2, 128, 128, 128, K::kBitmask, true, false, true},
       {"bitmask_fp16_D64_blk256x128", DType::kFP16, 2, 389, 389, 2, 1, 64, 256, 128, K::kBitmask, false, false, true},
   };
@@ -257,7 +259,7 @@ TEST(AttentionCudaErrors, RefusedInputsAllocateNothing) {
   std::mt19937_64 rng(3);
   const int64_t S = 256;
   Input q(DType::kBF16, 1, S, 2, 128, false, rng, 1.0), k(DType::kBF16, 1, S, 2, 128, false, rng, 1.0);
-  Input q96(DType::kBF16, 1, S, 2, 96, false, rng, 1.0), k96(DType::kBF16, 1, S, 2, 96, false, rng, 1.0);
+  Input q80(DType::kBF16, 1, S, 2, 80, false, rng, 1.0), k80(DType::kBF16, 1, S, 2, 80, false, rng, 1.0);
   Input q32(DType::kFP32, 1, S, 2, 128, false, rng, 1.0), k32(DType::kFP32, 1, S, 2, 128, false, rng, 1.0);
   st::MaskSpec causal;
   causal.kind = MaskKind::kCausal;
@@ -281,7 +283,7 @@ TEST(AttentionCudaErrors, RefusedInputsAllocateNothing) {
   };
   const Bad bad[] = {
       {"fp32", [&](auto& call) { forward(q32, k32, dev.mask, call); }, "q: expected dtype bf16 or fp16 on CUDA"},
-      {"D=96", [&](auto& call) { forward(q96, k96, dev.mask, call); }, "q: expected a head dim with a CUDA kernel"},
+      {"D=80", [&](auto& call) { forward(q80, k80, dev.mask, call); }, "q: expected a head dim with a CUDA kernel"},
       {"host mask", [&](auto& call) { forward(q, k, host.mask, call); },
        "mask.kv_num_blocks: expected a tensor on cuda"},
       {"64x64 blocks", [&](auto& call) { forward(q, k, dev64.mask, call); },

@@ -192,7 +192,7 @@ MASKS = {
 # -- forward against the CPU path ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("D", [64, 128], ids=["D64", "D128"])
+@pytest.mark.parametrize("D", [64, 96, 128], ids=["D64", "D96", "D128"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name", list(MASKS), ids=list(MASKS))
 def test_forward_matches_the_cpu_path(name, dtype, D):

@@ -98,7 +98,7 @@ int sm_count(int device) {
 bool have_kernel(DType dtype, int64_t head_dim) {
   if (!SPARSETRAIN_WITH_CUTLASS) return false;
   if (dtype == DType::kBF16 && head_dim == 128) return true;
-  const bool dims = head_dim == 64 || head_dim == 128;
+  const bool dims = head_dim == 64 || head_dim == 96 || head_dim == 128;
   return SPARSETRAIN_SM90_ALL && (dtype == DType::kBF16 || dtype == DType::kFP16) && dims;
 }
 
@@ -109,6 +109,8 @@ void dispatch(DType dtype, int64_t head_dim, const FwdArgs& a, void* stream) {
   if (dtype == DType::kBF16 && head_dim == 64) return cuda::attn::run_fwd_sm90<FwdElement::kBF16, 64>(a, stream);
   if (dtype == DType::kFP16 && head_dim == 128) return cuda::attn::run_fwd_sm90<FwdElement::kFP16, 128>(a, stream);
   if (dtype == DType::kFP16 && head_dim == 64) return cuda::attn::run_fwd_sm90<FwdElement::kFP16, 64>(a, stream);
+  if (dtype == DType::kBF16 && head_dim == 96) return cuda::attn::run_fwd_sm90<FwdElement::kBF16, 96>(a, stream);
+  if (dtype == DType::kFP16 && head_dim == 96) return cuda::attn::run_fwd_sm90<FwdElement::kFP16, 96>(a, stream);
 #endif
 #endif
   (void)a;
@@ -126,7 +128,7 @@ class AttentionCuda final : public backend::AttentionBackend {
                  dtype_name(p.dtype));
     ST_CHECK_ARG(have_kernel(p.dtype, p.head_dim), "q",
                  std::string("a head dim with a CUDA kernel in this build (") +
-                     (SPARSETRAIN_WITH_CUTLASS ? (SPARSETRAIN_SM90_ALL ? "64 or 128" : "128 with bf16: a MINIMAL build")
+                     (SPARSETRAIN_WITH_CUTLASS ? (SPARSETRAIN_SM90_ALL ? "64, 96 or 128" : "128 with bf16: a MINIMAL build")
                                                : "none: built without CUTLASS") +
                      ")",
                  "D = ", p.head_dim, " (", dtype_name(p.dtype), ")");
