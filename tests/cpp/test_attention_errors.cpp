@@ -175,4 +175,80 @@ TEST(AttentionErrors, ValidEnvironmentRuns) {
   EXPECT_EQ(e.alloc.allocations, 7);  // forward: o, lse, scratch; backward: dq, dk, dv, scratch
 }
 
+#if SPARSETRAIN_WITH_CUDA
+// What the CUDA backend refuses is decided on the host before any device work, so views tagged
+// cuda:0 over host memory reach every rule without a GPU (the checks never touch the memory).
+TEST(AttentionErrors, CudaBackendRulesNeedNoDevice) {
+  const st::Device gpu = st::Device::cuda(0);
+  const int64_t S = 256, H = 2;
+  std::vector<HostTensor> keep;
+  auto tensor = [&](DType dt, int64_t D) {
+    keep.emplace_back(dt, std::vector<int64_t>{1, S, H, D});
+    const int64_t shape[4] = {1, S, H, D}, strides[4] = {S * H * D, H * D, D, 1};
+    return st::TensorView(keep.back().data(), dt, shape, strides, 4, gpu);
+  };
+  keep.reserve(16);
+  // A mask whose tensors are tagged cuda:0 too (structure checks only on a device mask).
+  auto device_mask = [&](const st::BlockMask& host) {
+    st::BlockMask m = host;
+    for (st::TensorView* t : {&m.kv_num_blocks, &m.kv_indices, &m.full_kv_num_blocks, &m.full_kv_indices,
+                              &m.q_num_blocks, &m.q_indices, &m.full_q_num_blocks, &m.full_q_indices,
+                              &m.dq_write_order, &m.dq_write_order_full, &m.partial_bitmasks})
+      if (t->defined()) *t = st::TensorView(t->data(), t->dtype(), t->shape(), t->strides(), t->dim(), gpu);
+    return m;
+  };
+  st::MaskSpec causal;
+  causal.kind = st::MaskKind::kCausal;
+  const st::BlockMaskTensors m128 = st::build_block_mask(causal, S, S);
+  st::BlockMaskOptions small;
+  small.block_q = small.block_kv = 64;
+  const st::BlockMaskTensors m64 = st::build_block_mask(causal, S, S, small);
+  auto every = [](void*, int64_t, int64_t, int64_t q, int64_t kv) { return (q + kv) % 3 != 0; };
+  const st::BlockMaskTensors bits = st::build_block_mask_from_function(every, nullptr, 1, 1, S, S);
+  st::BlockMask odd_bits = device_mask(bits.mask);
+  // A bitmask view one byte in: the kernel reads 32-bit words.
+  const st::TensorView& b = odd_bits.partial_bitmasks;
+  odd_bits.partial_bitmasks = st::TensorView(static_cast<uint8_t*>(b.data()) + 1, b.dtype(), b.shape(), b.strides(),
+                                             b.dim(), gpu);
+  const st::TensorView q = tensor(DType::kBF16, 128), k = tensor(DType::kBF16, 128);
+  const st::TensorView q32 = tensor(DType::kFP32, 128), q80 = tensor(DType::kBF16, 80), k80 = tensor(DType::kBF16, 80);
+  struct Case {
+    const char* what;
+    std::function<void(st::AttentionCall&)> run;
+    const char* message;
+  };
+  const Case cases[] = {
+      {"fp32", [&](auto& c) { st::block_sparse_attention_forward(q32, q32, q32, device_mask(m128.mask), {}, c); },
+       "q: expected dtype bf16 or fp16 on CUDA, got fp32"},
+      {"D=80", [&](auto& c) { st::block_sparse_attention_forward(q80, k80, k80, device_mask(m128.mask), {}, c); },
+       "q: expected a head dim with a CUDA kernel in this build"},
+      {"host mask", [&](auto& c) { st::block_sparse_attention_forward(q, k, k, m128.mask, {}, c); },
+       "mask.kv_num_blocks: expected a tensor on cuda:0 (q's device), got cpu"},
+      {"64x64 blocks", [&](auto& c) { st::block_sparse_attention_forward(q, k, k, device_mask(m64.mask), {}, c); },
+       "mask.block_q: expected a multiple of the CUDA kernel's q tile (128), got 64"},
+      {"unaligned bitmasks", [&](auto& c) { st::block_sparse_attention_forward(q, k, k, odd_bits, {}, c); },
+       "mask.partial_bitmasks: expected a contiguous last dim, a 4-byte aligned base"},
+      {"backward", [&](auto& c) {
+         HostTensor lse(DType::kFP32, {1, H, S});
+         const int64_t ls[3] = {1, H, S}, lst[3] = {H * S, S, 1};
+         const st::TensorView lv(lse.data(), DType::kFP32, ls, lst, 3, gpu);
+         st::block_sparse_attention_backward(q, k, k, q, lv, q, device_mask(m128.mask), {}, c);
+       },
+       "q: expected CPU tensors for the backward (the CUDA backward is not implemented yet), got cuda:0"},
+  };
+  for (const Case& c : cases) {
+    st::testing::PoisonAllocator alloc;
+    st::AttentionCall call;
+    call.allocator = &alloc;
+    try {
+      c.run(call);
+      ADD_FAILURE() << c.what << ": no error";
+    } catch (const st::Error& e) {
+      EXPECT_EQ(std::string(e.what()).rfind(c.message, 0), 0u) << c.what << ": " << e.what();
+    }
+    EXPECT_EQ(alloc.allocations, 0) << c.what;
+  }
+}
+#endif
+
 }  // namespace

@@ -4,6 +4,7 @@
 // deterministic kernel (issue 8); until then it is refused with a clear error.
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <cub/block/block_scan.cuh>
 #include <string>
@@ -126,12 +127,6 @@ class AttentionCuda final : public backend::AttentionBackend {
                  q.device().str());
     ST_CHECK_ARG(p.dtype == DType::kBF16 || p.dtype == DType::kFP16, "q", "dtype bf16 or fp16 on CUDA",
                  dtype_name(p.dtype));
-    ST_CHECK_ARG(have_kernel(p.dtype, p.head_dim), "q",
-                 std::string("a head dim with a CUDA kernel in this build (") +
-                     (SPARSETRAIN_WITH_CUTLASS ? (SPARSETRAIN_SM90_ALL ? "64, 96 or 128" : "128 with bf16: a MINIMAL build")
-                                               : "none: built without CUTLASS") +
-                     ")",
-                 "D = ", p.head_dim, " (", dtype_name(p.dtype), ")");
     for (const auto& [t, name] : {std::pair<const TensorView&, const char*>{q, "q"}, {k, "k"}, {v, "v"}}) {
       // TMA: a 16-byte aligned base and 16-byte multiples for every stride.
       const int64_t e = int64_t(dtype_size(p.dtype));
@@ -144,9 +139,22 @@ class AttentionCuda final : public backend::AttentionBackend {
                  "a multiple of the CUDA kernel's q tile (" + std::to_string(kTileQ) + ")", mask.block_q);
     ST_CHECK_ARG(mask.block_kv % kTileKv == 0, "mask.block_kv",
                  "a multiple of the CUDA kernel's kv tile (" + std::to_string(kTileKv) + ")", mask.block_kv);
-    if (mask.spec.kind == MaskKind::kBitmask)
-      ST_CHECK_ARG(mask.partial_bitmasks.stride(4) == 1, "mask.partial_bitmasks", "a contiguous last dim",
-                   mask.partial_bitmasks.stride(4));
+    if (mask.spec.kind == MaskKind::kBitmask) {
+      // The kernel reads a row's bits as 32-bit words.
+      const TensorView& bits = mask.partial_bitmasks;
+      const bool words = reinterpret_cast<uintptr_t>(bits.data()) % 4 == 0 && bits.stride(0) % 4 == 0 &&
+                         bits.stride(1) % 4 == 0 && bits.stride(2) % 4 == 0 && bits.stride(3) % 4 == 0;
+      ST_CHECK_ARG(bits.stride(4) == 1 && words, "mask.partial_bitmasks",
+                   "a contiguous last dim, a 4-byte aligned base and strides that are multiples of 4 bytes",
+                   "strides [", bits.stride(0), ", ", bits.stride(1), ", ", bits.stride(2), ", ", bits.stride(3), ", ",
+                   bits.stride(4), "] at ", bits.data());
+    }
+    const char* built = !SPARSETRAIN_WITH_CUTLASS ? "none: built without CUTLASS"
+                        : SPARSETRAIN_SM90_ALL    ? "64, 96 or 128"
+                                                  : "128 with bf16: a MINIMAL build";
+    ST_CHECK_ARG(have_kernel(p.dtype, p.head_dim), "q",
+                 std::string("a head dim with a CUDA kernel in this build (") + built + ")", "D = ", p.head_dim, " (",
+                 dtype_name(p.dtype), ")");
     const int64_t limit = int64_t(1) << 30;
     const int64_t items = p.batch * p.heads_q * q_tiles_of(p);
     ST_CHECK_ARG(p.seq_q < limit && p.seq_kv < limit && items < limit, "q",
