@@ -50,13 +50,18 @@ def numpy_dtype(name: str) -> np.dtype:
     return _NP_DTYPES[name]
 
 
+_TORCH_DTYPES: dict = {}  # torch dtype -> name, filled on first use (torch is optional)
+
+
 def dtype_name(a: Any, arg: str = "dtype") -> str:
     """sparsetrain's name of an array's element type; a ValueError naming `arg` otherwise."""
     if _is_torch(a):
-        import torch  # noqa: PLC0415
+        names = _TORCH_DTYPES
+        if not names:
+            import torch  # noqa: PLC0415
 
-        names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-                 torch.int32: "int32", torch.int64: "int64", torch.uint8: "uint8"}
+            names.update({torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+                          torch.int32: "int32", torch.int64: "int64", torch.uint8: "uint8"})
         if a.dtype not in names:
             raise ValueError(f"{arg}: expected dtype bf16, fp16, fp32, int32 or int64, got {a.dtype}")
         return names[a.dtype]
