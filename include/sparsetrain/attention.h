@@ -15,6 +15,10 @@ namespace sparsetrain {
 struct AttentionOptions {
   float scale = 0.f;           // 0: 1 / sqrt(D)
   bool deterministic = true;   // the backward's dQ reduction order (the CPU reference always is)
+  // CUDA: at most this many SMs' worth of persistent CTAs (0: every SM), e.g. to leave SMs to
+  // communication kernels. Results never depend on it (the deterministic backward is bitwise
+  // the same for any value).
+  int sm_limit = 0;
 };
 
 struct AttentionCall {

@@ -77,6 +77,7 @@ AttentionProblem check_inputs(const TensorView& q, const TensorView& k, const Te
                v.shape_str());
   ST_CHECK_ARG(std::isfinite(options.scale), "options.scale", "a finite number (0: 1 / sqrt(D))", options.scale);
   p.scale = options.scale != 0.f ? options.scale : 1.f / std::sqrt(float(p.head_dim));
+  ST_CHECK_ARG(options.sm_limit >= 0, "options.sm_limit", "a count >= 0 (0: every SM)", options.sm_limit);
   return p;
 }
 
@@ -126,7 +127,7 @@ AttentionForward block_sparse_attention_forward(const TensorView& q, const Tenso
   const Device dev = q.device();
   backend::AttentionBackend& be = backend::attention_backend_for(dev, "q");
   check_mask(mask, p, /*backward=*/false, dev);
-  be.check_supported(p, q, k, v, mask, /*backward=*/false);
+  be.check_supported(p, q, k, v, mask, nullptr);
 
   // Everything is valid: from here on memory may be allocated and written.
   Allocator& alloc = call.allocator ? *call.allocator : default_allocator();
@@ -134,7 +135,7 @@ AttentionForward block_sparse_attention_forward(const TensorView& q, const Tenso
   out.o = Tensor::empty(p.dtype, {p.batch, p.seq_q, p.heads_q, p.head_dim}, dev, alloc, call.stream);
   out.lse = Tensor::empty(DType::kFP32, {p.batch, p.heads_q, p.seq_q}, dev, alloc, call.stream);
   ops::WorkspaceMemory scratch(be.forward_scratch_bytes(p), {}, dev, alloc, call.stream);
-  be.forward({p, q, k, v, &mask, out.o.view(), out.lse.view()}, scratch.at(0), call.stream);
+  be.forward({p, q, k, v, &mask, out.o.view(), out.lse.view(), options.sm_limit}, scratch.at(0), call.stream);
   return out;
 }
 
@@ -147,7 +148,8 @@ AttentionGrads block_sparse_attention_backward(const TensorView& q, const Tensor
   backend::AttentionBackend& be = backend::attention_backend_for(dev, "q");
   check_backward_inputs(o, lse, dout, p, dev);
   check_mask(mask, p, /*backward=*/true, dev);
-  be.check_supported(p, q, k, v, mask, /*backward=*/true);
+  const backend::AttentionBackend::BackwardInputs inputs{o, lse, dout, options.deterministic};
+  be.check_supported(p, q, k, v, mask, &inputs);
 
   Allocator& alloc = call.allocator ? *call.allocator : default_allocator();
   AttentionGrads g;
@@ -155,7 +157,8 @@ AttentionGrads block_sparse_attention_backward(const TensorView& q, const Tensor
   g.dk = Tensor::empty(p.dtype, {p.batch, p.seq_kv, p.heads_kv, p.head_dim}, dev, alloc, call.stream);
   g.dv = Tensor::empty(p.dtype, {p.batch, p.seq_kv, p.heads_kv, p.head_dim}, dev, alloc, call.stream);
   ops::WorkspaceMemory scratch(be.backward_scratch_bytes(p), {}, dev, alloc, call.stream);
-  be.backward({p, q, k, v, o, lse, dout, &mask, options.deterministic, g.dq.view(), g.dk.view(), g.dv.view()},
+  be.backward({p, q, k, v, o, lse, dout, &mask, options.deterministic, g.dq.view(), g.dk.view(), g.dv.view(),
+               options.sm_limit},
               scratch.at(0), call.stream);
   return g;
 }

@@ -28,6 +28,7 @@ struct AttentionForwardParams {
   TensorView q, k, v;
   const BlockMask* mask;  // validated against the problem; leading dims broadcast to [B, Hq]
   TensorView o, lse;
+  int sm_limit;  // CUDA: at most this many SMs' worth of CTAs (0: all)
 };
 
 // o and dout [B, Sq, Hq, D] (last dim contiguous), lse fp32 [B, Hq, Sq] (any strides).
@@ -39,16 +40,25 @@ struct AttentionBackwardParams {
   const BlockMask* mask;  // with its transposes (q_num_blocks / q_indices, full_q_*)
   bool deterministic;
   TensorView dq, dk, dv;
+  int sm_limit;  // CUDA: at most this many SMs' worth of CTAs (0: all); results never depend on it
 };
 
 class AttentionBackend {
  public:
   virtual ~AttentionBackend() = default;
-  // What this backend cannot run (a dtype, a head dim, an alignment, the pass itself) throws an
-  // Error naming the argument, before anything is allocated. q, k, v and the mask have passed the
-  // backend-independent checks.
+  // What this backend cannot run (a dtype, a head dim, an alignment, a mask it cannot walk) throws
+  // an Error naming the argument, before anything is allocated. q, k, v and the mask have passed
+  // the backend-independent checks; `backward` is null for the forward, else the backward's
+  // other inputs (o, lse, dout checked against q already) and options.
+  struct BackwardInputs {
+    const TensorView& o;
+    const TensorView& lse;
+    const TensorView& dout;
+    bool deterministic;
+  };
   virtual void check_supported(const AttentionProblem& /*p*/, const TensorView& /*q*/, const TensorView& /*k*/,
-                               const TensorView& /*v*/, const BlockMask& /*mask*/, bool /*backward*/) const {}
+                               const TensorView& /*v*/, const BlockMask& /*mask*/,
+                               const BackwardInputs* /*backward*/) const {}
   // Scratch each pass needs; a function of the shapes only.
   virtual size_t forward_scratch_bytes(const AttentionProblem& p) const = 0;
   virtual size_t backward_scratch_bytes(const AttentionProblem& p) const = 0;
@@ -58,7 +68,7 @@ class AttentionBackend {
 
 AttentionBackend& attention_reference_backend();
 #if SPARSETRAIN_WITH_CUDA
-// The sm90 kernels (src/cuda/attention/attention_cuda.cu); forward only for now.
+// The sm90 kernels (src/cuda/attention/attention_cuda.cu).
 AttentionBackend& attention_cuda_backend();
 #endif
 // The backend that runs on `device`; an Error naming `arg` where this build has none.

@@ -1,17 +1,23 @@
-// GPU tests of the sm90 attention forward (skipped, visibly, without a GPU): CUDA vs the
-// double-precision oracle on fresh random inputs, for every built-in mask kind and a bitmask mask,
+// GPU tests of the sm90 attention forward and backward (skipped, visibly, without a GPU): CUDA vs
+// the double-precision oracle on fresh random inputs, for every built-in mask kind and a bitmask mask,
 // S not a multiple of the tile, Sq != Skv, GQA and MQA, D = 64 and 128, bf16 and fp16, BHSD views,
 // mask blocks larger than the kernel tile, rows with no allowed key, masks built on the host and
-// copied over as well as built on the device; outputs are NaN-poisoned first; two runs give the
-// same bytes. Then everything the CUDA path refuses, each with its error and no allocation.
+// copied over as well as built on the device, empty kv columns and compact index tensors;
+// outputs are NaN-poisoned first. The forward is bitwise repeatable; the deterministic backward is
+// bitwise the same over 20 runs and for any number of workers, and replays from a CUDA graph.
+// Then everything the CUDA path refuses, each with its error and no allocation, and a corrupt
+// device write order that must not hang the GPU.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "attention_oracle.h"
@@ -83,6 +89,34 @@ struct DeviceMask {
   }
 };
 
+// The mask's index tensors (and the tensors parallel to them) cut to the largest count: compact
+// views of the builders' full-width storage, which DeviceMask then copies as they are.
+void narrow_to_counts(st::BlockMask& m) {
+  auto largest = [](const st::TensorView& counts) {
+    int64_t mx = 1;
+    const HostTensor c = HostTensor::copy_of(counts);
+    for (int64_t x = 0; x < c.numel(); ++x) mx = std::max<int64_t>(mx, int64_t(c.get(x)));
+    return mx;
+  };
+  auto narrow = [](st::TensorView& t, int64_t width) {
+    if (!t.defined()) return;
+    std::vector<int64_t> shape(t.shape(), t.shape() + t.dim());
+    shape[3] = std::min(shape[3], width);
+    t = st::TensorView(t.data(), t.dtype(), shape.data(), t.strides(), t.dim(), t.device());
+  };
+  const int64_t wkv = largest(m.kv_num_blocks), wq = largest(m.q_num_blocks);
+  narrow(m.kv_indices, wkv);
+  narrow(m.partial_bitmasks, wkv);
+  narrow(m.q_indices, wq);
+  narrow(m.dq_write_order, wq);
+  if (m.full_kv_num_blocks.defined()) narrow(m.full_kv_indices, largest(m.full_kv_num_blocks));
+  if (m.full_q_num_blocks.defined()) {
+    const int64_t wf = largest(m.full_q_num_blocks);
+    narrow(m.full_q_indices, wf);
+    narrow(m.dq_write_order_full, wf);
+  }
+}
+
 struct Case {
   std::string name;
   DType dtype;
@@ -90,6 +124,7 @@ struct Case {
   MaskKind kind;
   bool bhsd = false, device_build = false, expect_empty_rows = false;
   int64_t left = -1, right = -1, prefix = 0;
+  bool empty_column = false, compact = false;
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
@@ -116,6 +151,10 @@ std::vector<Case> cases() {
       {"doccausal_fp16_S611_D96_bhsd", DType::kFP16, 2, 611, 611, 2, 1, 96, 128, 128, K::kDocumentCausal, true},
       {"bitmask_bf16_S700_emptyrows", DType::kBF16, 1, 700, 533, 4, 2, 128, 128, 128, K::kBitmask, true, false, true},
       {"bitmask_fp16_D64_blk256x128", DType::kFP16, 2, 389, 389, 2, 1, 64, 256, 128, K::kBitmask, false, false, true},
+      {"bitmask_bf16_S641_emptycol_compact", DType::kBF16, 1, 641, 641, 4, 1, 128, 128, 128, K::kBitmask, false,
+       false, true, -1, -1, 0, true, true},
+      {"causal_bf16_S1000_blk128x256_compact", DType::kBF16, 2, 1000, 1000, 2, 2, 128, 128, 256, K::kCausal, false,
+       false, false, -1, -1, 0, false, true},
   };
   return v;
 }
@@ -141,8 +180,10 @@ uint64_t mix(uint64_t x) {
 // 0 mod 7 allow nothing (empty rows); kv rows past a diagonal band are cut so whole blocks skip.
 struct RandomMask {
   uint64_t seed;
+  bool empty_column = false;  // keys 256..383 allowed to nobody: a kv column with no q block
   bool operator()(int64_t b, int64_t h, int64_t q, int64_t kv) const {
     if (q % 7 == 0) return false;
+    if (empty_column && kv >= 256 && kv < 384) return false;
     if (kv > q + 200) return false;
     return mix(seed ^ uint64_t(b) << 48 ^ uint64_t(h) << 40 ^ uint64_t(q) << 20 ^ uint64_t(kv)) % 3 == 0;
   }
@@ -151,63 +192,88 @@ struct RandomMask {
   }
 };
 
+// A case's inputs and mask: q, k, v (and dout) on the device, the mask built on the host and
+// copied over or built on the device, and the element predicate the oracle reads.
+struct Prepared {
+  std::mt19937_64 rng;
+  std::unique_ptr<Input> q, k, v, dout;
+  HostTensor doc;
+  DeviceTensor ddoc;
+  RandomMask random{};
+  std::function<bool(int64_t, int64_t, int64_t, int64_t)> allowed;
+  std::unique_ptr<st::BlockMaskTensors> host_mask;
+  std::unique_ptr<DeviceMask> copied;
+  st::BlockMaskTensors device_built;
+  st::BlockMask mask;
+
+  explicit Prepared(const Case& c) : rng(std::hash<std::string>{}(c.name)) {
+    q = std::make_unique<Input>(c.dtype, c.B, c.Sq, c.Hq, c.D, c.bhsd, rng, 2.0);
+    k = std::make_unique<Input>(c.dtype, c.B, c.Skv, c.Hkv, c.D, c.bhsd, rng, 1.0);
+    v = std::make_unique<Input>(c.dtype, c.B, c.Skv, c.Hkv, c.D, c.bhsd, rng, 1.0);
+    dout = std::make_unique<Input>(c.dtype, c.B, c.Sq, c.Hq, c.D, c.bhsd, rng, 1.0);
+    st::MaskSpec spec;
+    spec.kind = c.kind;
+    spec.window_left = c.left;
+    spec.window_right = c.right;
+    spec.prefix_length = c.prefix;
+    doc = document_ids(c.B, std::max(c.Sq, c.Skv), rng);
+    const bool is_doc = c.kind == MaskKind::kDocument || c.kind == MaskKind::kDocumentCausal;
+    if (is_doc) spec.doc_q = spec.doc_kv = doc.view();
+    st::BlockMaskOptions opts;
+    opts.block_q = c.block_q;
+    opts.block_kv = c.block_kv;
+    opts.write_order_sub_tiles = c.block_kv / 128;  // the CUDA backward's kv tile
+    random = RandomMask{rng(), c.empty_column};
+    if (c.kind == MaskKind::kBitmask) {
+      host_mask = std::make_unique<st::BlockMaskTensors>(
+          st::build_block_mask_from_function(&RandomMask::call, &random, c.B, c.Hq, c.Sq, c.Skv, opts));
+      allowed = random;
+    } else {
+      host_mask = std::make_unique<st::BlockMaskTensors>(st::build_block_mask(spec, c.Sq, c.Skv, opts));
+      allowed = [spec, c](int64_t b, int64_t, int64_t i, int64_t j) {
+        return st::testing::spec_allows(spec, b, c.Sq, c.Skv, i, j);
+      };
+    }
+    st::validate_block_mask(host_mask->mask, c.B, c.Hq);
+    if (c.device_build) {
+      st::MaskSpec dspec = spec;
+      if (is_doc) {
+        ddoc = DeviceTensor(doc);
+        dspec.doc_q = dspec.doc_kv = ddoc.view();
+      }
+      opts.device = st::Device::cuda(0);
+      opts.auto_schedule = false;
+      opts.schedule.kind = st::ScheduleKind::kShortestFirst;
+      device_built = st::build_block_mask(dspec, c.Sq, c.Skv, opts);
+      mask = device_built.mask;
+    } else {
+      st::BlockMask m = host_mask->mask;
+      if (c.compact) narrow_to_counts(m);
+      copied = std::make_unique<DeviceMask>(m);
+      mask = copied->mask;
+    }
+  }
+
+  AttentionOracle oracle(const Case& c) const {
+    AttentionOracle o;
+    o.B = c.B, o.Sq = c.Sq, o.Skv = c.Skv, o.Hq = c.Hq, o.Hkv = c.Hkv, o.D = c.D;
+    o.scale = 1.0 / std::sqrt(double(c.D));
+    o.dtype = c.dtype;
+    o.p_operand = c.dtype;
+    o.q = q->host_view, o.k = k->host_view, o.v = v->host_view, o.dout = dout->host_view;
+    o.allowed = allowed;
+    return o;
+  }
+};
+
 class AttentionCuda : public ::testing::TestWithParam<Case> {};
 
 TEST_P(AttentionCuda, ForwardMatchesTheOracle) {
   REQUIRE_GPU();
   const Case c = GetParam();
-  std::mt19937_64 rng(std::hash<std::string>{}(c.name));
-  Input q(c.dtype, c.B, c.Sq, c.Hq, c.D, c.bhsd, rng, 2.0);
-  Input k(c.dtype, c.B, c.Skv, c.Hkv, c.D, c.bhsd, rng, 1.0);
-  Input v(c.dtype, c.B, c.Skv, c.Hkv, c.D, c.bhsd, rng, 1.0);
-
-  st::MaskSpec spec;
-  spec.kind = c.kind;
-  spec.window_left = c.left;
-  spec.window_right = c.right;
-  spec.prefix_length = c.prefix;
-  HostTensor doc = document_ids(c.B, std::max(c.Sq, c.Skv), rng);
-  const bool is_doc = c.kind == MaskKind::kDocument || c.kind == MaskKind::kDocumentCausal;
-  if (is_doc) {
-    ASSERT_EQ(c.Sq, c.Skv);
-    spec.doc_q = spec.doc_kv = doc.view();
-  }
-  st::BlockMaskOptions opts;
-  opts.block_q = c.block_q;
-  opts.block_kv = c.block_kv;
-  RandomMask random{rng()};
-  std::function<bool(int64_t, int64_t, int64_t, int64_t)> allowed;
-  std::unique_ptr<st::BlockMaskTensors> host_mask;
-  std::unique_ptr<DeviceMask> copied;
-  st::BlockMaskTensors device_built;
-  DeviceTensor ddoc;
-  st::BlockMask mask;
-  if (c.kind == MaskKind::kBitmask) {
-    host_mask = std::make_unique<st::BlockMaskTensors>(
-        st::build_block_mask_from_function(&RandomMask::call, &random, c.B, c.Hq, c.Sq, c.Skv, opts));
-    allowed = random;
-  } else {
-    host_mask = std::make_unique<st::BlockMaskTensors>(st::build_block_mask(spec, c.Sq, c.Skv, opts));
-    allowed = [spec, c](int64_t b, int64_t, int64_t i, int64_t j) {
-      return st::testing::spec_allows(spec, b, c.Sq, c.Skv, i, j);
-    };
-  }
-  st::validate_block_mask(host_mask->mask, c.B, c.Hq);
-  if (c.device_build) {
-    st::MaskSpec dspec = spec;
-    if (is_doc) {
-      ddoc = DeviceTensor(doc);
-      dspec.doc_q = dspec.doc_kv = ddoc.view();
-    }
-    opts.device = st::Device::cuda(0);
-    opts.auto_schedule = false;
-    device_built = st::build_block_mask(dspec, c.Sq, c.Skv, opts);
-    mask = device_built.mask;
-  } else {
-    copied = std::make_unique<DeviceMask>(host_mask->mask);
-    mask = copied->mask;
-  }
-
+  Prepared su(c);
+  const st::BlockMask& mask = su.mask;
+  const Input &q = *su.q, &k = *su.k, &v = *su.v;
   DevicePoisonAllocator alloc;
   st::AttentionCall call;
   call.allocator = &alloc;
@@ -215,14 +281,7 @@ TEST_P(AttentionCuda, ForwardMatchesTheOracle) {
       st::block_sparse_attention_forward(q.dev_view, k.dev_view, v.dev_view, mask, {}, call);
   EXPECT_EQ(alloc.allocations, 3);  // o, lse and the work order, from the call's allocator
 
-  AttentionOracle oracle;
-  oracle.B = c.B, oracle.Sq = c.Sq, oracle.Skv = c.Skv, oracle.Hq = c.Hq, oracle.Hkv = c.Hkv, oracle.D = c.D;
-  oracle.scale = 1.0 / std::sqrt(double(c.D));
-  oracle.dtype = c.dtype;
-  oracle.p_operand = c.dtype;
-  oracle.q = q.host_view, oracle.k = k.host_view, oracle.v = v.host_view, oracle.dout = q.host_view;
-  oracle.allowed = allowed;
-  const AttentionOracle::Result ref = oracle.run();
+  const AttentionOracle::Result ref = su.oracle(c).run();
   ASSERT_GT(ref.allowed_pairs, 0);
   if (c.expect_empty_rows) {
     EXPECT_GT(ref.empty_rows, 0);
@@ -248,6 +307,57 @@ TEST_P(AttentionCuda, ForwardMatchesTheOracle) {
   const st::AttentionForward again = st::block_sparse_attention_forward(q.dev_view, k.dev_view, v.dev_view, mask);
   EXPECT_TRUE(st::testing::bytes_equal(o.view(), to_host(again.o.view()).view()));
   EXPECT_TRUE(st::testing::bytes_equal(lse.view(), to_host(again.lse.view()).view()));
+}
+
+struct Grads {
+  HostTensor dq, dk, dv;
+  explicit Grads(const st::AttentionGrads& g)
+      : dq(to_host(g.dq.view())), dk(to_host(g.dk.view())), dv(to_host(g.dv.view())) {}
+  bool same_bytes(const Grads& o) const {
+    return st::testing::bytes_equal(dq.view(), o.dq.view()) && st::testing::bytes_equal(dk.view(), o.dk.view()) &&
+           st::testing::bytes_equal(dv.view(), o.dv.view());
+  }
+};
+
+// The backward in both modes against the oracle (outputs poisoned first); the deterministic mode
+// bitwise equal over 20 runs and whatever the number of workers (every SM, 61, 7, 1); the atomic
+// mode within the same rounding bounds on every run.
+TEST_P(AttentionCuda, BackwardMatchesTheOracle) {
+  REQUIRE_GPU();
+  const Case c = GetParam();
+  Prepared su(c);
+  const st::AttentionForward fwd =
+      st::block_sparse_attention_forward(su.q->dev_view, su.k->dev_view, su.v->dev_view, su.mask);
+  const AttentionOracle::Result ref = su.oracle(c).run();
+  ASSERT_GT(ref.allowed_pairs, 0);
+  auto backward = [&](bool deterministic, int sm_limit, st::Allocator* alloc) {
+    st::AttentionOptions options;
+    options.deterministic = deterministic;
+    options.sm_limit = sm_limit;
+    st::AttentionCall call;
+    call.allocator = alloc;
+    return Grads(st::block_sparse_attention_backward(su.q->dev_view, su.k->dev_view, su.v->dev_view, fwd.o.view(),
+                                                     fwd.lse.view(), su.dout->dev_view, su.mask, options, call));
+  };
+  for (const bool deterministic : {true, false}) {
+    for (int run = 0; run < 2; ++run) {
+      DevicePoisonAllocator alloc;
+      const Grads g = backward(deterministic, 0, &alloc);
+      EXPECT_EQ(alloc.allocations, 4);  // dq, dk, dv and the scratch, from the call's allocator
+      const char* mode = deterministic ? " (deterministic)" : " (atomic dQ)";
+      for (const auto& [got, want, name] : {std::tuple<const HostTensor&, const st::testing::Bounded&, std::string>{
+                                                g.dq, ref.dq, std::string("dq") + mode},
+                                            {g.dk, ref.dk, std::string("dk") + mode},
+                                            {g.dv, ref.dv, std::string("dv") + mode}}) {
+        const auto r = st::testing::compare_bounded(got, want, c.dtype, name.c_str());
+        EXPECT_TRUE(r.ok) << r.first_failure << " (worst error / tolerance " << r.worst_tol_ratio << ")";
+      }
+    }
+  }
+  const Grads first = backward(true, 0, nullptr);
+  for (int run = 0; run < 20; ++run) EXPECT_TRUE(first.same_bytes(backward(true, 0, nullptr))) << "run " << run;
+  for (const int workers : {61, 7, 1})
+    EXPECT_TRUE(first.same_bytes(backward(true, workers, nullptr))) << workers << " SMs' worth of workers";
 }
 
 INSTANTIATE_TEST_SUITE_P(Cuda, AttentionCuda, ::testing::ValuesIn(cases()),
@@ -309,8 +419,9 @@ TEST(AttentionCudaErrors, RefusedInputsAllocateNothing) {
   }
 }
 
-// The backward on CUDA is refused (until the deterministic kernel lands) with valid arguments.
-TEST(AttentionCudaErrors, BackwardIsRefusedClearly) {
+// What the CUDA backward refuses on top of the forward's rules: a deterministic run without the
+// mask's write order or with one built for another kv tile, and a dout TMA cannot load.
+TEST(AttentionCudaErrors, BackwardRefusalsAllocateNothing) {
   REQUIRE_GPU();
   std::mt19937_64 rng(5);
   const int64_t S = 256;
@@ -319,18 +430,139 @@ TEST(AttentionCudaErrors, BackwardIsRefusedClearly) {
   causal.kind = MaskKind::kCausal;
   const st::BlockMaskTensors host = st::build_block_mask(causal, S, S);
   DeviceMask dev(host.mask);
+  st::BlockMask no_order = dev.mask;
+  no_order.dq_write_order = st::TensorView();
+  no_order.dq_write_order_full = st::TensorView();
+  st::BlockMaskOptions wide;
+  wide.block_kv = 256;  // write order left at 1 sub-tile: the kernel's kv tile needs 2
+  const st::BlockMaskTensors host256 = st::build_block_mask(causal, S, S, wide);
+  DeviceMask dev256(host256.mask);
   const st::AttentionForward f = st::block_sparse_attention_forward(q.dev_view, k.dev_view, k.dev_view, dev.mask);
-  DevicePoisonAllocator alloc;
-  st::AttentionCall call;
-  call.allocator = &alloc;
-  try {
-    st::block_sparse_attention_backward(q.dev_view, k.dev_view, k.dev_view, f.o.view(), f.lse.view(), q.dev_view,
-                                        dev.mask, {}, call);
-    ADD_FAILURE() << "no error";
-  } catch (const st::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("the CUDA backward is not implemented yet"), std::string::npos) << e.what();
+  const int64_t shape[4] = {1, S / 2, 2, 128}, odd[4] = {S * 2 * 128, 2 * 128 + 4, 128, 1};
+  const st::TensorView odd_dout(q.dev.view().data(), DType::kBF16, shape, odd, 4, st::Device::cuda(0));
+  struct Bad {
+    const char* what;
+    std::function<void(st::AttentionCall&)> run;
+    const char* message;
+  };
+  auto backward = [&](const st::BlockMask& m, st::AttentionCall& call) {
+    st::block_sparse_attention_backward(q.dev_view, k.dev_view, k.dev_view, f.o.view(), f.lse.view(), q.dev_view, m,
+                                        {}, call);
+  };
+  const Bad bad[] = {
+      {"no write order", [&](auto& call) { backward(no_order, call); },
+       "mask.dq_write_order: expected the dQ write orders for the deterministic backward"},
+      {"write order for 1 sub-tile", [&](auto& call) { backward(dev256.mask, call); },
+       "mask.write_order_sub_tiles: expected 2 (block_kv / the CUDA backward's kv tile of 128"},
+      {"unaligned dout", [&](auto& call) {
+         st::BlockMaskTensors m = st::build_block_mask(causal, S / 2, S / 2);
+         DeviceMask dm(m.mask);
+         Input qh(DType::kBF16, 1, S / 2, 2, 128, false, rng, 1.0);
+         const st::AttentionForward fh =
+             st::block_sparse_attention_forward(qh.dev_view, qh.dev_view, qh.dev_view, dm.mask);
+         st::block_sparse_attention_backward(qh.dev_view, qh.dev_view, qh.dev_view, fh.o.view(), fh.lse.view(),
+                                             odd_dout, dm.mask, {}, call);
+       },
+       "dout: expected a 16-byte aligned base and strides that are multiples of 16 bytes"},
+  };
+  for (const Bad& b : bad) {
+    DevicePoisonAllocator alloc;
+    st::AttentionCall call;
+    call.allocator = &alloc;
+    try {
+      b.run(call);
+      ADD_FAILURE() << b.what << ": no error";
+    } catch (const st::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(b.message), std::string::npos) << b.what << ": " << e.what();
+    }
+    EXPECT_EQ(alloc.allocations, 0) << b.what;
   }
-  EXPECT_EQ(alloc.allocations, 0);
+  // The atomic mode needs no write order.
+  st::AttentionOptions atomic;
+  atomic.deterministic = false;
+  EXPECT_NO_THROW(st::block_sparse_attention_backward(q.dev_view, k.dev_view, k.dev_view, f.o.view(), f.lse.view(),
+                                                      q.dev_view, no_order, atomic));
+}
+
+// Device memory handed out from one cudaMalloc'd block, never freed until the end: what a
+// framework's caching allocator does, and what a captured graph needs (no allocation on replay).
+class ArenaAllocator final : public st::Allocator {
+ public:
+  explicit ArenaAllocator(size_t bytes) : size_(bytes) { EXPECT_EQ(cudaMalloc(&base_, bytes), cudaSuccess); }
+  ~ArenaAllocator() override { cudaFree(base_); }
+  void* allocate(size_t bytes, st::Device, st::Stream) override {
+    used_ = (used_ + 255) / 256 * 256;
+    EXPECT_LE(used_ + bytes, size_) << "arena too small";
+    void* p = static_cast<char*>(base_) + used_;
+    used_ += bytes;
+    return p;
+  }
+  void deallocate(void*, size_t, st::Device, st::Stream) override {}
+
+ private:
+  void* base_ = nullptr;
+  size_t size_, used_ = 0;
+};
+
+// The backward captured in a CUDA graph (memset, preprocessing, the kernel with its ticket
+// counter and semaphores, the dQ conversion) replays with the eager run's bytes.
+TEST(AttentionCudaGraph, DeterministicBackwardReplaysBitwise) {
+  REQUIRE_GPU();
+  const Case c{"graph_doccausal", DType::kBF16, 2, 1500, 1500, 4, 2, 128, 128, 128, MaskKind::kDocumentCausal};
+  Prepared su(c);
+  const st::AttentionForward f =
+      st::block_sparse_attention_forward(su.q->dev_view, su.k->dev_view, su.v->dev_view, su.mask);
+  const Grads eager(st::block_sparse_attention_backward(su.q->dev_view, su.k->dev_view, su.v->dev_view, f.o.view(),
+                                                        f.lse.view(), su.dout->dev_view, su.mask));
+  ArenaAllocator arena(size_t(256) << 20);
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  st::AttentionCall call;
+  call.allocator = &arena;
+  call.stream.handle = stream;
+  cudaGraph_t graph;
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  const st::AttentionGrads g = st::block_sparse_attention_backward(
+      su.q->dev_view, su.k->dev_view, su.v->dev_view, f.o.view(), f.lse.view(), su.dout->dev_view, su.mask, {}, call);
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 3; ++replay) {
+    CUDA_OK(cudaMemset(g.dq.view().data(), 0xff, size_t(g.dq.view().numel()) * 2));  // poison between replays
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    EXPECT_TRUE(eager.same_bytes(Grads(g))) << "replay " << replay;
+  }
+  CUDA_OK(cudaGraphExecDestroy(exec));
+  CUDA_OK(cudaGraphDestroy(graph));
+  CUDA_OK(cudaStreamDestroy(stream));
+}
+
+// A device mask whose write order is corrupt (every writer claims turn 0): waits that can never
+// be served time out, report once and give up the order; the backward finishes (no hang: ctest's
+// timeout is the watchdog) and its results are still finite.
+TEST(AttentionCudaErrors, CorruptWriteOrderCannotHang) {
+  REQUIRE_GPU();
+  const Case c{"corrupt_order", DType::kBF16, 1, 512, 512, 2, 2, 128, 128, 128, MaskKind::kCausal};
+  Prepared su(c);
+  st::BlockMask host = su.host_mask->mask;
+  HostTensor zeros = HostTensor::copy_of(host.dq_write_order), zeros_full = HostTensor::copy_of(host.dq_write_order_full);
+  for (int64_t x = 0; x < zeros.numel(); ++x) zeros.set(x, 0.0);
+  for (int64_t x = 0; x < zeros_full.numel(); ++x) zeros_full.set(x, 0.0);
+  host.dq_write_order = zeros.view();
+  host.dq_write_order_full = zeros_full.view();
+  DeviceMask dev(host);
+  const st::AttentionForward f =
+      st::block_sparse_attention_forward(su.q->dev_view, su.k->dev_view, su.v->dev_view, dev.mask);
+  ASSERT_EQ(setenv("SPARSETRAIN_ATTN_SPIN_LIMIT_MS", "100", 1), 0);
+  const auto start = std::chrono::steady_clock::now();
+  const Grads g(st::block_sparse_attention_backward(su.q->dev_view, su.k->dev_view, su.v->dev_view, f.o.view(),
+                                                    f.lse.view(), su.dout->dev_view, dev.mask));
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  unsetenv("SPARSETRAIN_ATTN_SPIN_LIMIT_MS");
+  EXPECT_LT(seconds, 20.0);
+  for (const HostTensor* t : {&g.dq, &g.dk, &g.dv})
+    for (int64_t x = 0; x < t->numel(); ++x) ASSERT_TRUE(std::isfinite(t->get(x))) << x;
 }
 
 }  // namespace

@@ -89,6 +89,8 @@ const ErrorCase kCases[] = {
      "v: expected shape [2, 12, 2, 16] (k's shape), got [2, 11, 2, 16]"},
     {"ScaleNaN", [](Env& e) { e.options.scale = std::numeric_limits<float>::quiet_NaN(); e.forward(); },
      "options.scale: expected a finite number (0: 1 / sqrt(D)), got nan"},
+    {"SmLimitNegative", [](Env& e) { e.options.sm_limit = -1; e.backward(); },
+     "options.sm_limit: expected a count >= 0 (0: every SM), got -1"},
     {"MaskSeqQ", [](Env& e) { e.mask.seq_q = 9; e.forward(); }, "mask.seq_q: expected 10 (q's Sq), got 9"},
     {"MaskSeqKv", [](Env& e) { e.mask.seq_kv = 16; e.forward(); }, "mask.seq_kv: expected 12 (k's Skv), got 16"},
     {"MaskMissing", [](Env& e) { e.mask.kv_num_blocks = st::TensorView(); e.forward(); },
@@ -228,13 +230,15 @@ TEST(AttentionErrors, CudaBackendRulesNeedNoDevice) {
        "mask.block_q: expected a multiple of the CUDA kernel's q tile (128), got 64"},
       {"unaligned bitmasks", [&](auto& c) { st::block_sparse_attention_forward(q, k, k, odd_bits, {}, c); },
        "mask.partial_bitmasks: expected a contiguous last dim, a 4-byte aligned base"},
-      {"backward", [&](auto& c) {
+      {"backward without a write order", [&](auto& c) {
          HostTensor lse(DType::kFP32, {1, H, S});
          const int64_t ls[3] = {1, H, S}, lst[3] = {H * S, S, 1};
          const st::TensorView lv(lse.data(), DType::kFP32, ls, lst, 3, gpu);
-         st::block_sparse_attention_backward(q, k, k, q, lv, q, device_mask(m128.mask), {}, c);
+         st::BlockMask m = device_mask(m128.mask);
+         m.dq_write_order = m.dq_write_order_full = st::TensorView();
+         st::block_sparse_attention_backward(q, k, k, q, lv, q, m, {}, c);
        },
-       "q: expected CPU tensors for the backward (the CUDA backward is not implemented yet), got cuda:0"},
+       "mask.dq_write_order: expected the dQ write orders for the deterministic backward"},
   };
   for (const Case& c : cases) {
     st::testing::PoisonAllocator alloc;

@@ -52,8 +52,9 @@ struct AttentionOracle {
   int64_t B = 0, Sq = 0, Skv = 0, Hq = 0, Hkv = 0, D = 0;
   double scale = 0;
   DType dtype = DType::kFP32;
-  // The type P is rounded to before o = P V: the GPU kernels feed that GEMM 16-bit P (the CPU
-  // reference keeps fp32); each term of o then carries P's rounding too.
+  // The type P (and, in the backward, dS) is rounded to before it meets the next GEMM: the GPU
+  // kernels feed o = P V, dV = P^T dO, dK = dS^T Q and dQ = dS K 16-bit operands (the CPU
+  // reference keeps fp32); each such term then carries that rounding too.
   DType p_operand = DType::kFP32;
   TensorView q, k, v, dout;  // [B, S, H, D] views (any strides) of what the library sees
   // allowed(b, hq, i, j) over the attention's batch and query heads.
@@ -78,6 +79,7 @@ struct AttentionOracle {
 
   Result run() const {
     const double u32 = std::ldexp(1.0, -24);
+    const double u_operand = p_operand == DType::kFP32 ? 0.0 : unit_roundoff(p_operand);
     Result r;
     const size_t nq = size_t(B * Sq * Hq * D), nk = size_t(B * Skv * Hkv * D);
     r.o = Bounded(nq);
@@ -140,7 +142,7 @@ struct AttentionOracle {
           p.assign(n, 0.0);
           for (size_t t = 0; t < n; ++t) p[t] = std::exp(s[t] - lse);
           // Forward: p's relative error (scores, exp, the sum, the division), then o's accumulation.
-          const double ep_f = 2 * Es + double(n + 4) * u32 + (p_operand == DType::kFP32 ? 0.0 : unit_roundoff(p_operand));
+          const double ep_f = 2 * Es + double(n + 4) * u32 + u_operand;
           for (int64_t d = 0; d < D; ++d) {
             double o = 0, a = 0;
             for (size_t t = 0; t < n; ++t) {
@@ -176,7 +178,8 @@ struct AttentionOracle {
             const double diff = dpv - delta;
             ds[t] = scale * p[t] * diff;
             dds[t] = std::fabs(scale) * p[t] *
-                     ((ep_b + 3 * u32) * std::fabs(diff) + double(D + 1) * u32 * abs_dp + ddelta);
+                         ((ep_b + 3 * u32) * std::fabs(diff) + double(D + 1) * u32 * abs_dp + ddelta) +
+                     u_operand * std::fabs(ds[t]);
           }
           for (int64_t d = 0; d < D; ++d) {
             double dq = 0, err = 0, abs_sum = 0;
@@ -197,7 +200,7 @@ struct AttentionOracle {
               r.dk.err[kk] += dds[t] * std::fabs(qi[size_t(d)]);
               dk_abs[kk] += std::fabs(ds[t] * qi[size_t(d)]);
               r.dv.value[kk] += p[t] * doi[size_t(d)];
-              r.dv.err[kk] += ep_b * p[t] * std::fabs(doi[size_t(d)]);
+              r.dv.err[kk] += (ep_b + u_operand) * p[t] * std::fabs(doi[size_t(d)]);
               dv_abs[kk] += p[t] * std::fabs(doi[size_t(d)]);
               kv_terms[kk] += 1;
             }

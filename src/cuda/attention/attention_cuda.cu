@@ -1,15 +1,21 @@
 // The CUDA attention backend: what the sm90 kernels support (checked before anything is
-// allocated), the longest-first work order (one small kernel, no host synchronisation), and the
-// dispatch to the forward instantiation for (dtype, head dim). The backward arrives with the
-// deterministic kernel (issue 8); until then it is refused with a clear error.
+// allocated), the forward's longest-first work order (one small kernel, no host synchronisation),
+// the backward's preprocessing (delta = rowsum(dout * o), lse in base 2, the fp32 dQ accumulator
+// zeroed) and dQ conversion, and the dispatch to the instantiations for (dtype, head dim).
+// Nothing here synchronises the host: a backward can be captured in a CUDA graph.
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cub/block/block_scan.cuh>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <limits>
 #include <string>
 
 #include "common/attention_fwd_walk.h"
+#include "cuda/attention/attention_bwd_params.h"
 #include "cuda/attention/attention_fwd_params.h"
 #include "ops/attention_backend.h"
 #include "ops/checks.h"
@@ -19,7 +25,10 @@ namespace sparsetrain {
 namespace {
 
 using backend::AttentionProblem;
+using cuda::attn::BwdArgs;
 using cuda::attn::FwdArgs;
+using cuda::attn::kBwdTileKv;
+using cuda::attn::kBwdTileQ;
 using cuda::attn::FwdElement;
 using cuda::attn::kTileKv;
 using cuda::attn::kTileQ;
@@ -63,6 +72,103 @@ __global__ void __launch_bounds__(kSortThreads) sort_items_kernel(const MaskWalk
     order[atomicAdd(&bins[bin_of(item)], 1)] = item;
 }
 
+// ---- backward: preprocessing and dQ conversion ----------------------------------------------------
+
+// Rows of one (b, h) in the backward's scratch: padded to whole 64-row q tiles.
+int64_t bwd_q_tiles(const AttentionProblem& p) { return (p.seq_q + kBwdTileQ - 1) / kBwdTileQ; }
+
+// One warp per padded row (b, h, q): delta = rowsum(dout * o), lse * log2(e) (+inf where the row
+// has no allowed key or lies past Sq: P = 0 there), and the row of the dQ accumulator zeroed.
+template <class E>
+__global__ void bwd_preprocess_kernel(const E* o, int64_t o_sb, int64_t o_ss, int64_t o_sh, const E* dout,
+                                      int64_t do_sb, int64_t do_ss, int64_t do_sh, const float* lse, int64_t l_sb,
+                                      int64_t l_sh, int64_t l_ss, int32_t heads_q, int32_t seq_q, int32_t rows,
+                                      int32_t head_dim, int64_t total_rows, float* lse_log2, float* delta,
+                                      float* dq_accum) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
+  for (int64_t r = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; r < total_rows; r += warps) {
+    const int64_t bh = r / rows;
+    const int32_t q = int32_t(r % rows);
+    const int64_t b = bh / heads_q, h = bh % heads_q;
+    float sum = 0.f;
+    if (q < seq_q) {
+      const E* orow = o + b * o_sb + q * o_ss + h * o_sh;
+      const E* drow = dout + b * do_sb + q * do_ss + h * do_sh;
+      for (int d = lane; d < head_dim; d += 32) sum += float(orow[d]) * float(drow[d]);
+    }
+    for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
+    float* acc = dq_accum + r * head_dim;
+    for (int d = lane; d < head_dim; d += 32) acc[d] = 0.f;
+    if (lane == 0) {
+      const float l = q < seq_q ? lse[b * l_sb + h * l_sh + q * l_ss] : -INFINITY;
+      delta[r] = sum;
+      lse_log2[r] = l == -INFINITY ? INFINITY : l * float(M_LOG2E);
+    }
+  }
+}
+
+// dq [B, Sq, Hq, D] (contiguous) = scale * the accumulator [B, Hq, rows, D], two elements a thread.
+// Also reports a dQ wait that timed out in the kernel before it (a corrupt device write order).
+template <class E>
+__global__ void bwd_convert_dq_kernel(const float* dq_accum, E* dq, int32_t seq_q, int32_t heads_q, int32_t rows,
+                                      int32_t head_dim, int64_t pairs, float scale, const int32_t* abandoned) {
+  if (blockIdx.x == 0 && threadIdx.x == 0 && abandoned[0] != 0)
+    printf("sparsetrain attention backward: a dQ wait timed out (q tile semaphore %d held %d, waiting for turn %d): "
+           "the mask's dq_write_order does not match its lists; the deterministic dQ order was given up\n",
+           abandoned[1], abandoned[3], abandoned[2]);
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < pairs; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t e = 2 * i;  // element of dq
+    const int32_t d = int32_t(e % head_dim);
+    const int64_t bqh = e / head_dim;
+    const int64_t h = bqh % heads_q, bq = bqh / heads_q;
+    const int64_t q = bq % seq_q, b = bq / seq_q;
+    const float2 v = *reinterpret_cast<const float2*>(dq_accum + ((b * heads_q + h) * rows + q) * head_dim + d);
+    dq[e] = E(v.x * scale);
+    dq[e + 1] = E(v.y * scale);
+  }
+}
+
+// The backward's scratch, in order (each region 256-byte aligned).
+struct BwdScratch {
+  float* dq_accum;
+  float* lse_log2;
+  float* delta;
+  int32_t* semaphores;  // then the ticket counter and the abandoned report: one memset
+  int32_t* counters;
+  int32_t* permutation;
+  size_t bytes;
+  size_t zeroed_bytes;  // semaphores + counters
+
+  BwdScratch(const AttentionProblem& p, void* base) {
+    const int64_t bh = p.batch * p.heads_q, tiles = bwd_q_tiles(p), rows = tiles * kBwdTileQ;
+    char* at = static_cast<char*>(base);
+    size_t off = 0;
+    auto take = [&](size_t n) {
+      char* r = at == nullptr ? nullptr : at + off;
+      off += (n + 255) / 256 * 256;
+      return r;
+    };
+    dq_accum = reinterpret_cast<float*>(take(size_t(bh * rows * p.head_dim) * sizeof(float)));
+    lse_log2 = reinterpret_cast<float*>(take(size_t(bh * rows) * sizeof(float)));
+    delta = reinterpret_cast<float*>(take(size_t(bh * rows) * sizeof(float)));
+    const size_t sem_bytes = size_t(bh * tiles) * sizeof(int32_t);
+    zeroed_bytes = sem_bytes + 5 * sizeof(int32_t);  // + the ticket and abandoned[4]
+    semaphores = reinterpret_cast<int32_t*>(take(zeroed_bytes));
+    counters = semaphores == nullptr ? nullptr : semaphores + bh * tiles;
+    // Mask columns are at least one kernel kv tile wide: ceil(Skv / 128) bounds Nk.
+    permutation = reinterpret_cast<int32_t*>(take(size_t((p.seq_kv + kBwdTileKv - 1) / kBwdTileKv) * sizeof(int32_t)));
+    bytes = off;
+  }
+};
+
+// A dQ wait longer than this reports and gives up (a corrupt write order must not hang the GPU).
+int64_t spin_limit_ns() {
+  const char* v = std::getenv("SPARSETRAIN_ATTN_SPIN_LIMIT_MS");
+  const int64_t ms = v != nullptr ? std::atoll(v) : 0;
+  return (ms > 0 ? ms : 10000) * 1000000;
+}
+
 // ---- arguments ----------------------------------------------------------------------------------
 
 int64_t lead_stride(const TensorView& t, int d) { return t.size(d) == 1 ? 0 : t.stride(d); }
@@ -77,6 +183,28 @@ MaskIndexView index_view(const TensorView& t) {
   v.stride_w = t.dim() > 3 ? t.stride(3) : 0;
   v.width = t.dim() > 3 ? int32_t(t.size(3)) : 0;
   return v;
+}
+
+// The mask inside partial blocks, as both kernels evaluate it.
+cuda::attn::FwdMaskSpec mask_spec_args(const BlockMask& m) {
+  cuda::attn::FwdMaskSpec spec;
+  spec.kind = m.spec.kind;
+  spec.window_left = m.spec.window_left, spec.window_right = m.spec.window_right;
+  spec.prefix_length = m.spec.prefix_length;
+  spec.block_kv = int32_t(m.block_kv);
+  if (m.spec.kind == MaskKind::kDocument || m.spec.kind == MaskKind::kDocumentCausal) {
+    spec.doc_q = static_cast<const int32_t*>(m.spec.doc_q.data());
+    spec.doc_kv = static_cast<const int32_t*>(m.spec.doc_kv.data());
+    spec.doc_q_stride_b = lead_stride(m.spec.doc_q, 0);
+    spec.doc_kv_stride_b = lead_stride(m.spec.doc_kv, 0);
+  }
+  if (m.spec.kind == MaskKind::kBitmask) {
+    const TensorView& bits = m.partial_bitmasks;
+    spec.bits = static_cast<const uint8_t*>(bits.data());
+    spec.bits_stride_b = lead_stride(bits, 0), spec.bits_stride_h = lead_stride(bits, 1);
+    spec.bits_stride_m = bits.stride(2), spec.bits_stride_w = bits.stride(3);
+  }
+  return spec;
 }
 
 // Tuning switches for sweeps: unset or anything but "0" is on.
@@ -119,22 +247,48 @@ void dispatch(DType dtype, int64_t head_dim, const FwdArgs& a, void* stream) {
   ST_FAIL("CUDA attention: no forward kernel for ", dtype_name(dtype), ", D = ", head_dim);
 }
 
+void dispatch_bwd(DType dtype, int64_t head_dim, const BwdArgs& a, void* stream) {
+#if SPARSETRAIN_WITH_CUTLASS
+  using cuda::attn::run_bwd_sm90;
+  if (dtype == DType::kBF16 && head_dim == 128) return run_bwd_sm90<FwdElement::kBF16, 128>(a, stream);
+#if SPARSETRAIN_SM90_ALL
+  if (dtype == DType::kBF16 && head_dim == 64) return run_bwd_sm90<FwdElement::kBF16, 64>(a, stream);
+  if (dtype == DType::kFP16 && head_dim == 128) return run_bwd_sm90<FwdElement::kFP16, 128>(a, stream);
+  if (dtype == DType::kFP16 && head_dim == 64) return run_bwd_sm90<FwdElement::kFP16, 64>(a, stream);
+  if (dtype == DType::kBF16 && head_dim == 96) return run_bwd_sm90<FwdElement::kBF16, 96>(a, stream);
+  if (dtype == DType::kFP16 && head_dim == 96) return run_bwd_sm90<FwdElement::kFP16, 96>(a, stream);
+#endif
+#endif
+  (void)a;
+  (void)stream;
+  ST_FAIL("CUDA attention: no backward kernel for ", dtype_name(dtype), ", D = ", head_dim);
+}
+
+// TMA: a 16-byte aligned base and 16-byte multiples for every stride.
+void check_tma_operand(const TensorView& t, const char* name, DType dtype) {
+  const int64_t e = int64_t(dtype_size(dtype));
+  const bool aligned = reinterpret_cast<uintptr_t>(t.data()) % 16 == 0 && (t.stride(0) * e) % 16 == 0 &&
+                       (t.stride(1) * e) % 16 == 0 && (t.stride(2) * e) % 16 == 0;
+  ST_CHECK_ARG(aligned, name, "a 16-byte aligned base and strides that are multiples of 16 bytes (TMA)",
+               "strides [", t.stride(0), ", ", t.stride(1), ", ", t.stride(2), ", 1] at ", t.data());
+}
+
+int grid_of(int64_t items, int device, int sm_limit) {
+  int64_t g = std::min<int64_t>(items, sm_count(device));
+  if (sm_limit > 0) g = std::min<int64_t>(g, sm_limit);
+  return int(std::max<int64_t>(g, 1));
+}
+
 class AttentionCuda final : public backend::AttentionBackend {
  public:
   void check_supported(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
-                       const BlockMask& mask, bool backward) const override {
-    ST_CHECK_ARG(!backward, "q", "CPU tensors for the backward (the CUDA backward is not implemented yet)",
-                 q.device().str());
+                       const BlockMask& mask, const BackwardInputs* backward) const override {
     ST_CHECK_ARG(p.dtype == DType::kBF16 || p.dtype == DType::kFP16, "q", "dtype bf16 or fp16 on CUDA",
                  dtype_name(p.dtype));
-    for (const auto& [t, name] : {std::pair<const TensorView&, const char*>{q, "q"}, {k, "k"}, {v, "v"}}) {
-      // TMA: a 16-byte aligned base and 16-byte multiples for every stride.
-      const int64_t e = int64_t(dtype_size(p.dtype));
-      const bool aligned = reinterpret_cast<uintptr_t>(t.data()) % 16 == 0 && (t.stride(0) * e) % 16 == 0 &&
-                           (t.stride(1) * e) % 16 == 0 && (t.stride(2) * e) % 16 == 0;
-      ST_CHECK_ARG(aligned, name, "a 16-byte aligned base and strides that are multiples of 16 bytes (TMA)",
-                   "strides [", t.stride(0), ", ", t.stride(1), ", ", t.stride(2), ", 1] at ", t.data());
-    }
+    check_tma_operand(q, "q", p.dtype);
+    check_tma_operand(k, "k", p.dtype);
+    check_tma_operand(v, "v", p.dtype);
+    if (backward != nullptr) check_tma_operand(backward->dout, "dout", p.dtype);
     ST_CHECK_ARG(mask.block_q % kTileQ == 0, "mask.block_q",
                  "a multiple of the CUDA kernel's q tile (" + std::to_string(kTileQ) + ")", mask.block_q);
     ST_CHECK_ARG(mask.block_kv % kTileKv == 0, "mask.block_kv",
@@ -149,6 +303,21 @@ class AttentionCuda final : public backend::AttentionBackend {
                    "strides [", bits.stride(0), ", ", bits.stride(1), ", ", bits.stride(2), ", ", bits.stride(3), ", ",
                    bits.stride(4), "] at ", bits.data());
     }
+    if (backward != nullptr && backward->deterministic) {
+      // The kernel's kv tile is 128 keys: a block column is block_kv / 128 writers at each q block.
+      ST_CHECK_ARG(mask.dq_write_order.defined() && (!mask.full_q_indices.defined() || mask.dq_write_order_full.defined()),
+                   "mask.dq_write_order", "the dQ write orders for the deterministic backward (compute_dq_write_order)",
+                   "none");
+      const int64_t sub_tiles = mask.block_kv / kBwdTileKv;
+      ST_CHECK_ARG(mask.write_order_sub_tiles == sub_tiles, "mask.write_order_sub_tiles",
+                   std::to_string(sub_tiles) + " (block_kv / the CUDA backward's kv tile of " +
+                       std::to_string(kBwdTileKv) + "; rebuild the mask with that many sub-tiles)",
+                   mask.write_order_sub_tiles);
+    }
+    if (backward != nullptr && mask.schedule.kind == ScheduleKind::kPermutation)
+      ST_CHECK_ARG(int64_t(mask.schedule.permutation.size()) == mask.num_kv_blocks(), "mask.schedule",
+                   "a permutation of the " + std::to_string(mask.num_kv_blocks()) + " kv block columns",
+                   mask.schedule.permutation.size(), " entries");
     const char* built = !SPARSETRAIN_WITH_CUTLASS ? "none: built without CUTLASS"
                         : SPARSETRAIN_SM90_ALL    ? "64, 96 or 128"
                                                   : "128 with bf16: a MINIMAL build";
@@ -165,7 +334,7 @@ class AttentionCuda final : public backend::AttentionBackend {
   size_t forward_scratch_bytes(const AttentionProblem& p) const override {
     return size_t(p.batch * p.heads_q * q_tiles_of(p)) * sizeof(int32_t);
   }
-  size_t backward_scratch_bytes(const AttentionProblem&) const override { return 0; }
+  size_t backward_scratch_bytes(const AttentionProblem& p) const override { return BwdScratch(p, nullptr).bytes; }
 
   void forward(const backend::AttentionForwardParams& fp, void* scratch, Stream stream) override {
     const AttentionProblem& p = fp.problem;
@@ -189,26 +358,11 @@ class AttentionCuda final : public backend::AttentionBackend {
     a.lists.num_kv_blocks = int32_t(m.num_kv_blocks());
     a.lists.block_q = int32_t(m.block_q);
     a.lists.sub_tiles = int32_t(m.block_kv / kTileKv);
-    a.spec.kind = m.spec.kind;
-    a.spec.window_left = m.spec.window_left, a.spec.window_right = m.spec.window_right;
-    a.spec.prefix_length = m.spec.prefix_length;
-    a.spec.block_kv = int32_t(m.block_kv);
-    if (m.spec.kind == MaskKind::kDocument || m.spec.kind == MaskKind::kDocumentCausal) {
-      a.spec.doc_q = static_cast<const int32_t*>(m.spec.doc_q.data());
-      a.spec.doc_kv = static_cast<const int32_t*>(m.spec.doc_kv.data());
-      a.spec.doc_q_stride_b = lead_stride(m.spec.doc_q, 0);
-      a.spec.doc_kv_stride_b = lead_stride(m.spec.doc_kv, 0);
-    }
-    if (m.spec.kind == MaskKind::kBitmask) {
-      const TensorView& bits = m.partial_bitmasks;
-      a.spec.bits = static_cast<const uint8_t*>(bits.data());
-      a.spec.bits_stride_b = lead_stride(bits, 0), a.spec.bits_stride_h = lead_stride(bits, 1);
-      a.spec.bits_stride_m = bits.stride(2), a.spec.bits_stride_w = bits.stride(3);
-    }
+    a.spec = mask_spec_args(m);
     a.q_tiles = int32_t(q_tiles_of(p));
     a.num_items = int32_t(p.batch * p.heads_q * a.q_tiles);
     a.order = static_cast<const int32_t*>(scratch);
-    a.grid = int32_t(std::min<int64_t>(a.num_items, sm_count(fp.q.device().index)));
+    a.grid = grid_of(a.num_items, fp.q.device().index, fp.sm_limit);
     static const bool pingpong = env_flag("SPARSETRAIN_ATTN_PINGPONG"), lpt = env_flag("SPARSETRAIN_ATTN_LPT");
     a.pingpong = pingpong;
 
@@ -219,8 +373,87 @@ class AttentionCuda final : public backend::AttentionBackend {
     dispatch(p.dtype, p.head_dim, a, stream.handle);
   }
 
-  void backward(const backend::AttentionBackwardParams&, void*, Stream) override {
-    ST_FAIL("CUDA attention: the backward is not implemented yet");  // check_supported refuses first
+  void backward(const backend::AttentionBackwardParams& bp, void* scratch, Stream stream) override {
+    const AttentionProblem& p = bp.problem;
+    const BlockMask& m = *bp.mask;
+    const BwdScratch ws(p, scratch);
+    const int32_t q_tiles = int32_t(bwd_q_tiles(p)), rows = q_tiles * kBwdTileQ;
+    cudaStream_t s = static_cast<cudaStream_t>(stream.handle);
+
+    // Semaphores, the ticket counter and the abandoned flag start at zero in every run (and in
+    // every replay of a captured graph).
+    check(cudaMemsetAsync(ws.semaphores, 0, ws.zeroed_bytes, s), "cudaMemsetAsync (dQ semaphores)");
+    const int64_t total_rows = p.batch * p.heads_q * rows;
+    const int pre_blocks = int(std::min<int64_t>((total_rows + 7) / 8, 65535));
+    auto preprocess = [&](auto element) {
+      using E = decltype(element);
+      bwd_preprocess_kernel<E><<<pre_blocks, 256, 0, s>>>(
+          static_cast<const E*>(bp.o.data()), bp.o.stride(0), bp.o.stride(1), bp.o.stride(2),
+          static_cast<const E*>(bp.dout.data()), bp.dout.stride(0), bp.dout.stride(1), bp.dout.stride(2),
+          static_cast<const float*>(bp.lse.data()), bp.lse.stride(0), bp.lse.stride(1), bp.lse.stride(2),
+          int32_t(p.heads_q), int32_t(p.seq_q), rows, int32_t(p.head_dim), total_rows, ws.lse_log2, ws.delta,
+          ws.dq_accum);
+    };
+    if (p.dtype == DType::kBF16) preprocess(__nv_bfloat16{});
+    else preprocess(__half{});
+    check(cudaGetLastError(), "backward preprocessing launch");
+
+    BwdArgs a{};
+    a.q = bp.q.data(), a.k = bp.k.data(), a.v = bp.v.data(), a.dout = bp.dout.data();
+    a.q_stride_b = bp.q.stride(0), a.q_stride_s = bp.q.stride(1), a.q_stride_h = bp.q.stride(2);
+    a.k_stride_b = bp.k.stride(0), a.k_stride_s = bp.k.stride(1), a.k_stride_h = bp.k.stride(2);
+    a.v_stride_b = bp.v.stride(0), a.v_stride_s = bp.v.stride(1), a.v_stride_h = bp.v.stride(2);
+    a.do_stride_b = bp.dout.stride(0), a.do_stride_s = bp.dout.stride(1), a.do_stride_h = bp.dout.stride(2);
+    a.dk = bp.dk.data(), a.dv = bp.dv.data();
+    a.lse_log2 = ws.lse_log2, a.delta = ws.delta, a.dq_accum = ws.dq_accum;
+    a.semaphores = ws.semaphores, a.ticket = ws.counters, a.abandoned = ws.counters + 1;
+    a.batch = int32_t(p.batch), a.seq_q = int32_t(p.seq_q), a.seq_kv = int32_t(p.seq_kv);
+    a.heads_q = int32_t(p.heads_q), a.heads_kv = int32_t(p.heads_kv);
+    a.scale = p.scale;
+    a.lists.partial_count = index_view(m.q_num_blocks);
+    a.lists.partial_index = index_view(m.q_indices);
+    a.lists.full_count = index_view(m.full_q_num_blocks);
+    a.lists.full_index = index_view(m.full_q_indices);
+    if (bp.deterministic) {
+      a.lists.partial_turn = index_view(m.dq_write_order);
+      a.lists.full_turn = index_view(m.dq_write_order_full);
+    }
+    a.lists.kv_count = index_view(m.kv_num_blocks);
+    a.lists.kv_index = index_view(m.kv_indices);
+    a.lists.find_bit_entry = m.spec.kind == MaskKind::kBitmask;
+    a.lists.num_q_blocks = int32_t(m.num_q_blocks());
+    a.lists.q_tiles_per_block = int32_t(m.block_q / kBwdTileQ);
+    a.lists.num_q_tiles = q_tiles;
+    a.spec = mask_spec_args(m);
+    a.block_q = int32_t(m.block_q), a.block_kv = int32_t(m.block_kv);
+    a.handout.batch = p.batch;
+    a.handout.kv_heads = p.heads_kv;
+    a.handout.num_columns = m.num_kv_blocks();
+    a.handout.sub_tiles = m.block_kv / kBwdTileKv;
+    a.handout.kind = m.schedule.kind;
+    if (m.schedule.kind == ScheduleKind::kPermutation) {
+      // From the mask's host vector: a capture must keep the mask alive for the graph's life.
+      check(cudaMemcpyAsync(ws.permutation, m.schedule.permutation.data(),
+                            m.schedule.permutation.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s),
+            "cudaMemcpyAsync (schedule permutation)");
+      a.handout.permutation = ws.permutation;
+    }
+    a.grid = grid_of(a.handout.num_items(), bp.q.device().index, bp.sm_limit);
+    a.deterministic = bp.deterministic;
+    a.spin_limit_ns = spin_limit_ns();
+    dispatch_bwd(p.dtype, p.head_dim, a, stream.handle);
+
+    const int64_t pairs = p.batch * p.seq_q * p.heads_q * p.head_dim / 2;
+    const int conv_blocks = int(std::min<int64_t>((pairs + 255) / 256, 65535));
+    auto convert = [&](auto element) {
+      using E = decltype(element);
+      bwd_convert_dq_kernel<E><<<conv_blocks, 256, 0, s>>>(ws.dq_accum, static_cast<E*>(bp.dq.data()),
+                                                            int32_t(p.seq_q), int32_t(p.heads_q), rows,
+                                                            int32_t(p.head_dim), pairs, p.scale, ws.counters + 1);
+    };
+    if (p.dtype == DType::kBF16) convert(__nv_bfloat16{});
+    else convert(__half{});
+    check(cudaGetLastError(), "dQ conversion launch");
   }
 };
 

@@ -21,34 +21,15 @@
 
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cmath>
-#include <cute/tensor.hpp>
-#include <cutlass/arch/barrier.h>
-#include <cutlass/arch/reg_reconfig.h>
-#include <cutlass/numeric_types.h>
-#include <cutlass/pipeline/pipeline.hpp>
 
 #include "common/mask_predicate.h"  // mask_row_interval
 #include "cuda/attention/attention_fwd_params.h"
-#include "sparsetrain/error.h"
+#include "cuda/attention/attention_sm90_common.cuh"
 
 namespace sparsetrain::cuda::attn {
 
 using namespace cute;
-
-// The widest K-major swizzle a row of kHeadDim elements allows (128-byte rows and up: SW128).
-template <class Element, int kHeadDim>
-constexpr auto smem_atom_k_major() {
-  constexpr int row_bytes = kHeadDim * int(sizeof(Element));
-  if constexpr (row_bytes % 128 == 0) {
-    return GMMA::Layout_K_SW128_Atom<Element>{};
-  } else if constexpr (row_bytes % 64 == 0) {
-    return GMMA::Layout_K_SW64_Atom<Element>{};
-  } else {
-    return GMMA::Layout_K_SW32_Atom<Element>{};
-  }
-}
 
 template <class Element_, int kHeadDim_>
 struct FwdTraits {
@@ -119,46 +100,7 @@ struct FwdTraits {
   };
 };
 
-// ---- small register-level helpers --------------------------------------------------------------
-
-__device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx(-inf) = +0
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// A wgmma accumulator's layout ((2 cols, 2 row halves, N/8), M tiles, N tiles) viewed as
-// (rows, cols) = ((2, M), (2, N/8, N)): the row a thread holds, and the columns along it.
-template <class Layout>
-__device__ __forceinline__ auto acc_rowcol(Layout l) {
-  return make_layout(make_layout(get<0, 1>(l), get<1>(l)), make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)));
-}
-
-// The same accumulator as a 16-bit A operand of the next wgmma: each k-block of 16 columns is two
-// adjacent 8-column groups, so (2, 2, N/8) splits into (2, 2, 2) x N/16 k-blocks.
-template <class Layout>
-__device__ __forceinline__ auto acc_as_a_operand(Layout l) {
-  auto groups = logical_divide(get<0, 2>(l), Tile<_2>{});  // (2, N/16)
-  return make_layout(make_layout(get<0, 0>(l), get<0, 1>(l), get<0, 0>(groups)), get<1>(l),
-                     coalesce(make_layout(get<0, 1>(groups), get<2>(l))));
-}
-
-// Issues one warpgroup GEMM C (+)= A B over all k-blocks and commits it as one wgmma batch; the
-// caller waits (warpgroup_wait<N>: at most N batches still in flight) and then fences C.
-template <bool kZeroInit, class Mma, class TA, class TB, class TC>
-__device__ __forceinline__ void warpgroup_gemm_issue(Mma& mma, TA const& a, TB const& b, TC& c) {
-  constexpr bool kRegisterA = !is_base_of<GMMA::DescriptorIterator, typename Mma::FrgTypeA>::value;
-  if constexpr (kRegisterA) warpgroup_fence_operand(const_cast<TA&>(a));
-  warpgroup_fence_operand(c);
-  warpgroup_arrive();
-  mma.accumulate_ = kZeroInit ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
-  CUTLASS_PRAGMA_UNROLL
-  for (int kb = 0; kb < size<2>(a); ++kb) {
-    cute::gemm(mma, a(_, _, kb), b(_, _, kb), c);
-    mma.accumulate_ = GMMA::ScaleOut::One;
-  }
-  warpgroup_commit_batch();
-}
+// ---- masking and softmax -------------------------------------------------------------------
 
 // The Skv bound alone (a full tile that crosses the end of the keys).
 template <class TS, class TC>
@@ -281,13 +223,6 @@ __device__ __forceinline__ void masked_softmax(TS& S, TC const& coord, const Wal
     }
     row_sum[i] = row_sum[i] * correction[i] + sum;
   }
-}
-
-// P in the input type, the A operand of O += P V.
-template <class TS, class TP>
-__device__ __forceinline__ void convert_p(TS const& s, TP& p) {
-  CUTLASS_PRAGMA_UNROLL
-  for (int i = 0; i < size(p); ++i) p(i) = typename TP::value_type(s(i));
 }
 
 // ---- the kernel ----------------------------------------------------------------------------------
@@ -531,10 +466,6 @@ __global__ void __launch_bounds__(T::kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT 
   }
 }
 
-inline void check_cuda(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) ST_FAIL("sm90 attention forward: ", what, " failed: ", cudaGetErrorString(e));
-}
-
 template <FwdElement E, int HeadDim>
 void run_fwd_sm90(const FwdArgs& a, void* stream) {
   using Element = std::conditional_t<E == FwdElement::kBF16, cutlass::bfloat16_t, cutlass::half_t>;
@@ -555,18 +486,9 @@ void run_fwd_sm90(const FwdArgs& a, void* stream) {
       tma(a.v, a.seq_kv, a.heads_kv, a.v_stride_b, a.v_stride_s, a.v_stride_h, KVStage{}, KVTile{}),
       float(a.scale * M_LOG2E)};
   constexpr int smem_bytes = int(sizeof(typename T::SharedStorage));
-  // The shared-memory opt-in is per device: done once for each (bit d: device d).
-  static std::atomic<uint64_t> opted_in{0};
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
-  if (bit == 0 || !(opted_in.load() & bit)) {
-    check_cuda(cudaFuncSetAttribute(fwd_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes),
-               "cudaFuncSetAttribute");
-    opted_in.fetch_or(bit);
-  }
+  opt_in_smem(fwd_kernel<T>, smem_bytes);
   fwd_kernel<T><<<a.grid, T::kThreads, smem_bytes, static_cast<cudaStream_t>(stream)>>>(p);
-  check_cuda(cudaGetLastError(), "launch");
+  check_cuda(cudaGetLastError(), "attention forward launch");
 }
 
 }  // namespace sparsetrain::cuda::attn

@@ -1,0 +1,53 @@
+// The sm90 attention backward's arguments, framework-free (no CuTe, no CUDA types), filled by the
+// backend (attention_cuda.cu) and read by every instantiation (attention_bwd_sm90.cuh).
+#pragma once
+
+#include <cstdint>
+
+#include "common/attention_bwd_walk.h"
+#include "common/dq_schedule_model.h"
+#include "cuda/attention/attention_fwd_params.h"  // FwdMaskSpec: the mask inside partial blocks
+
+namespace sparsetrain::cuda::attn {
+
+// The backward kernel's tiles: 64 query rows (the dQ partial of a visit, the unit of a dQ turn)
+// by 128 keys (one work item's kv sub-column).
+constexpr int kBwdTileQ = 64;
+constexpr int kBwdTileKv = 128;
+
+struct BwdArgs {
+  const void* q;     // [B, Sq, Hq, D], strides in elements (last dim 1)
+  const void* k;     // [B, Skv, Hkv, D]
+  const void* v;
+  const void* dout;  // [B, Sq, Hq, D]
+  int64_t q_stride_b, q_stride_s, q_stride_h;
+  int64_t k_stride_b, k_stride_s, k_stride_h;
+  int64_t v_stride_b, v_stride_s, v_stride_h;
+  int64_t do_stride_b, do_stride_s, do_stride_h;
+  void* dk;  // [B, Skv, Hkv, D] contiguous
+  void* dv;
+  // Scratch, rows padded to num_q_tiles * kBwdTileQ per (b, h): written by the preprocessing.
+  const float* lse_log2;  // lse * log2(e); +inf for a row with no allowed key or past Sq (P = 0)
+  const float* delta;     // rowsum(dout * o)
+  float* dq_accum;        // [B, Hq, rows, D] fp32, zeroed by the preprocessing
+  int32_t* semaphores;    // [B * Hq * num_q_tiles], zeroed before every backward
+  int32_t* ticket;        // the work counter, zeroed before every backward
+  // [4]: set when a dQ wait timed out (a corrupt write order; no more waits), then the q tile's
+  // semaphore index, the turn waited for and the value found, for the report.
+  int32_t* abandoned;
+  int32_t batch, seq_q, seq_kv, heads_q, heads_kv;
+  float scale;
+  MaskColumnLists lists;  // q tiles in units of kBwdTileQ
+  FwdMaskSpec spec;
+  int32_t block_q, block_kv;
+  DqColumnHandout handout;  // sub_tiles = block_kv / kBwdTileKv; permutation in device memory
+  int32_t grid;             // persistent CTAs
+  bool deterministic;
+  int64_t spin_limit_ns;    // a dQ wait longer than this reports and gives up (no hang)
+};
+
+// One explicit instantiation per translation unit (attention_bwd_sm90_instance.cu.in).
+template <FwdElement E, int HeadDim>
+void run_bwd_sm90(const BwdArgs& args, void* stream);
+
+}  // namespace sparsetrain::cuda::attn
