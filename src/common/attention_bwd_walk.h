@@ -10,7 +10,7 @@
 // stored_turn(n, m) + sub_tile (the stored turn is that of sub-column 0, block_mask.h).
 //
 // Like the forward walk (common/attention_fwd_walk.h) this never trusts a device mask: counts are
-// clamped to the index width, q block ids outside [0, Mq) are skipped, and a partial block whose
+// clamped to the index width (and the write orders' width), q block ids outside [0, Mq) are skipped, and a partial block whose
 // entry in the forward lists (needed for its bitmask) is missing gives bit_entry = -1 (the kernel
 // then treats the block as empty). A corrupt write order can only make a wait time out (the
 // kernel bounds its spins), never an access go out of bounds.
@@ -70,6 +70,9 @@ ST_HOST_DEVICE inline BwdColumnCursor bwd_column_begin(const MaskColumnLists& l,
   BwdColumnCursor c;
   c.num_partial = clamp_count(l.partial_count, l.partial_index, b, h, n);
   c.num_full = clamp_count(l.full_count, l.full_index, b, h, n);
+  // The write orders may be narrower than the index tensors (compact): never read past them.
+  if (l.partial_turn.data != nullptr && c.num_partial > l.partial_turn.width) c.num_partial = l.partial_turn.width;
+  if (l.full_turn.data != nullptr && c.num_full > l.full_turn.width) c.num_full = l.full_turn.width;
   return c;
 }
 

@@ -625,7 +625,7 @@ TEST(AttentionBwdWalk, RandomGarbageMasksStayInBounds) {
 // past the turn row (here: the guard value after it). Fix: in bwd_column_begin, also clamp
 // num_partial / num_full to partial_turn.width / full_turn.width when those tensors are present
 // (or require equal widths in the backward's host checks, and drop this test).
-TEST(AttentionBwdWalk, DISABLED_TurnTensorsNarrowerThanTheIndexAreNotReadPast) {
+TEST(AttentionBwdWalk, TurnTensorsNarrowerThanTheIndexAreNotReadPast) {
   constexpr int32_t kGuard = 0x7eadbeef;
   const int32_t count = 4, index[4] = {0, 1, 2, 3};
   const int32_t turns[4] = {0, 0, kGuard, kGuard};  // a 1-row turn tensor of width 2, then a guard

@@ -29,7 +29,7 @@ struct BwdArgs {
   // Scratch, rows padded to num_q_tiles * kBwdTileQ per (b, h): written by the preprocessing.
   const float* lse_log2;  // lse * log2(e); +inf for a row with no allowed key or past Sq (P = 0)
   const float* delta;     // rowsum(dout * o)
-  float* dq_accum;        // [B, Hq, rows, D] fp32, zeroed by the preprocessing
+  float* dq_accum;        // [B, Hq, num_q_tiles, 64 * D] fp32 (tiles in fragment order), zeroed first
   int32_t* semaphores;    // [B * Hq * num_q_tiles], zeroed before every backward
   int32_t* ticket;        // the work counter, zeroed before every backward
   // [4]: set when a dQ wait timed out (a corrupt write order; no more waits), then the q tile's
@@ -46,8 +46,9 @@ struct BwdArgs {
   int64_t spin_limit_ns;    // a dQ wait longer than this reports and gives up (no hang)
 };
 
+// The main kernel, then dq [B, Sq, Hq, D] (contiguous, the input dtype) from the accumulator.
 // One explicit instantiation per translation unit (attention_bwd_sm90_instance.cu.in).
 template <FwdElement E, int HeadDim>
-void run_bwd_sm90(const BwdArgs& args, void* stream);
+void run_bwd_sm90(const BwdArgs& args, void* dq, void* stream);
 
 }  // namespace sparsetrain::cuda::attn

@@ -17,7 +17,8 @@
 //              accumulator with a bulk TMA reduce-add; in the deterministic mode it first waits
 //              until the q tile's semaphore equals the visit's turn, and increments it after the
 //              add has landed. The consumers meanwhile go on with the next tile
-//   epilogue   dK * scale and dV in the input dtype, from registers to global
+//   epilogue   dK * scale and dV in the input dtype, from registers to global; a second kernel
+//              converts the fp32 dQ accumulator (times scale) to the input dtype
 //
 // The mask kind and the deterministic flag are runtime switches. Keys past Skv are masked (their
 // K / V rows are TMA zero fill), rows past Sq and rows without any allowed key have lse = +inf in
@@ -25,6 +26,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstdio>
 
 #include "common/mask_predicate.h"  // mask_row_interval
 #include "cuda/attention/attention_bwd_params.h"
@@ -42,7 +44,9 @@ struct BwdTraits {
   static constexpr int kStages = 2;  // of Q, dO, lse, delta
   static constexpr int kMmaThreads = 256;
   static constexpr int kThreads = kMmaThreads + 128;
-  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  // setmaxnreg budgets (2 x 128 x 232 + 128 x 40 = 64 K registers): the loader and the dQ writer
+  // walk the mask's lists and spill at 24; the consumers hold dK, dV, S, dP and dQ.
+  static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 
   // S^T = K Q^T and dP^T = V dO^T: M = keys (two warpgroups x 64), N = q rows, K = D.
   using AlongM = Layout<Shape<_2, _1, _1>>;
@@ -100,7 +104,8 @@ struct BwdTraits {
     array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
     array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
     array_aligned<Element, cosize_v<SmemLayoutDs>, 1024> ds;
-    array_aligned<float, kBlockM * kHeadDim, 128> dq;  // [q, D] row-major: the global tile's layout
+    // A dQ partial in fragment order (dq_fragment_offset), the layout of its tile in the accumulator.
+    array_aligned<float, kBlockM * kHeadDim, 128> dq;
     alignas(16) float lse[kStages][kBlockM];
     alignas(16) float delta[kStages][kBlockM];
     typename Pipeline::SharedStorage pipe;
@@ -119,6 +124,16 @@ struct BwdTraits {
     float scale_log2;
   };
 };
+
+// A dQ tile's fp32 values are kept in the dQ GEMM's fragment order, not [q, D]: value i of
+// consumer thread t sits at ((i / 4) * kMmaThreads + t) * 4 + i % 4, so that each warp writes
+// whole 512-byte runs of shared memory (row-major would cost 8-way bank conflicts), and the
+// bulk reduce-add copies the tile as it is. The conversion kernel (bwd_convert_dq_kernel) maps
+// it back with the same fragment coordinates.
+template <class T>
+__host__ __device__ constexpr int dq_fragment_offset(int thread, int i) {
+  return ((i / 4) * T::kMmaThreads + thread) * 4 + i % 4;
+}
 
 // ---- synchronisation with other CTAs (deterministic dQ) ------------------------------------------
 
@@ -201,6 +216,7 @@ __device__ __forceinline__ void mask_tile_t(TS& s, TC const& coord, int q0, int 
     }
     case MaskKind::kBitmask: {
       const int row0 = visit.q_block * a.block_q, col0 = column * a.block_kv;
+      const bool entry_ok = visit.bit_entry >= 0 && visit.bit_entry < m.bits_width;  // else a corrupt mask
       const uint8_t* bits = m.bits + b * m.bits_stride_b + h * m.bits_stride_h + visit.q_block * m.bits_stride_m +
                             int64_t(visit.bit_entry) * m.bits_stride_w;
       CUTLASS_PRAGMA_UNROLL
@@ -210,7 +226,7 @@ __device__ __forceinline__ void mask_tile_t(TS& s, TC const& coord, int q0, int 
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size<0>(s); ++i) {
           const int c = kv0 + get<0>(coord(i, 0)) - col0;  // the key's column in the block
-          const bool ok = visit.bit_entry >= 0 && q < sq && kv0 + get<0>(coord(i, 0)) < skv &&
+          const bool ok = entry_ok && q < sq && kv0 + get<0>(coord(i, 0)) < skv &&
                           ((__ldg(words + (c >> 5)) >> (c & 31)) & 1u);
           if (!ok) s(i, j) = -INFINITY;
         }
@@ -404,15 +420,25 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
   Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);  // (MMA, q, keys, buffer)
   Tensor tdQrK = thr_dq.partition_fragment_B(sKt);   // (MMA, D half, keys)
   Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<M>, Int<D>>{});
-  Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<M>, Int<D>>{}));
-  Tensor dQ = make_tensor(tdQrdQ.data(), acc_rowcol(tdQrdQ.layout()));
-  Tensor dQ_coord = make_tensor(tdQcdQ.data(), acc_rowcol(tdQcdQ.layout()));
 
   const float scale_log2 = p.scale_log2;
   const int group = a.heads_q / a.heads_kv;
   const int64_t num_items = a.handout.num_items();
   cutlass::PipelineState<T::kStages> read;
   int n_dq = 0, n_tile = 0;
+  // A tile's dQ partial, from registers to shared memory for the writer thread. (Deferring it past
+  // the next tile's first GEMMs, to overlap them, runs out of registers: ptxas then serialises.)
+  auto write_dq = [&] {
+    if (n_dq > 0) cutlass::arch::ClusterBarrier::wait(&ss.dq_empty, (n_dq - 1) & 1);  // the last one was read
+    static_assert(decltype(size(tdQrdQ))::value % 4 == 0, "dQ fragments go out as float4");
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(tdQrdQ); i += 4)
+      *reinterpret_cast<float4*>(ss.dq.data() + dq_fragment_offset<T>(tid, i)) =
+          make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3));
+    cutlass::arch::fence_view_async_shared();
+    cutlass::arch::ClusterBarrier::arrive(&ss.dq_full);
+    ++n_dq;
+  };
   for (int n_item = 0;; ++n_item) {
     const int32_t ticket = read_ticket<T>(ss, n_item);
     if (ticket >= num_items) break;
@@ -459,11 +485,19 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
         convert_p(tPrP, rdS);
         warpgroup_gemm_issue<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, st), tdVrdV);
         warpgroup_gemm_issue<false>(mma_dkv, tdKrdS, tdKrQ(_, _, _, st), tdKrdK);
-        // dS^T -> dS in shared memory (q contiguous: adjacent columns are one 32-bit store), then
-        // both warpgroups' halves are needed by each one's dQ GEMM.
+        // dS^T -> dS in shared memory (q contiguous); both warpgroups' halves are needed by each
+        // one's dQ GEMM.
         const int buf = n_tile & 1;
+        // Fragment values i and i + 1 are adjacent q rows of one key: one 32-bit store (a swizzle
+        // moves 16-byte chunks only).
         CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(rdS); ++i) sdS(get<1>(tScS(i)), get<0>(tScS(i)), buf) = rdS(i);
+        for (int i = 0; i < size(rdS); i += 2) {
+          Element* at = &sdS(get<1>(tScS(i)), get<0>(tScS(i)), buf);
+          cutlass::Array<Element, 2> pair;
+          pair[0] = rdS(i);
+          pair[1] = rdS(i + 1);
+          *reinterpret_cast<cutlass::Array<Element, 2>*>(at) = pair;
+        }
         cutlass::arch::fence_view_async_shared();
         cutlass::arch::NamedBarrier::sync(T::kMmaThreads, 1);
         warpgroup_gemm_issue<true>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, tdQrdQ);
@@ -474,18 +508,7 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
         pipe.consumer_release(read);
         ++read;
         ++n_tile;
-        // The dQ partial to shared memory for the writer (its previous one must have been read).
-        if (n_dq > 0) cutlass::arch::ClusterBarrier::wait(&ss.dq_empty, (n_dq - 1) & 1);
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size<0>(dQ); ++i) {
-          float* row = ss.dq.data() + get<0>(dQ_coord(i, 0)) * D;
-          CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < size<1>(dQ); j += 2)
-            *reinterpret_cast<float2*>(row + get<1>(dQ_coord(i, j))) = make_float2(dQ(i, j), dQ(i, j + 1));
-        }
-        cutlass::arch::fence_view_async_shared();
-        cutlass::arch::ClusterBarrier::arrive(&ss.dq_full);
-        ++n_dq;
+        write_dq();
       }
     }
     cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty);  // the last dQ GEMM has read K
@@ -555,8 +578,43 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
   }
 }
 
+// dq [B, Sq, Hq, D] (contiguous) = scale * the fp32 accumulator, whose q tiles are in fragment
+// order (dq_fragment_offset): one CTA of kMmaThreads per q tile, each thread converting the values
+// its namesake in the dQ GEMM produced. Also reports a dQ wait the kernel gave up (abandoned).
+template <class T>
+__global__ void __launch_bounds__(T::kMmaThreads) bwd_convert_dq_kernel(const BwdArgs a, void* dq_out) {
+  using Element = typename T::Element;
+  constexpr int M = T::kBlockM, D = T::kHeadDim;
+  if (blockIdx.x == 0 && threadIdx.x == 0 && a.abandoned[0] != 0)
+    printf("sparsetrain attention backward: a dQ wait timed out (q tile semaphore %d held %d, waiting for turn %d): "
+           "the mask's dq_write_order does not match its lists; the deterministic dQ order was given up\n",
+           a.abandoned[1], a.abandoned[3], a.abandoned[2]);
+  typename T::MmaDq mma_dq;
+  const int tid = threadIdx.x;
+  Tensor coord = mma_dq.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<Int<M>, Int<D>>{}));
+  const int tiles = a.lists.num_q_tiles;
+  Element* dq = static_cast<Element*>(dq_out);
+  for (int64_t tile = blockIdx.x; tile < int64_t(a.batch) * a.heads_q * tiles; tile += gridDim.x) {
+    const int q_tile = int(tile % tiles);
+    const int64_t bh = tile / tiles;
+    const int64_t b = bh / a.heads_q, h = bh % a.heads_q;
+    const float* acc = a.dq_accum + tile * (M * D);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(coord); i += 2) {
+      const int q = q_tile * M + get<0>(coord(i));
+      if (q >= a.seq_q) continue;
+      const float2 v = *reinterpret_cast<const float2*>(acc + dq_fragment_offset<T>(tid, i));
+      cutlass::Array<Element, 2> pair;  // fragment values i, i + 1: adjacent columns
+      pair[0] = Element(v.x * a.scale);
+      pair[1] = Element(v.y * a.scale);
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(dq + ((b * a.seq_q + q) * a.heads_q + h) * D + get<1>(coord(i))) =
+          pair;
+    }
+  }
+}
+
 template <FwdElement E, int HeadDim>
-void run_bwd_sm90(const BwdArgs& a, void* stream) {
+void run_bwd_sm90(const BwdArgs& a, void* dq, void* stream) {
   using Element = std::conditional_t<E == FwdElement::kBF16, cutlass::bfloat16_t, cutlass::half_t>;
   using T = BwdTraits<Element, HeadDim>;
   auto tma = [&](const void* ptr, int32_t seq, int32_t heads, int64_t sb, int64_t ss, int64_t sh, auto smem_layout,
@@ -579,10 +637,14 @@ void run_bwd_sm90(const BwdArgs& a, void* stream) {
   opt_in_smem(bwd_kernel<T>, smem_bytes);
   bwd_kernel<T><<<a.grid, T::kThreads, smem_bytes, static_cast<cudaStream_t>(stream)>>>(p);
   check_cuda(cudaGetLastError(), "attention backward launch");
+  const int64_t tiles = int64_t(a.batch) * a.heads_q * a.lists.num_q_tiles;
+  bwd_convert_dq_kernel<T><<<int(std::min<int64_t>(tiles, 65535)), T::kMmaThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      a, dq);
+  check_cuda(cudaGetLastError(), "dQ conversion launch");
 }
 
 }  // namespace sparsetrain::cuda::attn
 
 // One instantiation per translation unit (attention_bwd_sm90_instance.cu.in).
 #define SPARSETRAIN_ATTN_BWD_INSTANTIATE(E, D) \
-  template void run_bwd_sm90<E, D>(const BwdArgs& a, void* stream);
+  template void run_bwd_sm90<E, D>(const BwdArgs& a, void* dq, void* stream);

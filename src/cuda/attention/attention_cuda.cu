@@ -1,12 +1,11 @@
 // The CUDA attention backend: what the sm90 kernels support (checked before anything is
 // allocated), the forward's longest-first work order (one small kernel, no host synchronisation),
 // the backward's preprocessing (delta = rowsum(dout * o), lse in base 2, the fp32 dQ accumulator
-// zeroed) and dQ conversion, and the dispatch to the instantiations for (dtype, head dim).
+// zeroed), and the dispatch to the instantiations for (dtype, head dim).
 // Nothing here synchronises the host: a backward can be captured in a CUDA graph.
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdio>
 #include <cstdlib>
 #include <cub/block/block_scan.cuh>
 #include <cuda_bf16.h>
@@ -108,27 +107,6 @@ __global__ void bwd_preprocess_kernel(const E* o, int64_t o_sb, int64_t o_ss, in
   }
 }
 
-// dq [B, Sq, Hq, D] (contiguous) = scale * the accumulator [B, Hq, rows, D], two elements a thread.
-// Also reports a dQ wait that timed out in the kernel before it (a corrupt device write order).
-template <class E>
-__global__ void bwd_convert_dq_kernel(const float* dq_accum, E* dq, int32_t seq_q, int32_t heads_q, int32_t rows,
-                                      int32_t head_dim, int64_t pairs, float scale, const int32_t* abandoned) {
-  if (blockIdx.x == 0 && threadIdx.x == 0 && abandoned[0] != 0)
-    printf("sparsetrain attention backward: a dQ wait timed out (q tile semaphore %d held %d, waiting for turn %d): "
-           "the mask's dq_write_order does not match its lists; the deterministic dQ order was given up\n",
-           abandoned[1], abandoned[3], abandoned[2]);
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < pairs; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t e = 2 * i;  // element of dq
-    const int32_t d = int32_t(e % head_dim);
-    const int64_t bqh = e / head_dim;
-    const int64_t h = bqh % heads_q, bq = bqh / heads_q;
-    const int64_t q = bq % seq_q, b = bq / seq_q;
-    const float2 v = *reinterpret_cast<const float2*>(dq_accum + ((b * heads_q + h) * rows + q) * head_dim + d);
-    dq[e] = E(v.x * scale);
-    dq[e + 1] = E(v.y * scale);
-  }
-}
-
 // The backward's scratch, in order (each region 256-byte aligned).
 struct BwdScratch {
   float* dq_accum;
@@ -203,6 +181,7 @@ cuda::attn::FwdMaskSpec mask_spec_args(const BlockMask& m) {
     spec.bits = static_cast<const uint8_t*>(bits.data());
     spec.bits_stride_b = lead_stride(bits, 0), spec.bits_stride_h = lead_stride(bits, 1);
     spec.bits_stride_m = bits.stride(2), spec.bits_stride_w = bits.stride(3);
+    spec.bits_width = int32_t(bits.size(3));
   }
   return spec;
 }
@@ -247,19 +226,20 @@ void dispatch(DType dtype, int64_t head_dim, const FwdArgs& a, void* stream) {
   ST_FAIL("CUDA attention: no forward kernel for ", dtype_name(dtype), ", D = ", head_dim);
 }
 
-void dispatch_bwd(DType dtype, int64_t head_dim, const BwdArgs& a, void* stream) {
+void dispatch_bwd(DType dtype, int64_t head_dim, const BwdArgs& a, void* dq, void* stream) {
 #if SPARSETRAIN_WITH_CUTLASS
   using cuda::attn::run_bwd_sm90;
-  if (dtype == DType::kBF16 && head_dim == 128) return run_bwd_sm90<FwdElement::kBF16, 128>(a, stream);
+  if (dtype == DType::kBF16 && head_dim == 128) return run_bwd_sm90<FwdElement::kBF16, 128>(a, dq, stream);
 #if SPARSETRAIN_SM90_ALL
-  if (dtype == DType::kBF16 && head_dim == 64) return run_bwd_sm90<FwdElement::kBF16, 64>(a, stream);
-  if (dtype == DType::kFP16 && head_dim == 128) return run_bwd_sm90<FwdElement::kFP16, 128>(a, stream);
-  if (dtype == DType::kFP16 && head_dim == 64) return run_bwd_sm90<FwdElement::kFP16, 64>(a, stream);
-  if (dtype == DType::kBF16 && head_dim == 96) return run_bwd_sm90<FwdElement::kBF16, 96>(a, stream);
-  if (dtype == DType::kFP16 && head_dim == 96) return run_bwd_sm90<FwdElement::kFP16, 96>(a, stream);
+  if (dtype == DType::kBF16 && head_dim == 64) return run_bwd_sm90<FwdElement::kBF16, 64>(a, dq, stream);
+  if (dtype == DType::kFP16 && head_dim == 128) return run_bwd_sm90<FwdElement::kFP16, 128>(a, dq, stream);
+  if (dtype == DType::kFP16 && head_dim == 64) return run_bwd_sm90<FwdElement::kFP16, 64>(a, dq, stream);
+  if (dtype == DType::kBF16 && head_dim == 96) return run_bwd_sm90<FwdElement::kBF16, 96>(a, dq, stream);
+  if (dtype == DType::kFP16 && head_dim == 96) return run_bwd_sm90<FwdElement::kFP16, 96>(a, dq, stream);
 #endif
 #endif
   (void)a;
+  (void)dq;
   (void)stream;
   ST_FAIL("CUDA attention: no backward kernel for ", dtype_name(dtype), ", D = ", head_dim);
 }
@@ -441,19 +421,8 @@ class AttentionCuda final : public backend::AttentionBackend {
     a.grid = grid_of(a.handout.num_items(), bp.q.device().index, bp.sm_limit);
     a.deterministic = bp.deterministic;
     a.spin_limit_ns = spin_limit_ns();
-    dispatch_bwd(p.dtype, p.head_dim, a, stream.handle);
+    dispatch_bwd(p.dtype, p.head_dim, a, bp.dq.data(), stream.handle);
 
-    const int64_t pairs = p.batch * p.seq_q * p.heads_q * p.head_dim / 2;
-    const int conv_blocks = int(std::min<int64_t>((pairs + 255) / 256, 65535));
-    auto convert = [&](auto element) {
-      using E = decltype(element);
-      bwd_convert_dq_kernel<E><<<conv_blocks, 256, 0, s>>>(ws.dq_accum, static_cast<E*>(bp.dq.data()),
-                                                            int32_t(p.seq_q), int32_t(p.heads_q), rows,
-                                                            int32_t(p.head_dim), pairs, p.scale, ws.counters + 1);
-    };
-    if (p.dtype == DType::kBF16) convert(__nv_bfloat16{});
-    else convert(__half{});
-    check(cudaGetLastError(), "dQ conversion launch");
   }
 };
 

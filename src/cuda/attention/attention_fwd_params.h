@@ -19,6 +19,7 @@ struct FwdMaskSpec {
   // kBitmask: uint8 [B, H, Mq, W, bytes] parallel to kv_indices (leading dims broadcast).
   const uint8_t* bits = nullptr;
   int64_t bits_stride_b = 0, bits_stride_h = 0, bits_stride_m = 0, bits_stride_w = 0;
+  int32_t bits_width = 0;  // W: a partial entry at or past it (a corrupt device count) allows nothing
   int32_t block_kv = 128;  // mask block columns (bit index = row_in_block * block_kv + col_in_block)
 };
 

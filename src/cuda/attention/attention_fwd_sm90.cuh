@@ -161,8 +161,9 @@ __device__ __forceinline__ void mask_partial_tile(TS& s, TC const& coord, int q0
         const uint32_t* words =
             reinterpret_cast<const uint32_t*>(bits + (int64_t(q - row0) * m.block_kv + (kv0 - col0)) / 8);
         static_assert(kTileKv == 128, "the row's bits are 4 words");
-        const uint32_t w0 = q < sq ? __ldg(words) : 0u, w1 = q < sq ? __ldg(words + 1) : 0u;
-        const uint32_t w2 = q < sq ? __ldg(words + 2) : 0u, w3 = q < sq ? __ldg(words + 3) : 0u;
+        const bool in = q < sq && tile.entry < m.bits_width;  // a corrupt count: nothing allowed
+        const uint32_t w0 = in ? __ldg(words) : 0u, w1 = in ? __ldg(words + 1) : 0u;
+        const uint32_t w2 = in ? __ldg(words + 2) : 0u, w3 = in ? __ldg(words + 3) : 0u;
         CUTLASS_PRAGMA_UNROLL
         for (int j = 0; j < size<1>(s); ++j) {
           const int c = get<1>(coord(i, j));
