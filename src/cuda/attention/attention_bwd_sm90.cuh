@@ -95,6 +95,7 @@ struct BwdTraits {
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
   static constexpr uint32_t kRowBytes = kBlockM * sizeof(float);  // lse or delta of a q tile
   static constexpr uint32_t kDqBytes = kBlockM * kHeadDim * sizeof(float);
+  static constexpr int kDqBuffers = 2;
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
 
@@ -104,13 +105,14 @@ struct BwdTraits {
     array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
     array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
     array_aligned<Element, cosize_v<SmemLayoutDs>, 1024> ds;
-    // A dQ partial in fragment order (dq_fragment_offset), the layout of its tile in the accumulator.
-    array_aligned<float, kBlockM * kHeadDim, 128> dq;
+    // dQ partials in fragment order (dq_fragment_offset), the layout of a tile in the accumulator;
+    // two buffers: the consumers go on while the writer waits for a deterministic turn.
+    array_aligned<float, kDqBuffers * kBlockM * kHeadDim, 128> dq;
     alignas(16) float lse[kStages][kBlockM];
     alignas(16) float delta[kStages][kBlockM];
     typename Pipeline::SharedStorage pipe;
     uint64_t kv_full, kv_empty;  // the item's K and V landed / every consumer is done with them
-    uint64_t dq_full, dq_empty;  // the consumers wrote a dQ partial / the writer has read it
+    uint64_t dq_full[kDqBuffers], dq_empty[kDqBuffers];  // a dQ partial written / read by the writer
     uint64_t ticket_full[2], ticket_empty[2];
     int32_t ticket[2];
   };
@@ -354,11 +356,13 @@ __device__ void bwd_write_dq(const typename T::Params& p, typename T::SharedStor
       BwdColumnCursor cur = bwd_column_begin(a.lists, b, h, column);
       BwdVisit visit;
       while (bwd_column_next(a.lists, b, h, column, cur, &visit)) {
-        cutlass::arch::ClusterBarrier::wait(&ss.dq_full, n_dq & 1);
+        const int buf = n_dq % T::kDqBuffers;
+        cutlass::arch::ClusterBarrier::wait(&ss.dq_full[buf], (n_dq / T::kDqBuffers) & 1);
         const int64_t tile = bwd_q_tile_index(b, h, a.heads_q, a.lists.num_q_tiles, visit.q_tile);
         int32_t* sem = a.semaphores + tile;
         if (a.deterministic) wait_turn(sem, visit.turn + int32_t(w.sub_tile), a);
-        bulk_reduce_add(a.dq_accum + tile * (T::kBlockM * T::kHeadDim), ss.dq.data(), T::kDqBytes);
+        bulk_reduce_add(a.dq_accum + tile * (T::kBlockM * T::kHeadDim), ss.dq.data() + buf * (T::kBlockM * T::kHeadDim),
+                        T::kDqBytes);
         tma_store_arrive();
         if (a.deterministic) {
           bulk_wait_all();  // the add has landed in global memory: the next writer may go
@@ -367,7 +371,7 @@ __device__ void bwd_write_dq(const typename T::Params& p, typename T::SharedStor
         } else {
           tma_store_wait<0>();  // shared memory read: the consumers may write the next partial
         }
-        cutlass::arch::ClusterBarrier::arrive(&ss.dq_empty);
+        cutlass::arch::ClusterBarrier::arrive(&ss.dq_empty[buf]);
         ++n_dq;
       }
     }
@@ -429,14 +433,17 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
   // A tile's dQ partial, from registers to shared memory for the writer thread. (Deferring it past
   // the next tile's first GEMMs, to overlap them, runs out of registers: ptxas then serialises.)
   auto write_dq = [&] {
-    if (n_dq > 0) cutlass::arch::ClusterBarrier::wait(&ss.dq_empty, (n_dq - 1) & 1);  // the last one was read
+    const int buf = n_dq % T::kDqBuffers;
+    if (n_dq >= T::kDqBuffers)  // the writer has read the buffer's previous partial
+      cutlass::arch::ClusterBarrier::wait(&ss.dq_empty[buf], (n_dq / T::kDqBuffers - 1) & 1);
+    float* out = ss.dq.data() + buf * (M * D);
     static_assert(decltype(size(tdQrdQ))::value % 4 == 0, "dQ fragments go out as float4");
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(tdQrdQ); i += 4)
-      *reinterpret_cast<float4*>(ss.dq.data() + dq_fragment_offset<T>(tid, i)) =
+      *reinterpret_cast<float4*>(out + dq_fragment_offset<T>(tid, i)) =
           make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3));
     cutlass::arch::fence_view_async_shared();
-    cutlass::arch::ClusterBarrier::arrive(&ss.dq_full);
+    cutlass::arch::ClusterBarrier::arrive(&ss.dq_full[buf]);
     ++n_dq;
   };
   for (int n_item = 0;; ++n_item) {
@@ -552,8 +559,10 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
     cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full, 1);
     cutlass::arch::ClusterBarrier::init(&ss.kv_empty, T::kMmaThreads);
-    cutlass::arch::ClusterBarrier::init(&ss.dq_full, T::kMmaThreads);
-    cutlass::arch::ClusterBarrier::init(&ss.dq_empty, 1);
+    for (int i = 0; i < T::kDqBuffers; ++i) {
+      cutlass::arch::ClusterBarrier::init(&ss.dq_full[i], T::kMmaThreads);
+      cutlass::arch::ClusterBarrier::init(&ss.dq_empty[i], 1);
+    }
     for (int i = 0; i < 2; ++i) {
       cutlass::arch::ClusterBarrier::init(&ss.ticket_full[i], 1);
       cutlass::arch::ClusterBarrier::init(&ss.ticket_empty[i], T::kMmaThreads + 1);  // + the dQ writer
