@@ -7,13 +7,17 @@ _compile=True)) and, for the dense-causal cases, cuDNN SDPA (sdpa_kernel(CUDNN_A
 is_causal=True); and the block-mask build: ours on the device (BlockMask.build(device="cuda"):
 lists, transposes and dQ write orders) against create_block_mask(mask_mod, B=None, H=None, S, S,
 device="cuda", _compile=True) (document-causal: B=2, per-batch ids for both), target >= 10x.
+With --backward, per attention case also the backward alone (autograd.grad over a retained
+forward graph) and forward + backward of ours deterministic and non-deterministic, FlexAttention
+and cuDNN (causal cases): peer / ours ratios of both, and det / nondet (target <= 1.10).
 
 All in this process on this GPU: CUDA events after warm-up, the median of >= 100 runs (each run
 starts on an idle GPU, so host work inside the call counts), inputs rotated over enough copies to
 exceed twice the L2 cache. FLOPs count allowed (q, kv) pairs exactly (forward 4 * D * pairs,
-backward 10 * D * pairs), the pairs counted in closed form per batch row and checked against the
-mask evaluated densely. A peer that fails (cuDNN unavailable, a compile error) is recorded in its
-row ("<peer>_error") and the run goes on. Speed-ups are peer time / our time (> 1: we are faster).
+backward 10 * D * pairs, both 14 * D * pairs), the pairs counted in closed form per batch row and
+checked against the mask evaluated densely. A peer that fails (cuDNN unavailable, a compile error)
+is recorded in its row ("<peer>_error") and the run goes on. Speed-ups are peer time / our time
+(> 1: we are faster).
 
     python bench/bench_attention.py [--only causal,build_causal|attention|build] [--quick]
                                     [--backward] [--reps 100] [--json out.json]
@@ -286,47 +290,98 @@ def bench_case(name, S, reps, backward, flex_compiled):
             except Exception as e:  # noqa: BLE001
                 row.setdefault("ours_error", first_line(e))
     if backward and mask is not None:
-        bench_backward(row, mask, fmask, sets[0], reps, flex_compiled, G, kind)
+        bench_backward(row, mask, fmask, sets, reps, flex_compiled, G, kind)
     print(json.dumps(row), flush=True)
     return row
 
 
-def bench_backward(row, mask, fmask, qkv, reps, flex_compiled, G, kind):
-    """Backward alone (autograd.grad over a retained forward graph), 10 * D * pairs FLOPs."""
+def bench_backward(row, mask, fmask, sets, reps, flex_compiled, G, kind):
+    """Per peer, on the forward's rotated inputs: the backward alone (torch.autograd.grad over a
+    forward graph retained per input copy; 10 * D * pairs FLOPs) and forward + backward (the
+    forward, then torch.autograd.grad; 14 * D * pairs FLOPs). Peers: ours deterministic ("ours")
+    and not ("ours_nondet"), FlexAttention on the same mask, cuDNN SDPA on the causal cases (with
+    GQA also on k and v expanded to Hq heads). Ratios: peer / ours (deterministic), and the
+    deterministic mode's cost det / nondet (target <= 1.10)."""
     import sparsetrain.torch as stt
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    flops = 2.5 * row["fwd_flops"]
-    row["bwd_flops"] = flops
-    q, k, v = (t.detach().requires_grad_() for t in qkv)
-    do = torch.randn_like(q)
+    row["bwd_flops"] = 2.5 * row["fwd_flops"]
+    row["fwdbwd_flops"] = 3.5 * row["fwd_flops"]
+    dev = sets[0][0].device
+    gen = torch.Generator(device=dev).manual_seed(1)
+    inputs = [(*(t.detach().requires_grad_() for t in qkv), torch.randn(qkv[0].shape, device=dev,
+                                                                         dtype=qkv[0].dtype, generator=gen))
+              for qkv in sets]
 
-    def backward_of(forward):
-        o = forward()
-        return lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
-
-    def cudnn_fwd():
+    def cudnn(q, k, v):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=G > 1)
 
-    peers = {"ours": lambda: stt.block_sparse_attention(q, k, v, mask, deterministic=True),
-             "ours_atomic": lambda: stt.block_sparse_attention(q, k, v, mask, deterministic=False)}
+    peers = {"ours": lambda q, k, v: stt.block_sparse_attention(q, k, v, mask, deterministic=True),
+             "ours_nondet": lambda q, k, v: stt.block_sparse_attention(q, k, v, mask, deterministic=False)}
     if fmask is not None:
-        peers["flex"] = lambda: flex_compiled(q, k, v, block_mask=fmask, enable_gqa=G > 1)
+        peers["flex"] = lambda q, k, v: flex_compiled(q, k, v, block_mask=fmask, enable_gqa=G > 1)
     if kind == "causal":
-        peers["cudnn"] = cudnn_fwd
-    times = {}
+        peers["cudnn"] = cudnn
+    peer_inputs = {peer: inputs for peer in peers}
+    if kind == "causal" and G > 1:  # k and v expanded to Hq heads, leaves themselves (no reduction)
+        peers["cudnn_expanded_kv"] = cudnn
+        peer_inputs["cudnn_expanded_kv"] = [
+            (q, *(t.detach().repeat_interleave(G, 1).requires_grad_() for t in (k, v)), do) for q, k, v, do in inputs]
+
+    grads = {}
     for peer, fwd in peers.items():
+        args = peer_inputs[peer]
+        it = itertools.cycle(args)
+
+        def fwd_bwd():
+            q, k, v, do = next(it)
+            return torch.autograd.grad(fwd(q, k, v), (q, k, v), do)
+
+        run_peer(row, f"fwdbwd_{peer}", fwd_bwd, reps, row["fwdbwd_flops"])
         try:
-            fn = backward_of(fwd)
+            retained = [(fwd(q, k, v), q, k, v, do) for q, k, v, do in args]
         except Exception as e:  # noqa: BLE001
             row[f"bwd_{peer}_error"] = first_line(e)
-            times[peer] = float("nan")
+            row[f"bwd_{peer}_ms"] = float("nan")
+            torch.cuda.synchronize()
             continue
-        times[peer] = run_peer(row, f"bwd_{peer}", fn, reps, flops)
-    for peer in ("flex", "cudnn"):
-        if peer in times:
-            row[f"bwd_speedup_vs_{peer}"] = times[peer] / times["ours"]
+        it_bwd = itertools.cycle(retained)
+
+        def bwd():
+            o, q, k, v, do = next(it_bwd)
+            return torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+
+        run_peer(row, f"bwd_{peer}", bwd, reps, row["bwd_flops"])
+        if peer in ("ours", "ours_nondet", "flex"):  # gradients of the first input copy, compared below
+            first = retained[0]
+            try:
+                grads[peer] = torch.autograd.grad(first[0], first[1:4], first[4], retain_graph=True)
+            except Exception:  # noqa: BLE001 - its failure is in the row already
+                pass
+            del first
+        del retained, it_bwd
+        torch.cuda.synchronize()
+
+    nan = float("nan")
+    for what in ("bwd", "fwdbwd"):
+        ours = row.get(f"{what}_ours_ms", nan)
+        for peer in ("flex", "cudnn", "cudnn_expanded_kv"):
+            if f"{what}_{peer}_ms" in row:
+                row[f"{what}_speedup_vs_{peer}"] = row[f"{what}_{peer}_ms"] / ours
+        row[f"{what}_det_over_nondet"] = ours / row.get(f"{what}_ours_nondet_ms", nan)
+    # The same gradients: ours against flex, and the two modes of ours (max abs, bf16).
+    for peer, ref in (("flex", "ours"), ("flex", "ours_nondet"), ("ours", "ours_nondet")):
+        if peer in grads and ref in grads:
+            for name, a, b in zip(("dq", "dk", "dv"), grads[ref], grads[peer]):
+                row[f"max_abs_diff_{name}_{ref}_vs_{peer}"] = float((a.float() - b.float()).abs().max())
+    if "ours" in grads:  # a second deterministic backward: bitwise the same?
+        try:
+            o = peers["ours"](*inputs[0][:3])
+            again = torch.autograd.grad(o, inputs[0][:3], inputs[0][3])
+            row["ours_bwd_bitwise_repeatable"] = all(torch.equal(a, b) for a, b in zip(again, grads["ours"]))
+        except Exception as e:  # noqa: BLE001
+            row.setdefault("bwd_ours_error", first_line(e))
 
 
 # -- block-mask build ------------------------------------------------------------------------------
@@ -424,6 +479,48 @@ def selected(only):
     return list(dict.fromkeys(out))
 
 
+def print_tables(rows):
+    """The forward, backward and mask-build tables (the --json rows hold every number)."""
+
+    def f(r, key, fmt="{:.3f}"):
+        v = r.get(key)
+        return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
+
+    att = [r for r in rows if r["case"] in CASES]
+    if att:
+        print(f"\n{'case':16} {'ours ms':>9} {'TFLOP/s':>8} {'graph ms':>9} {'flex ms':>9} {'TFLOP/s':>8} "
+              f"{'flex/ours':>9} {'cudnn ms':>9} {'TFLOP/s':>8} {'cudnn/ours':>10}  errors")
+        for r in att:
+            errs = "; ".join(f"{k[:-6]}: {v}" for k, v in r.items()
+                             if (k.endswith("_error") and not k.startswith(("bwd_", "fwdbwd_"))) or k == "error")
+            print(f"{r['case']:16} {f(r, 'ours_ms'):>9} {f(r, 'ours_tflops', '{:.1f}'):>8} "
+                  f"{f(r, 'ours_graph_ms'):>9} {f(r, 'flex_ms'):>9} {f(r, 'flex_tflops', '{:.1f}'):>8} "
+                  f"{f(r, 'speedup_vs_flex', '{:.2f}x'):>9} {f(r, 'cudnn_ms'):>9} "
+                  f"{f(r, 'cudnn_tflops', '{:.1f}'):>8} {f(r, 'speedup_vs_cudnn', '{:.2f}x'):>10}  {errs}")
+    bwd = [r for r in att if "bwd_flops" in r]
+    if bwd:
+        # Ours is the deterministic backward unless "nondet"; x-columns are peer / ours (> 1: we are
+        # faster), det/nondet the deterministic mode's cost (target <= 1.10).
+        for what, title in (("bwd", "backward alone"), ("fwdbwd", "forward + backward")):
+            print(f"\n{title + ' (ms)':20} {'ours':>8} {'TFLOP/s':>8} {'nondet':>8} {'det/nondet':>10} "
+                  f"{'flex':>8} {'flex/ours':>9} {'cudnn':>8} {'cudnn/ours':>10}  errors")
+            for r in bwd:
+                errs = "; ".join(f"{k[:-6]}: {v}" for k, v in r.items()
+                                 if k.startswith(what + "_") and k.endswith("_error"))
+                print(f"{r['case']:20} {f(r, what + '_ours_ms'):>8} {f(r, what + '_ours_tflops', '{:.1f}'):>8} "
+                      f"{f(r, what + '_ours_nondet_ms'):>8} {f(r, what + '_det_over_nondet', '{:.3f}'):>10} "
+                      f"{f(r, what + '_flex_ms'):>8} {f(r, what + '_speedup_vs_flex', '{:.2f}x'):>9} "
+                      f"{f(r, what + '_cudnn_ms'):>8} {f(r, what + '_speedup_vs_cudnn', '{:.2f}x'):>10}  {errs}")
+    builds = [r for r in rows if r["case"] in BUILDS]
+    if builds:
+        print(f"\n{'mask build':24} {'ours ms':>9} {'flex ms':>9} {'flex/ours':>10} (target >= 10x) "
+              f"{'ours host+copy ms':>17}  errors")
+        for r in builds:
+            errs = "; ".join(f"{k[:-6]}: {v}" for k, v in r.items() if k.endswith("_error") or k == "error")
+            print(f"{r['case']:24} {f(r, 'ours_ms'):>9} {f(r, 'flex_ms'):>9} {f(r, 'speedup_vs_flex', '{:.1f}x'):>10} "
+                  f"{'':15} {f(r, 'ours_host_ms'):>17}  {errs}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="", metavar="NAMES",
@@ -434,7 +531,8 @@ def main():
     ap.add_argument("--seq", type=int, default=None, help="S (default 8192; --quick: 2048)")
     ap.add_argument("--reps", type=int, default=None, help="timed runs per measurement (default 100; --quick: 10)")
     ap.add_argument("--backward", action="store_true",
-                    help="also time the backward (10 * D * pairs FLOPs; ours raises until the CUDA backward lands)")
+                    help="also time the backward alone (10 * D * pairs FLOPs) and forward + backward (14 * D * "
+                         "pairs) of ours (deterministic and not), FlexAttention and cuDNN (causal)")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the environment and every row as JSON")
     args = ap.parse_args()
     names = selected(args.only)
@@ -470,33 +568,7 @@ def main():
             json.dump({"info": info, "rows": rows}, f, indent=1)
     print(f"\n{json.dumps(info)}")
 
-    def f(r, key, fmt="{:.3f}"):
-        v = r.get(key)
-        return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
-
-    att = [r for r in rows if r["case"] in CASES]
-    if att:
-        print(f"\n{'case':16} {'ours ms':>9} {'TFLOP/s':>8} {'graph ms':>9} {'flex ms':>9} {'TFLOP/s':>8} "
-              f"{'flex/ours':>9} {'cudnn ms':>9} {'TFLOP/s':>8} {'cudnn/ours':>10}  errors")
-        for r in att:
-            errs = "; ".join(f"{k[:-6]}: {v}" for k, v in r.items() if k.endswith("_error") or k == "error")
-            print(f"{r['case']:16} {f(r, 'ours_ms'):>9} {f(r, 'ours_tflops', '{:.1f}'):>8} "
-                  f"{f(r, 'ours_graph_ms'):>9} {f(r, 'flex_ms'):>9} {f(r, 'flex_tflops', '{:.1f}'):>8} "
-                  f"{f(r, 'speedup_vs_flex', '{:.2f}x'):>9} {f(r, 'cudnn_ms'):>9} "
-                  f"{f(r, 'cudnn_tflops', '{:.1f}'):>8} {f(r, 'speedup_vs_cudnn', '{:.2f}x'):>10}  {errs}")
-            if "bwd_flops" in r:
-                print(f"{'  backward':16} {f(r, 'bwd_ours_ms'):>9} {f(r, 'bwd_ours_tflops', '{:.1f}'):>8} "
-                      f"{'':>9} {f(r, 'bwd_flex_ms'):>9} {f(r, 'bwd_flex_tflops', '{:.1f}'):>8} "
-                      f"{f(r, 'bwd_speedup_vs_flex', '{:.2f}x'):>9} {f(r, 'bwd_cudnn_ms'):>9} "
-                      f"{f(r, 'bwd_cudnn_tflops', '{:.1f}'):>8} {f(r, 'bwd_speedup_vs_cudnn', '{:.2f}x'):>10}")
-    builds = [r for r in rows if r["case"] in BUILDS]
-    if builds:
-        print(f"\n{'mask build':24} {'ours ms':>9} {'flex ms':>9} {'flex/ours':>10} (target >= 10x) "
-              f"{'ours host+copy ms':>17}  errors")
-        for r in builds:
-            errs = "; ".join(f"{k[:-6]}: {v}" for k, v in r.items() if k.endswith("_error") or k == "error")
-            print(f"{r['case']:24} {f(r, 'ours_ms'):>9} {f(r, 'flex_ms'):>9} {f(r, 'speedup_vs_flex', '{:.1f}x'):>10} "
-                  f"{'':15} {f(r, 'ours_host_ms'):>17}  {errs}")
+    print_tables(rows)
 
 
 if __name__ == "__main__":

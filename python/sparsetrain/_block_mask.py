@@ -12,6 +12,7 @@ bitmasks. `to(device)` moves a mask (torch tensors).
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -562,6 +563,18 @@ def _scale_arg(scale: Optional[float]) -> float:
     return s
 
 
+def _sm_limit_arg(sm_limit: Any) -> int:
+    """AttentionOptions::sm_limit: a cap on the SMs the CUDA kernels' persistent CTAs use (0:
+    every SM); results never depend on it."""
+    try:
+        n = None if isinstance(sm_limit, bool) else operator.index(sm_limit)
+    except TypeError:
+        n = None
+    if n is None or not 0 <= n <= 2**31 - 1:
+        raise ValueError(f"sm_limit: expected an int >= 0 (0: every SM), got {sm_limit!r}")
+    return n
+
+
 def _check_mask(block_mask: Any) -> BlockMask:
     if isinstance(block_mask, BlockMask):
         return block_mask
@@ -572,30 +585,33 @@ def _check_mask(block_mask: Any) -> BlockMask:
 
 
 def block_sparse_attention_forward(q: Any, k: Any, v: Any, block_mask: BlockMask, *, scale: Optional[float] = None,
-                                   deterministic: bool = True, stream: Optional[int] = None) -> Tuple[Any, Any]:
+                                   deterministic: bool = True, stream: Optional[int] = None,
+                                   sm_limit: int = 0) -> Tuple[Any, Any]:
     """attention.h's forward over arrays (numpy, torch CPU or CUDA tensors; the mask on their
     device): q [B, Sq, Hq, D], k and v [B, Skv, Hkv, D] (any strides, last dim contiguous; fp32,
     bf16 or fp16; on CUDA bf16 / fp16 with 16-byte aligned strides). Returns (o
     [B, Sq, Hq, D] in q's dtype, lse fp32 [B, Hq, Sq]); a row with no allowed key gives o = 0 and
-    lse = -inf."""
+    lse = -inf. sm_limit: on CUDA, at most this many SMs' worth of persistent CTAs (0: every SM;
+    e.g. to leave SMs to communication kernels); results never depend on it."""
     fw = Framework.of(q)
     mask = _check_mask(block_mask)._for(fw)
     o, lse = _C.attention_forward(to_core(q, "q"), to_core(k, "k"), to_core(v, "v"), mask._core_mask(),
-                                  _scale_arg(scale), bool(deterministic),
+                                  _scale_arg(scale), bool(deterministic), _sm_limit_arg(sm_limit),
                                   fw.stream_of(q) if stream is None else int(stream), fw.allocate)
     return fw.view(o), fw.view(lse)
 
 
 def block_sparse_attention_backward(q: Any, k: Any, v: Any, o: Any, lse: Any, dout: Any, block_mask: BlockMask, *,
                                     scale: Optional[float] = None, deterministic: bool = True,
-                                    stream: Optional[int] = None) -> Tuple[Any, Any, Any]:
+                                    stream: Optional[int] = None, sm_limit: int = 0) -> Tuple[Any, Any, Any]:
     """attention.h's backward: (dq [B, Sq, Hq, D], dk, dv [B, Skv, Hkv, D]) from the forward's o and
     lse and the output gradient dout [B, Sq, Hq, D]. The mask needs its transposes (every builder
-    makes them)."""
+    makes them). deterministic: dq, dk, dv bitwise the same from run to run and for any grid size
+    or sm_limit (False: atomic dQ adds, the speed reference). sm_limit: as for the forward."""
     fw = Framework.of(q)
     mask = _check_mask(block_mask)._for(fw)
     dq, dk, dv = _C.attention_backward(to_core(q, "q"), to_core(k, "k"), to_core(v, "v"), to_core(o, "o"),
                                        to_core(lse, "lse"), to_core(dout, "dout"), mask._core_mask(),
-                                       _scale_arg(scale), bool(deterministic),
+                                       _scale_arg(scale), bool(deterministic), _sm_limit_arg(sm_limit),
                                        fw.stream_of(q) if stream is None else int(stream), fw.allocate)
     return fw.view(dq), fw.view(dk), fw.view(dv)

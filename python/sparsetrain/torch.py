@@ -28,7 +28,7 @@ from ._arrays import Framework as _Framework
 from ._block_mask import TENSOR_NAMES as _TENSOR_NAMES
 from ._block_mask import BlockMask
 from ._block_mask import MaskSpec as _MaskSpec
-from ._block_mask import _check_mask, _scale_arg
+from ._block_mask import _check_mask, _scale_arg, _sm_limit_arg
 from ._block_mask import block_sparse_attention_backward as _attention_backward
 from ._block_mask import block_sparse_attention_forward as _attention_forward
 
@@ -635,25 +635,19 @@ def _device_guard(t: Tensor) -> Any:
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-_CUDA_BACKWARD_MESSAGE = (
-    "sparsetrain.torch.block_sparse_attention: the CUDA backward is not implemented yet (issue 8); the "
-    "forward runs on CUDA tensors, so run it without gradients (torch.no_grad(), or q, k, v that do not "
-    "require grad), or run the attention on CPU tensors to train")
-
-
 @torch.library.custom_op("sparsetrain::block_sparse_attention_forward", mutates_args=())
 def _attention_forward_op(q: Tensor, k: Tensor, v: Tensor, mask_tensors: List[Optional[Tensor]],
                           mask_sizes: List[int], mask_kinds: str, scale: float,
-                          deterministic: bool) -> Tuple[Tensor, Tensor]:
+                          deterministic: bool, sm_limit: int = 0) -> Tuple[Tensor, Tensor]:
     mask = _mask_from_args(mask_tensors, mask_sizes, mask_kinds)
     with _device_guard(q):
         o, lse = _attention_forward(_bshd(q), _bshd(k), _bshd(v), mask, scale=scale or None,
-                                    deterministic=deterministic)
+                                    deterministic=deterministic, sm_limit=sm_limit)
     return _bshd(o), lse
 
 
 @_attention_forward_op.register_fake
-def _(q, k, v, mask_tensors, mask_sizes, mask_kinds, scale, deterministic):
+def _(q, k, v, mask_tensors, mask_sizes, mask_kinds, scale, deterministic, sm_limit=0):
     B, H, S, D = q.shape
     return _bshd(q.new_empty((B, S, H, D))), q.new_empty((B, H, S), dtype=torch.float32)
 
@@ -661,19 +655,20 @@ def _(q, k, v, mask_tensors, mask_sizes, mask_kinds, scale, deterministic):
 @torch.library.custom_op("sparsetrain::block_sparse_attention_backward", mutates_args=())
 def _attention_backward_op(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dout: Tensor,
                            mask_tensors: List[Optional[Tensor]], mask_sizes: List[int], mask_kinds: str,
-                           scale: float, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    # Raised here, when a backward actually runs (not in the autograd Function, which
-    # torch.compile traces while compiling a forward that only may need one).
-    if q.is_cuda:
-        raise NotImplementedError(_CUDA_BACKWARD_MESSAGE)
+                           scale: float, deterministic: bool, sm_limit: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
+    # `deterministic` comes resolved from block_sparse_attention (torch's deterministic mode at
+    # the forward included); the mode is read again here, when the backward runs, as torch's own
+    # kernels read it: switched on between the forward and the backward, it still applies.
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
     mask = _mask_from_args(mask_tensors, mask_sizes, mask_kinds)
-    dq, dk, dv = _attention_backward(_bshd(q), _bshd(k), _bshd(v), _bshd(o), lse, _bshd(dout), mask,
-                                     scale=scale or None, deterministic=deterministic)
+    with _device_guard(q):
+        dq, dk, dv = _attention_backward(_bshd(q), _bshd(k), _bshd(v), _bshd(o), lse, _bshd(dout), mask,
+                                         scale=scale or None, deterministic=deterministic, sm_limit=sm_limit)
     return _bshd(dq), _bshd(dk), _bshd(dv)
 
 
 @_attention_backward_op.register_fake
-def _(q, k, v, o, lse, dout, mask_tensors, mask_sizes, mask_kinds, scale, deterministic):
+def _(q, k, v, o, lse, dout, mask_tensors, mask_sizes, mask_kinds, scale, deterministic, sm_limit=0):
     def like(t):
         B, H, S, D = t.shape
         return _bshd(t.new_empty((B, S, H, D)))
@@ -684,12 +679,12 @@ def _(q, k, v, o, lse, dout, mask_tensors, mask_sizes, mask_kinds, scale, determ
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sizes: List[int], kinds: str, scale: float,
-                deterministic: bool, *mask_tensors: Optional[Tensor]):
+                deterministic: bool, sm_limit: int, *mask_tensors: Optional[Tensor]):
         o, lse = torch.ops.sparsetrain.block_sparse_attention_forward(q, k, v, list(mask_tensors), sizes, kinds,
-                                                                       scale, deterministic)
+                                                                       scale, deterministic, sm_limit)
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, o, lse, *mask_tensors)
-        ctx.sizes, ctx.kinds, ctx.scale, ctx.deterministic = sizes, kinds, scale, deterministic
+        ctx.sizes, ctx.kinds, ctx.scale, ctx.deterministic, ctx.sm_limit = sizes, kinds, scale, deterministic, sm_limit
         return o, lse
 
     @staticmethod
@@ -698,8 +693,9 @@ class _AttentionFunction(torch.autograd.Function):
         if do.stride(-1) != 1:
             do = do.contiguous()
         dq, dk, dv = torch.ops.sparsetrain.block_sparse_attention_backward(
-            q, k, v, o, lse, do, list(mask_tensors), ctx.sizes, ctx.kinds, ctx.scale, ctx.deterministic)
-        return (dq, dk, dv, None, None, None, None, *([None] * len(mask_tensors)))
+            q, k, v, o, lse, do, list(mask_tensors), ctx.sizes, ctx.kinds, ctx.scale, ctx.deterministic,
+            ctx.sm_limit)
+        return (dq, dk, dv, None, None, None, None, None, *([None] * len(mask_tensors)))
 
 
 def _check_attention_inputs(q: Any, k: Any, v: Any, mask: BlockMask) -> None:
@@ -738,21 +734,39 @@ def _check_attention_inputs(q: Any, k: Any, v: Any, mask: BlockMask) -> None:
                          f"({mask.seq_q}, {mask.seq_kv})")
 
 
+def _deterministic_arg(deterministic: Optional[bool]) -> bool:
+    """The backward's mode: True unless set; always True under
+    torch.use_deterministic_algorithms(True). Resolved here, outside the custom ops: under
+    torch.compile the mode is a constant of the trace (dynamo guards on it)."""
+    if torch.are_deterministic_algorithms_enabled():
+        return True
+    return True if deterministic is None else bool(deterministic)
+
+
 def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, scale: Optional[float] = None,
-                           deterministic: bool = True, return_lse: bool = False):
+                           deterministic: Optional[bool] = None, return_lse: bool = False, *, sm_limit: int = 0):
     """Block-sparse attention in FlexAttention's layout: q [B, Hq, Sq, D], k and v [B, Hkv, Skv, D]
     (Hq a multiple of Hkv: GQA / MQA; fp32, bf16 or fp16; any strides with the last dim
     contiguous), block_mask a sparsetrain.BlockMask (convert flex's once with
     BlockMask.from_torch). scale: default 1 / sqrt(D). Returns o [B, Hq, Sq, D] (and the fp32
     natural-log log-sum-exp [B, Hq, Sq] with return_lse=True; it has no gradient). A query row
-    with no allowed key gives o = 0, lse = -inf and zero gradients. Autograd through q, k and v;
-    `deterministic` picks the backward's dQ reduction order (the CPU reference always is).
+    with no allowed key gives o = 0, lse = -inf and zero gradients. Autograd through q, k and v.
     CPU or CUDA tensors; the mask's tensors must be on q's device (`block_mask.to(q.device)`, or
-    `BlockMask.build(..., device=...)`). On CUDA (bf16 / fp16, D 64, 96 or 128, mask blocks
-    multiples of 128) only the forward exists for now: a backward through it raises
-    NotImplementedError."""
+    `BlockMask.build(..., device=...)`). On CUDA: bf16 / fp16, D 64, 96 or 128, mask blocks
+    multiples of 128, forward and backward.
+
+    deterministic: the backward's dQ reduction order. None (the default) means True. True: dq, dk
+    and dv are bitwise reproducible from run to run, and independent of the grid size (the GPU's
+    SM count, sm_limit); False: atomic dQ adds (faster, not reproducible). The CPU reference is
+    deterministic either way. Under torch.use_deterministic_algorithms(True) the backward is
+    deterministic whatever `deterministic` says (deterministic=False is overridden, as torch's own
+    ops do; the mode is read at the forward and again when the backward runs).
+
+    sm_limit: on CUDA, at most this many SMs' worth of persistent CTAs (0: every SM), e.g. to
+    leave SMs to communication kernels running beside it; results never depend on it."""
     mask = _check_mask(block_mask).to_torch()
     _check_attention_inputs(q, k, v, mask)
     tensors, sizes, kinds = _mask_args(mask)
-    o, lse = _AttentionFunction.apply(q, k, v, sizes, kinds, _scale_arg(scale), bool(deterministic), *tensors)
+    o, lse = _AttentionFunction.apply(q, k, v, sizes, kinds, _scale_arg(scale), _deterministic_arg(deterministic),
+                                      _sm_limit_arg(sm_limit), *tensors)
     return (o, lse) if return_lse else o

@@ -555,33 +555,36 @@ nb::dict complete_mask(nb::dict mask, nb::handle schedule, int64_t sub_tiles, nb
   return export_mask(t, alloc);
 }
 
-st::AttentionOptions attention_options(float scale, bool deterministic) {
+st::AttentionOptions attention_options(float scale, bool deterministic, int sm_limit) {
   st::AttentionOptions o;
   o.scale = scale;
   o.deterministic = deterministic;
+  o.sm_limit = sm_limit;
   return o;
 }
 
 nb::tuple attention_forward(nb::handle q, nb::handle k, nb::handle v, nb::dict mask, float scale, bool deterministic,
-                            uintptr_t stream, nb::callable allocator) {
+                            int sm_limit, uintptr_t stream, nb::callable allocator) {
   PyAllocator alloc(std::move(allocator));
   st::AttentionCall call;
   call.stream.handle = reinterpret_cast<void*>(stream);
   call.allocator = &alloc;
   const st::AttentionForward f = st::block_sparse_attention_forward(
-      view_of(q, "q"), view_of(k, "k"), view_of(v, "v"), mask_of(mask), attention_options(scale, deterministic), call);
+      view_of(q, "q"), view_of(k, "k"), view_of(v, "v"), mask_of(mask),
+      attention_options(scale, deterministic, sm_limit), call);
   return nb::make_tuple(export_tensor(f.o, alloc), export_tensor(f.lse, alloc));
 }
 
 nb::tuple attention_backward(nb::handle q, nb::handle k, nb::handle v, nb::handle o, nb::handle lse, nb::handle dout,
-                             nb::dict mask, float scale, bool deterministic, uintptr_t stream, nb::callable allocator) {
+                             nb::dict mask, float scale, bool deterministic, int sm_limit, uintptr_t stream,
+                             nb::callable allocator) {
   PyAllocator alloc(std::move(allocator));
   st::AttentionCall call;
   call.stream.handle = reinterpret_cast<void*>(stream);
   call.allocator = &alloc;
   const st::AttentionGrads g = st::block_sparse_attention_backward(
       view_of(q, "q"), view_of(k, "k"), view_of(v, "v"), view_of(o, "o"), view_of(lse, "lse"),
-      view_of(dout, "dout"), mask_of(mask), attention_options(scale, deterministic), call);
+      view_of(dout, "dout"), mask_of(mask), attention_options(scale, deterministic, sm_limit), call);
   return nb::make_tuple(export_tensor(g.dq, alloc), export_tensor(g.dk, alloc), export_tensor(g.dv, alloc));
 }
 
@@ -659,8 +662,8 @@ NB_MODULE(_C, m) {
     return std::string(schedule_name(st::choose_schedule(mask_of(mask)).kind));
   }, nb::arg("mask"));
   m.def("attention_forward", &attention_forward, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("mask"),
-        nb::arg("scale"), nb::arg("deterministic"), nb::arg("stream"), nb::arg("allocator"));
+        nb::arg("scale"), nb::arg("deterministic"), nb::arg("sm_limit"), nb::arg("stream"), nb::arg("allocator"));
   m.def("attention_backward", &attention_backward, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"),
         nb::arg("lse"), nb::arg("dout"), nb::arg("mask"), nb::arg("scale"), nb::arg("deterministic"),
-        nb::arg("stream"), nb::arg("allocator"));
+        nb::arg("sm_limit"), nb::arg("stream"), nb::arg("allocator"));
 }

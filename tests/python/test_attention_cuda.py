@@ -5,8 +5,18 @@ flex_attention bitmask masks, bf16 / fp16, D = 64 / 128, GQA 8:2, Sq != Skv, row
 strided [B, H, S, D] views, with outputs poisoned first (NaN never passes); bitwise determinism;
 BlockMask.build on the device against the host build tensor by tensor (every kind, schedule and
 sub-tile count), its capture in a CUDA graph (no host sync), BlockMask.to / from_torch on CUDA;
-the CUDA backward's NotImplementedError (eager and under torch.compile); a mask on the wrong
-device."""
+the CUDA backward: o, dq, dk, dv against flex_attention's in fp32 (causal, sliding window,
+document-causal, a random bitmask mask from a flex mask_mod, Sq != Skv, rows without keys; GQA
+8:2, MQA, D = 64 / 96 / 128, bf16 / fp16, S = 1000; deterministic and not), bitwise reproducible
+deterministic gradients (5 runs; any sm_limit, in a child process with a time limit against
+deadlocks; strided layouts; the array API), torch.use_deterministic_algorithms(True) forcing the
+deterministic backward, torch.compile(fullgraph=True) of forward + backward; bad sm_limit and a
+mask on the wrong device."""
+
+import contextlib
+import subprocess
+import sys
+import warnings
 
 import pytest
 
@@ -30,7 +40,6 @@ DEV = torch.device("cuda", torch.cuda.current_device())
 # inputs: the output's own rounding plus P rounded to the input dtype for the PV product.
 TOL = {torch.bfloat16: 3e-2, torch.float16: 5e-3}
 LSE_TOL = 1e-3
-BACKWARD_MESSAGE = r"the CUDA backward is not implemented yet \(issue 8\)"
 TENSOR_NAMES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
                 "q_indices", "full_q_num_blocks", "full_q_indices", "dq_write_order", "dq_write_order_full",
                 "partial_bitmasks", "doc_q", "doc_kv")
@@ -376,40 +385,383 @@ def test_from_torch_on_a_cuda_flex_mask_gives_device_tensors(mask_mod, B):
     _assert_same_mask(to_host, on_host, torch.device("cpu"))
 
 
-# -- what does not run (yet) -----------------------------------------------------------------------
+# -- backward against flex_attention ---------------------------------------------------------------
+
+# Gradient error bounds relative to the reference's largest magnitude (per tensor), the reference
+# being flex_attention in fp32 on the same (rounded) inputs: P and dS are rounded to the input
+# dtype for the tensor-core products, the gradients once more at the end.
+GRAD_TOL = {torch.bfloat16: 2e-2, torch.float16: 1e-2}
+GRAD_S = 1000  # not a multiple of the 128-row block
 
 
-def test_backward_raises_not_implemented():
-    S = 300
+def _random_blocks(B, H, Sq, Skv, seed):
+    """A flex mask_mod with random structure at two scales, per (b, h): a 128 x 128 table (about
+    40% of the blocks empty) and, inside, a 32 x 32 one (each cell allowed with p = 0.95: about
+    44% of the remaining blocks full, the others partial, i.e. bitmasks)."""
+    gen = torch.Generator().manual_seed(seed)
+    coarse = (torch.rand(B, H, -(-Sq // 128), -(-Skv // 128), generator=gen) < 0.6).to(DEV)
+    fine = (torch.rand(B, H, -(-Sq // 32), -(-Skv // 32), generator=gen) < 0.95).to(DEV)
+
+    def mask_mod(b, h, q, kv):
+        return coarse[b, h, q // 128, kv // 128] & fine[b, h, q // 32, kv // 32]
+    return mask_mod
+
+
+def _grad_case(name, B, H, S):
+    """(our mask on DEV, flex mask_mod, flex's B and H (None: broadcast), Sq, Skv) for a mask
+    name: ours from our builders (or from_torch for the bitmask one), flex's the same mask."""
+    if name == "causal":
+        return st.BlockMask.build("causal", S, device=DEV), lambda b, h, q, kv: q >= kv, None, None, S, S
+    if name == "sliding_window":
+        w = 256
+        return (st.BlockMask.build("sliding_window", S, window_left=w, window_right=0, device=DEV),
+                lambda b, h, q, kv: (q >= kv) & (q - kv <= w), None, None, S, S)
+    if name == "sliding_window_two_sided_Sq_ne_Skv":
+        Skv, left, right = S + 300, 200, 100
+        return (st.BlockMask.build("sliding_window", S, Skv, window_left=left, window_right=right, device=DEV),
+                lambda b, h, q, kv: (kv >= q - left) & (kv <= q + right), None, None, S, Skv)
+    if name == "causal_bottom_right_empty_rows":  # Sq > Skv: the first Sq - Skv rows see no key
+        Skv = 3 * S // 5
+        return (st.BlockMask.build("causal_bottom_right", S, Skv, device=DEV),
+                lambda b, h, q, kv: kv <= q - (S - Skv), None, None, S, Skv)
+    if name == "document_causal":
+        doc = _odd_documents(B, S, 11)
+        doc_dev = doc.to(DEV)
+        return (st.BlockMask.build("document_causal", S, document_ids=doc, device=DEV),
+                _flex_document_causal(doc_dev), B, None, S, S)
+    if name == "random_bitmask":
+        mod = _random_blocks(B, H, S, S, 12)
+        fm = flex.create_block_mask(mod, B, H, S, S, device=DEV, BLOCK_SIZE=128)
+        return st.BlockMask.from_torch(fm), mod, B, H, S, S
+    raise AssertionError(name)
+
+
+GRAD_MASKS = ["causal", "sliding_window", "document_causal", "random_bitmask", "sliding_window_two_sided_Sq_ne_Skv",
+              "causal_bottom_right_empty_rows"]
+
+
+def _flex_reference(q, k, v, do, mask_mod, B, H, Sq, Skv, scale=None):
+    """flex_attention (eager: the unfused implementation, fp32 matmuls) on q, k, v, do upcast to
+    fp32, with a block mask from the same mask_mod: (o, dq, dk, dv) in fp32."""
+    fm = flex.create_block_mask(mask_mod, B, H, Sq, Skv, device=DEV, BLOCK_SIZE=128)
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    limits = {n: 1 << 20 for n in ("recompile_limit", "accumulated_recompile_limit")
+              if hasattr(torch._dynamo.config, n)}  # eager flex traces once per mask_mod and shape
+    with warnings.catch_warnings(), torch._dynamo.config.patch(**limits):
+        warnings.simplefilter("ignore")
+        o = flex.flex_attention(qf, kf, vf, block_mask=fm, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        dq, dk, dv = torch.autograd.grad(o, (qf, kf, vf), do.float())
+    return o.detach(), dq, dk, dv
+
+
+def _close_to_max(got, ref, tol, what):
+    """|got - ref| <= tol * max |ref| elementwise (one scale per tensor); NaN and infinities never
+    pass."""
+    assert got.device.type == "cuda", f"{what}: expected a CUDA result, got one on {got.device}"
+    assert got.shape == ref.shape, f"{what}: shape {list(got.shape)} vs {list(ref.shape)}"
+    got, ref = got.detach().double(), ref.detach().double().to(got.device)
+    assert bool(torch.isfinite(ref).all()), f"{what}: the reference is not finite"
+    bad = ~torch.isfinite(got)
+    assert not bool(bad.any()), f"{what}: {int(bad.sum())} NaN / inf elements"
+    scale = ref.abs().max().item()
+    err = (got - ref).abs().max().item()
+    assert err <= tol * scale, f"{what}: max error {err:.3e} > {tol:g} x max |ref| = {tol * scale:.3e}"
+
+
+def _grads(q, k, v, do, mask, **kw):
+    """Our forward and backward on fresh leaves of q, k, v: (o, dq, dk, dv), synchronised."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    o = stt.block_sparse_attention(q, k, v, mask, **kw)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
+    torch.cuda.synchronize()
+    return o.detach(), dq, dk, dv
+
+
+def _grad_inputs(B, Hq, Hkv, Sq, Skv, D, dtype, layout="bhsd", seed=0):
+    q, k, v = _inputs(B, Hq, Hkv, Sq, Skv, D, dtype, layout, seed)
+    gen = torch.Generator().manual_seed(seed + 1000)
+    do = torch.randn(B, Hq, Sq, D, generator=gen).to(dtype).to(DEV)
+    return q, k, v, do
+
+
+def _check_grads(name, dtype, D, Hq, Hkv, B=2, S=GRAD_S, **kw):
+    mask, mod, fB, fH, Sq, Skv = _grad_case(name, B, Hq, S)
+    q, k, v, do = _grad_inputs(B, Hq, Hkv, Sq, Skv, D, dtype)
+    got = _grads(q, k, v, do, mask, **kw)
+    ref = _flex_reference(q, k, v, do, mod, fB, fH, Sq, Skv, kw.get("scale"))
+    for what, g, r in zip(("o", "dq", "dk", "dv"), got, ref):
+        assert g.dtype == dtype and g.shape == r.shape, what
+        _close_to_max(g, r, GRAD_TOL[dtype], what)
+    return got
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "nondet"])
+@pytest.mark.parametrize("D", [64, 128], ids=["D64", "D128"])
+@pytest.mark.parametrize("name", GRAD_MASKS, ids=GRAD_MASKS)
+def test_backward_matches_flex_attention(name, D, deterministic):
+    """bf16, GQA 8:2, B = 2, S = 1000: o, dq, dk, dv against flex_attention's in fp32."""
+    _require_kernel(torch.bfloat16, D)
+    _check_grads(name, torch.bfloat16, D, 8, 2, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("dtype,D,Hq,Hkv,name", [
+    (torch.float16, 128, 4, 4, "causal"),
+    (torch.float16, 64, 6, 1, "document_causal"),  # MQA
+    (torch.bfloat16, 96, 4, 4, "sliding_window"),
+    (torch.float16, 96, 8, 2, "random_bitmask"),
+], ids=["fp16_D128_mha_causal", "fp16_D64_mqa_document_causal", "bf16_D96_mha_window", "fp16_D96_gqa_bitmask"])
+def test_backward_other_dtypes_head_dims_and_head_ratios(dtype, D, Hq, Hkv, name):
+    _require_kernel(dtype, D)
+    _check_grads(name, dtype, D, Hq, Hkv)
+
+
+def test_backward_scale_and_single_batch():
+    _require_kernel(torch.bfloat16, 128)
+    _check_grads("causal", torch.bfloat16, 128, 4, 2, B=1, S=517, scale=0.3)
+
+
+def test_backward_rows_without_keys_get_zero_gradients():
+    """Sq > Skv bottom-right causal: the first Sq - Skv query rows see no key, so o, lse and dq
+    there are exactly 0 (resp. -inf), and nothing is NaN."""
+    _require_kernel(torch.bfloat16, 128)
+    mask, _, _, _, Sq, Skv = _grad_case("causal_bottom_right_empty_rows", 2, 8, GRAD_S)
+    q, k, v, do = _grad_inputs(2, 8, 2, Sq, Skv, 128, torch.bfloat16)
+    for det in (True, False):
+        o, dq, dk, dv = _grads(q, k, v, do, mask, deterministic=det)
+        empty = Sq - Skv
+        assert bool((o[:, :, :empty] == 0).all()) and bool((dq[:, :, :empty] == 0).all())
+        for t in (o, dq, dk, dv):
+            assert bool(torch.isfinite(t).all())
+
+
+@pytest.mark.parametrize("layout", ["bshd", "padded"])
+def test_backward_strided_layouts_give_the_same_gradients(layout):
+    """[B, H, S, D] views of other storage (and a transposed dout): bitwise the same deterministic
+    gradients as contiguous inputs."""
+    S, D = 640, 128
     mask = st.BlockMask.build("causal", S, device=DEV)
-    q, k, v = (t.requires_grad_() for t in _inputs(1, 4, 2, S, S, 128, torch.bfloat16))
-    o = stt.block_sparse_attention(q, k, v, mask)  # the forward runs, and records a backward
-    assert o.requires_grad
-    with torch.no_grad():
-        assert torch.equal(o.detach(), stt.block_sparse_attention(q, k, v, mask))
-    with pytest.raises(NotImplementedError, match=BACKWARD_MESSAGE):
-        o.sum().backward()
-    assert q.grad is None and k.grad is None and v.grad is None
+    q, k, v, do = _grad_inputs(2, 8, 2, S, S, D, torch.bfloat16)
+    ref = _grads(q, k, v, do, mask)
+    sq, sk, sv, _ = _grad_inputs(2, 8, 2, S, S, D, torch.bfloat16, layout)
+    for dst, src in ((sq, q), (sk, k), (sv, v)):
+        dst.copy_(src)
+    assert not sq.is_contiguous()
+    do_t = do.transpose(1, 2).contiguous().transpose(1, 2)
+    got = _grads(sq, sk, sv, do_t, mask)
+    for what, g, r in zip(("o", "dq", "dk", "dv"), got, ref):
+        assert torch.equal(g, r), what
 
 
-def test_torch_compile_fullgraph_forward_and_the_backward_error():
-    S = 384
-    mask = st.BlockMask.build("sliding_window", S, window_left=128, window_right=0, device=DEV)
-    q, k, v = _inputs(2, 8, 2, S, S, 128, torch.bfloat16)
+def test_array_api_backward_on_cuda_tensors():
+    """sparsetrain.block_sparse_attention_backward (the framework-neutral API, [B, S, H, D]) on
+    torch CUDA tensors, with sm_limit: bitwise the torch front's deterministic gradients."""
+    S = 777
+    mask = st.BlockMask.build("document_causal", S, document_ids=_odd_documents(2, S, 13), device=DEV)
+    q, k, v, do = _grad_inputs(2, 8, 2, S, S, 128, torch.bfloat16)
+    o, dq, dk, dv = _grads(q, k, v, do, mask)
+    t = [x.transpose(1, 2) for x in (q, k, v)]
+    o2, lse2 = st.block_sparse_attention_forward(*t, mask, sm_limit=3)
+    g = st.block_sparse_attention_backward(*t, o2, lse2, do.transpose(1, 2), mask, deterministic=True, sm_limit=5)
+    torch.cuda.synchronize()
+    assert torch.equal(o2.transpose(1, 2), o)
+    for what, a, b in zip(("dq", "dk", "dv"), g, (dq, dk, dv)):
+        assert a.device == DEV and torch.equal(a.transpose(1, 2), b), what
 
-    @torch.compile(fullgraph=True)
-    def attend(q, k, v):
-        return stt.block_sparse_attention(q, k, v, mask)
 
-    with torch.no_grad():
-        eager = stt.block_sparse_attention(q, k, v, mask)
-        assert torch.equal(attend(q, k, v), eager)
-    # Compiling a training forward traces the backward without running it; running it raises.
-    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
-    o = attend(qg, kg, vg)
-    assert torch.equal(o.detach(), eager)
-    with pytest.raises(NotImplementedError, match=BACKWARD_MESSAGE):
-        o.sum().backward()
+# -- the deterministic backward --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["causal", "document_causal", "random_bitmask"])
+def test_deterministic_backward_is_bitwise_reproducible(name):
+    """5 backward runs of the same inputs: dq, dk, dv bitwise equal (many kv columns add into each
+    q block: S = 3000, GQA 8:2)."""
+    S = 3000
+    mask = _grad_case(name, 2, 8, S)[0]
+    q, k, v, do = _grad_inputs(2, 8, 2, S, S, 128, torch.bfloat16, seed=3)
+    first = _grads(q, k, v, do, mask, deterministic=True)
+    for t in first:
+        assert bool(torch.isfinite(t).all())
+    for run in range(4):
+        again = _grads(q, k, v, do, mask, deterministic=True)
+        for what, a, b in zip(("o", "dq", "dk", "dv"), again, first):
+            assert torch.equal(a, b), f"run {run + 2}: {what} differs from run 1"
+
+
+def _spy_on_the_core_backward(monkeypatch):
+    """The `deterministic` flag of every backward that reaches the core, in a list."""
+    seen = []
+    core = stt._attention_backward
+
+    def spy(*args, **kw):
+        seen.append(kw["deterministic"])
+        return core(*args, **kw)
+
+    monkeypatch.setattr(stt, "_attention_backward", spy)
+    return seen
+
+
+def test_default_is_deterministic(monkeypatch):
+    S = 2000
+    mask = st.BlockMask.build("causal", S, device=DEV)
+    q, k, v, do = _grad_inputs(2, 8, 2, S, S, 128, torch.bfloat16, seed=4)
+    ref = _grads(q, k, v, do, mask, deterministic=True)
+    seen = _spy_on_the_core_backward(monkeypatch)
+    for what, a, b in zip(("o", "dq", "dk", "dv"), _grads(q, k, v, do, mask), ref):
+        assert torch.equal(a, b), what
+    assert seen == [True]
+
+
+# The sm_limit runs happen in a child process with a time limit: a deadlock of the dQ semaphores
+# (the case a small grid would expose) fails the test instead of hanging the session. The child
+# compares and prints one line per difference.
+_SM_LIMIT_SCRIPT = r"""
+import sys
+import torch
+import sparsetrain as st
+import sparsetrain.torch as stt
+
+dev, S = torch.device(sys.argv[1]), int(sys.argv[2])
+gen = torch.Generator().manual_seed(5)
+def rand(*shape):
+    return torch.randn(*shape, generator=gen).to(torch.bfloat16).to(dev)
+q, k, v, do = rand(2, 8, S, 128), rand(2, 2, S, 128), rand(2, 2, S, 128), rand(2, 8, S, 128)
+doc = torch.randint(0, 6, (2, S), generator=gen).sort(dim=1).values.int()
+masks = {"causal_auto_schedule": st.BlockMask.build("causal", S).to(dev),  # host build: "auto" schedule
+         "causal_left_to_right": st.BlockMask.build("causal", S, device=dev),
+         "document_causal_shortest_first": st.BlockMask.build("document_causal", S, document_ids=doc,
+                                                              schedule="shortest_first", device=dev)}
+failures = 0
+for name, mask in masks.items():
+    ref = None
+    for sm_limit in (0, 1, 2, 7, 0):
+        for det in (True, False):
+            qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+            o = stt.block_sparse_attention(qq, kk, vv, mask, deterministic=det, sm_limit=sm_limit)
+            got = (o.detach(), *torch.autograd.grad(o, (qq, kk, vv), do))
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            ref = got if ref is None else ref
+            for what, a, b in zip(("o", "dq", "dk", "dv"), got, ref):
+                where = f"{name} sm_limit={sm_limit} deterministic={det}: {what}"
+                if not bool(torch.isfinite(a).all()):
+                    print("FAIL", where, "is not finite", flush=True)
+                    failures += 1
+                elif (det or what == "o") and not torch.equal(a, b):
+                    print("FAIL", where, "differs bitwise from sm_limit=0 deterministic=True", flush=True)
+                    failures += 1
+                elif not det:
+                    err = (a.double() - b.double()).abs().max().item()
+                    if err > 1e-2 * b.double().abs().max().item():
+                        print("FAIL", where, f"max difference {err:.3e} from the deterministic result", flush=True)
+                        failures += 1
+    print(name, "done", flush=True)
+sys.exit(1 if failures else 0)
+"""
+
+
+def _run_sm_limit_child(device, S, timeout=300):
+    try:
+        proc = subprocess.run([sys.executable, "-c", _SM_LIMIT_SCRIPT, str(device), str(S)], capture_output=True,
+                              text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the sm_limit runs did not finish in {timeout} s (a deadlock?); output so far: {e.stdout!r}")
+    assert proc.returncode == 0, f"sm_limit runs (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
+
+
+def test_sm_limit_gives_bitwise_equal_deterministic_gradients():
+    """sm_limit 1, 2 and 7 against 0 (every SM), 3 masks and schedules, S = 2000, GQA 8:2: the
+    deterministic o, dq, dk, dv bitwise equal to sm_limit = 0's, the non-deterministic ones
+    close. In a child process with a 300 s limit (a deadlock fails instead of hanging)."""
+    _require_kernel(torch.bfloat16, 128)
+    _run_sm_limit_child(DEV, 2000)
+
+
+def test_bad_sm_limit_raises_value_error():
+    S = 256
+    mask = st.BlockMask.build("causal", S, device=DEV)
+    q, k, v = _inputs(1, 2, 2, S, S, 128, torch.bfloat16)
+    for bad in (-1, 2**31, 1.5, True, "4"):
+        with pytest.raises(ValueError, match=r"sm_limit: expected an int >= 0 \(0: every SM\)"):
+            stt.block_sparse_attention(q, k, v, mask, sm_limit=bad)
+
+
+@contextlib.contextmanager
+def _deterministic_algorithms():
+    prev = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(prev, warn_only=warn_only)
+
+
+def test_torch_deterministic_mode_forces_the_deterministic_backward(monkeypatch):
+    """Under torch.use_deterministic_algorithms(True), deterministic=False still runs the
+    deterministic backward (the flag the core gets, and bitwise the deterministic gradients),
+    whether the mode is on at the forward or only when the backward runs."""
+    S = 2000
+    mask = st.BlockMask.build("causal", S, device=DEV)
+    q, k, v, do = _grad_inputs(2, 8, 2, S, S, 128, torch.bfloat16, seed=6)
+    ref = _grads(q, k, v, do, mask, deterministic=True)
+    seen = _spy_on_the_core_backward(monkeypatch)
+    _grads(q, k, v, do, mask, deterministic=False)
+    assert seen == [False]
+    with _deterministic_algorithms():
+        runs = [_grads(q, k, v, do, mask, deterministic=False) for _ in range(2)]
+    # On only for the backward:
+    qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+    o = stt.block_sparse_attention(qq, kk, vv, mask, deterministic=False)
+    with _deterministic_algorithms():
+        g = torch.autograd.grad(o, (qq, kk, vv), do)
+    torch.cuda.synchronize()
+    runs.append((o.detach(), *g))
+    assert seen == [False, True, True, True]
+    for i, run in enumerate(runs):
+        for what, a, b in zip(("o", "dq", "dk", "dv"), run, ref):
+            assert torch.equal(a, b), f"run {i}: {what}"
+
+
+# -- torch.compile ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "nondet"])
+def test_torch_compile_fullgraph_forward_and_backward(deterministic):
+    """torch.compile(fullgraph=True) of a training step: forward and torch.autograd.grad inside
+    one graph (dynamo's trace_autograd_ops), and a compiled forward whose loss.backward() runs
+    the compiled backward; the same results as eager (bitwise in the deterministic mode)."""
+    if not hasattr(torch._dynamo.config, "trace_autograd_ops"):
+        pytest.skip(f"torch {torch.__version__} has no torch._dynamo.config.trace_autograd_ops")
+    S = 1000
+    mask = st.BlockMask.build("sliding_window", S, window_left=300, window_right=0, device=DEV)
+    q, k, v, do = _grad_inputs(2, 8, 2, S, S, 128, torch.bfloat16, seed=7)
+    eager = _grads(q, k, v, do, mask, deterministic=deterministic, sm_limit=4)
+
+    def step(q, k, v, do):
+        o = stt.block_sparse_attention(q, k, v, mask, deterministic=deterministic, sm_limit=4)
+        dq, dk, dv = torch.autograd.grad(o, (q, k, v), do)
+        return o.detach(), dq, dk, dv
+
+    def loss(q, k, v, do):
+        o = stt.block_sparse_attention(q, k, v, mask, deterministic=deterministic, sm_limit=4)
+        return (o.float() * do.float()).sum(), o
+
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    with torch._dynamo.config.patch(trace_autograd_ops=True):
+        got = torch.compile(step, fullgraph=True)(*leaves, do)
+    l, o = torch.compile(loss, fullgraph=True)(*leaves, do)
+    l.backward()
+    torch.cuda.synchronize()
+    for results in (got, (o, *(t.grad for t in leaves))):
+        for what, a, b in zip(("o", "dq", "dk", "dv"), results, eager):
+            assert a.shape == b.shape and a.dtype == b.dtype, what
+            if deterministic or what == "o":
+                assert torch.equal(a.detach(), b), what
+            else:
+                _close_to_max(a, b.float(), 1e-2, what)
+
+
+# -- errors ----------------------------------------------------------------------------------------
 
 
 def test_mask_on_another_device_raises():
