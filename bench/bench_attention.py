@@ -544,6 +544,9 @@ def main():
         if hasattr(torch._dynamo.config, opt):
             setattr(torch._dynamo.config, opt, 64)
     from torch.nn.attention.flex_attention import flex_attention
+    # The backward alone is timed over a retained graph (autograd.grad(retain_graph=True)), which
+    # compiled backwards with donated buffers refuse: donation off (it only saves memory).
+    torch._functorch.config.donated_buffer = False
     flex_compiled = torch.compile(flex_attention, dynamic=False)
     # create_block_mask(_compile=True) is what DESIGN.md section 9 names; torch 2.11 deprecates it
     # in favour of torch.compile(create_block_mask) with a warning on every call.
