@@ -25,6 +25,7 @@
 // the preprocessed lse (P = 0).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 
@@ -95,7 +96,12 @@ struct BwdTraits {
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
   static constexpr uint32_t kRowBytes = kBlockM * sizeof(float);  // lse or delta of a q tile
   static constexpr uint32_t kDqBytes = kBlockM * kHeadDim * sizeof(float);
-  static constexpr int kDqBuffers = 2;
+  // dQ staging buffers: as many as shared memory holds, up to 4 (2 at D = 128, 4 below). The
+  // more there are, the further the writer may fall behind (waiting for deterministic turns)
+  // before the consumers stall.
+  static constexpr int kSmemBesidesDq = int(2 * kStages * kQBytes + 2 * kKVBytes) +
+                                        2 * kBlockM * kBlockN * int(sizeof(Element)) + 2048;
+  static constexpr int kDqBuffers = std::max(1, std::min(4, (227 * 1024 - kSmemBesidesDq) / int(kDqBytes)));
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
 
@@ -105,8 +111,8 @@ struct BwdTraits {
     array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
     array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
     array_aligned<Element, cosize_v<SmemLayoutDs>, 1024> ds;
-    // dQ partials in fragment order (dq_fragment_offset), the layout of a tile in the accumulator;
-    // two buffers: the consumers go on while the writer waits for a deterministic turn.
+    // dQ partials in fragment order (dq_fragment_offset), the layout of a tile in the accumulator:
+    // the consumers go on while the writer waits for a deterministic turn.
     array_aligned<float, kDqBuffers * kBlockM * kHeadDim, 128> dq;
     alignas(16) float lse[kStages][kBlockM];
     alignas(16) float delta[kStages][kBlockM];
