@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "common/group_offsets.h"  // ST_HOST_DEVICE
+#include "sparsetrain/tensor.h"
 
 namespace sparsetrain {
 
@@ -26,6 +27,20 @@ struct MaskIndexView {
     return data + b * stride_b + h * stride_h + r * stride_r;
   }
 };
+
+// The view of a mask's int32 tensor [B, H, R(, W)] (host side, for the kernels' arguments and the
+// tests): leading dims of size 1 broadcast (stride 0); an undefined tensor gives the absent view.
+inline MaskIndexView mask_index_view(const TensorView& t) {
+  MaskIndexView v;
+  if (!t.defined()) return v;
+  v.data = static_cast<const int32_t*>(t.data());
+  v.stride_b = t.size(0) == 1 ? 0 : t.stride(0);
+  v.stride_h = t.size(1) == 1 ? 0 : t.stride(1);
+  v.stride_r = t.stride(2);
+  v.stride_w = t.dim() > 3 ? t.stride(3) : 0;
+  v.width = t.dim() > 3 ? int32_t(t.size(3)) : 0;
+  return v;
+}
 
 // The forward lists of a mask (kv_* and full_kv_*), as the walk reads them.
 struct MaskWalkLists {

@@ -32,29 +32,16 @@ namespace {
 
 constexpr int32_t kTileQ = 64;  // the backward kernel's q tile (rows)
 
-// As attention_cuda.cu's index_view: leading dims of size 1 broadcast (stride 0).
-st::MaskIndexView index_view(const st::TensorView& t) {
-  st::MaskIndexView v;
-  if (!t.defined()) return v;
-  v.data = static_cast<const int32_t*>(t.data());
-  v.stride_b = t.size(0) == 1 ? 0 : t.stride(0);
-  v.stride_h = t.size(1) == 1 ? 0 : t.stride(1);
-  v.stride_r = t.stride(2);
-  v.stride_w = t.dim() > 3 ? t.stride(3) : 0;
-  v.width = t.dim() > 3 ? int32_t(t.size(3)) : 0;
-  return v;
-}
-
 st::MaskColumnLists column_lists(const st::BlockMask& m) {
   st::MaskColumnLists l;
-  l.partial_count = index_view(m.q_num_blocks);
-  l.partial_index = index_view(m.q_indices);
-  l.full_count = index_view(m.full_q_num_blocks);
-  l.full_index = index_view(m.full_q_indices);
-  l.partial_turn = index_view(m.dq_write_order);
-  l.full_turn = index_view(m.dq_write_order_full);
-  l.kv_count = index_view(m.kv_num_blocks);
-  l.kv_index = index_view(m.kv_indices);
+  l.partial_count = st::mask_index_view(m.q_num_blocks);
+  l.partial_index = st::mask_index_view(m.q_indices);
+  l.full_count = st::mask_index_view(m.full_q_num_blocks);
+  l.full_index = st::mask_index_view(m.full_q_indices);
+  l.partial_turn = st::mask_index_view(m.dq_write_order);
+  l.full_turn = st::mask_index_view(m.dq_write_order_full);
+  l.kv_count = st::mask_index_view(m.kv_num_blocks);
+  l.kv_index = st::mask_index_view(m.kv_indices);
   l.find_bit_entry = m.spec.kind == st::MaskKind::kBitmask;
   l.num_q_blocks = int32_t(m.num_q_blocks());
   l.q_tiles_per_block = int32_t(m.block_q / kTileQ);

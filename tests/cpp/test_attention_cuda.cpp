@@ -363,6 +363,29 @@ TEST_P(AttentionCuda, BackwardMatchesTheOracle) {
 INSTANTIATE_TEST_SUITE_P(Cuda, AttentionCuda, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case>& p) { return p.param.name; });
 
+// Each call must throw an Error containing `message` and allocate nothing.
+struct Bad {
+  const char* what;
+  std::function<void(st::AttentionCall&)> run;
+  const char* message;
+};
+
+template <size_t N>
+void expect_refused(const Bad (&bad)[N]) {
+  for (const Bad& b : bad) {
+    DevicePoisonAllocator alloc;
+    st::AttentionCall call;
+    call.allocator = &alloc;
+    try {
+      b.run(call);
+      ADD_FAILURE() << b.what << ": no error";
+    } catch (const st::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(b.message), std::string::npos) << b.what << ": " << e.what();
+    }
+    EXPECT_EQ(alloc.allocations, 0) << b.what;
+  }
+}
+
 // What the CUDA path refuses: each error names its argument, and nothing is allocated.
 TEST(AttentionCudaErrors, RefusedInputsAllocateNothing) {
   REQUIRE_GPU();
@@ -383,11 +406,6 @@ TEST(AttentionCudaErrors, RefusedInputsAllocateNothing) {
   const int64_t shape[4] = {1, S / 2, 2, 128}, odd[4] = {S * 2 * 128, 2 * 128 + 4, 128, 1};
   const st::TensorView unaligned(q.dev.view().data(), DType::kBF16, shape, odd, 4, st::Device::cuda(0));
 
-  struct Bad {
-    const char* what;
-    std::function<void(st::AttentionCall&)> run;
-    const char* message;
-  };
   auto forward = [](const Input& qi, const Input& ki, const st::BlockMask& m, st::AttentionCall& call) {
     st::block_sparse_attention_forward(qi.dev_view, ki.dev_view, ki.dev_view, m, {}, call);
   };
@@ -405,18 +423,7 @@ TEST(AttentionCudaErrors, RefusedInputsAllocateNothing) {
        },
        "q: expected a 16-byte aligned base and strides that are multiples of 16 bytes"},
   };
-  for (const Bad& b : bad) {
-    DevicePoisonAllocator alloc;
-    st::AttentionCall call;
-    call.allocator = &alloc;
-    try {
-      b.run(call);
-      ADD_FAILURE() << b.what << ": no error";
-    } catch (const st::Error& e) {
-      EXPECT_NE(std::string(e.what()).find(b.message), std::string::npos) << b.what << ": " << e.what();
-    }
-    EXPECT_EQ(alloc.allocations, 0) << b.what;
-  }
+  expect_refused(bad);
 }
 
 // What the CUDA backward refuses on top of the forward's rules: a deterministic run without the
@@ -440,11 +447,6 @@ TEST(AttentionCudaErrors, BackwardRefusalsAllocateNothing) {
   const st::AttentionForward f = st::block_sparse_attention_forward(q.dev_view, k.dev_view, k.dev_view, dev.mask);
   const int64_t shape[4] = {1, S / 2, 2, 128}, odd[4] = {S * 2 * 128, 2 * 128 + 4, 128, 1};
   const st::TensorView odd_dout(q.dev.view().data(), DType::kBF16, shape, odd, 4, st::Device::cuda(0));
-  struct Bad {
-    const char* what;
-    std::function<void(st::AttentionCall&)> run;
-    const char* message;
-  };
   auto backward = [&](const st::BlockMask& m, st::AttentionCall& call) {
     st::block_sparse_attention_backward(q.dev_view, k.dev_view, k.dev_view, f.o.view(), f.lse.view(), q.dev_view, m,
                                         {}, call);
@@ -465,18 +467,7 @@ TEST(AttentionCudaErrors, BackwardRefusalsAllocateNothing) {
        },
        "dout: expected a 16-byte aligned base and strides that are multiples of 16 bytes"},
   };
-  for (const Bad& b : bad) {
-    DevicePoisonAllocator alloc;
-    st::AttentionCall call;
-    call.allocator = &alloc;
-    try {
-      b.run(call);
-      ADD_FAILURE() << b.what << ": no error";
-    } catch (const st::Error& e) {
-      EXPECT_NE(std::string(e.what()).find(b.message), std::string::npos) << b.what << ": " << e.what();
-    }
-    EXPECT_EQ(alloc.allocations, 0) << b.what;
-  }
+  expect_refused(bad);
   // The atomic mode needs no write order.
   st::AttentionOptions atomic;
   atomic.deterministic = false;

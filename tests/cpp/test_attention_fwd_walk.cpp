@@ -18,24 +18,12 @@ namespace st = sparsetrain;
 
 namespace {
 
-st::MaskIndexView view_of(const st::TensorView& t) {
-  st::MaskIndexView v;
-  if (!t.defined()) return v;
-  v.data = static_cast<const int32_t*>(t.data());
-  v.stride_b = t.size(0) == 1 ? 0 : t.stride(0);
-  v.stride_h = t.size(1) == 1 ? 0 : t.stride(1);
-  v.stride_r = t.stride(2);
-  v.stride_w = t.dim() > 3 ? t.stride(3) : 0;
-  v.width = t.dim() > 3 ? int32_t(t.size(3)) : 0;
-  return v;
-}
-
 st::MaskWalkLists lists_of(const st::BlockMask& m, int32_t tile_kv) {
   st::MaskWalkLists l;
-  l.partial_count = view_of(m.kv_num_blocks);
-  l.partial_index = view_of(m.kv_indices);
-  l.full_count = view_of(m.full_kv_num_blocks);
-  l.full_index = view_of(m.full_kv_indices);
+  l.partial_count = st::mask_index_view(m.kv_num_blocks);
+  l.partial_index = st::mask_index_view(m.kv_indices);
+  l.full_count = st::mask_index_view(m.full_kv_num_blocks);
+  l.full_index = st::mask_index_view(m.full_kv_indices);
   l.num_kv_blocks = int32_t(m.num_kv_blocks());
   l.block_q = int32_t(m.block_q);
   l.sub_tiles = int32_t(m.block_kv / tile_kv);

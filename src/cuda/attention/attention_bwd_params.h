@@ -6,7 +6,7 @@
 
 #include "common/attention_bwd_walk.h"
 #include "common/dq_schedule_model.h"
-#include "cuda/attention/attention_fwd_params.h"  // FwdMaskSpec: the mask inside partial blocks
+#include "cuda/attention/attention_fwd_params.h"  // KernelMaskSpec: the mask inside partial blocks
 
 namespace sparsetrain::cuda::attn {
 
@@ -38,7 +38,7 @@ struct BwdArgs {
   int32_t batch, seq_q, seq_kv, heads_q, heads_kv;
   float scale;
   MaskColumnLists lists;  // q tiles in units of kBwdTileQ
-  FwdMaskSpec spec;
+  KernelMaskSpec spec;
   int32_t block_q, block_kv;
   DqColumnHandout handout;  // sub_tiles = block_kv / kBwdTileKv; permutation in device memory
   int32_t grid;             // persistent CTAs

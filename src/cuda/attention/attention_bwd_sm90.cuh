@@ -196,7 +196,7 @@ __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wa
 template <class TS, class TC>
 __device__ __forceinline__ void mask_tile_t(TS& s, TC const& coord, int q0, int kv0, const BwdArgs& a, int b, int h,
                                             int column, const BwdVisit& visit) {
-  const FwdMaskSpec& m = a.spec;
+  const KernelMaskSpec& m = a.spec;
   const int sq = a.seq_q, skv = a.seq_kv;
   switch (m.kind) {
     case MaskKind::kDocument:

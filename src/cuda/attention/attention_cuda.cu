@@ -151,21 +151,9 @@ int64_t spin_limit_ns() {
 
 int64_t lead_stride(const TensorView& t, int d) { return t.size(d) == 1 ? 0 : t.stride(d); }
 
-MaskIndexView index_view(const TensorView& t) {
-  MaskIndexView v;
-  if (!t.defined()) return v;
-  v.data = static_cast<const int32_t*>(t.data());
-  v.stride_b = lead_stride(t, 0);
-  v.stride_h = lead_stride(t, 1);
-  v.stride_r = t.stride(2);
-  v.stride_w = t.dim() > 3 ? t.stride(3) : 0;
-  v.width = t.dim() > 3 ? int32_t(t.size(3)) : 0;
-  return v;
-}
-
 // The mask inside partial blocks, as both kernels evaluate it.
-cuda::attn::FwdMaskSpec mask_spec_args(const BlockMask& m) {
-  cuda::attn::FwdMaskSpec spec;
+cuda::attn::KernelMaskSpec mask_spec_args(const BlockMask& m) {
+  cuda::attn::KernelMaskSpec spec;
   spec.kind = m.spec.kind;
   spec.window_left = m.spec.window_left, spec.window_right = m.spec.window_right;
   spec.prefix_length = m.spec.prefix_length;
@@ -331,10 +319,10 @@ class AttentionCuda final : public backend::AttentionBackend {
     a.batch = int32_t(p.batch), a.seq_q = int32_t(p.seq_q), a.seq_kv = int32_t(p.seq_kv);
     a.heads_q = int32_t(p.heads_q), a.heads_kv = int32_t(p.heads_kv);
     a.scale = p.scale;
-    a.lists.partial_count = index_view(m.kv_num_blocks);
-    a.lists.partial_index = index_view(m.kv_indices);
-    a.lists.full_count = index_view(m.full_kv_num_blocks);
-    a.lists.full_index = index_view(m.full_kv_indices);
+    a.lists.partial_count = mask_index_view(m.kv_num_blocks);
+    a.lists.partial_index = mask_index_view(m.kv_indices);
+    a.lists.full_count = mask_index_view(m.full_kv_num_blocks);
+    a.lists.full_index = mask_index_view(m.full_kv_indices);
     a.lists.num_kv_blocks = int32_t(m.num_kv_blocks());
     a.lists.block_q = int32_t(m.block_q);
     a.lists.sub_tiles = int32_t(m.block_kv / kTileKv);
@@ -390,16 +378,16 @@ class AttentionCuda final : public backend::AttentionBackend {
     a.batch = int32_t(p.batch), a.seq_q = int32_t(p.seq_q), a.seq_kv = int32_t(p.seq_kv);
     a.heads_q = int32_t(p.heads_q), a.heads_kv = int32_t(p.heads_kv);
     a.scale = p.scale;
-    a.lists.partial_count = index_view(m.q_num_blocks);
-    a.lists.partial_index = index_view(m.q_indices);
-    a.lists.full_count = index_view(m.full_q_num_blocks);
-    a.lists.full_index = index_view(m.full_q_indices);
+    a.lists.partial_count = mask_index_view(m.q_num_blocks);
+    a.lists.partial_index = mask_index_view(m.q_indices);
+    a.lists.full_count = mask_index_view(m.full_q_num_blocks);
+    a.lists.full_index = mask_index_view(m.full_q_indices);
     if (bp.deterministic) {
-      a.lists.partial_turn = index_view(m.dq_write_order);
-      a.lists.full_turn = index_view(m.dq_write_order_full);
+      a.lists.partial_turn = mask_index_view(m.dq_write_order);
+      a.lists.full_turn = mask_index_view(m.dq_write_order_full);
     }
-    a.lists.kv_count = index_view(m.kv_num_blocks);
-    a.lists.kv_index = index_view(m.kv_indices);
+    a.lists.kv_count = mask_index_view(m.kv_num_blocks);
+    a.lists.kv_index = mask_index_view(m.kv_indices);
     a.lists.find_bit_entry = m.spec.kind == MaskKind::kBitmask;
     a.lists.num_q_blocks = int32_t(m.num_q_blocks());
     a.lists.q_tiles_per_block = int32_t(m.block_q / kBwdTileQ);

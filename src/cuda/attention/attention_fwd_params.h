@@ -9,8 +9,8 @@
 
 namespace sparsetrain::cuda::attn {
 
-// The mask inside partial blocks, as the kernel evaluates it per element.
-struct FwdMaskSpec {
+// The mask inside partial blocks, as the kernels (forward and backward) evaluate it per element.
+struct KernelMaskSpec {
   MaskKind kind = MaskKind::kFull;
   int64_t window_left = -1, window_right = -1, prefix_length = 0;
   const int32_t* doc_q = nullptr;  // [B or 1, Sq] rows (doc_*_stride_b = 0 broadcasts)
@@ -35,7 +35,7 @@ struct FwdArgs {
   int32_t batch, seq_q, seq_kv, heads_q, heads_kv;
   float scale;
   MaskWalkLists lists;  // sub_tiles in units of the kernel's kv tile
-  FwdMaskSpec spec;
+  KernelMaskSpec spec;
   const int32_t* order;  // work items, longest first ([num_items], from sort_work_items)
   int32_t num_items, q_tiles;
   int32_t grid;  // persistent CTAs

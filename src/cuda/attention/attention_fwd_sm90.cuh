@@ -122,7 +122,7 @@ template <class TS, class TC>
 __device__ __forceinline__ void mask_partial_tile(TS& s, TC const& coord, int q0, int kv0, const FwdArgs& a, int b,
                                                   int h, int mask_row, const WalkTile& tile, int32_t* doc_stage,
                                                   int wg) {
-  const FwdMaskSpec& m = a.spec;
+  const KernelMaskSpec& m = a.spec;
   const int sq = a.seq_q, skv = a.seq_kv;
   switch (m.kind) {
     case MaskKind::kDocument:
