@@ -121,14 +121,22 @@ ST_HOST_DEVICE inline int32_t fwd_mask_row(int32_t q_tile, int32_t tile_q, int32
   return int32_t(int64_t(q_tile) * tile_q / block_q);
 }
 
-// The scheduler's cost of an item: its kv tiles (partial ones cost the same: the mask is a few
-// instructions per element next to two GEMMs). Items are handed out by decreasing cost (longest
-// processing time first), so that the long rows of a skewed mask start early and the short ones
-// fill the gaps at the end.
-ST_HOST_DEVICE inline int32_t fwd_item_cost(const MaskWalkLists& l, int64_t item, int32_t heads_q, int32_t q_tiles,
-                                            int32_t tile_q) {
+// An item with its walk counts, as the forward's scheduler hands it out: a CTA learns an item's
+// work with one 16-byte load (no chain of dependent loads). `cost`, the sort key, is its kv tiles
+// (partial ones cost the same: the mask is a few instructions per element next to two GEMMs);
+// items are handed out by decreasing cost (longest processing time first), so that the long rows
+// of a skewed mask start early and the short ones fill the gaps at the end.
+struct alignas(16) FwdWorkRecord {
+  int32_t item;
+  int32_t partial, full;  // WalkCounts of the item's mask row
+  int32_t cost;           // walk_length
+};
+
+ST_HOST_DEVICE inline FwdWorkRecord fwd_work_record(const MaskWalkLists& l, int64_t item, int32_t heads_q,
+                                                    int32_t q_tiles, int32_t tile_q) {
   const FwdWorkItem w = fwd_work_item(item, heads_q, q_tiles);
-  return walk_length(l, walk_counts(l, w.b, w.h, fwd_mask_row(w.q_tile, tile_q, l.block_q)));
+  const WalkCounts c = walk_counts(l, w.b, w.h, fwd_mask_row(w.q_tile, tile_q, l.block_q));
+  return {int32_t(item), c.partial, c.full, walk_length(l, c)};
 }
 
 }  // namespace sparsetrain

@@ -63,7 +63,11 @@ TEST(AttentionFwdWalk, VisitsExactlyTheRowsBlocks) {
       const int32_t row = st::fwd_mask_row(w.q_tile, tile_q, l.block_q);
       const st::WalkCounts c = st::walk_counts(l, w.b, w.h, row);
       const int32_t n = st::walk_length(l, c);
-      EXPECT_EQ(st::fwd_item_cost(l, it, heads, q_tiles, tile_q), n);
+      const st::FwdWorkRecord r = st::fwd_work_record(l, it, heads, q_tiles, tile_q);
+      EXPECT_EQ(r.item, it);
+      EXPECT_EQ(r.partial, c.partial);
+      EXPECT_EQ(r.full, c.full);
+      EXPECT_EQ(r.cost, n);
       // Expected: every kernel tile of the row's partial blocks, then of its full blocks.
       const int32_t* pc = static_cast<const int32_t*>(t.mask.kv_num_blocks.data());
       const int32_t* pi = static_cast<const int32_t*>(t.mask.kv_indices.data());

@@ -29,9 +29,9 @@
 #include <cmath>
 #include <cstdio>
 
-#include "common/mask_predicate.h"  // mask_row_interval
 #include "cuda/attention/attention_bwd_params.h"
 #include "cuda/attention/attention_sm90_common.cuh"
+#include "cuda/attention/mask_tile_sm90.cuh"
 
 namespace sparsetrain::cuda::attn {
 
@@ -191,84 +191,35 @@ __device__ __forceinline__ void bulk_reduce_add(float* gmem, const float* smem, 
 
 __device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
-// ---- masking (the tile is transposed: rows are keys, columns q rows) -----------------------------
+// ---- masking (the tile is transposed: rows are keys, columns q rows; mask_tile_sm90.cuh) ---------
 
 template <class TS, class TC>
 __device__ __forceinline__ void mask_tile_t(TS& s, TC const& coord, int q0, int kv0, const BwdArgs& a, int b, int h,
                                             int column, const BwdVisit& visit) {
   const KernelMaskSpec& m = a.spec;
-  const int sq = a.seq_q, skv = a.seq_kv;
-  switch (m.kind) {
-    case MaskKind::kDocument:
-    case MaskKind::kDocumentCausal: {
-      const int32_t* doc_q = m.doc_q + b * m.doc_q_stride_b;
-      const int32_t* doc_kv = m.doc_kv + b * m.doc_kv_stride_b;
-      const bool causal = m.kind == MaskKind::kDocumentCausal;
-      int32_t dkv[decltype(size<0>(s))::value];
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size<0>(s); ++i) {
-        const int kv = kv0 + get<0>(coord(i, 0));
-        dkv[i] = kv < skv ? __ldg(doc_kv + kv) : INT32_MIN;  // never a query's id
-      }
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < size<1>(s); ++j) {
-        const int q = q0 + get<1>(coord(0, j));
-        const int32_t dq = q < sq ? __ldg(doc_q + q) : INT32_MAX;
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size<0>(s); ++i) {
-          const int kv = kv0 + get<0>(coord(i, 0));
-          if (!(dkv[i] == dq && (!causal || kv <= q))) s(i, j) = -INFINITY;
-        }
-      }
-      break;
-    }
-    case MaskKind::kBitmask: {
-      const int row0 = visit.q_block * a.block_q, col0 = column * a.block_kv;
-      const bool entry_ok = visit.bit_entry >= 0 && visit.bit_entry < m.bits_width;  // else a corrupt mask
-      const uint8_t* bits = m.bits + b * m.bits_stride_b + h * m.bits_stride_h + visit.q_block * m.bits_stride_m +
-                            int64_t(visit.bit_entry) * m.bits_stride_w;
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < size<1>(s); ++j) {
-        const int q = q0 + get<1>(coord(0, j));
-        const uint32_t* words = reinterpret_cast<const uint32_t*>(bits + int64_t(q - row0) * (a.block_kv / 8));
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size<0>(s); ++i) {
-          const int c = kv0 + get<0>(coord(i, 0)) - col0;  // the key's column in the block
-          const bool ok = entry_ok && q < sq && kv0 + get<0>(coord(i, 0)) < skv &&
-                          ((__ldg(words + (c >> 5)) >> (c & 31)) & 1u);
-          if (!ok) s(i, j) = -INFINITY;
-        }
-      }
-      break;
-    }
-    default: {
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < size<1>(s); ++j) {
-        const int q = q0 + get<1>(coord(0, j));
-        int64_t lo, hi;
-        mask_row_interval(m.kind, m.window_left, m.window_right, m.prefix_length, sq, skv, q, &lo, &hi);
-        const int from = int(max(lo, int64_t(0)) - kv0), to = int(min(hi, int64_t(skv)) - kv0);  // tile rows
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size<0>(s); ++i) {
-          const int r = get<0>(coord(i, 0));
-          if (r < from || r >= to) s(i, j) = -INFINITY;
-        }
-      }
-      break;
-    }
+  TileMaskCoords t{q0, kv0, a.seq_q, a.seq_kv};
+  if (m.kind == MaskKind::kBitmask) {
+    t.block_bits = m.bits + b * m.bits_stride_b + h * m.bits_stride_h + visit.q_block * m.bits_stride_m +
+                   int64_t(visit.bit_entry) * m.bits_stride_w;
+    t.block_row0 = visit.q_block * a.block_q;
+    t.block_col = kv0 - column * a.block_kv;
+    t.bits_ok = visit.bit_entry >= 0 && visit.bit_entry < m.bits_width;  // else a corrupt mask
   }
-}
-
-// Keys past Skv in a tile without a mask inside (a full block at the end of the keys).
-template <class TS, class TC>
-__device__ __forceinline__ void mask_seq_kv_t(TS& s, TC const& coord, int kv0, int seq_kv) {
-  CUTLASS_PRAGMA_UNROLL
-  for (int i = 0; i < size<0>(s); ++i) {
-    const bool out = kv0 + get<0>(coord(i, 0)) >= seq_kv;
+  // Document ids: the thread's keys (rows) in registers, queries read through L1.
+  constexpr int kKeys = decltype(size<0>(s))::value;
+  int32_t dkv[kKeys];
+  const bool docs = m.kind == MaskKind::kDocument || m.kind == MaskKind::kDocumentCausal;
+  const int32_t* doc_q = docs ? m.doc_q + b * m.doc_q_stride_b : nullptr;
+  if (docs) {
+    const int32_t* doc_kv = m.doc_kv + b * m.doc_kv_stride_b;
     CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < size<1>(s); ++j)
-      if (out) s(i, j) = -INFINITY;
+    for (int i = 0; i < kKeys; ++i) {
+      const int kv = kv0 + get<0>(coord(i, 0));
+      dkv[i] = kv < a.seq_kv ? __ldg(doc_kv + kv) : INT32_MIN;
+    }
   }
+  mask_partial_tile<false>(
+      s, coord, m, t, [&](int, int q) { return __ldg(doc_q + q); }, [&](int i, int) { return dkv[i]; });
 }
 
 // ---- the three roles ------------------------------------------------------------------------------
@@ -477,7 +428,7 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
         if (visit.partial) {
           mask_tile_t(S, S_coord, q0, kv0, a, b, h, column, visit);
         } else if (crosses_end) {
-          mask_seq_kv_t(S, S_coord, kv0, a.seq_kv);
+          mask_seq_kv<false>(S, S_coord, kv0, a.seq_kv);
         }
         CUTLASS_PRAGMA_UNROLL
         for (int j = 0; j < size<1>(S); ++j) {

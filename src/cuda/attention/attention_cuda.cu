@@ -41,10 +41,11 @@ void check(cudaError_t e, const char* what) {
 constexpr int kSortThreads = 1024, kBinsPerThread = 2, kBins = kSortThreads * kBinsPerThread;
 
 __global__ void __launch_bounds__(kSortThreads) sort_items_kernel(const MaskWalkLists lists, int32_t heads_q,
-                                                                  int32_t q_tiles, int32_t num_items, int32_t* order,
-                                                                  bool natural) {
+                                                                  int32_t q_tiles, int32_t num_items,
+                                                                  FwdWorkRecord* records, bool natural) {
   if (natural) {  // a tuning switch: item order as numbered (the q tiles of one head together)
-    for (int32_t item = threadIdx.x; item < num_items; item += kSortThreads) order[item] = item;
+    for (int32_t item = threadIdx.x; item < num_items; item += kSortThreads)
+      records[item] = fwd_work_record(lists, item, heads_q, q_tiles, kTileQ);
     return;
   }
   using Scan = cub::BlockScan<int32_t, kSortThreads>;
@@ -53,11 +54,9 @@ __global__ void __launch_bounds__(kSortThreads) sort_items_kernel(const MaskWalk
   for (int i = threadIdx.x; i < kBins; i += kSortThreads) bins[i] = 0;
   __syncthreads();
   // Bin c holds the items of cost kBins - 1 - c (longest first); longer ones share the first bin.
-  auto bin_of = [&](int32_t item) {
-    const int32_t cost = fwd_item_cost(lists, item, heads_q, q_tiles, kTileQ);
-    return kBins - 1 - (cost < kBins - 1 ? cost : kBins - 1);
-  };
-  for (int32_t item = threadIdx.x; item < num_items; item += kSortThreads) atomicAdd(&bins[bin_of(item)], 1);
+  auto bin_of = [&](int32_t cost) { return kBins - 1 - (cost < kBins - 1 ? cost : kBins - 1); };
+  for (int32_t item = threadIdx.x; item < num_items; item += kSortThreads)
+    atomicAdd(&bins[bin_of(fwd_work_record(lists, item, heads_q, q_tiles, kTileQ).cost)], 1);
   __syncthreads();
   int32_t counts[kBinsPerThread];
   for (int i = 0; i < kBinsPerThread; ++i) counts[i] = bins[threadIdx.x * kBinsPerThread + i];
@@ -67,8 +66,10 @@ __global__ void __launch_bounds__(kSortThreads) sort_items_kernel(const MaskWalk
   __syncthreads();
   // Within a bin the order is whatever the atomics give: every item is computed by one CTA on
   // its own, so the results do not depend on it.
-  for (int32_t item = threadIdx.x; item < num_items; item += kSortThreads)
-    order[atomicAdd(&bins[bin_of(item)], 1)] = item;
+  for (int32_t item = threadIdx.x; item < num_items; item += kSortThreads) {
+    const FwdWorkRecord r = fwd_work_record(lists, item, heads_q, q_tiles, kTileQ);
+    records[atomicAdd(&bins[bin_of(r.cost)], 1)] = r;
+  }
 }
 
 // ---- backward: preprocessing and dQ conversion ----------------------------------------------------
@@ -300,7 +301,7 @@ class AttentionCuda final : public backend::AttentionBackend {
   }
 
   size_t forward_scratch_bytes(const AttentionProblem& p) const override {
-    return size_t(p.batch * p.heads_q * q_tiles_of(p)) * sizeof(int32_t);
+    return size_t(p.batch * p.heads_q * q_tiles_of(p)) * sizeof(FwdWorkRecord);
   }
   size_t backward_scratch_bytes(const AttentionProblem& p) const override { return BwdScratch(p, nullptr).bytes; }
 
@@ -329,14 +330,14 @@ class AttentionCuda final : public backend::AttentionBackend {
     a.spec = mask_spec_args(m);
     a.q_tiles = int32_t(q_tiles_of(p));
     a.num_items = int32_t(p.batch * p.heads_q * a.q_tiles);
-    a.order = static_cast<const int32_t*>(scratch);
+    a.records = static_cast<const FwdWorkRecord*>(scratch);
     a.grid = grid_of(a.num_items, fp.q.device().index, fp.sm_limit);
     static const bool pingpong = env_flag("SPARSETRAIN_ATTN_PINGPONG"), lpt = env_flag("SPARSETRAIN_ATTN_LPT");
     a.pingpong = pingpong;
 
     cudaStream_t s = static_cast<cudaStream_t>(stream.handle);
     sort_items_kernel<<<1, kSortThreads, 0, s>>>(a.lists, a.heads_q, a.q_tiles, a.num_items,
-                                                 static_cast<int32_t*>(scratch), !lpt);
+                                                 static_cast<FwdWorkRecord*>(scratch), !lpt);
     check(cudaGetLastError(), "sort_items_kernel launch");
     dispatch(p.dtype, p.head_dim, a, stream.handle);
   }

@@ -36,7 +36,7 @@ struct FwdArgs {
   float scale;
   MaskWalkLists lists;  // sub_tiles in units of the kernel's kv tile
   KernelMaskSpec spec;
-  const int32_t* order;  // work items, longest first ([num_items], from sort_work_items)
+  const FwdWorkRecord* records;  // work items with their walk counts, longest first ([num_items])
   int32_t num_items, q_tiles;
   int32_t grid;  // persistent CTAs
   // The consumer warpgroups take turns issuing GEMMs (a tuning switch; on by default).

@@ -57,19 +57,25 @@ __device__ __forceinline__ auto acc_as_a_operand(Layout l) {
 
 // Issues one warpgroup GEMM C (+)= A B over all k-blocks and commits it as one wgmma batch; the
 // caller waits (warpgroup_wait<N>: at most N batches still in flight) and then fences C.
-template <bool kZeroInit, class Mma, class TA, class TB, class TC>
-__device__ __forceinline__ void warpgroup_gemm_issue(Mma& mma, TA const& a, TB const& b, TC& c) {
+// zero_init (a runtime flag: wgmma's scale-d predicate) overwrites C instead of adding to it.
+template <class Mma, class TA, class TB, class TC>
+__device__ __forceinline__ void warpgroup_gemm_issue(Mma& mma, TA const& a, TB const& b, TC& c, bool zero_init) {
   constexpr bool kRegisterA = !is_base_of<GMMA::DescriptorIterator, typename Mma::FrgTypeA>::value;
   if constexpr (kRegisterA) warpgroup_fence_operand(const_cast<TA&>(a));
   warpgroup_fence_operand(c);
   warpgroup_arrive();
-  mma.accumulate_ = kZeroInit ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+  mma.accumulate_ = zero_init ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
   CUTLASS_PRAGMA_UNROLL
   for (int kb = 0; kb < size<2>(a); ++kb) {
     cute::gemm(mma, a(_, _, kb), b(_, _, kb), c);
     mma.accumulate_ = GMMA::ScaleOut::One;
   }
   warpgroup_commit_batch();
+}
+
+template <bool kZeroInit, class Mma, class TA, class TB, class TC>
+__device__ __forceinline__ void warpgroup_gemm_issue(Mma& mma, TA const& a, TB const& b, TC& c) {
+  warpgroup_gemm_issue(mma, a, b, c, kZeroInit);
 }
 
 // An fp32 accumulator in the input type (P, dS): the A operand of the next GEMM.

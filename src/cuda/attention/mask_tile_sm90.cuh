@@ -1,0 +1,147 @@
+// The mask inside one partial kv tile of 128 keys, the one definition the forward (queries along
+// the accumulator's rows: S = Q K^T) and the backward (keys along the rows: S^T = K Q^T) share.
+// The kind is a runtime switch outside the element loops, so each kind's loop stays tight:
+// interval specs (causal, bottom-right causal, window, prefix-LM, full) cost two compares per
+// element, documents one id compare (plus causal), bitmasks one bit test (row words read as
+// 32-bit words). Keys at or past Skv are always masked; queries past Sq are masked for documents
+// and bitmasks (their ids and bits are never read) and left to the caller otherwise.
+#pragma once
+
+#include <cstdint>
+
+#include "common/mask_predicate.h"  // mask_row_interval
+#include "cuda/attention/attention_fwd_params.h"  // KernelMaskSpec
+#include "cuda/attention/attention_sm90_common.cuh"
+
+namespace sparsetrain::cuda::attn {
+
+// Where the tile sits and where its bits are.
+struct TileMaskCoords {
+  int32_t q0, kv0;      // the first query and key the accumulator's (0, 0) stands for
+  int32_t seq_q, seq_kv;
+  // kBitmask: the partial block's bits (batch, head, mask row and entry applied), the block's
+  // first query row, the tile's first column inside the block, and whether the entry is within
+  // the bitmask width (a corrupt device count allows nothing).
+  const uint8_t* block_bits = nullptr;
+  int32_t block_row0 = 0, block_col = 0;
+  bool bits_ok = false;
+};
+
+// Applies the mask to accumulator S (coord: its identity tensor in the same (rows, cols) view).
+// query_doc(index, q): the document id of query q (index: its position along the query mode, a
+// compile-time constant in unrolled loops, so a caller may keep ids in registers); key_doc(index,
+// c): the id of tile key c (index: its position along the key mode). Both are read only for
+// document masks; key_doc must give a value no query id has (INT32_MIN) for keys past Skv.
+template <bool kQueriesAlongRows, class TS, class TC, class QueryDoc, class KeyDoc>
+__device__ __forceinline__ void mask_partial_tile(TS& s, TC const& coord, const KernelMaskSpec& m,
+                                                  const TileMaskCoords& t, QueryDoc query_doc, KeyDoc key_doc) {
+  constexpr int kQueries = kQueriesAlongRows ? decltype(size<0>(s))::value : decltype(size<1>(s))::value;
+  constexpr int kKeys = kQueriesAlongRows ? decltype(size<1>(s))::value : decltype(size<0>(s))::value;
+  auto qpos = [&](int qi) { return kQueriesAlongRows ? get<0>(coord(qi, 0)) : get<1>(coord(0, qi)); };
+  auto kpos = [&](int ki) { return kQueriesAlongRows ? get<1>(coord(0, ki)) : get<0>(coord(ki, 0)); };
+  auto at = [&](int qi, int ki) -> auto& { return kQueriesAlongRows ? s(qi, ki) : s(ki, qi); };
+  const int key_end = t.seq_kv - t.kv0;  // tile keys at or past it lie beyond Skv
+  switch (m.kind) {
+    case MaskKind::kDocument:
+    case MaskKind::kDocumentCausal: {
+      // Predicates combine with & (not &&): a short circuit would put a branch around every
+      // element's id read.
+      const bool causal = m.kind == MaskKind::kDocumentCausal;
+      if constexpr (kQueries <= 4) {
+        // Few queries, many keys (the forward): each key's id is read once for all queries.
+        int32_t dq[kQueries], hi[kQueries];
+        CUTLASS_PRAGMA_UNROLL
+        for (int qi = 0; qi < kQueries; ++qi) {
+          const int q = t.q0 + qpos(qi);
+          const bool row_ok = q < t.seq_q;  // a query past Sq has no id to read: allow nothing
+          dq[qi] = row_ok ? query_doc(qi, q) : 0;
+          hi[qi] = !row_ok ? 0 : causal ? min(q + 1 - t.kv0, key_end) : key_end;
+        }
+        CUTLASS_PRAGMA_UNROLL
+        for (int ki = 0; ki < kKeys; ++ki) {
+          const int c = kpos(ki);
+          const int32_t dk = key_doc(ki, c);
+          CUTLASS_PRAGMA_UNROLL
+          for (int qi = 0; qi < kQueries; ++qi)
+            if (!((c < hi[qi]) & (dk == dq[qi]))) at(qi, ki) = -INFINITY;
+        }
+      } else {
+        // Many queries, few keys (the backward): the keys' ids are the caller's registers.
+        CUTLASS_PRAGMA_UNROLL
+        for (int qi = 0; qi < kQueries; ++qi) {
+          const int q = t.q0 + qpos(qi);
+          const bool row_ok = q < t.seq_q;
+          const int32_t dq = row_ok ? query_doc(qi, q) : 0;
+          const int hi = !row_ok ? 0 : causal ? min(q + 1 - t.kv0, key_end) : key_end;
+          CUTLASS_PRAGMA_UNROLL
+          for (int ki = 0; ki < kKeys; ++ki) {
+            const int c = kpos(ki);
+            if (!((c < hi) & (key_doc(ki, c) == dq))) at(qi, ki) = -INFINITY;
+          }
+        }
+      }
+      break;
+    }
+    case MaskKind::kBitmask: {
+      // Row r of the block is block_kv bits from bit r * block_kv on (block_kv a multiple of 128:
+      // the tile's 128 keys are 4 aligned 32-bit words).
+      CUTLASS_PRAGMA_UNROLL
+      for (int qi = 0; qi < kQueries; ++qi) {
+        const int q = t.q0 + qpos(qi);
+        const bool in = t.bits_ok && q < t.seq_q;
+        const uint32_t* words = reinterpret_cast<const uint32_t*>(
+            t.block_bits + (int64_t(q - t.block_row0) * m.block_kv + t.block_col) / 8);
+        if constexpr (kQueriesAlongRows) {
+          // Many keys per query: the 4 words once, then selects (no local array).
+          const uint32_t w0 = in ? __ldg(words) : 0u, w1 = in ? __ldg(words + 1) : 0u;
+          const uint32_t w2 = in ? __ldg(words + 2) : 0u, w3 = in ? __ldg(words + 3) : 0u;
+          CUTLASS_PRAGMA_UNROLL
+          for (int ki = 0; ki < kKeys; ++ki) {
+            const int c = kpos(ki);
+            const uint32_t word = c < 64 ? (c < 32 ? w0 : w1) : (c < 96 ? w2 : w3);
+            if (!((c < key_end) & (((word >> (c & 31)) & 1u) != 0))) at(qi, ki) = -INFINITY;
+          }
+        } else {
+          // Few keys per query: one word per key.
+          CUTLASS_PRAGMA_UNROLL
+          for (int ki = 0; ki < kKeys; ++ki) {
+            const int c = kpos(ki);
+            const bool ok = in && c < key_end && ((__ldg(words + (c >> 5)) >> (c & 31)) & 1u);
+            if (!ok) at(qi, ki) = -INFINITY;
+          }
+        }
+      }
+      break;
+    }
+    default: {
+      CUTLASS_PRAGMA_UNROLL
+      for (int qi = 0; qi < kQueries; ++qi) {
+        const int q = t.q0 + qpos(qi);
+        int64_t lo, hi;
+        mask_row_interval(m.kind, m.window_left, m.window_right, m.prefix_length, t.seq_q, t.seq_kv, q, &lo, &hi);
+        const int from = int(max(lo, int64_t(0)) - t.kv0), to = int(min(hi, int64_t(t.seq_kv)) - t.kv0);
+        CUTLASS_PRAGMA_UNROLL
+        for (int ki = 0; ki < kKeys; ++ki) {
+          const int c = kpos(ki);
+          if (c < from || c >= to) at(qi, ki) = -INFINITY;
+        }
+      }
+      break;
+    }
+  }
+}
+
+// Keys past Skv in a tile without a mask inside (a full block at the end of the keys).
+template <bool kQueriesAlongRows, class TS, class TC>
+__device__ __forceinline__ void mask_seq_kv(TS& s, TC const& coord, int kv0, int seq_kv) {
+  constexpr int kKeyMode = kQueriesAlongRows ? 1 : 0;
+  CUTLASS_PRAGMA_UNROLL
+  for (int i = 0; i < size<0>(s); ++i) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < size<1>(s); ++j) {
+      if (kv0 + get<kKeyMode>(coord(i, j)) >= seq_kv) s(i, j) = -INFINITY;
+    }
+  }
+}
+
+}  // namespace sparsetrain::cuda::attn

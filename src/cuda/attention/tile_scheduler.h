@@ -1,0 +1,58 @@
+// The persistent tile schedulers of the sm90 attention kernels, behind one small interface (as
+// FlashAttention-3's): grid_shape(items, SMs, sm_limit) on the host; initial_work() and
+// next_work(current) on the device, each giving a work index, valid(index) saying whether it is
+// one. The index math is plain host/device code (tested on the CPU); only the ticket draw needs a
+// device atomic.
+//
+//   FwdLptScheduler     the forward: work items (batch, query head, q tile) sorted longest first
+//                       on the device (attention_cuda.cu), CTA c takes positions c, c + grid, ...
+//                       Each position is a FwdWorkRecord (common/attention_fwd_walk.h).
+//   BwdTicketScheduler  the backward: tickets from an atomic counter (zeroed on the stream before
+//                       every launch) in the mask's column schedule (DqColumnHandout), never by
+//                       blockIdx, so the earliest unfinished column always runs.
+#pragma once
+
+#include <cstdint>
+
+#include "common/attention_fwd_walk.h"
+#include "common/dq_schedule_model.h"
+
+namespace sparsetrain::cuda::attn {
+
+// Persistent CTAs: one per SM at most, at most sm_limit (> 0), at least one.
+ST_HOST_DEVICE inline int32_t persistent_grid(int64_t items, int32_t sms, int32_t sm_limit) {
+  int64_t g = items < sms ? items : sms;
+  if (sm_limit > 0 && g > sm_limit) g = sm_limit;
+  return int32_t(g < 1 ? 1 : g);
+}
+
+struct FwdLptScheduler {
+  const FwdWorkRecord* records = nullptr;  // [num_items], longest first
+  int32_t num_items = 0;
+
+  static int32_t grid_shape(int64_t items, int32_t sms, int32_t sm_limit) {
+    return persistent_grid(items, sms, sm_limit);
+  }
+  // cta, grid: blockIdx.x and gridDim.x (plain arguments: the CPU tests drive them).
+  ST_HOST_DEVICE int32_t initial_work(int32_t cta) const { return cta; }
+  ST_HOST_DEVICE int32_t next_work(int32_t current, int32_t grid) const { return current + grid; }
+  ST_HOST_DEVICE bool valid(int32_t index) const { return index < num_items; }
+};
+
+struct BwdTicketScheduler {
+  DqColumnHandout handout;   // sub_tiles = block_kv / the backward's kv tile
+  int32_t* ticket = nullptr;  // the counter, zeroed before every launch
+
+  static int32_t grid_shape(int64_t items, int32_t sms, int32_t sm_limit) {
+    return persistent_grid(items, sms, sm_limit);
+  }
+  ST_HOST_DEVICE bool valid(int32_t index) const { return index < handout.num_items(); }
+  ST_HOST_DEVICE DqWorkItem item(int32_t index) const { return handout.item(index); }
+#if defined(__CUDACC__)
+  // Every call draws the next ticket: one thread of a CTA draws and passes it on to the others.
+  __device__ int32_t initial_work() const { return atomicAdd(ticket, 1); }
+  __device__ int32_t next_work(int32_t /*current*/) const { return atomicAdd(ticket, 1); }
+#endif
+};
+
+}  // namespace sparsetrain::cuda::attn
