@@ -332,8 +332,7 @@ class AttentionCuda final : public backend::AttentionBackend {
     a.num_items = int32_t(p.batch * p.heads_q * a.q_tiles);
     a.records = static_cast<const FwdWorkRecord*>(scratch);
     a.grid = grid_of(a.num_items, fp.q.device().index, fp.sm_limit);
-    static const bool pingpong = env_flag("SPARSETRAIN_ATTN_PINGPONG"), lpt = env_flag("SPARSETRAIN_ATTN_LPT");
-    a.pingpong = pingpong;
+    static const bool lpt = env_flag("SPARSETRAIN_ATTN_LPT");
 
     cudaStream_t s = static_cast<cudaStream_t>(stream.handle);
     sort_items_kernel<<<1, kSortThreads, 0, s>>>(a.lists, a.heads_q, a.q_tiles, a.num_items,

@@ -39,8 +39,6 @@ struct FwdArgs {
   const FwdWorkRecord* records;  // work items with their walk counts, longest first ([num_items])
   int32_t num_items, q_tiles;
   int32_t grid;  // persistent CTAs
-  // The consumer warpgroups take turns issuing GEMMs (a tuning switch; on by default).
-  bool pingpong = true;
 };
 
 // The kernel's tile sizes (every instantiation uses them; the mask block must be a multiple).

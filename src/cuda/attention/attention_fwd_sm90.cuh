@@ -5,7 +5,7 @@
 //              sorted longest first on the device, CTA c takes positions c, c + grid, ...
 //   mainloop   fwd_mainloop_sm90_tma_wgmma.cuh: TMA producer, two wgmma consumer warpgroups
 //              (64 query rows each) with the mask (mask_tile_sm90.cuh) and online softmax
-//              (softmax_sm90.cuh); the two warpgroups take turns issuing GEMMs (ping-pong)
+//              (softmax_sm90.cuh)
 //   epilogue   fwd_epilogue_sm90.cuh: o and lse from registers
 //
 // The consumers' software pipeline runs across work items, not only across the tiles of one:
@@ -79,45 +79,48 @@ __device__ __forceinline__ void fwd_consume(const typename T::Params& p, typenam
   const bool docs = a.spec.kind == MaskKind::kDocument || a.spec.kind == MaskKind::kDocumentCausal;
   const int wg = tid / 128, lane = tid % 128;
   int32_t* doc_stage = ss.doc_kv[wg];
-  // Ping-pong: the two consumer warpgroups take turns issuing their GEMMs (named barriers 0 and
-  // 1, one per warpgroup), so one's softmax runs while the other's GEMMs keep the tensor cores
-  // busy. Warpgroup 0 goes first. Both take the same number of turns (they walk the same items).
-  const bool pingpong = a.pingpong;
+  // Ping-pong (the two consumer warpgroups taking turns to issue their GEMMs through named
+  // barriers 0 and 1, FlashAttention-3's inter-warpgroup overlap) is off by default
+  // (FwdTraits::kPingPong): measured equal on this kernel (475 / 477 TFLOP/s), and its barrier
+  // bookkeeping alone made the D = 128 consumers spill. Both warpgroups take the same number of
+  // turns when it is on (they walk the same items).
   auto wait_turn = [&] {
-    if (pingpong) cutlass::arch::NamedBarrier::sync(T::kMmaThreads, wg);
+    if constexpr (T::kPingPong) cutlass::arch::NamedBarrier::sync(T::kMmaThreads, wg);
   };
   auto pass_turn = [&] {
-    if (pingpong) cutlass::arch::NamedBarrier::arrive(T::kMmaThreads, 1 - wg);
+    if constexpr (T::kPingPong) cutlass::arch::NamedBarrier::arrive(T::kMmaThreads, 1 - wg);
   };
   if (wg == 1) pass_turn();
 
-  // Document ids: the query ids of this thread's rows once per item, the key ids of a partial
-  // tile loaded before its GEMMs are issued (the load overlaps them) and staged in shared memory
-  // for the mask (named barrier 2 + wg).
-  int32_t q_doc[kRows];
-  auto load_q_docs = [&](const FwdItem& c) {
-    if (!docs) return;
+  // Document ids of a partial tile, loaded before its GEMMs are issued (the loads overlap them):
+  // this thread's query rows, and one key id per thread, staged in shared memory for the whole
+  // warpgroup's mask (named barrier 2 + wg). Nothing is held across tiles: registers are scarce
+  // beside S, P and O.
+  struct TileDocs {
+    int32_t q[kRows], kv;
+  };
+  auto load_docs = [&](const FwdItem& c, const WalkTile& tile) {
+    TileDocs d{};
+    if (!docs || !tile.partial) return d;
     const int32_t* doc_q = a.spec.doc_q + c.b * a.spec.doc_q_stride_b;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) {
       const int q = c.q0 + get<0>(S_coord(i, 0));
-      q_doc[i] = q < a.seq_q ? __ldg(doc_q + q) : 0;
+      d.q[i] = q < a.seq_q ? __ldg(doc_q + q) : 0;
     }
-  };
-  auto load_kv_doc = [&](const FwdItem& c, const WalkTile& tile) -> int32_t {
-    if (!docs || !tile.partial) return 0;
     const int kv = tile.tile * T::kBlockN + lane;
-    return kv < a.seq_kv ? __ldg(a.spec.doc_kv + c.b * a.spec.doc_kv_stride_b + kv) : INT32_MIN;
+    d.kv = kv < a.seq_kv ? __ldg(a.spec.doc_kv + c.b * a.spec.doc_kv_stride_b + kv) : INT32_MIN;
+    return d;
   };
   // After S of a tile is in registers: the mask (partial tiles; the Skv bound of a full tile that
   // crosses it), then the online softmax (P in place of S).
   float correction[kRows];
-  auto softmax_tile = [&](const FwdItem& c, const WalkTile& tile, int32_t kv_doc, OnlineSoftmax<kRows>& sm) {
+  auto softmax_tile = [&](const FwdItem& c, const WalkTile& tile, const TileDocs& d, OnlineSoftmax<kRows>& sm) {
     const int kv0 = tile.tile * T::kBlockN;
     if (tile.partial) {
       if (docs) {
         cutlass::arch::NamedBarrier::sync(128, 2 + wg);  // the previous partial tile's reads are done
-        doc_stage[lane] = kv_doc;
+        doc_stage[lane] = d.kv;
         cutlass::arch::NamedBarrier::sync(128, 2 + wg);
       }
       TileMaskCoords tc{c.q0, kv0, a.seq_q, a.seq_kv};
@@ -130,7 +133,7 @@ __device__ __forceinline__ void fwd_consume(const typename T::Params& p, typenam
         tc.bits_ok = tile.entry < m.bits_width;
       }
       mask_partial_tile<true>(
-          S, S_coord, a.spec, tc, [&](int i, int) { return q_doc[i]; }, [&](int, int col) { return doc_stage[col]; });
+          S, S_coord, a.spec, tc, [&](int i, int) { return d.q[i]; }, [&](int, int col) { return doc_stage[col]; });
     } else if (kv0 + T::kBlockN > a.seq_kv) {
       mask_seq_kv<true>(S, S_coord, kv0, a.seq_kv);
     }
@@ -164,8 +167,15 @@ __device__ __forceinline__ void fwd_consume(const typename T::Params& p, typenam
     if (walk_length(a.lists, n.counts) > 0) prefetch_l1(idx.row(n.b, n.h, n.row));
   };
 
-  cutlass::PipelineState<T::kStagesK> read;           // the K of the tile whose S comes next
-  cutlass::PipelineState<T::kStagesV> read_v, p_read;  // the V of that tile; the V the pending P waits for
+  // Pipeline positions from one counter (fewer live registers than three PipelineStates): tile n
+  // (counted over the CTA's whole walk) sits in K stage n % 2 and V stage n % 3.
+  uint32_t n = 0;  // the tile whose S comes next; n - 1 is the tile whose P is pending
+  auto k_state = [](uint32_t i) {
+    return cutlass::PipelineState<T::kStagesK>(i % T::kStagesK, (i / T::kStagesK) & 1, i);
+  };
+  auto v_state = [](uint32_t i) {
+    return cutlass::PipelineState<T::kStagesV>(i % T::kStagesV, (i / T::kStagesV) & 1, i);
+  };
   int q_loads = 0;  // q tiles consumed: the q buffer and its phase
   FwdItem cur;
   WalkTile tile{};
@@ -173,22 +183,19 @@ __device__ __forceinline__ void fwd_consume(const typename T::Params& p, typenam
   if (next_nonempty(cur, tile, t)) {
     // The first item's first tile: S only.
     int buf = q_loads % T::kQBuffers;
-    load_q_docs(cur);
-    int32_t kv_doc = load_kv_doc(cur, tile);
+    TileDocs docs_now = load_docs(cur, tile);
     cutlass::arch::ClusterBarrier::wait(&ss.q_full[buf], (q_loads / T::kQBuffers) & 1);
-    pipe_k.consumer_wait(read);
+    pipe_k.consumer_wait(k_state(n));
     wait_turn();
-    warpgroup_gemm_issue<true>(mma_qk, tSrQ(_, _, _, buf), tSrK(_, _, _, read.index()), tSrS);
+    warpgroup_gemm_issue<true>(mma_qk, tSrQ(_, _, _, buf), tSrK(_, _, _, k_state(n).index()), tSrS);
     pass_turn();
     warpgroup_wait<0>();
     warpgroup_fence_operand(tSrS);
-    pipe_k.consumer_release(read);
-    softmax_tile(cur, tile, kv_doc, sm);
+    pipe_k.consumer_release(k_state(n));
+    softmax_tile(cur, tile, docs_now, sm);
     prefetch_next_walk();
     convert_p(tSrS, rP);
-    p_read = read_v;
-    ++read;
-    ++read_v;
+    ++n;
     bool pv_first = true;  // the pending PV is its item's first: it overwrites O
 
     // Steady state: one step per tile, across items. No wgmma sits on a divergent path (ptxas
@@ -202,28 +209,28 @@ __device__ __forceinline__ void fwd_consume(const typename T::Params& p, typenam
         ++q_loads;
         if (!next_nonempty(cur, tile, t)) break;
         buf = q_loads % T::kQBuffers;
-        load_q_docs(cur);  // the finished item's masks are done: its ids are not needed any more
       }
-      kv_doc = load_kv_doc(cur, tile);
+      docs_now = load_docs(cur, tile);
       if (boundary) cutlass::arch::ClusterBarrier::wait(&ss.q_full[buf], (q_loads / T::kQBuffers) & 1);
-      pipe_k.consumer_wait(read);
-      pipe_v.consumer_wait(p_read);
+      pipe_k.consumer_wait(k_state(n));
+      pipe_v.consumer_wait(v_state(n - 1));
       wait_turn();
-      warpgroup_gemm_issue<true>(mma_qk, tSrQ(_, _, _, buf), tSrK(_, _, _, read.index()), tSrS);
-      warpgroup_gemm_issue(mma_pv, tOrP, tOrV(_, _, _, p_read.index()), tOrO, pv_first);
+      warpgroup_gemm_issue<true>(mma_qk, tSrQ(_, _, _, buf), tSrK(_, _, _, k_state(n).index()), tSrS);
+      warpgroup_gemm_issue(mma_pv, tOrP, tOrV(_, _, _, v_state(n - 1).index()), tOrO, pv_first);
       pass_turn();
       warpgroup_wait<1>();
       warpgroup_fence_operand(tSrS);
-      pipe_k.consumer_release(read);
+      pipe_k.consumer_release(k_state(n));
       if (boundary) {
         sm_done = sm;
         sm.reset();
       }
-      const bool rescale = softmax_tile(cur, tile, kv_doc, sm);
+      const bool rescale = softmax_tile(cur, tile, docs_now, sm);
       if (boundary) prefetch_next_walk();
       warpgroup_wait<0>();
       warpgroup_fence_operand(tOrO);
-      pipe_v.consumer_release(p_read);
+      pipe_v.consumer_release(v_state(n - 1));
+      convert_p(tSrS, rP);  // before the epilogue / rescale: S's registers are free for them
       if (boundary) {
         sm_done.reduce_sums();
         fwd_store_rows<Element, T::kHeadDim, false>(a, done_b, done_h, done_q0, O, O_coord, sm_done.row_max,
@@ -239,19 +246,16 @@ __device__ __forceinline__ void fwd_consume(const typename T::Params& p, typenam
         }
         pv_first = false;
       }
-      convert_p(tSrS, rP);
-      p_read = read_v;
-      ++read;
-      ++read_v;
+      ++n;
     }
     // The last item's last PV, then its epilogue.
-    pipe_v.consumer_wait(p_read);
+    pipe_v.consumer_wait(v_state(n - 1));
     wait_turn();
-    warpgroup_gemm_issue(mma_pv, tOrP, tOrV(_, _, _, p_read.index()), tOrO, pv_first);
+    warpgroup_gemm_issue(mma_pv, tOrP, tOrV(_, _, _, v_state(n - 1).index()), tOrO, pv_first);
     pass_turn();
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
-    pipe_v.consumer_release(p_read);
+    pipe_v.consumer_release(v_state(n - 1));
     sm.reduce_sums();
     fwd_store_rows<Element, T::kHeadDim, false>(a, cur.b, cur.h, cur.q0, O, O_coord, sm.row_max, sm.row_sum, lse_lane);
   }

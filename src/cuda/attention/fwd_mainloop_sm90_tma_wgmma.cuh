@@ -35,8 +35,16 @@ struct FwdTraits {
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kMmaThreads = 128 * kConsumerWarpgroups;
   static constexpr int kThreads = kMmaThreads + 128;  // + the producer warpgroup
-  // setmaxnreg budgets (per thread): the producer needs few, the consumers hold S, P and O.
-  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  // setmaxnreg budgets (per thread; 2 x 128 x consumer + 128 x producer <= 64 K): the consumers
+  // hold S, P and O (160 registers at D = 128) beside the walk and softmax state. At D = 128 they
+  // need 240 not to spill (which leaves the producer threads 24, where their walk spills a
+  // little: they run ahead of the consumers, so that costs no consumer time); below, 232 and 40
+  // spill nowhere.
+  static constexpr int kConsumerRegs = kHeadDim >= 128 ? 240 : 232;
+  static constexpr int kProducerRegs = kHeadDim >= 128 ? 24 : 40;
+  // The consumer warpgroups taking turns to issue GEMMs (see fwd_consume): off, it cost registers
+  // and gained nothing measurable.
+  static constexpr bool kPingPong = false;
 
   using TileQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // S = Q K^T: M x N x K
   using TilePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;  // O += P V: M x D x N
