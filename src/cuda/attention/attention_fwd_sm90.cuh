@@ -35,6 +35,15 @@ using namespace cute;
 
 __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
 
+// threadIdx.x read where it is used: a volatile read cannot be hoisted out of the loop, so values
+// derived from it (fragment coordinates, the warpgroup) are recomputed instead of held, which
+// would cost the consumers registers that ptxas then spills.
+__device__ __forceinline__ int thread_index() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+  return t;
+}
+
 // One work item's walk, as the consumers follow it (kept small: it lives in registers beside the
 // accumulators).
 struct FwdItem {
@@ -64,33 +73,40 @@ __device__ __forceinline__ void fwd_consume(const typename T::Params& p, typenam
   Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, D, N, stage)
   Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<T::kBlockM>, Int<T::kBlockN>>{});
   Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<T::kBlockM>, Int<T::kHeadDim>>{});
-  Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
-  Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kHeadDim>>{}));
+  // The (row, column) each accumulator element stands for, rebuilt where used (thread_index).
+  auto s_coord = [&] {
+    Tensor c = mma_qk.get_thread_slice(thread_index() - 128)
+                   .partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kBlockN>>{}));
+    return make_tensor(c.data(), acc_rowcol(c.layout()));
+  };
+  auto o_coord = [&] {
+    Tensor c = mma_pv.get_thread_slice(thread_index() - 128)
+                   .partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kHeadDim>>{}));
+    return make_tensor(c.data(), acc_rowcol(c.layout()));
+  };
   Tensor S = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));
-  Tensor S_coord = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
   Tensor O = make_tensor(tOrO.data(), acc_rowcol(tOrO.layout()));
-  Tensor O_coord = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
   constexpr int kRows = decltype(size<0>(S))::value;  // 2 rows per thread
   Tensor rP = make_tensor_like<Element>(tSrS);
   Tensor tOrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
 
   const float scale_log2 = p.scale_log2;
-  const bool lse_lane = (tid & 3) == 0;
   const bool docs = a.spec.kind == MaskKind::kDocument || a.spec.kind == MaskKind::kDocumentCausal;
-  const int wg = tid / 128, lane = tid % 128;
-  int32_t* doc_stage = ss.doc_kv[wg];
+  // Read from threadIdx where used (ptxas spilled them when kept in registers).
+  auto wg = [] { return (thread_index() - 128) / 128; };
+  auto lane = [] { return int(threadIdx.x) % 128; };
   // Ping-pong (the two consumer warpgroups taking turns to issue their GEMMs through named
   // barriers 0 and 1, FlashAttention-3's inter-warpgroup overlap) is off by default
   // (FwdTraits::kPingPong): measured equal on this kernel (475 / 477 TFLOP/s), and its barrier
   // bookkeeping alone made the D = 128 consumers spill. Both warpgroups take the same number of
   // turns when it is on (they walk the same items).
   auto wait_turn = [&] {
-    if constexpr (T::kPingPong) cutlass::arch::NamedBarrier::sync(T::kMmaThreads, wg);
+    if constexpr (T::kPingPong) cutlass::arch::NamedBarrier::sync(T::kMmaThreads, wg());
   };
   auto pass_turn = [&] {
-    if constexpr (T::kPingPong) cutlass::arch::NamedBarrier::arrive(T::kMmaThreads, 1 - wg);
+    if constexpr (T::kPingPong) cutlass::arch::NamedBarrier::arrive(T::kMmaThreads, 1 - wg());
   };
-  if (wg == 1) pass_turn();
+  if (wg() == 1) pass_turn();
 
   // Document ids of a partial tile, loaded before its GEMMs are issued (the loads overlap them):
   // this thread's query rows, and one key id per thread, staged in shared memory for the whole
@@ -105,10 +121,10 @@ __device__ __forceinline__ void fwd_consume(const typename T::Params& p, typenam
     const int32_t* doc_q = a.spec.doc_q + c.b * a.spec.doc_q_stride_b;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) {
-      const int q = c.q0 + get<0>(S_coord(i, 0));
+      const int q = c.q0 + get<0>(s_coord()(i, 0));
       d.q[i] = q < a.seq_q ? __ldg(doc_q + q) : 0;
     }
-    const int kv = tile.tile * T::kBlockN + lane;
+    const int kv = tile.tile * T::kBlockN + lane();
     d.kv = kv < a.seq_kv ? __ldg(a.spec.doc_kv + c.b * a.spec.doc_kv_stride_b + kv) : INT32_MIN;
     return d;
   };
@@ -119,9 +135,9 @@ __device__ __forceinline__ void fwd_consume(const typename T::Params& p, typenam
     const int kv0 = tile.tile * T::kBlockN;
     if (tile.partial) {
       if (docs) {
-        cutlass::arch::NamedBarrier::sync(128, 2 + wg);  // the previous partial tile's reads are done
-        doc_stage[lane] = d.kv;
-        cutlass::arch::NamedBarrier::sync(128, 2 + wg);
+        cutlass::arch::NamedBarrier::sync(128, 2 + wg());  // the previous partial tile's reads are done
+        ss.doc_kv[wg()][lane()] = d.kv;
+        cutlass::arch::NamedBarrier::sync(128, 2 + wg());
       }
       TileMaskCoords tc{c.q0, kv0, a.seq_q, a.seq_kv};
       if (a.spec.kind == MaskKind::kBitmask) {
@@ -133,9 +149,9 @@ __device__ __forceinline__ void fwd_consume(const typename T::Params& p, typenam
         tc.bits_ok = tile.entry < m.bits_width;
       }
       mask_partial_tile<true>(
-          S, S_coord, a.spec, tc, [&](int i, int) { return d.q[i]; }, [&](int, int col) { return doc_stage[col]; });
+          S, s_coord(), a.spec, tc, [&](int i, int) { return d.q[i]; }, [&](int, int col) { return ss.doc_kv[wg()][col]; });
     } else if (kv0 + T::kBlockN > a.seq_kv) {
-      mask_seq_kv<true>(S, S_coord, kv0, a.seq_kv);
+      mask_seq_kv<true>(S, s_coord(), kv0, a.seq_kv);
     }
     return sm.update(S, scale_log2, correction);
   };
@@ -155,7 +171,7 @@ __device__ __forceinline__ void fwd_consume(const typename T::Params& p, typenam
       rec_next = sched.valid(it) ? a.records[it] : FwdWorkRecord{};  // in flight while c runs
       t = walk_next_valid(a.lists, c.counts, c.b, c.h, c.row, 0, &tile);
       if (t < walk_length(a.lists, c.counts)) return true;
-      fwd_store_rows<Element, T::kHeadDim, true>(a, c.b, c.h, c.q0, O, O_coord, sm.row_max, sm.row_sum, lse_lane);
+      fwd_store_rows<Element, T::kHeadDim, true>(a, c.b, c.h, c.q0, O, o_coord(), sm.row_max, sm.row_sum);
     }
     return false;
   };
@@ -182,12 +198,12 @@ __device__ __forceinline__ void fwd_consume(const typename T::Params& p, typenam
   int t = 0;
   if (next_nonempty(cur, tile, t)) {
     // The first item's first tile: S only.
-    int buf = q_loads % T::kQBuffers;
+    auto buf = [&] { return q_loads % T::kQBuffers; };  // the current item's q buffer
     TileDocs docs_now = load_docs(cur, tile);
-    cutlass::arch::ClusterBarrier::wait(&ss.q_full[buf], (q_loads / T::kQBuffers) & 1);
+    cutlass::arch::ClusterBarrier::wait(&ss.q_full[buf()], (q_loads / T::kQBuffers) & 1);
     pipe_k.consumer_wait(k_state(n));
     wait_turn();
-    warpgroup_gemm_issue<true>(mma_qk, tSrQ(_, _, _, buf), tSrK(_, _, _, k_state(n).index()), tSrS);
+    warpgroup_gemm_issue<true>(mma_qk, tSrQ(_, _, _, buf()), tSrK(_, _, _, k_state(n).index()), tSrS);
     pass_turn();
     warpgroup_wait<0>();
     warpgroup_fence_operand(tSrS);
@@ -205,17 +221,16 @@ __device__ __forceinline__ void fwd_consume(const typename T::Params& p, typenam
       const bool boundary = t >= walk_length(a.lists, cur.counts);
       int32_t done_b = cur.b, done_h = cur.h, done_q0 = cur.q0;  // the item an epilogue in this step stores
       if (boundary) {
-        cutlass::arch::ClusterBarrier::arrive(&ss.q_empty[buf]);  // every S of cur is computed and masked
+        cutlass::arch::ClusterBarrier::arrive(&ss.q_empty[buf()]);  // every S of cur is computed and masked
         ++q_loads;
         if (!next_nonempty(cur, tile, t)) break;
-        buf = q_loads % T::kQBuffers;
       }
       docs_now = load_docs(cur, tile);
-      if (boundary) cutlass::arch::ClusterBarrier::wait(&ss.q_full[buf], (q_loads / T::kQBuffers) & 1);
+      if (boundary) cutlass::arch::ClusterBarrier::wait(&ss.q_full[buf()], (q_loads / T::kQBuffers) & 1);
       pipe_k.consumer_wait(k_state(n));
       pipe_v.consumer_wait(v_state(n - 1));
       wait_turn();
-      warpgroup_gemm_issue<true>(mma_qk, tSrQ(_, _, _, buf), tSrK(_, _, _, k_state(n).index()), tSrS);
+      warpgroup_gemm_issue<true>(mma_qk, tSrQ(_, _, _, buf()), tSrK(_, _, _, k_state(n).index()), tSrS);
       warpgroup_gemm_issue(mma_pv, tOrP, tOrV(_, _, _, v_state(n - 1).index()), tOrO, pv_first);
       pass_turn();
       warpgroup_wait<1>();
@@ -233,8 +248,8 @@ __device__ __forceinline__ void fwd_consume(const typename T::Params& p, typenam
       convert_p(tSrS, rP);  // before the epilogue / rescale: S's registers are free for them
       if (boundary) {
         sm_done.reduce_sums();
-        fwd_store_rows<Element, T::kHeadDim, false>(a, done_b, done_h, done_q0, O, O_coord, sm_done.row_max,
-                                                    sm_done.row_sum, lse_lane);
+        fwd_store_rows<Element, T::kHeadDim, false>(a, done_b, done_h, done_q0, O, o_coord(), sm_done.row_max,
+                                                    sm_done.row_sum);
         pv_first = true;
       } else {
         if (rescale) {
@@ -257,9 +272,9 @@ __device__ __forceinline__ void fwd_consume(const typename T::Params& p, typenam
     warpgroup_fence_operand(tOrO);
     pipe_v.consumer_release(v_state(n - 1));
     sm.reduce_sums();
-    fwd_store_rows<Element, T::kHeadDim, false>(a, cur.b, cur.h, cur.q0, O, O_coord, sm.row_max, sm.row_sum, lse_lane);
+    fwd_store_rows<Element, T::kHeadDim, false>(a, cur.b, cur.h, cur.q0, O, o_coord(), sm.row_max, sm.row_sum);
   }
-  if (wg == 0) wait_turn();  // takes warpgroup 1's last hand-over: no arrival is left pending
+  if (wg() == 0) wait_turn();  // takes warpgroup 1's last hand-over: no arrival is left pending
 }
 
 template <class T>
@@ -295,10 +310,14 @@ __global__ void __launch_bounds__(T::kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT 
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
-    if (threadIdx.x == 0 || threadIdx.x == 32) fwd_produce<T>(p, ss, pipe_k, pipe_v, threadIdx.x == 32);
+    if (threadIdx.x == 0) {
+      fwd_produce<T, false>(p, ss, pipe_k, pipe_v);
+    } else if (threadIdx.x == 32) {
+      fwd_produce<T, true>(p, ss, pipe_k, pipe_v);
+    }
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
-    fwd_consume<T>(p, ss, pipe_k, pipe_v, int(threadIdx.x) - 128);
+    fwd_consume<T>(p, ss, pipe_k, pipe_v, thread_index() - 128);
   }
 }
 

@@ -15,7 +15,8 @@ namespace sparsetrain::cuda::attn {
 template <class Element, int kHeadDim, bool kEmpty, class TO, class TC, int kRows>
 __device__ __forceinline__ void fwd_store_rows(const FwdArgs& a, int b, int h, int q0, TO const& O,
                                                TC const& O_coord, const float (&row_max)[kRows],
-                                               const float (&row_sum)[kRows], bool lse_lane) {
+                                               const float (&row_sum)[kRows]) {
+  const bool lse_lane = threadIdx.x % 4 == 0;  // one of a row's 4 lanes writes its lse
   Element* out = static_cast<Element*>(a.o);
   CUTLASS_PRAGMA_UNROLL
   for (int i = 0; i < kRows; ++i) {

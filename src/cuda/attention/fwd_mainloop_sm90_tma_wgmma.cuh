@@ -35,13 +35,12 @@ struct FwdTraits {
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kMmaThreads = 128 * kConsumerWarpgroups;
   static constexpr int kThreads = kMmaThreads + 128;  // + the producer warpgroup
-  // setmaxnreg budgets (per thread; 2 x 128 x consumer + 128 x producer <= 64 K): the consumers
-  // hold S, P and O (160 registers at D = 128) beside the walk and softmax state. At D = 128 they
-  // need 240 not to spill (which leaves the producer threads 24, where their walk spills a
-  // little: they run ahead of the consumers, so that costs no consumer time); below, 232 and 40
-  // spill nowhere.
-  static constexpr int kConsumerRegs = kHeadDim >= 128 ? 240 : 232;
-  static constexpr int kProducerRegs = kHeadDim >= 128 ? 24 : 40;
+  // setmaxnreg budgets (per thread; 2 x 128 x 232 + 128 x 40 <= the 168 x 384 the CTA starts
+  // with): the consumers hold S, P and O (160 registers at D = 128) beside the walk and softmax
+  // state; the producer threads walk the mask's lists (they spilled at 24). No instance spills:
+  // the build checks it (CMakeLists.txt).
+  static constexpr int kConsumerRegs = 232;
+  static constexpr int kProducerRegs = 40;
   // The consumer warpgroups taking turns to issue GEMMs (see fwd_consume): off, it cost registers
   // and gained nothing measurable.
   static constexpr bool kPingPong = false;
@@ -101,24 +100,26 @@ struct FwdTraits {
   };
 };
 
-// One thread of the producer warpgroup per role: loads_v false loads q and K, true loads V. Items
+// One thread of the producer warpgroup per role: kLoadsV false loads q and K, true loads V (one
+// instantiation per role: each keeps only its own state in the producer's few registers). Items
 // come from the same scheduler as the consumers'; items without a valid tile load nothing.
-template <class T>
+template <class T, bool kLoadsV>
 __device__ __forceinline__ void fwd_produce(const typename T::Params& p, typename T::SharedStorage& ss,
-                                            typename T::PipelineK& pipe_k, typename T::PipelineV& pipe_v,
-                                            bool loads_v) {
+                                            typename T::PipelineK& pipe_k, typename T::PipelineV& pipe_v) {
   const FwdArgs& a = p.args;
-  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQs{});
-  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutK{});
-  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutV{});
-  Tensor mQ = p.tma_q.get_tma_tensor(make_shape(a.seq_q, int32_t(T::kHeadDim), a.heads_q, a.batch));
-  Tensor mK = p.tma_k.get_tma_tensor(make_shape(a.seq_kv, int32_t(T::kHeadDim), a.heads_kv, a.batch));
-  Tensor mV = p.tma_v.get_tma_tensor(make_shape(a.seq_kv, int32_t(T::kHeadDim), a.heads_kv, a.batch));
   using QTile = Shape<Int<T::kBlockM>, Int<T::kHeadDim>>;
   using KVTile = Shape<Int<T::kBlockN>, Int<T::kHeadDim>>;
-
-  auto write_k = cutlass::make_producer_start_state<typename T::PipelineK>();
-  auto write_v = cutlass::make_producer_start_state<typename T::PipelineV>();
+  // Tile n of the CTA's walk goes to stage n % stages (one counter, as the consumers count).
+  constexpr int kStages = kLoadsV ? T::kStagesV : T::kStagesK;
+  using Pipeline = std::conditional_t<kLoadsV, typename T::PipelineV, typename T::PipelineK>;
+  Pipeline& pipe = [&]() -> Pipeline& {
+    if constexpr (kLoadsV) return pipe_v; else return pipe_k;
+  }();
+  auto& tma = kLoadsV ? p.tma_v : p.tma_k;
+  Tensor sKV = make_tensor(make_smem_ptr(kLoadsV ? ss.v.data() : ss.k.data()),
+                           std::conditional_t<kLoadsV, typename T::SmemLayoutV, typename T::SmemLayoutK>{});
+  Tensor mKV = tma.get_tma_tensor(make_shape(a.seq_kv, int32_t(T::kHeadDim), a.heads_kv, a.batch));
+  uint32_t n = 0;
   int q_loads = 0;
   const int group = a.heads_q / a.heads_kv;
   const FwdLptScheduler sched{a.records, a.num_items};
@@ -131,32 +132,24 @@ __device__ __forceinline__ void fwd_produce(const typename T::Params& p, typenam
     WalkTile tile{};
     int t = walk_next_valid(a.lists, counts, w.b, w.h, row, 0, &tile);
     if (t == length) continue;  // nothing to load: the consumers write o = 0, lse = -inf
-    const int hkv = w.h / group;
-    if (loads_v) {
-      Tensor gV = local_tile(mV(_, _, hkv, w.b), KVTile{}, make_coord(_, 0));  // (N, D, tiles)
-      auto [tVgV, tVsV] = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
-      for (; t < length; t = walk_next_valid(a.lists, counts, w.b, w.h, row, t + 1, &tile)) {
-        pipe_v.producer_acquire(write_v);
-        copy(p.tma_v.with(*pipe_v.producer_get_barrier(write_v), 0), tVgV(_, tile.tile), tVsV(_, write_v.index()));
-        ++write_v;
-      }
-      continue;
+    if constexpr (!kLoadsV) {
+      const int buf = q_loads % T::kQBuffers, use = q_loads / T::kQBuffers;  // use: of this buffer
+      if (use > 0) cutlass::arch::ClusterBarrier::wait(&ss.q_empty[buf], (use - 1) & 1);
+      ++q_loads;
+      Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQs{});
+      Tensor mQ = p.tma_q.get_tma_tensor(make_shape(a.seq_q, int32_t(T::kHeadDim), a.heads_q, a.batch));
+      Tensor gQ = local_tile(mQ(_, _, w.h, w.b), QTile{}, make_coord(w.q_tile, 0));
+      auto [tQgQ, tQsQ] =
+          tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ(_, _, buf)), group_modes<0, 2>(gQ));
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.q_full[buf], T::kQBytes);
+      copy(p.tma_q.with(ss.q_full[buf]), tQgQ, tQsQ);
     }
-    const int buf = q_loads % T::kQBuffers, use = q_loads / T::kQBuffers;  // use: of this buffer
-    if (use > 0) cutlass::arch::ClusterBarrier::wait(&ss.q_empty[buf], (use - 1) & 1);
-    ++q_loads;
-    Tensor gQ = local_tile(mQ(_, _, w.h, w.b), QTile{}, make_coord(w.q_tile, 0));
-    auto [tQgQ, tQsQ] =
-        tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ(_, _, buf)), group_modes<0, 2>(gQ));
-    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.q_full[buf], T::kQBytes);
-    copy(p.tma_q.with(ss.q_full[buf]), tQgQ, tQsQ);
-
-    Tensor gK = local_tile(mK(_, _, hkv, w.b), KVTile{}, make_coord(_, 0));  // (N, D, tiles)
-    auto [tKgK, tKsK] = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-    for (; t < length; t = walk_next_valid(a.lists, counts, w.b, w.h, row, t + 1, &tile)) {
-      pipe_k.producer_acquire(write_k);
-      copy(p.tma_k.with(*pipe_k.producer_get_barrier(write_k), 0), tKgK(_, tile.tile), tKsK(_, write_k.index()));
-      ++write_k;
+    Tensor gKV = local_tile(mKV(_, _, w.h / group, w.b), KVTile{}, make_coord(_, 0));  // (N, D, tiles)
+    auto [tg, ts] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sKV), group_modes<0, 2>(gKV));
+    for (; t < length; t = walk_next_valid(a.lists, counts, w.b, w.h, row, t + 1, &tile), ++n) {
+      const cutlass::PipelineState<kStages> state(n % kStages, (n / kStages) & 1, n);
+      pipe.producer_acquire(state);
+      copy(tma.with(*pipe.producer_get_barrier(state), 0), tg(_, tile.tile), ts(_, state.index()));
     }
   }
 }
