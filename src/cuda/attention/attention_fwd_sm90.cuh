@@ -97,8 +97,8 @@ __device__ __forceinline__ void fwd_consume(const typename T::Params& p, typenam
   auto lane = [] { return int(threadIdx.x) % 128; };
   // Ping-pong (the two consumer warpgroups taking turns to issue their GEMMs through named
   // barriers 0 and 1, FlashAttention-3's inter-warpgroup overlap) is off by default
-  // (FwdTraits::kPingPong): measured equal on this kernel (475 / 477 TFLOP/s), and its barrier
-  // bookkeeping alone made the D = 128 consumers spill. Both warpgroups take the same number of
+  // (FwdTraits::kPingPong): measured slower on this kernel (H100, causal D = 128: 405 vs 442
+  // TFLOP/s), and its barrier bookkeeping made the D = 128 consumers spill. Both warpgroups take the same number of
   // turns when it is on (they walk the same items).
   auto wait_turn = [&] {
     if constexpr (T::kPingPong) cutlass::arch::NamedBarrier::sync(T::kMmaThreads, wg());
@@ -321,10 +321,10 @@ __global__ void __launch_bounds__(T::kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT 
   }
 }
 
-template <FwdElement E, int HeadDim>
-void run_fwd_sm90(const FwdArgs& a, void* stream) {
-  using Element = std::conditional_t<E == FwdElement::kBF16, cutlass::bfloat16_t, cutlass::half_t>;
-  using T = FwdTraits<Element, HeadDim>;
+template <class T>
+void launch_fwd_sm90(const FwdArgs& a, void* stream) {
+  using Element = typename T::Element;
+  constexpr int HeadDim = T::kHeadDim;
   auto tma = [&](const void* ptr, int32_t seq, int32_t heads, int64_t sb, int64_t ss, int64_t sh, auto smem_layout,
                  auto tile) {
     Tensor g = make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)),
@@ -344,6 +344,12 @@ void run_fwd_sm90(const FwdArgs& a, void* stream) {
   opt_in_smem(fwd_kernel<T>, smem_bytes);
   fwd_kernel<T><<<a.grid, T::kThreads, smem_bytes, static_cast<cudaStream_t>(stream)>>>(p);
   check_cuda(cudaGetLastError(), "attention forward launch");
+}
+
+template <FwdElement E, int HeadDim>
+void run_fwd_sm90(const FwdArgs& a, void* stream) {
+  using Element = std::conditional_t<E == FwdElement::kBF16, cutlass::bfloat16_t, cutlass::half_t>;
+  launch_fwd_sm90<FwdTraits<Element, HeadDim>>(a, stream);
 }
 
 }  // namespace sparsetrain::cuda::attn

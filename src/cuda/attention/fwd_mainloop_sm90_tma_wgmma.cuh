@@ -42,7 +42,7 @@ struct FwdTraits {
   static constexpr int kConsumerRegs = 232;
   static constexpr int kProducerRegs = 40;
   // The consumer warpgroups taking turns to issue GEMMs (see fwd_consume): off, it cost registers
-  // and gained nothing measurable.
+  // and lost 8 % (docs/PERF.md).
   static constexpr bool kPingPong = false;
 
   using TileQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // S = Q K^T: M x N x K
@@ -109,7 +109,8 @@ __device__ __forceinline__ void fwd_produce(const typename T::Params& p, typenam
   const FwdArgs& a = p.args;
   using QTile = Shape<Int<T::kBlockM>, Int<T::kHeadDim>>;
   using KVTile = Shape<Int<T::kBlockN>, Int<T::kHeadDim>>;
-  // Tile n of the CTA's walk goes to stage n % stages (one counter, as the consumers count).
+  // Tile n of the CTA's walk goes to stage n % stages (one counter, as the consumers count). A
+  // producer's phase starts at 1: its first pass over the stages finds them empty without waiting.
   constexpr int kStages = kLoadsV ? T::kStagesV : T::kStagesK;
   using Pipeline = std::conditional_t<kLoadsV, typename T::PipelineV, typename T::PipelineK>;
   Pipeline& pipe = [&]() -> Pipeline& {
@@ -147,7 +148,7 @@ __device__ __forceinline__ void fwd_produce(const typename T::Params& p, typenam
     Tensor gKV = local_tile(mKV(_, _, w.h / group, w.b), KVTile{}, make_coord(_, 0));  // (N, D, tiles)
     auto [tg, ts] = tma_partition(tma, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sKV), group_modes<0, 2>(gKV));
     for (; t < length; t = walk_next_valid(a.lists, counts, w.b, w.h, row, t + 1, &tile), ++n) {
-      const cutlass::PipelineState<kStages> state(n % kStages, (n / kStages) & 1, n);
+      const cutlass::PipelineState<kStages> state(n % kStages, ((n / kStages) & 1) ^ 1, n);
       pipe.producer_acquire(state);
       copy(tma.with(*pipe.producer_get_barrier(state), 0), tg(_, tile.tile), ts(_, state.index()));
     }
