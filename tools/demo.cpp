@@ -32,6 +32,8 @@
 #include "tools/commands.h"
 #if SPARSETRAIN_WITH_CUDA
 #include <cuda_runtime.h>
+
+#include "src/cuda/cuda_check.h"
 #endif
 
 namespace sparsetrain::tools {
@@ -218,9 +220,7 @@ struct Place {
 #endif
   }
 #if SPARSETRAIN_WITH_CUDA
-  static void check(cudaError_t e) {
-    if (e != cudaSuccess) ST_FAIL("demo: CUDA call failed: ", cudaGetErrorString(e));
-  }
+  static void check(cudaError_t e) { ST_CUDA_CHECK(e, "demo: CUDA call"); }
 #endif
 };
 

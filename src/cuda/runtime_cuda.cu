@@ -1,21 +1,14 @@
 // CUDA runtime services for the host code (see runtime_cuda.h). Every call is checked.
 #include <cuda_runtime.h>
 
-#include "sparsetrain/error.h"
+#include "cuda/cuda_check.h"
 #include "cuda/runtime_cuda.h"
 
 namespace sparsetrain::cuda {
-namespace {
-
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) ST_FAIL(what, " failed: ", cudaGetErrorString(e));
-}
-
-}  // namespace
 
 DeviceGuard::DeviceGuard(int device) {
-  check(cudaGetDevice(&previous_), "cudaGetDevice");
-  if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
+  ST_CUDA_CHECK(cudaGetDevice(&previous_), "cudaGetDevice");
+  if (previous_ != device) ST_CUDA_CHECK(cudaSetDevice(device), "cudaSetDevice(", device, ")");
   changed_ = previous_ != device;
 }
 
@@ -34,20 +27,20 @@ int device_count() {
 
 std::string device_name(int device) {
   cudaDeviceProp prop{};
-  check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+  ST_CUDA_CHECK(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties(", device, ")");
   return std::string(prop.name) + " (sm_" + std::to_string(prop.major * 10 + prop.minor) + ")";
 }
 
 void* malloc_async(size_t bytes, int device, void* stream) {
   DeviceGuard guard(device);
   void* p = nullptr;
-  check(cudaMallocAsync(&p, bytes, static_cast<cudaStream_t>(stream)), "cudaMallocAsync");
+  ST_CUDA_CHECK(cudaMallocAsync(&p, bytes, static_cast<cudaStream_t>(stream)), "cudaMallocAsync");
   return p;
 }
 
 void free_async(void* ptr, int device, void* stream) {
   DeviceGuard guard(device);
-  check(cudaFreeAsync(ptr, static_cast<cudaStream_t>(stream)), "cudaFreeAsync");
+  ST_CUDA_CHECK(cudaFreeAsync(ptr, static_cast<cudaStream_t>(stream)), "cudaFreeAsync");
 }
 
 }  // namespace sparsetrain::cuda

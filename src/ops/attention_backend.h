@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "sparsetrain/allocator.h"
 #include "sparsetrain/block_mask.h"
@@ -70,6 +71,10 @@ AttentionBackend& attention_reference_backend();
 #if SPARSETRAIN_WITH_CUDA
 // The sm90 kernels (src/cuda/attention/attention_cuda.cu).
 AttentionBackend& attention_cuda_backend();
+// Whether this build compiled the sm90 kernels for (dtype, head dim), and those kernels in words
+// (check_supported's message): both read the generated instance list (sm90/sm90_instances.h).
+bool attention_cuda_has_kernel(DType dtype, int64_t head_dim);
+std::string attention_cuda_kernels();
 #endif
 // The backend that runs on `device`; an Error naming `arg` where this build has none.
 AttentionBackend& attention_backend_for(Device device, const char* arg);

@@ -110,7 +110,7 @@ int64_t check_splits(const Splits& s, int64_t G, int64_t T, Device device, bool 
 }
 
 void prepare_offsets(const Splits& s, int64_t T, int64_t* offsets, int32_t* status_sink,
-                     GroupedLinearBackend& be, Stream stream) {
+                     GroupedLinearBackend& be, Device device, Stream stream) {
   if (s.on_device()) {
     int32_t* status = s.status().defined() ? s.status().data_as<int32_t>() : status_sink;
     be.setup_device_splits(s.device_values(), T, offsets, status, stream);
@@ -119,7 +119,7 @@ void prepare_offsets(const Splits& s, int64_t T, int64_t* offsets, int32_t* stat
   const auto& v = s.host_values();
   std::vector<int64_t> host_offsets(v.size() + 1);
   compute_group_offsets(v.data(), int64_t(v.size()), T, host_offsets.data(), nullptr);
-  be.copy_from_host(offsets, host_offsets.data(), host_offsets.size() * sizeof(int64_t), stream);
+  be.copy_from_host(offsets, host_offsets.data(), host_offsets.size() * sizeof(int64_t), device, stream);
 }
 
 void check_workspace(size_t required, const Workspace& given) {

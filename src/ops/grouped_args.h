@@ -40,10 +40,10 @@ int64_t check_splits(const Splits& s, int64_t G, int64_t T, Device device, bool 
 inline int64_t min_out_rows(int64_t S, int64_t T) { return S < 0 ? T : S; }
 inline const char* min_out_rows_rule(int64_t S) { return S < 0 ? "T: device splits" : "S: host splits"; }
 
-// Fills offsets[G + 1] on the compute device from validated splits. `status_sink`: where device
-// splits without a caller status word report (one int32 on the device).
+// Fills offsets[G + 1] on the compute device `device` from validated splits. `status_sink`: where
+// device splits without a caller status word report (one int32 on the device).
 void prepare_offsets(const Splits& s, int64_t T, int64_t* offsets, int32_t* status_sink,
-                     backend::GroupedLinearBackend& be, Stream stream);
+                     backend::GroupedLinearBackend& be, Device device, Stream stream);
 
 // A caller workspace must hold `required` bytes at a 256-byte aligned address (none given is fine:
 // the op takes one from its allocator).

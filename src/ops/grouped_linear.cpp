@@ -140,7 +140,7 @@ Tensor GroupedLinear::forward(const TensorView& x, const Splits& splits, const T
   Tensor y = out.defined() ? Tensor::borrowed(out)
                            : Tensor::empty(o.dtype, {T, o.out_features}, dev, *allocator_, args.stream);
   CallWorkspace ws(plan, args.workspace, dev, *allocator_, args.stream);
-  ops::prepare_offsets(splits, T, ws.offsets, ws.status, be, args.stream);
+  ops::prepare_offsets(splits, T, ws.offsets, ws.status, be, dev, args.stream);
   backend::FpropParams p{{o.dtype, o.num_groups, T, o.in_features, o.out_features, ws.offsets},
                          x,
                          group_views(params_.weight, o.num_groups),
@@ -223,7 +223,7 @@ GroupedLinearGrads GroupedLinear::backward(const TensorView& x, const TensorView
                          ? Tensor::borrowed(grad_input)
                          : Tensor::empty(o.dtype, {T, o.in_features}, dev, *allocator_, args.stream);
   CallWorkspace ws(plan, args.workspace, dev, *allocator_, args.stream);
-  ops::prepare_offsets(splits, T, ws.offsets, ws.status, be, args.stream);
+  ops::prepare_offsets(splits, T, ws.offsets, ws.status, be, dev, args.stream);
   backend::DgradParams p{{o.dtype, o.num_groups, T, o.in_features, o.out_features, ws.offsets},
                          dy,
                          group_views(params_.weight, o.num_groups),
@@ -259,7 +259,7 @@ GroupedLinearGrads GroupedLinear::backward_dw(const CallArgs& args) {
   const WorkspacePlan plan = plan_workspace(options_, T, be);
   ops::check_workspace(plan.total, args.workspace);
   CallWorkspace ws(plan, args.workspace, device(), *allocator_, args.stream);
-  ops::prepare_offsets(pd.splits, T, ws.offsets, ws.status, be, args.stream);
+  ops::prepare_offsets(pd.splits, T, ws.offsets, ws.status, be, device(), args.stream);
   GroupedLinearGrads grads = compute_wgrad(pd.x, pd.dy, ws.offsets, ws.scratch, args.stream);
   pending_.pop_front();
   return grads;

@@ -168,7 +168,7 @@ GroupedMLPForward GroupedMLP::forward(const TensorView& x, const Splits& splits,
 
   // Everything is valid: from here on outputs may be written.
   CallWorkspace ws(plan, args.workspace, dev, *allocator_, args.stream);
-  ops::prepare_offsets(splits, T, ws.offsets, ws.status, gemm, args.stream);
+  ops::prepare_offsets(splits, T, ws.offsets, ws.status, gemm, dev, args.stream);
   const backend::MLPRows rows{o.dtype, o.num_groups, T, ws.offsets};
   GroupedMLPForward result;
   result.fc1_out = fc1_.forward(x, splits, {}, ws.layer_args);
@@ -222,7 +222,7 @@ GroupedMLPGrads GroupedMLP::backward(const TensorView& x, const TensorView& fc1_
 
   // Everything is valid: from here on outputs may be written.
   CallWorkspace ws(plan, args.workspace, dev, *allocator_, args.stream);
-  ops::prepare_offsets(splits, T, ws.offsets, ws.status, gemm, args.stream);
+  ops::prepare_offsets(splits, T, ws.offsets, ws.status, gemm, dev, args.stream);
   const backend::MLPRows rows{o.dtype, o.num_groups, T, ws.offsets};
   GroupedMLPGrads grads;
 
@@ -266,7 +266,7 @@ GroupedMLPGrads GroupedMLP::backward_dw(const CallArgs& args) {
   GroupedLinearGrads g2 = fc2_.backward_dw(ws.layer_args);
   grads.fc2.weight = std::move(g2.weight);
   if (fc2_bias_.present()) {
-    ops::prepare_offsets(pd.splits, T, ws.offsets, ws.status, backend::backend_for(dev, "dy"), args.stream);
+    ops::prepare_offsets(pd.splits, T, ws.offsets, ws.status, backend::backend_for(dev, "dy"), dev, args.stream);
     grads.fc2.bias_grad = scaled_bias_grad(pd.dy, pd.probs, ws.offsets, ws.scratch, args.stream);
   }
   GroupedLinearGrads g1 = fc1_.backward_dw(ws.layer_args);

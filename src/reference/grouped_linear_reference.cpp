@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "common/dispatch_dtype.h"
 #include "common/group_offsets.h"
 #include "ops/grouped_linear_backend.h"
 #include "sparsetrain/error.h"
@@ -120,12 +121,7 @@ void wgrad_impl(const WgradParams& p, float* acc) {
 
 template <template <typename> class Fn, typename Params>
 void dispatch(DType dtype, const Params& p, float* scratch) {
-  switch (dtype) {
-    case DType::kBF16: Fn<bf16_t>::run(p, scratch); break;
-    case DType::kFP16: Fn<fp16_t>::run(p, scratch); break;
-    case DType::kFP32: Fn<float>::run(p, scratch); break;
-    default: ST_FAIL("reference GroupedLinear: unsupported dtype ", dtype_name(dtype));
-  }
+  dispatch_dtype(dtype, "reference GroupedLinear", [&](auto e) { Fn<decltype(e)>::run(p, scratch); });
 }
 template <typename E> struct Fprop { static void run(const FpropParams& p, float* s) { fprop_impl<E>(p, s); } };
 template <typename E> struct Dgrad { static void run(const DgradParams& p, float* s) { dgrad_impl<E>(p, s); } };
@@ -141,7 +137,7 @@ class ReferenceBackend final : public GroupedLinearBackend {
                            int32_t* status, Stream) override {
     compute_group_offsets(splits.data_as<const int64_t>(), splits.size(0), num_rows, offsets, status);
   }
-  void copy_from_host(void* dst, const void* src, size_t bytes, Stream) override {
+  void copy_from_host(void* dst, const void* src, size_t bytes, Device, Stream) override {
     if (bytes) std::memcpy(dst, src, bytes);
   }
   std::vector<int64_t> read_int64(const TensorView& t, Stream) override {

@@ -1,23 +1,30 @@
 // The CUDA attention backend: what the sm90 kernels support (checked before anything is
 // allocated), the forward's longest-first work order (one small kernel, no host synchronisation),
 // the backward's preprocessing (delta = rowsum(dout * o), lse in base 2, the fp32 dQ accumulator
-// zeroed), and the dispatch to the instantiations for (dtype, head dim).
+// zeroed), and the dispatch to the instantiations for (dtype, head dim), read from the build's
+// generated instance list (sm90/sm90_instances.h). Both passes run on the device of q.
 // Nothing here synchronises the host: a backward can be captured in a CUDA graph.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cub/block/block_scan.cuh>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "common/attention_fwd_walk.h"
+#include "common/dispatch_dtype.h"
 #include "cuda/attention/attention_bwd_params.h"
 #include "cuda/attention/attention_fwd_params.h"
+#include "cuda/cuda_check.h"
+#include "cuda/device_cache.h"
+#include "cuda/element.cuh"
+#include "cuda/runtime_cuda.h"
 #include "ops/attention_backend.h"
 #include "ops/checks.h"
+#include "sm90/sm90_instances.h"
 #include "sparsetrain/error.h"
 
 namespace sparsetrain {
@@ -31,10 +38,6 @@ using cuda::attn::kBwdTileQ;
 using cuda::attn::FwdElement;
 using cuda::attn::kTileKv;
 using cuda::attn::kTileQ;
-
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) ST_FAIL("CUDA attention: ", what, " failed: ", cudaGetErrorString(e));
-}
 
 // ---- work order: items by decreasing cost (a counting sort in one CTA) --------------------------
 
@@ -95,7 +98,7 @@ __global__ void bwd_preprocess_kernel(const E* o, int64_t o_sb, int64_t o_ss, in
     if (q < seq_q) {
       const E* orow = o + b * o_sb + q * o_ss + h * o_sh;
       const E* drow = dout + b * do_sb + q * do_ss + h * do_sh;
-      for (int d = lane; d < head_dim; d += 32) sum += float(orow[d]) * float(drow[d]);
+      for (int d = lane; d < head_dim; d += 32) sum += cuda::load_f32(orow, d) * cuda::load_f32(drow, d);
     }
     for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
     float* acc = dq_accum + r * head_dim;
@@ -183,53 +186,22 @@ bool env_flag(const char* name) {
 
 int64_t q_tiles_of(const AttentionProblem& p) { return (p.seq_q + kTileQ - 1) / kTileQ; }
 
-int sm_count(int device) {
-  static int counts[64] = {};
-  if (device < 0 || device >= 64) return 132;
-  if (counts[device] == 0) check(cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device),
-                                 "cudaDeviceGetAttribute(multiProcessorCount)");
-  return counts[device];
-}
-
-// The head dims and dtypes with an instantiation in this build (SPARSETRAIN_SM90_KERNELS).
-bool have_kernel(DType dtype, int64_t head_dim) {
-  if (!SPARSETRAIN_WITH_CUTLASS) return false;
-  if (dtype == DType::kBF16 && head_dim == 128) return true;
-  const bool dims = head_dim == 64 || head_dim == 96 || head_dim == 128;
-  return SPARSETRAIN_SM90_ALL && (dtype == DType::kBF16 || dtype == DType::kFP16) && dims;
-}
-
-void dispatch(DType dtype, int64_t head_dim, const FwdArgs& a, void* stream) {
-#if SPARSETRAIN_WITH_CUTLASS
-  if (dtype == DType::kBF16 && head_dim == 128) return cuda::attn::run_fwd_sm90<FwdElement::kBF16, 128>(a, stream);
-#if SPARSETRAIN_SM90_ALL
-  if (dtype == DType::kBF16 && head_dim == 64) return cuda::attn::run_fwd_sm90<FwdElement::kBF16, 64>(a, stream);
-  if (dtype == DType::kFP16 && head_dim == 128) return cuda::attn::run_fwd_sm90<FwdElement::kFP16, 128>(a, stream);
-  if (dtype == DType::kFP16 && head_dim == 64) return cuda::attn::run_fwd_sm90<FwdElement::kFP16, 64>(a, stream);
-  if (dtype == DType::kBF16 && head_dim == 96) return cuda::attn::run_fwd_sm90<FwdElement::kBF16, 96>(a, stream);
-  if (dtype == DType::kFP16 && head_dim == 96) return cuda::attn::run_fwd_sm90<FwdElement::kFP16, 96>(a, stream);
-#endif
-#endif
-  (void)a;
-  (void)stream;
+// The dispatch: one case per entry of the build's instance list (SPARSETRAIN_ATTN_INSTANCES).
+void dispatch([[maybe_unused]] DType dtype, [[maybe_unused]] int64_t head_dim, [[maybe_unused]] const FwdArgs& a,
+              [[maybe_unused]] void* stream) {
+#define ST_ATTN_FWD_CASE(E, D) \
+  if (dtype == DType::E && head_dim == D) return cuda::attn::run_fwd_sm90<FwdElement::E, D>(a, stream);
+  SPARSETRAIN_ATTN_INSTANCES(ST_ATTN_FWD_CASE)
+#undef ST_ATTN_FWD_CASE
   ST_FAIL("CUDA attention: no forward kernel for ", dtype_name(dtype), ", D = ", head_dim);
 }
 
-void dispatch_bwd(DType dtype, int64_t head_dim, const BwdArgs& a, void* dq, void* stream) {
-#if SPARSETRAIN_WITH_CUTLASS
-  using cuda::attn::run_bwd_sm90;
-  if (dtype == DType::kBF16 && head_dim == 128) return run_bwd_sm90<FwdElement::kBF16, 128>(a, dq, stream);
-#if SPARSETRAIN_SM90_ALL
-  if (dtype == DType::kBF16 && head_dim == 64) return run_bwd_sm90<FwdElement::kBF16, 64>(a, dq, stream);
-  if (dtype == DType::kFP16 && head_dim == 128) return run_bwd_sm90<FwdElement::kFP16, 128>(a, dq, stream);
-  if (dtype == DType::kFP16 && head_dim == 64) return run_bwd_sm90<FwdElement::kFP16, 64>(a, dq, stream);
-  if (dtype == DType::kBF16 && head_dim == 96) return run_bwd_sm90<FwdElement::kBF16, 96>(a, dq, stream);
-  if (dtype == DType::kFP16 && head_dim == 96) return run_bwd_sm90<FwdElement::kFP16, 96>(a, dq, stream);
-#endif
-#endif
-  (void)a;
-  (void)dq;
-  (void)stream;
+void dispatch_bwd([[maybe_unused]] DType dtype, [[maybe_unused]] int64_t head_dim, [[maybe_unused]] const BwdArgs& a,
+                  [[maybe_unused]] void* dq, [[maybe_unused]] void* stream) {
+#define ST_ATTN_BWD_CASE(E, D) \
+  if (dtype == DType::E && head_dim == D) return cuda::attn::run_bwd_sm90<FwdElement::E, D>(a, dq, stream);
+  SPARSETRAIN_ATTN_INSTANCES(ST_ATTN_BWD_CASE)
+#undef ST_ATTN_BWD_CASE
   ST_FAIL("CUDA attention: no backward kernel for ", dtype_name(dtype), ", D = ", head_dim);
 }
 
@@ -243,7 +215,7 @@ void check_tma_operand(const TensorView& t, const char* name, DType dtype) {
 }
 
 int grid_of(int64_t items, int device, int sm_limit) {
-  int64_t g = std::min<int64_t>(items, sm_count(device));
+  int64_t g = std::min<int64_t>(items, cuda::sm_count(device));
   if (sm_limit > 0) g = std::min<int64_t>(g, sm_limit);
   return int(std::max<int64_t>(g, 1));
 }
@@ -287,12 +259,9 @@ class AttentionCuda final : public backend::AttentionBackend {
       ST_CHECK_ARG(int64_t(mask.schedule.permutation.size()) == mask.num_kv_blocks(), "mask.schedule",
                    "a permutation of the " + std::to_string(mask.num_kv_blocks()) + " kv block columns",
                    mask.schedule.permutation.size(), " entries");
-    const char* built = !SPARSETRAIN_WITH_CUTLASS ? "none: built without CUTLASS"
-                        : SPARSETRAIN_SM90_ALL    ? "64, 96 or 128"
-                                                  : "128 with bf16: a MINIMAL build";
-    ST_CHECK_ARG(have_kernel(p.dtype, p.head_dim), "q",
-                 std::string("a head dim with a CUDA kernel in this build (") + built + ")", "D = ", p.head_dim, " (",
-                 dtype_name(p.dtype), ")");
+    ST_CHECK_ARG(backend::attention_cuda_has_kernel(p.dtype, p.head_dim), "q",
+                 "a head dim with a CUDA kernel in this build (" + backend::attention_cuda_kernels() + ")",
+                 "D = ", p.head_dim, " (", dtype_name(p.dtype), ")");
     const int64_t limit = int64_t(1) << 30;
     const int64_t items = p.batch * p.heads_q * q_tiles_of(p);
     ST_CHECK_ARG(p.seq_q < limit && p.seq_kv < limit && items < limit, "q",
@@ -306,6 +275,7 @@ class AttentionCuda final : public backend::AttentionBackend {
   size_t backward_scratch_bytes(const AttentionProblem& p) const override { return BwdScratch(p, nullptr).bytes; }
 
   void forward(const backend::AttentionForwardParams& fp, void* scratch, Stream stream) override {
+    const cuda::DeviceGuard guard(fp.q.device().index);
     const AttentionProblem& p = fp.problem;
     const BlockMask& m = *fp.mask;
     FwdArgs a{};
@@ -337,11 +307,12 @@ class AttentionCuda final : public backend::AttentionBackend {
     cudaStream_t s = static_cast<cudaStream_t>(stream.handle);
     sort_items_kernel<<<1, kSortThreads, 0, s>>>(a.lists, a.heads_q, a.q_tiles, a.num_items,
                                                  static_cast<FwdWorkRecord*>(scratch), !lpt);
-    check(cudaGetLastError(), "sort_items_kernel launch");
+    ST_CUDA_CHECK(cudaGetLastError(), "CUDA attention: sort_items_kernel launch");
     dispatch(p.dtype, p.head_dim, a, stream.handle);
   }
 
   void backward(const backend::AttentionBackwardParams& bp, void* scratch, Stream stream) override {
+    const cuda::DeviceGuard guard(bp.q.device().index);
     const AttentionProblem& p = bp.problem;
     const BlockMask& m = *bp.mask;
     const BwdScratch ws(p, scratch);
@@ -350,7 +321,7 @@ class AttentionCuda final : public backend::AttentionBackend {
 
     // Semaphores, the ticket counter and the abandoned flag start at zero in every run (and in
     // every replay of a captured graph).
-    check(cudaMemsetAsync(ws.semaphores, 0, ws.zeroed_bytes, s), "cudaMemsetAsync (dQ semaphores)");
+    ST_CUDA_CHECK(cudaMemsetAsync(ws.semaphores, 0, ws.zeroed_bytes, s), "CUDA attention: cudaMemsetAsync (dQ semaphores)");
     const int64_t total_rows = p.batch * p.heads_q * rows;
     const int pre_blocks = int(std::min<int64_t>((total_rows + 7) / 8, 65535));
     auto preprocess = [&](auto element) {
@@ -362,9 +333,8 @@ class AttentionCuda final : public backend::AttentionBackend {
           int32_t(p.heads_q), int32_t(p.seq_q), rows, int32_t(p.head_dim), total_rows, ws.lse_log2, ws.delta,
           ws.dq_accum);
     };
-    if (p.dtype == DType::kBF16) preprocess(__nv_bfloat16{});
-    else preprocess(__half{});
-    check(cudaGetLastError(), "backward preprocessing launch");
+    dispatch_dtype<bf16_t, fp16_t>(p.dtype, "CUDA attention backward", preprocess);
+    ST_CUDA_CHECK(cudaGetLastError(), "CUDA attention: backward preprocessing launch");
 
     BwdArgs a{};
     a.q = bp.q.data(), a.k = bp.k.data(), a.v = bp.v.data(), a.dout = bp.dout.data();
@@ -401,9 +371,9 @@ class AttentionCuda final : public backend::AttentionBackend {
     a.handout.kind = m.schedule.kind;
     if (m.schedule.kind == ScheduleKind::kPermutation) {
       // From the mask's host vector: a capture must keep the mask alive for the graph's life.
-      check(cudaMemcpyAsync(ws.permutation, m.schedule.permutation.data(),
-                            m.schedule.permutation.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s),
-            "cudaMemcpyAsync (schedule permutation)");
+      ST_CUDA_CHECK(cudaMemcpyAsync(ws.permutation, m.schedule.permutation.data(),
+                                    m.schedule.permutation.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s),
+                    "CUDA attention: cudaMemcpyAsync (schedule permutation)");
       a.handout.permutation = ws.permutation;
     }
     a.grid = grid_of(a.handout.num_items(), bp.q.device().index, bp.sm_limit);
@@ -415,6 +385,35 @@ class AttentionCuda final : public backend::AttentionBackend {
 };
 
 }  // namespace
+
+bool backend::attention_cuda_has_kernel(DType dtype, int64_t head_dim) {
+#define ST_ATTN_BUILT(E, D) \
+  if (dtype == DType::E && head_dim == D) return true;
+  SPARSETRAIN_ATTN_INSTANCES(ST_ATTN_BUILT)
+#undef ST_ATTN_BUILT
+  (void)dtype;
+  (void)head_dim;
+  return false;
+}
+
+// "bf16 with D = 128: a MINIMAL build", "bf16 with D = 64, 96 or 128, fp16 with D = 64, 96 or
+// 128: an ALL build", "none: built without CUTLASS".
+std::string backend::attention_cuda_kernels() {
+  std::string text;
+  for (DType dtype : {DType::kBF16, DType::kFP16}) {
+    std::vector<int> dims;
+#define ST_ATTN_DIM(E, D) \
+  if (dtype == DType::E) dims.push_back(D);
+    SPARSETRAIN_ATTN_INSTANCES(ST_ATTN_DIM)
+#undef ST_ATTN_DIM
+    if (dims.empty()) continue;
+    std::sort(dims.begin(), dims.end());
+    text += std::string(text.empty() ? "" : ", ") + dtype_name(dtype) + " with D = ";
+    for (size_t i = 0; i < dims.size(); ++i)
+      text += (i == 0 ? "" : i + 1 == dims.size() ? " or " : ", ") + std::to_string(dims[i]);
+  }
+  return text.empty() ? std::string(SPARSETRAIN_SM90_KERNEL_SET) : text + ": " + SPARSETRAIN_SM90_KERNEL_SET;
+}
 
 backend::AttentionBackend& backend::attention_cuda_backend() {
   static AttentionCuda be;

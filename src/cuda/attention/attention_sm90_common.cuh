@@ -4,14 +4,14 @@
 
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/numeric_types.h>
 #include <cutlass/pipeline/pipeline.hpp>
 
-#include "sparsetrain/error.h"
+#include "cuda/cuda_check.h"
+#include "cuda/device_cache.h"
 
 namespace sparsetrain::cuda::attn {
 
@@ -85,22 +85,14 @@ __device__ __forceinline__ void convert_p(TS const& s, TP& p) {
   for (int i = 0; i < size(p); ++i) p(i) = typename TP::value_type(s(i));
 }
 
-inline void check_cuda(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) ST_FAIL("sm90 attention: ", what, " failed: ", cudaGetErrorString(e));
-}
+// The kernels' spellings of the library's CUDA check and shared-memory opt-in (cuda/cuda_check.h,
+// cuda/device_cache.h).
+inline void check_cuda(cudaError_t e, const char* what) { ST_CUDA_CHECK(e, "sm90 attention: ", what); }
 
-// Raises a kernel's dynamic shared memory limit to `bytes`, once per device (bit d: device d).
+// Raises a kernel's dynamic shared memory limit to `bytes` on the current device (once per device).
 template <class Kernel>
 void opt_in_smem(Kernel* kernel, int bytes) {
-  static std::atomic<uint64_t> opted_in{0};
-  int device = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
-  if (bit == 0 || !(opted_in.load() & bit)) {
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
-               "cudaFuncSetAttribute");
-    opted_in.fetch_or(bit);
-  }
+  ::sparsetrain::cuda::opt_in_smem(reinterpret_cast<const void*>(kernel), bytes);
 }
 
 }  // namespace sparsetrain::cuda::attn

@@ -21,6 +21,7 @@
 #include <climits>
 
 #include "common/block_mask_rows.h"
+#include "cuda/cuda_check.h"
 #include "cuda/runtime_cuda.h"
 #include "ops/block_mask_internal.h"
 #include "sparsetrain/error.h"
@@ -30,10 +31,6 @@ namespace {
 
 constexpr int kMaxThreads = 256;  // per row / column CTA (longer rows loop over chunks)
 constexpr int kSpanThreads = 256;  // spans_kernel: 8 warps, one span each
-
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) ST_FAIL(what, " failed: ", cudaGetErrorString(e));
-}
 
 // Two counters in one scan value: partial blocks in the low 32 bits, full blocks in the high 32
 // (each count <= the row / column length < 2^31, so the low half never carries).
@@ -225,20 +222,21 @@ void build_block_mask_cuda(const DeviceMaskBuild& p, BlockMaskTensors& t, Stream
     ST_FAIL("build_block_mask on a CUDA device: too many blocks (B * Mq = ", B * Mq, ", B * Nk = ", B * Nk, ")");
   cuda::DeviceGuard guard(t.kv_indices.view().device().index);
   if (p.schedule == ScheduleKind::kPermutation)  // from pageable memory: staged before this returns
-    check(cudaMemcpyAsync(p.permutation, p.permutation_host, size_t(Nk) * sizeof(int32_t), cudaMemcpyHostToDevice, s),
-          "cudaMemcpyAsync (schedule)");
+    ST_CUDA_CHECK(
+        cudaMemcpyAsync(p.permutation, p.permutation_host, size_t(Nk) * sizeof(int32_t), cudaMemcpyHostToDevice, s),
+        "cudaMemcpyAsync (schedule)");
   if (p.doc_q != nullptr) {
     const int64_t spans = p.doc_q_batch * Mq + p.doc_kv_batch * Nk, per_cta = kSpanThreads / 32;
     spans_kernel<<<unsigned((spans + per_cta - 1) / per_cta), kSpanThreads, 0, s>>>(p, Mq, Nk);
-    check(cudaGetLastError(), "block mask spans_kernel launch");
+    ST_CUDA_CHECK(cudaGetLastError(), "block mask spans_kernel launch");
   }
   rows_kernel<<<unsigned(B * Mq), threads_for(Nk), 0, s>>>(p, ptr(t.kv_num_blocks), ptr(t.kv_indices),
                                                            ptr(t.full_kv_num_blocks), ptr(t.full_kv_indices), Mq, Nk);
-  check(cudaGetLastError(), "block mask rows_kernel launch");
+  ST_CUDA_CHECK(cudaGetLastError(), "block mask rows_kernel launch");
   cols_kernel<<<unsigned(B * Nk), threads_for(Mq), 0, s>>>(p, ptr(t.q_num_blocks), ptr(t.q_indices),
                                                            ptr(t.full_q_num_blocks), ptr(t.full_q_indices),
                                                            ptr(t.dq_write_order), ptr(t.dq_write_order_full), Mq, Nk);
-  check(cudaGetLastError(), "block mask cols_kernel launch");
+  ST_CUDA_CHECK(cudaGetLastError(), "block mask cols_kernel launch");
 }
 
 }  // namespace sparsetrain

@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include "common/grouped_tile_scheduler.h"
+#include "cuda/cuda_check.h"
 #include "cuda/element.cuh"
 #include "cuda/grouped_linear/grouped_gemm_params.h"
 #include "sparsetrain/dtype.h"
@@ -138,11 +139,6 @@ __global__ void zero_tail_kernel(const int64_t* offsets, int64_t num_groups, E* 
     store_f32(c, i, 0.f);
 }
 
-inline void check_launch(const char* what) {
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) ST_FAIL(what, " launch failed: ", cudaGetErrorString(e));
-}
-
 template <typename E>
 void launch_grouped_gemm(const GroupedGemmParams& p, void* stream) {
   dim3 grid;
@@ -158,7 +154,7 @@ void launch_grouped_gemm(const GroupedGemmParams& p, void* stream) {
   }
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
   grouped_gemm_simt_kernel<E><<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
-  check_launch("grouped_gemm_simt_kernel");
+  ST_CUDA_CHECK(cudaGetLastError(), "grouped_gemm_simt_kernel launch");
 }
 
 template <typename E>
@@ -167,7 +163,7 @@ void launch_bias_grad(const int64_t* offsets, int64_t num_groups, int64_t out, c
   const dim3 grid(unsigned((out + 255) / 256), unsigned(num_groups));
   bias_grad_kernel<E><<<grid, 256, 0, static_cast<cudaStream_t>(stream)>>>(
       offsets, out, static_cast<const E*>(dy), dy_ld, static_cast<E*>(db));
-  check_launch("bias_grad_kernel");
+  ST_CUDA_CHECK(cudaGetLastError(), "bias_grad_kernel launch");
 }
 
 template <typename E>
@@ -176,7 +172,7 @@ void launch_zero_tail(const int64_t* offsets, int64_t num_groups, void* c, int64
   const int64_t blocks = (rows * cols + 255) / 256;
   zero_tail_kernel<E><<<unsigned(blocks < 4096 ? blocks : 4096), 256, 0, static_cast<cudaStream_t>(stream)>>>(
       offsets, num_groups, static_cast<E*>(c), rows, cols);
-  check_launch("zero_tail_kernel");
+  ST_CUDA_CHECK(cudaGetLastError(), "zero_tail_kernel launch");
 }
 
 }  // namespace sparsetrain::cuda

@@ -29,6 +29,8 @@
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
+#include "cuda/cuda_check.h"
+#include "cuda/device_cache.h"
 #include "cuda/grouped_linear/grouped_gemm_params.h"
 #include "sparsetrain/dtype.h"
 #include "sparsetrain/error.h"
@@ -167,23 +169,25 @@ struct Sm90GroupedGemm {
     return args;
   }
 
-  // SM count and the kernel's occupancy in clusters: queried once per device (the occupancy query
-  // takes tens of microseconds, which a small MoE GEMM would pay on every call otherwise).
+  // SM count (the library's device cache) and the kernel's occupancy in clusters: queried once per
+  // device (the occupancy query takes tens of microseconds, which a small MoE GEMM would pay on
+  // every call otherwise).
   static cutlass::KernelHardwareInfo hardware_info(int device) {
     static std::mutex mutex;
     static std::map<int, cutlass::KernelHardwareInfo> cache;
     const std::lock_guard<std::mutex> lock(mutex);
     auto it = cache.find(device);
-    if (it == cache.end())
-      it = cache.emplace(device, cutlass::KernelHardwareInfo::make_kernel_hardware_info<Kernel>(device)).first;
+    if (it == cache.end()) {
+      const int sms = ::sparsetrain::cuda::sm_count(device);
+      it = cache.emplace(device, cutlass::KernelHardwareInfo::make_kernel_hardware_info<Kernel>(device, sms)).first;
+    }
     return it->second;
   }
 
   static size_t workspace_bytes(int64_t g) {
     GroupedGemmParams p{};
     p.num_groups = g;
-    int device = 0;
-    cudaGetDevice(&device);
+    const int device = ::sparsetrain::cuda::current_device();
     return arrays_bytes(g) + align_up(Gemm::get_workspace_size(arguments(p, Tuning{}, Arrays{}, device, 0.f)));
   }
 
@@ -251,8 +255,7 @@ void Sm90GroupedGemm<V, E>::run(const GroupedGemmParams& p, const Tuning& t, voi
       zero_empty_groups_kernel<ElementD><<<grid, 256, 0, s>>>(p.offsets, t, p.out * p.in);
     }
   }
-  int device = 0;
-  cudaGetDevice(&device);
+  const int device = ::sparsetrain::cuda::current_device();
   const float beta = p.wgrad_store == WgradStore::kMainGradAccumulate && V == Variant::kWgradF32 ? 1.f : 0.f;
   const auto args = arguments(p, t, a, device, beta);
   Gemm gemm;

@@ -8,10 +8,14 @@
 #include <initializer_list>
 #include <type_traits>
 
+#include "common/dispatch_dtype.h"
 #include "common/group_offsets.h"
+#include "cuda/cuda_check.h"
+#include "cuda/device_cache.h"
 #include "cuda/grouped_linear/grouped_gemm_params.h"
 #include "cuda/runtime_cuda.h"
 #include "ops/grouped_linear_backend.h"
+#include "sm90/sm90_instances.h"
 #include "sparsetrain/error.h"
 
 namespace sparsetrain::backend {
@@ -20,26 +24,12 @@ namespace {
 using cuda::GemmKind;
 using cuda::GroupedGemmParams;
 
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) ST_FAIL(what, " failed: ", cudaGetErrorString(e));
-}
-
 cudaStream_t as_cuda(Stream s) { return static_cast<cudaStream_t>(s.handle); }
 
 // One thread: G is at most cuda::kMaxGroups and this runs once per call.
 __global__ void setup_offsets_kernel(const int64_t* splits, int64_t num_groups, int64_t num_rows, int64_t* offsets,
                                      int32_t* status) {
   compute_group_offsets(splits, num_groups, num_rows, offsets, status);
-}
-
-template <typename Fn>
-void dispatch_dtype(DType t, Fn&& fn) {
-  switch (t) {
-    case DType::kBF16: fn(bf16_t{}); break;
-    case DType::kFP16: fn(fp16_t{}); break;
-    case DType::kFP32: fn(float{}); break;
-    default: ST_FAIL("CUDA GroupedLinear: unsupported dtype ", dtype_name(t));
-  }
 }
 
 GroupedGemmParams base_params(GemmKind kind, const GroupedProblem& pr) {
@@ -56,24 +46,16 @@ GroupedGemmParams base_params(GemmKind kind, const GroupedProblem& pr) {
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// The sm90a kernels run on compute capability 9.0 only; other GPUs take the SIMT kernels.
-bool is_sm90(int device) {
-  cudaDeviceProp prop{};
-  return cudaGetDeviceProperties(&prop, device) == cudaSuccess && prop.major == 9 && prop.minor == 0;
-}
-
 using cuda::sm90::Variant;
 
-// Which sm90 kernels this build has: CMakeLists.txt's SPARSETRAIN_SM90_KERNELS list (MINIMAL:
+// Which sm90 kernels this build has: the generated instance list (SPARSETRAIN_SM90_KERNELS; MINIMAL:
 // bf16 without bias; ALL: bf16 and fp16, biased fprop included).
-constexpr bool sm90_built(Variant v, DType dtype) {
-  if (!SPARSETRAIN_WITH_CUTLASS) return false;
-  if (!SPARSETRAIN_SM90_ALL) return dtype == DType::kBF16 && v != Variant::kFpropBias;
-  return dtype == DType::kBF16 || dtype == DType::kFP16;
-}
-template <typename E>
-constexpr DType dtype_of() {
-  return std::is_same_v<E, bf16_t> ? DType::kBF16 : DType::kFP16;
+constexpr bool sm90_built([[maybe_unused]] Variant v, [[maybe_unused]] DType dtype) {
+#define ST_GEMM_BUILT(V, E) \
+  if (v == Variant::V && dtype == dtype_of<E>()) return true;
+  SPARSETRAIN_SM90_GEMM_INSTANCES(ST_GEMM_BUILT)
+#undef ST_GEMM_BUILT
+  return false;
 }
 
 template <Variant V, typename E>
@@ -102,9 +84,11 @@ class CudaBackend final : public GroupedLinearBackend {
  public:
   int64_t max_groups() const override { return cuda::kMaxGroups; }
   size_t scratch_bytes(DType dtype, int64_t num_groups, int64_t, int64_t, int64_t) const override {
-    if (dtype == DType::kBF16) return sm90_scratch<bf16_t>(num_groups);
-    if (dtype == DType::kFP16) return sm90_scratch<fp16_t>(num_groups);
-    return 0;
+    if (dtype != DType::kBF16 && dtype != DType::kFP16) return 0;  // fp32: the SIMT kernels only
+    size_t bytes = 0;
+    dispatch_dtype<bf16_t, fp16_t>(dtype, "CUDA GroupedLinear",
+                                   [&](auto e) { bytes = sm90_scratch<decltype(e)>(num_groups); });
+    return bytes;
   }
 
   void setup_device_splits(const TensorView& splits, int64_t num_rows, int64_t* offsets, int32_t* status,
@@ -112,23 +96,28 @@ class CudaBackend final : public GroupedLinearBackend {
     cuda::DeviceGuard guard(splits.device().index);
     setup_offsets_kernel<<<1, 1, 0, as_cuda(stream)>>>(splits.data_as<const int64_t>(), splits.size(0), num_rows,
                                                         offsets, status);
-    check(cudaGetLastError(), "setup_offsets_kernel launch");
+    ST_CUDA_CHECK(cudaGetLastError(), "setup_offsets_kernel launch");
   }
-  void copy_from_host(void* dst, const void* src, size_t bytes, Stream stream) override {
+  void copy_from_host(void* dst, const void* src, size_t bytes, Device device, Stream stream) override {
+    cuda::DeviceGuard guard(device.index);
     // From pageable memory: returns once the source is staged, so `src` may go away after.
-    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, as_cuda(stream)), "cudaMemcpyAsync (host splits)");
+    ST_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, as_cuda(stream)),
+                  "cudaMemcpyAsync (host splits)");
   }
   std::vector<int64_t> read_int64(const TensorView& t, Stream stream) override {
+    cuda::DeviceGuard guard(t.device().index);
     std::vector<int64_t> v(static_cast<size_t>(t.numel()));
-    check(cudaMemcpyAsync(v.data(), t.data(), v.size() * sizeof(int64_t), cudaMemcpyDeviceToHost, as_cuda(stream)),
-          "cudaMemcpyAsync (checked splits)");
-    check(cudaStreamSynchronize(as_cuda(stream)), "cudaStreamSynchronize (checked splits)");
+    ST_CUDA_CHECK(
+        cudaMemcpyAsync(v.data(), t.data(), v.size() * sizeof(int64_t), cudaMemcpyDeviceToHost, as_cuda(stream)),
+        "cudaMemcpyAsync (checked splits)");
+    ST_CUDA_CHECK(cudaStreamSynchronize(as_cuda(stream)), "cudaStreamSynchronize (checked splits)");
     return v;
   }
   void fill_zero(const TensorView& t, Stream stream) override {
     ST_CHECK_ARG(t.is_contiguous(), "fill_zero", "a contiguous tensor", t.str());
     cuda::DeviceGuard guard(t.device().index);
-    check(cudaMemsetAsync(t.data(), 0, size_t(t.numel()) * t.element_size(), as_cuda(stream)), "cudaMemsetAsync");
+    ST_CUDA_CHECK(cudaMemsetAsync(t.data(), 0, size_t(t.numel()) * t.element_size(), as_cuda(stream)),
+                  "cudaMemsetAsync");
   }
 
   // The TMA fast path (sm90 CUTLASS): a kernel built for (variant, dtype), every row and base
@@ -141,8 +130,7 @@ class CudaBackend final : public GroupedLinearBackend {
       if (t->stride(0) != t->size(1) || !aligned16(t->data())) return false;
     for (const TensorView& w : per_group)
       if (!aligned16(w.data())) return false;
-    static const bool sm90 = is_sm90(rows.begin()[0]->device().index);
-    return sm90;
+    return cuda::is_sm90(rows.begin()[0]->device().index);
   }
 
   // The sm90 kernel of variant v, launched with the heuristic's tuning.
@@ -159,8 +147,7 @@ class CudaBackend final : public GroupedLinearBackend {
         case Variant::kWgradF32: sm90_launch<Variant::kWgradF32, E>(s, p, scratch, bytes, stream); break;
       }
     };
-    if (dtype == DType::kBF16) go(bf16_t{});
-    if (dtype == DType::kFP16) go(fp16_t{});
+    dispatch_dtype<bf16_t, fp16_t>(dtype, "CUDA GroupedLinear sm90", go);
   }
 
   // fprop and dgrad: a GEMM over the ragged rows (act [T, k] -> c [rows, n]), then the zeroed
@@ -181,7 +168,7 @@ class CudaBackend final : public GroupedLinearBackend {
     const Variant v = kind == GemmKind::kDgrad ? Variant::kDgrad : bias.empty() ? Variant::kFprop : Variant::kFpropBias;
     const bool fast = fast_path(v, pr, {&act, &c}, weight);
     if (fast) run_sm90(v, pr.dtype, p, scratch, stream);
-    dispatch_dtype(pr.dtype, [&](auto e) {
+    dispatch_dtype(pr.dtype, "CUDA GroupedLinear", [&](auto e) {
       using E = decltype(e);
       if (!fast) cuda::launch_grouped_gemm<E>(p, stream.handle);
       if (zero_tail) cuda::launch_zero_tail<E>(pr.offsets, pr.num_groups, c.data(), c.size(0), c.size(1), stream.handle);
@@ -210,7 +197,7 @@ class CudaBackend final : public GroupedLinearBackend {
     const Variant v = w.target == WgradTarget::kWeightGrad ? Variant::kWgrad : Variant::kWgradF32;
     const bool fast = fast_path(v, w.problem, {&w.dy, &w.x}, w.dw);
     if (fast) run_sm90(v, w.problem.dtype, p, scratch, stream);
-    dispatch_dtype(w.problem.dtype, [&](auto e) {
+    dispatch_dtype(w.problem.dtype, "CUDA GroupedLinear", [&](auto e) {
       using E = decltype(e);
       if (!fast) cuda::launch_grouped_gemm<E>(p, stream.handle);
       if (!w.db.empty())  // db views are the rows of one [G, out] tensor

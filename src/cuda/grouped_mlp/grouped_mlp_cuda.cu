@@ -9,7 +9,9 @@
 
 #include <initializer_list>
 
+#include "common/dispatch_dtype.h"
 #include "common/group_offsets.h"
+#include "cuda/cuda_check.h"
 #include "cuda/element.cuh"
 #include "cuda/grouped_linear/grouped_gemm_params.h"  // kMaxGroups
 #include "cuda/runtime_cuda.h"
@@ -146,11 +148,6 @@ __global__ void scaled_bias_grad_kernel(const int64_t* offsets, int64_t out, con
   store_f32(static_cast<E*>(db.ptr[g]), o, s);
 }
 
-void check_launch(const char* what) {
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) ST_FAIL(what, " launch failed: ", cudaGetErrorString(e));
-}
-
 PtrTable table(const std::vector<TensorView>& views) {
   PtrTable t{};
   for (size_t g = 0; g < views.size(); ++g) t.ptr[g] = views[g].data();
@@ -170,16 +167,6 @@ bool vectorisable(DType dtype, int64_t ffn, int64_t interleave, std::initializer
   return true;
 }
 
-template <typename Fn>
-void dispatch(DType dtype, Fn&& fn) {
-  switch (dtype) {
-    case DType::kBF16: fn(bf16_t{}); break;
-    case DType::kFP16: fn(fp16_t{}); break;
-    case DType::kFP32: fn(float{}); break;
-    default: ST_FAIL("CUDA GroupedMLP: unsupported dtype ", dtype_name(dtype));
-  }
-}
-
 cudaStream_t as_cuda(Stream s) { return static_cast<cudaStream_t>(s.handle); }
 
 class CudaMLPBackend final : public GroupedMLPBackend {
@@ -191,7 +178,7 @@ class CudaMLPBackend final : public GroupedMLPBackend {
     cuda::DeviceGuard guard(p.h.device().index);
     const GluLayout L{p.ffn, p.interleave, glu_b_offset(p.ffn, p.interleave)};
     const bool vec = vectorisable(p.rows.dtype, p.ffn, p.interleave, {&p.fc1_out, &p.h});
-    dispatch(p.rows.dtype, [&](auto e) {
+    dispatch_dtype(p.rows.dtype, "CUDA GroupedMLP", [&](auto e) {
       using E = decltype(e);
       constexpr int V = 16 / sizeof(E);
       auto launch = [&](auto kernel) {
@@ -202,7 +189,7 @@ class CudaMLPBackend final : public GroupedMLPBackend {
       if (vec) launch(swiglu_forward_kernel<E, V>);
       else launch(swiglu_forward_kernel<E, 1>);
     });
-    check_launch("swiglu_forward_kernel");
+    ST_CUDA_CHECK(cudaGetLastError(), "swiglu_forward_kernel launch");
   }
 
   void swiglu_backward(const SwigluBackwardParams& p, void*, Stream stream) override {
@@ -211,7 +198,7 @@ class CudaMLPBackend final : public GroupedMLPBackend {
     const GluLayout L{p.ffn, p.interleave, glu_b_offset(p.ffn, p.interleave)};
     const bool vec = vectorisable(p.rows.dtype, p.ffn, p.interleave, {&p.fc1_out, &p.dh, &p.fc1_out_grad});
     const PtrTable bias = table(p.bias);
-    dispatch(p.rows.dtype, [&](auto e) {
+    dispatch_dtype(p.rows.dtype, "CUDA GroupedMLP", [&](auto e) {
       using E = decltype(e);
       constexpr int V = 16 / sizeof(E);
       auto launch = [&](auto kernel) {
@@ -224,20 +211,20 @@ class CudaMLPBackend final : public GroupedMLPBackend {
       if (vec) launch(swiglu_backward_kernel<E, V>);
       else launch(swiglu_backward_kernel<E, 1>);
     });
-    check_launch("swiglu_backward_kernel");
+    ST_CUDA_CHECK(cudaGetLastError(), "swiglu_backward_kernel launch");
   }
 
   void scaled_bias_add(const ScaledBiasAddParams& p, void*, Stream stream) override {
     if (p.rows.num_rows == 0) return;
     cuda::DeviceGuard guard(p.y.device().index);
     const PtrTable bias = table(p.bias);
-    dispatch(p.rows.dtype, [&](auto e) {
+    dispatch_dtype(p.rows.dtype, "CUDA GroupedMLP", [&](auto e) {
       using E = decltype(e);
       scaled_bias_add_kernel<E><<<unsigned(p.rows.num_rows), kRowThreads, 0, as_cuda(stream)>>>(
           p.rows.offsets, p.rows.num_groups, p.out, p.y.data_as<E>(), p.y.stride(0), p.probs.data_as<const float>(),
           p.probs.stride(0), bias);
     });
-    check_launch("scaled_bias_add_kernel");
+    ST_CUDA_CHECK(cudaGetLastError(), "scaled_bias_add_kernel launch");
   }
 
   void scaled_bias_grad(const ScaledBiasGradParams& p, void*, Stream stream) override {
@@ -245,13 +232,13 @@ class CudaMLPBackend final : public GroupedMLPBackend {
     cuda::DeviceGuard guard(p.dy.device().index);
     const PtrTable db = table(p.db);
     const dim3 grid(unsigned((p.out + 255) / 256), unsigned(p.rows.num_groups));
-    dispatch(p.rows.dtype, [&](auto e) {
+    dispatch_dtype(p.rows.dtype, "CUDA GroupedMLP", [&](auto e) {
       using E = decltype(e);
       scaled_bias_grad_kernel<E><<<grid, 256, 0, as_cuda(stream)>>>(p.rows.offsets, p.out, p.dy.data_as<const E>(),
                                                                     p.dy.stride(0), p.probs.data_as<const float>(),
                                                                     p.probs.stride(0), db);
     });
-    check_launch("scaled_bias_grad_kernel");
+    ST_CUDA_CHECK(cudaGetLastError(), "scaled_bias_grad_kernel launch");
   }
 };
 
