@@ -126,7 +126,7 @@ def _doc_ids(a: Any, fw: Framework, arg: str, device: Any = None) -> Any:
     return arr[None] if arr.ndim == 1 else arr
 
 
-def _cu_seqlens_arg(a: Any, fw: Framework, arg: str, device: Any = "keep") -> Any:
+def _cu_seqlens_arg(a: Any, fw: Framework, device: Any = "keep") -> Any:
     """FlashAttention's cumulative offsets as an array of the framework: torch tensors and numpy
     arrays as they are (the core checks int32, 1-d; a list becomes int32), moved to `device` (a
     torch.device, None for the host) unless "keep"."""
@@ -174,7 +174,7 @@ def document_ids_from_cu_seqlens(cu_seqlens_q: Any, cu_seqlens_k: Any = None, se
     same = cu_seqlens_k is None or cu_seqlens_k is cu_seqlens_q
     cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
     fw = _framework(framework, cu_seqlens_q, cu_seqlens_k)
-    cu_q, cu_k = _cu_seqlens_arg(cu_seqlens_q, fw, "cu_seqlens_q"), _cu_seqlens_arg(cu_seqlens_k, fw, "cu_seqlens_k")
+    cu_q, cu_k = _cu_seqlens_arg(cu_seqlens_q, fw), _cu_seqlens_arg(cu_seqlens_k, fw)
     if seq_q is None:
         seq_q = _host_last(cu_q)
         if seq_q is None:
@@ -277,8 +277,8 @@ class BlockMask:
                              "got 'auto'")
         if cu_seqlens_q is not None:  # converted on the build's device, then the document-id path
             same = cu_seqlens_k is None or cu_seqlens_k is cu_seqlens_q
-            cu_q = _cu_seqlens_arg(cu_seqlens_q, fw, "cu_seqlens_q", dev)
-            cu_k = cu_q if same else _cu_seqlens_arg(cu_seqlens_k, fw, "cu_seqlens_k", dev)
+            cu_q = _cu_seqlens_arg(cu_seqlens_q, fw, dev)
+            cu_k = cu_q if same else _cu_seqlens_arg(cu_seqlens_k, fw, dev)
             doc_q, doc_kv = document_ids_from_cu_seqlens(cu_q, cu_k, int(seq_q), int(seq_kv),
                                                          framework="numpy" if fw.torch is None else "torch")
         if kind in _DOC_KINDS:
