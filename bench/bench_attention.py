@@ -1,6 +1,9 @@
 """Block-sparse attention benchmark (DESIGN.md section 9): B=2, H=16, S=8192, D=128, bf16 with
 masks causal, sliding window 2048 (causal) and document-causal (documents of random lengths
-256..3072, seed 0, per batch row), plus D=64 (causal) and GQA Hq=32, Hkv=4 (causal). Forward of
+256..3072, seed 0, per batch row), plus D=64 (causal) and GQA Hq=32, Hkv=4 (causal); and issue 14's
+classes: document-causal with lengths drawn from 1..3000 on a long packed sequence (B=2,
+S=16384) beside dense causal at the same shape, sliding windows 512 and 1024 (causal), causal
+at S=2048 and S=4096 with B*H = 128 (B=8, H=16: short rows), causal GQA 8:1 at D=64. Forward of
 ours (sparsetrain.torch.block_sparse_attention) against FlexAttention
 (torch.compile(flex_attention, dynamic=False) on the same mask from create_block_mask(...,
 _compile=True)) and, for the dense-causal cases, cuDNN SDPA (sdpa_kernel(CUDNN_ATTENTION),
@@ -11,16 +14,24 @@ With --backward, per attention case also the backward alone (autograd.grad over 
 forward graph) and forward + backward of ours deterministic and non-deterministic, FlexAttention
 and cuDNN (causal cases): peer / ours ratios of both, and det / nondet (target <= 1.10).
 
-All in this process on this GPU: CUDA events after warm-up, the median of >= 100 runs (each run
-starts on an idle GPU, so host work inside the call counts), inputs rotated over enough copies to
-exceed twice the L2 cache. FLOPs count allowed (q, kv) pairs exactly (forward 4 * D * pairs,
-backward 10 * D * pairs, both 14 * D * pairs), the pairs counted in closed form per batch row and
-checked against the mask evaluated densely. A peer that fails (cuDNN unavailable, a compile error)
-is recorded in its row ("<peer>_error") and the run goes on. Speed-ups are peer time / our time
-(> 1: we are faster).
+All in this process on this GPU, CUDA events after warm-up, inputs rotated over enough copies to
+exceed twice the L2 cache. Two timings of every forward, ours and the peers (DESIGN.md section 9):
+one call at a time ("<peer>_ms": the median of >= 100 runs, each started on an idle GPU, so host
+work inside the call counts: what an eager training step sees) and back to back
+("<peer>_b2b_ms": the same number of calls queued between two events, divided by it: the GPU
+work, host work hidden where the GPU is the slower side); ours also from CUDA-graph replays
+("ours_graph_ms"). A document-causal case reports its TFLOP/s over those of dense causal at the
+same B, H, S, D ("tflops_vs_dense_causal", one call at a time; "b2b_tflops_vs_dense_causal";
+target >= 0.6), the dense case being measured too. FLOPs count allowed (q, kv) pairs exactly
+(forward 4 * D * pairs, backward 10 * D * pairs, both 14 * D * pairs), the pairs counted in
+closed form per batch row and checked against the mask evaluated densely. A peer that fails
+(cuDNN unavailable, a compile error) is recorded in its row ("<peer>_error") and the run goes on.
+Speed-ups are peer time / our time (> 1: we are faster). --self-check runs the host-side parts
+(case geometry, document ids, closed-form pair counts against dense counts, our host mask
+builds, the tables) on the CPU, no GPU needed.
 
     python bench/bench_attention.py [--only causal,build_causal|attention|build] [--quick]
-                                    [--backward] [--reps 100] [--json out.json]
+                                    [--backward] [--reps 100] [--json out.json] [--self-check]
 """
 
 import argparse
@@ -33,32 +44,76 @@ import sys
 import time
 import warnings
 
+from typing import NamedTuple, Optional, Tuple
+
 import numpy as np
 import torch
 
-# name: (mask kind, Hq, Hkv, D). B = 2, S = 8192 (--quick: 2048), bf16.
+BATCH = 2
+SEQ = 8192                 # the reference S; --seq / --quick scale every case's S, window and lengths
+WINDOW = 2048
+DOC_LENGTHS = (256, 3072)
+
+
+class Case(NamedTuple):
+    """An attention case at the reference S = SEQ (bf16). window: sliding_window's left bound
+    (causal on the right); doc_lengths: document lengths drawn uniformly from [lo, hi] per batch
+    row; dense: the dense causal case of the same B, H, S, D whose TFLOP/s this one is compared
+    with (measured whenever this one is)."""
+
+    kind: str
+    Hq: int
+    Hkv: int
+    D: int
+    B: int = BATCH
+    S: int = SEQ
+    window: int = WINDOW
+    doc_lengths: Tuple[int, int] = DOC_LENGTHS
+    dense: Optional[str] = None
+
+
 CASES = {
-    "causal": ("causal", 16, 16, 128),
-    "sliding_window": ("sliding_window", 16, 16, 128),
-    "document_causal": ("document_causal", 16, 16, 128),
-    "causal_d64": ("causal", 16, 16, 64),
-    "gqa_causal": ("causal", 32, 4, 128),
+    "causal": Case("causal", 16, 16, 128),
+    "sliding_window": Case("sliding_window", 16, 16, 128),
+    "document_causal": Case("document_causal", 16, 16, 128, dense="causal"),
+    "causal_d64": Case("causal", 16, 16, 64),
+    "gqa_causal": Case("causal", 32, 4, 128),
+    # Issue 14's classes: many short documents on a long packed sequence, narrow windows, short
+    # rows with many (batch, head) pairs, GQA 8:1 at D = 64.
+    "causal_s16384": Case("causal", 16, 16, 128, S=16384),
+    "document_causal_1to3000": Case("document_causal", 16, 16, 128, S=16384, doc_lengths=(1, 3000),
+                                    dense="causal_s16384"),
+    "sliding_window_512": Case("sliding_window", 16, 16, 128, window=512),
+    "sliding_window_1024": Case("sliding_window", 16, 16, 128, window=1024),
+    "causal_s2048_b8": Case("causal", 16, 16, 128, B=8, S=2048),
+    "causal_s4096_b8": Case("causal", 16, 16, 128, B=8, S=4096),
+    "gqa8_causal_d64": Case("causal", 32, 4, 64),
 }
 BUILDS = {f"build_{k}": k for k in ("causal", "sliding_window", "document_causal")}
-BATCH = 2
-SEQ = 8192
-WINDOW = 2048            # at S = 8192; scaled with S (--quick)
-DOC_LENGTHS = (256, 3072)  # at S = 8192; scaled with S
+
+
+class Geometry(NamedTuple):
+    B: int
+    S: int
+    window: int
+    doc_lengths: Tuple[int, int]
+
+
+def geometry(case, seq):
+    """A case's B, S, window and document lengths for a run at --seq `seq` (S, window and lengths
+    scaled by seq / SEQ; lengths at least 1)."""
+    return Geometry(case.B, max(1, case.S * seq // SEQ), case.window * seq // SEQ,
+                    tuple(max(1, n * seq // SEQ) for n in case.doc_lengths))
 
 
 # -- masks: our kinds, flex's mask_mods, exact pair counts ------------------------------------------
 
 
-def document_ids(B, S, seed=0):
+def document_ids(B, S, lengths, seed=0):
     """int32 [B, S]: per batch row, consecutive documents of lengths drawn uniformly from
-    DOC_LENGTHS (scaled by S / 8192; seed 0), the last one cut at S."""
+    lengths = (lo, hi) (seed 0), the last one cut at S."""
     rng = np.random.default_rng(seed)
-    lo, hi = (max(1, n * S // SEQ) for n in DOC_LENGTHS)
+    lo, hi = lengths
     ids = np.empty((B, S), np.int32)
     for b in range(B):
         s = d = 0
@@ -69,36 +124,33 @@ def document_ids(B, S, seed=0):
     return torch.from_numpy(ids)
 
 
-def window_for(S):
-    return WINDOW * S // SEQ
-
-
-def mask_mod_for(kind, S, doc):
-    """flex_attention's mask_mod for our kind (doc: the device document ids)."""
+def mask_mod_for(kind, g, doc):
+    """flex_attention's mask_mod for our kind (g: the Geometry; doc: the document ids)."""
     if kind == "causal":
         return lambda b, h, q, kv: q >= kv
     if kind == "sliding_window":
-        w = window_for(S)
+        w = g.window
         return lambda b, h, q, kv: (q >= kv) & (q - kv <= w)
     if kind == "document_causal":
         return lambda b, h, q, kv: (doc[b, q] == doc[b, kv]) & (q >= kv)
     raise ValueError(kind)
 
 
-def our_mask_args(kind, S, doc):
+def our_mask_args(kind, g, doc):
     if kind == "sliding_window":
-        return {"window_left": window_for(S), "window_right": 0}
+        return {"window_left": g.window, "window_right": 0}
     if kind == "document_causal":
         return {"document_ids": doc}
     return {}
 
 
-def pairs_per_batch(kind, B, S, doc_cpu):
+def pairs_per_batch(kind, g, doc_cpu):
     """Allowed (q, kv) pairs of one head, per batch row, in closed form (Python ints)."""
+    B, S = g.B, g.S
     if kind == "causal":
         return [S * (S + 1) // 2] * B
     if kind == "sliding_window":
-        w = min(window_for(S), S - 1)  # rows q < w see q + 1 keys, the others w + 1
+        w = min(g.window, S - 1)  # rows q < w see q + 1 keys, the others w + 1
         return [w * (w + 1) // 2 + (S - w) * (w + 1)] * B
     if kind == "document_causal":
         out = []
@@ -109,15 +161,16 @@ def pairs_per_batch(kind, B, S, doc_cpu):
     raise ValueError(kind)
 
 
-def dense_pairs(mask_mod, B, S, rows=1024):
-    """The same count from mask_mod evaluated densely on the GPU (the check of the closed form)."""
-    kv = torch.arange(S, device="cuda")[None, :]
+def dense_pairs(mask_mod, B, S, rows=1024, device="cuda"):
+    """The same count from mask_mod evaluated densely (the check of the closed form) on `device`
+    (the GPU in a run; the CPU in --self-check; the document ids must be there)."""
+    kv = torch.arange(S, device=device)[None, :]
     out = []
     for b in range(B):
-        bt = torch.tensor(b, device="cuda")
+        bt = torch.tensor(b, device=device)
         n = 0
         for r in range(0, S, rows):
-            q = torch.arange(r, min(S, r + rows), device="cuda")[:, None]
+            q = torch.arange(r, min(S, r + rows), device=device)[:, None]
             n += int(mask_mod(bt, 0, q, kv).sum())
         out.append(n)
     return out
@@ -145,6 +198,21 @@ def time_ms(fn, reps, warmup=3):
     return statistics.median(times), statistics.median(walls)
 
 
+def queued_ms(fn, reps, warmup=3):
+    """Back to back: `reps` calls of fn() queued between two CUDA events, the time per call (the
+    GPU work, host work hidden while the GPU is the slower side; the host's when it is not)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / reps
+
+
 def graph_ms(fn, reps):
     """Median time of fn captured in a CUDA graph and replayed: the GPU work without the host's."""
     side = torch.cuda.Stream()
@@ -164,13 +232,18 @@ def first_line(e):
     return f"{type(e).__name__}: {lines[0] if lines else ''}"[:400]
 
 
-def run_peer(row, name, fn, reps, flops=None, wall=False):
-    """Times fn into row[name + '_ms'] (and TFLOP/s); a failure is recorded, never fatal."""
+def run_peer(row, name, fn, reps, flops=None, wall=False, b2b=False):
+    """Times fn into row[name + '_ms'] (one call at a time, and TFLOP/s) and, with b2b, into
+    row[name + '_b2b_ms'] (back to back, and TFLOP/s); a failure is recorded, never fatal."""
     try:
         t, w = time_ms(fn, reps)
+        if b2b:
+            tb = queued_ms(fn, reps)
     except Exception as e:  # noqa: BLE001 - any peer failure is data
         row[f"{name}_error"] = first_line(e)
         row[f"{name}_ms"] = float("nan")
+        if b2b:
+            row[f"{name}_b2b_ms"] = float("nan")
         torch.cuda.synchronize()
         return float("nan")
     row[f"{name}_ms"] = t
@@ -178,37 +251,53 @@ def run_peer(row, name, fn, reps, flops=None, wall=False):
         row[f"{name}_wall_ms"] = w
     if flops is not None:
         row[f"{name}_tflops"] = flops / t * 1e-9
+    if b2b:
+        row[f"{name}_b2b_ms"] = tb
+        if flops is not None:
+            row[f"{name}_b2b_tflops"] = flops / tb * 1e-9
     return t
 
 
 # -- the attention cases ---------------------------------------------------------------------------
 
 
-def bench_case(name, S, reps, backward, flex_compiled):
+def case_masks(name, seq, device):
+    """A case's geometry, document ids (on the host and on `device`), flex mask_mod and closed-form
+    pair counts; the counts checked against the mask_mod evaluated densely on `device`."""
+    c = CASES[name]
+    g = geometry(c, seq)
+    doc_cpu = document_ids(g.B, g.S, g.doc_lengths) if c.kind == "document_causal" else None
+    doc = None if doc_cpu is None else doc_cpu.to(device)
+    mask_mod = mask_mod_for(c.kind, g, doc)
+    pairs = pairs_per_batch(c.kind, g, doc_cpu)
+    dense = dense_pairs(mask_mod, g.B, g.S, device=device)
+    if dense != pairs:
+        raise AssertionError(f"{name}: closed-form pair counts {pairs} != dense counts {dense}")
+    return c, g, doc_cpu, doc, mask_mod, pairs
+
+
+def bench_case(name, seq, reps, backward, flex_compiled):
     import sparsetrain
     import sparsetrain.torch as stt
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.flex_attention import create_block_mask
 
-    kind, Hq, Hkv, D = CASES[name]
-    B, dt, dev = BATCH, torch.bfloat16, "cuda"
+    dt, dev = torch.bfloat16, "cuda"
+    c, g, doc_cpu, doc, mask_mod, pairs = case_masks(name, seq, dev)
+    kind, Hq, Hkv, D, B, S = c.kind, c.Hq, c.Hkv, c.D, g.B, g.S
     G = Hq // Hkv
-    doc_cpu = document_ids(B, S) if kind == "document_causal" else None
-    doc = None if doc_cpu is None else doc_cpu.to(dev)
-    mask_mod = mask_mod_for(kind, S, doc)
-    pairs = pairs_per_batch(kind, B, S, doc_cpu)
-    dense = dense_pairs(mask_mod, B, S)
-    if dense != pairs:
-        raise AssertionError(f"{name}: closed-form pair counts {pairs} != dense counts {dense}")
     total_pairs = Hq * sum(pairs)
     flops = 4.0 * D * total_pairs
     row = {"case": name, "mask": kind, "B": B, "Hq": Hq, "Hkv": Hkv, "S": S, "D": D, "dtype": "bf16",
            "pairs_per_head_per_batch": pairs, "density": sum(pairs) / (B * S * S), "fwd_flops": flops,
            "reps": reps}
     if kind == "sliding_window":
-        row["window_left"] = window_for(S)
+        row["window_left"] = g.window
     if kind == "document_causal":
         row["documents_per_batch"] = [int(torch.unique(doc_cpu[b]).numel()) for b in range(B)]
+        row["document_lengths"] = list(g.doc_lengths)
+    if c.dense is not None:
+        row["dense_causal_case"] = c.dense
 
     # Inputs: enough copies to exceed twice the L2 cache, used in turn by every peer.
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
@@ -231,7 +320,7 @@ def bench_case(name, S, reps, backward, flex_compiled):
     # flex's by create_block_mask(_compile=True) from the same definition.
     mask = fmask = None
     try:
-        mask = sparsetrain.BlockMask.build(kind, S, device=dev, **our_mask_args(kind, S, doc))
+        mask = sparsetrain.BlockMask.build(kind, S, device=dev, **our_mask_args(kind, g, doc))
         row["blocks_computed"] = int(mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum()) * \
             (1 if mask.kv_num_blocks.shape[0] == B else B)
         row["blocks_total"] = B * mask.num_q_blocks * mask.num_kv_blocks
@@ -251,18 +340,21 @@ def bench_case(name, S, reps, backward, flex_compiled):
 
     nan = float("nan")
     with torch.no_grad():
-        t = run_peer(row, "ours", rotating(ours_call), reps, flops) if mask is not None else nan
+        t = run_peer(row, "ours", rotating(ours_call), reps, flops, b2b=True) if mask is not None else nan
         if mask is not None:
             try:
                 row["ours_graph_ms"] = graph_ms(rotating(ours_call), reps)
+                row["ours_graph_tflops"] = flops / row["ours_graph_ms"] * 1e-9
             except Exception as e:  # noqa: BLE001
                 row["ours_graph_error"] = first_line(e)
                 torch.cuda.synchronize()
-        pt = run_peer(row, "flex", rotating(flex_call), reps, flops) if fmask is not None else nan
+        pt = run_peer(row, "flex", rotating(flex_call), reps, flops, b2b=True) if fmask is not None else nan
         row["speedup_vs_flex"] = pt / t
+        row["b2b_speedup_vs_flex"] = row.get("flex_b2b_ms", nan) / row.get("ours_b2b_ms", nan)
         if kind == "causal":
-            pt = run_peer(row, "cudnn", rotating(cudnn), reps, flops)
+            pt = run_peer(row, "cudnn", rotating(cudnn), reps, flops, b2b=True)
             row["speedup_vs_cudnn"] = pt / t
+            row["b2b_speedup_vs_cudnn"] = row.get("cudnn_b2b_ms", nan) / row.get("ours_b2b_ms", nan)
             if G > 1:  # cuDNN on k and v expanded to Hq heads (in case enable_gqa is not supported there)
                 expanded = [(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)) for q, k, v in sets]
                 it = itertools.cycle(expanded)
@@ -272,8 +364,10 @@ def bench_case(name, S, reps, backward, flex_compiled):
                     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-                pt = run_peer(row, "cudnn_expanded_kv", cudnn_expanded, reps, flops)
+                pt = run_peer(row, "cudnn_expanded_kv", cudnn_expanded, reps, flops, b2b=True)
                 row["speedup_vs_cudnn_expanded_kv"] = pt / t
+                row["b2b_speedup_vs_cudnn_expanded_kv"] = (row.get("cudnn_expanded_kv_b2b_ms", nan)
+                                                           / row.get("ours_b2b_ms", nan))
                 del expanded, it
         # One call each on the same inputs: ours against the peers (the same mask: close results).
         if mask is not None:
@@ -387,28 +481,30 @@ def bench_backward(row, mask, fmask, sets, reps, flex_compiled, G, kind):
 # -- block-mask build ------------------------------------------------------------------------------
 
 
-def bench_build(name, S, reps):
+def bench_build(name, seq, reps):
     import sparsetrain
     from torch.nn.attention.flex_attention import create_block_mask
 
     kind = BUILDS[name]
-    B = BATCH if kind == "document_causal" else None
-    doc_cpu = document_ids(BATCH, S) if kind == "document_causal" else None
+    g = geometry(CASES[kind], seq)
+    S = g.S
+    B = g.B if kind == "document_causal" else None
+    doc_cpu = document_ids(g.B, S, g.doc_lengths) if kind == "document_causal" else None
     doc = None if doc_cpu is None else doc_cpu.to("cuda")
-    mask_mod = mask_mod_for(kind, S, doc)
+    mask_mod = mask_mod_for(kind, g, doc)
     row = {"case": name, "mask": kind, "B": B or 1, "S": S, "block": 128, "reps": reps}
     if kind == "sliding_window":
-        row["window_left"] = window_for(S)
+        row["window_left"] = g.window
 
     def ours():
         return sparsetrain.BlockMask.build(kind, S, device="cuda", schedule="left_to_right",
-                                           **our_mask_args(kind, S, doc))
+                                           **our_mask_args(kind, g, doc))
 
     def flex():
         return create_block_mask(mask_mod, B, None, S, S, device="cuda", _compile=True)
 
     def ours_host():  # informational: the host builder ("auto" schedule) and the copy to the GPU
-        return sparsetrain.BlockMask.build(kind, S, framework="torch", **our_mask_args(kind, S, doc_cpu)).to("cuda")
+        return sparsetrain.BlockMask.build(kind, S, framework="torch", **our_mask_args(kind, g, doc_cpu)).to("cuda")
 
     t = run_peer(row, "ours", ours, reps, wall=True)
     try:
@@ -476,7 +572,23 @@ def selected(only):
             out.append(n)
         else:
             raise SystemExit(f"--only: unknown name {n!r}; expected some of {', '.join(names)}, attention, build")
+    # A document case's dense causal reference is measured with it (its ratio needs both).
+    out += [CASES[n].dense for n in out if n in CASES and CASES[n].dense is not None]
     return list(dict.fromkeys(out))
+
+
+def add_dense_ratios(rows):
+    """On each row with a dense causal reference: its TFLOP/s over the reference's, one call at a
+    time ("tflops_vs_dense_causal") and back to back ("b2b_tflops_vs_dense_causal")."""
+    by_case = {r["case"]: r for r in rows}
+    nan = float("nan")
+    for r in rows:
+        ref = by_case.get(r.get("dense_causal_case"))
+        if ref is None:
+            continue
+        for key, out in (("ours_tflops", "tflops_vs_dense_causal"), ("ours_b2b_tflops", "b2b_tflops_vs_dense_causal"),
+                         ("ours_graph_tflops", "graph_tflops_vs_dense_causal")):
+            r[out] = r.get(key, nan) / ref.get(key, nan)
 
 
 def print_tables(rows):
@@ -488,15 +600,26 @@ def print_tables(rows):
 
     att = [r for r in rows if r["case"] in CASES]
     if att:
-        print(f"\n{'case':16} {'ours ms':>9} {'TFLOP/s':>8} {'graph ms':>9} {'flex ms':>9} {'TFLOP/s':>8} "
-              f"{'flex/ours':>9} {'cudnn ms':>9} {'TFLOP/s':>8} {'cudnn/ours':>10}  errors")
-        for r in att:
-            errs = "; ".join(f"{k[:-6]}: {v}" for k, v in r.items()
-                             if (k.endswith("_error") and not k.startswith(("bwd_", "fwdbwd_"))) or k == "error")
-            print(f"{r['case']:16} {f(r, 'ours_ms'):>9} {f(r, 'ours_tflops', '{:.1f}'):>8} "
-                  f"{f(r, 'ours_graph_ms'):>9} {f(r, 'flex_ms'):>9} {f(r, 'flex_tflops', '{:.1f}'):>8} "
-                  f"{f(r, 'speedup_vs_flex', '{:.2f}x'):>9} {f(r, 'cudnn_ms'):>9} "
-                  f"{f(r, 'cudnn_tflops', '{:.1f}'):>8} {f(r, 'speedup_vs_cudnn', '{:.2f}x'):>10}  {errs}")
+        # The forward twice: one call at a time (host work counts) and back to back (the GPU work;
+        # ours also from CUDA-graph replays). "vs dense": a document case's TFLOP/s over dense
+        # causal's at the same shape (target >= 0.6).
+        for title, sfx, extra in (("forward, one call at a time", "", ""),
+                                  ("forward, back to back", "b2b_", "graph ms")):
+            ms = (lambda peer: f"{peer}_{sfx}ms") if sfx else (lambda peer: f"{peer}_ms")
+            tf = (lambda peer: f"{peer}_{sfx}tflops") if sfx else (lambda peer: f"{peer}_tflops")
+            print(f"\n{title}\n{'case':24} {'B':>2} {'S':>6} {'ours ms':>9} {'TFLOP/s':>8} {extra:>9} {'flex ms':>9} "
+                  f"{'TFLOP/s':>8} {'flex/ours':>9} {'cudnn ms':>9} {'TFLOP/s':>8} {'cudnn/ours':>10} "
+                  f"{'vs dense':>8}  errors")
+            for r in att:
+                errs = "; ".join(f"{k[:-6]}: {v}" for k, v in r.items()
+                                 if (k.endswith("_error") and not k.startswith(("bwd_", "fwdbwd_"))) or k == "error")
+                graph = f(r, "ours_graph_ms") if sfx else ""
+                print(f"{r['case']:24} {r.get('B', '-'):>2} {r.get('S', '-'):>6} {f(r, ms('ours')):>9} "
+                      f"{f(r, tf('ours'), '{:.1f}'):>8} {graph:>9} {f(r, ms('flex')):>9} "
+                      f"{f(r, tf('flex'), '{:.1f}'):>8} {f(r, sfx + 'speedup_vs_flex', '{:.2f}x'):>9} "
+                      f"{f(r, ms('cudnn')):>9} {f(r, tf('cudnn'), '{:.1f}'):>8} "
+                      f"{f(r, sfx + 'speedup_vs_cudnn', '{:.2f}x'):>10} "
+                      f"{f(r, sfx + 'tflops_vs_dense_causal', '{:.2f}'):>8}  {errs if not sfx else ''}")
     bwd = [r for r in att if "bwd_flops" in r]
     if bwd:
         # Ours is the deterministic backward unless "nondet"; x-columns are peer / ours (> 1: we are
@@ -521,6 +644,47 @@ def print_tables(rows):
                   f"{'':15} {f(r, 'ours_host_ms'):>17}  {errs}")
 
 
+def self_check(names, seq):
+    """The host-side parts on the CPU: for each selected attention case at --seq, its geometry,
+    document ids and closed-form pair counts against the mask_mod evaluated densely, and our
+    BlockMask built on the host from the same arguments covering every allowed pair; then the
+    tables over rows with made-up timings (the printing and ratio code)."""
+    import sparsetrain
+
+    rows = []
+    for name in names:
+        if name not in CASES:
+            continue
+        c, g, doc_cpu, _, mask_mod, pairs = case_masks(name, seq, "cpu")
+        mask = sparsetrain.BlockMask.build(c.kind, g.S, framework="torch", **our_mask_args(c.kind, g, doc_cpu))
+        # Every allowed pair lies in a listed block: the blocks' element count bounds the pairs.
+        blocks = mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum()
+        listed = int(blocks) * (1 if mask.kv_num_blocks.shape[0] == g.B else g.B)
+        full = int(mask.full_kv_num_blocks.sum()) * (1 if mask.kv_num_blocks.shape[0] == g.B else g.B)
+        assert full * mask.block_q * mask.block_kv <= sum(pairs) <= listed * mask.block_q * mask.block_kv, name
+        print(f"self-check {name:24} B={g.B} S={g.S} window={g.window if c.kind == 'sliding_window' else '-'} "
+              f"docs={[int(torch.unique(doc_cpu[b]).numel()) for b in range(g.B)] if doc_cpu is not None else '-'} "
+              f"pairs/head={pairs} (dense count agrees) blocks={listed}", flush=True)
+        fake = 1.0 + len(rows)
+        flops = 4.0 * c.D * c.Hq * sum(pairs)
+        row = {"case": name, "mask": c.kind, "B": g.B, "S": g.S, "fwd_flops": flops}
+        if c.dense is not None:
+            row["dense_causal_case"] = c.dense
+        for peer in ("ours", "flex") + (("cudnn",) if c.kind == "causal" else ()):
+            for sfx in ("", "b2b_"):
+                row[f"{peer}_{sfx}ms"] = fake
+                row[f"{peer}_{sfx}tflops"] = flops / fake * 1e-9
+        row["ours_graph_ms"] = fake
+        row["ours_graph_tflops"] = flops / fake * 1e-9
+        for peer in ("flex", "cudnn"):
+            if f"{peer}_ms" in row:
+                row[f"speedup_vs_{peer}"] = row[f"b2b_speedup_vs_{peer}"] = 1.0
+        rows.append(row)
+    add_dense_ratios(rows)
+    print_tables(rows)
+    print("\nself-check passed (timings above are made up)")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="", metavar="NAMES",
@@ -534,10 +698,15 @@ def main():
                     help="also time the backward alone (10 * D * pairs FLOPs) and forward + backward (14 * D * "
                          "pairs) of ours (deterministic and not), FlexAttention and cuDNN (causal)")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the environment and every row as JSON")
+    ap.add_argument("--self-check", action="store_true",
+                    help="run the host-side parts on the CPU (no GPU): geometry, document ids, closed-form pair "
+                         "counts against dense counts, our host mask builds, the tables; then exit")
     args = ap.parse_args()
     names = selected(args.only)
     S = args.seq or (2048 if args.quick else SEQ)
     reps = args.reps or (10 if args.quick else 100)
+    if args.self_check:
+        return self_check(names, S)
     if not torch.cuda.is_available():
         raise SystemExit("bench_attention: no CUDA device (torch.cuda.is_available() is False)")
     for opt in ("cache_size_limit", "recompile_limit"):  # flex recompiles per mask_mod and shape
@@ -566,6 +735,7 @@ def main():
             print(json.dumps(row), flush=True)
             rows.append(row)
         torch.cuda.empty_cache()
+    add_dense_ratios(rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"info": info, "rows": rows}, f, indent=1)

@@ -4,7 +4,8 @@ A BlockMask holds its index tensors as numpy arrays or as torch tensors (`framew
 tensors on the CPU or on one CUDA device), all int32 in FlexAttention's layout with leading dims
 [B, H] (size 1 broadcasts), plus the sizes, the mask inside partial blocks (`spec`) and the column
 schedule its dQ write order was built for. The builders run in C++ (`build` on the host or on a
-CUDA device, `from_blocks`, `with_schedule`); `from_torch` converts torch's flex_attention
+CUDA device, `from_blocks`, `with_schedule`; `from_cu_seqlens` for documents given as
+FlashAttention's cu_seqlens); `from_torch` converts torch's flex_attention
 BlockMask as it is: its lists, and its mask_mod evaluated once per partial block into per-block
 bitmasks. `to(device)` moves a mask (torch tensors).
 """
@@ -20,7 +21,7 @@ import numpy as np
 from . import _C
 from ._arrays import Framework, _is_torch, to_core
 
-__all__ = ["BlockMask", "MaskSpec", "MASK_KINDS", "block_sparse_attention_forward",
+__all__ = ["BlockMask", "MaskSpec", "MASK_KINDS", "document_ids_from_cu_seqlens", "block_sparse_attention_forward",
            "block_sparse_attention_backward"]
 
 MASK_KINDS = ("full", "causal", "causal_bottom_right", "sliding_window", "document", "document_causal",
@@ -125,6 +126,71 @@ def _doc_ids(a: Any, fw: Framework, arg: str, device: Any = None) -> Any:
     return arr[None] if arr.ndim == 1 else arr
 
 
+def _cu_seqlens_arg(a: Any, fw: Framework, device: Any = "keep") -> Any:
+    """FlashAttention's cumulative offsets as an array of the framework: torch tensors and numpy
+    arrays as they are (the core checks int32, 1-d; a list becomes int32), moved to `device` (a
+    torch.device, None for the host) unless "keep"."""
+    if isinstance(a, (list, tuple)):
+        a = np.asarray(a, dtype=np.int32)
+    if fw.torch is not None:
+        t = a if _is_torch(a) else fw.torch.as_tensor(np.asarray(a))
+        return t if isinstance(device, str) and device == "keep" else t.to("cpu" if device is None else device)
+    return a.detach().cpu().numpy() if _is_torch(a) else np.asarray(a)
+
+
+def _host_last(a: Any) -> Optional[int]:
+    """cu[-1] of offsets in host memory (None for a CUDA tensor: reading it would synchronise)."""
+    if _is_torch(a) and a.device.type != "cpu":
+        return None
+    return int(a[-1]) if len(a) > 0 else None
+
+
+def _max_seqlen_arg(value: Any, arg: str) -> None:
+    """FlashAttention's max_seqlen_q / max_seqlen_k: accepted (so a flash_attn_varlen_func call
+    passes its arguments unchanged) and checked, not needed."""
+    if value is None:
+        return
+    try:
+        n = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        n = None
+    if n is None or n < 0:
+        raise ValueError(f"{arg}: expected an int >= 0 or None (not needed: the mask comes from the offsets), "
+                         f"got {value!r}")
+
+
+def document_ids_from_cu_seqlens(cu_seqlens_q: Any, cu_seqlens_k: Any = None, seq_q: Optional[int] = None,
+                                 seq_kv: Optional[int] = None, *, framework: Optional[str] = None) -> Tuple[Any, Any]:
+    """FlashAttention's packed documents -> (doc_q int32 [1, seq_q], doc_kv int32 [1, seq_kv]), the
+    document ids that BlockMask.build's document kinds take (include/sparsetrain/cu_seqlens.h).
+    cu_seqlens_q / cu_seqlens_k: int32 [n + 1] cumulative offsets (cu[0] = 0) of one packed batch
+    row, as flash_attn_varlen_func takes them; cu_seqlens_k defaults to cu_seqlens_q. Document i
+    gets id i; positions past the last offset get n (query side) and n + 1 (key side), which match
+    nothing. The ids are made where the offsets are: on a CUDA device by a kernel on torch's
+    current stream, without a host synchronisation (seq_q is then required: q's packed length);
+    on the host by plain code, which also checks the values (cu[0] = 0, non-decreasing, cu[-1] <=
+    seq). seq_q defaults to cu_seqlens_q[-1] for host offsets; seq_kv to seq_q when the key offsets
+    are the query's, else to cu_seqlens_k[-1] (host offsets)."""
+    same = cu_seqlens_k is None or cu_seqlens_k is cu_seqlens_q
+    cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
+    fw = _framework(framework, cu_seqlens_q, cu_seqlens_k)
+    cu_q, cu_k = _cu_seqlens_arg(cu_seqlens_q, fw), _cu_seqlens_arg(cu_seqlens_k, fw)
+    if seq_q is None:
+        seq_q = _host_last(cu_q)
+        if seq_q is None:
+            raise ValueError("seq_q: expected the packed query length (q's sequence size) for offsets on "
+                             f"{cu_q.device} (reading cu_seqlens_q[-1] would synchronise), got None")
+    if seq_kv is None:
+        seq_kv = seq_q if same else _host_last(cu_k)
+        if seq_kv is None:
+            raise ValueError("seq_kv: expected the packed key length (k's sequence size) for offsets on "
+                             f"{cu_k.device} (reading cu_seqlens_k[-1] would synchronise), got None")
+    stream = fw.stream_of(cu_q) if fw.torch is not None else 0
+    dq, dkv = _C.document_ids_from_cu_seqlens(to_core(cu_q, "cu_seqlens_q"), to_core(cu_k, "cu_seqlens_k"),
+                                              int(seq_q), int(seq_kv), fw.allocate, stream)
+    return fw.view(dq), fw.view(dkv)
+
+
 class BlockMask:
     """Which (query block, key block) pairs an attention computes, in FlexAttention's layout
     (include/sparsetrain/block_mask.h): kv_num_blocks [B, H, Mq], kv_indices [B, H, Mq, W] (partial
@@ -135,7 +201,8 @@ class BlockMask:
     the query heads.
 
     Build one with `BlockMask.build(kind, seq_q, seq_kv, ...)` (on the host or, with device=, on
-    a CUDA device), `BlockMask.from_blocks(blocks, ...)` or `BlockMask.from_torch(flex_block_mask)`.
+    a CUDA device), `BlockMask.from_cu_seqlens(cu_seqlens_q, cu_seqlens_k, ...)` (FlashAttention's
+    packed documents), `BlockMask.from_blocks(blocks, ...)` or `BlockMask.from_torch(flex_block_mask)`.
     The arrays are numpy arrays or torch tensors (`framework`; `to_torch()` / `to_numpy()` convert
     host masks without copies), on the host or one CUDA device (`device`; `to(device)`, `cuda()`
     and `cpu()` move them). Treat them as read-only.
@@ -159,7 +226,9 @@ class BlockMask:
     def build(cls, kind: str, seq_q: int, seq_kv: Optional[int] = None, *, window_left: int = -1,
               window_right: int = -1, prefix_length: int = 0, document_ids: Any = None, doc_q: Any = None,
               doc_kv: Any = None, block_size: Union[int, Sequence[int]] = 128, schedule: Any = None,
-              sub_tiles: int = 1, framework: Optional[str] = None, device: Any = None) -> "BlockMask":
+              sub_tiles: int = 1, framework: Optional[str] = None, device: Any = None, cu_seqlens_q: Any = None,
+              cu_seqlens_k: Any = None, max_seqlen_q: Optional[int] = None,
+              max_seqlen_k: Optional[int] = None) -> "BlockMask":
         """A mask from a built-in kind (mask_spec.h), seq_kv = seq_q by default:
         "full"; "causal" (kv <= q, FlexAttention's top-left convention); "causal_bottom_right"
         (kv <= q + seq_kv - seq_q, FlashAttention's); "sliding_window" (q - window_left <= kv <=
@@ -172,22 +241,46 @@ class BlockMask:
         torch tensors or the device is CUDA). device: None or "cpu" builds on the host; a CUDA
         device ("cuda", "cuda:1", a torch.device) builds the same tensors there, on torch's current
         stream, without a host synchronisation (torch tensors from torch's allocator; document ids
-        are moved there first; "auto" is not available: it runs the scheduler model on the host)."""
+        are moved there first; "auto" is not available: it runs the scheduler model on the host).
+        cu_seqlens_q / cu_seqlens_k (document kinds, instead of document ids): FlashAttention's
+        packed documents, int32 [n + 1] cumulative offsets of one packed batch row (cu_seqlens_k
+        defaults to cu_seqlens_q); moved to the build's device like document ids, then turned into
+        ids there (document_ids_from_cu_seqlens: on a CUDA device without a host synchronisation).
+        "document_causal" is kv <= q in packed positions within a document: FlashAttention's varlen
+        causal (bottom-right per document) when cu_seqlens_q == cu_seqlens_k, not otherwise;
+        "document" is FlashAttention's non-causal varlen for any lengths. max_seqlen_q /
+        max_seqlen_k are accepted as FlashAttention takes them, and not needed."""
         seq_kv = seq_q if seq_kv is None else seq_kv
         if kind not in MASK_KINDS:
             raise ValueError(f"kind: expected one of {', '.join(MASK_KINDS)}, got {kind!r}")
+        _max_seqlen_arg(max_seqlen_q, "max_seqlen_q")
+        _max_seqlen_arg(max_seqlen_k, "max_seqlen_k")
+        if cu_seqlens_q is None and cu_seqlens_k is not None:
+            raise ValueError("cu_seqlens_q: expected the query offsets with cu_seqlens_k, got None")
+        if cu_seqlens_q is not None:
+            if kind not in _DOC_KINDS:
+                raise ValueError(f"cu_seqlens_q: expected none for kind {kind!r} (only document kinds take them)")
+            if document_ids is not None or doc_q is not None or doc_kv is not None:
+                raise ValueError("cu_seqlens_q: expected either cu_seqlens or document ids, got both")
         if document_ids is not None:
             if doc_q is not None or doc_kv is not None:
                 raise ValueError("document_ids: expected either document_ids or doc_q / doc_kv, got both")
             doc_q = doc_kv = document_ids
         dev = _device_arg(device, framework)
-        fw = _framework("torch" if dev is not None and framework is None else framework, doc_q, doc_kv)
+        fw = _framework("torch" if dev is not None and framework is None else framework, doc_q, doc_kv,
+                        cu_seqlens_q, cu_seqlens_k)
         if schedule is None:
             schedule = "auto" if dev is None else "left_to_right"
         elif dev is not None and isinstance(schedule, str) and schedule == "auto":
             raise ValueError(f"schedule: expected 'left_to_right', 'shortest_first' or a permutation for a build on "
                              f"{dev} (\"auto\" runs the scheduler model on the host: build there, or pick one), "
                              "got 'auto'")
+        if cu_seqlens_q is not None:  # converted on the build's device, then the document-id path
+            same = cu_seqlens_k is None or cu_seqlens_k is cu_seqlens_q
+            cu_q = _cu_seqlens_arg(cu_seqlens_q, fw, dev)
+            cu_k = cu_q if same else _cu_seqlens_arg(cu_seqlens_k, fw, dev)
+            doc_q, doc_kv = document_ids_from_cu_seqlens(cu_q, cu_k, int(seq_q), int(seq_kv),
+                                                         framework="numpy" if fw.torch is None else "torch")
         if kind in _DOC_KINDS:
             if doc_q is None or doc_kv is None:
                 raise ValueError(f"document_ids: expected document ids [B or 1, S] for kind {kind!r}, got none")
@@ -204,6 +297,39 @@ class BlockMask:
             d = _C.build_block_mask(spec._core(), int(seq_q), int(seq_kv), bq, bkv, _schedule_arg(schedule),
                                     int(sub_tiles), fw.allocate, "cuda", dev.index, stream)
         return cls._from_core(d, fw, spec)
+
+    @classmethod
+    def from_cu_seqlens(cls, cu_seqlens_q: Any, cu_seqlens_k: Any = None, max_seqlen_q: Optional[int] = None,
+                        max_seqlen_k: Optional[int] = None, *, seq_q: Optional[int] = None,
+                        seq_kv: Optional[int] = None, causal: bool = False,
+                        block_size: Union[int, Sequence[int]] = 128, schedule: Any = None, sub_tiles: int = 1,
+                        framework: Optional[str] = None, device: Any = None) -> "BlockMask":
+        """A document mask from FlashAttention's packed form, with the arguments
+        flash_attn_varlen_func takes (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        causal): "document_causal" if causal else "document", over one packed batch row (q
+        [1, H, seq_q, D] in the torch front). seq_q / seq_kv: the packed lengths (q's and k's
+        sequence sizes; required for CUDA offsets, by default cu[-1] for host offsets). device: by
+        default where cu_seqlens_q is, so that CUDA offsets give a CUDA mask built without a host
+        synchronisation ("cpu" builds on the host). Causal semantics: kv <= q in packed positions
+        within a document, which is FlashAttention's (bottom-right per document) exactly when
+        cu_seqlens_q == cu_seqlens_k; see build()."""
+        if device is None and _is_torch(cu_seqlens_q) and cu_seqlens_q.device.type != "cpu":
+            device = cu_seqlens_q.device
+        same = cu_seqlens_k is None or cu_seqlens_k is cu_seqlens_q
+        if seq_q is None:
+            seq_q = _host_last(cu_seqlens_q)
+            if seq_q is None:
+                raise ValueError("seq_q: expected the packed query length (q's sequence size) for offsets on "
+                                 f"{cu_seqlens_q.device} (reading cu_seqlens_q[-1] would synchronise), got None")
+        if seq_kv is None:
+            seq_kv = seq_q if same else _host_last(cu_seqlens_k)
+            if seq_kv is None:
+                raise ValueError("seq_kv: expected the packed key length (k's sequence size) for offsets on "
+                                 f"{cu_seqlens_k.device} (reading cu_seqlens_k[-1] would synchronise), got None")
+        return cls.build("document_causal" if causal else "document", int(seq_q), int(seq_kv),
+                         cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                         max_seqlen_k=max_seqlen_k, block_size=block_size, schedule=schedule, sub_tiles=sub_tiles,
+                         framework=framework, device=device)
 
     @classmethod
     def from_blocks(cls, blocks: Any, seq_q: int, seq_kv: int, *, block_size: Union[int, Sequence[int]] = 128,

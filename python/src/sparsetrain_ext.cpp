@@ -17,6 +17,7 @@
 
 #include "sparsetrain/attention.h"
 #include "sparsetrain/block_mask.h"
+#include "sparsetrain/cu_seqlens.h"
 #include "sparsetrain/error.h"
 #include "sparsetrain/grouped_linear.h"
 #include "sparsetrain/grouped_mlp.h"
@@ -555,6 +556,19 @@ nb::dict complete_mask(nb::dict mask, nb::handle schedule, int64_t sub_tiles, nb
   return export_mask(t, alloc);
 }
 
+// FlashAttention's cu_seqlens -> (doc_q, doc_kv) int32 [1, S], exported, on the offsets' device
+// (cu_seqlens.h); on CUDA by a kernel on `stream`, without a host synchronisation.
+nb::tuple document_ids_from_cu_seqlens(nb::handle cu_seqlens_q, nb::handle cu_seqlens_k, int64_t seq_q,
+                                       int64_t seq_kv, nb::callable allocator, uintptr_t stream) {
+  PyAllocator alloc(std::move(allocator));
+  st::Stream s;
+  s.handle = reinterpret_cast<void*>(stream);
+  const st::DocumentIds ids = st::document_ids_from_cu_seqlens(view_of(cu_seqlens_q, "cu_seqlens_q"),
+                                                               view_of(cu_seqlens_k, "cu_seqlens_k"), seq_q, seq_kv,
+                                                               &alloc, s);
+  return nb::make_tuple(export_tensor(ids.doc_q, alloc), export_tensor(ids.doc_kv, alloc));
+}
+
 st::AttentionOptions attention_options(float scale, bool deterministic, int sm_limit) {
   st::AttentionOptions o;
   o.scale = scale;
@@ -649,6 +663,8 @@ NB_MODULE(_C, m) {
   m.def("build_block_mask", &build_mask, nb::arg("spec"), nb::arg("seq_q"), nb::arg("seq_kv"), nb::arg("block_q"),
         nb::arg("block_kv"), nb::arg("schedule"), nb::arg("sub_tiles"), nb::arg("allocator"),
         nb::arg("device") = "cpu", nb::arg("device_index") = 0, nb::arg("stream") = 0);
+  m.def("document_ids_from_cu_seqlens", &document_ids_from_cu_seqlens, nb::arg("cu_seqlens_q"),
+        nb::arg("cu_seqlens_k"), nb::arg("seq_q"), nb::arg("seq_kv"), nb::arg("allocator"), nb::arg("stream") = 0);
   m.def("build_block_mask_from_blocks", &build_mask_from_blocks, nb::arg("blocks"), nb::arg("seq_q"),
         nb::arg("seq_kv"), nb::arg("block_q"), nb::arg("block_kv"), nb::arg("schedule"), nb::arg("sub_tiles"),
         nb::arg("allocator"));

@@ -63,6 +63,11 @@ inline int64_t device_mask_build_scratch(int64_t batch, int64_t Mq, int64_t Nk, 
   return Nk + batch * Mq * Nk + spans;
 }
 void build_block_mask_cuda(const DeviceMaskBuild& b, BlockMaskTensors& t, Stream stream);
+// document_ids_from_cu_seqlens's device path (src/cuda/attention/cu_seqlens_cuda.cu): ids[p] =
+// document_of_position(cu, num_docs, p, padding_id) for p in [0, seq), one thread per position,
+// on `stream` of `device`.
+void document_ids_from_cu_seqlens_cuda(const int32_t* cu, int64_t num_docs, int32_t padding_id, int32_t* ids,
+                                       int64_t seq, int device, Stream stream);
 #endif
 
 }  // namespace sparsetrain

@@ -2,7 +2,9 @@
 // the double-precision oracle on fresh random inputs, for every built-in mask kind and a bitmask mask,
 // S not a multiple of the tile, Sq != Skv, GQA and MQA, D = 64 and 128, bf16 and fp16, BHSD views,
 // mask blocks larger than the kernel tile, rows with no allowed key, masks built on the host and
-// copied over as well as built on the device, empty kv columns and compact index tensors;
+// copied over as well as built on the device, empty kv columns and compact index tensors,
+// documents of lengths 1, 2, 63, 64, 65, 127, 128, 129 and 3000 mixed differently per batch row
+// and Sq != Skv documents, documents given as FlashAttention's cu_seqlens (converted on the device);
 // outputs are NaN-poisoned first. The forward is bitwise repeatable; the deterministic backward is
 // bitwise the same over 20 runs and for any number of workers, and replays from a CUDA graph.
 // Then everything the CUDA path refuses, each with its error and no allocation, and a corrupt
@@ -24,6 +26,7 @@
 #include "device_tensor.h"
 #include "sparsetrain/attention.h"
 #include "sparsetrain/block_mask.h"
+#include "sparsetrain/cu_seqlens.h"
 #include "sparsetrain/error.h"
 
 namespace st = sparsetrain;
@@ -125,9 +128,24 @@ struct Case {
   bool bhsd = false, device_build = false, expect_empty_rows = false;
   int64_t left = -1, right = -1, prefix = 0;
   bool empty_column = false, compact = false;
+  // Document kinds: lengths of the documents of batch row 0, cycled to fill the sequence; row b
+  // takes them rotated by b (different per row). Empty: random lengths 2..301. doc_kv_lengths
+  // (Sq != Skv, or other key documents): the key side's, else the query side's.
+  std::vector<int64_t> doc_q_lengths = {}, doc_kv_lengths = {};
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+// A document case with given document lengths (issue 14's list: 1, 2, 63, 64, 65, 127, 128, 129,
+// 3000 mixed, different per batch row; Sq != Skv documents).
+Case documents_case(std::string name, DType dtype, int64_t B, int64_t Sq, int64_t Skv, int64_t Hq, int64_t Hkv,
+                    int64_t D, MaskKind kind, std::vector<int64_t> q_lengths, std::vector<int64_t> kv_lengths = {},
+                    bool device_build = false, bool bhsd = false) {
+  Case c{std::move(name), dtype, B, Sq, Skv, Hq, Hkv, D, 128, 128, kind, bhsd, device_build};
+  c.doc_q_lengths = std::move(q_lengths);
+  c.doc_kv_lengths = std::move(kv_lengths);
+  return c;
+}
 
 std::vector<Case> cases() {
   using K = MaskKind;
@@ -156,6 +174,22 @@ std::vector<Case> cases() {
       {"causal_bf16_S1000_blk128x256_compact", DType::kBF16, 2, 1000, 1000, 2, 2, 128, 128, 256, K::kCausal, false,
        false, false, -1, -1, 0, false, true},
   };
+  // Documents around the tile size and one of 3000 (most of a row: its diagonal tiles and long
+  // columns), mixed and rotated per batch row; the oracle's cost grows with the allowed pairs, so
+  // the 3000 is in the causal case only.
+  const std::vector<int64_t> around_tiles = {1, 2, 63, 64, 65, 127, 128, 129};
+  std::vector<int64_t> with_3000 = around_tiles;
+  with_3000.insert(with_3000.begin() + 4, 3000);
+  v.push_back(documents_case("doccausal_bf16_lens1to3000_B2_S3700", DType::kBF16, 2, 3700, 3700, 2, 1, 128,
+                             K::kDocumentCausal, with_3000));
+  v.push_back(documents_case("doccausal_fp16_lens1to129_B3_S1500_D64_device_bhsd", DType::kFP16, 3, 1500, 1500, 4, 2,
+                             64, K::kDocumentCausal, around_tiles, {}, true, true));
+  // Sq != Skv documents: other key lengths, so the k-th query document meets the k-th key one.
+  const std::vector<int64_t> keys = {129, 65, 1, 128, 2, 127, 63, 64};
+  v.push_back(documents_case("document_bf16_Sq1000_Skv1300_lens", DType::kBF16, 2, 1000, 1300, 2, 2, 128,
+                             K::kDocument, around_tiles, keys));
+  v.push_back(documents_case("doccausal_bf16_Sq1300_Skv1000_lens_gqa_device", DType::kBF16, 2, 1300, 1000, 4, 2, 128,
+                             K::kDocumentCausal, around_tiles, keys, true));
   return v;
 }
 
@@ -165,6 +199,20 @@ HostTensor document_ids(int64_t B, int64_t S, std::mt19937_64& rng) {
     for (int64_t s = 0, doc = 0, left = 0; s < S; ++s) {
       if (left-- == 0) left = 1 + int64_t(rng() % 300), ++doc;  // documents of 2..301 positions
       t.set(b * S + s, double(doc));
+    }
+  return t;
+}
+
+// Document ids [B, S] from lengths cycled to fill each row, row b starting at length b (mod the
+// count): every row a different mix.
+HostTensor document_ids(int64_t B, int64_t S, const std::vector<int64_t>& lengths) {
+  HostTensor t(DType::kInt32, {B, S});
+  const size_t n = lengths.size();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = 0, doc = 0, k = b, left = lengths[size_t(b) % n]; s < S; ++s) {
+      while (left == 0) left = lengths[size_t(++k) % n], ++doc;
+      t.set(b * S + s, double(doc));
+      --left;
     }
   return t;
 }
@@ -197,8 +245,8 @@ struct RandomMask {
 struct Prepared {
   std::mt19937_64 rng;
   std::unique_ptr<Input> q, k, v, dout;
-  HostTensor doc;
-  DeviceTensor ddoc;
+  HostTensor doc, doc_kv;
+  DeviceTensor ddoc, ddoc_kv;
   RandomMask random{};
   std::function<bool(int64_t, int64_t, int64_t, int64_t)> allowed;
   std::unique_ptr<st::BlockMaskTensors> host_mask;
@@ -216,9 +264,15 @@ struct Prepared {
     spec.window_left = c.left;
     spec.window_right = c.right;
     spec.prefix_length = c.prefix;
-    doc = document_ids(c.B, std::max(c.Sq, c.Skv), rng);
     const bool is_doc = c.kind == MaskKind::kDocument || c.kind == MaskKind::kDocumentCausal;
-    if (is_doc) spec.doc_q = spec.doc_kv = doc.view();
+    if (c.doc_q_lengths.empty()) {
+      doc = document_ids(c.B, std::max(c.Sq, c.Skv), rng);
+      doc_kv = doc;
+    } else {
+      doc = document_ids(c.B, c.Sq, c.doc_q_lengths);
+      doc_kv = document_ids(c.B, c.Skv, c.doc_kv_lengths.empty() ? c.doc_q_lengths : c.doc_kv_lengths);
+    }
+    if (is_doc) spec.doc_q = doc.view(), spec.doc_kv = doc_kv.view();
     st::BlockMaskOptions opts;
     opts.block_q = c.block_q;
     opts.block_kv = c.block_kv;
@@ -239,7 +293,9 @@ struct Prepared {
       st::MaskSpec dspec = spec;
       if (is_doc) {
         ddoc = DeviceTensor(doc);
-        dspec.doc_q = dspec.doc_kv = ddoc.view();
+        ddoc_kv = DeviceTensor(doc_kv);
+        dspec.doc_q = ddoc.view();
+        dspec.doc_kv = ddoc_kv.view();
       }
       opts.device = st::Device::cuda(0);
       opts.auto_schedule = false;
@@ -362,6 +418,89 @@ TEST_P(AttentionCuda, BackwardMatchesTheOracle) {
 
 INSTANTIATE_TEST_SUITE_P(Cuda, AttentionCuda, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case>& p) { return p.param.name; });
+
+// FlashAttention's packed documents: document ids converted from cu_seqlens on the device (no host
+// sync), a mask built there from them, and the attention through it give bitwise the forward (o,
+// lse) and deterministic backward (dq, dk, dv) of the same documents given as ids in another
+// labelling (7 i + 3, padding -1 / -2); padded query rows past the last offset give o = 0 and
+// lse = -inf, the others a finite lse. Self-attention packing (document_causal) with documents of
+// 1 .. 3000 and an empty one, and cross packing (Sq != Skv, document).
+TEST(AttentionCudaCuSeqlens, ForwardAndBackwardEqualTheDocumentIdForm) {
+  REQUIRE_GPU();
+  struct Packing {
+    const char* name;
+    MaskKind kind;
+    std::vector<int32_t> q_lengths, k_lengths;
+    int64_t seq_q, seq_kv;
+  };
+  const std::vector<int32_t> self = {1, 2, 63, 64, 0, 65, 127, 128, 129, 3000};
+  const Packing packings[] = {
+      {"document_causal_self_padded", MaskKind::kDocumentCausal, self, self, 3700, 3700},
+      {"document_cross_Sq3300_Skv1100", MaskKind::kDocument, {129, 1, 3000, 2, 65}, {64, 700, 1, 127, 128}, 3300,
+       1100},
+  };
+  for (const Packing& p : packings) {
+    SCOPED_TRACE(p.name);
+    std::vector<int32_t> cu_q(1, 0), cu_k(1, 0);
+    for (int32_t l : p.q_lengths) cu_q.push_back(cu_q.back() + l);
+    for (int32_t l : p.k_lengths) cu_k.push_back(cu_k.back() + l);
+    auto offsets = [](const std::vector<int32_t>& cu) {
+      HostTensor t(DType::kInt32, {int64_t(cu.size())});
+      for (size_t i = 0; i < cu.size(); ++i) t.set(int64_t(i), cu[i]);
+      return t;
+    };
+    auto relabelled = [](const std::vector<int32_t>& cu, int64_t seq, int32_t pad) {
+      HostTensor t(DType::kInt32, {1, seq});
+      for (int64_t pos = 0; pos < seq; ++pos) t.set(pos, pad);
+      for (size_t i = 0; i + 1 < cu.size(); ++i)
+        for (int32_t pos = cu[i]; pos < cu[i + 1]; ++pos) t.set(pos, 7.0 * double(i) + 3);
+      return t;
+    };
+    const DeviceTensor dcu_q(offsets(cu_q)), dcu_k(offsets(cu_k));
+    const DeviceTensor ids_q(relabelled(cu_q, p.seq_q, -1)), ids_k(relabelled(cu_k, p.seq_kv, -2));
+    st::BlockMaskOptions o;
+    o.device = st::Device::cuda(0);
+    o.auto_schedule = false;
+    o.schedule.kind = st::ScheduleKind::kShortestFirst;
+    const st::DocumentIds converted = st::document_ids_from_cu_seqlens(dcu_q.view(), dcu_k.view(), p.seq_q, p.seq_kv);
+    const st::BlockMaskTensors packed = st::build_block_mask(converted.spec(p.kind), p.seq_q, p.seq_kv, o);
+    st::MaskSpec by_ids;
+    by_ids.kind = p.kind;
+    by_ids.doc_q = ids_q.view();
+    by_ids.doc_kv = ids_k.view();
+    const st::BlockMaskTensors reference = st::build_block_mask(by_ids, p.seq_q, p.seq_kv, o);
+
+    std::mt19937_64 rng(std::hash<std::string>{}(p.name));
+    const int64_t Hq = 4, Hkv = 2, D = 128;
+    Input q(DType::kBF16, 1, p.seq_q, Hq, D, false, rng, 2.0), k(DType::kBF16, 1, p.seq_kv, Hkv, D, false, rng, 1.0);
+    Input v(DType::kBF16, 1, p.seq_kv, Hkv, D, false, rng, 1.0), dout(DType::kBF16, 1, p.seq_q, Hq, D, false, rng, 1.0);
+    DevicePoisonAllocator alloc;
+    st::AttentionCall call;
+    call.allocator = &alloc;
+    const st::AttentionForward fa =
+        st::block_sparse_attention_forward(q.dev_view, k.dev_view, v.dev_view, packed.mask, {}, call);
+    const st::AttentionForward fb =
+        st::block_sparse_attention_forward(q.dev_view, k.dev_view, v.dev_view, reference.mask, {}, call);
+    const HostTensor o_a = to_host(fa.o.view()), lse_a = to_host(fa.lse.view());
+    EXPECT_TRUE(st::testing::bytes_equal(o_a.view(), to_host(fb.o.view()).view()));
+    EXPECT_TRUE(st::testing::bytes_equal(lse_a.view(), to_host(fb.lse.view()).view()));
+    for (int64_t h = 0; h < Hq; ++h)
+      for (int64_t i = 0; i < p.seq_q; ++i) {
+        const double l = lse_a.get(h * p.seq_q + i);
+        if (i < cu_q.back()) {  // every query document here meets a non-empty key document
+          ASSERT_TRUE(std::isfinite(l)) << "row " << i << ": lse " << l;
+        } else {
+          ASSERT_TRUE(std::isinf(l) && l < 0) << "padded row " << i << ": lse " << l;
+          for (int64_t d = 0; d < D; ++d) ASSERT_EQ(o_a.get((i * Hq + h) * D + d), 0.0) << "padded row " << i;
+        }
+      }
+    const Grads ga(st::block_sparse_attention_backward(q.dev_view, k.dev_view, v.dev_view, fa.o.view(),
+                                                       fa.lse.view(), dout.dev_view, packed.mask));
+    const Grads gb(st::block_sparse_attention_backward(q.dev_view, k.dev_view, v.dev_view, fb.o.view(),
+                                                       fb.lse.view(), dout.dev_view, reference.mask));
+    EXPECT_TRUE(ga.same_bytes(gb));
+  }
+}
 
 // Each call must throw an Error containing `message` and allocate nothing.
 struct Bad {

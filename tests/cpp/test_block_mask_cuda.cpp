@@ -2,7 +2,8 @@
 // built-in kind, odd geometries (rows and columns longer than one CTA's threads included),
 // per-batch, broadcast and unsorted document ids, each schedule kind and sub-tile factors, the
 // device-built tensors (forward lists, transposes, write orders) equal the host builder's bit for
-// bit; the device mask passes validation and the write-order check once copied back; and
+// bit; the device mask passes validation and the write-order check once copied back; document ids
+// converted from cu_seqlens on the device equal the host conversion; and
 // the build time of an S = 8192 mask is reported.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -15,7 +16,9 @@
 #include <vector>
 
 #include "device_tensor.h"
+#include "common/cu_seqlens.h"
 #include "sparsetrain/block_mask.h"
+#include "sparsetrain/cu_seqlens.h"
 
 namespace st = sparsetrain;
 using st::testing::DeviceTensor;
@@ -161,6 +164,72 @@ TEST(BlockMaskCuda, DeviceBuildEqualsTheHostBuildForBroadcastAndUnsortedDocument
       }
     }
   }
+}
+
+// FlashAttention's cu_seqlens converted on the device (src/cuda/attention/cu_seqlens_cuda.cu) give
+// the host conversion's ids bit for bit: documents of lengths 1 .. 3000 with empty ones, padding
+// past the last offset, Sq != Skv, more positions than one grid has threads, and
+// decreasing offsets (invalid, unchecked on the device: the same ids as the host function, no
+// out-of-range read); then the device mask from them equals the host one.
+TEST(BlockMaskCuda, CuSeqlensOnTheDeviceGiveTheHostIds) {
+  REQUIRE_GPU();
+  struct Packing {
+    std::vector<int32_t> q_lengths, k_lengths;
+    int64_t seq_q, seq_kv;
+  };
+  // 40000 documents of 0..1199 positions (~24M): more positions than the kernel's largest grid
+  // has threads (65535 x 256), so the grid-stride loop takes a second turn.
+  std::vector<int32_t> many(40000, 0);
+  std::mt19937 rng(5);
+  for (int32_t& l : many) l = int32_t(rng() % 1200);
+  int64_t many_total = 0;
+  for (int32_t l : many) many_total += l;
+  const std::vector<Packing> packings = {
+      {{1, 2, 63, 64, 0, 65, 127, 128, 129, 3000}, {1, 2, 63, 64, 0, 65, 127, 128, 129, 3000}, 3579, 3579},
+      {{1, 2, 63, 64, 0, 65, 127, 128, 129, 3000}, {1, 2, 63, 64, 0, 65, 127, 128, 129, 3000}, 3700, 3700},
+      {{129, 1, 3000, 2, 65}, {64, 700, 1, 127, 128}, 3300, 1100},
+      {many, many, many_total + 17, many_total + 17},
+  };
+  auto offsets = [](const std::vector<int32_t>& lengths) {
+    HostTensor t(st::DType::kInt32, {int64_t(lengths.size()) + 1});
+    int64_t sum = 0;
+    t.set(0, 0.0);
+    for (size_t i = 0; i < lengths.size(); ++i) t.set(int64_t(i) + 1, double(sum += lengths[i]));
+    return t;
+  };
+  ASSERT_GT(many_total, int64_t(65535) * 256);
+  for (const Packing& p : packings) {
+    SCOPED_TRACE("Sq " + std::to_string(p.seq_q) + " Skv " + std::to_string(p.seq_kv));
+    const HostTensor hq = offsets(p.q_lengths), hk = offsets(p.k_lengths);
+    const DeviceTensor dq(hq), dk(hk);
+    const st::DocumentIds host = st::document_ids_from_cu_seqlens(hq.view(), hk.view(), p.seq_q, p.seq_kv);
+    const st::DocumentIds dev = st::document_ids_from_cu_seqlens(dq.view(), dk.view(), p.seq_q, p.seq_kv);
+    ASSERT_TRUE(dev.doc_q.view().device().is_cuda());
+    EXPECT_TRUE(HostTensor::copy_of(host.doc_q.view()).bytes_equal(to_host(dev.doc_q.view())));
+    EXPECT_TRUE(HostTensor::copy_of(host.doc_kv.view()).bytes_equal(to_host(dev.doc_kv.view())));
+    if (p.seq_q > 100000) continue;  // the ids were the point; masks of short packings below
+    st::BlockMaskOptions o;
+    o.auto_schedule = false;
+    o.schedule.kind = st::ScheduleKind::kShortestFirst;
+    DeviceTensor ddq, ddk;  // the device conversion's ids: the device build reads them
+    ddq.t = dev.doc_q;
+    ddk.t = dev.doc_kv;
+    const HostTensor hdq = HostTensor::copy_of(host.doc_q.view()), hdk = HostTensor::copy_of(host.doc_kv.view());
+    for (st::MaskKind kind : {st::MaskKind::kDocument, st::MaskKind::kDocumentCausal}) {
+      st::MaskSpec spec;
+      spec.kind = kind;
+      expect_device_build_equals_host(spec, p.seq_q, p.seq_kv, o, &hdq, &hdk, &ddq, &ddk);
+    }
+  }
+  // Decreasing (invalid) offsets: not checked on the device; the kernel's ids are the host function's.
+  const std::vector<int32_t> bad = {0, 50, 10, 30, 5, 40};
+  HostTensor hbad(st::DType::kInt32, {6});
+  for (int64_t i = 0; i < 6; ++i) hbad.set(i, bad[size_t(i)]);
+  const DeviceTensor dbad(hbad);
+  const st::DocumentIds ids = st::document_ids_from_cu_seqlens(dbad.view(), dbad.view(), 64, 64);
+  const HostTensor got = to_host(ids.doc_q.view());
+  for (int64_t p = 0; p < 64; ++p)
+    EXPECT_EQ(got.get(p), double(st::document_of_position(bad.data(), 5, p, 5))) << p;
 }
 
 TEST(BlockMaskCuda, ReportsTheBuildTimeOfALongMask) {

@@ -605,3 +605,49 @@ def test_device_build_arguments():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match=r"device: expected an available CUDA device, got cuda"):
             st.BlockMask.build("causal", 300, device="cuda")
+
+
+# -- FlashAttention's packed documents (cu_seqlens) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["document", "document_causal"])
+def test_cu_seqlens_give_the_document_id_form(causal):
+    """BlockMask.from_cu_seqlens on torch int32 offsets (a flash_attn_varlen_func call's tensors):
+    torch tensors throughout, the same mask tensors as the document-id form of the same documents,
+    bitwise the same outputs and gradients, and the dense reference's values (padded rows: o = 0,
+    lse = -inf)."""
+    lengths = [1, 2, 63, 64, 65, 3, 40]
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
+    S = int(cu[-1]) + 9  # padded to a static length
+    m = stt.BlockMask.from_cu_seqlens(cu, cu, max(lengths), max(lengths), seq_q=S, causal=causal, block_size=16)
+    assert m.framework == "torch" and m.spec.doc_q.dtype == torch.int32 and m.spec.doc_q.shape == (1, S)
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    doc_q = torch.cat([ids, torch.full((9,), 100)])[None]
+    doc_kv = torch.cat([ids, torch.full((9,), 101)])[None]
+    kind = "document_causal" if causal else "document"
+    ref = st.BlockMask.build(kind, S, doc_q=doc_q, doc_kv=doc_kv, block_size=16)
+    for name, t in m.tensors().items():
+        if name not in ("doc_q", "doc_kv") and t is not None:
+            assert torch.equal(t, getattr(ref, name)), name
+    dq_host, dkv_host = st.document_ids_from_cu_seqlens(cu, cu, S, S)
+    assert torch.equal(dq_host, torch.cat([ids, torch.full((9,), len(lengths))])[None].to(torch.int32))
+    assert torch.equal(dkv_host, torch.cat([ids, torch.full((9,), len(lengths) + 1)])[None].to(torch.int32))
+    allowed = _dense_mask(kind, S, S, doc_q=doc_q, doc_kv=doc_kv)
+    o, lse = _check_against_reference(m, allowed, 1, 2, 1, S, S, 16)
+    q, k, v, do = _inputs(1, 2, 1, S, S, 16)
+    ro, rlse = stt.block_sparse_attention(q, k, v, ref, return_lse=True)
+    assert torch.equal(o, ro) and torch.equal(lse, rlse)
+    assert bool(torch.isneginf(lse[..., int(cu[-1]):]).all()) and bool((o[:, :, int(cu[-1]):] == 0).all())
+
+
+def test_cu_seqlens_arguments():
+    cu = torch.tensor([0, 5, 9], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_q: expected dtype int32"):
+        stt.BlockMask.from_cu_seqlens(cu.long())
+    with pytest.raises(ValueError, match="cu_seqlens_k: expected as many documents as cu_seqlens_q"):
+        stt.BlockMask.from_cu_seqlens(cu, cu[:2], seq_q=9, seq_kv=9)
+    m = stt.BlockMask.from_cu_seqlens(cu, causal=True, device="cpu")
+    assert m.seq_q == 9 and m.device == torch.device("cpu") and m.spec.kind == "document_causal"
+    if torch.cuda.is_available():  # offsets on a CUDA device need the lengths (no host read)
+        with pytest.raises(ValueError, match="seq_q: expected the packed query length"):
+            stt.BlockMask.from_cu_seqlens(cu.cuda())

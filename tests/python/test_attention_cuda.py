@@ -5,8 +5,12 @@ flex_attention bitmask masks, bf16 / fp16, D = 64 / 128, GQA 8:2, Sq != Skv, row
 strided [B, H, S, D] views, with outputs poisoned first (NaN never passes); bitwise determinism;
 BlockMask.build on the device against the host build tensor by tensor (every kind, schedule and
 sub-tile count), its capture in a CUDA graph (no host sync), BlockMask.to / from_torch on CUDA;
+FlashAttention's cu_seqlens converted on the device (equal to the host conversion, capturable,
+attention bitwise equal to the document-id form);
 the CUDA backward: o, dq, dk, dv against flex_attention's in fp32 (causal, sliding window,
-document-causal, a random bitmask mask from a flex mask_mod, Sq != Skv, rows without keys; GQA
+document-causal (also documents of lengths 1..129 and 3000 mixed per batch row, Sq != Skv
+documents, documents from cu_seqlens), a random bitmask mask from a flex mask_mod, Sq != Skv, rows
+without keys; GQA
 8:2, MQA, D = 64 / 96 / 128, bf16 / fp16, S = 1000; deterministic and not), bitwise reproducible
 deterministic gradients (5 runs; any sm_limit, in a child process with a time limit against
 deadlocks; strided layouts; the array API), torch.use_deterministic_algorithms(True) forcing the
@@ -160,6 +164,29 @@ def _odd_documents(B, S, seed):
             ids[b, s:s + n] = d
             s, d = s + n, d + 1
     return ids
+
+
+def _length_documents(B, S, lengths):
+    """int32 document ids [B, S] from document lengths cycled to fill each row, row b starting at
+    lengths[b % n] (a different mix per row)."""
+    ids = torch.empty(B, S, dtype=torch.int32)
+    for b in range(B):
+        s = d = 0
+        while s < S:
+            n = lengths[(b + d) % len(lengths)]
+            ids[b, s:s + n] = d
+            s, d = s + n, d + 1
+    return ids
+
+
+# Issue 14's document lengths: around the 128 tile, and one of 3000.
+LENGTHS = [1, 2, 63, 64, 3000, 65, 127, 128, 129]
+SHORT_LENGTHS = [1, 2, 63, 64, 65, 127, 128, 129]
+KEY_LENGTHS = [129, 65, 1, 128, 2, 127, 63, 64]
+
+
+def _cu_seqlens(lengths):
+    return torch.tensor([0] + list(lengths), dtype=torch.int32).cumsum(0).to(torch.int32)
 
 
 def _mod3(b, h, q, kv):
@@ -353,6 +380,72 @@ def test_device_built_mask_gives_the_same_attention_as_a_moved_host_mask():
     assert torch.equal(o1, o2) and torch.equal(lse1, lse2)
 
 
+# -- FlashAttention's packed documents (cu_seqlens) on the device --------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["document", "document_causal"])
+def test_cu_seqlens_on_the_device_equal_the_host_conversion_and_mask(causal):
+    """Offsets on the GPU: ids converted there (no host read) equal the host conversion, and
+    BlockMask.from_cu_seqlens builds the host builder's mask there; Sq != Skv with other key
+    documents too."""
+    for lq, lk, Sq, Skv in ((LENGTHS + [0, 5], LENGTHS + [0, 5], 3700, 3700),
+                            (SHORT_LENGTHS, KEY_LENGTHS, 700, 1000)):
+        cu_q, cu_k = _cu_seqlens(lq), _cu_seqlens(lk)
+        dev_ids = st.document_ids_from_cu_seqlens(cu_q.to(DEV), cu_k.to(DEV), Sq, Skv)
+        host_ids = st.document_ids_from_cu_seqlens(cu_q, cu_k, Sq, Skv)
+        for d, h in zip(dev_ids, host_ids):
+            assert d.device == DEV and d.dtype == torch.int32 and torch.equal(d.cpu(), h)
+        m = st.BlockMask.from_cu_seqlens(cu_q.to(DEV), cu_k.to(DEV), max(lq), max(lk), seq_q=Sq, seq_kv=Skv,
+                                         causal=causal)
+        assert m.device == DEV and m.schedule == "left_to_right"
+        kind = "document_causal" if causal else "document"
+        _assert_same_mask(m, st.BlockMask.build(kind, Sq, Skv, doc_q=host_ids[0], doc_kv=host_ids[1],
+                                                schedule="left_to_right"))
+
+
+def test_cu_seqlens_conversion_and_build_are_capturable_in_a_cuda_graph():
+    """No host synchronisation: converting the offsets and building the mask capture into a CUDA
+    graph; a replay with other offsets (same document count) in the same buffer rebuilds both."""
+    S = 1031
+    cu_a, cu_b = _cu_seqlens([1, 2, 63, 64, 65, 127, 128, 129, 400]), _cu_seqlens([300, 129, 1, 500, 2, 63, 0, 1, 35])
+    cu = cu_a.to(DEV)
+    st.BlockMask.from_cu_seqlens(cu, seq_q=S, causal=True)  # warm-up
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        m = st.BlockMask.from_cu_seqlens(cu, seq_q=S, causal=True)
+    for offsets in (cu_a, cu_b):
+        cu.copy_(offsets)
+        graph.replay()
+        torch.cuda.synchronize()
+        doc_q, doc_kv = st.document_ids_from_cu_seqlens(offsets, offsets, S, S)
+        assert torch.equal(m.spec.doc_q.cpu(), doc_q) and torch.equal(m.spec.doc_kv.cpu(), doc_kv)
+        _assert_same_mask(m, st.BlockMask.build("document_causal", S, doc_q=doc_q, doc_kv=doc_kv,
+                                                schedule="left_to_right"))
+
+
+def test_cu_seqlens_attention_equals_the_document_id_form_bitwise():
+    """The forward and the deterministic backward through a mask from device cu_seqlens equal,
+    bit for bit, those through the same documents given as (relabelled) ids; padded rows give
+    o = 0 and lse = -inf."""
+    _require_kernel(torch.bfloat16, 128)
+    lengths = [1, 2, 63, 64, 0, 65, 127, 128, 129, 3000]
+    S = sum(lengths) + 121
+    cu = _cu_seqlens(lengths).to(DEV)
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)) * 7 + 3
+    doc_q = torch.cat([ids, torch.full((121,), -1)])[None].to(DEV)
+    doc_kv = torch.cat([ids, torch.full((121,), -2)])[None].to(DEV)
+    packed = st.BlockMask.from_cu_seqlens(cu, cu, 3000, 3000, seq_q=S, causal=True)
+    by_ids = st.BlockMask.build("document_causal", S, doc_q=doc_q, doc_kv=doc_kv, device=DEV)
+    q, k, v, do = _grad_inputs(1, 8, 2, S, S, 128, torch.bfloat16)
+    a, b = _grads(q, k, v, do, packed), _grads(q, k, v, do, by_ids)
+    for what, x, y in zip(("o", "dq", "dk", "dv"), a, b):
+        assert torch.equal(x, y), what
+    o, lse = _forward(q, k, v, packed)
+    assert bool(torch.isneginf(lse[..., S - 121:]).all()) and bool((o[:, :, S - 121:] == 0).all())
+    assert bool(torch.isfinite(lse[..., :S - 121]).all())
+
+
 def test_block_mask_to_cuda_and_back():
     host = st.BlockMask.build("document_causal", 500, document_ids=_odd_documents(2, 500, 8), schedule=[3, 0, 2, 1],
                               framework="numpy")
@@ -429,6 +522,25 @@ def _grad_case(name, B, H, S):
         doc_dev = doc.to(DEV)
         return (st.BlockMask.build("document_causal", S, document_ids=doc, device=DEV),
                 _flex_document_causal(doc_dev), B, None, S, S)
+    if name == "document_causal_lens1to3000":  # S = 3700 whatever S says: the 3000 must fit
+        doc = _length_documents(B, 3700, LENGTHS)
+        return (st.BlockMask.build("document_causal", 3700, document_ids=doc, device=DEV),
+                _flex_document_causal(doc.to(DEV)), B, None, 3700, 3700)
+    if name == "document_Sq_ne_Skv_lens":  # other key documents: the k-th query one meets the k-th key one
+        Skv = S + 300
+        doc_q, doc_kv = _length_documents(B, S, SHORT_LENGTHS), _length_documents(B, Skv, KEY_LENGTHS)
+        dq_dev, dkv_dev = doc_q.to(DEV), doc_kv.to(DEV)
+        return (st.BlockMask.build("document", S, Skv, doc_q=doc_q, doc_kv=doc_kv, device=DEV),
+                lambda b, h, q, kv: dq_dev[b, q] == dkv_dev[b, kv], B, None, S, Skv)
+    if name == "document_causal_cu_seqlens":  # one packed row of documents (broadcast over B), padded
+        lengths = [1, 2, 63, 64, 0, 65, 127, 128, 129, S - 700]
+        cu = _cu_seqlens(lengths).to(DEV)
+        ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+        doc = torch.cat([ids, torch.full((S - len(ids),), -1)]).to(DEV)
+
+        def mod(b, h, q, kv):
+            return (doc[q] == doc[kv]) & (doc[q] >= 0) & (kv <= q)
+        return st.BlockMask.from_cu_seqlens(cu, seq_q=S, causal=True), mod, None, None, S, S
     if name == "random_bitmask":
         mod = _random_blocks(B, H, S, S, 12)
         fm = flex.create_block_mask(mod, B, H, S, S, device=DEV, BLOCK_SIZE=128)
@@ -437,7 +549,8 @@ def _grad_case(name, B, H, S):
 
 
 GRAD_MASKS = ["causal", "sliding_window", "document_causal", "random_bitmask", "sliding_window_two_sided_Sq_ne_Skv",
-              "causal_bottom_right_empty_rows"]
+              "causal_bottom_right_empty_rows", "document_causal_lens1to3000", "document_Sq_ne_Skv_lens",
+              "document_causal_cu_seqlens"]
 
 
 def _flex_reference(q, k, v, do, mask_mod, B, H, Sq, Skv, scale=None):
