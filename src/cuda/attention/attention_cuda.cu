@@ -18,6 +18,7 @@
 #include "common/dispatch_dtype.h"
 #include "cuda/attention/attention_bwd_params.h"
 #include "cuda/attention/attention_fwd_params.h"
+#include "cuda/attention/tile_scheduler.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_cache.h"
 #include "cuda/element.cuh"
@@ -215,9 +216,7 @@ void check_tma_operand(const TensorView& t, const char* name, DType dtype) {
 }
 
 int grid_of(int64_t items, int device, int sm_limit) {
-  int64_t g = std::min<int64_t>(items, cuda::sm_count(device));
-  if (sm_limit > 0) g = std::min<int64_t>(g, sm_limit);
-  return int(std::max<int64_t>(g, 1));
+  return cuda::attn::persistent_grid(items, cuda::sm_count(device), sm_limit);
 }
 
 class AttentionCuda final : public backend::AttentionBackend {

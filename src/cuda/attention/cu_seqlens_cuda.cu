@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include "common/cu_seqlens.h"
+#include "cuda/cuda_check.h"
 #include "cuda/runtime_cuda.h"
 #include "ops/block_mask_internal.h"
 #include "sparsetrain/error.h"
@@ -31,8 +32,7 @@ void document_ids_from_cu_seqlens_cuda(const int32_t* cu, int64_t num_docs, int3
   const unsigned grid = unsigned(blocks < 65535 ? blocks : 65535);
   cu_seqlens_to_ids_kernel<<<grid, kThreads, 0, static_cast<cudaStream_t>(stream.handle)>>>(cu, num_docs,
                                                                                            padding_id, ids, seq);
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) ST_FAIL("cu_seqlens_to_ids_kernel launch failed: ", cudaGetErrorString(e));
+  ST_CUDA_CHECK(cudaGetLastError(), "cu_seqlens_to_ids_kernel launch");
 }
 
 }  // namespace sparsetrain
