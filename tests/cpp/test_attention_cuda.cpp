@@ -132,6 +132,9 @@ struct Case {
   // takes them rotated by b (different per row). Empty: random lengths 2..301. doc_kv_lengths
   // (Sq != Skv, or other key documents): the key side's, else the query side's.
   std::vector<int64_t> doc_q_lengths = {}, doc_kv_lengths = {};
+  // Document kinds: the last positions of both sides in no document (query and key padding with
+  // ids that match nothing): whole q tiles without a key, which the forward's scheduler sorts last.
+  int64_t padded_tail = 0;
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
@@ -182,6 +185,14 @@ std::vector<Case> cases() {
   with_3000.insert(with_3000.begin() + 4, 3000);
   v.push_back(documents_case("doccausal_bf16_lens1to3000_B2_S3700", DType::kBF16, 2, 3700, 3700, 2, 1, 128,
                              K::kDocumentCausal, with_3000));
+  // A padded tail of 300 positions: 2 whole q tiles with no key per (batch, head), so a CTA's
+  // walk ends with empty items after real ones (their o = 0, lse = -inf must not take the place
+  // of the last real item's epilogue).
+  Case padded = documents_case("doccausal_bf16_lens_padded300_B2_S1700_h8", DType::kBF16, 2, 1700, 1700, 8, 2, 128,
+                               K::kDocumentCausal, around_tiles);
+  padded.padded_tail = 300;
+  padded.expect_empty_rows = true;
+  v.push_back(padded);
   v.push_back(documents_case("doccausal_fp16_lens1to129_B3_S1500_D64_device_bhsd", DType::kFP16, 3, 1500, 1500, 4, 2,
                              64, K::kDocumentCausal, around_tiles, {}, true, true));
   // Sq != Skv documents: other key lengths, so the k-th query document meets the k-th key one.
@@ -205,13 +216,15 @@ HostTensor document_ids(int64_t B, int64_t S, std::mt19937_64& rng) {
 
 // Document ids [B, S] from lengths cycled to fill each row, row b starting at length b (mod the
 // count): every row a different mix.
-HostTensor document_ids(int64_t B, int64_t S, const std::vector<int64_t>& lengths) {
+// pad: the id of the last `padded` positions (distinct per side, so padding meets nothing).
+HostTensor document_ids(int64_t B, int64_t S, const std::vector<int64_t>& lengths, int64_t padded = 0,
+                        int32_t pad = -1) {
   HostTensor t(DType::kInt32, {B, S});
   const size_t n = lengths.size();
   for (int64_t b = 0; b < B; ++b)
     for (int64_t s = 0, doc = 0, k = b, left = lengths[size_t(b) % n]; s < S; ++s) {
       while (left == 0) left = lengths[size_t(++k) % n], ++doc;
-      t.set(b * S + s, double(doc));
+      t.set(b * S + s, s < S - padded ? double(doc) : double(pad));
       --left;
     }
   return t;
@@ -269,8 +282,9 @@ struct Prepared {
       doc = document_ids(c.B, std::max(c.Sq, c.Skv), rng);
       doc_kv = doc;
     } else {
-      doc = document_ids(c.B, c.Sq, c.doc_q_lengths);
-      doc_kv = document_ids(c.B, c.Skv, c.doc_kv_lengths.empty() ? c.doc_q_lengths : c.doc_kv_lengths);
+      doc = document_ids(c.B, c.Sq, c.doc_q_lengths, c.padded_tail, -1);
+      doc_kv = document_ids(c.B, c.Skv, c.doc_kv_lengths.empty() ? c.doc_q_lengths : c.doc_kv_lengths,
+                            c.padded_tail, -2);
     }
     if (is_doc) spec.doc_q = doc.view(), spec.doc_kv = doc_kv.view();
     st::BlockMaskOptions opts;
@@ -359,10 +373,18 @@ TEST_P(AttentionCuda, ForwardMatchesTheOracle) {
   rl = rl.finish();
   EXPECT_TRUE(rl.ok) << rl.first_failure;
 
-  // Bitwise determinism: a second run gives the same bytes.
-  const st::AttentionForward again = st::block_sparse_attention_forward(q.dev_view, k.dev_view, v.dev_view, mask);
-  EXPECT_TRUE(st::testing::bytes_equal(o.view(), to_host(again.o.view()).view()));
-  EXPECT_TRUE(st::testing::bytes_equal(lse.view(), to_host(again.lse.view()).view()));
+  // Bitwise determinism: a second run gives the same bytes, and so do runs on 1 and 3 persistent
+  // CTAs (each walks many items back to back through the consumers' cross-item pipeline, with
+  // the empty items last: an item's result must not depend on its neighbours).
+  for (int sm_limit : {0, 1, 3}) {
+    SCOPED_TRACE("sm_limit " + std::to_string(sm_limit));
+    st::AttentionOptions opts;
+    opts.sm_limit = sm_limit;
+    const st::AttentionForward again =
+        st::block_sparse_attention_forward(q.dev_view, k.dev_view, v.dev_view, mask, opts);
+    EXPECT_TRUE(st::testing::bytes_equal(o.view(), to_host(again.o.view()).view()));
+    EXPECT_TRUE(st::testing::bytes_equal(lse.view(), to_host(again.lse.view()).view()));
+  }
 }
 
 struct Grads {

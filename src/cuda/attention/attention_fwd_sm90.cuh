@@ -162,16 +162,21 @@ __device__ __forceinline__ void fwd_consume(const typename T::Params& p, typenam
   FwdWorkRecord rec_next = sched.valid(it) ? a.records[it] : FwdWorkRecord{};
   OnlineSoftmax<kRows> sm, sm_done;
   sm.reset();
-  // The next item with a valid tile (its first one in tile / t); items without one get their
-  // epilogue (o = 0, lse = -inf) on the way. False when none is left.
+  // The next item with a valid tile into c (its first tile in tile / t); items without one get
+  // their epilogue (o = 0, lse = -inf) on the way. False when none is left, and c untouched: the
+  // caller still stores the item it holds (empty items sort last, so a CTA's walk often ends
+  // with some).
   auto next_nonempty = [&](FwdItem& c, WalkTile& tile, int& t) {
     while (sched.valid(it)) {
-      c = fwd_item(a, rec_next, T::kBlockM);
+      const FwdItem n = fwd_item(a, rec_next, T::kBlockM);
       it = sched.next_work(it, gridDim.x);
-      rec_next = sched.valid(it) ? a.records[it] : FwdWorkRecord{};  // in flight while c runs
-      t = walk_next_valid(a.lists, c.counts, c.b, c.h, c.row, 0, &tile);
-      if (t < walk_length(a.lists, c.counts)) return true;
-      fwd_store_rows<Element, T::kHeadDim, true>(a, c.b, c.h, c.q0, O, o_coord(), sm.row_max, sm.row_sum);
+      rec_next = sched.valid(it) ? a.records[it] : FwdWorkRecord{};  // in flight while n runs
+      t = walk_next_valid(a.lists, n.counts, n.b, n.h, n.row, 0, &tile);
+      if (t < walk_length(a.lists, n.counts)) {
+        c = n;
+        return true;
+      }
+      fwd_store_rows<Element, T::kHeadDim, true>(a, n.b, n.h, n.q0, O, o_coord(), sm.row_max, sm.row_sum);
     }
     return false;
   };
