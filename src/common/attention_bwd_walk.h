@@ -75,7 +75,8 @@ struct MaskColumnLists {
   int32_t num_q_blocks = 0;               // Mq of the mask
   int32_t q_tiles_per_block = 1;          // block_q / the kernel's q tile
   int32_t num_q_tiles = 0;                // ceil(Sq / the kernel's q tile)
-  BwdWalkShape walk;                      // bwd_walk_shape(schedule.walk, the mask has H > 1)
+  // mask_walk_shape (ops/block_mask_internal.h) for the kernel; unset, the old ascending walk.
+  BwdWalkShape walk{false, false};
 };
 
 // One q tile of a column's walk.

@@ -715,7 +715,7 @@ TEST(AttentionBwdWalk, DescendingColumnWalkIsTheAscendingOneReversedOnBadMasksTo
   std::mt19937 rng(31337);
   for (int i = 0; i < 2000; ++i) {
     const int32_t width = 1 + int32_t(rng() % 6), Mq = 1 + int32_t(rng() % 8);
-    std::vector<int32_t> pc{int32_t(rng() % 9) - 1}, fc{int32_t(rng() % 9) - 1}, pi(size_t(width)), fi(size_t(width));
+    std::vector<int32_t> pc{int32_t(rng() % 9) - 1}, fc{int32_t(rng() % 9) - 1}, pi(static_cast<size_t>(width)), fi(static_cast<size_t>(width));
     for (auto& x : pi) x = int32_t(rng() % uint32_t(Mq + 3)) - 1;
     for (auto& x : fi) x = int32_t(rng() % uint32_t(Mq + 3)) - 1;
     if (rng() % 2) {  // mostly sorted, disjoint lists: the walks are then exact mirrors
@@ -746,7 +746,7 @@ TEST(AttentionBwdWalk, DescendingColumnWalkIsTheAscendingOneReversedOnBadMasksTo
     bool disjoint = true;
     for (int32_t a = 0; a < std::clamp(pc[0], 0, width); ++a)
       for (int32_t b = 0; b < std::clamp(fc[0], 0, width); ++b) disjoint = disjoint && pi[size_t(a)] != fi[size_t(b)];
-    std::vector<int32_t> pids(size_t(std::clamp(pc[0], 0, width)));
+    const std::vector<int32_t> pids(static_cast<size_t>(std::clamp(pc[0], 0, width)));
     if (sorted && disjoint && std::adjacent_find(pi.begin(), pi.begin() + pids.size()) == pi.begin() + pids.size()) {
       std::reverse(up.begin(), up.end());
       ASSERT_EQ(up, down) << "case " << i;
@@ -759,10 +759,10 @@ TEST(AttentionBwdWalk, DescendingColumnWalkIsTheAscendingOneReversedOnBadMasksTo
 // The model's problem with q tiles for q blocks: each (b, query head, q tile) a semaphore; the
 // walks are the header's.
 st::DqModelProblem tile_problem(const st::MaskColumnLists& l, int64_t B, int64_t Hq, int64_t Hkv, int64_t Nk,
-                                int64_t sub_tiles, st::BwdWalkShape walk = {false, false}) {
+                                int64_t sub_tiles, st::BwdWalkShape shape = {false, false}) {
   EXPECT_FALSE(l.walk.descending) << "the model's walks are stored ascending";
   st::DqModelProblem pb;
-  pb.walk = walk;
+  pb.walk = shape;
   pb.batch = B;
   pb.q_heads = Hq;
   pb.kv_heads = Hkv;
