@@ -30,8 +30,16 @@ Speed-ups are peer time / our time (> 1: we are faster). --self-check runs the h
 (case geometry, document ids, closed-form pair counts against dense counts, our host mask
 builds, the tables) on the CPU, no GPU needed.
 
+The dQ schedule of ours (--schedule): "auto" (default) builds the mask on the host with the
+scheduler model's choice for the case's batch, heads and the GPU's SM count (--sm-limit if given
+is not a bench option: the kernel runs on every SM), then copies it to the GPU; the row records
+the choice ("ours_schedule", "ours_walk") and every candidate's modelled critical paths
+("schedule_candidates": det and nondet steps). "left_to_right" / "shortest_first" build on the
+GPU with --walk ("descending_heads_inner", the default, or "ascending_heads_outer").
+
     python bench/bench_attention.py [--only causal,build_causal|attention|build] [--quick]
                                     [--backward] [--reps 100] [--json out.json] [--self-check]
+                                    [--schedule auto|left_to_right|shortest_first] [--walk W]
 """
 
 import argparse
@@ -276,7 +284,28 @@ def case_masks(name, seq, device):
     return c, g, doc_cpu, doc, mask_mod, pairs
 
 
-def bench_case(name, seq, reps, backward, flex_compiled):
+def build_our_mask(kind, S, g, doc, doc_cpu, B, Hq, Hkv, schedule, walk, row):
+    """Ours for the case: "auto" on the host for the real problem (copied to the GPU), or an
+    explicit schedule and walk built on the GPU; the choice and the model's candidates in `row`."""
+    import sparsetrain
+    from sparsetrain import _C
+
+    if schedule == "auto":
+        workers = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
+        host = sparsetrain.BlockMask.build(kind, S, framework="torch", schedule="auto",
+                                           auto_problem=(B, Hq, Hkv, workers), **our_mask_args(kind, g, doc_cpu))
+        row["schedule_candidates"] = _C.schedule_candidates(host._core_mask(), [B, Hq, Hkv, workers])
+        row["schedule_model_workers"] = workers
+        mask = host.to("cuda") if torch.cuda.is_available() else host
+    else:
+        mask = sparsetrain.BlockMask.build(kind, S, device="cuda", schedule=schedule, walk=walk,
+                                           **our_mask_args(kind, g, doc))
+    row["ours_schedule"] = mask.schedule
+    row["ours_walk"] = mask.walk
+    return mask
+
+
+def bench_case(name, seq, reps, backward, flex_compiled, schedule="auto", walk=None):
     import sparsetrain
     import sparsetrain.torch as stt
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -316,11 +345,11 @@ def bench_case(name, seq, reps, backward, flex_compiled):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=G > 1)
 
-    # The masks: ours built on the device (explicit left-to-right schedule, the device default),
-    # flex's by create_block_mask(_compile=True) from the same definition.
+    # The masks: ours (build_our_mask: "auto" for the real problem by default), flex's by
+    # create_block_mask(_compile=True) from the same definition.
     mask = fmask = None
     try:
-        mask = sparsetrain.BlockMask.build(kind, S, device=dev, **our_mask_args(kind, g, doc))
+        mask = build_our_mask(kind, S, g, doc, doc_cpu, B, Hq, Hkv, schedule, walk, row)
         row["blocks_computed"] = int(mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum()) * \
             (1 if mask.kv_num_blocks.shape[0] == B else B)
         row["blocks_total"] = B * mask.num_q_blocks * mask.num_kv_blocks
@@ -656,7 +685,15 @@ def self_check(names, seq):
         if name not in CASES:
             continue
         c, g, doc_cpu, _, mask_mod, pairs = case_masks(name, seq, "cpu")
-        mask = sparsetrain.BlockMask.build(c.kind, g.S, framework="torch", **our_mask_args(c.kind, g, doc_cpu))
+        choice = {}
+        mask = build_our_mask(c.kind, g.S, g, None, doc_cpu, g.B, c.Hq, c.Hkv, "auto", None, choice)
+        best = min(x["critical_path"] for x in choice["schedule_candidates"])
+        chosen = [x for x in choice["schedule_candidates"]
+                  if (x["schedule"], x["walk"]) == (choice["ours_schedule"], choice["ours_walk"])]
+        assert chosen and chosen[0]["critical_path"] == best, (name, choice)
+        print(f"self-check {name:24} auto: {choice['ours_schedule']} {choice['ours_walk']} (model steps: " +
+              ", ".join(f"{x['schedule']}/{x['walk']} {x['critical_path']} det {x['nondeterministic_critical_path']} "
+                        "nondet" for x in choice["schedule_candidates"]) + ")", flush=True)
         # Every allowed pair lies in a listed block: the blocks' element count bounds the pairs.
         blocks = mask.kv_num_blocks.sum() + mask.full_kv_num_blocks.sum()
         listed = int(blocks) * (1 if mask.kv_num_blocks.shape[0] == g.B else g.B)
@@ -698,6 +735,10 @@ def main():
                     help="also time the backward alone (10 * D * pairs FLOPs) and forward + backward (14 * D * "
                          "pairs) of ours (deterministic and not), FlexAttention and cuDNN (causal)")
     ap.add_argument("--json", default=None, metavar="PATH", help="write the environment and every row as JSON")
+    ap.add_argument("--schedule", default="auto", choices=("auto", "left_to_right", "shortest_first"),
+                    help="ours' dQ schedule (default auto: the scheduler model's choice for the case, recorded)")
+    ap.add_argument("--walk", default=None, choices=("descending_heads_inner", "ascending_heads_outer"),
+                    help="with an explicit --schedule: the backward's walk (default descending_heads_inner)")
     ap.add_argument("--self-check", action="store_true",
                     help="run the host-side parts on the CPU (no GPU): geometry, document ids, closed-form pair "
                          "counts against dense counts, our host mask builds, the tables; then exit")
@@ -727,7 +768,7 @@ def main():
     for name in names:
         try:
             if name in CASES:
-                rows.append(bench_case(name, S, reps, args.backward, flex_compiled))
+                rows.append(bench_case(name, S, reps, args.backward, flex_compiled, args.schedule, args.walk))
             else:
                 rows.append(bench_build(name, S, reps))
         except Exception as e:  # noqa: BLE001 - a case that cannot run is recorded, the rest still run

@@ -12,9 +12,9 @@
 // W may be compact: any width >= the largest count (FlexAttention pads to Nk / Mq); every tensor
 // parallel to an index tensor, the write orders included, may be compact the same way.
 //
-// Walk order: kv column n visits the q blocks it touches, partial and full merged, in ascending
-// q-block order (builders sort; validation checks each list is strictly increasing and that no
-// block is both partial and full).
+// Lists: each q-side list is strictly increasing (builders sort; validation checks it and that no
+// block is both partial and full). The backward walks a kv column's q blocks, partial and full
+// merged, in the order of its schedule's WalkOrder (below): by default from the last one up.
 //
 // dQ write order: for a column schedule (the order in which backward hands out kv columns), every
 // q block m is written by the columns touching it one at a time, in schedule order; the entry
@@ -42,13 +42,29 @@ namespace sparsetrain {
 // causal mask the shortest columns come first), or an explicit permutation of [0, Nk).
 enum class ScheduleKind { kLeftToRight, kShortestFirst, kPermutation };
 
+// How the backward walks one work item (a kv column of one kv head): the q tiles it touches, for
+// each query head of the kv head's group. Only the order of one item's visits changes: turns,
+// tickets and write orders do not (src/common/attention_bwd_walk.h: bwd_walk_shape, and why
+// neither determinism nor deadlock freedom depends on it). dK / dV are summed in this order, so
+// the schedule (this included) fixes the backward's bits.
+//   kDescendingHeadsInner  q tiles bottom-up, at each tile every query head of the group in turn
+//                          (a mask with H > 1, whose heads' lists differ: one head after the
+//                          other, each bottom-up). The default: the columns of a left-to-right
+//                          chain then run in lock step (docs/PERF.md, "Deterministic backward: the walk").
+//   kAscendingHeadsOuter   per query head in turn, q tiles top-down (the order before 2026-11).
+enum class WalkOrder { kDescendingHeadsInner, kAscendingHeadsOuter };
+
 struct ColumnSchedule {
   ScheduleKind kind = ScheduleKind::kLeftToRight;
   std::vector<int32_t> permutation;  // kPermutation: column ids in hand-out order
+  WalkOrder walk = WalkOrder::kDescendingHeadsInner;
   // Column n's position in the hand-out order (Nk columns).
   int64_t position(int64_t n, int64_t num_columns) const;
-  std::string str() const;  // "left-to-right", "shortest-first", "permutation[...]"
+  // "left-to-right", "shortest-first", "permutation[...]"; "+ ascending heads outer" appended
+  // for that walk.
+  std::string str() const;
 };
+const char* walk_order_name(WalkOrder w);  // "descending_heads_inner", "ascending_heads_outer"
 
 // Non-owning views of a block mask (host or device memory; int32 index tensors).
 struct BlockMask {
@@ -90,10 +106,18 @@ void validate_block_mask(const BlockMask& mask, int64_t batch = 0, int64_t heads
 // Builders (host memory; the caller's allocator, default_allocator() if null). `schedule`:
 // the column schedule whose dQ write order is stored; ScheduleKind "auto" is chosen by
 // choose_schedule() below when `auto_schedule` is true.
+// What "auto" models besides the mask: the attention's batch and heads, and the backward's
+// workers (persistent CTAs: the GPU's SM count, or sm_limit when one is passed). 0: the mask's
+// leading dims (batch, heads_q = heads_kv = its H) and 132 workers (an H100 SXM / H200).
+struct ScheduleProblem {
+  int64_t batch = 0, heads_q = 0, heads_kv = 0, workers = 0;
+};
+
 struct BlockMaskOptions {
   int64_t block_q = 128, block_kv = 128;
-  bool auto_schedule = true;   // choose_schedule(); otherwise `schedule`
+  bool auto_schedule = true;   // choose_schedule(mask, problem); otherwise `schedule`
   ColumnSchedule schedule;
+  ScheduleProblem problem;     // for auto_schedule
   int64_t write_order_sub_tiles = 1;
   Allocator* allocator = nullptr;
   // build_block_mask only: a CUDA device builds the same tensors there (document ids on that
@@ -131,8 +155,19 @@ void compute_dq_write_order(BlockMaskTensors& out, const ColumnSchedule& schedul
 // 0..k-1 and increase with their position in `mask.schedule`. Returns "" or the first violation.
 std::string check_write_order(const BlockMask& mask);
 
-// "auto": a pure function of the mask — the schedule (left to right or shortest first) with the
-// shorter critical path in the scheduler model (src/common/dq_schedule_model.h) at 132 workers.
-ColumnSchedule choose_schedule(const BlockMask& mask);
+// "auto": a pure function of the mask and `problem` — of the schedules the kernel runs (hand-out
+// left to right or shortest first, times WalkOrder), the one whose deterministic backward has the
+// shortest critical path in the scheduler model (src/common/dq_schedule_model.h) with the
+// problem's batch, heads and workers; ties go to the earlier candidate, left to right with the
+// descending walk first. Never slower in the model than any fixed candidate, by construction.
+ColumnSchedule choose_schedule(const BlockMask& mask, const ScheduleProblem& problem = {});
+
+// The candidates "auto" weighs, in its tie-break order, with their modelled critical paths
+// (deterministic and not): what the bench reports next to the choice.
+struct ScheduleCandidate {
+  ColumnSchedule schedule;
+  int64_t critical_path = 0, nondeterministic_critical_path = 0;
+};
+std::vector<ScheduleCandidate> schedule_candidates(const BlockMask& mask, const ScheduleProblem& problem = {});
 
 }  // namespace sparsetrain

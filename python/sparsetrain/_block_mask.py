@@ -85,6 +85,16 @@ def _schedule_arg(schedule: Any) -> Any:
                          f"block columns, got {schedule!r}") from None
 
 
+def _problem_arg(problem: Any) -> Any:
+    """None, or (batch, heads_q, heads_kv, workers) for "auto" (0: the default)."""
+    if problem is None:
+        return None
+    p = [int(x) for x in problem]
+    if len(p) != 4 or any(x < 0 for x in p):
+        raise ValueError(f"auto_problem: expected (batch, heads_q, heads_kv, workers) >= 0, got {problem!r}")
+    return p
+
+
 def _device_arg(device: Any, framework: Optional[str]) -> Any:
     """A build's device: None or "cpu" for the host, else a torch.device of type cuda with its
     index (the current device for a bare "cuda"); a ValueError for anything else."""
@@ -197,8 +207,10 @@ class BlockMask:
     blocks: `spec` or the bitmasks apply inside), full_kv_* (no mask inside; may be None), the
     transposes q_* for backward, and dq_write_order(_full), the deterministic backward's dQ turns
     for `schedule` ("left_to_right", "shortest_first" or "permutation" with `schedule_permutation`)
-    with `sub_tiles` kv sub-columns per block column. Leading dims broadcast over the batch and
-    the query heads.
+    with `sub_tiles` kv sub-columns per block column, and `walk`, the order in which the backward
+    visits one kv column's q tiles and query heads ("descending_heads_inner", the default, or
+    "ascending_heads_outer"; block_mask.h WalkOrder): the schedule and walk fix the backward's
+    bits. Leading dims broadcast over the batch and the query heads.
 
     Build one with `BlockMask.build(kind, seq_q, seq_kv, ...)` (on the host or, with device=, on
     a CUDA device), `BlockMask.from_cu_seqlens(cu_seqlens_q, cu_seqlens_k, ...)` (FlashAttention's
@@ -209,7 +221,8 @@ class BlockMask:
     """
 
     def __init__(self, *, seq_q: int, seq_kv: int, block_q: int, block_kv: int, tensors: Dict[str, Any],
-                 spec: MaskSpec, schedule: str, schedule_permutation: Any, sub_tiles: int, framework: Framework):
+                 spec: MaskSpec, schedule: str, schedule_permutation: Any, sub_tiles: int, framework: Framework,
+                 walk: str = "descending_heads_inner"):
         self.seq_q, self.seq_kv = int(seq_q), int(seq_kv)
         self.block_q, self.block_kv = int(block_q), int(block_kv)
         for name in TENSOR_NAMES:
@@ -217,6 +230,7 @@ class BlockMask:
         self.spec = spec
         self.schedule = schedule
         self.schedule_permutation = schedule_permutation
+        self.walk = walk
         self.sub_tiles = int(sub_tiles)
         self._fw = framework
         self._other: Optional[BlockMask] = None  # the cached to_torch() / to_numpy() twin
@@ -228,7 +242,8 @@ class BlockMask:
               doc_kv: Any = None, block_size: Union[int, Sequence[int]] = 128, schedule: Any = None,
               sub_tiles: int = 1, framework: Optional[str] = None, device: Any = None, cu_seqlens_q: Any = None,
               cu_seqlens_k: Any = None, max_seqlen_q: Optional[int] = None,
-              max_seqlen_k: Optional[int] = None) -> "BlockMask":
+              max_seqlen_k: Optional[int] = None, walk: Optional[str] = None,
+              auto_problem: Optional[Sequence[int]] = None) -> "BlockMask":
         """A mask from a built-in kind (mask_spec.h), seq_kv = seq_q by default:
         "full"; "causal" (kv <= q, FlexAttention's top-left convention); "causal_bottom_right"
         (kv <= q + seq_kv - seq_q, FlashAttention's); "sliding_window" (q - window_left <= kv <=
@@ -237,7 +252,11 @@ class BlockMask:
         "prefix_lm" (kv <= q or kv < prefix_length). block_size: 128 or (block_q, block_kv).
         schedule: "auto" (chosen from the mask by the scheduler model; the default on the host),
         "left_to_right" (the default on a CUDA device), "shortest_first", or a permutation of the
-        kv block columns. framework: "numpy", "torch", or None (torch when the document ids are
+        kv block columns. walk (with an explicit schedule): "descending_heads_inner" (the default)
+        or "ascending_heads_outer". auto_problem: what "auto" models besides the mask, (batch,
+        heads_q, heads_kv, workers) of the attention and the GPU (workers: its SM count, or the
+        sm_limit used), 0 for the defaults (the mask's leading dims, 132 workers); "auto" weighs
+        both hand-outs and both walks in the scheduler model. framework: "numpy", "torch", or None (torch when the document ids are
         torch tensors or the device is CUDA). device: None or "cpu" builds on the host; a CUDA
         device ("cuda", "cuda:1", a torch.device) builds the same tensors there, on torch's current
         stream, without a host synchronisation (torch tensors from torch's allocator; document ids
@@ -291,11 +310,11 @@ class BlockMask:
         bq, bkv = _block_size(block_size)
         if dev is None:
             d = _C.build_block_mask(spec._core(), int(seq_q), int(seq_kv), bq, bkv, _schedule_arg(schedule),
-                                    int(sub_tiles), fw.allocate)
+                                    int(sub_tiles), fw.allocate, walk=walk, problem=_problem_arg(auto_problem))
         else:
             stream = fw.torch.cuda.current_stream(dev).cuda_stream
             d = _C.build_block_mask(spec._core(), int(seq_q), int(seq_kv), bq, bkv, _schedule_arg(schedule),
-                                    int(sub_tiles), fw.allocate, "cuda", dev.index, stream)
+                                    int(sub_tiles), fw.allocate, "cuda", dev.index, stream, walk=walk)
         return cls._from_core(d, fw, spec)
 
     @classmethod
@@ -368,14 +387,17 @@ class BlockMask:
 
         return _from_flex(cls, torch, block_mask, batch, heads, schedule, sub_tiles, device)
 
-    def with_schedule(self, schedule: Any = "auto", sub_tiles: Optional[int] = None) -> "BlockMask":
+    def with_schedule(self, schedule: Any = "auto", sub_tiles: Optional[int] = None, *, walk: Optional[str] = None,
+                      auto_problem: Optional[Sequence[int]] = None) -> "BlockMask":
         """The same mask with the transposes and dQ write orders rebuilt for another schedule
-        (or sub-tile count); the forward lists and bitmasks are shared. On a CUDA mask they are
-        rebuilt on a host copy and copied back (a synchronising debug/setup path)."""
+        (or sub-tile count, or walk; "auto" for auto_problem as in build); the forward lists and
+        bitmasks are shared. On a CUDA mask they are rebuilt on a host copy and copied back (a
+        synchronising debug/setup path)."""
         if self._on_device():
-            return self.cpu().with_schedule(schedule, sub_tiles).to(self.device)
+            return self.cpu().with_schedule(schedule, sub_tiles, walk=walk, auto_problem=auto_problem).to(self.device)
         sub_tiles = self.sub_tiles if sub_tiles is None else int(sub_tiles)
-        d = _C.complete_block_mask(self._core_mask(), _schedule_arg(schedule), sub_tiles, self._fw.allocate)
+        d = _C.complete_block_mask(self._core_mask(), _schedule_arg(schedule), sub_tiles, self._fw.allocate,
+                                   walk=walk, problem=_problem_arg(auto_problem))
         tensors = {n: getattr(self, n) for n in TENSOR_NAMES}
         for n in ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices", "dq_write_order",
                   "dq_write_order_full"):
@@ -383,7 +405,7 @@ class BlockMask:
         return BlockMask(seq_q=self.seq_q, seq_kv=self.seq_kv, block_q=self.block_q, block_kv=self.block_kv,
                          tensors=tensors, spec=self.spec, schedule=d["schedule"],
                          schedule_permutation=self._permutation(d["schedule_permutation"], self._fw),
-                         sub_tiles=d["sub_tiles"], framework=self._fw)
+                         sub_tiles=d["sub_tiles"], framework=self._fw, walk=d["schedule_walk"])
 
     @classmethod
     def _from_core(cls, d: dict, fw: Framework, spec: MaskSpec) -> "BlockMask":
@@ -391,7 +413,7 @@ class BlockMask:
         return cls(seq_q=d["seq_q"], seq_kv=d["seq_kv"], block_q=d["block_q"], block_kv=d["block_kv"],
                    tensors=tensors, spec=spec, schedule=d["schedule"],
                    schedule_permutation=cls._permutation(d["schedule_permutation"], fw),
-                   sub_tiles=d["sub_tiles"], framework=fw)
+                   sub_tiles=d["sub_tiles"], framework=fw, walk=d["schedule_walk"])
 
     @staticmethod
     def _permutation(perm: Optional[list], fw: Framework) -> Any:
@@ -499,7 +521,7 @@ class BlockMask:
         return BlockMask(seq_q=self.seq_q, seq_kv=self.seq_kv, block_q=self.block_q, block_kv=self.block_kv,
                          tensors={n: c(getattr(self, n)) for n in TENSOR_NAMES}, spec=spec,
                          schedule=self.schedule, schedule_permutation=perm,
-                         sub_tiles=self.sub_tiles, framework=fw)
+                         sub_tiles=self.sub_tiles, framework=fw, walk=self.walk)
 
     def _for(self, fw: Framework) -> "BlockMask":
         return self.to_numpy() if fw.torch is None else self.to_torch()
@@ -508,7 +530,7 @@ class BlockMask:
         """The dict the extension reads (views of this mask's arrays)."""
         perm = self.schedule_permutation
         d = {"seq_q": self.seq_q, "seq_kv": self.seq_kv, "block_q": self.block_q, "block_kv": self.block_kv,
-             "sub_tiles": self.sub_tiles, "schedule": self.schedule,
+             "sub_tiles": self.sub_tiles, "schedule": self.schedule, "schedule_walk": self.walk,
              "schedule_permutation": None if perm is None else [int(c) for c in perm.tolist()],
              "spec": self.spec._core()}
         for n in TENSOR_NAMES:
@@ -519,7 +541,7 @@ class BlockMask:
         lead = list(self.kv_num_blocks.shape[:2])
         sched = self.schedule if self.schedule != "permutation" else f"permutation{list(self.schedule_permutation.tolist())}"
         return (f"BlockMask(seq_q={self.seq_q}, seq_kv={self.seq_kv}, block_size=({self.block_q}, {self.block_kv}), "
-                f"leading_dims={lead}, spec={self.spec.kind}, schedule={sched}, sub_tiles={self.sub_tiles}, "
+                f"leading_dims={lead}, spec={self.spec.kind}, schedule={sched}, walk={self.walk}, sub_tiles={self.sub_tiles}, "
                 f"framework={self.framework}, device={self.device})")
 
 

@@ -430,10 +430,21 @@ const char* schedule_name(st::ScheduleKind k) {
   return "?";
 }
 
+// A walk order from Python: "descending_heads_inner" (the default, also for None) or
+// "ascending_heads_outer".
+st::WalkOrder parse_walk(nb::handle obj) {
+  if (obj.is_none()) return st::WalkOrder::kDescendingHeadsInner;
+  const std::string name = nb::cast<std::string>(obj);
+  if (name == st::walk_order_name(st::WalkOrder::kDescendingHeadsInner)) return st::WalkOrder::kDescendingHeadsInner;
+  if (name == st::walk_order_name(st::WalkOrder::kAscendingHeadsOuter)) return st::WalkOrder::kAscendingHeadsOuter;
+  st::detail::throw_arg_error("walk", "\"descending_heads_inner\" or \"ascending_heads_outer\"", name);
+}
+
 // A schedule from Python: "left_to_right", "shortest_first", or a list of column ids ("auto" is
-// handled by the callers: it is a choice made when the mask is built).
-st::ColumnSchedule parse_schedule(nb::handle obj) {
+// handled by the callers: it is a choice made when the mask is built), and its walk order.
+st::ColumnSchedule parse_schedule(nb::handle obj, nb::handle walk = nb::none()) {
   st::ColumnSchedule s;
+  s.walk = parse_walk(walk);
   if (nb::isinstance<nb::str>(obj)) {
     const std::string name = nb::cast<std::string>(obj);
     if (name == "left_to_right") return s;
@@ -479,7 +490,8 @@ st::BlockMask mask_of(const nb::dict& d) {
   for (int i = 0; i < 11; ++i) *mask_tensor(m, i) = optional_view(d[kMaskTensorNames[i]], kMaskTensorNames[i]);
   m.write_order_sub_tiles = nb::cast<int64_t>(d["sub_tiles"]);
   nb::handle perm = d["schedule_permutation"];
-  m.schedule = parse_schedule(perm.is_none() ? nb::handle(d["schedule"]) : perm);
+  m.schedule = parse_schedule(perm.is_none() ? nb::handle(d["schedule"]) : perm,
+                              d.contains("schedule_walk") ? nb::handle(d["schedule_walk"]) : nb::none());
   m.spec = spec_of(nb::cast<nb::dict>(d["spec"]));
   return m;
 }
@@ -499,19 +511,33 @@ nb::dict export_mask(st::BlockMaskTensors& t, const PyAllocator& alloc) {
   for (int i = 0; i < 11; ++i) d[kMaskTensorNames[i]] = export_tensor(*owned[i], alloc);
   d["sub_tiles"] = m.write_order_sub_tiles;
   d["schedule"] = schedule_name(m.schedule.kind);
+  d["schedule_walk"] = st::walk_order_name(m.schedule.walk);
   d["schedule_permutation"] =
       m.schedule.kind == st::ScheduleKind::kPermutation ? nb::cast(m.schedule.permutation) : nb::none();
   d["spec_kind"] = mask_kind_name(m.spec.kind);
   return d;
 }
 
+// "auto"'s problem from Python: None, or (batch, heads_q, heads_kv, workers), 0 = the default.
+st::ScheduleProblem parse_problem(nb::handle obj) {
+  st::ScheduleProblem p;
+  if (obj.is_none()) return p;
+  const auto v = nb::cast<std::vector<int64_t>>(obj);
+  if (v.size() != 4)
+    st::detail::throw_arg_error("auto_problem", "(batch, heads_q, heads_kv, workers)", std::to_string(v.size()) + " values");
+  p.batch = v[0], p.heads_q = v[1], p.heads_kv = v[2], p.workers = v[3];
+  return p;
+}
+
 st::BlockMaskOptions mask_options(int64_t block_q, int64_t block_kv, nb::handle schedule, int64_t sub_tiles,
-                                  st::Allocator* alloc) {
+                                  st::Allocator* alloc, nb::handle walk = nb::none(),
+                                  nb::handle problem = nb::none()) {
   st::BlockMaskOptions o;
   o.block_q = block_q;
   o.block_kv = block_kv;
   o.auto_schedule = nb::isinstance<nb::str>(schedule) && nb::cast<std::string>(schedule) == "auto";
-  if (!o.auto_schedule) o.schedule = parse_schedule(schedule);
+  if (!o.auto_schedule) o.schedule = parse_schedule(schedule, walk);
+  o.problem = parse_problem(problem);
   o.write_order_sub_tiles = sub_tiles;
   o.allocator = alloc;
   return o;
@@ -522,9 +548,9 @@ st::BlockMaskOptions mask_options(int64_t block_q, int64_t block_kv, nb::handle 
 // the allocator callback on that device (torch.empty on the current stream).
 nb::dict build_mask(nb::dict spec, int64_t seq_q, int64_t seq_kv, int64_t block_q, int64_t block_kv,
                     nb::handle schedule, int64_t sub_tiles, nb::callable allocator, const std::string& device,
-                    int device_index, uintptr_t stream) {
+                    int device_index, uintptr_t stream, nb::handle walk, nb::handle problem) {
   PyAllocator alloc(std::move(allocator));
-  st::BlockMaskOptions o = mask_options(block_q, block_kv, schedule, sub_tiles, &alloc);
+  st::BlockMaskOptions o = mask_options(block_q, block_kv, schedule, sub_tiles, &alloc, walk, problem);
   ST_CHECK_ARG(device == "cpu" || device == "cuda", "device", "cpu or cuda", device);
   if (device == "cuda") {
     o.device = st::Device::cuda(device_index);
@@ -535,23 +561,26 @@ nb::dict build_mask(nb::dict spec, int64_t seq_q, int64_t seq_kv, int64_t block_
 }
 
 nb::dict build_mask_from_blocks(nb::handle blocks, int64_t seq_q, int64_t seq_kv, int64_t block_q, int64_t block_kv,
-                                nb::handle schedule, int64_t sub_tiles, nb::callable allocator) {
+                                nb::handle schedule, int64_t sub_tiles, nb::callable allocator, nb::handle walk,
+                                nb::handle problem) {
   PyAllocator alloc(std::move(allocator));
   st::BlockMaskTensors t = st::build_block_mask_from_blocks(
-      view_of(blocks, "blocks"), seq_q, seq_kv, mask_options(block_q, block_kv, schedule, sub_tiles, &alloc));
+      view_of(blocks, "blocks"), seq_q, seq_kv,
+      mask_options(block_q, block_kv, schedule, sub_tiles, &alloc, walk, problem));
   return export_mask(t, alloc);
 }
 
 // The transposes and write orders of a mask given by its forward lists (the caller's arrays):
 // a dict with q_*, dq_write_order(_full), sub_tiles and the schedule (other tensors None).
-nb::dict complete_mask(nb::dict mask, nb::handle schedule, int64_t sub_tiles, nb::callable allocator) {
+nb::dict complete_mask(nb::dict mask, nb::handle schedule, int64_t sub_tiles, nb::callable allocator,
+                       nb::handle walk, nb::handle problem) {
   PyAllocator alloc(std::move(allocator));
   st::BlockMaskTensors t;
   t.mask = mask_of(mask);
   st::transpose_block_mask(t, &alloc);
   t.mask.write_order_sub_tiles = sub_tiles;
   const bool is_auto = nb::isinstance<nb::str>(schedule) && nb::cast<std::string>(schedule) == "auto";
-  const st::ColumnSchedule s = is_auto ? st::choose_schedule(t.mask) : parse_schedule(schedule);
+  const st::ColumnSchedule s = is_auto ? st::choose_schedule(t.mask, parse_problem(problem)) : parse_schedule(schedule, walk);
   st::compute_dq_write_order(t, s, sub_tiles, &alloc);
   return export_mask(t, alloc);
 }
@@ -662,21 +691,35 @@ NB_MODULE(_C, m) {
   // Block masks (block_mask.h): each builder returns a dict of exported tensors (see export_mask).
   m.def("build_block_mask", &build_mask, nb::arg("spec"), nb::arg("seq_q"), nb::arg("seq_kv"), nb::arg("block_q"),
         nb::arg("block_kv"), nb::arg("schedule"), nb::arg("sub_tiles"), nb::arg("allocator"),
-        nb::arg("device") = "cpu", nb::arg("device_index") = 0, nb::arg("stream") = 0);
+        nb::arg("device") = "cpu", nb::arg("device_index") = 0, nb::arg("stream") = 0, nb::arg("walk").none() = nb::none(),
+        nb::arg("problem").none() = nb::none());
   m.def("document_ids_from_cu_seqlens", &document_ids_from_cu_seqlens, nb::arg("cu_seqlens_q"),
         nb::arg("cu_seqlens_k"), nb::arg("seq_q"), nb::arg("seq_kv"), nb::arg("allocator"), nb::arg("stream") = 0);
   m.def("build_block_mask_from_blocks", &build_mask_from_blocks, nb::arg("blocks"), nb::arg("seq_q"),
         nb::arg("seq_kv"), nb::arg("block_q"), nb::arg("block_kv"), nb::arg("schedule"), nb::arg("sub_tiles"),
-        nb::arg("allocator"));
+        nb::arg("allocator"), nb::arg("walk").none() = nb::none(), nb::arg("problem").none() = nb::none());
   m.def("complete_block_mask", &complete_mask, nb::arg("mask"), nb::arg("schedule"), nb::arg("sub_tiles"),
-        nb::arg("allocator"));
+        nb::arg("allocator"), nb::arg("walk").none() = nb::none(), nb::arg("problem").none() = nb::none());
   m.def("validate_block_mask", [](nb::dict mask, int64_t batch, int64_t heads) {
     st::validate_block_mask(mask_of(mask), batch, heads);
   }, nb::arg("mask"), nb::arg("batch"), nb::arg("heads"));
   m.def("check_write_order", [](nb::dict mask) { return st::check_write_order(mask_of(mask)); }, nb::arg("mask"));
-  m.def("choose_schedule", [](nb::dict mask) {
-    return std::string(schedule_name(st::choose_schedule(mask_of(mask)).kind));
-  }, nb::arg("mask"));
+  // "auto"'s choice and the model's critical paths of every candidate (the bench reports them).
+  m.def("choose_schedule", [](nb::dict mask, nb::handle problem) {
+    return std::string(schedule_name(st::choose_schedule(mask_of(mask), parse_problem(problem)).kind));
+  }, nb::arg("mask"), nb::arg("problem").none() = nb::none());
+  m.def("schedule_candidates", [](nb::dict mask, nb::handle problem) {
+    nb::list out;
+    for (const st::ScheduleCandidate& c : st::schedule_candidates(mask_of(mask), parse_problem(problem))) {
+      nb::dict d;
+      d["schedule"] = schedule_name(c.schedule.kind);
+      d["walk"] = st::walk_order_name(c.schedule.walk);
+      d["critical_path"] = c.critical_path;
+      d["nondeterministic_critical_path"] = c.nondeterministic_critical_path;
+      out.append(d);
+    }
+    return out;
+  }, nb::arg("mask"), nb::arg("problem").none() = nb::none());
   m.def("attention_forward", &attention_forward, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("mask"),
         nb::arg("scale"), nb::arg("deterministic"), nb::arg("sm_limit"), nb::arg("stream"), nb::arg("allocator"));
   m.def("attention_backward", &attention_backward, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"),

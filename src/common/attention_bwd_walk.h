@@ -1,12 +1,15 @@
 // The backward kernel's index math, as plain host/device code tested on the CPU: how one work item
 // (batch, kv head, kv sub-column, handed out by DqColumnHandout in common/dq_schedule_model.h)
-// walks its q tiles, and where each visit's dQ partial goes and whose turn it is.
+// walks its visits (q tile, query head), and where each visit's dQ partial goes and whose turn it is.
 //
-// A kv column n visits, for one query head, the q blocks of its transposed lists (q_indices:
-// partial, full_q_indices: full) merged in ascending q-block order (the walk order of DESIGN.md
-// section 6), and inside each block the kernel's q tiles in ascending order. The dQ partial of
-// a visit goes to q tile `q_tile` of (b, h); in the deterministic mode every q tile of block m has
-// a semaphore that follows block m's write order, so a visit waits for turn
+// A kv column n touches, for one query head, the q blocks of its transposed lists (q_indices:
+// partial, full_q_indices: full). The item visits them in the schedule's walk order (WalkOrder,
+// block_mask.h; bwd_walk_shape below): by default q blocks *descending* (the lists merged from
+// their ends), inside each block the kernel's q tiles descending, and at each q tile every query
+// head of the kv head's group (heads innermost); the old order, kAscendingHeadsOuter, walks each
+// head's blocks and tiles ascending, one head after the other. The dQ partial of a visit goes to
+// q tile `q_tile` of (b, q_head); in the deterministic mode every q tile of block m has a
+// semaphore that follows block m's write order, so a visit waits for turn
 // stored_turn(n, m) + sub_tile (the stored turn is that of sub-column 0, block_mask.h).
 //
 // Like the forward walk (common/attention_fwd_walk.h) this never trusts a device mask: counts are
@@ -19,8 +22,48 @@
 #include <cstdint>
 
 #include "common/attention_fwd_walk.h"  // MaskIndexView, clamp_count
+#include "sparsetrain/block_mask.h"     // WalkOrder
 
 namespace sparsetrain {
+
+// How an item orders its visits, from the schedule's WalkOrder and the mask's heads. This is the
+// one place the rule lives (the kernel's loader, compute and dQ writer, and the scheduler model
+// all walk through it):
+//   kDescendingHeadsInner  q blocks and q tiles descending; at each q tile the group's query heads
+//                          0..G-1 in turn (heads innermost). Heads can only be innermost when the
+//                          group's heads share one list (a mask with H = 1, broadcast over heads):
+//                          a per-head mask (H > 1) walks descending, one head after the other.
+//   kAscendingHeadsOuter   the old order: per query head, q blocks and tiles ascending.
+// Why descending (docs/PERF.md, "Deterministic backward: the walk"): under a left-to-right hand-out, of two columns sharing
+// a q block the one with the earlier turn (further left) reaches at least as far down (causal and
+// document-causal masks), so walking from the bottom both reach each (tile, head) at the same
+// offset, the earlier one having started first: they run in lock step one hand-off apart. Walking
+// ascending, column k reaches each tile before column k - 1, whose turn comes first, and every
+// column of a causal chain finishes with the longest; heads outermost restart that race per head.
+//
+// Why the walk order cannot break the guarantees (the argument, once):
+// - Bitwise repeatable, independent of the grid (sm_limit): the adds into one q tile's dQ happen in
+//   turn order, and the turns are a function of the mask and its schedule alone (block_mask.h:
+//   rank of the writer among the columns touching the block, in hand-out position order). Each
+//   visit's partial depends only on (column, sub-column, q tile, head), not on when it runs. dK and
+//   dV are summed on chip in walk order, which is a function of the schedule's WalkOrder and the
+//   mask's shape: never of the worker count or the timing.
+// - Deadlock-free under the dynamic hand-out, for any walk order: turns at every semaphore increase
+//   with ticket order (same b and kv head: ticket order is schedule position order, sub-columns
+//   consecutive). Take the unfinished item X with the lowest ticket. Every writer with an earlier
+//   turn on any semaphore X visits holds a lower ticket, so it has finished and added: each of X's
+//   waits is satisfied at once, in whatever order X makes them. X is running: the CTA that drew it
+//   processes its tickets in order and all its earlier ones are finished (lower tickets). So X
+//   finishes, and by induction every item does. Only the order of X's own waits changed here,
+//   which the argument never uses. (simulate_dq_backward checks it: no wait cycle, no race.)
+struct BwdWalkShape {
+  bool descending = true;   // q blocks and tiles from the bottom up
+  bool heads_inner = true;  // at each q tile, every query head of the group
+};
+ST_HOST_DEVICE inline BwdWalkShape bwd_walk_shape(WalkOrder walk, bool per_head_mask) {
+  if (walk == WalkOrder::kAscendingHeadsOuter) return {false, false};
+  return {true, !per_head_mask};
+}
 
 // The transposed lists of a mask (q_* and full_q_*), their dQ write orders, and the forward's
 // partial lists (to find a partial block's bitmask), as the backward walk reads them.
@@ -32,6 +75,8 @@ struct MaskColumnLists {
   int32_t num_q_blocks = 0;               // Mq of the mask
   int32_t q_tiles_per_block = 1;          // block_q / the kernel's q tile
   int32_t num_q_tiles = 0;                // ceil(Sq / the kernel's q tile)
+  // mask_walk_shape (ops/block_mask_internal.h) for the kernel; unset, the old ascending walk.
+  BwdWalkShape walk{false, false};
 };
 
 // One q tile of a column's walk.
@@ -41,13 +86,15 @@ struct BwdVisit {
   int32_t turn;       // stored write-order turn of (n, m): sub-column t waits for turn + t
   int32_t bit_entry;  // partial blocks of a bitmask mask: the entry in row m's kv list (-1: none)
   bool partial;       // the mask applies inside
+  int32_t q_head;     // the query head (set by bwd_item_next)
 };
 
-// Where a walk stands: the next entries of the two lists and the q tiles of the current block.
+// Where one head's walk of a column stands: the next entries of the two lists (ascending: counting
+// up from 0; descending: down from count - 1) and the q tiles of the current block still to visit.
 struct BwdColumnCursor {
   int32_t next_partial = 0, next_full = 0;
   int32_t num_partial = 0, num_full = 0;  // clamped counts
-  int32_t tile = 0, tile_end = 0;         // q tiles [tile, tile_end) of `block` still to visit
+  int32_t tile = 0, tiles_left = 0;       // the next q tile of `block`, and how many remain
   BwdVisit block{};
 };
 
@@ -73,22 +120,31 @@ ST_HOST_DEVICE inline BwdColumnCursor bwd_column_begin(const MaskColumnLists& l,
   // The write orders may be narrower than the index tensors (compact): never read past them.
   if (l.partial_turn.data != nullptr && c.num_partial > l.partial_turn.width) c.num_partial = l.partial_turn.width;
   if (l.full_turn.data != nullptr && c.num_full > l.full_turn.width) c.num_full = l.full_turn.width;
+  if (l.walk.descending) {
+    c.next_partial = c.num_partial - 1;
+    c.next_full = c.num_full - 1;
+  }
   return c;
 }
 
-// The next q tile of column n's walk for (b, h) into *v; false when the walk is done.
+// The next q tile of column n's walk for (b, h) into *v, in the direction of l.walk (the merge of
+// the two lists, from the front or from the back); false when the walk is done.
 ST_HOST_DEVICE inline bool bwd_column_next(const MaskColumnLists& l, int64_t b, int64_t h, int32_t n,
                                            BwdColumnCursor& c, BwdVisit* v) {
-  while (c.tile >= c.tile_end) {
-    if (c.next_partial >= c.num_partial && c.next_full >= c.num_full) return false;
-    const int32_t mp = c.next_partial < c.num_partial
-                           ? l.partial_index.row(b, h, n)[int64_t(c.next_partial) * l.partial_index.stride_w]
-                           : INT32_MAX;
-    const int32_t mf = c.next_full < c.num_full
-                           ? l.full_index.row(b, h, n)[int64_t(c.next_full) * l.full_index.stride_w]
-                           : INT32_MAX;
-    const bool partial = c.next_full >= c.num_full || (c.next_partial < c.num_partial && mp <= mf);
-    const int32_t entry = partial ? c.next_partial++ : c.next_full++;
+  const bool down = l.walk.descending;
+  while (c.tiles_left <= 0) {
+    const bool has_p = down ? c.next_partial >= 0 : c.next_partial < c.num_partial;
+    const bool has_f = down ? c.next_full >= 0 : c.next_full < c.num_full;
+    if (!has_p && !has_f) return false;
+    const int32_t mp = has_p ? l.partial_index.row(b, h, n)[int64_t(c.next_partial) * l.partial_index.stride_w] : 0;
+    const int32_t mf = has_f ? l.full_index.row(b, h, n)[int64_t(c.next_full) * l.full_index.stride_w] : 0;
+    // Ascending: the smaller id first; descending: the larger (a block in both lists, which
+    // validation refuses, is visited once from each).
+    const bool partial = !has_f || (has_p && (down ? mp >= mf : mp <= mf));
+    const int32_t entry = partial ? c.next_partial : c.next_full;
+    const int32_t step = down ? -1 : 1;
+    if (partial) c.next_partial += step;
+    else c.next_full += step;
     const int32_t m = partial ? mp : mf;
     if (m < 0 || m >= l.num_q_blocks) continue;  // a corrupt id: skip the block
     const MaskIndexView& turns = partial ? l.partial_turn : l.full_turn;
@@ -96,12 +152,56 @@ ST_HOST_DEVICE inline bool bwd_column_next(const MaskColumnLists& l, int64_t b, 
     c.block.partial = partial;
     c.block.turn = turns.data != nullptr ? turns.row(b, h, n)[int64_t(entry) * turns.stride_w] : 0;
     c.block.bit_entry = partial && l.find_bit_entry ? find_in_row(l.kv_count, l.kv_index, b, h, m, n) : -1;
-    c.tile = m * l.q_tiles_per_block;
-    const int32_t end = c.tile + l.q_tiles_per_block;
-    c.tile_end = end < l.num_q_tiles ? end : l.num_q_tiles;
+    const int32_t first = m * l.q_tiles_per_block;
+    const int32_t end = first + l.q_tiles_per_block < l.num_q_tiles ? first + l.q_tiles_per_block : l.num_q_tiles;
+    c.tiles_left = end - first;
+    c.tile = down ? end - 1 : first;
   }
   *v = c.block;
-  v->q_tile = c.tile++;
+  v->q_tile = c.tile;
+  c.tile += l.walk.descending ? -1 : 1;
+  --c.tiles_left;
+  return true;
+}
+
+// A work item's walk: the columns of the group's query heads hkv * group + g, g = 0..group-1, in
+// the order of l.walk (heads innermost: each q tile of the shared walk once per head; else one
+// head's column walk after the other).
+struct BwdItemCursor {
+  BwdColumnCursor column;
+  BwdVisit visit{};      // heads innermost: the current q tile, handed out once per head
+  int32_t head = 0;      // g of the visit handed out next
+  int32_t head0 = 0, group = 1;
+};
+
+ST_HOST_DEVICE inline BwdItemCursor bwd_item_begin(const MaskColumnLists& l, int64_t b, int32_t kv_head,
+                                                   int32_t group, int32_t n) {
+  BwdItemCursor c;
+  c.head0 = kv_head * group;
+  c.group = group;
+  c.column = bwd_column_begin(l, b, c.head0, n);
+  c.head = l.walk.heads_inner ? group : 0;  // heads innermost: no q tile fetched yet
+  return c;
+}
+
+// The next visit of the item (v->q_head set); false when the item is done.
+ST_HOST_DEVICE inline bool bwd_item_next(const MaskColumnLists& l, int64_t b, int32_t n, BwdItemCursor& c,
+                                         BwdVisit* v) {
+  if (l.walk.heads_inner) {
+    if (c.head >= c.group) {  // the shared lists (those of head0) are every head's: the next q tile
+      if (!bwd_column_next(l, b, c.head0, n, c.column, &c.visit)) return false;
+      c.head = 0;
+    }
+    *v = c.visit;
+    v->q_head = c.head0 + c.head++;
+    return true;
+  }
+  if (c.head >= c.group) return false;  // done: never read the lists of a head past the group
+  while (!bwd_column_next(l, b, c.head0 + c.head, n, c.column, v)) {
+    if (++c.head >= c.group) return false;
+    c.column = bwd_column_begin(l, b, c.head0 + c.head, n);
+  }
+  v->q_head = c.head0 + c.head;
   return true;
 }
 

@@ -9,10 +9,14 @@
 // (batch, kv head) — every head's first sub-column goes out before any head's second, so that
 // independent heads run side by side. Within a block column, sub-columns go out in ascending t,
 // so sub-column (n, t) has position position(n) * sub_tiles + t in the schedule.
-// A worker walks, for each query head of its kv head's group in ascending order, the q blocks of
-// its column in ascending order; at each it waits until q block m's semaphore (per batch, query
-// head and q block) equals its turn, adds its dQ partial (one unit of time), and increments it.
-// The turn of sub-column t is the stored write order (the turn of sub-column 0) + t.
+// A worker walks its item's visits (q block, query head of its kv head's group) in the kernel's
+// walk order (bwd_walk_shape, common/attention_bwd_walk.h: by default q blocks descending with the
+// heads innermost, or per head ascending); at each it waits until q block m's semaphore (per
+// batch, query head and q block) equals its turn, adds its dQ partial (one unit of time), and
+// increments it. The turn of sub-column t is the stored write order (the turn of sub-column 0) + t.
+// The non-deterministic mode (atomic adds) is the same walk without the waits: the ratio of the
+// two critical paths is the model's det / nondet. The unit is a q block (the kernel's 64-row q
+// tiles of one block run back to back, so a block's cost scales both modes alike).
 #pragma once
 
 #include <cstdint>
@@ -20,7 +24,8 @@
 #include <string>
 #include <vector>
 
-#include "common/block_mask_rows.h"  // schedule_column, ST_HOST_DEVICE
+#include "common/attention_bwd_walk.h"  // BwdWalkShape: the walk order, shared with the kernel
+#include "common/block_mask_rows.h"     // schedule_column, ST_HOST_DEVICE
 #include "sparsetrain/block_mask.h"
 
 namespace sparsetrain {
@@ -44,10 +49,12 @@ struct DqColumnHandout {
   }
 };
 
-// What the model runs on: for every (b, query head) slice and block column n, the walk of n — its
-// q blocks in ascending order with the stored turn (of sub-column 0) at each.
+// What the model runs on: for every (b, query head) slice and block column n, the q blocks n
+// touches in ascending order with the stored turn (of sub-column 0) at each, and how the kernel
+// walks them (heads_inner needs every head's list of a column to be the same: a mask with H = 1).
 struct DqModelProblem {
   int64_t batch = 1, q_heads = 1, kv_heads = 1, num_q_blocks = 0, num_columns = 0, sub_tiles = 1;
+  BwdWalkShape walk;
   std::vector<int64_t> walk_begin;  // [batch * q_heads * num_columns + 1]
   std::vector<int32_t> walk_q_block, walk_turn;
 
@@ -100,8 +107,10 @@ struct DqModelResult {
 // O(work + workers). When no worker can move and work is left, the model stops and reports the
 // waiting workers: a dependency cycle, or starvation (everyone waits on an item not handed out).
 // Two writers holding the same turn either race (both ready in one step: counted in `races`) or
-// leave one of them waiting for a value the semaphore has passed (blocked).
-inline DqModelResult simulate_dq_backward(const DqModelProblem& pb, const DqColumnHandout& handout, int64_t workers) {
+// leave one of them waiting for a value the semaphore has passed (blocked). deterministic = false:
+// no waits (the atomic adds), only the hand-out and the walks.
+inline DqModelResult simulate_dq_backward(const DqModelProblem& pb, const DqColumnHandout& handout, int64_t workers,
+                                          bool deterministic = true) {
   DqModelResult res;
   const int64_t group = pb.q_heads / pb.kv_heads, s = pb.sub_tiles;
   const int64_t num_sems = pb.batch * pb.q_heads * pb.num_q_blocks;
@@ -121,53 +130,60 @@ inline DqModelResult simulate_dq_backward(const DqModelProblem& pb, const DqColu
   struct Worker {
     int64_t ticket = -1;  // -1: no item (done)
     DqWorkItem item{};
-    int64_t head = 0, pos = 0, end = 0;  // head within the group; walk position and end
+    int64_t head = 0, k = 0;  // head within the group, and the visit's rank in that head's walk
+    int64_t pos = 0;          // the visit's entry in walk_q_block / walk_turn
     int64_t sem = 0, turn = 0;
   };
   std::vector<Worker> ws(static_cast<size_t>(workers));
   int64_t next_ticket = 0;
   const int64_t num_items = handout.num_items();
 
-  // Point w at its next block (next head of the group, next item); false when nothing is left.
-  auto load_block = [&](Worker& w) {
+  // Head g's walk of w's column: [*begin, *begin + *len).
+  auto walk_of = [&](const Worker& w, int64_t g, int64_t* begin, int64_t* len) {
+    const int64_t widx = pb.walk_index(w.item.batch, w.item.kv_head * group + g, w.item.column);
+    *begin = pb.walk_begin[size_t(widx)];
+    *len = pb.walk_begin[size_t(widx + 1)] - *begin;
+  };
+  // (head, k) moved on to an existing visit, w pointed at its block; false when the item is done.
+  // The order is the kernel's (bwd_item_next): heads innermost, or one head's walk after another,
+  // each walk ascending or descending.
+  auto settle = [&](Worker& w) {
+    int64_t begin = 0, len = 0;
+    for (;;) {
+      if (w.head >= group) return false;
+      walk_of(w, w.head, &begin, &len);
+      if (w.k < len) break;
+      if (pb.walk.heads_inner) return false;  // every head's walk has the same length
+      ++w.head;
+      w.k = 0;
+    }
+    w.pos = begin + (pb.walk.descending ? len - 1 - w.k : w.k);
     const int64_t h = w.item.kv_head * group + w.head;
     w.sem = (w.item.batch * pb.q_heads + h) * pb.num_q_blocks + pb.walk_q_block[size_t(w.pos)];
     w.turn = int64_t(pb.walk_turn[size_t(w.pos)]) + w.item.sub_tile;
-  };
-  auto start_head = [&](Worker& w) {  // w.head set: position at the head's walk, skip empty heads
-    while (w.head < group) {
-      const int64_t widx = pb.walk_index(w.item.batch, w.item.kv_head * group + w.head, w.item.column);
-      w.pos = pb.walk_begin[size_t(widx)];
-      w.end = pb.walk_begin[size_t(widx + 1)];
-      if (w.pos < w.end) return true;
-      ++w.head;
-    }
-    return false;
+    return true;
   };
   auto take_item = [&](Worker& w) {
     while (next_ticket < num_items) {
       w.ticket = next_ticket++;
       w.item = handout.item(w.ticket);
       w.head = 0;
-      if (start_head(w)) {
-        load_block(w);
-        return true;
-      }
+      w.k = 0;
+      if (settle(w)) return true;
     }
     w.ticket = -1;
     return false;
   };
   auto advance = [&](Worker& w) {
-    if (++w.pos < w.end) {
-      load_block(w);
-      return true;
+    if (pb.walk.heads_inner) {
+      if (++w.head == group) {
+        w.head = 0;
+        ++w.k;
+      }
+    } else {
+      ++w.k;
     }
-    ++w.head;
-    if (start_head(w)) {
-      load_block(w);
-      return true;
-    }
-    return take_item(w);
+    return settle(w) || take_item(w);
   };
   std::vector<int32_t> ready, next_ready, stuck;
   // A worker at a block: ready now, waiting in its turn's slot, or stuck (its turn passed, or
@@ -176,7 +192,7 @@ inline DqModelResult simulate_dq_backward(const DqModelProblem& pb, const DqColu
     Worker& w = ws[size_t(wi)];
     const int64_t writers = slot_begin[size_t(w.sem + 1)] - slot_begin[size_t(w.sem)];
     const int64_t v = sem[size_t(w.sem)];
-    if (w.turn == v) {
+    if (!deterministic || w.turn == v) {
       next_ready.push_back(wi);
     } else if (w.turn > v && w.turn < writers) {
       int32_t& head = slot_head[size_t(slot_begin[size_t(w.sem)] + w.turn)];
@@ -196,7 +212,7 @@ inline DqModelResult simulate_dq_backward(const DqModelProblem& pb, const DqColu
     bumped.clear();
     for (int32_t wi : ready) {
       const int64_t sm = ws[size_t(wi)].sem;
-      if (last_step[size_t(sm)] == res.critical_path) ++res.races;
+      if (deterministic && last_step[size_t(sm)] == res.critical_path) ++res.races;
       last_step[size_t(sm)] = res.critical_path;
       ++sem[size_t(sm)];
       ++res.total_work;
@@ -204,6 +220,7 @@ inline DqModelResult simulate_dq_backward(const DqModelProblem& pb, const DqColu
     }
     for (int32_t wi : ready)
       if (advance(ws[size_t(wi)])) place(wi);
+    if (!deterministic) continue;
     for (int64_t sm : bumped) {  // wake whoever waits for the semaphore's new value
       const int64_t v = sem[size_t(sm)];
       if (v >= slot_begin[size_t(sm + 1)] - slot_begin[size_t(sm)]) continue;

@@ -34,16 +34,21 @@ int64_t ColumnSchedule::position(int64_t n, int64_t num_columns) const {
   return n;
 }
 
+const char* walk_order_name(WalkOrder w) {
+  return w == WalkOrder::kAscendingHeadsOuter ? "ascending_heads_outer" : "descending_heads_inner";
+}
+
 std::string ColumnSchedule::str() const {
+  const std::string walk_text = walk == WalkOrder::kDescendingHeadsInner ? "" : " + ascending heads outer";
   switch (kind) {
-    case ScheduleKind::kLeftToRight: return "left-to-right";
-    case ScheduleKind::kShortestFirst: return "shortest-first";
+    case ScheduleKind::kLeftToRight: return "left-to-right" + walk_text;
+    case ScheduleKind::kShortestFirst: return "shortest-first" + walk_text;
     case ScheduleKind::kPermutation: {
       std::ostringstream os;
       os << "permutation[";
       for (size_t i = 0; i < permutation.size() && i < 32; ++i) os << (i ? ", " : "") << permutation[i];
       if (permutation.size() > 32) os << ", ... (" << permutation.size() << " columns)";
-      os << "]";
+      os << "]" << walk_text;
       return os.str();
     }
   }
@@ -111,6 +116,12 @@ void mask_leading_dims(const BlockMask& mask, int64_t* batch, int64_t* heads) {
   *heads = h;
 }
 
+BwdWalkShape mask_walk_shape(const BlockMask& mask, WalkOrder walk) {
+  int64_t B = 1, H = 1;
+  mask_leading_dims(mask, &B, &H);
+  return bwd_walk_shape(walk, H > 1);
+}
+
 DqColumnHandout dq_handout(const ColumnSchedule& schedule, int64_t batch, int64_t kv_heads, int64_t num_columns,
                            int64_t sub_tiles) {
   DqColumnHandout d;
@@ -131,7 +142,14 @@ void check_model_shape(const BlockMask& mask, int64_t batch, int64_t q_heads, in
   ST_CHECK_ARG(batch >= 1 && q_heads >= 1 && kv_heads >= 1 && q_heads % kv_heads == 0, "model heads",
                "batch >= 1 and q_heads a multiple of kv_heads", "batch ", batch, ", q_heads ", q_heads,
                ", kv_heads ", kv_heads);
+  int64_t B = 1, H = 1;
+  mask_leading_dims(mask, &B, &H);
+  ST_CHECK_ARG((B == 1 || B == batch) && (H == 1 || H == q_heads), "model batch / heads",
+               "the mask's leading dims [" + std::to_string(B) + ", " + std::to_string(H) + "] broadcastable to them",
+               "batch ", batch, ", q_heads ", q_heads);
 }
+
+
 
 // Merged walk of column n (partial and full lists ascending) with a turn per entry.
 template <typename TurnOf>
@@ -169,6 +187,7 @@ DqModelProblem dq_model_problem(const BlockMask& mask, int64_t batch, int64_t q_
   ST_CHECK_ARG(mask.dq_write_order.defined(), "BlockMask dq_write_order", "the write orders (compute_dq_write_order)",
                "none");
   DqModelProblem pb = empty_problem(mask, mask.write_order_sub_tiles, batch, q_heads, kv_heads);
+  pb.walk = mask_walk_shape(mask, mask.schedule.walk);
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t h = 0; h < q_heads; ++h) {
       const IndexRows q = mask_rows(mask.q_num_blocks, mask.q_indices, b, h);
@@ -187,6 +206,7 @@ DqModelProblem dq_model_problem(const BlockMask& mask, const ColumnSchedule& sch
                                 int64_t batch, int64_t q_heads, int64_t kv_heads) {
   check_model_shape(mask, batch, q_heads, kv_heads);
   DqModelProblem pb = empty_problem(mask, sub_tiles, batch, q_heads, kv_heads);
+  pb.walk = mask_walk_shape(mask, schedule.walk);
   const int64_t Nk = pb.num_columns, Mq = pb.num_q_blocks;
   std::vector<int32_t> next_turn(static_cast<size_t>(Mq));
   std::vector<int32_t> turns;
@@ -272,7 +292,7 @@ BlockMaskTensors new_forward(int64_t B, int64_t H, int64_t seq_q, int64_t seq_kv
 void finish(BlockMaskTensors& t, const BlockMaskOptions& o) {
   transpose_block_mask(t, o.allocator);
   t.mask.write_order_sub_tiles = o.write_order_sub_tiles;
-  const ColumnSchedule schedule = o.auto_schedule ? choose_schedule(t.mask) : o.schedule;
+  const ColumnSchedule schedule = o.auto_schedule ? choose_schedule(t.mask, o.problem) : o.schedule;
   compute_dq_write_order(t, schedule, o.write_order_sub_tiles, o.allocator);
 }
 
@@ -620,19 +640,53 @@ void compute_dq_write_order(BlockMaskTensors& out, const ColumnSchedule& schedul
     }
 }
 
-ColumnSchedule choose_schedule(const BlockMask& mask) {
+namespace {
+std::vector<ScheduleCandidate> model_candidates(const BlockMask& mask, const ScheduleProblem& problem,
+                                                bool nondeterministic_too) {
   int64_t B = 1, H = 1;
   mask_leading_dims(mask, &B, &H);
-  constexpr int64_t kWorkers = 132;  // H100 SXM's SM count: one persistent CTA per SM
+  const int64_t batch = problem.batch > 0 ? problem.batch : B;
+  const int64_t heads_q = problem.heads_q > 0 ? problem.heads_q : H;
+  const int64_t heads_kv = problem.heads_kv > 0 ? problem.heads_kv : heads_q;
+  // One persistent CTA per SM: 132 on an H100 SXM or an H200.
+  const int64_t workers = problem.workers > 0 ? problem.workers : 132;
+  ST_CHECK_ARG(problem.batch >= 0 && problem.heads_q >= 0 && problem.heads_kv >= 0 && problem.workers >= 0,
+               "ScheduleProblem", "sizes >= 0 (0: from the mask / the default)", "batch ", problem.batch,
+               ", heads_q ", problem.heads_q, ", heads_kv ", problem.heads_kv, ", workers ", problem.workers);
   const int64_t s = std::max<int64_t>(1, mask.write_order_sub_tiles), Nk = mask.num_kv_blocks();
-  ColumnSchedule ltr, spt;
-  spt.kind = ScheduleKind::kShortestFirst;
-  const DqModelResult a =
-      simulate_dq_backward(dq_model_problem(mask, ltr, s, B, H, H), dq_handout(ltr, B, H, Nk, s), kWorkers);
-  const DqModelResult b =
-      simulate_dq_backward(dq_model_problem(mask, spt, s, B, H, H), dq_handout(spt, B, H, Nk, s), kWorkers);
-  // Both always succeed (the orders are built for their own hand-out); ties go left to right.
-  return b.critical_path < a.critical_path ? spt : ltr;
+  // The note's candidates (docs/PERF.md, "Deterministic backward: the walk") and shortest-first with the new walk: every
+  // hand-out x walk the kernel runs.
+  std::vector<ScheduleCandidate> out;
+  for (const auto& [kind, walk] : {std::make_pair(ScheduleKind::kLeftToRight, WalkOrder::kDescendingHeadsInner),
+                                   std::make_pair(ScheduleKind::kLeftToRight, WalkOrder::kAscendingHeadsOuter),
+                                   std::make_pair(ScheduleKind::kShortestFirst, WalkOrder::kAscendingHeadsOuter),
+                                   std::make_pair(ScheduleKind::kShortestFirst, WalkOrder::kDescendingHeadsInner)}) {
+    ScheduleCandidate c;
+    c.schedule.kind = kind;
+    c.schedule.walk = walk;
+    const DqModelProblem pb = dq_model_problem(mask, c.schedule, s, batch, heads_q, heads_kv);
+    const DqColumnHandout handout = dq_handout(c.schedule, batch, heads_kv, Nk, s);
+    c.critical_path = simulate_dq_backward(pb, handout, workers).critical_path;
+    if (nondeterministic_too)
+      c.nondeterministic_critical_path = simulate_dq_backward(pb, handout, workers, false).critical_path;
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+}  // namespace
+
+std::vector<ScheduleCandidate> schedule_candidates(const BlockMask& mask, const ScheduleProblem& problem) {
+  return model_candidates(mask, problem, true);
+}
+
+ColumnSchedule choose_schedule(const BlockMask& mask, const ScheduleProblem& problem) {
+  // Every candidate succeeds (its write order is built for its own hand-out, and the walk order
+  // plays no part in deadlock freedom): the shortest critical path wins, ties the earlier one.
+  const std::vector<ScheduleCandidate> c = model_candidates(mask, problem, false);
+  size_t best = 0;
+  for (size_t i = 1; i < c.size(); ++i)
+    if (c[i].critical_path < c[best].critical_path) best = i;
+  return c[best].schedule;
 }
 
 }  // namespace sparsetrain

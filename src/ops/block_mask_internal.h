@@ -24,6 +24,10 @@ void check_block_mask_structure(const BlockMask& mask, int64_t batch, int64_t he
 // The leading dims [B, H] of a mask: the largest over its tensors (each is 1 or that).
 void mask_leading_dims(const BlockMask& mask, int64_t* batch, int64_t* heads);
 
+// How the backward walks this mask's items under `walk` (bwd_walk_shape: the heads innermost only
+// for a mask with H = 1); the kernel's arguments and the model both take it from here.
+BwdWalkShape mask_walk_shape(const BlockMask& mask, WalkOrder walk);
+
 // The hand-out of a schedule over num_columns block columns.
 DqColumnHandout dq_handout(const ColumnSchedule& schedule, int64_t batch, int64_t kv_heads, int64_t num_columns,
                            int64_t sub_tiles);

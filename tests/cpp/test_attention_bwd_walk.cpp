@@ -1,6 +1,8 @@
 // The backward kernel's index math on the CPU (common/attention_bwd_walk.h): a kv column's walk
 // for one query head visits exactly the kernel q tiles (64 rows) of the q blocks it touches, partial
-// and full merged in ascending q-block order, each with its stored dQ turn and (bitmask masks) its
+// and full merged in ascending q-block order (descending: the same visits reversed); an item's walk
+// visits the same (q tile, head) set under both WalkOrders, descending with the heads innermost (or,
+// per-head masks, one head after the other), each with its stored dQ turn and (bitmask masks) its
 // partial block's entry in the forward list, against a naive oracle on random block matrices and
 // mask functions (broadcast leading dims, GQA, Sq not a multiple of the tiles, 128 / 256 blocks,
 // every schedule kind); compact index tensors walk the same; a bad device mask (counts outside
@@ -32,8 +34,10 @@ namespace {
 
 constexpr int32_t kTileQ = 64;  // the backward kernel's q tile (rows)
 
-st::MaskColumnLists column_lists(const st::BlockMask& m) {
+// The lists as the kernel reads them; the column walks ascending unless told (the oracle's order).
+st::MaskColumnLists column_lists(const st::BlockMask& m, st::BwdWalkShape walk = {false, false}) {
   st::MaskColumnLists l;
+  l.walk = walk;
   l.partial_count = st::mask_index_view(m.q_num_blocks);
   l.partial_index = st::mask_index_view(m.q_indices);
   l.full_count = st::mask_index_view(m.full_q_num_blocks);
@@ -626,13 +630,139 @@ TEST(AttentionBwdWalk, TurnTensorsNarrowerThanTheIndexAreNotReadPast) {
   for (const Visit& v : walk(l, 0, 0, 0)) EXPECT_NE(v.turn, kGuard) << "read past the turn row at block " << v.q_block;
 }
 
+// ---- 3b. the item walk: the same visits in the new order ------------------------------------
+
+struct HeadVisit {
+  int32_t q_head;
+  Visit v;
+  bool operator==(const HeadVisit& o) const { return q_head == o.q_head && v == o.v; }
+  bool operator<(const HeadVisit& o) const {
+    return std::tie(q_head, v.q_block, v.q_tile, v.turn, v.bit_entry, v.partial) <
+           std::tie(o.q_head, o.v.q_block, o.v.q_tile, o.v.turn, o.v.bit_entry, o.v.partial);
+  }
+};
+[[maybe_unused]] std::ostream& operator<<(std::ostream& os, const HeadVisit& v) {
+  return os << "{head " << v.q_head << " " << v.v << "}";
+}
+
+std::vector<HeadVisit> item_walk(const st::MaskColumnLists& l, int64_t b, int32_t hkv, int32_t group, int32_t n) {
+  std::vector<HeadVisit> out;
+  st::BwdItemCursor c = st::bwd_item_begin(l, b, hkv, group, n);
+  st::BwdVisit v{};
+  while (st::bwd_item_next(l, b, n, c, &v)) {
+    out.push_back({v.q_head, {v.q_block, v.q_tile, v.turn, v.bit_entry, v.partial}});
+    if (out.size() > (1u << 22)) {
+      ADD_FAILURE() << "the walk of item (" << hkv << ", " << n << ") does not end";
+      return out;
+    }
+  }
+  EXPECT_FALSE(st::bwd_item_next(l, b, n, c, &v)) << "a finished item stays finished";
+  return out;
+}
+
+TEST(AttentionBwdWalk, ItemWalksVisitTheSameSetAscendingOrDescendingWithHeadsInner) {
+  std::mt19937 rng(9150);
+  int64_t visits = 0, heads_inner_cases = 0, per_head_cases = 0;
+  for (int i = 0; i < 400; ++i) {
+    const int64_t group = int64_t(1) << (rng() % 3);  // 1, 2, 4 query heads per kv head
+    BlocksCase c = random_blocks_case(rng, 1200, group);
+    SCOPED_TRACE("case " + std::to_string(i) + ": " + c.what + " group " + std::to_string(group));
+    const st::BlockMask& m = c.t.mask;
+    const int64_t Hkv = c.Hq / group, Mq = m.num_q_blocks(), Nk = m.num_kv_blocks();
+    const bool per_head = c.mh > 1;
+    const st::MaskColumnLists old_l = column_lists(m, st::bwd_walk_shape(st::WalkOrder::kAscendingHeadsOuter, per_head));
+    const st::MaskColumnLists new_l = column_lists(m, st::bwd_walk_shape(st::WalkOrder::kDescendingHeadsInner, per_head));
+    ASSERT_EQ(new_l.walk.heads_inner, !per_head);
+    ASSERT_TRUE(new_l.walk.descending);
+    (per_head ? per_head_cases : heads_inner_cases) += 1;
+    const std::vector<int64_t> pos = positions_of(m.schedule, Nk);
+    for (int64_t b = 0; b < c.B; ++b)
+      for (int32_t hkv = 0; hkv < Hkv; ++hkv)
+        for (int32_t n = 0; n < Nk; ++n) {
+          // The oracle per head (ascending), then the two orders built from it.
+          std::vector<std::vector<Visit>> per;
+          for (int32_t g = 0; g < group; ++g)
+            per.push_back(oracle_walk(classes_at(c.blocks, c.mb, c.mh, Mq, Nk, b, hkv * group + g), Mq, Nk, n, pos,
+                                      m.write_order_sub_tiles, new_l.q_tiles_per_block, new_l.num_q_tiles, false));
+          std::vector<HeadVisit> want_old, want_new;
+          for (int32_t g = 0; g < group; ++g)
+            for (const Visit& v : per[size_t(g)]) want_old.push_back({int32_t(hkv * group + g), v});
+          if (!per_head) {
+            for (size_t k = per[0].size(); k-- > 0;)
+              for (int32_t g = 0; g < group; ++g) want_new.push_back({int32_t(hkv * group + g), per[size_t(g)][k]});
+          } else {
+            for (int32_t g = 0; g < group; ++g)
+              for (size_t k = per[size_t(g)].size(); k-- > 0;) want_new.push_back({int32_t(hkv * group + g), per[size_t(g)][k]});
+          }
+          const std::vector<HeadVisit> got_old = item_walk(old_l, b, hkv, int32_t(group), n);
+          const std::vector<HeadVisit> got_new = item_walk(new_l, b, hkv, int32_t(group), n);
+          ASSERT_EQ(got_old, want_old) << "b " << b << " kv head " << hkv << " column " << n;
+          ASSERT_EQ(got_new, want_new) << "b " << b << " kv head " << hkv << " column " << n;
+          std::vector<HeadVisit> a = got_old, d = got_new;  // the same set of (tile, head) visits
+          std::sort(a.begin(), a.end());
+          std::sort(d.begin(), d.end());
+          ASSERT_EQ(a, d);
+          visits += int64_t(got_new.size());
+        }
+  }
+  EXPECT_GT(heads_inner_cases, 50);
+  EXPECT_GT(per_head_cases, 50);
+  std::printf("%lld item visits checked in both orders\n", (long long)visits);
+}
+
+TEST(AttentionBwdWalk, DescendingColumnWalkIsTheAscendingOneReversedOnBadMasksToo) {
+  // Unsorted or garbage lists: the descending merge visits what the ascending one does, in bounds.
+  std::mt19937 rng(31337);
+  for (int i = 0; i < 2000; ++i) {
+    const int32_t width = 1 + int32_t(rng() % 6), Mq = 1 + int32_t(rng() % 8);
+    std::vector<int32_t> pc{int32_t(rng() % 9) - 1}, fc{int32_t(rng() % 9) - 1}, pi(static_cast<size_t>(width)), fi(static_cast<size_t>(width));
+    for (auto& x : pi) x = int32_t(rng() % uint32_t(Mq + 3)) - 1;
+    for (auto& x : fi) x = int32_t(rng() % uint32_t(Mq + 3)) - 1;
+    if (rng() % 2) {  // mostly sorted, disjoint lists: the walks are then exact mirrors
+      std::sort(pi.begin(), pi.end());
+      std::sort(fi.begin(), fi.end());
+    }
+    st::MaskColumnLists l;
+    l.partial_count = {pc.data(), 0, 0, 1, 0, 0};
+    l.partial_index = {pi.data(), 0, 0, width, 1, width};
+    l.full_count = {fc.data(), 0, 0, 1, 0, 0};
+    l.full_index = {fi.data(), 0, 0, width, 1, width};
+    l.num_q_blocks = Mq;
+    l.q_tiles_per_block = 1 + int32_t(rng() % 2);
+    l.num_q_tiles = Mq * l.q_tiles_per_block - int32_t(rng() % 2);
+    l.walk = {false, false};
+    std::vector<Visit> up = walk(l, 0, 0, 0, 4096);
+    l.walk = {true, false};
+    const std::vector<Visit> down = walk(l, 0, 0, 0, 4096);
+    ASSERT_EQ(up.size(), down.size()) << "case " << i;
+    for (const Visit& v : down) {
+      ASSERT_GE(v.q_block, 0);
+      ASSERT_LT(v.q_block, Mq);
+      ASSERT_GE(v.q_tile, 0);
+      ASSERT_LT(v.q_tile, l.num_q_tiles);
+    }
+    const bool sorted = std::is_sorted(pi.begin(), pi.begin() + std::clamp(pc[0], 0, width)) &&
+                        std::is_sorted(fi.begin(), fi.begin() + std::clamp(fc[0], 0, width));
+    bool disjoint = true;
+    for (int32_t a = 0; a < std::clamp(pc[0], 0, width); ++a)
+      for (int32_t b = 0; b < std::clamp(fc[0], 0, width); ++b) disjoint = disjoint && pi[size_t(a)] != fi[size_t(b)];
+    const std::vector<int32_t> pids(static_cast<size_t>(std::clamp(pc[0], 0, width)));
+    if (sorted && disjoint && std::adjacent_find(pi.begin(), pi.begin() + pids.size()) == pi.begin() + pids.size()) {
+      std::reverse(up.begin(), up.end());
+      ASSERT_EQ(up, down) << "case " << i;
+    }
+  }
+}
+
 // ---- 4. deterministic mode: q-tile semaphores in the scheduler model ------------------------
 
 // The model's problem with q tiles for q blocks: each (b, query head, q tile) a semaphore; the
 // walks are the header's.
 st::DqModelProblem tile_problem(const st::MaskColumnLists& l, int64_t B, int64_t Hq, int64_t Hkv, int64_t Nk,
-                                int64_t sub_tiles) {
+                                int64_t sub_tiles, st::BwdWalkShape shape = {false, false}) {
+  EXPECT_FALSE(l.walk.descending) << "the model's walks are stored ascending";
   st::DqModelProblem pb;
+  pb.walk = shape;
   pb.batch = B;
   pb.q_heads = Hq;
   pb.kv_heads = Hkv;
@@ -675,14 +805,18 @@ TEST(AttentionBwdWalk, TileSemaphoresFollowTheWriteOrderWithoutDeadlockOrRace) {
     ASSERT_EQ(st::check_write_order(m), "");
     const int64_t Hkv = Hq / 4;
     const st::MaskColumnLists l = column_lists(m);
-    const st::DqModelProblem pb = tile_problem(l, B, Hq, Hkv, m.num_kv_blocks(), m.write_order_sub_tiles);
     const st::DqColumnHandout h = handout_of(m, B, Hkv);
-    const int64_t tile_visits = int64_t(pb.walk_q_block.size());
-    for (int64_t workers : worker_counts) {
-      const st::DqModelResult r = st::simulate_dq_backward(pb, h, workers);
-      ASSERT_TRUE(r.ok) << workers << " workers: " << r.str();
-      ASSERT_EQ(r.total_work, tile_visits * m.write_order_sub_tiles);
-      ASSERT_EQ(r.items_not_handed_out, 0);
+    // Both walks (the mask's own, and the other), each as the kernel shapes it for this mask.
+    for (const st::WalkOrder wo : {st::WalkOrder::kDescendingHeadsInner, st::WalkOrder::kAscendingHeadsOuter}) {
+      const st::DqModelProblem pb = tile_problem(l, B, Hq, Hkv, m.num_kv_blocks(), m.write_order_sub_tiles,
+                                                 st::bwd_walk_shape(wo, m.q_indices.size(1) > 1));
+      const int64_t tile_visits = int64_t(pb.walk_q_block.size());
+      for (int64_t workers : worker_counts) {
+        const st::DqModelResult r = st::simulate_dq_backward(pb, h, workers);
+        ASSERT_TRUE(r.ok) << workers << " workers, walk " << st::walk_order_name(wo) << ": " << r.str();
+        ASSERT_EQ(r.total_work, tile_visits * m.write_order_sub_tiles);
+        ASSERT_EQ(r.items_not_handed_out, 0);
+      }
     }
     kinds_seen.insert(int(m.schedule.kind));
     ++cases;

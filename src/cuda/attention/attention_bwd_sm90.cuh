@@ -6,9 +6,10 @@
 //              counter (zeroed on the stream before every launch, so graphs replay it) in the
 //              mask's column schedule (DqColumnHandout, common/dq_schedule_model.h): never by
 //              blockIdx, so the earliest unfinished column is always running and never waits
-//   mainloop   a producer thread loads the item's K and V once, then for every query head of the
-//              kv head's group (GQA: dK / dV stay on chip, no cross-CTA reduction) the 64-row q
-//              tiles the column's walk visits (common/attention_bwd_walk.h): Q, dO, lse and delta
+//   mainloop   a producer thread loads the item's K and V once, then the item's visits (q tile,
+//              query head of the kv head's group: GQA, dK / dV stay on chip, no cross-CTA
+//              reduction) in the schedule's walk order (bwd_item_next, common/attention_bwd_walk.h:
+//              by default q tiles bottom-up with the group's heads innermost): Q, dO, lse and delta
 //              through a 2-stage TMA pipeline. Two consumer warpgroups (64 keys each) compute
 //              S^T = K Q^T and dP^T = V dO^T, P^T and dS^T = P^T (dP^T - delta) in registers,
 //              dV += P^T dO and dK += dS^T Q with the A operand straight from registers, and
@@ -272,27 +273,25 @@ __device__ void bwd_load(const typename T::Params& p, typename T::SharedStorage&
     copy(p.tma_k.with(ss.kv_full), tKgK, tKsK);
     copy(p.tma_v.with(ss.kv_full), tVgV, tVsV);
 
-    for (int g = 0; g < group; ++g) {
-      const int h = hkv * group + g;
-      Tensor gQ = local_tile(mQ(_, _, h, b), QTile{}, make_coord(_, 0));  // (64, D, q tiles)
-      Tensor gdO = local_tile(mdO(_, _, h, b), QTile{}, make_coord(_, 0));
+    BwdItemCursor cur = bwd_item_begin(a.lists, b, hkv, group, column);
+    BwdVisit visit;
+    while (bwd_item_next(a.lists, b, column, cur, &visit)) {
+      const int h = visit.q_head;
+      Tensor gQ = local_tile(mQ(_, _, h, b), QTile{}, make_coord(visit.q_tile, 0));  // (64, D)
+      Tensor gdO = local_tile(mdO(_, _, h, b), QTile{}, make_coord(visit.q_tile, 0));
       auto [tQgQ, tQsQ] =
           tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
       auto [tdOgdO, tdOsdO] =
           tma_partition(p.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
-      BwdColumnCursor cur = bwd_column_begin(a.lists, b, h, column);
-      BwdVisit visit;
-      while (bwd_column_next(a.lists, b, h, column, cur, &visit)) {
-        pipe.producer_acquire(write);
-        uint64_t* bar = pipe.producer_get_barrier(write);
-        const int st = write.index();
-        copy(p.tma_q.with(*bar, 0), tQgQ(_, visit.q_tile), tQsQ(_, st));
-        copy(p.tma_do.with(*bar, 0), tdOgdO(_, visit.q_tile), tdOsdO(_, st));
-        const int64_t row0 = bwd_q_tile_index(b, h, a.heads_q, a.lists.num_q_tiles, visit.q_tile) * T::kBlockM;
-        SM90_BULK_COPY_G2S::copy(a.lse_log2 + row0, bar, ss.lse[st], int32_t(T::kRowBytes));
-        SM90_BULK_COPY_G2S::copy(a.delta + row0, bar, ss.delta[st], int32_t(T::kRowBytes));
-        ++write;
-      }
+      pipe.producer_acquire(write);
+      uint64_t* bar = pipe.producer_get_barrier(write);
+      const int st = write.index();
+      copy(p.tma_q.with(*bar, 0), tQgQ, tQsQ(_, st));
+      copy(p.tma_do.with(*bar, 0), tdOgdO, tdOsdO(_, st));
+      const int64_t row0 = bwd_q_tile_index(b, h, a.heads_q, a.lists.num_q_tiles, visit.q_tile) * T::kBlockM;
+      SM90_BULK_COPY_G2S::copy(a.lse_log2 + row0, bar, ss.lse[st], int32_t(T::kRowBytes));
+      SM90_BULK_COPY_G2S::copy(a.delta + row0, bar, ss.delta[st], int32_t(T::kRowBytes));
+      ++write;
     }
   }
 }
@@ -308,29 +307,28 @@ __device__ void bwd_write_dq(const typename T::Params& p, typename T::SharedStor
     if (ticket >= num_items) break;
     const DqWorkItem w = a.handout.item(ticket);
     const int b = int(w.batch), column = int(w.column);
-    for (int g = 0; g < group; ++g) {
-      const int h = int(w.kv_head) * group + g;
-      BwdColumnCursor cur = bwd_column_begin(a.lists, b, h, column);
-      BwdVisit visit;
-      while (bwd_column_next(a.lists, b, h, column, cur, &visit)) {
-        const int buf = n_dq % T::kDqBuffers;
-        cutlass::arch::ClusterBarrier::wait(&ss.dq_full[buf], (n_dq / T::kDqBuffers) & 1);
-        const int64_t tile = bwd_q_tile_index(b, h, a.heads_q, a.lists.num_q_tiles, visit.q_tile);
-        int32_t* sem = a.semaphores + tile;
-        if (a.deterministic) wait_turn(sem, visit.turn + int32_t(w.sub_tile), a);
-        bulk_reduce_add(a.dq_accum + tile * (T::kBlockM * T::kHeadDim), ss.dq.data() + buf * (T::kBlockM * T::kHeadDim),
-                        T::kDqBytes);
-        tma_store_arrive();
-        if (a.deterministic) {
-          bulk_wait_all();  // the add has landed in global memory: the next writer may go
-          __threadfence();
-          add_release(sem, 1);
-        } else {
-          tma_store_wait<0>();  // shared memory read: the consumers may write the next partial
-        }
-        cutlass::arch::ClusterBarrier::arrive(&ss.dq_empty[buf]);
-        ++n_dq;
+    // The same visits in the same order as the loader and the consumers (the walk is the one rule
+    // of bwd_item_next); each waits for its own turn, whatever the order (attention_bwd_walk.h).
+    BwdItemCursor cur = bwd_item_begin(a.lists, b, int(w.kv_head), group, column);
+    BwdVisit visit;
+    while (bwd_item_next(a.lists, b, column, cur, &visit)) {
+      const int buf = n_dq % T::kDqBuffers;
+      cutlass::arch::ClusterBarrier::wait(&ss.dq_full[buf], (n_dq / T::kDqBuffers) & 1);
+      const int64_t tile = bwd_q_tile_index(b, visit.q_head, a.heads_q, a.lists.num_q_tiles, visit.q_tile);
+      int32_t* sem = a.semaphores + tile;
+      if (a.deterministic) wait_turn(sem, visit.turn + int32_t(w.sub_tile), a);
+      bulk_reduce_add(a.dq_accum + tile * (T::kBlockM * T::kHeadDim), ss.dq.data() + buf * (T::kBlockM * T::kHeadDim),
+                      T::kDqBytes);
+      tma_store_arrive();
+      if (a.deterministic) {
+        bulk_wait_all();  // the add has landed in global memory: the next writer may go
+        __threadfence();
+        add_release(sem, 1);
+      } else {
+        tma_store_wait<0>();  // shared memory read: the consumers may write the next partial
       }
+      cutlass::arch::ClusterBarrier::arrive(&ss.dq_empty[buf]);
+      ++n_dq;
     }
   }
 }
@@ -413,67 +411,66 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
     clear(tdVrdV);
     clear(tdKrdK);
     cutlass::arch::ClusterBarrier::wait(&ss.kv_full, n_item & 1);
-    for (int g = 0; g < group; ++g) {
-      const int h = hkv * group + g;
-      BwdColumnCursor cur = bwd_column_begin(a.lists, b, h, column);
-      BwdVisit visit;
-      while (bwd_column_next(a.lists, b, h, column, cur, &visit)) {
-        const int st = read.index();
-        const int q0 = visit.q_tile * M;
-        pipe.consumer_wait(read);
-        warpgroup_gemm_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, st), tSrS);
-        warpgroup_gemm_issue<true>(mma_sdp, tPrV, tPrdO(_, _, _, st), tPrP);
-        warpgroup_wait<1>();
-        warpgroup_fence_operand(tSrS);
-        if (visit.partial) {
-          mask_tile_t(S, S_coord, q0, kv0, a, b, h, column, visit);
-        } else if (crosses_end) {
-          mask_seq_kv<false>(S, S_coord, kv0, a.seq_kv);
-        }
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < size<1>(S); ++j) {
-          const float lse = ss.lse[st][get<1>(S_coord(0, j))];
-          CUTLASS_PRAGMA_UNROLL
-          for (int i = 0; i < size<0>(S); ++i)
-            S(i, j) = S(i, j) == -INFINITY ? 0.f : fast_exp2(S(i, j) * scale_log2 - lse);
-        }
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(tPrP);
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < size<1>(dP); ++j) {
-          const float delta = ss.delta[st][get<1>(S_coord(0, j))];
-          CUTLASS_PRAGMA_UNROLL
-          for (int i = 0; i < size<0>(dP); ++i) dP(i, j) = S(i, j) * (dP(i, j) - delta);
-        }
-        convert_p(tSrS, rP);
-        convert_p(tPrP, rdS);
-        warpgroup_gemm_issue<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, st), tdVrdV);
-        warpgroup_gemm_issue<false>(mma_dkv, tdKrdS, tdKrQ(_, _, _, st), tdKrdK);
-        // dS^T -> dS in shared memory (q contiguous); both warpgroups' halves are needed by each
-        // one's dQ GEMM.
-        const int buf = n_tile & 1;
-        // Fragment values i and i + 1 are adjacent q rows of one key: one 32-bit store (a swizzle
-        // moves 16-byte chunks only).
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(rdS); i += 2) {
-          Element* at = &sdS(get<1>(tScS(i)), get<0>(tScS(i)), buf);
-          cutlass::Array<Element, 2> pair;
-          pair[0] = rdS(i);
-          pair[1] = rdS(i + 1);
-          *reinterpret_cast<cutlass::Array<Element, 2>*>(at) = pair;
-        }
-        cutlass::arch::fence_view_async_shared();
-        cutlass::arch::NamedBarrier::sync(T::kMmaThreads, 1);
-        warpgroup_gemm_issue<true>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, tdQrdQ);
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(tdVrdV);
-        warpgroup_fence_operand(tdKrdK);
-        warpgroup_fence_operand(tdQrdQ);
-        pipe.consumer_release(read);
-        ++read;
-        ++n_tile;
-        write_dq();
+    // dK and dV sum the visits in walk order: a function of the schedule, never of the grid.
+    BwdItemCursor cur = bwd_item_begin(a.lists, b, hkv, group, column);
+    BwdVisit visit;
+    while (bwd_item_next(a.lists, b, column, cur, &visit)) {
+      const int h = visit.q_head;
+      const int st = read.index();
+      const int q0 = visit.q_tile * M;
+      pipe.consumer_wait(read);
+      warpgroup_gemm_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, st), tSrS);
+      warpgroup_gemm_issue<true>(mma_sdp, tPrV, tPrdO(_, _, _, st), tPrP);
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(tSrS);
+      if (visit.partial) {
+        mask_tile_t(S, S_coord, q0, kv0, a, b, h, column, visit);
+      } else if (crosses_end) {
+        mask_seq_kv<false>(S, S_coord, kv0, a.seq_kv);
       }
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < size<1>(S); ++j) {
+        const float lse = ss.lse[st][get<1>(S_coord(0, j))];
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size<0>(S); ++i)
+          S(i, j) = S(i, j) == -INFINITY ? 0.f : fast_exp2(S(i, j) * scale_log2 - lse);
+      }
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tPrP);
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < size<1>(dP); ++j) {
+        const float delta = ss.delta[st][get<1>(S_coord(0, j))];
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size<0>(dP); ++i) dP(i, j) = S(i, j) * (dP(i, j) - delta);
+      }
+      convert_p(tSrS, rP);
+      convert_p(tPrP, rdS);
+      warpgroup_gemm_issue<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, st), tdVrdV);
+      warpgroup_gemm_issue<false>(mma_dkv, tdKrdS, tdKrQ(_, _, _, st), tdKrdK);
+      // dS^T -> dS in shared memory (q contiguous); both warpgroups' halves are needed by each
+      // one's dQ GEMM.
+      const int buf = n_tile & 1;
+      // Fragment values i and i + 1 are adjacent q rows of one key: one 32-bit store (a swizzle
+      // moves 16-byte chunks only).
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(rdS); i += 2) {
+        Element* at = &sdS(get<1>(tScS(i)), get<0>(tScS(i)), buf);
+        cutlass::Array<Element, 2> pair;
+        pair[0] = rdS(i);
+        pair[1] = rdS(i + 1);
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(at) = pair;
+      }
+      cutlass::arch::fence_view_async_shared();
+      cutlass::arch::NamedBarrier::sync(T::kMmaThreads, 1);
+      warpgroup_gemm_issue<true>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, tdQrdQ);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tdVrdV);
+      warpgroup_fence_operand(tdKrdK);
+      warpgroup_fence_operand(tdQrdQ);
+      pipe.consumer_release(read);
+      ++read;
+      ++n_tile;
+      write_dq();
     }
     cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty);  // the last dQ GEMM has read K
 

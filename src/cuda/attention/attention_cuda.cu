@@ -24,6 +24,7 @@
 #include "cuda/element.cuh"
 #include "cuda/runtime_cuda.h"
 #include "ops/attention_backend.h"
+#include "ops/block_mask_internal.h"  // mask_walk_shape
 #include "ops/checks.h"
 #include "sm90/sm90_instances.h"
 #include "sparsetrain/error.h"
@@ -361,6 +362,7 @@ class AttentionCuda final : public backend::AttentionBackend {
     a.lists.num_q_blocks = int32_t(m.num_q_blocks());
     a.lists.q_tiles_per_block = int32_t(m.block_q / kBwdTileQ);
     a.lists.num_q_tiles = q_tiles;
+    a.lists.walk = mask_walk_shape(m, m.schedule.walk);  // in both modes: dK / dV bits follow it
     a.spec = mask_spec_args(m);
     a.block_q = int32_t(m.block_q), a.block_kv = int32_t(m.block_kv);
     a.handout.batch = p.batch;
