@@ -167,7 +167,10 @@ TEST(BlockMaskBuilders, CausalBlocksAreTheExpectedLists) {
   // Column 0 walks q blocks 0 (partial), 1, 2 (full).
   EXPECT_EQ(i32(t.q_num_blocks)[0], 1);
   EXPECT_EQ(i32(t.full_q_num_blocks)[0], 2);
-  EXPECT_EQ(m.schedule.kind, st::ScheduleKind::kShortestFirst) << "auto on a causal mask";
+  // auto runs the dQ model over its candidates (block_mask.h: choose_schedule); on a causal mask
+  // the descending walk keeps every column's turns in step, so left to right wins.
+  EXPECT_EQ(m.schedule.kind, st::ScheduleKind::kLeftToRight) << "auto on a causal mask";
+  EXPECT_EQ(m.schedule.walk, st::WalkOrder::kDescendingHeadsInner) << "auto on a causal mask";
 }
 
 TEST(BlockMaskBuilders, FromBlocksRoundTripsRandomMatrices) {
