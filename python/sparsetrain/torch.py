@@ -66,12 +66,19 @@ def _splits_arg(splits: Tensor, status: Optional[Tensor] = None) -> Any:
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
-def _check_buffer_args(out: Optional[Tensor], grad_input: Optional[Tensor]) -> None:
-    """The caller buffers' autograd rule: the library writes them in place, outside autograd."""
+def _check_buffer_args(x: Tensor, out: Optional[Tensor], grad_input: Optional[Tensor]) -> None:
+    """The caller buffers' torch rules (the C++ core checks the rest): the library writes them in
+    place, outside autograd; and they are on x's device, because torch's dispatcher picks the op's
+    kernel from its arguments' devices (a meta buffer would run the fake implementation) and the
+    core's own device check would never see the call."""
     for name, buf in (("out", out), ("grad_input", grad_input)):
-        if buf is not None and buf.requires_grad:
+        if buf is None:
+            continue
+        if buf.requires_grad:
             raise ValueError(f"{name}: expected a tensor that does not require grad (the library writes it in "
                              "place), got requires_grad=True")
+        if buf.device != x.device:
+            raise ValueError(f"{name}: expected a tensor on {x.device} (x's device), got {buf.device}")
 
 
 def _rows(t: Tensor, T: int) -> Tensor:
@@ -419,7 +426,7 @@ class GroupedLinear(_DelayedWgrad, nn.Module):
         grad_input: optional [>= T, in] buffer backward writes dx into. Both may have as few as S
         rows with host splits; neither may require grad. dx is grad_input's first T rows (rows
         >= S as the buffer holds them; zeros below a buffer of fewer than T rows)."""
-        _check_buffer_args(out, grad_input)
+        _check_buffer_args(x, out, grad_input)
         splits = self._normalize_splits(m_splits)
         weights, biases = self.weights(), self.biases()
         disposition = _disposition_constant(self.delay_wgrad_compute, self.fuse_wgrad_accumulation,
@@ -650,7 +657,7 @@ class GroupedMLP(_DelayedWgrad, nn.Module):
         probability of each row; it gets a gradient, fp32). out: optional [>= T, out] buffer
         written in place (rows >= S untouched); grad_input: optional [>= T, in] buffer for dx;
         as GroupedLinear's (>= S rows with host splits, neither requiring grad)."""
-        _check_buffer_args(out, grad_input)
+        _check_buffer_args(x, out, grad_input)
         splits = self.fc1._normalize_splits(m_splits)
         params, counts = [], []
         for layer in (self.fc1, self.fc2):
