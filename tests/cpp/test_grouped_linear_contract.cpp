@@ -297,13 +297,34 @@ TEST(GroupedLinearContract, CallerWorkspaceIsUsedAndItsSizeDependsOnShapesOnly) 
   st::GroupedLinear layer(c.options(), c.params(), &alloc);
   const size_t bytes = layer.workspace_size(c.T);
   EXPECT_GT(bytes, 0u);
-  EXPECT_EQ(bytes, st::GroupedLinear(c.options(), c.params()).workspace_size(c.T));
+  // Shapes only: another layer of the same shapes over other data (other parameters, fused
+  // main_grad, delayed wgrad) asks for the same bytes.
+  GroupedLinearCase other = c;
+  other.seed = 41;
+  other.fuse = true;
+  other.delay = true;
+  other.make();
+  EXPECT_EQ(bytes, st::GroupedLinear(other.options(), other.params()).workspace_size(c.T));
   HostTensor ws(st::DType::kInt32, {int64_t(bytes / 4)});
   st::CallArgs args;
   args.workspace = {ws.data(), bytes};
-  HostTensor out(c.dtype, {c.T, c.out});
+  HostTensor out(c.dtype, {c.T, c.out}), gin(c.dtype, {c.T, c.in});
+  // Never on split values: exactly `bytes` serves every split vector, host or device, with
+  // nothing allocated but the backward's weight / bias grads.
+  HostTensor dsplits(st::DType::kInt64, {c.G});
+  for (const std::vector<int64_t>& sv : {std::vector<int64_t>{23, 0, 0, 0}, std::vector<int64_t>{0, 0, 0, 0},
+                                         std::vector<int64_t>{1, 2, 3, 17}, c.splits}) {
+    for (int64_t g = 0; g < c.G; ++g) dsplits.set(g, double(sv[size_t(g)]));
+    for (const st::Splits& sp : {st::Splits::host(sv), st::Splits::device(dsplits.view())}) {
+      alloc.allocations = 0;
+      layer.forward(c.x.view(), sp, out.view(), args);
+      EXPECT_EQ(alloc.allocations, 0) << "caller output + caller workspace: the layer allocates nothing";
+      layer.backward(c.x.view(), c.dy.view(), sp, gin.view(), args);
+      EXPECT_EQ(alloc.allocations, 2) << "backward allocates its weight and bias grads only";
+    }
+  }
+  alloc.allocations = 0;
   layer.forward(c.x.view(), st::Splits::host(c.splits), out.view(), args);
-  EXPECT_EQ(alloc.allocations, 0) << "caller output + caller workspace: the layer allocates nothing";
   const st::Tensor y = layer.forward(c.x.view(), st::Splits::host(c.splits));  // own workspace
   EXPECT_TRUE(st::testing::bytes_equal(HostTensor::copy_of(y.view().rows(0, 20)).view(),
                                        HostTensor::copy_of(out.view().rows(0, 20)).view()));

@@ -267,7 +267,13 @@ TEST(GroupedMLPContract, CallerWorkspaceIsUsedAndItsSizeDependsOnShapesOnly) {
   st::GroupedMLP mlp(c.options(), c.params(), &alloc);
   const size_t bytes = mlp.workspace_size(c.T);
   EXPECT_GE(bytes, std::max(mlp.fc1().workspace_size(c.T), mlp.fc2().workspace_size(c.T)));
-  EXPECT_EQ(bytes, st::GroupedMLP(c.options(), c.params()).workspace_size(c.T));
+  // Shapes only: other data and modes (fused main_grad, delayed wgrad) ask for the same bytes.
+  GroupedMLPCase other = small_case(st::DType::kBF16, 0, 41);
+  other.splits = {23, 0, 0, 0};
+  other.fuse = true;
+  other.delay = true;
+  other.make();
+  EXPECT_EQ(bytes, st::GroupedMLP(other.options(), other.params()).workspace_size(c.T));
   HostTensor ws(st::DType::kInt32, {int64_t(bytes / 4)});
   st::CallArgs args;
   args.workspace = {ws.data(), bytes};
