@@ -6,23 +6,17 @@
 
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
 #include <random>
 #include <vector>
 
+#include "cuda/cuda_check.h"
 #include "sparsetrain/block_mask.h"
+#include "sparsetrain/error.h"
 #include "sparsetrain/runtime.h"
 
 namespace st = sparsetrain;
 
 namespace {
-
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "bench_block_mask_build: %s failed: %s\n", what, cudaGetErrorString(e));
-    std::exit(1);
-  }
-}
 
 // Random document ids [batch, seq]: runs of 1 .. seq / 3 positions (seed 3, as the test it replaces).
 std::vector<int32_t> documents(int64_t batch, int64_t seq) {
@@ -35,18 +29,16 @@ std::vector<int32_t> documents(int64_t batch, int64_t seq) {
   return d;
 }
 
-}  // namespace
-
-int main() {
+void run() {
   if (st::cuda_device_count() == 0) {
     std::printf("bench_block_mask_build: no CUDA device; nothing measured\n");
-    return 0;
+    return;
   }
   const int64_t B = 2, S = 8192;
   const std::vector<int32_t> doc = documents(B, S);
   void* ddoc = nullptr;
-  check(cudaMalloc(&ddoc, doc.size() * sizeof(int32_t)), "cudaMalloc");
-  check(cudaMemcpy(ddoc, doc.data(), doc.size() * sizeof(int32_t), cudaMemcpyHostToDevice), "cudaMemcpy");
+  ST_CUDA_CHECK(cudaMalloc(&ddoc, doc.size() * sizeof(int32_t)), "cudaMalloc");
+  ST_CUDA_CHECK(cudaMemcpy(ddoc, doc.data(), doc.size() * sizeof(int32_t), cudaMemcpyHostToDevice), "cudaMemcpy");
   const st::TensorView doc_view(ddoc, st::DType::kInt32, {B, S}, st::Device::cuda(0));
   std::printf("%s\n", st::best_backend_description().c_str());
   for (st::MaskKind kind : {st::MaskKind::kCausal, st::MaskKind::kSlidingWindow, st::MaskKind::kDocumentCausal}) {
@@ -60,15 +52,26 @@ int main() {
     o.schedule.kind = st::ScheduleKind::kShortestFirst;
     o.device = st::Device::cuda(0);
     for (int i = 0; i < 3; ++i) st::build_block_mask(spec, S, S, o);  // warm-up
-    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    ST_CUDA_CHECK(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     const int reps = 20;
     const auto t0 = std::chrono::steady_clock::now();
     for (int i = 0; i < reps; ++i) st::build_block_mask(spec, S, S, o);
-    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    ST_CUDA_CHECK(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / reps;
     std::printf("device build_block_mask %s, B=%lld, S=%lld (lists, transposes, write orders): %.1f us\n",
                 spec.str().c_str(), (long long)B, (long long)S, us);
   }
-  check(cudaFree(ddoc), "cudaFree");
+  ST_CUDA_CHECK(cudaFree(ddoc), "cudaFree");
+}
+
+}  // namespace
+
+int main() {
+  try {
+    run();
+  } catch (const st::Error& e) {
+    std::fprintf(stderr, "bench_block_mask_build: %s\n", e.what());
+    return 1;
+  }
   return 0;
 }
