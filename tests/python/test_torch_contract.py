@@ -220,3 +220,25 @@ def test_cuda_invalid_device_splits_set_the_sticky_status_word(make):
     status.zero_()
     _call(m, x, probs, good)
     assert int(status) == 0
+
+
+@pytest.mark.parametrize("make", MODULES)
+def test_wrong_dtype_or_device_of_out_and_main_grad(make):
+    """Each refused at forward with the argument named, nothing written; dy needs no case of its
+    own here: autograd casts an incoming gradient to the output's dtype before our backward."""
+    x, probs, _ = _data(8)
+    m = make()
+    out = torch.full((T, OUT), float("nan"))
+    with pytest.raises(ValueError, match=r"out: expected dtype bf16 \(the layer's dtype\), got fp32"):
+        _call(m, x, probs, out=out)
+    assert bool(out.isnan().all())
+    prefix = "fc1." if isinstance(m, stt.GroupedMLP) else ""
+    for bad, message in ((lambda w: torch.zeros(w.shape, dtype=BF16), r"main_grad\[0\]: expected dtype fp32, got bf16"),
+                         (lambda w: torch.zeros(w.shape, device="meta"),
+                          r"main_grad: expected a tensor on the CPU or a CUDA device, got meta")):
+        fused = make(fuse_wgrad_accumulation=True)
+        for name, w in fused.named_parameters():
+            if "weight" in name:
+                w.main_grad = bad(w)
+        with pytest.raises(ValueError, match=prefix + message):
+            _call(fused, x, probs)
