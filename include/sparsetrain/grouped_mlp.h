@@ -60,7 +60,7 @@ class GroupedMLP {
  public:
   // `allocator`: where outputs, intermediates (fc1_out, the fc2 input, the gradients between the
   // layers) and a missing workspace come from (default_allocator() if null); it must outlive the
-  // layer. Raises an Error for a CUDA device until GroupedMLP has a CUDA backend.
+  // layer. Parameters on the CPU run the reference backend, on a CUDA device the CUDA one.
   GroupedMLP(const GroupedMLPOptions& options, const GroupedMLPParams& params, Allocator* allocator = nullptr);
 
   const GroupedMLPOptions& options() const { return options_; }
