@@ -26,6 +26,7 @@ from . import GroupedMLP as _CoreGroupedMLP
 from . import weight_grad_disposition as _weight_grad_disposition
 from ._arrays import DeviceSplits
 from ._arrays import Framework as _Framework
+from ._arrays import dtype_name as _dtype_name
 from ._block_mask import TENSOR_NAMES as _TENSOR_NAMES
 from ._block_mask import BlockMask
 from ._block_mask import MaskSpec as _MaskSpec
@@ -61,9 +62,6 @@ def _splits_arg(splits: Tensor, status: Optional[Tensor] = None) -> Any:
     if not splits.is_cuda:
         return splits
     return DeviceSplits(splits, status if status is not None and status.device == splits.device else None)
-
-
-_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 def _check_buffer_args(x: Tensor, out: Optional[Tensor], grad_input: Optional[Tensor]) -> None:
@@ -156,7 +154,7 @@ def _layer_grads_fake(m: "GroupedLinear", x: Tensor) -> Tuple[Tensor, Tensor]:
     if kind == "none":
         dw = x.new_empty(0)
     elif kind == "wgrad":
-        stride = _C.packed_wgrad_group_stride(out_f, in_f, _DTYPE_NAMES[x.dtype])
+        stride = _C.packed_wgrad_group_stride(out_f, in_f, _dtype_name(x))
         dw = x.new_empty_strided((G, out_f, in_f), (stride, in_f, 1))
     else:
         dw = x.new_empty((G, out_f, in_f) if m.single_grouped_weight else (out_f, in_f))
