@@ -145,6 +145,11 @@ class GroupedLinear(_CoreLayer):
 
     splits: a list of ints or a host array (validated at once: entries >= 0, sum <= rows of x),
     a CUDA tensor, or DeviceSplits(values, status) (never read by the host).
+
+    stream: a call's kernels run on `stream` (a raw CUDA stream handle; default: torch's current
+    stream on the arrays' device), and so does everything the call allocates, its workspace
+    included (torch's caching allocator on that stream): no other stream can reuse that memory
+    while the kernels may still read it.
     """
 
     def __init__(self, weight: Any, bias: Any = None, main_grad: Any = None, *,
