@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <vector>
 
 #include "sparsetrain/allocator.h"
@@ -60,7 +61,15 @@ struct GroupedLinearParams {
 struct CallArgs {
   Stream stream;
   Workspace workspace;  // optional; workspace_size() bytes on the compute device
+  // Optional: whatever keeps the caller's x and dy alive. backward() with delayed wgrad stores
+  // it with the pending wgrad and releases it when backward_dw() pops that entry, so a binding
+  // needs no queue of its own (the layer's queue is the only one).
+  std::shared_ptr<const void> keep_alive;
 };
+
+// Per-group stride (elements) of the packed weight-grad buffer: out*in rounded up so that each
+// group's view starts on a 256-byte boundary. Fake / meta implementations take it from here.
+int64_t packed_wgrad_group_stride(int64_t out_features, int64_t in_features, DType dtype);
 
 // A weight gradient as backward hands it back (see weight_grad.h).
 struct WeightGrad {
@@ -109,8 +118,15 @@ class GroupedLinear {
   GroupedLinearGrads backward(const TensorView& x, const TensorView& dy, const Splits& splits,
                               const TensorView& grad_input = {}, const CallArgs& args = {});
 
+  // The checks backward() makes of a grad_input buffer (and of x and splits, which its rule
+  // needs), for fronts that take the buffer at forward and must refuse it before anything runs
+  // (torch). Reads no device memory; throws the error backward() would.
+  void check_grad_input(const TensorView& x, const Splits& splits, const TensorView& grad_input) const;
+
   // Computes the oldest pending delayed wgrad (first in, first out): into main_grad when fused
   // (weight.kind = kNone), otherwise returned (kWgrad); and the bias grad. Error if none pending.
+  // Without delay_wgrad_compute it is a no-op returning empty grads (weight.kind = kNone), as
+  // TransformerEngine's: backward already computed the wgrad.
   GroupedLinearGrads backward_dw(const CallArgs& args = {});
   size_t pending_wgrads() const { return pending_.size(); }
 
@@ -118,6 +134,7 @@ class GroupedLinear {
   struct Pending {
     TensorView x, dy;
     Splits splits;
+    std::shared_ptr<const void> keep_alive;  // CallArgs::keep_alive of the backward
   };
   // wgrad and bias grad with the group offsets already in the workspace.
   GroupedLinearGrads compute_wgrad(const TensorView& x, const TensorView& dy, const int64_t* offsets,

@@ -60,7 +60,7 @@ class GroupedMLP {
  public:
   // `allocator`: where outputs, intermediates (fc1_out, the fc2 input, the gradients between the
   // layers) and a missing workspace come from (default_allocator() if null); it must outlive the
-  // layer. Raises an Error for a CUDA device until GroupedMLP has a CUDA backend.
+  // layer. Parameters on the CPU run the reference backend, on a CUDA device the CUDA one.
   GroupedMLP(const GroupedMLPOptions& options, const GroupedMLPParams& params, Allocator* allocator = nullptr);
 
   const GroupedMLPOptions& options() const { return options_; }
@@ -87,8 +87,13 @@ class GroupedMLP {
                            const TensorView& dy, const Splits& splits, const TensorView& grad_input = {},
                            const CallArgs& args = {});
 
+  // GroupedLinear::check_grad_input's checks for this MLP's grad_input (fc1's dgrad).
+  void check_grad_input(const TensorView& x, const Splits& splits, const TensorView& grad_input) const {
+    fc1_.check_grad_input(x, splits, grad_input);
+  }
+
   // The oldest pending delayed wgrad of both layers (first in, first out), and the bias grads.
-  // Error if none is pending.
+  // Error if none is pending. Without delay_wgrad_compute a no-op returning empty grads.
   GroupedMLPGrads backward_dw(const CallArgs& args = {});
   size_t pending_wgrads() const { return pending_.size(); }
 
@@ -100,6 +105,7 @@ class GroupedMLP {
     Tensor fc2_input, fc1_out_grad;
     TensorView dy, probs;
     Splits splits;
+    std::shared_ptr<const void> keep_alive;  // CallArgs::keep_alive of the backward
   };
   Tensor scaled_bias_grad(const TensorView& dy, const TensorView& probs, const int64_t* offsets,
                           void* scratch, Stream stream);

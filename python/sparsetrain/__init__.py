@@ -79,6 +79,10 @@ def _grouped_shape(weight: Any, arg: str):
     return Framework.of(first), int(groups), int(rows), int(cols), dtype_name(first, arg)
 
 
+def _first(weight: Any) -> Any:
+    return weight[0] if isinstance(weight, (list, tuple)) else weight
+
+
 def _param_to_core(p: Any) -> Any:
     """A parameter (one array, a list of per-group arrays or None) in the form the core takes."""
     if p is None:
@@ -87,20 +91,25 @@ def _param_to_core(p: Any) -> Any:
 
 
 class _CoreLayer:
-    """What GroupedLinear and GroupedMLP share: the framework of their parameters, the stream a
-    call runs on, and the arrays each pending delayed wgrad refers to (x first), kept alive here
-    because the core holds views (torch tensors reach it as descriptors)."""
+    """What GroupedLinear and GroupedMLP share: the framework of their parameters and the stream
+    a call runs on. The pending delayed wgrads live in the C++ layer's queue only: backward hands
+    it the arrays they refer to (`keep`), which it holds until backward_dw pops them (the core
+    holds views; torch tensors reach it as descriptors)."""
 
-    def __init__(self, fw: Framework, params: tuple, delay_wgrad_compute: bool):
+    def __init__(self, fw: Framework, params: tuple, first_param: Any):
         self._fw = fw
         self._params = params
-        self._pending: list = []
-        self._delay = delay_wgrad_compute
+        self._first_param = first_param  # where the layer computes: its device's current stream
         self._core: Any = None
 
     @property
     def pending_wgrads(self) -> int:
         return self._core.pending_wgrads
+
+    def check_grad_input(self, x: Any, splits: Any, grad_input: Any) -> None:
+        """The checks backward makes of a grad_input buffer, without running anything: a front
+        that takes the buffer at forward refuses it there (ValueError as backward's)."""
+        self._core.check_grad_input(to_core(x), to_core_splits(splits), to_core(grad_input))
 
     def workspace_size(self, num_rows: int) -> int:
         """Bytes of workspace a call with `num_rows` input rows needs (shapes only)."""
@@ -109,16 +118,8 @@ class _CoreLayer:
     def _stream(self, x: Any, stream: Optional[int]) -> int:
         return self._fw.stream_of(x) if stream is None else int(stream)
 
-    def _queue(self, keep: tuple) -> None:
-        if self._delay:
-            self._pending.append(keep)
-
     def _backward_dw(self, stream: Optional[int], workspace: Any) -> dict:
-        if stream is None:
-            stream = self._fw.stream_of(self._pending[0][0]) if self._pending else 0
-        g = self._core.backward_dw(stream, workspace_to_core(workspace))
-        self._pending.pop(0)
-        return g
+        return self._core.backward_dw(self._stream(self._first_param, stream), workspace_to_core(workspace))
 
     def _layer_grads(self, g: dict) -> LayerGrads:
         view = self._fw.view
@@ -144,6 +145,11 @@ class GroupedLinear(_CoreLayer):
 
     splits: a list of ints or a host array (validated at once: entries >= 0, sum <= rows of x),
     a CUDA tensor, or DeviceSplits(values, status) (never read by the host).
+
+    stream: a call's kernels run on `stream` (a raw CUDA stream handle; default: torch's current
+    stream on the arrays' device), and so does everything the call allocates, its workspace
+    included (torch's caching allocator on that stream): no other stream can reuse that memory
+    while the kernels may still read it.
     """
 
     def __init__(self, weight: Any, bias: Any = None, main_grad: Any = None, *,
@@ -151,7 +157,7 @@ class GroupedLinear(_CoreLayer):
                  delay_wgrad_compute: bool = False, has_grad_added_to_main_grad: bool = False,
                  check_device_splits: bool = False):
         fw, groups, out_f, in_f, dtype = _grouped_shape(weight, "weight")
-        super().__init__(fw, (weight, bias, main_grad), delay_wgrad_compute)
+        super().__init__(fw, (weight, bias, main_grad), _first(weight))
         self.num_groups, self.in_features, self.out_features, self.dtype = groups, in_f, out_f, dtype
         self._core = _C.GroupedLinear(
             self.num_groups, self.in_features, self.out_features, self.dtype,
@@ -171,12 +177,12 @@ class GroupedLinear(_CoreLayer):
                  stream: Optional[int] = None, workspace: Any = None) -> GroupedLinearGrads:
         """dgrad, and unless delayed, wgrad (or main_grad accumulation) and bias grad."""
         g = self._core.backward(to_core(x), to_core(dy), to_core_splits(splits), to_core(grad_input),
-                                self._stream(x, stream), workspace_to_core(workspace))
-        self._queue((x, dy, splits))
+                                self._stream(x, stream), workspace_to_core(workspace), (x, dy, splits))
         return self._grads(g, grad_input)
 
     def backward_dw(self, *, stream: Optional[int] = None, workspace: Any = None) -> GroupedLinearGrads:
-        """The oldest pending delayed wgrad (first in, first out). Error if none is pending."""
+        """The oldest pending delayed wgrad (first in, first out). Error if none is pending; without
+        delay_wgrad_compute a no-op (weight_kind "none", no bias grad), as TransformerEngine's."""
         return self._grads(self._backward_dw(stream, workspace), None)
 
     def _grads(self, g: dict, grad_input: Any) -> GroupedLinearGrads:
@@ -203,7 +209,7 @@ class GroupedMLP(_CoreLayer):
         fw, groups, two_f, in_f, dtype = _grouped_shape(fc1_weight, "fc1.weight")
         _, _, out_f, ffn, _ = _grouped_shape(fc2_weight, "fc2.weight")
         super().__init__(fw, (fc1_weight, fc2_weight, fc1_bias, fc2_bias, fc1_main_grad, fc2_main_grad),
-                         delay_wgrad_compute)
+                         _first(fc1_weight))
         self.num_groups, self.in_features, self.ffn_features, self.out_features = groups, in_f, ffn, out_f
         self.dtype, self.glu_interleave_size = dtype, int(glu_interleave_size)
         attr1, attr2 = (has_grad_added_to_main_grad if isinstance(has_grad_added_to_main_grad, (tuple, list))
@@ -230,13 +236,12 @@ class GroupedMLP(_CoreLayer):
         delay_wgrad_compute, x, dy and probs must stay unchanged until the matching backward_dw."""
         g = self._core.backward(to_core(x), to_core(fc1_out), to_core(probs, "probs"), to_core(dy),
                                 to_core_splits(splits), to_core(grad_input), self._stream(x, stream),
-                                workspace_to_core(workspace))
-        self._queue((x, dy, probs, splits))
+                                workspace_to_core(workspace), (x, dy, probs, splits))
         return self._grads(g, grad_input)
 
     def backward_dw(self, *, stream: Optional[int] = None, workspace: Any = None) -> GroupedMLPGrads:
         """Both layers' oldest pending delayed wgrads and bias grads (first in, first out); error if
-        none is pending. grad_input and dprobs are None."""
+        none is pending; without delay_wgrad_compute a no-op. grad_input and dprobs are None."""
         return self._grads(self._backward_dw(stream, workspace), None)
 
     def _grads(self, g: dict, grad_input: Any) -> GroupedMLPGrads:

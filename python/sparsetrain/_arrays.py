@@ -5,6 +5,7 @@ never arrays built from raw pointers, so the framework keeps tracking streams an
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, NamedTuple, Optional
 
 import numpy as np
@@ -113,6 +114,7 @@ class Framework:
 
     def __init__(self, torch_module: Any = None):
         self.torch = torch_module
+        self._streams: dict = {}  # (device index, stream handle) -> torch.cuda.ExternalStream
 
     @staticmethod
     def of(a: Any) -> "Framework":
@@ -128,13 +130,32 @@ class Framework:
             return self.torch.cuda.current_stream(a.device).cuda_stream
         return 0
 
+    def _on_stream(self, device: Any, stream: int) -> Any:
+        """A context that makes `stream` (a raw handle) torch's current stream on `device`; nothing
+        when it already is."""
+        torch = self.torch
+        if torch.cuda.current_stream(device).cuda_stream == stream:
+            return contextlib.nullcontext()
+        key = (device.index, stream)
+        s = self._streams.get(key)
+        if s is None:  # handle 0 is the legacy default stream, torch's default stream
+            s = torch.cuda.default_stream(device) if stream == 0 else torch.cuda.ExternalStream(stream, device=device)
+            self._streams[key] = s
+        return torch.cuda.stream(s)
+
     def allocate(self, nbytes: int, device_type: str, device_index: int, stream: int):
-        """Allocator callback: (owner, 256-byte aligned address) of nbytes of fresh memory."""
+        """Allocator callback: (owner, 256-byte aligned address) of nbytes of fresh memory on
+        `stream`, the stream the call's kernels run on."""
         if self.torch is not None:
-            device = self.torch.device(device_type, device_index) if device_type == "cuda" else "cpu"
-            # torch's caching allocator, on the current stream of that device (the stream the
-            # call runs on): the memory is stream-ordered like any torch tensor.
-            owner = self.torch.empty(nbytes + _ALIGN, dtype=self.torch.uint8, device=device)
+            if device_type == "cuda":
+                # torch's caching allocator on the kernels' stream, whichever is current: memory
+                # the call frees (its workspace) goes back to that stream's pool, so no other
+                # stream can reuse it while our kernels may still read it (seed 000's race).
+                device = self.torch.device("cuda", device_index)
+                with self._on_stream(device, stream):
+                    owner = self.torch.empty(nbytes + _ALIGN, dtype=self.torch.uint8, device=device)
+            else:
+                owner = self.torch.empty(nbytes + _ALIGN, dtype=self.torch.uint8)
             addr = owner.data_ptr()
         else:
             if device_type != "cpu":

@@ -20,11 +20,13 @@ from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, U
 import torch
 from torch import Tensor, nn
 
+from . import _C
 from . import GroupedLinear as _CoreGroupedLinear
 from . import GroupedMLP as _CoreGroupedMLP
 from . import weight_grad_disposition as _weight_grad_disposition
 from ._arrays import DeviceSplits
 from ._arrays import Framework as _Framework
+from ._arrays import dtype_name as _dtype_name
 from ._block_mask import TENSOR_NAMES as _TENSOR_NAMES
 from ._block_mask import BlockMask
 from ._block_mask import MaskSpec as _MaskSpec
@@ -34,7 +36,6 @@ from ._block_mask import block_sparse_attention_forward as _attention_forward
 
 __all__ = ["GroupedLinear", "GroupedMLP", "BlockMask", "block_sparse_attention"]
 
-_ALIGN = 256
 # Every layer module by id: the custom ops find their layer's state through it.
 _LAYERS: "dict[int, weakref.ReferenceType[nn.Module]]" = {}
 _NEXT_ID = itertools.count()
@@ -48,21 +49,45 @@ def _register(module: nn.Module) -> int:
 
 
 def _layer(layer_id: int) -> Any:
-    module = _LAYERS[layer_id]()
+    ref = _LAYERS.get(layer_id)  # popped when the module is freed
+    module = None if ref is None else ref()
     if module is None:
         raise RuntimeError(f"sparsetrain layer {layer_id} no longer exists")
     return module
 
 
-def _splits_arg(splits: Tensor) -> Any:
-    # CUDA splits stay on the device (capturable); CPU splits are host splits, validated at once.
-    return DeviceSplits(splits) if splits.is_cuda else splits
+def _splits_arg(splits: Tensor, status: Optional[Tensor] = None) -> Any:
+    # CUDA splits stay on the device (capturable); invalid values OR bits into the layer's sticky
+    # status word (`splits_status`). CPU splits are host splits, validated at once.
+    if not splits.is_cuda:
+        return splits
+    return DeviceSplits(splits, status if status is not None and status.device == splits.device else None)
 
 
-def _packed_wgrad_stride(out_features: int, in_features: int, dtype: torch.dtype) -> int:
-    """Per-group stride (elements) of the packed wgrad buffer: each group on a 256-byte boundary."""
-    size = dtype.itemsize
-    return -(-out_features * in_features * size // _ALIGN) * _ALIGN // size
+def _check_buffer_args(x: Tensor, out: Optional[Tensor], grad_input: Optional[Tensor]) -> None:
+    """The caller buffers' torch rules (the C++ core checks the rest): the library writes them in
+    place, outside autograd; and they are on x's device, because torch's dispatcher picks the op's
+    kernel from its arguments' devices (a meta buffer would run the fake implementation) and the
+    core's own device check would never see the call."""
+    for name, buf in (("out", out), ("grad_input", grad_input)):
+        if buf is None:
+            continue
+        if buf.requires_grad:
+            raise ValueError(f"{name}: expected a tensor that does not require grad (the library writes it in "
+                             "place), got requires_grad=True")
+        if buf.device != x.device:
+            raise ValueError(f"{name}: expected a tensor on {x.device} (x's device), got {buf.device}")
+
+
+def _rows(t: Tensor, T: int) -> Tensor:
+    """`t` with exactly T rows: a caller `out` buffer may have more rows than x, or (host splits)
+    as few as S; the rows >= S of a gradient are never read, the missing ones are zeros."""
+    n = t.shape[0]
+    if n > T:
+        return t[:T]
+    if n < T:
+        return torch.cat([t, t.new_zeros((T - n, *t.shape[1:]))])
+    return t
 
 
 # --- custom ops -----------------------------------------------------------------------------
@@ -72,23 +97,41 @@ def _packed_wgrad_stride(out_features: int, in_features: int, dtype: torch.dtype
 # `grad_input`), so that neither has an optional mutated argument (Inductor lowers those poorly).
 
 
+# The forward ops also take the grad_input buffer that backward will write, only to check it
+# with the C++ rule before anything runs (an error at backward time would come too late).
+
+
+def _core_and_splits(layer_id: int, x: Tensor, splits: Tensor, grad_input: Optional[Tensor]) -> Tuple[Any, Any]:
+    """The layer's core and the splits argument, grad_input checked."""
+    m = _layer(layer_id)
+    core = m._core()
+    s = _splits_arg(splits, m._splits_status())
+    if grad_input is not None:
+        core.check_grad_input(x, s, grad_input)
+    return core, s
+
+
 @torch.library.custom_op("sparsetrain::grouped_linear_forward", mutates_args=())
-def _forward_op(layer_id: int, x: Tensor, splits: Tensor, params: List[Tensor]) -> Tensor:
-    return _layer(layer_id)._core().forward(x, _splits_arg(splits))
+def _forward_op(layer_id: int, x: Tensor, splits: Tensor, params: List[Tensor],
+                grad_input: Optional[Tensor] = None) -> Tensor:
+    core, s = _core_and_splits(layer_id, x, splits, grad_input)
+    return core.forward(x, s)
 
 
 @_forward_op.register_fake
-def _(layer_id, x, splits, params):
+def _(layer_id, x, splits, params, grad_input=None):
     return x.new_empty((x.shape[0], params[0].shape[-2]))
 
 
 @torch.library.custom_op("sparsetrain::grouped_linear_forward_into", mutates_args=("out",))
-def _forward_into_op(layer_id: int, x: Tensor, splits: Tensor, params: List[Tensor], out: Tensor) -> None:
-    _layer(layer_id)._core().forward(x, _splits_arg(splits), out)
+def _forward_into_op(layer_id: int, x: Tensor, splits: Tensor, params: List[Tensor], out: Tensor,
+                     grad_input: Optional[Tensor] = None) -> None:
+    core, s = _core_and_splits(layer_id, x, splits, grad_input)
+    core.forward(x, s, out)
 
 
 @_forward_into_op.register_fake
-def _(layer_id, x, splits, params, out):
+def _(layer_id, x, splits, params, out, grad_input=None):
     return None
 
 
@@ -111,7 +154,8 @@ def _layer_grads_fake(m: "GroupedLinear", x: Tensor) -> Tuple[Tensor, Tensor]:
     if kind == "none":
         dw = x.new_empty(0)
     elif kind == "wgrad":
-        dw = x.new_empty_strided((G, out_f, in_f), (_packed_wgrad_stride(out_f, in_f, x.dtype), in_f, 1))
+        stride = _C.packed_wgrad_group_stride(out_f, in_f, _dtype_name(x))
+        dw = x.new_empty_strided((G, out_f, in_f), (stride, in_f, 1))
     else:
         dw = x.new_empty((G, out_f, in_f) if m.single_grouped_weight else (out_f, in_f))
     db = x.new_empty((G, out_f)) if (m.use_bias and bias_now) else x.new_empty(0)
@@ -120,7 +164,8 @@ def _layer_grads_fake(m: "GroupedLinear", x: Tensor) -> Tuple[Tensor, Tensor]:
 
 def _backward_impl(layer_id, x, dy, splits, grad_input):
     """(dx, packed weight grad or dummy, bias grad [G, out])."""
-    g = _layer(layer_id)._core().backward(x, dy, _splits_arg(splits), grad_input)
+    m = _layer(layer_id)
+    g = m._core().backward(x, dy, _splits_arg(splits, m._splits_status()), grad_input)
     return (g.grad_input, *_layer_grad_tensors(g, x))
 
 
@@ -155,9 +200,9 @@ class _GroupedLinearFunction(torch.autograd.Function):
     def forward(ctx, layer_id: int, disposition: Tuple[str, bool], packed: bool, x: Tensor, splits: Tensor,
                 out: Optional[Tensor], grad_input: Optional[Tensor], num_weights: int, *params: Tensor):
         if out is None:
-            y = torch.ops.sparsetrain.grouped_linear_forward(layer_id, x, splits, list(params))
+            y = torch.ops.sparsetrain.grouped_linear_forward(layer_id, x, splits, list(params), grad_input)
         else:
-            torch.ops.sparsetrain.grouped_linear_forward_into(layer_id, x, splits, list(params), out)
+            torch.ops.sparsetrain.grouped_linear_forward_into(layer_id, x, splits, list(params), out, grad_input)
             ctx.mark_dirty(out)
             y = out
         ctx.save_for_backward(x, splits, *params)
@@ -168,7 +213,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor):
         x, splits, *params = ctx.saved_tensors
-        dy = dy[:x.shape[0]]  # a caller `out` buffer may have more rows than x
+        dy = _rows(dy, x.shape[0])
         if dy.stride(-1) != 1:
             dy = dy.contiguous()
         if ctx.grad_input is None:
@@ -176,7 +221,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         else:
             dw, db = torch.ops.sparsetrain.grouped_linear_backward_into(
                 ctx.layer_id, x, dy, splits, params, ctx.grad_input)
-            dx = ctx.grad_input[:x.shape[0]]
+            dx = _rows(ctx.grad_input, x.shape[0])
         grads = _param_grads(ctx.disposition, ctx.packed, params[:ctx.num_weights], params[ctx.num_weights:], dw, db)
         return (None, None, None, dx, None, None, None, None, *grads)
 
@@ -215,7 +260,11 @@ class _DelayedWgrad:
 
     def backward_dw(self) -> None:
         """Computes the oldest pending delayed wgrad (into main_grad when fused, else into the
-        parameters' .grad), the bias grads, then runs the wgrad-accumulation-and-reduce hooks."""
+        parameters' .grad), the bias grads, then runs the wgrad-accumulation-and-reduce hooks.
+        Without delay_wgrad_compute a no-op (hooks included), as TransformerEngine's: backward
+        already computed the wgrad."""
+        if not self.delay_wgrad_compute:
+            return
         with torch.no_grad():
             self._accumulate_backward_dw()
         for hook in self._hooks:
@@ -244,7 +293,15 @@ class GroupedLinear(_DelayedWgrad, nn.Module):
     sees is None, or a cached zero "dummy" when the weight has Megatron's
     `grad_added_to_main_grad` attribute (set to True). With delay_wgrad_compute, backward computes
     dgrad only; `backward_dw()` computes the oldest pending wgrad and then runs the hooks given to
-    `register_wgrad_accumulation_and_reduce_hooks`.
+    `register_wgrad_accumulation_and_reduce_hooks` (without it backward_dw is a no-op).
+
+    `splits_status`: an int32 [1] buffer on the module's device, the sticky status word of CUDA
+    m_splits. Device splits are never read by the host, so invalid ones (a negative entry, a sum
+    above the rows of x) cannot raise: every group is made empty (outputs zero) and the bits
+    sparsetrain.SPLITS_NEGATIVE / SPLITS_SUM_EXCEEDS_ROWS are ORed into this word, which the
+    library never clears. Read it when you choose (e.g. after a CUDA-graph replay; reading it
+    syncs) and clear it with `splits_status.zero_()`. Its address is fixed while the module stays
+    on one device, so graphs capture it. check_device_splits=True raises instead (it syncs).
     """
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True, *,
@@ -274,10 +331,15 @@ class GroupedLinear(_DelayedWgrad, nn.Module):
                 if bias:
                     self.register_parameter(f"bias{i}", nn.Parameter(
                         torch.empty(out_features, **kw).uniform_(-bound, bound)))
+        # Not in the state dict (persistent=False); moves with the module (.to / .cuda).
+        self.register_buffer("splits_status", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
         self._hooks: List[Callable[[], None]] = []
         self._core_layer: Optional[_CoreGroupedLinear] = None
         self._core_key: Any = None
         self._id = _register(self)
+
+    def _splits_status(self) -> Tensor:
+        return self.splits_status
 
     # -- parameters ------------------------------------------------------------------------
     def weights(self) -> List[Tensor]:
@@ -359,7 +421,10 @@ class GroupedLinear(_DelayedWgrad, nn.Module):
                 grad_input: Optional[Tensor] = None) -> Tensor:
         """x [T, in] grouped by expert; m_splits: list of ints, CPU tensor or CUDA tensor [G].
         out: optional [>= T, out] buffer the result is written into (rows >= S untouched);
-        grad_input: optional [>= T, in] buffer backward writes dx into."""
+        grad_input: optional [>= T, in] buffer backward writes dx into. Both may have as few as S
+        rows with host splits; neither may require grad. dx is grad_input's first T rows (rows
+        >= S as the buffer holds them; zeros below a buffer of fewer than T rows)."""
+        _check_buffer_args(x, out, grad_input)
         splits = self._normalize_splits(m_splits)
         weights, biases = self.weights(), self.biases()
         disposition = _disposition_constant(self.delay_wgrad_compute, self.fuse_wgrad_accumulation,
@@ -419,30 +484,33 @@ def _accumulate_layer_grads(m: GroupedLinear, g: Any) -> None:
 
 @torch.library.custom_op("sparsetrain::grouped_mlp_forward", mutates_args=())
 def _mlp_forward_op(layer_id: int, x: Tensor, splits: Tensor, probs: Tensor,
-                    params: List[Tensor]) -> Tuple[Tensor, Tensor]:
-    return _layer(layer_id)._core().forward(x, _splits_arg(splits), probs)
+                    params: List[Tensor], grad_input: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    core, s = _core_and_splits(layer_id, x, splits, grad_input)
+    return core.forward(x, s, probs)
 
 
 @_mlp_forward_op.register_fake
-def _(layer_id, x, splits, probs, params):
+def _(layer_id, x, splits, probs, params, grad_input=None):
     m = _layer(layer_id)
     return x.new_empty((x.shape[0], m.out_features)), x.new_empty((x.shape[0], 2 * m.ffn_hidden_size))
 
 
 @torch.library.custom_op("sparsetrain::grouped_mlp_forward_into", mutates_args=("out",))
 def _mlp_forward_into_op(layer_id: int, x: Tensor, splits: Tensor, probs: Tensor, params: List[Tensor],
-                         out: Tensor) -> Tensor:
-    return _layer(layer_id)._core().forward(x, _splits_arg(splits), probs, out)[1]
+                         out: Tensor, grad_input: Optional[Tensor] = None) -> Tensor:
+    core, s = _core_and_splits(layer_id, x, splits, grad_input)
+    return core.forward(x, s, probs, out)[1]
 
 
 @_mlp_forward_into_op.register_fake
-def _(layer_id, x, splits, probs, params, out):
+def _(layer_id, x, splits, probs, params, out, grad_input=None):
     return x.new_empty((x.shape[0], 2 * _layer(layer_id).ffn_hidden_size))
 
 
 def _mlp_backward_impl(layer_id, x, fc1_out, probs, dy, splits, grad_input):
     """(dx, dprobs, fc1's dw, db, fc2's dw, db)."""
-    g = _layer(layer_id)._core().backward(x, fc1_out, probs, dy, _splits_arg(splits), grad_input)
+    m = _layer(layer_id)
+    g = m._core().backward(x, fc1_out, probs, dy, _splits_arg(splits, m._splits_status()), grad_input)
     return (g.grad_input, g.dprobs, *_layer_grad_tensors(g.fc1, x), *_layer_grad_tensors(g.fc2, x))
 
 
@@ -480,9 +548,11 @@ class _GroupedMLPFunction(torch.autograd.Function):
                 x: Tensor, splits: Tensor, probs: Tensor, out: Optional[Tensor], grad_input: Optional[Tensor],
                 counts: Tuple[int, int, int, int], *params: Tensor):
         if out is None:
-            y, fc1_out = torch.ops.sparsetrain.grouped_mlp_forward(layer_id, x, splits, probs, list(params))
+            y, fc1_out = torch.ops.sparsetrain.grouped_mlp_forward(layer_id, x, splits, probs, list(params),
+                                                                   grad_input)
         else:
-            fc1_out = torch.ops.sparsetrain.grouped_mlp_forward_into(layer_id, x, splits, probs, list(params), out)
+            fc1_out = torch.ops.sparsetrain.grouped_mlp_forward_into(layer_id, x, splits, probs, list(params), out,
+                                                                     grad_input)
             ctx.mark_dirty(out)
             y = out
         # Saved activations: x, fc1's pre-activation output and probs (the activation is recomputed).
@@ -494,7 +564,7 @@ class _GroupedMLPFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: Tensor):
         x, fc1_out, probs, splits, *params = ctx.saved_tensors
-        dy = dy[:x.shape[0]]  # a caller `out` buffer may have more rows than x
+        dy = _rows(dy, x.shape[0])
         if dy.stride(-1) != 1:
             dy = dy.contiguous()
         if ctx.grad_input is None:
@@ -503,7 +573,7 @@ class _GroupedMLPFunction(torch.autograd.Function):
         else:
             dprobs, dw1, db1, dw2, db2 = torch.ops.sparsetrain.grouped_mlp_backward_into(
                 ctx.layer_id, x, fc1_out, probs, dy, splits, params, ctx.grad_input)
-            dx = ctx.grad_input[:x.shape[0]]
+            dx = _rows(ctx.grad_input, x.shape[0])
         nw1, nb1, nw2, nb2 = ctx.counts
         w1, b1 = params[:nw1], params[nw1:nw1 + nb1]
         w2, b2 = params[nw1 + nb1:nw1 + nb1 + nw2], params[nw1 + nb1 + nw2:]
@@ -551,6 +621,15 @@ class GroupedMLP(_DelayedWgrad, nn.Module):
         self._core_key: Any = None
         self._id = _register(self)
 
+    @property
+    def splits_status(self) -> Tensor:
+        """The sticky status word of CUDA m_splits (GroupedLinear.splits_status): fc1's, which
+        the fused MLP uses for both layers."""
+        return self.fc1.splits_status
+
+    def _splits_status(self) -> Tensor:
+        return self.fc1.splits_status
+
     def _core(self) -> _CoreGroupedMLP:
         """The C++ GroupedMLP over both layers' current parameters, rebuilt when any of them (or a
         main_grad) moves. Sizes and dtypes are checked there (errors name fc1.* / fc2.*)."""
@@ -574,7 +653,9 @@ class GroupedMLP(_DelayedWgrad, nn.Module):
                 out: Optional[Tensor] = None, grad_input: Optional[Tensor] = None) -> Tensor:
         """x [T, in] grouped by expert; m_splits as for GroupedLinear; probs fp32 [T] (the router
         probability of each row; it gets a gradient, fp32). out: optional [>= T, out] buffer
-        written in place (rows >= S untouched); grad_input: optional [>= T, in] buffer for dx."""
+        written in place (rows >= S untouched); grad_input: optional [>= T, in] buffer for dx;
+        as GroupedLinear's (>= S rows with host splits, neither requiring grad)."""
+        _check_buffer_args(x, out, grad_input)
         splits = self.fc1._normalize_splits(m_splits)
         params, counts = [], []
         for layer in (self.fc1, self.fc2):

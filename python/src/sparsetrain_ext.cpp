@@ -9,7 +9,6 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include <deque>
 #include <map>
 #include <memory>
 #include <string>
@@ -213,8 +212,15 @@ PySplits make_splits(nb::handle obj) {
   return s;
 }
 
-st::CallArgs call_args(uintptr_t stream, nb::handle workspace) {
+st::CallArgs call_args(uintptr_t stream, nb::handle workspace, nb::handle keep = nb::handle()) {
   st::CallArgs a;
+  // The arrays a delayed wgrad refers to ride in the layer's own queue (CallArgs::keep_alive):
+  // the reference is dropped, under the GIL, when backward_dw pops the entry or the layer dies.
+  if (keep.is_valid() && !keep.is_none())
+    a.keep_alive = std::shared_ptr<const void>(new nb::object(nb::borrow(keep)), [](const void* o) {
+      nb::gil_scoped_acquire gil;
+      delete static_cast<const nb::object*>(o);
+    });
   a.stream.handle = reinterpret_cast<void*>(stream);
   if (nb::isinstance<nb::tuple>(workspace)) {  // a torch tensor descriptor
     const st::TensorView w = view_of(workspace, "workspace");
@@ -258,7 +264,8 @@ nb::dict export_grads(const st::GroupedMLPGrads& g, const PyAllocator& alloc) {
 }
 
 // GroupedLinear holding Python references to everything its views point at: the parameters
-// for its lifetime, and each pending delayed wgrad's x, dy and splits until backward_dw.
+// for its lifetime; each pending delayed wgrad's arrays (`keep`: the caller's x, dy and splits)
+// ride in the C++ layer's queue until backward_dw.
 class PyGroupedLinear {
  public:
   PyGroupedLinear(int64_t num_groups, int64_t in_features, int64_t out_features, const std::string& dtype,
@@ -287,20 +294,21 @@ class PyGroupedLinear {
   }
 
   nb::dict backward(nb::handle x, nb::handle dy, nb::handle splits, nb::handle grad_input, uintptr_t stream,
-                    nb::handle workspace) {
+                    nb::handle workspace, nb::handle keep) {
     PySplits s = make_splits(splits);
     const st::GroupedLinearGrads g = layer_->backward(view_of(x, "x"), view_of(dy, "dy"), s.splits,
                                                       optional_view(grad_input, "grad_input", Access::kWrite),
-                                                      call_args(stream, workspace));
-    if (layer_->options().delay_wgrad_compute)
-      pending_keep_.push_back(nb::make_tuple(nb::borrow(x), nb::borrow(dy), nb::borrow(splits)));
+                                                      call_args(stream, workspace, keep));
     return export_grads(g, alloc_);
   }
 
   nb::dict backward_dw(uintptr_t stream, nb::handle workspace) {
-    nb::dict d = export_grads(layer_->backward_dw(call_args(stream, workspace)), alloc_);
-    pending_keep_.pop_front();
-    return d;
+    return export_grads(layer_->backward_dw(call_args(stream, workspace)), alloc_);
+  }
+
+  void check_grad_input(nb::handle x, nb::handle splits, nb::handle grad_input) const {
+    layer_->check_grad_input(view_of(x, "x"), make_splits(splits).splits,
+                             view_of(grad_input, "grad_input", Access::kWrite));
   }
 
   size_t workspace_size(int64_t T) const { return layer_->workspace_size(T); }
@@ -309,12 +317,11 @@ class PyGroupedLinear {
  private:
   PyAllocator alloc_;  // declared before layer_: the layer's cached tensors are returned to it
   nb::object params_keep_;
-  std::deque<nb::object> pending_keep_;
   std::unique_ptr<st::GroupedLinear> layer_;
 };
 
 // GroupedMLP likewise: the parameters of both layers for its lifetime; x, dy, probs and splits
-// of each pending delayed wgrad until backward_dw (the layer owns the intermediates it keeps).
+// of each pending delayed wgrad in the C++ queue (the layer owns the intermediates it keeps).
 // fc1 and fc2 are each (weight, bias, main_grad, has_grad_added_to_main_grad).
 class PyGroupedMLP {
  public:
@@ -351,20 +358,21 @@ class PyGroupedMLP {
   }
 
   nb::dict backward(nb::handle x, nb::handle fc1_out, nb::handle probs, nb::handle dy, nb::handle splits,
-                    nb::handle grad_input, uintptr_t stream, nb::handle workspace) {
+                    nb::handle grad_input, uintptr_t stream, nb::handle workspace, nb::handle keep) {
     PySplits s = make_splits(splits);
     const st::GroupedMLPGrads g = mlp_->backward(
         view_of(x, "x"), view_of(fc1_out, "fc1_out"), view_of(probs, "probs"), view_of(dy, "dy"), s.splits,
-        optional_view(grad_input, "grad_input", Access::kWrite), call_args(stream, workspace));
-    if (mlp_->options().delay_wgrad_compute)
-      pending_keep_.push_back(nb::make_tuple(nb::borrow(x), nb::borrow(dy), nb::borrow(probs), nb::borrow(splits)));
+        optional_view(grad_input, "grad_input", Access::kWrite), call_args(stream, workspace, keep));
     return export_grads(g, alloc_);
   }
 
   nb::dict backward_dw(uintptr_t stream, nb::handle workspace) {
-    nb::dict d = export_grads(mlp_->backward_dw(call_args(stream, workspace)), alloc_);
-    pending_keep_.pop_front();
-    return d;
+    return export_grads(mlp_->backward_dw(call_args(stream, workspace)), alloc_);
+  }
+
+  void check_grad_input(nb::handle x, nb::handle splits, nb::handle grad_input) const {
+    mlp_->check_grad_input(view_of(x, "x"), make_splits(splits).splits,
+                           view_of(grad_input, "grad_input", Access::kWrite));
   }
 
   size_t workspace_size(int64_t T) const { return mlp_->workspace_size(T); }
@@ -379,7 +387,6 @@ class PyGroupedMLP {
 
   PyAllocator alloc_;  // declared before mlp_: the layer's cached tensors are returned to it
   nb::object params_keep_;
-  std::deque<nb::object> pending_keep_;
   std::unique_ptr<st::GroupedMLP> mlp_;
 };
 
@@ -657,6 +664,10 @@ NB_MODULE(_C, m) {
   m.attr("SPLITS_NEGATIVE") = int(st::kSplitsNegative);
   m.attr("SPLITS_SUM_EXCEEDS_ROWS") = int(st::kSplitsSumExceedsRows);
   m.attr("ALLOC_ALIGNMENT") = st::kAllocAlignment;
+  m.def("packed_wgrad_group_stride", [](int64_t out_features, int64_t in_features, const std::string& dtype) {
+    return st::packed_wgrad_group_stride(out_features, in_features, parse_dtype(dtype, "dtype"));
+  }, nb::arg("out_features"), nb::arg("in_features"), nb::arg("dtype"),
+     "Per-group stride (elements) of the packed weight-grad buffer (each group 256-byte aligned).");
 
   nb::class_<PyGroupedLinear>(m, "GroupedLinear")
       .def(nb::init<int64_t, int64_t, int64_t, const std::string&, nb::object, nb::object, nb::object, bool, bool,
@@ -668,8 +679,10 @@ NB_MODULE(_C, m) {
       .def("forward", &PyGroupedLinear::forward, nb::arg("x"), nb::arg("splits"), nb::arg("out").none(),
            nb::arg("stream"), nb::arg("workspace").none())
       .def("backward", &PyGroupedLinear::backward, nb::arg("x"), nb::arg("dy"), nb::arg("splits"),
-           nb::arg("grad_input").none(), nb::arg("stream"), nb::arg("workspace").none())
+           nb::arg("grad_input").none(), nb::arg("stream"), nb::arg("workspace").none(), nb::arg("keep").none())
       .def("backward_dw", &PyGroupedLinear::backward_dw, nb::arg("stream"), nb::arg("workspace").none())
+      .def("check_grad_input", &PyGroupedLinear::check_grad_input, nb::arg("x"), nb::arg("splits"),
+           nb::arg("grad_input"))
       .def("workspace_size", &PyGroupedLinear::workspace_size)
       .def_prop_ro("pending_wgrads", &PyGroupedLinear::pending_wgrads);
 
@@ -683,8 +696,11 @@ NB_MODULE(_C, m) {
       .def("forward", &PyGroupedMLP::forward, nb::arg("x"), nb::arg("splits"), nb::arg("probs"),
            nb::arg("out").none(), nb::arg("stream"), nb::arg("workspace").none())
       .def("backward", &PyGroupedMLP::backward, nb::arg("x"), nb::arg("fc1_out"), nb::arg("probs"), nb::arg("dy"),
-           nb::arg("splits"), nb::arg("grad_input").none(), nb::arg("stream"), nb::arg("workspace").none())
+           nb::arg("splits"), nb::arg("grad_input").none(), nb::arg("stream"), nb::arg("workspace").none(),
+           nb::arg("keep").none())
       .def("backward_dw", &PyGroupedMLP::backward_dw, nb::arg("stream"), nb::arg("workspace").none())
+      .def("check_grad_input", &PyGroupedMLP::check_grad_input, nb::arg("x"), nb::arg("splits"),
+           nb::arg("grad_input"))
       .def("workspace_size", &PyGroupedMLP::workspace_size)
       .def_prop_ro("pending_wgrads", &PyGroupedMLP::pending_wgrads);
 

@@ -90,6 +90,11 @@ struct CallWorkspace {
 // ---------------------------------------------------------------------------------------------
 // GroupedLinear
 
+int64_t packed_wgrad_group_stride(int64_t out_features, int64_t in_features, DType dtype) {
+  const size_t esize = dtype_size(dtype);
+  return int64_t(round_up(size_t(out_features * in_features) * esize, kAllocAlignment) / esize);
+}
+
 GroupedLinear::GroupedLinear(const GroupedLinearOptions& o, const GroupedLinearParams& params,
                              Allocator* allocator)
     : options_(o), params_(params), allocator_(allocator ? allocator : &default_allocator()) {
@@ -178,9 +183,7 @@ GroupedLinearGrads GroupedLinear::compute_wgrad(const TensorView& x, const Tenso
   } else {
     // One packed buffer; each group's view starts on a 256-byte boundary, padding the per-group
     // stride where out*in*sizeof(dtype) is not a multiple of 256.
-    const size_t esize = dtype_size(o.dtype);
-    const int64_t group_stride =
-        int64_t(round_up(size_t(o.out_features * o.in_features) * esize, kAllocAlignment) / esize);
+    const int64_t group_stride = packed_wgrad_group_stride(o.out_features, o.in_features, o.dtype);
     Tensor buf = Tensor::empty(o.dtype, {G * group_stride}, device(), *allocator_, stream);
     const int64_t shape[3] = {G, o.out_features, o.in_features};
     const int64_t strides[3] = {group_stride, o.in_features, 1};
@@ -232,7 +235,7 @@ GroupedLinearGrads GroupedLinear::backward(const TensorView& x, const TensorView
   be.dgrad(p, ws.scratch, args.stream);
 
   if (o.delay_wgrad_compute) {
-    pending_.push_back({x, dy, splits});  // references only: the caller keeps x and dy alive
+    pending_.push_back({x, dy, splits, args.keep_alive});  // references: the caller keeps x and dy alive
   } else {
     GroupedLinearGrads w = compute_wgrad(x, dy, ws.offsets, ws.scratch, args.stream);
     if (disp.weight == WeightGradKind::kWgrad) grads.weight = std::move(w.weight);
@@ -249,7 +252,19 @@ GroupedLinearGrads GroupedLinear::backward(const TensorView& x, const TensorView
   return grads;
 }
 
+void GroupedLinear::check_grad_input(const TensorView& x, const Splits& splits, const TensorView& grad_input) const {
+  const GroupedLinearOptions& o = options_;
+  const Device dev = device();
+  GroupedLinearBackend& be = backend_for(dev, "x");
+  check_activation(x, "x", o.dtype, dev, -1, o.in_features, "in_features");
+  const int64_t T = x.size(0);
+  const int64_t S = check_splits(splits, o.num_groups, T, dev, /*checked_mode=*/false, be, Stream{});
+  check_out_buffer(grad_input, "grad_input", o.dtype, dev, o.in_features, ops::min_out_rows(S, T),
+                   ops::min_out_rows_rule(S));
+}
+
 GroupedLinearGrads GroupedLinear::backward_dw(const CallArgs& args) {
+  if (!options_.delay_wgrad_compute) return {};  // backward computed it (TransformerEngine's no-op)
   ST_CHECK_ARG(!pending_.empty(), "backward_dw",
                "a pending delayed wgrad (from backward() with delay_wgrad_compute=true)",
                "none pending (delay_wgrad_compute=", options_.delay_wgrad_compute ? "true" : "false", ")");

@@ -111,7 +111,7 @@ struct CallWorkspace {
         offsets(reinterpret_cast<int64_t*>(memory.at(plan.offsets))),
         status(reinterpret_cast<int32_t*>(memory.at(plan.status))),
         scratch(memory.at(plan.scratch)),
-        layer_args{stream, {memory.at(plan.layers), plan.layer_bytes}} {}
+        layer_args{stream, {memory.at(plan.layers), plan.layer_bytes}, nullptr} {}
   ops::WorkspaceMemory memory;
   int64_t* offsets;
   int32_t* status;
@@ -246,12 +246,13 @@ GroupedMLPGrads GroupedMLP::backward(const TensorView& x, const TensorView& fc1_
   grads.grad_input = std::move(g1.grad_input);
   grads.fc1 = {std::move(g1.weight), std::move(g1.bias_grad)};
   // The layers queued references to h' and dz: keep them alive until backward_dw.
-  if (o.delay_wgrad_compute) pending_.push_back({std::move(h), std::move(dz), dy, probs, splits});
+  if (o.delay_wgrad_compute) pending_.push_back({std::move(h), std::move(dz), dy, probs, splits, args.keep_alive});
   return grads;
 }
 
 GroupedMLPGrads GroupedMLP::backward_dw(const CallArgs& args) {
   const GroupedMLPOptions& o = options_;
+  if (!o.delay_wgrad_compute) return {};  // backward computed it (TransformerEngine's no-op)
   ST_CHECK_ARG(!pending_.empty(), "backward_dw", "a pending delayed wgrad (from backward() with delay_wgrad_compute=true)",
                "none pending (delay_wgrad_compute=", o.delay_wgrad_compute ? "true" : "false", ")");
   const Pending& pd = pending_.front();

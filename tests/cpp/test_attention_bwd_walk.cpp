@@ -611,11 +611,8 @@ TEST(AttentionBwdWalk, RandomGarbageMasksStayInBounds) {
 
 // A turn tensor narrower than its index tensor (block_mask.h allows compact write orders whose
 // width is only checked against the counts on the host, which a device mask never gets): a count
-// above the turn tensor's width must not read past it. Disabled until the header handles it: the
-// walk clamps counts to the index tensors' widths only, so an entry >= partial_turn.width reads
-// past the turn row (here: the guard value after it). Fix: in bwd_column_begin, also clamp
-// num_partial / num_full to partial_turn.width / full_turn.width when those tensors are present
-// (or require equal widths in the backward's host checks, and drop this test).
+// above the turn tensor's width must not read past it (the walk clamps each count to the turn
+// tensor's width as well as the index tensor's; a read past the turn row would see the guard).
 TEST(AttentionBwdWalk, TurnTensorsNarrowerThanTheIndexAreNotReadPast) {
   constexpr int32_t kGuard = 0x7eadbeef;
   const int32_t count = 4, index[4] = {0, 1, 2, 3};

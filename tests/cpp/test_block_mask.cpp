@@ -1,4 +1,4 @@
-// Block masks: every builder against brute force (mask_allows per element) on odd sizes, the
+// Block masks: every builder against brute force (a test-side element rule per spec) on odd sizes, the
 // transposes, the function builder's bitmasks bit for bit, compact index and write-order tensors,
 // and each kind of bad input rejected with a message naming the tensor and the entry.
 #include <gtest/gtest.h>

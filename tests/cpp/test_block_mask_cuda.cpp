@@ -3,13 +3,12 @@
 // per-batch, broadcast and unsorted document ids, each schedule kind and sub-tile factors, the
 // device-built tensors (forward lists, transposes, write orders) equal the host builder's bit for
 // bit; the device mask passes validation and the write-order check once copied back; document ids
-// converted from cu_seqlens on the device equal the host conversion; and
-// the build time of an S = 8192 mask is reported.
+// converted from cu_seqlens on the device equal the host conversion. (The build time is a
+// bench: bench/bench_block_mask_build.cpp.)
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <random>
 #include <string>
@@ -230,33 +229,4 @@ TEST(BlockMaskCuda, CuSeqlensOnTheDeviceGiveTheHostIds) {
   const HostTensor got = to_host(ids.doc_q.view());
   for (int64_t p = 0; p < 64; ++p)
     EXPECT_EQ(got.get(p), double(st::document_of_position(bad.data(), 5, p, 5))) << p;
-}
-
-TEST(BlockMaskCuda, ReportsTheBuildTimeOfALongMask) {
-  REQUIRE_GPU();
-  std::mt19937 rng(3);
-  const int64_t B = 2, S = 8192;
-  const HostTensor doc = documents(B, S, rng);
-  const DeviceTensor ddoc(doc);
-  for (st::MaskKind kind : {st::MaskKind::kCausal, st::MaskKind::kSlidingWindow, st::MaskKind::kDocumentCausal}) {
-    st::MaskSpec spec;
-    spec.kind = kind;
-    spec.window_left = 2048;
-    spec.window_right = 0;
-    spec.doc_q = spec.doc_kv = ddoc.view();
-    st::BlockMaskOptions o;
-    o.auto_schedule = false;
-    o.schedule.kind = st::ScheduleKind::kShortestFirst;
-    o.device = st::Device::cuda(0);
-    for (int i = 0; i < 3; ++i) st::build_block_mask(spec, S, S, o);  // warm-up
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const int reps = 20;
-    const auto t0 = std::chrono::steady_clock::now();
-    for (int i = 0; i < reps; ++i) st::build_block_mask(spec, S, S, o);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / reps;
-    std::printf("device build_block_mask %s, B=%lld, S=%lld (lists, transposes, write orders): %.1f us\n",
-                spec.str().c_str(), (long long)B, (long long)S, us);
-    EXPECT_GT(us, 0.0);
-  }
 }

@@ -14,14 +14,15 @@ using st::testing::HostTensor;
 
 namespace {
 
-// A fused, biased layer with caller buffers, all poisoned/randomised so any write shows.
+// A fused, biased layer with caller buffers, all poisoned/randomised so any write shows. With
+// `delay` the layer delays its wgrad (the queue a refused call must leave as it was).
 struct Env {
   GroupedLinearCase c;
   st::testing::PoisonAllocator alloc;
   std::unique_ptr<st::GroupedLinear> layer;
   HostTensor out, gin, dsplits, bad_dtype_x;
 
-  Env() {
+  explicit Env(bool delay = false) {
     c.dtype = st::DType::kBF16;
     c.G = 4;
     c.T = 23;
@@ -30,6 +31,7 @@ struct Env {
     c.splits = {7, 0, 11, 2};  // S = 20
     c.bias = true;
     c.fuse = true;
+    c.delay = delay;
     c.make();
     layer = std::make_unique<st::GroupedLinear>(c.options(), c.params(), &alloc);
     out = HostTensor(c.dtype, {c.T, c.out});
@@ -98,6 +100,23 @@ const CallCase kCallCases[] = {
      "out: expected a contiguous tensor, got strides [10, 1] for shape [11, 5]"},
     {"OutWrongDtype", [](Env& e) { e.layer->forward(e.c.x.view(), e.host(), Env::reshape(e.out, {23, 5}, {5, 1}, st::DType::kFP16)); },
      "out: expected dtype bf16 (the layer's dtype), got fp16"},
+    {"OutOnCuda",
+     [](Env& e) { e.layer->forward(e.c.x.view(), e.host(), st::TensorView(e.out.data(), st::DType::kBF16, {23, 5}, st::Device::cuda(0))); },
+     "out: expected a tensor on cpu (the layer's device), got cuda:0"},
+    {"GradInputWrongDtype",
+     [](Env& e) { e.layer->backward(e.c.x.view(), e.c.dy.view(), e.host(), Env::reshape(e.gin, {23, 6}, {6, 1}, st::DType::kFP16)); },
+     "grad_input: expected dtype bf16 (the layer's dtype), got fp16"},
+    {"GradInputOnCuda",
+     [](Env& e) {
+       e.layer->backward(e.c.x.view(), e.c.dy.view(), e.host(), st::TensorView(e.gin.data(), st::DType::kBF16, {23, 6}, st::Device::cuda(0)));
+     },
+     "grad_input: expected a tensor on cpu (the layer's device), got cuda:0"},
+    {"DyWrongDtype",
+     [](Env& e) { e.layer->backward(e.c.x.view(), Env::reshape(e.c.dy, {23, 5}, {5, 1}, st::DType::kFP16), e.host(), e.gin.view()); },
+     "dy: expected dtype bf16 (the layer's dtype), got fp16"},
+    {"DyOnCuda",
+     [](Env& e) { e.layer->backward(e.c.x.view(), st::TensorView(e.c.dy.data(), st::DType::kBF16, {23, 5}, st::Device::cuda(0)), e.host(), e.gin.view()); },
+     "dy: expected a tensor on cpu (the layer's device), got cuda:0"},
     {"OutWrongWidth", [](Env& e) { e.layer->forward(e.c.x.view(), e.host(), Env::reshape(e.out, {23, 4}, {4, 1}, st::DType::kBF16)); },
      "out: expected shape [>= 20 (S: host splits), 5], got [23, 4]"},
     {"GradInputTooSmall",
@@ -136,6 +155,30 @@ TEST_P(GroupedLinearBadCall, RaisesAClearErrorAndWritesNothing) {
   EXPECT_TRUE(e.c.main_grad.bytes_equal(mg0)) << "main_grad was written";
   EXPECT_EQ(e.alloc.allocations, 0) << "memory was allocated before validation passed";
   EXPECT_EQ(e.layer->pending_wgrads(), 0u);
+}
+
+// The same refusals by a layer with delayed wgrad and one backward already pending: the queue
+// must be exactly as it was. Checked by what it produces, not by its length alone: a later good
+// backward and two backward_dw calls give main_grad and bias grads bit-identical to a fresh layer
+// that saw only the two good backwards (a refused call that queued, or popped, shows).
+TEST_P(GroupedLinearBadCall, LeavesTheDelayedWgradQueueAsItWas) {
+  const st::Splits second = st::Splits::host({3, 9, 0, 8});
+  auto good_steps = [&](Env& e, const std::function<void()>& between) {
+    e.layer->backward(e.c.x.view(), e.c.dy.view(), e.host());
+    between();
+    EXPECT_EQ(e.layer->pending_wgrads(), 1u);
+    e.layer->backward(e.c.x.view(), e.c.dy.view(), second);
+    std::vector<HostTensor> bias_grads;
+    for (int i = 0; i < 2; ++i) bias_grads.push_back(HostTensor::copy_of(e.layer->backward_dw().bias_grad.view()));
+    EXPECT_EQ(e.layer->pending_wgrads(), 0u);
+    return bias_grads;
+  };
+  Env refused(/*delay=*/true), fresh(/*delay=*/true);
+  const auto got = good_steps(refused, [&] { EXPECT_THROW(GetParam().call(refused), st::Error); });
+  const auto want = good_steps(fresh, [] {});
+  EXPECT_TRUE(refused.c.main_grad.bytes_equal(fresh.c.main_grad)) << "main_grad differs from a fresh layer's";
+  for (size_t i = 0; i < want.size(); ++i)
+    EXPECT_TRUE(got[i].bytes_equal(want[i])) << "bias grad of backward_dw " << i << " differs from a fresh layer's";
 }
 
 INSTANTIATE_TEST_SUITE_P(Calls, GroupedLinearBadCall, ::testing::ValuesIn(kCallCases),
@@ -180,6 +223,17 @@ const ConfigCase kConfigCases[] = {
     {"BiasWrongShape",
      [](auto& c, auto&, auto& p) { p.bias = st::GroupedParam::packed(st::TensorView(c.b.data(), st::DType::kBF16, {4, 4})); },
      "bias: expected packed shape [4 (num_groups), 5], got [4, 4]"},
+    {"BiasWrongDtype",
+     [](auto& c, auto&, auto& p) { p.bias = st::GroupedParam::packed(st::TensorView(c.b.data(), st::DType::kFP16, {4, 5})); },
+     "bias: expected dtype bf16, got fp16"},
+    {"BiasOnCuda",
+     [](auto& c, auto&, auto& p) { p.bias = st::GroupedParam::packed(st::TensorView(c.b.data(), st::DType::kBF16, {4, 5}, st::Device::cuda(0))); },
+     "bias: expected a tensor on cpu"},
+    {"MainGradOnCuda",
+     [](auto& c, auto&, auto& p) {
+       p.main_grad = st::GroupedParam::packed(st::TensorView(c.main_grad.data(), st::DType::kFP32, {4, 5, 6}, st::Device::cuda(0)));
+     },
+     "main_grad: expected a tensor on cpu"},
     {"MainGradMissing", [](auto&, auto&, auto& p) { p.main_grad = st::GroupedParam(); },
      "main_grad: expected fp32 per-group or packed tensors (fuse_wgrad_accumulation is true), got none"},
     {"MainGradBf16",

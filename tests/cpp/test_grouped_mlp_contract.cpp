@@ -245,11 +245,20 @@ TEST(GroupedMLPContract, DelayedWgradIsFirstInFirstOutAndKeepsItsIntermediates) 
   }
 }
 
-TEST(GroupedMLPContract, BackwardDwWithoutDelayIsAClearError) {
+// As GroupedLinear's (and TransformerEngine's): nothing to do, nothing written or allocated.
+TEST(GroupedMLPContract, BackwardDwWithoutDelayIsANoOp) {
   const GroupedMLPCase c = small_case(st::DType::kBF16);
-  st::GroupedMLP mlp(c.options(), c.params());
-  const std::string msg = expect_error([&] { mlp.backward_dw(); });
-  EXPECT_NE(msg.find("none pending (delay_wgrad_compute=false)"), std::string::npos) << msg;
+  st::testing::PoisonAllocator alloc;
+  st::GroupedMLP mlp(c.options(), c.params(), &alloc);
+  const auto g = mlp.backward_dw();
+  for (const auto* lg : {&g.fc1, &g.fc2}) {
+    EXPECT_EQ(lg->weight.kind, K::kNone);
+    EXPECT_FALSE(lg->weight.packed.defined());
+    EXPECT_FALSE(lg->bias_grad.defined());
+  }
+  EXPECT_FALSE(g.grad_input.defined());
+  EXPECT_FALSE(g.dprobs.defined());
+  EXPECT_EQ(alloc.allocations, 0);
 }
 
 TEST(GroupedMLPContract, CallerWorkspaceIsUsedAndItsSizeDependsOnShapesOnly) {
@@ -258,7 +267,13 @@ TEST(GroupedMLPContract, CallerWorkspaceIsUsedAndItsSizeDependsOnShapesOnly) {
   st::GroupedMLP mlp(c.options(), c.params(), &alloc);
   const size_t bytes = mlp.workspace_size(c.T);
   EXPECT_GE(bytes, std::max(mlp.fc1().workspace_size(c.T), mlp.fc2().workspace_size(c.T)));
-  EXPECT_EQ(bytes, st::GroupedMLP(c.options(), c.params()).workspace_size(c.T));
+  // Shapes only: other data and modes (fused main_grad, delayed wgrad) ask for the same bytes.
+  GroupedMLPCase other = small_case(st::DType::kBF16, 0, 41);
+  other.splits = {23, 0, 0, 0};
+  other.fuse = true;
+  other.delay = true;
+  other.make();
+  EXPECT_EQ(bytes, st::GroupedMLP(other.options(), other.params()).workspace_size(c.T));
   HostTensor ws(st::DType::kInt32, {int64_t(bytes / 4)});
   st::CallArgs args;
   args.workspace = {ws.data(), bytes};
@@ -337,15 +352,17 @@ TEST(GroupedMLPContract, CheckedModeRaisesOnInvalidDeviceSplitsAndWritesNothing)
 namespace {
 
 // A fused, biased MLP with caller buffers and main_grads, poisoned/randomised so any write shows.
+// With `delay` its wgrads are delayed (the queues a refused call must leave as they were).
 struct Env {
   GroupedMLPCase c;
   st::testing::PoisonAllocator alloc;
   std::unique_ptr<st::GroupedMLP> mlp;
   HostTensor out, gin, fc1_out, big;
 
-  Env() {
+  explicit Env(bool delay = false) {
     c = small_case(st::DType::kBF16);
     c.fuse = true;
+    c.delay = delay;
     mlp = std::make_unique<st::GroupedMLP>(c.options(), c.params(), &alloc);
     out = HostTensor(c.dtype, {c.T, c.out});
     gin = HostTensor(c.dtype, {c.T, c.in});
@@ -426,6 +443,37 @@ TEST_P(GroupedMLPBadCall, RaisesAClearErrorAndWritesNothing) {
   EXPECT_TRUE(e.c.mg2.bytes_equal(mg2));
   EXPECT_EQ(e.alloc.allocations, 0) << "nothing allocated before validation passed";
   EXPECT_EQ(e.mlp->pending_wgrads(), 0u);
+}
+
+// The same refusals with delayed wgrad and one backward pending: the MLP's queue and both
+// layers' must be exactly as they were, checked by value (a later good backward and two
+// backward_dw calls give main_grads and bias grads bit-identical to a fresh MLP's).
+TEST_P(GroupedMLPBadCall, LeavesTheDelayedWgradQueuesAsTheyWere) {
+  const st::Splits second = st::Splits::host({3, 9, 0, 8});
+  auto good_steps = [&](Env& e, const std::function<void()>& between) {
+    const auto f = e.mlp->forward(e.c.x.view(), e.host(), e.c.probs.view());
+    e.mlp->backward(e.c.x.view(), f.fc1_out.view(), e.c.probs.view(), e.c.dy.view(), e.host());
+    between();
+    EXPECT_EQ(e.mlp->pending_wgrads(), 1u);
+    EXPECT_EQ(e.mlp->fc1().pending_wgrads(), 1u);
+    EXPECT_EQ(e.mlp->fc2().pending_wgrads(), 1u);
+    const auto f2 = e.mlp->forward(e.c.x.view(), second, e.c.probs.view());
+    e.mlp->backward(e.c.x.view(), f2.fc1_out.view(), e.c.probs.view(), e.c.dy.view(), second);
+    std::vector<HostTensor> bias_grads;
+    for (int i = 0; i < 2; ++i) {
+      const auto g = e.mlp->backward_dw();
+      bias_grads.push_back(HostTensor::copy_of(g.fc1.bias_grad.view()));
+      bias_grads.push_back(HostTensor::copy_of(g.fc2.bias_grad.view()));
+    }
+    EXPECT_EQ(e.mlp->pending_wgrads(), 0u);
+    return bias_grads;
+  };
+  Env refused(/*delay=*/true), fresh(/*delay=*/true);
+  const auto got = good_steps(refused, [&] { EXPECT_THROW(GetParam().call(refused), st::Error); });
+  const auto want = good_steps(fresh, [] {});
+  EXPECT_TRUE(refused.c.mg1.bytes_equal(fresh.c.mg1)) << "fc1 main_grad differs from a fresh MLP's";
+  EXPECT_TRUE(refused.c.mg2.bytes_equal(fresh.c.mg2)) << "fc2 main_grad differs from a fresh MLP's";
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_TRUE(got[i].bytes_equal(want[i])) << "bias grad " << i;
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, GroupedMLPBadCall, ::testing::ValuesIn(kCallCases),

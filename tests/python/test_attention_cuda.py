@@ -18,6 +18,7 @@ deterministic backward, torch.compile(fullgraph=True) of forward + backward; bad
 mask on the wrong device."""
 
 import contextlib
+import math
 import subprocess
 import sys
 import warnings
@@ -483,7 +484,6 @@ def test_from_torch_on_a_cuda_flex_mask_gives_device_tensors(mask_mod, B):
 # Gradient error bounds relative to the reference's largest magnitude (per tensor), the reference
 # being flex_attention in fp32 on the same (rounded) inputs: P and dS are rounded to the input
 # dtype for the tensor-core products, the gradients once more at the end.
-GRAD_TOL = {torch.bfloat16: 2e-2, torch.float16: 1e-2}
 GRAD_S = 1000  # not a multiple of the 128-row block
 
 
@@ -581,6 +581,55 @@ def _close_to_max(got, ref, tol, what):
     assert err <= tol * scale, f"{what}: max error {err:.3e} > {tol:g} x max |ref| = {tol * scale:.3e}"
 
 
+_UNIT_ROUNDOFF = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+
+
+def _abs_sums(q, k, v, do, mask_mod, B, H, Sq, Skv, scale=None):
+    """Per element, in float64, the sum of |terms| each of o, dq, dk and dv adds up: the scale of
+    its rounding error in a kernel that rounds P and dS to the input dtype and sums in fp32.
+    o_i = sum_j P_ij v_j; dv_j = sum_i P_ij do_i; dq_i = scale sum_j dS_ij k_j, dk_j = scale
+    sum_i dS_ij q_i with dS_ij = P_ij (dP_ij - Delta_i), dP_ij = do_i.v_j (fp32: exact enough),
+    so each dS term counts A_ij = P_ij (|dP_ij - Delta_i| + |do_i|.|o_i|): dS rounded, and Delta
+    computed from a rounded o. One (batch, head) at a time, from the dense mask of the mask_mod."""
+    Bq, Hq, _, D = q.shape
+    group = Hq // k.shape[1]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    dense = flex.create_mask(mask_mod, B or 1, H or 1, Sq, Skv, device=DEV)
+    sums = [torch.zeros(t.shape, dtype=torch.float64, device=DEV) for t in (q, q, k, v)]  # o, dq, dk, dv
+    for b in range(Bq):
+        for h in range(Hq):
+            qq, kk, vv, dd = (t[b, hh].double() for t, hh in ((q, h), (k, h // group), (v, h // group), (do, h)))
+            allowed = dense[b if B else 0, h if H else 0]
+            p = torch.softmax((scale * qq @ kk.T).masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
+            o = p @ vv
+            delta = (dd * o).sum(-1, keepdim=True)
+            a = p * ((dd @ vv.T - delta).abs() + (dd.abs() * o.abs()).sum(-1, keepdim=True))
+            sums[0][b, h] += p @ vv.abs()
+            sums[1][b, h] += scale * a @ kk.abs()
+            sums[2][b, h // group] += scale * a.T @ qq.abs()
+            sums[3][b, h // group] += p.T @ dd.abs()
+    return sums
+
+
+def _close_per_element(got, ref, abs_sum, dtype, what):
+    """|got - ref| <= 2 u abs_sum + 2 u |ref| per element (u: the unit roundoff of dtype): twice the
+    first-order worst case of one rounding per term (P or dS to the input dtype) plus the output's
+    own rounding; fp32 accumulation adds orders of magnitude less. NaN and inf never pass."""
+    assert got.device.type == "cuda", f"{what}: expected a CUDA result, got one on {got.device}"
+    assert got.shape == ref.shape, f"{what}: shape {list(got.shape)} vs {list(ref.shape)}"
+    got, ref = got.detach().double(), ref.detach().double().to(got.device)
+    assert bool(torch.isfinite(ref).all()), f"{what}: the reference is not finite"
+    assert bool(torch.isfinite(got).all()), f"{what}: {int((~torch.isfinite(got)).sum())} NaN / inf elements"
+    u = _UNIT_ROUNDOFF[dtype]
+    err, bound = (got - ref).abs(), 2 * u * abs_sum + 2 * u * ref.abs()
+    bad = err > bound
+    if bool(bad.any()):
+        i = int((err - bound).flatten().argmax())
+        raise AssertionError(f"{what}: {int(bad.sum())} elements past their bound; worst at flat index {i}: "
+                             f"|{got.flatten()[i].item():.6g} - {ref.flatten()[i].item():.6g}| > "
+                             f"{bound.flatten()[i].item():.3e}")
+
+
 def _grads(q, k, v, do, mask, **kw):
     """Our forward and backward on fresh leaves of q, k, v: (o, dq, dk, dv), synchronised."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
@@ -602,9 +651,10 @@ def _check_grads(name, dtype, D, Hq, Hkv, B=2, S=GRAD_S, **kw):
     q, k, v, do = _grad_inputs(B, Hq, Hkv, Sq, Skv, D, dtype)
     got = _grads(q, k, v, do, mask, **kw)
     ref = _flex_reference(q, k, v, do, mod, fB, fH, Sq, Skv, kw.get("scale"))
-    for what, g, r in zip(("o", "dq", "dk", "dv"), got, ref):
+    sums = _abs_sums(q, k, v, do, mod, fB, fH, Sq, Skv, kw.get("scale"))
+    for what, g, r, a in zip(("o", "dq", "dk", "dv"), got, ref, sums):
         assert g.dtype == dtype and g.shape == r.shape, what
-        _close_to_max(g, r, GRAD_TOL[dtype], what)
+        _close_per_element(g, r, a, dtype, what)
     return got
 
 

@@ -293,8 +293,15 @@ def test_weight_grad_disposition_through_layer(delay, fuse, attr, kind, bias_now
         assert dw.weight_kind == ("none" if fuse else "wgrad") and not dw.grad_added_to_main_grad
         assert dw.bias_grad is not None and layer.pending_wgrads == 0
         assert not fuse or main_grad.any()
-    with pytest.raises(ValueError, match=r"backward_dw: expected .*none pending"):
-        layer.backward_dw()
+    if delay:
+        with pytest.raises(ValueError, match=r"backward_dw: expected .*none pending"):
+            layer.backward_dw()
+    else:  # nothing delayed: a no-op, as TransformerEngine's (main_grad untouched)
+        before = None if main_grad is None else main_grad.copy()
+        dw = layer.backward_dw()
+        assert dw.weight_kind == "none" and dw.weight_grads is None and dw.weight_grad_packed is None
+        assert dw.bias_grad is None and dw.grad_input is None
+        assert main_grad is None or np.array_equal(main_grad, before)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])

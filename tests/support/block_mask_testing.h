@@ -1,15 +1,40 @@
-// Test support for block masks: the brute-force block classes of a built-in spec (mask_allows per
-// element) and the dense class matrix [Mq, Nk] read back from a mask's forward or transposed lists.
+// Test support for block masks: the brute-force block classes of a built-in spec (an element
+// predicate of its own, written from the spec's definitions in DESIGN.md section 6 and not from
+// the library's mask_allows, so that a wrong rule there is not mirrored here) and the dense class
+// matrix [Mq, Nk] read back from a mask's forward or transposed lists.
 #pragma once
+
+#include <gtest/gtest.h>
 
 #include <cstdint>
 #include <vector>
 
-#include "common/mask_predicate.h"
 #include "ops/block_mask_internal.h"
 #include "sparsetrain/block_mask.h"
 
 namespace sparsetrain::testing {
+
+// Whether query q may attend key kv under a built-in spec, stated as each convention reads:
+// FlexAttention's causal keeps keys at or before the query (top-left aligned); FlashAttention's
+// bottom-right causal aligns the last query with the last key; a window bound < 0 is unbounded.
+inline bool spec_allows(const MaskSpec& s, const int32_t* doc_q, const int32_t* doc_kv, int64_t seq_q,
+                        int64_t seq_kv, int64_t q, int64_t kv) {
+  const bool same_doc = (doc_q != nullptr && doc_kv != nullptr) && doc_q[q] == doc_kv[kv];
+  const int64_t ahead = kv - q;  // > 0: the key lies after the query
+  switch (s.kind) {
+    case MaskKind::kFull: return true;
+    case MaskKind::kCausal: return ahead <= 0;
+    case MaskKind::kCausalBottomRight: return (seq_kv - 1 - kv) >= (seq_q - 1 - q);  // key no nearer the end
+    case MaskKind::kSlidingWindow:
+      return !(s.window_left >= 0 && -ahead > s.window_left) && !(s.window_right >= 0 && ahead > s.window_right);
+    case MaskKind::kDocument: return same_doc;
+    case MaskKind::kDocumentCausal: return same_doc && ahead <= 0;
+    case MaskKind::kPrefixLM: return ahead <= 0 || kv < s.prefix_length;  // the prefix is seen by all
+    case MaskKind::kBitmask: break;
+  }
+  ADD_FAILURE() << "spec_allows: no element rule for a bitmask spec";
+  return false;
+}
 
 // 0 skipped, 1 partial, 2 full, over the elements inside the sequences.
 inline std::vector<uint8_t> brute_force_classes(const MaskSpec& s, const int32_t* doc_q, const int32_t* doc_kv,
@@ -20,7 +45,7 @@ inline std::vector<uint8_t> brute_force_classes(const MaskSpec& s, const int32_t
     for (int64_t kv = 0; kv < seq_kv; ++kv) {
       const size_t i = size_t((q / bq) * Nk + kv / bk);
       ++total[i];
-      if (mask_allows(s.kind, s.window_left, s.window_right, s.prefix_length, doc_q, doc_kv, seq_q, seq_kv, q, kv))
+      if (spec_allows(s, doc_q, doc_kv, seq_q, seq_kv, q, kv))
         ++allowed[i];
     }
   std::vector<uint8_t> c(size_t(Mq * Nk));

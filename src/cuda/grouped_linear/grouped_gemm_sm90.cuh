@@ -241,29 +241,39 @@ __global__ void zero_empty_groups_kernel(const int64_t* offsets, GroupedGemmPara
     out[i] = T(0.f);
 }
 
+inline void check_status(cutlass::Status status, const char* step) {
+  if (status != cutlass::Status::kSuccess)
+    ST_FAIL("sm90 grouped GEMM: ", step, " failed: ", cutlassGetStatusString(status));
+}
+
 template <Variant V, typename E>
 void Sm90GroupedGemm<V, E>::run(const GroupedGemmParams& p, const Tuning& t, void* workspace, size_t bytes,
                                    void* stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const Arrays a = carve(workspace, p.num_groups);
+  const int device = ::sparsetrain::cuda::current_device();
+  const float beta = p.wgrad_store == WgradStore::kMainGradAccumulate && V == Variant::kWgradF32 ? 1.f : 0.f;
+  const auto args = arguments(p, t, a, device, beta);
+  Gemm gemm;
+  // Every check before the first launch: a refusal must leave dW (zero-filled below for empty
+  // groups) and the set-up arrays as they were. can_implement reads only host-side arguments
+  // (the problem shapes stay on the device), so it can run before the set-up kernel writes them.
+  if (arrays_bytes(p.num_groups) + Gemm::get_workspace_size(args) > bytes) ST_FAIL("sm90 grouped GEMM: workspace too small");
+  check_status(gemm.can_implement(args), "can_implement");
   sm90_setup_kernel<Sm90GroupedGemm><<<unsigned((p.num_groups + 127) / 128), 128, 0, s>>>(p, a);
+  ST_CUDA_CHECK(cudaGetLastError(), "sm90 grouped GEMM: sm90_setup_kernel launch");
   if constexpr (V == Variant::kWgrad || V == Variant::kWgradF32) {
     if (p.wgrad_store != WgradStore::kMainGradAccumulate) {
       GroupedGemmParams::DwTable t;
       for (int64_t g = 0; g < p.num_groups; ++g) t.ptr[g] = p.dw[g];
       const dim3 grid(64, unsigned(p.num_groups));
       zero_empty_groups_kernel<ElementD><<<grid, 256, 0, s>>>(p.offsets, t, p.out * p.in);
+      ST_CUDA_CHECK(cudaGetLastError(), "sm90 grouped GEMM: zero_empty_groups_kernel launch");
     }
   }
-  const int device = ::sparsetrain::cuda::current_device();
-  const float beta = p.wgrad_store == WgradStore::kMainGradAccumulate && V == Variant::kWgradF32 ? 1.f : 0.f;
-  const auto args = arguments(p, t, a, device, beta);
-  Gemm gemm;
-  if (arrays_bytes(p.num_groups) + Gemm::get_workspace_size(args) > bytes) ST_FAIL("sm90 grouped GEMM: workspace too small");
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess) ST_FAIL("sm90 grouped GEMM: cannot implement");
   void* cutlass_ws = static_cast<char*>(workspace) + arrays_bytes(p.num_groups);
-  if (gemm.initialize(args, cutlass_ws, s) != cutlass::Status::kSuccess) ST_FAIL("sm90 grouped GEMM: initialize failed");
-  if (gemm.run(s) != cutlass::Status::kSuccess) ST_FAIL("sm90 grouped GEMM: run failed");
+  check_status(gemm.initialize(args, cutlass_ws, s), "initialize");
+  check_status(gemm.run(s), "run");  // its Status includes the launch's (cudaGetLastError)
 }
 
 // The explicit specialisation of one (variant, element); CMake generates one .cu each.

@@ -1,0 +1,244 @@
+"""The torch front's host-side contract (issue 16): caller `out` / `grad_input` buffers through
+backward (S-row buffers under host splits, grad_input refused at forward, buffers that require
+grad refused), backward_dw without delayed wgrad (a no-op, hooks included, as TransformerEngine's),
+the sticky status word of device splits (`splits_status`), the packed-wgrad stride the fake
+implementations use, and the error of an op whose module is gone. GroupedLinear and GroupedMLP
+alike. CPU tensors here; the CUDA cases skip visibly without a GPU."""
+
+import gc
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed: torch tests skipped")
+
+import sparsetrain  # noqa: E402
+import sparsetrain.torch as stt  # noqa: E402
+
+G, T, IN, OUT, FFN = 4, 37, 12, 10, 8
+SPLITS = [9, 0, 17, 6]  # S = 32 < T: a padded tail, expert 1 empty
+S = sum(SPLITS)
+BF16 = torch.bfloat16
+
+
+def _linear(**kw):
+    torch.manual_seed(0)
+    return stt.GroupedLinear(G, IN, OUT, bias=True, params_dtype=BF16, **kw)
+
+
+def _mlp(**kw):
+    torch.manual_seed(0)
+    return stt.GroupedMLP(G, IN, FFN, OUT, bias=True, params_dtype=BF16, **kw)
+
+
+def _data(seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, IN, generator=gen).to(BF16).requires_grad_()
+    probs = torch.rand(T, generator=gen).requires_grad_()
+    dy = torch.randn(T, OUT, generator=gen).to(BF16)
+    return x, probs, dy
+
+
+def _call(m, x, probs, splits=SPLITS, **kw):
+    return m(x, splits, probs, **kw) if isinstance(m, stt.GroupedMLP) else m(x, splits, **kw)
+
+
+def _bits(t):
+    return t.detach().view(torch.int16) if t.dtype == BF16 else t.detach().view(torch.int32)
+
+
+MODULES = [pytest.param(_linear, id="GroupedLinear"), pytest.param(_mlp, id="GroupedMLP")]
+
+
+@pytest.mark.parametrize("make", MODULES)
+def test_buffers_of_S_rows_work_through_backward(make):
+    """Host splits: out and grad_input need only S rows. Results bit-identical to the library
+    path; x's grad has T rows, zero below S (the buffer ends at S); parameter grads identical."""
+    ref, m = make(), make()
+    x, probs, dy = _data(1)
+    xr, pr = x.detach().clone().requires_grad_(), probs.detach().clone().requires_grad_()
+    y_ref = _call(ref, xr, pr)
+    y_ref.backward(dy)
+    out = torch.full((S, OUT), float("nan"), dtype=BF16)
+    gin = torch.full((S, IN), float("nan"), dtype=BF16)
+    y = _call(m, x, probs, out=out, grad_input=gin)
+    assert y.data_ptr() == out.data_ptr() and y.shape == (S, OUT)
+    assert torch.equal(_bits(out), _bits(y_ref[:S])), "out: bit-identical to the library path"
+    y.backward(dy[:S])
+    assert x.grad.shape == x.shape
+    assert torch.equal(_bits(gin), _bits(xr.grad[:S])), "grad_input: bit-identical to the library path"
+    assert torch.equal(_bits(x.grad[:S]), _bits(gin))
+    assert bool((x.grad[S:] == 0).all()), "rows of x past the buffer get zero gradient"
+    if isinstance(m, stt.GroupedMLP):
+        assert torch.equal(_bits(probs.grad[:S]), _bits(pr.grad[:S]))
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        assert torch.equal(_bits(p.grad), _bits(q.grad)), name
+
+
+@pytest.mark.parametrize("make", MODULES)
+def test_buffers_of_S_rows_are_refused_with_device_splits_shape(make):
+    """The row rule names its reason: >= S with host splits (fewer is refused at forward)."""
+    m = make()
+    x, probs, _ = _data(2)
+    out = torch.full((S - 1, OUT), float("nan"), dtype=BF16)
+    with pytest.raises(ValueError, match=r"out: expected shape \[>= 32 \(S: host splits\), 10\], got \[31, 10\]"):
+        _call(m, x, probs, out=out)
+    assert bool(out.isnan().all()), "out untouched"
+
+
+# Bad grad_input buffers: each refused by forward, before anything runs, with backward's message.
+BAD_GRAD_INPUT = [
+    pytest.param(lambda: torch.zeros(S - 1, IN, dtype=BF16),
+                 r"grad_input: expected shape \[>= 32 \(S: host splits\), 12\], got \[31, 12\]", id="too_few_rows"),
+    pytest.param(lambda: torch.zeros(T, IN + 1, dtype=BF16),
+                 r"grad_input: expected shape \[>= 32 \(S: host splits\), 12\], got \[37, 13\]", id="wrong_width"),
+    pytest.param(lambda: torch.zeros(T, IN, dtype=torch.float16),
+                 r"grad_input: expected dtype bf16 \(the layer's dtype\), got fp16", id="wrong_dtype"),
+    pytest.param(lambda: torch.zeros(IN, T, dtype=BF16).t(),
+                 r"grad_input: expected a contiguous tensor", id="not_contiguous"),
+    pytest.param(lambda: torch.zeros(T, IN, dtype=BF16, device="meta"),
+                 r"grad_input: expected a tensor on cpu \(x's device\), got meta", id="wrong_device"),
+]
+
+
+@pytest.mark.parametrize("make", MODULES)
+@pytest.mark.parametrize("bad,message", BAD_GRAD_INPUT)
+def test_grad_input_is_checked_at_forward(make, bad, message):
+    m = make(delay_wgrad_compute=True)
+    x, probs, _ = _data(3)
+    out = torch.full((T, OUT), float("nan"), dtype=BF16)
+    with pytest.raises(ValueError, match=message):
+        _call(m, x, probs, out=out, grad_input=bad())
+    assert bool(out.isnan().all()), "forward wrote out before refusing grad_input"
+    assert m.pending_wgrads == 0
+
+
+@pytest.mark.parametrize("make", MODULES)
+def test_out_on_another_device_is_refused(make):
+    m = make()
+    x, probs, _ = _data(3)
+    with pytest.raises(ValueError, match=r"out: expected a tensor on cpu \(x's device\), got meta"):
+        _call(m, x, probs, out=torch.empty(T, OUT, dtype=BF16, device="meta"))
+
+
+@pytest.mark.parametrize("make", MODULES)
+@pytest.mark.parametrize("which", ["out", "grad_input"])
+def test_a_buffer_that_requires_grad_is_refused(make, which):
+    m = make()
+    x, probs, _ = _data(4)
+    cols = OUT if which == "out" else IN
+    buf = torch.zeros(T, cols, dtype=BF16, requires_grad=True)
+    with pytest.raises(ValueError, match=rf"{which}: expected a tensor that does not require grad .*"
+                                         r"got requires_grad=True"):
+        _call(m, x, probs, **{which: buf})
+    assert bool((buf == 0).all())
+
+
+@pytest.mark.parametrize("make", MODULES)
+@pytest.mark.parametrize("fuse", [False, True], ids=["wgrad", "main_grad"])
+def test_backward_dw_without_delay_is_a_no_op(make, fuse):
+    m = make(fuse_wgrad_accumulation=fuse)
+    weights = [p for n, p in m.named_parameters() if "weight" in n]
+    for w in weights:
+        w.main_grad = torch.randn(w.shape, dtype=torch.float32)
+    fired = []
+    m.register_wgrad_accumulation_and_reduce_hooks(lambda: fired.append(1))
+    x, probs, dy = _data(5)
+    _call(m, x, probs).backward(dy)
+    before = {n: (None if p.grad is None else p.grad.clone()) for n, p in m.named_parameters()}
+    main_before = [w.main_grad.clone() for w in weights]
+    assert not m.need_backward_dw()
+    m.backward_dw()
+    m.backward_dw()
+    assert fired == [], "TransformerEngine's backward_dw returns before the hooks"
+    for n, p in m.named_parameters():
+        assert (p.grad is None) == (before[n] is None) and (p.grad is None or torch.equal(p.grad, before[n])), n
+    for w, mb in zip(weights, main_before):
+        assert torch.equal(w.main_grad, mb)
+
+
+@pytest.mark.parametrize("make", MODULES)
+def test_splits_status_is_a_module_buffer(make):
+    m = make()
+    st_word = m.splits_status
+    assert st_word.dtype == torch.int32 and tuple(st_word.shape) == (1,) and int(st_word) == 0
+    assert "splits_status" not in "".join(m.state_dict().keys()), "not part of the checkpoint"
+    assert sparsetrain.SPLITS_NEGATIVE and sparsetrain.SPLITS_SUM_EXCEEDS_ROWS
+    assert sparsetrain.SPLITS_NEGATIVE & sparsetrain.SPLITS_SUM_EXCEEDS_ROWS == 0
+    # Host splits are checked at once: an error, and the word stays clear.
+    x, probs, _ = _data(6)
+    with pytest.raises(ValueError, match="splits: expected entries >= 0"):
+        _call(m, x, probs, [1, -2, 3, 4])
+    assert int(m.splits_status) == 0
+
+
+def test_fake_packed_wgrad_stride_is_the_core_s():
+    """The fake implementations take the stride from C++: compare with a real backward whose
+    groups need padding (5 x 3 bf16 = 30 bytes -> 128 elements) and one that does not."""
+    for out_f, in_f in ((5, 3), (16, 8)):
+        torch.manual_seed(0)
+        m = stt.GroupedLinear(2, in_f, out_f, bias=False, params_dtype=BF16, single_grouped_weight=True)
+        x = torch.randn(6, in_f, dtype=BF16)
+        g = m._core().backward(x, torch.randn(6, out_f, dtype=BF16), [2, 4])
+        assert g.weight_grad_packed.stride(0) == sparsetrain._C.packed_wgrad_group_stride(out_f, in_f, "bf16")
+    assert sparsetrain._C.packed_wgrad_group_stride(5, 3, "bf16") == 128
+
+
+def test_an_op_of_a_freed_module_says_so():
+    m = _linear()
+    layer_id, params = m._id, [p.detach() for p in m.parameters()]
+    del m
+    gc.collect()
+    x = torch.randn(T, IN, dtype=BF16)
+    with pytest.raises(RuntimeError, match=f"sparsetrain layer {layer_id} no longer exists"):
+        torch.ops.sparsetrain.grouped_linear_forward(layer_id, x, torch.tensor(SPLITS), params)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: CUDA torch test skipped")
+
+
+@cuda
+@pytest.mark.parametrize("make", MODULES)
+def test_cuda_invalid_device_splits_set_the_sticky_status_word(make):
+    """Invalid CUDA m_splits cannot raise (no host read): every group empty (output zero) and the
+    bits ORed into splits_status, which stays set across a later valid call until the caller
+    clears it; all without a host synchronisation in the call."""
+    m = make(device="cuda")
+    x, probs, _ = (t.detach().cuda() for t in _data(7))
+    status = m.splits_status
+    assert status.is_cuda and int(status) == 0
+    bad = torch.tensor([T, 1, 0, 0], device="cuda")  # sum T + 1 > T
+    y = _call(m, x, probs, bad)
+    assert m.splits_status.data_ptr() == status.data_ptr(), "the same word: graphs capture its address"
+    assert int(status) & sparsetrain.SPLITS_SUM_EXCEEDS_ROWS
+    assert bool((y == 0).all()), "invalid splits empty every group"
+    good = torch.tensor(SPLITS, device="cuda")
+    _call(m, x, probs, good)
+    assert int(status) & sparsetrain.SPLITS_SUM_EXCEEDS_ROWS, "sticky: a valid call does not clear it"
+    neg = torch.tensor([-1, 1, 0, 0], device="cuda")
+    _call(m, x, probs, neg)
+    assert int(status) == sparsetrain.SPLITS_SUM_EXCEEDS_ROWS | sparsetrain.SPLITS_NEGATIVE
+    status.zero_()
+    _call(m, x, probs, good)
+    assert int(status) == 0
+
+
+@pytest.mark.parametrize("make", MODULES)
+def test_wrong_dtype_or_device_of_out_and_main_grad(make):
+    """Each refused at forward with the argument named, nothing written; dy needs no case of its
+    own here: autograd casts an incoming gradient to the output's dtype before our backward."""
+    x, probs, _ = _data(8)
+    m = make()
+    out = torch.full((T, OUT), float("nan"))
+    with pytest.raises(ValueError, match=r"out: expected dtype bf16 \(the layer's dtype\), got fp32"):
+        _call(m, x, probs, out=out)
+    assert bool(out.isnan().all())
+    prefix = "fc1." if isinstance(m, stt.GroupedMLP) else ""
+    for bad, message in ((lambda w: torch.zeros(w.shape, dtype=BF16), r"main_grad\[0\]: expected dtype fp32, got bf16"),
+                         (lambda w: torch.zeros(w.shape, device="meta"),
+                          r"main_grad: expected a tensor on the CPU or a CUDA device, got meta")):
+        fused = make(fuse_wgrad_accumulation=True)
+        for name, w in fused.named_parameters():
+            if "weight" in name:
+                w.main_grad = bad(w)
+        with pytest.raises(ValueError, match=prefix + message):
+            _call(fused, x, probs)
