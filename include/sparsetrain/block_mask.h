@@ -155,15 +155,18 @@ void compute_dq_write_order(BlockMaskTensors& out, const ColumnSchedule& schedul
 // 0..k-1 and increase with their position in `mask.schedule`. Returns "" or the first violation.
 std::string check_write_order(const BlockMask& mask);
 
-// "auto": a pure function of the mask and `problem` — of the schedules the kernel runs (hand-out
-// left to right or shortest first, times WalkOrder), the one whose deterministic backward has the
-// shortest critical path in the scheduler model (src/common/dq_schedule_model.h) with the
-// problem's batch, heads and workers; ties go to the earlier candidate, left to right with the
-// descending walk first. Never slower in the model than any fixed candidate, by construction.
+// "auto": a pure function of the mask and `problem`. Columns are handed out left to right (on the
+// GPU that beat shortest first on every mask measured); the walk is kDescendingHeadsInner when the
+// scheduler model (src/common/dq_schedule_model.h, with the problem's batch, heads and workers)
+// puts its deterministic critical path at or below kDescendingWalkGain x the ascending walk's,
+// kAscendingHeadsOuter otherwise (docs/PERF.md, "Deterministic backward: the walk", has the
+// measurements behind both rules).
+inline constexpr double kDescendingWalkGain = 0.95;
 ColumnSchedule choose_schedule(const BlockMask& mask, const ScheduleProblem& problem = {});
 
-// The candidates "auto" weighs, in its tie-break order, with their modelled critical paths
-// (deterministic and not): what the bench reports next to the choice.
+// Every hand-out x walk the kernel runs, with its modelled critical paths (deterministic and not):
+// left to right with each walk first (what "auto" weighs), then shortest first with each walk.
+// What the bench reports next to the choice.
 struct ScheduleCandidate {
   ColumnSchedule schedule;
   int64_t critical_path = 0, nondeterministic_critical_path = 0;

@@ -250,13 +250,13 @@ class BlockMask:
         q + window_right, a negative bound is unbounded); "document" / "document_causal"
         (document_ids [B or 1, S] or [S] for both sides, or doc_q and doc_kv; int32 or int64);
         "prefix_lm" (kv <= q or kv < prefix_length). block_size: 128 or (block_q, block_kv).
-        schedule: "auto" (chosen from the mask by the scheduler model; the default on the host),
+        schedule: "auto" (the default on the host: left to right, with the walk the scheduler
+        model picks for the mask and auto_problem; block_mask.h choose_schedule),
         "left_to_right" (the default on a CUDA device), "shortest_first", or a permutation of the
         kv block columns. walk (with an explicit schedule): "descending_heads_inner" (the default)
         or "ascending_heads_outer". auto_problem: what "auto" models besides the mask, (batch,
         heads_q, heads_kv, workers) of the attention and the GPU (workers: its SM count, or the
-        sm_limit used), 0 for the defaults (the mask's leading dims, 132 workers); "auto" weighs
-        both hand-outs and both walks in the scheduler model. framework: "numpy", "torch", or None (torch when the document ids are
+        sm_limit used), 0 for the defaults (the mask's leading dims, 132 workers). framework: "numpy", "torch", or None (torch when the document ids are
         torch tensors or the device is CUDA). device: None or "cpu" builds on the host; a CUDA
         device ("cuda", "cuda:1", a torch.device) builds the same tensors there, on torch's current
         stream, without a host synchronisation (torch tensors from torch's allocator; document ids

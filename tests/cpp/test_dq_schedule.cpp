@@ -382,7 +382,8 @@ TEST(DqScheduleProperty, BuiltOrdersPassCheckerAndModelInconsistentOnesAreCaught
       }
     ASSERT_EQ(ok.total_work, blocks * m.write_order_sub_tiles);
     ASSERT_GE(ok.critical_path, (blocks * m.write_order_sub_tiles + workers - 1) / workers);
-    if (i % 10 == 0) {  // "auto" is never worse than any fixed hand-out x walk in the model
+    if (i % 10 == 0) {  // "auto": left to right, never worse than the ascending walk in the model, and
+                        // the descending walk only with the modelled gain block_mask.h asks for
       st::ScheduleProblem p;
       p.batch = c.batch, p.heads_q = c.q_heads, p.heads_kv = c.kv_heads, p.workers = workers;
       const st::ColumnSchedule chosen = st::choose_schedule(m, p);
@@ -393,8 +394,10 @@ TEST(DqScheduleProperty, BuiltOrdersPassCheckerAndModelInconsistentOnesAreCaught
         EXPECT_TRUE(r.ok) << sch.str() << ": " << r.str();
         return r.critical_path;
       };
-      const int64_t best = path(chosen);
-      for (const auto& fixed : {kLTR, kSPT, kLTRasc, kSPTasc}) ASSERT_LE(best, path(fixed)) << fixed.str();
+      const int64_t got = path(chosen);
+      ASSERT_EQ(chosen.kind, st::ScheduleKind::kLeftToRight) << chosen.str();
+      ASSERT_LE(got, path(kLTRasc)) << chosen.str();
+      ASSERT_LE(st::kDescendingWalkGain * double(got), double(path(kLTR))) << chosen.str();
     }
     // A hand-out order the turns were not built for: the checker flags it exactly when some q
     // block's writers come in another order, and then one worker starves.
@@ -500,9 +503,10 @@ NoteRatios note_ratios(const NoteCase& nc, int seeds) {
 // The note simulates the five measured cases: the old left-to-right ascending walk 1.79 / 1.49 /
 // 1.34 / 1.00 / 1.02 det / nondet, the fix 1.00 on all five. The repository's model (unit cost
 // per q block, free hand-offs) agrees on four: the fix within 5 % of nondet, the old order >= 1.3
-// on the two GQA cases. It disagrees on short documents (16k, lengths 1..3000, H16): the fix
-// models at 1.19-1.25 there (the old order 1.66-1.96) and shortest first with the old walk at
-// 1.00, which "auto" picks. Whatever the case, auto's choice models within 5 % of nondet.
+// on the two GQA cases. It disagrees on short documents (16k, lengths 1..3000, H16): it models
+// the fix at 1.19-1.25 and the old order at 1.66-1.96, where the GPU measured 1.06 and 1.08
+// (docs/PERF.md). Auto takes the fix on both GQA cases, and its choice models within 6 % of
+// nondet on the four where model and note agree.
 TEST(DqModelNote, DescendingHeadsInnerRemovesTheChainWasteOfTheNotesCases) {
   const NoteCase doc128k{"doc-causal 128k 8:2", st::MaskKind::kDocumentCausal, 131072, 1, 8, 2, 0, 1, 8192};
   const NoteCase gqa16{"causal 16:2 B2 S8192", st::MaskKind::kCausal, 8192, 2, 16, 2, 0, 0, 0};
@@ -512,29 +516,35 @@ TEST(DqModelNote, DescendingHeadsInnerRemovesTheChainWasteOfTheNotesCases) {
   const NoteRatios a = note_ratios(doc128k, 2), b = note_ratios(gqa16, 1), c = note_ratios(doc16k, 3),
                    d = note_ratios(causal4k, 1), e = note_ratios(window, 1);
   for (const NoteRatios* r : {&a, &b, &d, &e}) EXPECT_LE(r->fix, 1.05);
-  for (const NoteRatios* r : {&a, &b, &c, &d, &e}) EXPECT_LE(r->chosen_ratio, 1.05) << r->chosen.str();
+  for (const NoteRatios* r : {&a, &b, &d, &e}) EXPECT_LE(r->chosen_ratio, 1.06) << r->chosen.str();
+  for (const NoteRatios* r : {&a, &b}) EXPECT_EQ(r->chosen.walk, st::WalkOrder::kDescendingHeadsInner);
   EXPECT_LT(c.fix, c.ltr_old) << "doc-causal 16k: the fix still beats the old walk";
   EXPECT_GE(a.ltr_old, 1.3) << "doc-causal 128k 8:2: the old walk's chains";
   EXPECT_GE(b.ltr_old, 1.3) << "causal 16:2: the old walk's chains";
   EXPECT_GT(c.ltr_old, 1.1) << "doc-causal 16k: the old walk's chains";
 }
 
-TEST(DqModelNote, AutoIsNeverSlowerThanTheBestFixedCandidateOnTheBenchMasks) {
-  // The bench's cases (bench/bench_attention.py CASES) at S = 8192 scaled as the bench scales
-  // them, with their batch and heads: auto's critical path is the smallest of the candidates'.
-  const NoteCase cases[] = {
-      {"causal", st::MaskKind::kCausal, 8192, 2, 16, 16, 0, 0, 0},
-      {"sliding_window", st::MaskKind::kSlidingWindow, 8192, 2, 16, 16, 2048, 0, 0},
-      {"document_causal", st::MaskKind::kDocumentCausal, 8192, 1, 16, 16, 0, 256, 3072},
-      {"gqa_causal", st::MaskKind::kCausal, 8192, 2, 32, 4, 0, 0, 0},
-      {"sliding_window_512", st::MaskKind::kSlidingWindow, 8192, 2, 16, 16, 512, 0, 0},
-      {"causal_s2048_b8", st::MaskKind::kCausal, 2048, 8, 16, 16, 0, 0, 0},
-      {"causal_s4096_b8", st::MaskKind::kCausal, 4096, 8, 16, 16, 0, 0, 0},
+TEST(DqModelNote, AutoTakesTheMeasuredWalkOnTheBenchMasks) {
+  // The bench's cases (bench/bench_attention.py CASES) with their batch and heads, and the walk
+  // that ran faster on an H100 (docs/PERF.md, "Deterministic backward: the walk"): the descending
+  // walk 3-31 % faster on documents and GQA, the ascending one 0-3 % on causal MHA and windows.
+  // Each time auto's choice is what the model gives for the chosen schedule.
+  using W = st::WalkOrder;
+  struct Measured {
+    NoteCase c;
+    W faster;
   };
-  for (const NoteCase& nc : cases) {
+  const Measured cases[] = {
+      {{"causal", st::MaskKind::kCausal, 8192, 2, 16, 16, 0, 0, 0}, W::kAscendingHeadsOuter},
+      {{"document_causal", st::MaskKind::kDocumentCausal, 8192, 1, 16, 16, 0, 256, 3072}, W::kDescendingHeadsInner},
+      {{"document_causal_1to3000", st::MaskKind::kDocumentCausal, 16384, 1, 16, 16, 0, 1, 3000}, W::kDescendingHeadsInner},
+      {{"gqa_causal", st::MaskKind::kCausal, 8192, 2, 32, 4, 0, 0, 0}, W::kDescendingHeadsInner},
+      {{"sliding_window_1024", st::MaskKind::kSlidingWindow, 8192, 2, 16, 16, 1024, 0, 0}, W::kAscendingHeadsOuter},
+      {{"causal_s4096_b8", st::MaskKind::kCausal, 4096, 8, 16, 16, 0, 0, 0}, W::kAscendingHeadsOuter},
+  };
+  for (const Measured& m : cases) {
+    const NoteCase& nc = m.c;
     SCOPED_TRACE(nc.name);
-    const NoteRatios r = note_ratios(nc, 1);
-    EXPECT_LE(r.chosen_ratio, 1.05) << r.chosen.str();
     st::MaskSpec spec;
     spec.kind = nc.kind;
     spec.window_left = nc.window;
@@ -547,13 +557,14 @@ TEST(DqModelNote, AutoIsNeverSlowerThanTheBestFixedCandidateOnTheBenchMasks) {
     st::BlockMaskOptions o;
     o.problem.batch = nc.B, o.problem.heads_q = nc.Hq, o.problem.heads_kv = nc.Hkv, o.problem.workers = 132;
     const st::BlockMaskTensors t = st::build_block_mask(spec, nc.S, nc.S, o);  // auto
-    int64_t best = INT64_MAX;
-    for (const auto& c : st::schedule_candidates(t.mask, o.problem)) best = std::min(best, c.critical_path);
+    EXPECT_EQ(t.mask.schedule.kind, st::ScheduleKind::kLeftToRight);
+    EXPECT_EQ(t.mask.schedule.walk, m.faster) << t.mask.schedule.str();
     const auto got = st::simulate_dq_backward(st::dq_model_problem(t.mask, nc.B, nc.Hq, nc.Hkv),
                                               st::dq_handout(t.mask.schedule, nc.B, nc.Hkv, t.mask.num_kv_blocks(), 1),
                                               132);
     ASSERT_TRUE(got.ok) << got.str();
-    EXPECT_EQ(got.critical_path, best) << t.mask.schedule.str();
+    const auto cands = st::schedule_candidates(t.mask, o.problem);
+    EXPECT_EQ(got.critical_path, cands[m.faster == W::kDescendingHeadsInner ? 0 : 1].critical_path);
   }
 }
 

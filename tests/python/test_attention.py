@@ -219,7 +219,7 @@ def test_block_mask_arrays_and_conversions():
     assert m.kv_indices.dtype == np.int32 and m.kv_indices.shape == (1, 1, 4, 4)
     assert m.kv_num_blocks.tolist() == [[[1, 1, 1, 1]]] and m.full_kv_num_blocks.tolist() == [[[0, 1, 2, 3]]]
     assert m.q_num_blocks.tolist() == [[[1, 1, 1, 1]]] and m.full_q_num_blocks.tolist() == [[[3, 2, 1, 0]]]
-    assert m.schedule == "shortest_first"  # "auto" on causal: the shortest columns first
+    assert (m.schedule, m.walk) == ("left_to_right", "descending_heads_inner")  # "auto" (block_mask.h)
     t = m.to_torch()
     assert t.framework == "torch" and isinstance(t.kv_indices, torch.Tensor)
     assert t.kv_indices.data_ptr() == m.kv_indices.ctypes.data  # shared, not copied
@@ -542,7 +542,9 @@ def test_corrupted_mask_is_rejected_by_validation():
     with pytest.raises(ValueError, match=r"mask.kv_indices\[b=0, h=0, q block 1\] entry 0: expected a kv block in \[0, 3\)"):
         stt.block_sparse_attention(q, k, v, m)
     m2 = st.BlockMask.build("causal", 40, block_size=16, framework="torch")
-    m2.dq_write_order_full[0, 0, 0, :2] = m2.dq_write_order_full[0, 0, 0, :2].flip(0)
+    # kv column 1 writes q block 2 (full) second, after column 0: turn 1. Turn 0 twice is invalid.
+    assert m2.full_q_indices[0, 0, 1, 0] == 2 and m2.dq_write_order_full[0, 0, 1, 0] == 1
+    m2.dq_write_order_full[0, 0, 1, 0] = 0
     assert m2.check_write_order() != ""
 
 
@@ -593,7 +595,7 @@ def test_device_build_arguments():
     test_attention_cuda.py, their argument errors here."""
     a = st.BlockMask.build("causal", 300, framework="torch")
     b = st.BlockMask.build("causal", 300, framework="torch", device="cpu")
-    assert a.schedule == b.schedule == "shortest_first"  # "auto" stays the host default
+    assert a.schedule == b.schedule == "left_to_right"  # "auto" stays the host default
     for name, t in a.tensors().items():
         assert (t is None and b.tensors()[name] is None) or torch.equal(t, b.tensors()[name]), name
     with pytest.raises(ValueError, match="device: expected 'cpu' for framework 'numpy'"):

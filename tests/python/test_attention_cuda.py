@@ -596,6 +596,7 @@ def _abs_sums(q, k, v, do, mask_mod, B, H, Sq, Skv, scale=None):
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     dense = flex.create_mask(mask_mod, B or 1, H or 1, Sq, Skv, device=DEV)
     sums = [torch.zeros(t.shape, dtype=torch.float64, device=DEV) for t in (q, q, k, v)]  # o, dq, dk, dv
+    counts = [torch.zeros_like(t) for t in sums]  # the same sums with every p, dS term taken as 1
     for b in range(Bq):
         for h in range(Hq):
             qq, kk, vv, dd = (t[b, hh].double() for t, hh in ((q, h), (k, h // group), (v, h // group), (do, h)))
@@ -608,20 +609,28 @@ def _abs_sums(q, k, v, do, mask_mod, B, H, Sq, Skv, scale=None):
             sums[1][b, h] += scale * a @ kk.abs()
             sums[2][b, h // group] += scale * a.T @ qq.abs()
             sums[3][b, h // group] += p.T @ dd.abs()
-    return sums
+            ones = allowed.double()
+            counts[0][b, h] += ones @ vv.abs()
+            counts[1][b, h] += scale * ones @ kk.abs()
+            counts[2][b, h // group] += scale * ones.T @ qq.abs()
+            counts[3][b, h // group] += ones.T @ dd.abs()
+    return sums, counts
 
 
-def _close_per_element(got, ref, abs_sum, dtype, what):
-    """|got - ref| <= 2 u abs_sum + 2 u |ref| per element (u: the unit roundoff of dtype): twice the
-    first-order worst case of one rounding per term (P or dS to the input dtype) plus the output's
-    own rounding; fp32 accumulation adds orders of magnitude less. NaN and inf never pass."""
+def _close_per_element(got, ref, abs_sum, count_sum, dtype, what):
+    """|got - ref| <= 2 u abs_sum + 2 u |ref| + s (count_sum + 1) per element (u: the unit roundoff
+    of dtype, s: its smallest subnormal): twice the first-order worst case of one rounding per term
+    (P or dS to the input dtype, off by at most u |x| + s / 2 each) plus the output's own rounding;
+    fp32 accumulation adds orders of magnitude less. The s terms matter only where values underflow
+    to subnormals (fp16 below 6e-5), where rounding is absolute, not relative. NaN and inf never pass."""
     assert got.device.type == "cuda", f"{what}: expected a CUDA result, got one on {got.device}"
     assert got.shape == ref.shape, f"{what}: shape {list(got.shape)} vs {list(ref.shape)}"
     got, ref = got.detach().double(), ref.detach().double().to(got.device)
     assert bool(torch.isfinite(ref).all()), f"{what}: the reference is not finite"
     assert bool(torch.isfinite(got).all()), f"{what}: {int((~torch.isfinite(got)).sum())} NaN / inf elements"
     u = _UNIT_ROUNDOFF[dtype]
-    err, bound = (got - ref).abs(), 2 * u * abs_sum + 2 * u * ref.abs()
+    s = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
+    err, bound = (got - ref).abs(), 2 * u * abs_sum + 2 * u * ref.abs() + s * (count_sum + 1)
     bad = err > bound
     if bool(bad.any()):
         i = int((err - bound).flatten().argmax())
@@ -651,10 +660,10 @@ def _check_grads(name, dtype, D, Hq, Hkv, B=2, S=GRAD_S, **kw):
     q, k, v, do = _grad_inputs(B, Hq, Hkv, Sq, Skv, D, dtype)
     got = _grads(q, k, v, do, mask, **kw)
     ref = _flex_reference(q, k, v, do, mod, fB, fH, Sq, Skv, kw.get("scale"))
-    sums = _abs_sums(q, k, v, do, mod, fB, fH, Sq, Skv, kw.get("scale"))
-    for what, g, r, a in zip(("o", "dq", "dk", "dv"), got, ref, sums):
+    sums, counts = _abs_sums(q, k, v, do, mod, fB, fH, Sq, Skv, kw.get("scale"))
+    for what, g, r, a, c in zip(("o", "dq", "dk", "dv"), got, ref, sums, counts):
         assert g.dtype == dtype and g.shape == r.shape, what
-        _close_per_element(g, r, a, dtype, what)
+        _close_per_element(g, r, a, c, dtype, what)
     return got
 
 
