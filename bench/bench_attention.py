@@ -3,7 +3,8 @@ masks causal, sliding window 2048 (causal) and document-causal (documents of ran
 256..3072, seed 0, per batch row), plus D=64 (causal) and GQA Hq=32, Hkv=4 (causal); and issue 14's
 classes: document-causal with lengths drawn from 1..3000 on a long packed sequence (B=2,
 S=16384) beside dense causal at the same shape, sliding windows 512 and 1024 (causal), causal
-at S=2048 and S=4096 with B*H = 128 (B=8, H=16: short rows), causal GQA 8:1 at D=64. Forward of
+at S=2048 and S=4096 with B*H = 128 (B=8, H=16: short rows), causal GQA 8:1 at D=64; issue 15's
+128k-token packed row of documents of 1..8192 tokens, GQA 8:2 (B=1). Forward of
 ours (sparsetrain.torch.block_sparse_attention) against FlexAttention
 (torch.compile(flex_attention, dynamic=False) on the same mask from create_block_mask(...,
 _compile=True)) and, for the dense-causal cases, cuDNN SDPA (sdpa_kernel(CUDNN_ATTENTION),
@@ -12,7 +13,8 @@ lists, transposes and dQ write orders) against create_block_mask(mask_mod, B=Non
 device="cuda", _compile=True) (document-causal: B=2, per-batch ids for both), target >= 10x.
 With --backward, per attention case also the backward alone (autograd.grad over a retained
 forward graph) and forward + backward of ours deterministic and non-deterministic, FlexAttention
-and cuDNN (causal cases): peer / ours ratios of both, and det / nondet (target <= 1.10).
+and cuDNN (causal cases): peer / ours ratios of both, det / nondet (target <= 1.10), and each
+peer's peak memory of one forward + backward beyond its inputs ("fwdbwd_<peer>_peak_mib").
 
 All in this process on this GPU, CUDA events after warm-up, inputs rotated over enough copies to
 exceed twice the L2 cache. Two timings of every forward, ours and the peers (DESIGN.md section 9):
@@ -96,6 +98,8 @@ CASES = {
     "causal_s2048_b8": Case("causal", 16, 16, 128, B=8, S=2048),
     "causal_s4096_b8": Case("causal", 16, 16, 128, B=8, S=4096),
     "gqa8_causal_d64": Case("causal", 32, 4, 64),
+    # Issue 15's long packed sequence: 128k tokens of documents up to 8k, GQA 4:1.
+    "document_causal_128k_gqa4": Case("document_causal", 8, 2, 128, B=1, S=131072, doc_lengths=(1, 8192)),
 }
 BUILDS = {f"build_{k}": k for k in ("causal", "sliding_window", "document_causal")}
 
@@ -424,7 +428,7 @@ def bench_backward(row, mask, fmask, sets, reps, flex_compiled, G, kind):
     forward, then torch.autograd.grad; 14 * D * pairs FLOPs). Peers: ours deterministic ("ours")
     and not ("ours_nondet"), FlexAttention on the same mask, cuDNN SDPA on the causal cases (with
     GQA also on k and v expanded to Hq heads). Ratios: peer / ours (deterministic), and the
-    deterministic mode's cost det / nondet (target <= 1.10)."""
+    deterministic mode's cost det / nondet (target <= 1.10); peak memory of one forward + backward."""
     import sparsetrain.torch as stt
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -462,6 +466,17 @@ def bench_backward(row, mask, fmask, sets, reps, flex_compiled, G, kind):
             return torch.autograd.grad(fwd(q, k, v), (q, k, v), do)
 
         run_peer(row, f"fwdbwd_{peer}", fwd_bwd, reps, row["fwdbwd_flops"])
+        # Peak memory of one forward + backward beyond what was allocated before it (the inputs):
+        # o, lse or the peer's saved tensors, workspaces, the gradients.
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            fwd_bwd()
+            torch.cuda.synchronize()
+            row[f"fwdbwd_{peer}_peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        except Exception as e:  # noqa: BLE001 - the timing above recorded it already
+            row.setdefault(f"fwdbwd_{peer}_error", first_line(e))
         try:
             retained = [(fwd(q, k, v), q, k, v, do) for q, k, v, do in args]
         except Exception as e:  # noqa: BLE001

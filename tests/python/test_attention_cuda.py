@@ -792,20 +792,31 @@ import torch
 import sparsetrain as st
 import sparsetrain.torch as stt
 
-dev, S = torch.device(sys.argv[1]), int(sys.argv[2])
+dev, S, packed = torch.device(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "packed"
 gen = torch.Generator().manual_seed(5)
 def rand(*shape):
     return torch.randn(*shape, generator=gen).to(torch.bfloat16).to(dev)
-q, k, v, do = rand(2, 8, S, 128), rand(2, 2, S, 128), rand(2, 2, S, 128), rand(2, 8, S, 128)
-doc = torch.randint(0, 6, (2, S), generator=gen).sort(dim=1).values.int()
-masks = {"causal_auto_schedule": st.BlockMask.build("causal", S).to(dev),  # host build: "auto" schedule
-         "causal_left_to_right": st.BlockMask.build("causal", S, device=dev),
-         "document_causal_shortest_first": st.BlockMask.build("document_causal", S, document_ids=doc,
-                                                              schedule="shortest_first", device=dev)}
+B, Hq, Hkv = (1, 8, 2) if packed else (2, 8, 2)
+q, k, v, do = rand(B, Hq, S, 128), rand(B, Hkv, S, 128), rand(B, Hkv, S, 128), rand(B, Hq, S, 128)
+if packed:  # one long packed row of documents of 1..8192 tokens
+    lengths = torch.randint(1, 8193, (S,), generator=gen)
+    n = int((lengths.cumsum(0) < S).sum()) + 1
+    doc = torch.repeat_interleave(torch.arange(n), lengths[:n])[:S].int()[None]
+    masks = {"packed_documents_auto_schedule": st.BlockMask.build("document_causal", S, document_ids=doc,
+                                                                  auto_problem=(B, Hq, Hkv, 0)).to(dev),
+             "packed_documents_left_to_right": st.BlockMask.build("document_causal", S, document_ids=doc, device=dev)}
+    sm_limits = (0, 7, 0)
+else:
+    doc = torch.randint(0, 6, (2, S), generator=gen).sort(dim=1).values.int()
+    masks = {"causal_auto_schedule": st.BlockMask.build("causal", S).to(dev),  # host build: "auto" schedule
+             "causal_left_to_right": st.BlockMask.build("causal", S, device=dev),
+             "document_causal_shortest_first": st.BlockMask.build("document_causal", S, document_ids=doc,
+                                                                  schedule="shortest_first", device=dev)}
+    sm_limits = (0, 1, 2, 7, 0)
 failures = 0
 for name, mask in masks.items():
     ref = None
-    for sm_limit in (0, 1, 2, 7, 0):
+    for sm_limit in sm_limits:
         for det in (True, False):
             qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
             o = stt.block_sparse_attention(qq, kk, vv, mask, deterministic=det, sm_limit=sm_limit)
@@ -831,10 +842,10 @@ sys.exit(1 if failures else 0)
 """
 
 
-def _run_sm_limit_child(device, S, timeout=300):
+def _run_sm_limit_child(device, S, case="small", timeout=300):
     try:
-        proc = subprocess.run([sys.executable, "-c", _SM_LIMIT_SCRIPT, str(device), str(S)], capture_output=True,
-                              text=True, timeout=timeout)
+        proc = subprocess.run([sys.executable, "-c", _SM_LIMIT_SCRIPT, str(device), str(S), case],
+                              capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"the sm_limit runs did not finish in {timeout} s (a deadlock?); output so far: {e.stdout!r}")
     assert proc.returncode == 0, f"sm_limit runs (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
@@ -846,6 +857,15 @@ def test_sm_limit_gives_bitwise_equal_deterministic_gradients():
     close. In a child process with a 300 s limit (a deadlock fails instead of hanging)."""
     _require_kernel(torch.bfloat16, 128)
     _run_sm_limit_child(DEV, 2000)
+
+
+def test_long_packed_sequence_gives_bitwise_equal_deterministic_gradients():
+    """A 128k-token packed row of documents of 1..8192 tokens, GQA 4:1 (B = 1, Hq = 8, Hkv = 2):
+    the deterministic gradients bitwise equal at sm_limit 7 and on every SM, twice, with the "auto"
+    schedule (host build) and left to right (device build); long dQ turn chains along long columns,
+    the case that would deadlock or race first. In a child process with a 300 s limit."""
+    _require_kernel(torch.bfloat16, 128)
+    _run_sm_limit_child(DEV, 131072, "packed")
 
 
 def test_bad_sm_limit_raises_value_error():
