@@ -225,62 +225,71 @@ TEST(GroupedLinearCudaContract, InvalidDeviceSplitsEmptyEveryProblemAndSetTheSta
 }
 
 // Caller buffers whose base is one element off a 16-byte boundary, on shapes the TMA path takes
-// (in, out multiples of 8): they take the fallback kernels, and DESIGN.md section 4 says caller
-// buffers give results bit-identical to the library-allocated path, with rows >= S untouched.
-// Checked for out, grad_input and (fused) main_grad, each poisoned first.
+// (in, out multiples of 8): they take the direct-store twins of the sm90 kernels, and DESIGN.md
+// section 4 says caller buffers give results bit-identical to the library-allocated path, with
+// rows >= S untouched. Checked for out (with and without bias), grad_input and (fused) main_grad,
+// overwritten (poisoned first) and accumulated (from the same random values).
 TEST(GroupedLinearCudaContract, MisalignedCallerBuffersAreBitIdenticalToTheAlignedPath) {
   REQUIRE_GPU();
-  for (st::DType dtype : {st::DType::kBF16, st::DType::kFP16}) {
-    SCOPED_TRACE(st::dtype_name(dtype));
-    GroupedLinearCase c = make_case({dtype, 4, 515, 500, 256, 192, {2}, true, true, false});
-    const int64_t S = c.oracle().rows_used();
-    const size_t es = st::dtype_size(dtype);
-    CudaLayer L(c, c.options());
-    const DeviceTensor x(c.x), dy(c.dy);
-    const st::Splits sp = st::Splits::host(c.splits);
-    const HostTensor y = to_host(L.layer->forward(x.view(), sp).view());
-    const auto g = L.layer->backward(x.view(), dy.view(), sp);
-    const HostTensor dx = to_host(g.grad_input.view());
-    // One element past an aligned allocation: the base is 2 bytes off.
-    auto poisoned = [&](int64_t rows, int64_t cols) {
-      HostTensor h(dtype, {rows * cols + 8});
-      h.poison();
-      return DeviceTensor(h);
-    };
-    auto shifted = [&](const DeviceTensor& d, int64_t rows, int64_t cols) {
-      return st::TensorView(static_cast<char*>(d.view().data()) + es, dtype, {rows, cols}, st::Device::cuda(0));
-    };
-    const DeviceTensor out_mem = poisoned(c.T, c.out), gin_mem = poisoned(c.T, c.in);
-    const st::TensorView out = shifted(out_mem, c.T, c.out), gin = shifted(gin_mem, c.T, c.in);
-    ASSERT_NE(reinterpret_cast<uintptr_t>(out.data()) % 16, 0u);
-    L.layer->forward(x.view(), sp, out);
-    L.layer->backward(x.view(), dy.view(), sp, gin);
-    const HostTensor outh = to_host(out), ginh = to_host(gin);
-    EXPECT_EQ(std::memcmp(outh.data(), y.data(), size_t(S * c.out) * es), 0) << "misaligned out vs aligned path";
-    EXPECT_EQ(std::memcmp(ginh.data(), dx.data(), size_t(S * c.in) * es), 0) << "misaligned grad_input vs aligned";
-    for (int64_t i = S * c.out; i < outh.numel(); ++i) ASSERT_TRUE(std::isnan(outh.get(i))) << "out tail written";
-    for (int64_t i = S * c.in; i < ginh.numel(); ++i) ASSERT_TRUE(std::isnan(ginh.get(i))) << "grad_input tail written";
+  for (st::DType dtype : {st::DType::kBF16, st::DType::kFP16})
+    for (bool bias : {true, false}) {
+      SCOPED_TRACE(std::string(st::dtype_name(dtype)) + (bias ? " bias" : " no bias"));
+      GroupedLinearCase c = make_case({dtype, 4, 515, 500, 256, 192, {2}, true, bias, false});
+      const int64_t S = c.oracle().rows_used();
+      const size_t es = st::dtype_size(dtype);
+      CudaLayer L(c, c.options());
+      const DeviceTensor x(c.x), dy(c.dy);
+      const st::Splits sp = st::Splits::host(c.splits);
+      const HostTensor y = to_host(L.layer->forward(x.view(), sp).view());
+      const auto g = L.layer->backward(x.view(), dy.view(), sp);
+      const HostTensor dx = to_host(g.grad_input.view());
+      // One element past an aligned allocation: the base is 2 bytes off.
+      auto poisoned = [&](int64_t rows, int64_t cols) {
+        HostTensor h(dtype, {rows * cols + 8});
+        h.poison();
+        return DeviceTensor(h);
+      };
+      auto shifted = [&](const DeviceTensor& d, int64_t rows, int64_t cols) {
+        return st::TensorView(static_cast<char*>(d.view().data()) + es, dtype, {rows, cols}, st::Device::cuda(0));
+      };
+      const DeviceTensor out_mem = poisoned(c.T, c.out), gin_mem = poisoned(c.T, c.in);
+      const st::TensorView out = shifted(out_mem, c.T, c.out), gin = shifted(gin_mem, c.T, c.in);
+      ASSERT_NE(reinterpret_cast<uintptr_t>(out.data()) % 16, 0u);
+      L.layer->forward(x.view(), sp, out);
+      L.layer->backward(x.view(), dy.view(), sp, gin);
+      const HostTensor outh = to_host(out), ginh = to_host(gin);
+      EXPECT_EQ(std::memcmp(outh.data(), y.data(), size_t(S * c.out) * es), 0) << "misaligned out vs aligned path";
+      EXPECT_EQ(std::memcmp(ginh.data(), dx.data(), size_t(S * c.in) * es), 0) << "misaligned grad_input vs aligned";
+      for (int64_t i = S * c.out; i < outh.numel(); ++i) ASSERT_TRUE(std::isnan(outh.get(i))) << "out tail written";
+      for (int64_t i = S * c.in; i < ginh.numel(); ++i) ASSERT_TRUE(std::isnan(ginh.get(i))) << "grad_input tail written";
 
-    // main_grad (fp32, overwrite: each call's wgrad) one fp32 element off, against an aligned one.
-    c.fuse = true;
-    c.overwrite = true;
-    CudaLayer aligned(c, c.options());
-    HostTensor mg_host(st::DType::kFP32, {c.G * c.out * c.in + 4});
-    mg_host.poison();
-    const DeviceTensor mg_mem(mg_host);
-    const int64_t mg_shape[3] = {c.G, c.out, c.in}, mg_strides[3] = {c.out * c.in, c.in, 1};
-    st::GroupedLinearParams p;
-    p.weight = st::GroupedParam::packed(aligned.w.view());
-    p.bias = st::GroupedParam::packed(aligned.b.view());
-    p.main_grad = st::GroupedParam::packed(st::TensorView(static_cast<char*>(mg_mem.view().data()) + 4,
-                                                          st::DType::kFP32, mg_shape, mg_strides, 3,
-                                                          st::Device::cuda(0)));
-    st::GroupedLinear off(c.options(), p);
-    aligned.layer->backward(x.view(), dy.view(), sp);
-    off.backward(x.view(), dy.view(), sp);
-    const HostTensor mg_aligned = to_host(aligned.mg.view()), mg_off = to_host(p.main_grad.views()[0]);
-    EXPECT_TRUE(mg_off.bytes_equal(mg_aligned)) << "misaligned main_grad vs aligned";
-  }
+      // main_grad (fp32) one element off, against an aligned one: overwritten (each call's wgrad;
+      // the misaligned one poisoned first), and accumulated onto the same random values.
+      c.fuse = true;
+      for (bool overwrite : {true, false}) {
+        SCOPED_TRACE(overwrite ? "main_grad overwritten" : "main_grad accumulated");
+        c.overwrite = overwrite;
+        CudaLayer aligned(c, c.options());
+        const int64_t n = c.G * c.out * c.in;
+        HostTensor mg_host(st::DType::kFP32, {n + 4});
+        mg_host.poison();
+        if (!overwrite)
+          for (int64_t i = 0; i < n; ++i) mg_host.set(i + 1, c.main_grad.get(i));
+        const DeviceTensor mg_mem(mg_host);
+        const int64_t mg_shape[3] = {c.G, c.out, c.in}, mg_strides[3] = {c.out * c.in, c.in, 1};
+        st::GroupedLinearParams p;
+        p.weight = st::GroupedParam::packed(aligned.w.view());
+        if (bias) p.bias = st::GroupedParam::packed(aligned.b.view());
+        p.main_grad = st::GroupedParam::packed(st::TensorView(static_cast<char*>(mg_mem.view().data()) + 4,
+                                                              st::DType::kFP32, mg_shape, mg_strides, 3,
+                                                              st::Device::cuda(0)));
+        st::GroupedLinear off(c.options(), p);
+        aligned.layer->backward(x.view(), dy.view(), sp);
+        off.backward(x.view(), dy.view(), sp);
+        const HostTensor mg_aligned = to_host(aligned.mg.view()), mg_off = to_host(p.main_grad.views()[0]);
+        EXPECT_TRUE(mg_off.bytes_equal(mg_aligned)) << "misaligned main_grad vs aligned";
+      }
+    }
 }
 
 // Forward + backward captured once with device splits and caller buffers/workspace, replayed

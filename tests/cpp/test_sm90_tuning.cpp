@@ -28,6 +28,25 @@ TEST(Sm90Tuning, FpropAndDgradWalkAlongM) {
   }
 }
 
+// A direct-store twin (misaligned caller outputs) computes its variant and is launched exactly
+// like it; kWgrad (dW always the library's, aligned) has none.
+TEST(Sm90Tuning, DirectStoreTwinsComputeTheirVariantWithItsTuning) {
+  for (auto v : {sm90::Variant::kFprop, sm90::Variant::kFpropBias, sm90::Variant::kDgrad, sm90::Variant::kWgradF32}) {
+    const sm90::Variant d = sm90::direct_store(v);
+    EXPECT_NE(d, v);
+    EXPECT_TRUE(sm90::is_direct_store(d));
+    EXPECT_FALSE(sm90::is_direct_store(v));
+    EXPECT_EQ(sm90::computed_by(d), v);
+    EXPECT_EQ(sm90::direct_store(d), d);
+    for (int64_t in : {256, 4096})
+      for (int64_t out : {128, 28672}) {
+        EXPECT_EQ(sm90::pick_tuning(d, in, out).raster, sm90::pick_tuning(v, in, out).raster);
+        EXPECT_EQ(sm90::pick_tuning(d, in, out).swizzle, sm90::pick_tuning(v, in, out).swizzle);
+      }
+  }
+  EXPECT_EQ(sm90::direct_store(sm90::Variant::kWgrad), sm90::Variant::kWgrad);
+}
+
 TEST(Sm90Tuning, EnvironmentOverridesOnlyValidValues) {
   const sm90::Tuning base = sm90::pick_tuning(sm90::Variant::kFprop, 64, 64);
   setenv("SPARSETRAIN_SM90_RASTER", "n", 1);

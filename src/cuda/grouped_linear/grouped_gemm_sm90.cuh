@@ -9,6 +9,8 @@
 //   dgrad  D_g [rows_g, in]  = dy_g [rows_g, out] . W_g    A row-major, B = W_g row-major
 //   wgrad  D_g [out, in]     = dy_g^T . x_g  (+ C_g)       A = dy_g column-major, B = x_g row-major,
 //          K = rows_g (ragged); fp32 main_grad: C = D = main_grad, beta 1 (accumulate) or 0
+// Each variant has a direct-store twin (sm90_tuning.h) for caller outputs off a 16-byte boundary:
+// the same mainloop, its epilogue writing each element from the accumulator registers.
 // Groups with no rows get M = 0 (no tiles): a K = 0 problem is never launched (CUTLASS would
 // leave its accumulators unwritten); wgrad handles those groups in its set-up kernel instead.
 #pragma once
@@ -57,9 +59,15 @@ template <typename E> struct Config<Variant::kWgrad, E> {
   using A = cutlass::layout::ColumnMajor; using B = cutlass::layout::RowMajor; using C = void; using D = E;
 };
 template <typename E> struct Config<Variant::kWgradF32, E> : Config<Variant::kWgrad, E> { using C = float; using D = float; };
+template <typename E> struct Config<Variant::kFpropDirect, E> : Config<Variant::kFprop, E> {};
+// Direct store, biased: the bias is the epilogue's source C, read with a zero row stride.
+template <typename E> struct Config<Variant::kFpropBiasDirect, E> : Config<Variant::kFprop, E> { using C = E; };
+template <typename E> struct Config<Variant::kDgradDirect, E> : Config<Variant::kDgrad, E> {};
+template <typename E> struct Config<Variant::kWgradF32Direct, E> : Config<Variant::kWgradF32, E> {};
 
 // The epilogue's fusion: D = acc (+ beta C), or D = acc + bias_g broadcast over the rows, the bias
-// read through a per-group pointer table.
+// read through a per-group pointer table. The direct-store epilogue takes only LinearCombination:
+// there D = acc + 1 * bias is the same single fp32 rounding as the TMA epilogue's acc + bias.
 template <Variant V, typename Element, typename ElementD, typename ElementC, typename TileShape>
 struct Fusion {
   using type = cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC>;
@@ -75,6 +83,8 @@ struct Fusion<Variant::kFpropBias, Element, ElementD, ElementC, TileShape> {
 template <Variant V, typename E>
 struct Sm90GroupedGemm {
   static constexpr Variant kVariant = V;
+  static constexpr Variant kComputes = computed_by(V);
+  static constexpr bool kDirect = is_direct_store(V);
   using Element = typename CutlassType<E>::type;
   using Cfg = Config<V, Element>;
   using ElementC = typename Cfg::C;
@@ -82,8 +92,11 @@ struct Sm90GroupedGemm {
   using LayoutD = cutlass::layout::RowMajor;
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
   static constexpr int kAlignAB = 128 / cutlass::sizeof_bits<Element>::value;  // 16-byte TMA alignment
-  static constexpr int kAlignD = 128 / cutlass::sizeof_bits<ElementD>::value;
-  static constexpr int kAlignC = std::is_void_v<ElementC> ? kAlignD : 128 / cutlass::sizeof_bits<ElementC>::value;
+  static constexpr int kAlignD = kDirect ? 1 : 128 / cutlass::sizeof_bits<ElementD>::value;
+  static constexpr int kAlignC =
+      kDirect || std::is_void_v<ElementC> ? kAlignD : 128 / cutlass::sizeof_bits<ElementC>::value;
+  using EpilogueSchedule = std::conditional_t<kDirect, cutlass::epilogue::PtrArrayNoSmemWarpSpecialized,
+                                              cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
   // 128x256x64 tiles, cluster 2x1, cooperative (two consumer warpgroups on one tile): the large
   // MoE GEMMs (sm90_tuning.h says what else was measured).
   using TileShape = Shape<Int<kTileM>, Int<kTileN>, _64>;
@@ -91,8 +104,7 @@ struct Sm90GroupedGemm {
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD*, kAlignC, ElementD, LayoutD*,
-      kAlignD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
-      typename Fusion<V, Element, ElementD, ElementC, TileShape>::type>::CollectiveOp;
+      kAlignD, EpilogueSchedule, typename Fusion<V, Element, ElementD, ElementC, TileShape>::type>::CollectiveOp;
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, typename Cfg::A*, kAlignAB, Element,
       typename Cfg::B*, kAlignAB, float, TileShape, ClusterShape,
@@ -106,7 +118,7 @@ struct Sm90GroupedGemm {
   using StrideC = typename Kernel::InternalStrideC;
   using StrideD = typename Kernel::InternalStrideD;
   using Shape3 = typename ProblemShape::UnderlyingProblemShape;
-  using PtrC = std::conditional_t<std::is_void_v<ElementC>, const void*, const float*>;
+  using PtrC = std::conditional_t<std::is_void_v<ElementC>, const void*, const ElementC*>;
 
   struct Arrays {  // device arrays of one launch, carved from the workspace
     Shape3* problems;
@@ -151,7 +163,7 @@ struct Sm90GroupedGemm {
                                             float beta) {
     typename Gemm::Arguments args;
     decltype(args.epilogue.thread) fusion;
-    if constexpr (V == Variant::kFpropBias) {
+    if constexpr (V == Variant::kFpropBias) {  // (its direct twin: C = bias, beta 1)
       fusion = {{}, {a.bias}, {}};  // EVT arguments: {AccFetch, RowBroadcast, plus}
     } else {
       fusion.alpha = 1.f;
@@ -199,7 +211,7 @@ struct Sm90GroupedGemm {
 template <typename S>
 __global__ void sm90_setup_kernel(const GroupedGemmParams p, typename S::Arrays a) {
   using E = typename S::Element;
-  constexpr Variant V = S::kVariant;
+  constexpr Variant V = S::kComputes;
   const int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (g >= p.num_groups) return;
   const int64_t row = p.offsets[g], rows = p.offsets[g + 1] - row;
@@ -220,13 +232,14 @@ __global__ void sm90_setup_kernel(const GroupedGemmParams p, typename S::Arrays 
     a.a[g] = static_cast<const E*>(p.act) + row * p.act_ld;
     a.b[g] = static_cast<const E*>(p.weight[g]);
     a.d[g] = static_cast<E*>(p.c) + row * p.c_ld;
-    a.c[g] = nullptr;
     a.bias[g] = static_cast<const E*>(p.bias[g]);
+    a.c[g] = S::kVariant == Variant::kFpropBiasDirect ? a.bias[g] : nullptr;
   }
   a.problems[g] = typename S::Shape3(m, n, k);
   a.stride_a[g] = cutlass::make_cute_packed_stride(typename S::StrideA{}, cute::make_shape(m, k, 1));
   a.stride_b[g] = cutlass::make_cute_packed_stride(typename S::StrideB{}, cute::make_shape(n, k, 1));
   a.stride_c[g] = cutlass::make_cute_packed_stride(typename S::StrideC{}, cute::make_shape(m, n, 1));
+  if constexpr (S::kVariant == Variant::kFpropBiasDirect) cute::get<0>(a.stride_c[g]) = 0;  // one bias row
   a.stride_d[g] = cutlass::make_cute_packed_stride(typename S::StrideD{}, cute::make_shape(m, n, 1));
 }
 
@@ -252,7 +265,11 @@ void Sm90GroupedGemm<V, E>::run(const GroupedGemmParams& p, const Tuning& t, voi
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const Arrays a = carve(workspace, p.num_groups);
   const int device = ::sparsetrain::cuda::current_device();
-  const float beta = p.wgrad_store == WgradStore::kMainGradAccumulate && V == Variant::kWgradF32 ? 1.f : 0.f;
+  // beta 1 where the epilogue adds its source: main_grad being accumulated, the direct biased
+  // fprop's bias.
+  const bool adds_source = V == Variant::kFpropBiasDirect ||
+                           (kComputes == Variant::kWgradF32 && p.wgrad_store == WgradStore::kMainGradAccumulate);
+  const float beta = adds_source ? 1.f : 0.f;
   const auto args = arguments(p, t, a, device, beta);
   Gemm gemm;
   // Every check before the first launch: a refusal must leave dW (zero-filled below for empty
@@ -262,7 +279,7 @@ void Sm90GroupedGemm<V, E>::run(const GroupedGemmParams& p, const Tuning& t, voi
   check_status(gemm.can_implement(args), "can_implement");
   sm90_setup_kernel<Sm90GroupedGemm><<<unsigned((p.num_groups + 127) / 128), 128, 0, s>>>(p, a);
   ST_CUDA_CHECK(cudaGetLastError(), "sm90 grouped GEMM: sm90_setup_kernel launch");
-  if constexpr (V == Variant::kWgrad || V == Variant::kWgradF32) {
+  if constexpr (kComputes == Variant::kWgrad || kComputes == Variant::kWgradF32) {
     if (p.wgrad_store != WgradStore::kMainGradAccumulate) {
       GroupedGemmParams::DwTable t;
       for (int64_t g = 0; g < p.num_groups; ++g) t.ptr[g] = p.dw[g];

@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <cstring>
 #include <initializer_list>
-#include <type_traits>
+#include <optional>
 
 #include "common/dispatch_dtype.h"
 #include "common/group_offsets.h"
@@ -49,7 +49,7 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 using cuda::sm90::Variant;
 
 // Which sm90 kernels this build has: the generated instance list (SPARSETRAIN_SM90_KERNELS; MINIMAL:
-// bf16 without bias; ALL: bf16 and fp16, biased fprop included).
+// bf16 without bias; ALL: bf16 and fp16, biased fprop included). Every dispatch below reads it.
 constexpr bool sm90_built([[maybe_unused]] Variant v, [[maybe_unused]] DType dtype) {
 #define ST_GEMM_BUILT(V, E) \
   if (v == Variant::V && dtype == dtype_of<E>()) return true;
@@ -58,26 +58,32 @@ constexpr bool sm90_built([[maybe_unused]] Variant v, [[maybe_unused]] DType dty
   return false;
 }
 
-template <Variant V, typename E>
-size_t sm90_scratch_of([[maybe_unused]] int64_t num_groups) {
+// The scratch of the largest built sm90 kernel for dtype (0 without one).
+size_t sm90_scratch([[maybe_unused]] DType dtype, [[maybe_unused]] int64_t num_groups) {
+  size_t bytes = 0;
 #if SPARSETRAIN_WITH_CUTLASS
-  if constexpr (sm90_built(V, dtype_of<E>())) return cuda::sm90::workspace_bytes<V, E>(num_groups);
+#define ST_GEMM_SCRATCH(V, E) \
+  if (dtype == dtype_of<E>()) bytes = std::max(bytes, cuda::sm90::workspace_bytes<Variant::V, E>(num_groups));
+  SPARSETRAIN_SM90_GEMM_INSTANCES(ST_GEMM_SCRATCH)
+#undef ST_GEMM_SCRATCH
 #endif
-  return 0;
-}
-template <typename E>
-size_t sm90_scratch(int64_t g) {
-  return std::max({sm90_scratch_of<Variant::kFprop, E>(g), sm90_scratch_of<Variant::kFpropBias, E>(g),
-                   sm90_scratch_of<Variant::kDgrad, E>(g), sm90_scratch_of<Variant::kWgrad, E>(g),
-                   sm90_scratch_of<Variant::kWgradF32, E>(g)});
+  return bytes;
 }
 
-template <Variant V, typename E>
-void sm90_launch([[maybe_unused]] const cuda::sm90::Tuning& t, [[maybe_unused]] const GroupedGemmParams& p,
-                 [[maybe_unused]] void* scratch, [[maybe_unused]] size_t bytes, [[maybe_unused]] Stream stream) {
+// The sm90 kernel of (v, dtype), launched with the heuristic's tuning; the caller checked
+// sm90_built.
+void run_sm90([[maybe_unused]] Variant v, DType dtype, [[maybe_unused]] const GroupedGemmParams& p,
+              [[maybe_unused]] void* scratch, [[maybe_unused]] Stream stream) {
 #if SPARSETRAIN_WITH_CUTLASS
-  if constexpr (sm90_built(V, dtype_of<E>())) cuda::sm90::run<V, E>(p, t, scratch, bytes, stream.handle);
+  const cuda::sm90::Tuning t = cuda::sm90::tuning_override(cuda::sm90::pick_tuning(v, p.in, p.out));
+  const size_t bytes = sm90_scratch(dtype, p.num_groups);
+#define ST_GEMM_RUN(V, E)                                                                 \
+  if (v == Variant::V && dtype == dtype_of<E>())                                          \
+    return cuda::sm90::run<Variant::V, E>(p, t, scratch, bytes, stream.handle);
+  SPARSETRAIN_SM90_GEMM_INSTANCES(ST_GEMM_RUN)
+#undef ST_GEMM_RUN
 #endif
+  ST_FAIL("CUDA GroupedLinear: no sm90 kernel for ", dtype_name(dtype), " in this build");
 }
 
 class CudaBackend final : public GroupedLinearBackend {
@@ -85,10 +91,7 @@ class CudaBackend final : public GroupedLinearBackend {
   int64_t max_groups() const override { return cuda::kMaxGroups; }
   size_t scratch_bytes(DType dtype, int64_t num_groups, int64_t, int64_t, int64_t) const override {
     if (dtype != DType::kBF16 && dtype != DType::kFP16) return 0;  // fp32: the SIMT kernels only
-    size_t bytes = 0;
-    dispatch_dtype<bf16_t, fp16_t>(dtype, "CUDA GroupedLinear",
-                                   [&](auto e) { bytes = sm90_scratch<decltype(e)>(num_groups); });
-    return bytes;
+    return sm90_scratch(dtype, num_groups);
   }
 
   void setup_device_splits(const TensorView& splits, int64_t num_rows, int64_t* offsets, int32_t* status,
@@ -120,34 +123,22 @@ class CudaBackend final : public GroupedLinearBackend {
                   "cudaMemsetAsync");
   }
 
-  // The TMA fast path (sm90 CUTLASS): a kernel built for (variant, dtype), every row and base
-  // 16-byte aligned (in and out multiples of 8, activations with packed rows), an sm_90 device.
-  // Anything else runs the SIMT kernels.
-  static bool fast_path(Variant v, const GroupedProblem& pr, std::initializer_list<const TensorView*> rows,
-                        const std::vector<TensorView>& per_group) {
-    if (!sm90_built(v, pr.dtype) || pr.in % 8 || pr.out % 8) return false;
-    for (const TensorView* t : rows)
-      if (t->stride(0) != t->size(1) || !aligned16(t->data())) return false;
-    for (const TensorView& w : per_group)
-      if (!aligned16(w.data())) return false;
-    return cuda::is_sm90(rows.begin()[0]->device().index);
-  }
-
-  // The sm90 kernel of variant v, launched with the heuristic's tuning.
-  void run_sm90(Variant v, DType dtype, const GroupedGemmParams& p, void* scratch, Stream stream) {
-    const cuda::sm90::Tuning s = cuda::sm90::tuning_override(cuda::sm90::pick_tuning(v, p.in, p.out));
-    const size_t bytes = scratch_bytes(dtype, p.num_groups, 0, 0, 0);
-    auto go = [&](auto e) {
-      using E = decltype(e);
-      switch (v) {
-        case Variant::kFprop: sm90_launch<Variant::kFprop, E>(s, p, scratch, bytes, stream); break;
-        case Variant::kFpropBias: sm90_launch<Variant::kFpropBias, E>(s, p, scratch, bytes, stream); break;
-        case Variant::kDgrad: sm90_launch<Variant::kDgrad, E>(s, p, scratch, bytes, stream); break;
-        case Variant::kWgrad: sm90_launch<Variant::kWgrad, E>(s, p, scratch, bytes, stream); break;
-        case Variant::kWgradF32: sm90_launch<Variant::kWgradF32, E>(s, p, scratch, bytes, stream); break;
-      }
-    };
-    dispatch_dtype<bf16_t, fp16_t>(dtype, "CUDA GroupedLinear sm90", go);
+  // Which sm90 kernel runs a GEMM of variant v, if any. TMA loads need the inputs (activation
+  // rows, per-group weights) 16-byte aligned with packed rows, and in and out multiples of 8;
+  // otherwise the SIMT kernels run. A caller output (out, grad_input, main_grad) off a 16-byte
+  // boundary takes the direct-store twin: bit-identical to the TMA store (DESIGN.md section 4).
+  static std::optional<Variant> sm90_kernel(Variant v, const GroupedProblem& pr,
+                                            std::initializer_list<const TensorView*> inputs,
+                                            const std::vector<TensorView>& weights, bool outputs_aligned) {
+    if (pr.in % 8 || pr.out % 8 || !cuda::is_sm90(inputs.begin()[0]->device().index)) return std::nullopt;
+    for (const TensorView* t : inputs)
+      if (t->stride(0) != t->size(1) || !aligned16(t->data())) return std::nullopt;
+    for (const TensorView& w : weights)
+      if (!aligned16(w.data())) return std::nullopt;
+    const Variant k = outputs_aligned ? v : cuda::sm90::direct_store(v);
+    if (k == v && !outputs_aligned) return std::nullopt;  // no twin (dW is always the library's)
+    if (!sm90_built(v, pr.dtype) || !sm90_built(k, pr.dtype)) return std::nullopt;  // both or neither
+    return k;
   }
 
   // fprop and dgrad: a GEMM over the ragged rows (act [T, k] -> c [rows, n]), then the zeroed
@@ -166,8 +157,9 @@ class CudaBackend final : public GroupedLinearBackend {
       p.bias[g] = bias.empty() ? nullptr : bias[size_t(g)].data();
     }
     const Variant v = kind == GemmKind::kDgrad ? Variant::kDgrad : bias.empty() ? Variant::kFprop : Variant::kFpropBias;
-    const bool fast = fast_path(v, pr, {&act, &c}, weight);
-    if (fast) run_sm90(v, pr.dtype, p, scratch, stream);
+    const std::optional<Variant> sm90 = sm90_kernel(v, pr, {&act}, weight, aligned16(c.data()));
+    const bool fast = sm90.has_value();
+    if (fast) run_sm90(*sm90, pr.dtype, p, scratch, stream);
     dispatch_dtype(pr.dtype, "CUDA GroupedLinear", [&](auto e) {
       using E = decltype(e);
       if (!fast) cuda::launch_grouped_gemm<E>(p, stream.handle);
@@ -195,8 +187,11 @@ class CudaBackend final : public GroupedLinearBackend {
                                                                    : cuda::WgradStore::kMainGradOverwrite;
     for (int64_t g = 0; g < w.problem.num_groups; ++g) p.dw[g] = w.dw[size_t(g)].data();
     const Variant v = w.target == WgradTarget::kWeightGrad ? Variant::kWgrad : Variant::kWgradF32;
-    const bool fast = fast_path(v, w.problem, {&w.dy, &w.x}, w.dw);
-    if (fast) run_sm90(v, w.problem.dtype, p, scratch, stream);
+    const bool dw_aligned =
+        std::all_of(w.dw.begin(), w.dw.end(), [](const TensorView& d) { return aligned16(d.data()); });
+    const std::optional<Variant> sm90 = sm90_kernel(v, w.problem, {&w.dy, &w.x}, {}, dw_aligned);
+    const bool fast = sm90.has_value();
+    if (fast) run_sm90(*sm90, w.problem.dtype, p, scratch, stream);
     dispatch_dtype(w.problem.dtype, "CUDA GroupedLinear", [&](auto e) {
       using E = decltype(e);
       if (!fast) cuda::launch_grouped_gemm<E>(p, stream.handle);

@@ -15,7 +15,32 @@ enum class Variant {
   kDgrad,      // dx = dy W
   kWgrad,      // dW = dy^T x in the element type
   kWgradF32,   // fp32 main_grad (+)= dy^T x
+  // The same GEMMs storing straight from the accumulator registers (no TMA store): for caller
+  // outputs (out, grad_input, main_grad) whose base is off a 16-byte boundary. Same tiles, same
+  // mainloop, same k order: bit-identical to the TMA-store kernel. dW in the element type is
+  // always the library's (aligned), so kWgrad has no direct-store twin.
+  kFpropDirect,
+  kFpropBiasDirect,
+  kDgradDirect,
+  kWgradF32Direct,
 };
+
+// The direct-store twin of a variant, and the variant a direct-store one computes.
+constexpr Variant direct_store(Variant v) {
+  return v == Variant::kFprop       ? Variant::kFpropDirect
+         : v == Variant::kFpropBias ? Variant::kFpropBiasDirect
+         : v == Variant::kDgrad     ? Variant::kDgradDirect
+         : v == Variant::kWgradF32  ? Variant::kWgradF32Direct
+                                    : v;
+}
+constexpr Variant computed_by(Variant v) {
+  return v == Variant::kFpropDirect       ? Variant::kFprop
+         : v == Variant::kFpropBiasDirect ? Variant::kFpropBias
+         : v == Variant::kDgradDirect     ? Variant::kDgrad
+         : v == Variant::kWgradF32Direct  ? Variant::kWgradF32
+                                          : v;
+}
+constexpr bool is_direct_store(Variant v) { return computed_by(v) != v; }
 
 // Every variant runs one kernel shape: 128x256x64 tiles, cluster 2x1, the cooperative schedule
 // (both consumer warpgroups on one tile). A 128x128 pingpong schedule was built and measured on
@@ -37,7 +62,7 @@ struct Tuning {
 // measured best or tied along M.
 inline Tuning pick_tuning(Variant v, int64_t in, int64_t out) {
   Tuning t;
-  const bool wgrad = v == Variant::kWgrad || v == Variant::kWgradF32;
+  const bool wgrad = computed_by(v) == Variant::kWgrad || computed_by(v) == Variant::kWgradF32;
   const int64_t m_tiles = (out + kTileM - 1) / kTileM, n_tiles = (in + kTileN - 1) / kTileN;
   if (wgrad && m_tiles >= 2 * n_tiles) t.raster = Raster::kAlongN;
   return t;
