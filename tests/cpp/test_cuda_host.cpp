@@ -2,7 +2,8 @@
 // process cannot see with an Error naming the id and the valid range (and answers consistently for
 // the ones it can, from any thread); the generated list of built sm90 instances
 // (sm90/sm90_instances.h) matches SPARSETRAIN_SM90_KERNELS, and the attention backend's "is this
-// kernel built" check and its refusal message agree with it entry for entry.
+// kernel built" check and its refusal message agree with it entry for entry; every GEMM variant
+// with a direct-store twin has the twin built.
 #include <gtest/gtest.h>
 
 #include <set>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "host_tensor.h"
+#include "cuda/grouped_linear/sm90_tuning.h"
 #include "sm90/sm90_instances.h"
 #include "sparsetrain/block_mask.h"
 #include "sparsetrain/error.h"
@@ -51,20 +53,33 @@ TEST(Sm90Instances, ListMatchesKernelSet) {
   const auto gemm = gemm_list();
   if (kSet == "a MINIMAL build") {
     EXPECT_EQ(attn, (std::set<std::pair<DType, int64_t>>{{DType::kBF16, 128}}));
-    EXPECT_EQ(gemm, (std::set<std::string>{"kFprop:bf16_t", "kDgrad:bf16_t", "kWgrad:bf16_t", "kWgradF32:bf16_t"}));
+    EXPECT_EQ(gemm, (std::set<std::string>{"kFprop:bf16_t", "kDgrad:bf16_t", "kWgrad:bf16_t", "kWgradF32:bf16_t",
+                                           "kFpropDirect:bf16_t", "kDgradDirect:bf16_t", "kWgradF32Direct:bf16_t"}));
   } else if (kSet == "an ALL build") {
     std::set<std::pair<DType, int64_t>> all;
     for (DType t : {DType::kBF16, DType::kFP16})
       for (int64_t d : {64, 96, 128}) all.insert({t, d});
     EXPECT_EQ(attn, all);
-    EXPECT_EQ(gemm.size(), 10u);
-    for (const char* v : {"kFprop", "kFpropBias", "kDgrad", "kWgrad", "kWgradF32"})
+    EXPECT_EQ(gemm.size(), 18u);
+    for (const char* v : {"kFprop", "kFpropBias", "kDgrad", "kWgrad", "kWgradF32", "kFpropDirect", "kFpropBiasDirect",
+                          "kDgradDirect", "kWgradF32Direct"})
       for (const char* e : {"bf16_t", "fp16_t"}) EXPECT_EQ(gemm.count(std::string(v) + ":" + e), 1u) << v << e;
   } else {
     EXPECT_EQ(kSet.rfind("none: ", 0), 0u) << kSet;
     EXPECT_TRUE(attn.empty());
     EXPECT_TRUE(gemm.empty());
   }
+}
+
+// Misaligned caller outputs are bit-identical only through a direct-store twin (DESIGN.md
+// section 4): every built variant that has one has it built, for the same element.
+TEST(Sm90Instances, EveryGemmVariantHasItsDirectStoreTwin) {
+  namespace sm90 = st::cuda::sm90;
+  std::set<std::pair<sm90::Variant, std::string>> built;
+#define ST_TEST_GEMM(V, E) built.insert({sm90::Variant::V, #E});
+  SPARSETRAIN_SM90_GEMM_INSTANCES(ST_TEST_GEMM)
+#undef ST_TEST_GEMM
+  for (const auto& [v, e] : built) EXPECT_EQ(built.count({sm90::direct_store(v), e}), 1u) << int(v) << " " << e;
 }
 
 #if SPARSETRAIN_WITH_CUDA
