@@ -9,8 +9,10 @@
 // On a GPU also the TFLOP/s of large MoE and attention shapes; without one the block step runs
 // on the CPU reference at a small size and the report says the GPU part was skipped.
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <deque>
@@ -95,7 +97,38 @@ std::vector<int64_t> dirichlet_splits(int64_t groups, int64_t rows, std::mt19937
   return s;
 }
 
+// A whole decimal integer in [lo, hi] (std::stoll would read "12abc" as 12).
+bool parse_int(const std::string& v, int64_t lo, int64_t hi, int64_t& out) {
+  int64_t x = 0;
+  const char* end = v.data() + v.size();
+  const auto r = std::from_chars(v.data(), end, x);
+  if (r.ec != std::errc() || r.ptr != end || x < lo || x > hi) return false;
+  out = x;
+  return true;
+}
+
+// The demo keeps its arrays several times over (inputs, outputs, a double-precision oracle), so
+// shapes are capped well below what would exhaust host memory.
+constexpr int64_t kMaxElements = int64_t(1) << 28;
+
 bool parse(int argc, char** argv, DemoOptions& o, int& exit_code) {
+  exit_code = 2;
+  auto usage_error = [](const std::string& what) {
+    std::fprintf(stderr, "sparsetrain demo: %s (try --help)\n", what.c_str());
+    return false;
+  };
+  struct IntOption {
+    const char* name;
+    int64_t* value;
+    int64_t lo, hi;
+  };
+  int64_t seed = 0;
+  const IntOption ints[] = {{"--groups", &o.groups, 1, 512},  // the CUDA backend's group limit
+                            {"--tokens", &o.tokens, 1, kMaxElements},
+                            {"--padding", &o.padding, 0, kMaxElements},
+                            {"--in", &o.in, 1, 65536},
+                            {"--out", &o.out, 1, 65536},
+                            {"--seed", &seed, 0, INT64_MAX}};
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--help" || a == "-h") {
@@ -107,40 +140,32 @@ bool parse(int argc, char** argv, DemoOptions& o, int& exit_code) {
       o.cpu = true;
       continue;
     }
-    if (i + 1 >= argc) {
-      std::fprintf(stderr, "sparsetrain demo: option '%s' needs a value (try --help)\n", a.c_str());
-      exit_code = 2;
-      return false;
-    }
+    const IntOption* io = nullptr;
+    for (const IntOption& c : ints)
+      if (a == c.name) io = &c;
+    if (io == nullptr && a != "--dtype") return usage_error("unknown option '" + a + "'");
+    if (i + 1 >= argc) return usage_error("option '" + a + "' needs a value");
     const std::string v = argv[++i];
-    try {
-      if (a == "--groups") o.groups = std::stoll(v);
-      else if (a == "--tokens") o.tokens = std::stoll(v);
-      else if (a == "--padding") o.padding = std::stoll(v);
-      else if (a == "--in") o.in = std::stoll(v);
-      else if (a == "--out") o.out = std::stoll(v);
-      else if (a == "--seed") o.seed = std::stoull(v);
-      else if (a == "--dtype") {
-        if (v == "bf16") o.dtype = DType::kBF16;
-        else if (v == "fp16") o.dtype = DType::kFP16;
-        else if (v == "fp32") o.dtype = DType::kFP32;
-        else throw std::invalid_argument(v);
-      } else {
-        std::fprintf(stderr, "sparsetrain demo: unknown option '%s' (try --help)\n", a.c_str());
-        exit_code = 2;
-        return false;
-      }
-    } catch (const std::exception&) {
-      std::fprintf(stderr, "sparsetrain demo: bad value '%s' for %s\n", v.c_str(), a.c_str());
-      exit_code = 2;
-      return false;
+    if (io != nullptr) {
+      if (!parse_int(v, io->lo, io->hi, *io->value))
+        return usage_error("bad value '" + v + "' for " + a + ": expected a whole number in [" +
+                           std::to_string(io->lo) + ", " + std::to_string(io->hi) + "]");
+    } else if (v == "bf16" || v == "fp16" || v == "fp32") {
+      o.dtype = v == "bf16" ? DType::kBF16 : v == "fp16" ? DType::kFP16 : DType::kFP32;
+    } else {
+      return usage_error("bad value '" + v + "' for --dtype: expected bf16, fp16 or fp32");
     }
   }
-  if (o.groups < 1 || o.tokens < 1 || o.in < 1 || o.out < 1 || o.padding < 0 || o.padding > o.tokens) {
-    std::fprintf(stderr, "sparsetrain demo: need groups, tokens, in, out >= 1 and 0 <= padding <= tokens\n");
-    exit_code = 2;
-    return false;
-  }
+  o.seed = uint64_t(seed);
+  if (o.padding > o.tokens)
+    return usage_error("--padding " + std::to_string(o.padding) + " exceeds --tokens " + std::to_string(o.tokens));
+  // Each factor is capped above, so these products fit in 64 bits.
+  const int64_t weights = o.groups * o.in * o.out, rows = o.tokens * std::max(o.in, o.out);
+  if (weights > kMaxElements || rows > kMaxElements)
+    return usage_error("groups x in x out = " + std::to_string(weights) + " and tokens x max(in, out) = " +
+                       std::to_string(rows) + " must each be at most " + std::to_string(kMaxElements) +
+                       " elements (the demo holds its arrays several times over)");
+  exit_code = 0;
   return true;
 }
 

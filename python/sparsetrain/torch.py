@@ -341,13 +341,15 @@ class GroupedLinear(_DelayedWgrad, nn.Module):
     def _splits_status(self) -> Tensor:
         return self.splits_status
 
-    # -- parameters ------------------------------------------------------------------------
     def weights(self) -> List[Tensor]:
+        """The weight parameters: [weight] ([G, out, in]) with single_grouped_weight, else
+        weight0 .. weight{G-1} ([out, in] each)."""
         if self.single_grouped_weight:
             return [self.weight]
         return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
 
     def biases(self) -> List[Tensor]:
+        """The bias parameters (none without bias), laid out as weights()."""
         if not self.use_bias:
             return []
         if self.single_grouped_weight:

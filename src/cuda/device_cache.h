@@ -4,6 +4,8 @@
 // id outside [0, device_count()) is refused with an Error naming it (tests/cpp/test_device_cache.cpp).
 #pragma once
 
+#include "common/gpu_arch.h"
+
 namespace sparsetrain::cuda {
 
 struct DeviceInfo {
@@ -15,10 +17,10 @@ struct DeviceInfo {
 // An Error ("device: expected a CUDA device index in [0, n), got d") for any other id.
 DeviceInfo device_info(int device);
 inline int sm_count(int device) { return device_info(device).sm_count; }
-// Compute capability 9.0 exactly: what the sm_90a kernels (wgmma, TMA) run on.
+// Whether the device runs the sm_90a kernels (common/gpu_arch.h: compute capability 9.0).
 inline bool is_sm90(int device) {
   const DeviceInfo d = device_info(device);
-  return d.cc_major == 9 && d.cc_minor == 0;
+  return arch::runs_sm90a({d.cc_major, d.cc_minor});
 }
 
 // The current device (cudaGetDevice, checked).

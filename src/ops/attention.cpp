@@ -128,6 +128,7 @@ AttentionForward block_sparse_attention_forward(const TensorView& q, const Tenso
   backend::AttentionBackend& be = backend::attention_backend_for(dev, "q");
   check_mask(mask, p, /*backward=*/false, dev);
   be.check_supported(p, q, k, v, mask, nullptr);
+  checks::device_runs(dev, checks::Kernels::kSm90a, "q");
 
   // Everything is valid: from here on memory may be allocated and written.
   Allocator& alloc = call.allocator ? *call.allocator : default_allocator();
@@ -150,6 +151,7 @@ AttentionGrads block_sparse_attention_backward(const TensorView& q, const Tensor
   check_mask(mask, p, /*backward=*/true, dev);
   const backend::AttentionBackend::BackwardInputs inputs{o, lse, dout, options.deterministic};
   be.check_supported(p, q, k, v, mask, &inputs);
+  checks::device_runs(dev, checks::Kernels::kSm90a, "q");
 
   Allocator& alloc = call.allocator ? *call.allocator : default_allocator();
   AttentionGrads g;

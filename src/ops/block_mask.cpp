@@ -320,6 +320,7 @@ BlockMaskTensors build_on_device(const MaskSpec& spec, int64_t B, int64_t seq_q,
   m.spec = spec;
   const int64_t Mq = m.num_q_blocks(), Nk = m.num_kv_blocks();
   check_schedule(o.schedule, Nk);
+  checks::device_runs(o.device, checks::Kernels::kGeneric, "BlockMaskOptions device");
   Allocator& a = alloc_or_default(o.allocator);
   const auto dev = [&](std::initializer_list<int64_t> shape) {
     return Tensor::empty(DType::kInt32, shape, o.device, a, o.stream);

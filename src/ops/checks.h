@@ -6,8 +6,24 @@
 
 #include "sparsetrain/error.h"
 #include "sparsetrain/tensor.h"
+#if SPARSETRAIN_WITH_CUDA
+#include "cuda/device_support.h"
+#endif
 
 namespace sparsetrain::checks {
+
+// The device runs the kernels an op launches (common/gpu_arch.h's rules on its compute
+// capability). Checked after every argument and before anything is allocated, so argument errors
+// come first (the CPU tests reach them with cuda-tagged views and no GPU). CPU devices pass.
+enum class Kernels { kGeneric, kSm90a };
+inline void device_runs([[maybe_unused]] Device device, [[maybe_unused]] Kernels kernels,
+                        [[maybe_unused]] const char* arg) {
+#if SPARSETRAIN_WITH_CUDA
+  if (!device.is_cuda()) return;
+  if (kernels == Kernels::kSm90a) cuda::require_sm90a_kernels(device.index, arg);
+  cuda::require_generic_kernels(device.index, arg);
+#endif
+}
 
 inline void defined(const TensorView& t, const std::string& name, const std::string& what) {
   ST_CHECK_ARG(t.defined(), name.c_str(), what, "no tensor");

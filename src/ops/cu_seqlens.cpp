@@ -49,6 +49,7 @@ void check_offset_values(const TensorView& cu, const char* name, int64_t seq, co
 Tensor convert(const TensorView& cu, int64_t seq, CuSeqlensSide side, Allocator& alloc, Stream stream) {
   const int64_t n = cu.size(0) - 1;
   const int32_t pad = cu_seqlens_padding_id(n, side);
+  checks::device_runs(cu.device(), checks::Kernels::kGeneric, "cu_seqlens");
   Tensor ids = Tensor::empty(DType::kInt32, {1, seq}, cu.device(), alloc, stream);
   int32_t* out = ids.view().data_as<int32_t>();
   if (cu.device().is_cuda()) {

@@ -132,6 +132,9 @@ void check_workspace(size_t required, const Workspace& given) {
 
 WorkspaceMemory::WorkspaceMemory(size_t bytes, const Workspace& given, Device device, Allocator& alloc,
                                  Stream stream) {
+  // Every op makes its workspace first, once its arguments are checked: the one place to refuse a
+  // GPU that has no kernel image in this build.
+  checks::device_runs(device, checks::Kernels::kGeneric, "device");
   if (given.data != nullptr) {
     base_ = static_cast<char*>(given.data);
   } else {

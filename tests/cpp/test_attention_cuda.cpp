@@ -339,7 +339,7 @@ struct Prepared {
 class AttentionCuda : public ::testing::TestWithParam<Case> {};
 
 TEST_P(AttentionCuda, ForwardMatchesTheOracle) {
-  REQUIRE_GPU();
+  REQUIRE_HOPPER();
   const Case c = GetParam();
   Prepared su(c);
   const st::BlockMask& mask = su.mask;
@@ -401,7 +401,7 @@ struct Grads {
 // bitwise equal over 20 runs and whatever the number of workers (every SM, 61, 7, 1); the atomic
 // mode within the same rounding bounds on every run.
 TEST_P(AttentionCuda, BackwardMatchesTheOracle) {
-  REQUIRE_GPU();
+  REQUIRE_HOPPER();
   const Case c = GetParam();
   Prepared su(c);
   const st::AttentionForward fwd =
@@ -448,7 +448,7 @@ INSTANTIATE_TEST_SUITE_P(Cuda, AttentionCuda, ::testing::ValuesIn(cases()),
 // lse = -inf, the others a finite lse. Self-attention packing (document_causal) with documents of
 // 1 .. 3000 and an empty one, and cross packing (Sq != Skv, document).
 TEST(AttentionCudaCuSeqlens, ForwardAndBackwardEqualTheDocumentIdForm) {
-  REQUIRE_GPU();
+  REQUIRE_HOPPER();
   struct Packing {
     const char* name;
     MaskKind kind;
@@ -549,7 +549,7 @@ void expect_refused(const Bad (&bad)[N]) {
 
 // What the CUDA path refuses: each error names its argument, and nothing is allocated.
 TEST(AttentionCudaErrors, RefusedInputsAllocateNothing) {
-  REQUIRE_GPU();
+  REQUIRE_HOPPER();
   std::mt19937_64 rng(3);
   const int64_t S = 256;
   Input q(DType::kBF16, 1, S, 2, 128, false, rng, 1.0), k(DType::kBF16, 1, S, 2, 128, false, rng, 1.0);
@@ -587,10 +587,30 @@ TEST(AttentionCudaErrors, RefusedInputsAllocateNothing) {
   expect_refused(bad);
 }
 
+// On a GPU other than a Hopper the forward and the backward are refused before anything is
+// allocated, naming q, the rule and the GPU (the rule itself is tested on the CPU with made-up
+// capabilities: test_gpu_arch.cpp). Runs where the lent GPU is not a Hopper.
+TEST(AttentionCudaErrors, NonHopperGpuIsRefusedNamingIt) {
+  REQUIRE_GPU();
+  if (sparsetrain::testing::have_hopper())
+    GTEST_SKIP() << "GPU 0 is a Hopper: the refusal of other GPUs cannot be seen here";
+  std::mt19937_64 rng(5);
+  const int64_t S = 256;
+  Input q(DType::kBF16, 1, S, 2, 128, false, rng, 1.0);
+  st::MaskSpec causal;
+  causal.kind = MaskKind::kCausal;
+  DeviceMask dev(st::build_block_mask(causal, S, S).mask);
+  const Bad bad[] = {
+      {"forward", [&](auto& call) { st::block_sparse_attention_forward(q.dev_view, q.dev_view, q.dev_view, dev.mask, {}, call); },
+       "q: expected a tensor on a Hopper GPU (compute capability 9.0"},
+  };
+  expect_refused(bad);
+}
+
 // What the CUDA backward refuses on top of the forward's rules: a deterministic run without the
 // mask's write order or with one built for another kv tile, and a dout TMA cannot load.
 TEST(AttentionCudaErrors, BackwardRefusalsAllocateNothing) {
-  REQUIRE_GPU();
+  REQUIRE_HOPPER();
   std::mt19937_64 rng(5);
   const int64_t S = 256;
   Input q(DType::kBF16, 1, S, 2, 128, false, rng, 1.0), k(DType::kBF16, 1, S, 2, 128, false, rng, 1.0);
@@ -659,7 +679,7 @@ class ArenaAllocator final : public st::Allocator {
 // The backward captured in a CUDA graph (memset, preprocessing, the kernel with its ticket
 // counter and semaphores, the dQ conversion) replays with the eager run's bytes.
 TEST(AttentionCudaGraph, DeterministicBackwardReplaysBitwise) {
-  REQUIRE_GPU();
+  REQUIRE_HOPPER();
   const Case c{"graph_doccausal", DType::kBF16, 2, 1500, 1500, 4, 2, 128, 128, 128, MaskKind::kDocumentCausal};
   Prepared su(c);
   const st::AttentionForward f =
@@ -694,7 +714,7 @@ TEST(AttentionCudaGraph, DeterministicBackwardReplaysBitwise) {
 // be served time out, report once and give up the order; the backward finishes (no hang: ctest's
 // timeout is the watchdog) and its results are still finite.
 TEST(AttentionCudaErrors, CorruptWriteOrderCannotHang) {
-  REQUIRE_GPU();
+  REQUIRE_HOPPER();
   const Case c{"corrupt_order", DType::kBF16, 1, 512, 512, 2, 2, 128, 128, 128, MaskKind::kCausal};
   Prepared su(c);
   st::BlockMask host = su.host_mask->mask;
@@ -725,7 +745,7 @@ namespace {
 // counts are clamped to the width, out-of-range block ids skipped, and a q tile left with nothing
 // valid writes o = 0, lse = -inf; no hang, no out-of-bounds access (memcheck runs this one).
 TEST(AttentionCudaErrors, CorruptDeviceMaskNeverReadsOutOfBounds) {
-  REQUIRE_GPU();
+  REQUIRE_HOPPER();
   std::mt19937_64 rng(11);
   const int64_t S = 256, H = 2, D = 128;
   Input q(DType::kBF16, 1, S, H, D, false, rng, 1.0), k(DType::kBF16, 1, S, H, D, false, rng, 1.0);

@@ -36,6 +36,9 @@ if not torch.cuda.is_available():
 if not st.built_with_cuda():
     pytest.skip("sparsetrain was built without the CUDA backend: CUDA attention tests skipped",
                 allow_module_level=True)
+if torch.cuda.get_device_capability(0) != (9, 0):
+    pytest.skip(f"GPU 0 ({torch.cuda.get_device_name(0)}) is not a Hopper (compute capability 9.0): the sm_90a "
+                "attention tests skipped", allow_module_level=True)
 
 flex = pytest.importorskip("torch.nn.attention.flex_attention",
                            reason="torch.nn.attention.flex_attention is not available in this torch")

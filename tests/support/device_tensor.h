@@ -46,6 +46,13 @@ inline HostTensor to_host(const TensorView& v) {
 }
 
 inline bool have_gpu() { return cuda_device_count() > 0; }
+// Device 0 runs the sm_90a kernels (attention): compute capability 9.0.
+inline bool have_hopper() {
+  int major = 0, minor = 0;
+  return have_gpu() && cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) == cudaSuccess &&
+         cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0) == cudaSuccess && major == 9 &&
+         minor == 0;
+}
 
 }  // namespace sparsetrain::testing
 
@@ -53,3 +60,9 @@ inline bool have_gpu() { return cuda_device_count() > 0; }
   if (sparsetrain::testing::have_gpu()) { \
   } else                                  \
     GTEST_SKIP() << "no CUDA device on this machine: GPU test skipped"
+#define REQUIRE_HOPPER()                                                                          \
+  if (sparsetrain::testing::have_hopper()) {                                                     \
+  } else                                                                                         \
+    GTEST_SKIP() << (sparsetrain::testing::have_gpu()                                            \
+                         ? "GPU 0 is not a Hopper (compute capability 9.0): sm_90a test skipped" \
+                         : "no CUDA device on this machine: GPU test skipped")
