@@ -11,6 +11,7 @@ What backward returns for a weight follows the one rule in C++ (`weight_grad_dis
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import math
@@ -46,6 +47,18 @@ def _register(module: nn.Module) -> int:
     _LAYERS[layer_id] = weakref.ref(module)
     weakref.finalize(module, _LAYERS.pop, layer_id, None)
     return layer_id
+
+
+@atexit.register
+def _release_cores_at_exit() -> None:
+    """torch.compile's caches keep a compiled module alive past interpreter shutdown, later than
+    nanobind's check for live instances, which then reports the C++ layer the module holds as
+    leaked (with its type and methods). Nothing can run a layer after exit: drop the C++ layers
+    here, before that check. (Registered at import, so it runs after atexit hooks added later.)"""
+    for ref in list(_LAYERS.values()):
+        module = ref()
+        if module is not None:
+            module._core_layer, module._core_key = None, None
 
 
 def _layer(layer_id: int) -> Any:

@@ -338,3 +338,38 @@ def test_cuda_graph_capture_replays_with_new_split_values():
         _close(static_x.grad, rdx, torch.bfloat16, OUT)
         for g, w in enumerate(m.weights()):
             _close(w.grad, rdw[g], torch.bfloat16, max(new[g], 1))
+
+
+# -- nanobind reference counts ---------------------------------------------------------------------
+
+_COMPILE_AND_EXIT = r"""
+import sys, torch, sparsetrain as st, sparsetrain.torch as stt
+dev = sys.argv[1]
+m = stt.GroupedLinear(4, 16, 24, bias=True).to(dev)
+x = torch.randn(40, 16, device=dev, requires_grad=True)
+splits = torch.tensor([10, 0, 20, 8])
+torch.compile(m, fullgraph=True)(x, splits).sum().backward()
+mlp = stt.GroupedMLP(4, 16, 8, 16).to(dev)
+probs = torch.rand(40, device=dev)
+torch.compile(mlp, fullgraph=True)(x, splits, probs).sum().backward()
+if dev == "cpu" or torch.cuda.get_device_capability(0) == (9, 0):
+    S, D = 256, 64 if dev == "cuda" else 16
+    q, k, v = (torch.randn(1, 2, S, D, device=dev, dtype=torch.bfloat16 if dev == "cuda" else torch.float32,
+                           requires_grad=True) for _ in range(3))
+    mask = st.BlockMask.build("causal", S, framework="torch", device=dev)
+    torch.compile(lambda q, k, v: stt.block_sparse_attention(q, k, v, mask), fullgraph=True)(q, k, v).sum().backward()
+print("done")
+"""
+
+
+@pytest.mark.parametrize("dev", ["cpu", "cuda"])
+def test_no_nanobind_leak_warning_after_torch_compile(dev):
+    """A process that compiles GroupedLinear, GroupedMLP and attention and exits: nanobind reports
+    instances still alive at shutdown on stderr ("nanobind: leaked ..."); there must be none."""
+    import subprocess
+    import sys
+    if dev == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device: CUDA torch test skipped")
+    r = subprocess.run([sys.executable, "-c", _COMPILE_AND_EXIT, dev], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "done" in r.stdout, r.stderr[-3000:]
+    assert "leaked" not in r.stderr, r.stderr[-3000:]
