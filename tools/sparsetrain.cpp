@@ -39,6 +39,10 @@ int run_info(int argc, char** argv) {
   }
   std::printf("sparsetrain %s\n", sparsetrain::version());
   std::printf("CUDA backend built: %s\n", sparsetrain::built_with_cuda() ? "yes" : "no");
+  if (sparsetrain::built_with_cuda()) {
+    std::printf("generic kernels:    %s (SASS for each, PTX for the last)\n", sparsetrain::cuda_archs());
+    std::printf("sm_90a kernels:     %s\n", sparsetrain::sm90_kernel_set());
+  }
   std::printf("CUDA devices:       %d\n", sparsetrain::cuda_device_count());
   std::printf("best backend:       %s\n", sparsetrain::best_backend_description().c_str());
   return 0;

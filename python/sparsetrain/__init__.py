@@ -21,12 +21,22 @@ __all__ = ["GroupedLinear", "GroupedLinearGrads", "GroupedMLP", "GroupedMLPGrads
            "document_ids_from_cu_seqlens",
            "block_sparse_attention_forward", "block_sparse_attention_backward",
            "SPLITS_NEGATIVE", "SPLITS_SUM_EXCEEDS_ROWS", "version", "built_with_cuda",
-           "cuda_device_count"]
+           "cuda_device_count", "build_info"]
 
 __version__ = _C.version()
 version = _C.version
 built_with_cuda = _C.built_with_cuda
 cuda_device_count = _C.cuda_device_count
+
+
+def build_info() -> dict:
+    """What this build holds: {"version", "cuda" (the CUDA backend compiled in), "cuda_archs" (the
+    generic kernels' architectures), "sm90_kernels" (the Hopper kernels: "an ALL build", "a
+    MINIMAL build" or "none: <why>")}. A wheel built where nvcc is holds an ALL build."""
+    return {"version": _C.version(), "cuda": _C.built_with_cuda(), "cuda_archs": _C.cuda_archs(),
+            "sm90_kernels": _C.sm90_kernel_set()}
+
+
 SPLITS_NEGATIVE = _C.SPLITS_NEGATIVE
 SPLITS_SUM_EXCEEDS_ROWS = _C.SPLITS_SUM_EXCEEDS_ROWS
 

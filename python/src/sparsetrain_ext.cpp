@@ -655,6 +655,8 @@ NB_MODULE(_C, m) {
 
   m.def("version", &st::version);
   m.def("built_with_cuda", &st::built_with_cuda);
+  m.def("sm90_kernel_set", &st::sm90_kernel_set);
+  m.def("cuda_archs", &st::cuda_archs);
   m.def("cuda_device_count", &st::cuda_device_count);
   m.def("weight_grad_disposition", [](bool delay, bool fuse, bool has_attr) {
     const st::WeightGradDisposition d = st::weight_grad_disposition(delay, fuse, has_attr);

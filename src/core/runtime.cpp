@@ -3,6 +3,7 @@
 
 #include <new>
 
+#include "sm90/sm90_instances.h"
 #include "sparsetrain/allocator.h"
 #include "sparsetrain/error.h"
 #if SPARSETRAIN_WITH_CUDA
@@ -14,6 +15,8 @@ namespace sparsetrain {
 const char* version() { return "0.1.0"; }
 
 bool built_with_cuda() { return SPARSETRAIN_WITH_CUDA != 0; }
+const char* sm90_kernel_set() { return SPARSETRAIN_SM90_KERNEL_SET; }
+const char* cuda_archs() { return SPARSETRAIN_WITH_CUDA ? SPARSETRAIN_CUDA_ARCHS : ""; }
 
 int cuda_device_count() {
 #if SPARSETRAIN_WITH_CUDA

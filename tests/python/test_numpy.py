@@ -478,3 +478,17 @@ def test_caller_workspace_any_writable_byte_array(rng):
     np.testing.assert_array_equal(y.view(np.uint32), layer.forward(d.x, d.splits).view(np.uint32))
     with pytest.raises(ValueError, match="workspace: expected >= "):
         layer.forward(d.x, d.splits, workspace=aligned[:16])
+
+
+def test_build_info_describes_this_build():
+    """build_info(): what a user checks to know whether an install holds the Hopper kernels."""
+    import re
+    info = st.build_info()
+    assert set(info) == {"version", "cuda", "cuda_archs", "sm90_kernels"}
+    assert info["version"] == st.__version__ and re.fullmatch(r"\d+\.\d+\.\d+", info["version"])
+    assert info["cuda"] is st.built_with_cuda()
+    if info["cuda"]:
+        assert re.fullmatch(r"\d\d+a?(,\d\d+a?)*", info["cuda_archs"]), info
+    else:
+        assert info["cuda_archs"] == "" and info["sm90_kernels"] == "none: built without CUDA", info
+    assert re.fullmatch(r"an ALL build|a MINIMAL build|none: .+", info["sm90_kernels"]), info
