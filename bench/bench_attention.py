@@ -1,4 +1,4 @@
-"""Block-sparse attention benchmark (DESIGN.md section 9): B=2, H=16, S=8192, D=128, bf16 with
+"""Block-sparse attention benchmark (docs/DESIGN.md section 9): B=2, H=16, S=8192, D=128, bf16 with
 masks causal, sliding window 2048 (causal) and document-causal (documents of random lengths
 256..3072, seed 0, per batch row), plus D=64 (causal) and GQA Hq=32, Hkv=4 (causal); and issue 14's
 classes: document-causal with lengths drawn from 1..3000 on a long packed sequence (B=2,
@@ -17,7 +17,7 @@ and cuDNN (causal cases): peer / ours ratios of both, det / nondet (target <= 1.
 peer's peak memory of one forward + backward beyond its inputs ("fwdbwd_<peer>_peak_mib").
 
 All in this process on this GPU, CUDA events after warm-up, inputs rotated over enough copies to
-exceed twice the L2 cache. Two timings of every forward, ours and the peers (DESIGN.md section 9):
+exceed twice the L2 cache. Two timings of every forward, ours and the peers (docs/DESIGN.md section 9):
 one call at a time ("<peer>_ms": the median of >= 100 runs, each started on an idle GPU, so host
 work inside the call counts: what an eager training step sees) and back to back
 ("<peer>_b2b_ms": the same number of calls queued between two events, divided by it: the GPU
@@ -773,7 +773,7 @@ def main():
     # compiled backwards with donated buffers refuse: donation off (it only saves memory).
     torch._functorch.config.donated_buffer = False
     flex_compiled = torch.compile(flex_attention, dynamic=False)
-    # create_block_mask(_compile=True) is what DESIGN.md section 9 names; torch 2.11 deprecates it
+    # create_block_mask(_compile=True) is what docs/DESIGN.md section 9 names; torch 2.11 deprecates it
     # in favour of torch.compile(create_block_mask) with a warning on every call.
     warnings.filterwarnings("ignore", message="_compile flag on create_block_mask")
 

@@ -1,4 +1,4 @@
-"""GroupedLinear benchmark (DESIGN.md section 9): the three MoE models' six GEMM shapes x fprop,
+"""GroupedLinear benchmark (docs/DESIGN.md section 9): the three MoE models' six GEMM shapes x fprop,
 dgrad, wgrad, wgrad + fp32 main_grad, ours against torch._grouped_mm, a loop of torch.mm and one
 dense GEMM of the same FLOPs, all in this process on this GPU, timed with CUDA events after
 warm-up (median over repetitions). Writes JSON (--json) and prints a table.

@@ -1,4 +1,4 @@
-"""GroupedMLP benchmark (DESIGN.md sections 5 and 9): forward and forward + backward of the three MoE
+"""GroupedMLP benchmark (docs/DESIGN.md sections 5 and 9): forward and forward + backward of the three MoE
 models' expert MLPs (bf16, no bias, fp32 main_grad for both weights), ours (sparsetrain.torch.GroupedMLP
 with device splits) against the torch composition — torch._grouped_mm, silu(a) * b * probs,
 torch._grouped_mm under autograd, then main_grad += weight.grad as Megatron does without fusion —

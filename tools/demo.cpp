@@ -260,7 +260,7 @@ double time_call(const Place& place, int reps, Fn&& fn) {
   return seconds_since(t0) / reps;
 }
 
-// GPU throughput on one of DESIGN.md section 9's MoE shapes (DeepSeek-like fc1: G = 8, T = 32768,
+// GPU throughput on one of docs/DESIGN.md section 9's MoE shapes (DeepSeek-like fc1: G = 8, T = 32768,
 // 7168 -> 4096, bf16, Dirichlet routing with device splits), timed after a warm-up. Not checked
 // against the oracle (the CPU would take minutes); the tests cover these kernels.
 void report_gpu_throughput(const Place& place, std::mt19937_64& rng) {
@@ -376,7 +376,7 @@ bool run_mlp_step(const Place& place, const DemoOptions& o, std::mt19937_64& rng
   return pass;
 }
 
-// Attention forward throughput on DESIGN.md section 9's shape (B = 2, H = 16, S = 8192, D = 128,
+// Attention forward throughput on docs/DESIGN.md section 9's shape (B = 2, H = 16, S = 8192, D = 128,
 // bf16, causal; FLOPs over the allowed pairs), timed after a warm-up. The tests check the kernel.
 void report_attention_throughput(const Place& place, std::mt19937_64& rng) {
   const int64_t B = 2, S = 8192, H = 16, D = 128;

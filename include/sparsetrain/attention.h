@@ -1,4 +1,4 @@
-// Block-sparse attention (DESIGN.md section 6): for each batch b, query head h and query row i,
+// Block-sparse attention (docs/DESIGN.md section 6): for each batch b, query head h and query row i,
 //   o[b, i, h] = sum_j softmax_j(scale * q[b, i, h] . k[b, j, h / G]) v[b, j, h / G]
 // over the keys j the BlockMask allows (G = Hq / Hkv query heads share a kv head: GQA / MQA), and
 // lse[b, h, i] = the natural-log log-sum-exp of the allowed scores. A query row with no allowed

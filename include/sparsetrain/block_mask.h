@@ -1,5 +1,5 @@
 // BlockMask: which (query block, key block) pairs of an attention are computed, in FlexAttention's
-// layout (DESIGN.md section 6), plus what the deterministic backward needs: the transposes, the
+// layout (docs/DESIGN.md section 6), plus what the deterministic backward needs: the transposes, the
 // dQ write order for a column schedule, and the mask inside partial blocks.
 //
 // Index tensors are int32 with leading dims [B, H] broadcastable (size 1 or the batch / heads of
@@ -23,7 +23,7 @@
 // n * s + t that take turns separately; they are handed out consecutively (sub-column (n, t) has
 // position position(n) * s + t), so their turns at m are consecutive too: the tensors keep the
 // shape of q_indices and store the turn of sub-column 0 (rank * s), sub-column t taking stored + t
-// (src/common/dq_schedule_model.h is the hand-out and the model). Deadlock freedom (DESIGN.md
+// (src/common/dq_schedule_model.h is the hand-out and the model). Deadlock freedom (docs/DESIGN.md
 // section 6) holds when, at every q block, turns increase with the writers' positions in the
 // schedule — true of every order built here, and checked by check_write_order().
 #pragma once

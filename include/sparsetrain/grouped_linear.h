@@ -4,7 +4,7 @@
 //   dgrad    dx_g = dy_g W_g
 //   wgrad    dW_g = dy_g^T x_g,  db_g = sum over the rows of dy_g   (0 for a group with no rows)
 // Accumulation is fp32 and every reduction runs in a fixed order: results are bitwise
-// deterministic. See DESIGN.md section 4 for the whole contract; weight_grad.h for what backward
+// deterministic. See docs/DESIGN.md section 4 for the whole contract; weight_grad.h for what backward
 // hands back for the weight.
 #pragma once
 

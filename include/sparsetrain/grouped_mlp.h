@@ -5,7 +5,7 @@
 // k columns (columns [2jk, 2jk + k) are a's block j, [2jk + k, 2jk + 2k) b's block j).
 // probs scales the whole expert output, fc2's bias included: fc2 runs without its bias and the
 // MLP adds (and differentiates) probs * b2 itself. Both layers follow GroupedLinear's contract
-// (DESIGN.md section 4: splits, padded tail, caller buffers, main_grad fusion, delayed wgrad and
+// (docs/DESIGN.md section 4: splits, padded tail, caller buffers, main_grad fusion, delayed wgrad and
 // the one weight-grad disposition rule of weight_grad.h); all results are bitwise deterministic.
 #pragma once
 

@@ -43,7 +43,7 @@ SPLITS_SUM_EXCEEDS_ROWS = _C.SPLITS_SUM_EXCEEDS_ROWS
 
 def weight_grad_disposition(delay_wgrad: bool, fuse_into_main_grad: bool,
                             has_grad_added_to_main_grad: bool):
-    """What backward hands back for a weight (DESIGN.md section 4's table), the one rule every
+    """What backward hands back for a weight (docs/DESIGN.md section 4's table), the one rule every
     layer follows: ("wgrad" | "none" | "dummy", whether the bias grad comes now)."""
     return _C.weight_grad_disposition(delay_wgrad, fuse_into_main_grad, has_grad_added_to_main_grad)
 

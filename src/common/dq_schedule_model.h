@@ -1,4 +1,4 @@
-// The deterministic block-sparse backward's scheduler (DESIGN.md section 6): the dynamic column
+// The deterministic block-sparse backward's scheduler (docs/DESIGN.md section 6): the dynamic column
 // hand-out the kernel uses (plain host/device code: a ticket from a shared counter -> a work item),
 // and a CPU model of the persistent kernel built on it, which reports success or the blocked
 // workers, and the critical path in unit costs per block.

@@ -71,7 +71,7 @@ TEST(Sm90Instances, ListMatchesKernelSet) {
   }
 }
 
-// Misaligned caller outputs are bit-identical only through a direct-store twin (DESIGN.md
+// Misaligned caller outputs are bit-identical only through a direct-store twin (docs/DESIGN.md
 // section 4): every built variant that has one has it built, for the same element.
 TEST(Sm90Instances, EveryGemmVariantHasItsDirectStoreTwin) {
   namespace sm90 = st::cuda::sm90;

@@ -1,4 +1,4 @@
-// GroupedLinear's contract beyond the arithmetic (DESIGN.md section 4): wgrad views on 256-byte
+// GroupedLinear's contract beyond the arithmetic (docs/DESIGN.md section 4): wgrad views on 256-byte
 // boundaries, fused main_grad accumulation / overwrite with empty experts, the six rows of the
 // weight-grad table through a real layer, delayed wgrad first-in-first-out, invalid device splits
 // (empty problems + sticky status, or an Error in checked mode), caller workspace, host splits
@@ -115,7 +115,7 @@ INSTANTIATE_TEST_SUITE_P(Modes, MainGradFusion,
                                   (std::get<1>(param_info.param) ? "_packed" : "_per_expert");
                          });
 
-// DESIGN.md section 4's table, through real backward / backward_dw calls with a bias.
+// docs/DESIGN.md section 4's table, through real backward / backward_dw calls with a bias.
 TEST(GroupedLinearContract, TheSixRowsOfTheWeightGradTable) {
   struct Row { bool delay, fuse, attr; K weight; bool bias_now; };
   const Row rows[] = {

@@ -225,7 +225,7 @@ TEST(GroupedLinearCudaContract, InvalidDeviceSplitsEmptyEveryProblemAndSetTheSta
 }
 
 // Caller buffers whose base is one element off a 16-byte boundary, on shapes the TMA path takes
-// (in, out multiples of 8): they take the direct-store twins of the sm90 kernels, and DESIGN.md
+// (in, out multiples of 8): they take the direct-store twins of the sm90 kernels, and docs/DESIGN.md
 // section 4 says caller buffers give results bit-identical to the library-allocated path, with
 // rows >= S untouched. Checked for out (with and without bias), grad_input and (fused) main_grad,
 // overwritten (poisoned first) and accumulated (from the same random values).

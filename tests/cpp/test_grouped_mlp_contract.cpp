@@ -1,4 +1,4 @@
-// GroupedMLP's contract beyond the arithmetic (DESIGN.md sections 4 and 5) for both of its layers:
+// GroupedMLP's contract beyond the arithmetic (docs/DESIGN.md sections 4 and 5) for both of its layers:
 // fused main_grad accumulation / overwrite with an empty expert, the six rows of the weight-grad
 // table, delayed wgrad first-in-first-out with the intermediates kept alive by the layer, caller
 // workspace, invalid device splits; and bad input, each raising an Error that names the argument
@@ -131,7 +131,7 @@ INSTANTIATE_TEST_SUITE_P(Modes, MLPMainGradFusion, ::testing::Combine(::testing:
                                   (std::get<1>(param_info.param) ? "_packed" : "_per_expert");
                          });
 
-// DESIGN.md section 4's table, for fc1 and fc2 (fc2's bias being the MLP's probs-scaled one).
+// docs/DESIGN.md section 4's table, for fc1 and fc2 (fc2's bias being the MLP's probs-scaled one).
 TEST(GroupedMLPContract, TheSixRowsOfTheWeightGradTableForBothLayers) {
   struct Row { bool delay, fuse, attr; K weight; bool bias_now; };
   const Row rows[] = {

@@ -1,4 +1,4 @@
-// The weight-grad disposition table of DESIGN.md section 4, row by row.
+// The weight-grad disposition table of docs/DESIGN.md section 4, row by row.
 #include <gtest/gtest.h>
 
 #include "sparsetrain/weight_grad.h"

@@ -1,5 +1,5 @@
 """sparsetrain.torch.GroupedLinear through real autograd: gradients vs a pure-torch float64
-reference, the six rows of DESIGN.md section 4's weight-grad table (bias column too), delayed
+reference, the six rows of docs/DESIGN.md section 4's weight-grad table (bias column too), delayed
 wgrad with backward_dw, a Megatron-style step (main_grad accumulation over two micro-batches with
 gradient hooks), m_splits forms and errors, caller buffers, torch.compile(fullgraph=True), and that
 every tensor the library hands back lives in torch-allocated storage. CPU tensors, and CUDA ones

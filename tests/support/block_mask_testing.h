@@ -1,5 +1,5 @@
 // Test support for block masks: the brute-force block classes of a built-in spec (an element
-// predicate of its own, written from the spec's definitions in DESIGN.md section 6 and not from
+// predicate of its own, written from the spec's definitions in docs/DESIGN.md section 6 and not from
 // the library's mask_allows, so that a wrong rule there is not mirrored here) and the dense class
 // matrix [Mq, Nk] read back from a mask's forward or transposed lists.
 #pragma once

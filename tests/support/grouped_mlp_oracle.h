@@ -1,4 +1,4 @@
-// Double-precision oracle for GroupedMLP, written straight from the formula of DESIGN.md section 5
+// Double-precision oracle for GroupedMLP, written straight from the formula of docs/DESIGN.md section 5
 // (y = probs * (silu(a) * b) W2^T + probs * b2) and its derivative, with no library code. Next to
 // each value it carries a first-order bound on the error the library may make: fp32 accumulation
 // (n + 2 roundings of the sum of |terms|), a few fp32 roundings per elementwise step, and one

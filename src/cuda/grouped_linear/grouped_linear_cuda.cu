@@ -126,7 +126,7 @@ class CudaBackend final : public GroupedLinearBackend {
   // Which sm90 kernel runs a GEMM of variant v, if any. TMA loads need the inputs (activation
   // rows, per-group weights) 16-byte aligned with packed rows, and in and out multiples of 8;
   // otherwise the SIMT kernels run. A caller output (out, grad_input, main_grad) off a 16-byte
-  // boundary takes the direct-store twin: bit-identical to the TMA store (DESIGN.md section 4).
+  // boundary takes the direct-store twin: bit-identical to the TMA store (docs/DESIGN.md section 4).
   static std::optional<Variant> sm90_kernel(Variant v, const GroupedProblem& pr,
                                             std::initializer_list<const TensorView*> inputs,
                                             const std::vector<TensorView>& weights, bool outputs_aligned) {
