@@ -25,20 +25,26 @@ enum class Variant {
   kWgradF32Direct,
 };
 
-// The direct-store twin of a variant, and the variant a direct-store one computes.
+// Each variant with a direct-store twin, and the twin: the one table both directions read.
+struct DirectStoreTwin {
+  Variant tma, direct;
+};
+constexpr DirectStoreTwin kDirectStoreTwins[] = {{Variant::kFprop, Variant::kFpropDirect},
+                                                 {Variant::kFpropBias, Variant::kFpropBiasDirect},
+                                                 {Variant::kDgrad, Variant::kDgradDirect},
+                                                 {Variant::kWgradF32, Variant::kWgradF32Direct}};
+
+// The direct-store twin of a variant (itself if it has none), and the variant a direct-store one
+// computes (itself for the others).
 constexpr Variant direct_store(Variant v) {
-  return v == Variant::kFprop       ? Variant::kFpropDirect
-         : v == Variant::kFpropBias ? Variant::kFpropBiasDirect
-         : v == Variant::kDgrad     ? Variant::kDgradDirect
-         : v == Variant::kWgradF32  ? Variant::kWgradF32Direct
-                                    : v;
+  for (const DirectStoreTwin& t : kDirectStoreTwins)
+    if (t.tma == v) return t.direct;
+  return v;
 }
 constexpr Variant computed_by(Variant v) {
-  return v == Variant::kFpropDirect       ? Variant::kFprop
-         : v == Variant::kFpropBiasDirect ? Variant::kFpropBias
-         : v == Variant::kDgradDirect     ? Variant::kDgrad
-         : v == Variant::kWgradF32Direct  ? Variant::kWgradF32
-                                          : v;
+  for (const DirectStoreTwin& t : kDirectStoreTwins)
+    if (t.direct == v) return t.tma;
+  return v;
 }
 constexpr bool is_direct_store(Variant v) { return computed_by(v) != v; }
 
