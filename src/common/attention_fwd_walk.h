@@ -121,11 +121,42 @@ ST_HOST_DEVICE inline int32_t fwd_mask_row(int32_t q_tile, int32_t tile_q, int32
   return int32_t(int64_t(q_tile) * tile_q / block_q);
 }
 
+// L2 sections of the work order. Items of a section (consecutive (b, h) heads, numbered as above)
+// are handed out together, longest first inside the section, so the CTAs in flight share the few
+// heads whose K and V the L2 cache holds: ordering all items longest first instead puts one item
+// of every head in flight at once (128 heads at B = 8, H = 16), each CTA streaming its own head's
+// K and V from DRAM (measured on an H100: 81 % of DRAM bandwidth, 12 % L2 hits, 0.8x the time of
+// the numbered order at S = 4096; docs/PERF.md). A section holds whole GQA groups (the query
+// heads of one K/V head are adjacent) and at least one.
+ST_HOST_DEVICE inline int32_t fwd_heads_per_section(int64_t kv_bytes_per_kv_head, int64_t l2_budget_bytes,
+                                                    int32_t group, int64_t heads_total) {
+  const int64_t kv_heads = kv_bytes_per_kv_head > 0 && l2_budget_bytes > kv_bytes_per_kv_head
+                               ? l2_budget_bytes / kv_bytes_per_kv_head : 1;
+  const int64_t heads = kv_heads * group;
+  return int32_t(heads < heads_total ? heads : (heads_total > 0 ? heads_total : 1));
+}
+
+// The sections in order, and section s's items [first, last): whole heads (the last section may
+// hold fewer).
+struct FwdSection {
+  int32_t first, last;
+};
+
+ST_HOST_DEVICE inline int32_t fwd_sections(int32_t num_items, int32_t q_tiles, int32_t heads_per_section) {
+  const int32_t per = q_tiles * heads_per_section;
+  return (num_items + per - 1) / per;
+}
+
+ST_HOST_DEVICE inline FwdSection fwd_section(int32_t s, int32_t num_items, int32_t q_tiles, int32_t heads_per_section) {
+  const int32_t per = q_tiles * heads_per_section, first = s * per;
+  return {first, num_items - first < per ? num_items : first + per};
+}
+
 // An item with its walk counts, as the forward's scheduler hands it out: a CTA learns an item's
 // work with one 16-byte load (no chain of dependent loads). `cost`, the sort key, is its kv tiles
 // (partial ones cost the same: the mask is a few instructions per element next to two GEMMs);
-// items are handed out by decreasing cost (longest processing time first), so that the long rows
-// of a skewed mask start early and the short ones fill the gaps at the end.
+// inside a section items are handed out by decreasing cost (longest processing time first), so
+// that the long rows of a skewed mask start early and the short ones fill the gaps.
 struct alignas(16) FwdWorkRecord {
   int32_t item;
   int32_t partial, full;  // WalkCounts of the item's mask row

@@ -50,6 +50,7 @@ DeviceInfo device_info(int device) {
   d.cc_major = attribute(cudaDevAttrComputeCapabilityMajor, device, "computeCapabilityMajor");
   d.cc_minor = attribute(cudaDevAttrComputeCapabilityMinor, device, "computeCapabilityMinor");
   d.max_smem_optin = attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device, "maxSharedMemoryPerBlockOptin");
+  d.l2_bytes = attribute(cudaDevAttrL2CacheSize, device, "l2CacheSize");
   c.devices.emplace(device, d);
   return d;
 }

@@ -1,6 +1,6 @@
 // What the CUDA host code asks of a device, queried once per device and cached (thread-safe): SM
-// count, compute capability, the shared memory a block may opt in to, and each kernel's raised
-// dynamic shared-memory limit. Plain C++ (no CUDA headers), so the CPU tests call it too: a device
+// count, compute capability, the shared memory a block may opt in to, the L2 size, and each
+// kernel's raised dynamic shared-memory limit. Plain C++ (no CUDA headers), so the CPU tests call it too: a device
 // id outside [0, device_count()) is refused with an Error naming it (tests/cpp/test_device_cache.cpp).
 #pragma once
 
@@ -12,6 +12,7 @@ struct DeviceInfo {
   int sm_count = 0;
   int cc_major = 0, cc_minor = 0;  // compute capability
   int max_smem_optin = 0;          // bytes of shared memory one block may opt in to
+  int l2_bytes = 0;                // L2 cache size
 };
 
 // An Error ("device: expected a CUDA device index in [0, n), got d") for any other id.

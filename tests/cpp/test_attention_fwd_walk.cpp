@@ -148,3 +148,38 @@ TEST(AttentionFwdWalk, RowIntervalsAreTheSpecsRows) {
   for (st::MaskKind k : {st::MaskKind::kDocument, st::MaskKind::kDocumentCausal, st::MaskKind::kBitmask})
     EXPECT_FALSE(st::mask_row_interval(k, -1, -1, 0, 8, 8, 0, &lo, &hi));
 }
+
+TEST(AttentionFwdWalk, L2SectionsHoldWholeGqaGroupsWithinTheBudget) {
+  // Heads per section: a multiple of the GQA group, at least one group, at most every head, and
+  // the K/V of its kv heads within the budget unless one kv head alone exceeds it.
+  for (int64_t kv_bytes : {int64_t(1) << 20, int64_t(3) << 20, int64_t(8) << 20, int64_t(64) << 20, int64_t(0)})
+    for (int32_t group : {1, 2, 4, 8})
+      for (int64_t heads_total : {int64_t(group), int64_t(group) * 3, int64_t(group) * 16, int64_t(group) * 128}) {
+        const int64_t budget = int64_t(30) << 20;
+        const int32_t hps = st::fwd_heads_per_section(kv_bytes, budget, group, heads_total);
+        EXPECT_EQ(hps % group, 0) << kv_bytes << " " << group << " " << heads_total;
+        EXPECT_GE(hps, group);
+        EXPECT_LE(hps, heads_total);
+        if (kv_bytes > 0 && kv_bytes <= budget) {
+          EXPECT_LE(hps / group * kv_bytes, budget);
+          // As many as fit: one more kv head would exceed the budget, or every head is in.
+          EXPECT_TRUE(hps == heads_total || (hps / group + 1) * kv_bytes > budget);
+        }
+      }
+  // The sections partition the items in order, each into whole heads.
+  for (const auto& [heads, q_tiles, hps] : {std::tuple<int32_t, int32_t, int32_t>{16, 5, 6}, {16, 5, 16}, {3, 1, 1},
+                                            {128, 32, 16}, {7, 3, 7}}) {
+    const int32_t items = heads * q_tiles, n = st::fwd_sections(items, q_tiles, hps);
+    int32_t next = 0;
+    for (int32_t s = 0; s < n; ++s) {
+      const st::FwdSection sec = st::fwd_section(s, items, q_tiles, hps);
+      EXPECT_EQ(sec.first, next);
+      EXPECT_LT(sec.first, sec.last);
+      EXPECT_EQ(sec.first % q_tiles, 0);
+      EXPECT_EQ(sec.last % q_tiles, 0);
+      EXPECT_LE(sec.last - sec.first, hps * q_tiles);
+      next = sec.last;
+    }
+    EXPECT_EQ(next, items);
+  }
+}

@@ -41,15 +41,21 @@ using cuda::attn::FwdElement;
 using cuda::attn::kTileKv;
 using cuda::attn::kTileQ;
 
-// ---- work order: items by decreasing cost (a counting sort in one CTA) --------------------------
+// ---- work order: L2 sections of heads, items by decreasing cost inside each -----------------------
+// (common/attention_fwd_walk.h says why). One CTA per section, a counting sort over its items;
+// block 0 also zeroes the dynamic hand-out's counter, so every launch (and graph replay) starts it
+// at zero on the stream, with no memset of its own.
 
 constexpr int kSortThreads = 1024, kBinsPerThread = 2, kBins = kSortThreads * kBinsPerThread;
 
 __global__ void __launch_bounds__(kSortThreads) sort_items_kernel(const MaskWalkLists lists, int32_t heads_q,
                                                                   int32_t q_tiles, int32_t num_items,
-                                                                  FwdWorkRecord* records, bool natural) {
-  if (natural) {  // a tuning switch: item order as numbered (the q tiles of one head together)
-    for (int32_t item = threadIdx.x; item < num_items; item += kSortThreads)
+                                                                  int32_t heads_per_section, FwdWorkRecord* records,
+                                                                  int32_t* ticket, bool natural) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) *ticket = 0;
+  const auto [first, last] = fwd_section(int32_t(blockIdx.x), num_items, q_tiles, heads_per_section);
+  if (natural) {  // a sweep switch: items in numbered order (the q tiles of one head together)
+    for (int32_t item = first + threadIdx.x; item < last; item += kSortThreads)
       records[item] = fwd_work_record(lists, item, heads_q, q_tiles, kTileQ);
     return;
   }
@@ -60,18 +66,18 @@ __global__ void __launch_bounds__(kSortThreads) sort_items_kernel(const MaskWalk
   __syncthreads();
   // Bin c holds the items of cost kBins - 1 - c (longest first); longer ones share the first bin.
   auto bin_of = [&](int32_t cost) { return kBins - 1 - (cost < kBins - 1 ? cost : kBins - 1); };
-  for (int32_t item = threadIdx.x; item < num_items; item += kSortThreads)
+  for (int32_t item = first + threadIdx.x; item < last; item += kSortThreads)
     atomicAdd(&bins[bin_of(fwd_work_record(lists, item, heads_q, q_tiles, kTileQ).cost)], 1);
   __syncthreads();
   int32_t counts[kBinsPerThread];
   for (int i = 0; i < kBinsPerThread; ++i) counts[i] = bins[threadIdx.x * kBinsPerThread + i];
   Scan(scan).ExclusiveSum(counts, counts);
   __syncthreads();
-  for (int i = 0; i < kBinsPerThread; ++i) bins[threadIdx.x * kBinsPerThread + i] = counts[i];
+  for (int i = 0; i < kBinsPerThread; ++i) bins[threadIdx.x * kBinsPerThread + i] = first + counts[i];
   __syncthreads();
   // Within a bin the order is whatever the atomics give: every item is computed by one CTA on
   // its own, so the results do not depend on it.
-  for (int32_t item = threadIdx.x; item < num_items; item += kSortThreads) {
+  for (int32_t item = first + threadIdx.x; item < last; item += kSortThreads) {
     const FwdWorkRecord r = fwd_work_record(lists, item, heads_q, q_tiles, kTileQ);
     records[atomicAdd(&bins[bin_of(r.cost)], 1)] = r;
   }
@@ -180,10 +186,27 @@ cuda::attn::KernelMaskSpec mask_spec_args(const BlockMask& m) {
   return spec;
 }
 
-// Tuning switches for sweeps: unset or anything but "0" is on.
-bool env_flag(const char* name) {
-  const char* v = std::getenv(name);
-  return v == nullptr || std::string(v) != "0";
+// The forward's work order. Sweep switches (bench/bench_fwd_order.py), read at every call so one
+// process can A/B them: SPARSETRAIN_ATTN_FWD_ORDER = sections (the default: L2 sections of heads,
+// longest first inside each), lpt (longest first over the whole problem), natural (numbered
+// order); SPARSETRAIN_ATTN_FWD_STATIC=1 hands the order out statically (CTA c takes c, c + grid,
+// ...) instead of by the atomic counter.
+struct FwdOrder {
+  bool sections = true, natural = false, dynamic = true;
+};
+
+FwdOrder fwd_order() {
+  FwdOrder o;
+  if (const char* v = std::getenv("SPARSETRAIN_ATTN_FWD_ORDER")) {
+    const std::string order(v);
+    ST_CHECK_ARG(order == "sections" || order == "lpt" || order == "natural", "SPARSETRAIN_ATTN_FWD_ORDER",
+                 "sections, lpt or natural", order);
+    o.sections = order == "sections";
+    o.natural = order == "natural";
+  }
+  const char* st = std::getenv("SPARSETRAIN_ATTN_FWD_STATIC");
+  o.dynamic = st == nullptr || std::string(st) != "1";
+  return o;
 }
 
 int64_t q_tiles_of(const AttentionProblem& p) { return (p.seq_q + kTileQ - 1) / kTileQ; }
@@ -269,8 +292,9 @@ class AttentionCuda final : public backend::AttentionBackend {
                  ", Skv = ", p.seq_kv, ", ", items, " q tiles");
   }
 
+  // The work records, then the dynamic hand-out's counter.
   size_t forward_scratch_bytes(const AttentionProblem& p) const override {
-    return size_t(p.batch * p.heads_q * q_tiles_of(p)) * sizeof(FwdWorkRecord);
+    return size_t(p.batch * p.heads_q * q_tiles_of(p)) * sizeof(FwdWorkRecord) + sizeof(FwdWorkRecord);
   }
   size_t backward_scratch_bytes(const AttentionProblem& p) const override { return BwdScratch(p, nullptr).bytes; }
 
@@ -300,13 +324,23 @@ class AttentionCuda final : public backend::AttentionBackend {
     a.spec = mask_spec_args(m);
     a.q_tiles = int32_t(q_tiles_of(p));
     a.num_items = int32_t(p.batch * p.heads_q * a.q_tiles);
-    a.records = static_cast<const FwdWorkRecord*>(scratch);
+    FwdWorkRecord* records = static_cast<FwdWorkRecord*>(scratch);
+    a.records = records;
     a.grid = grid_of(a.num_items, fp.q.device().index, fp.sm_limit);
-    static const bool lpt = env_flag("SPARSETRAIN_ATTN_LPT");
-
+    const FwdOrder order = fwd_order();
+    int32_t* ticket = reinterpret_cast<int32_t*>(records + a.num_items);
+    a.ticket = order.dynamic ? ticket : nullptr;
+    // Sections of heads whose K and V fill at most 3/5 of L2 (FlashAttention-3 budgets 32 MB of
+    // the H100's 50 MB); "lpt" (a sweep switch) makes the whole problem one section.
+    const int64_t heads = p.batch * p.heads_q;
+    const int64_t l2_budget = int64_t(cuda::device_info(fp.q.device().index).l2_bytes) * 3 / 5;
+    const int64_t kv_head_bytes = 2 * p.seq_kv * p.head_dim * int64_t(dtype_size(p.dtype));
+    const int32_t per_section =
+        order.sections ? fwd_heads_per_section(kv_head_bytes, l2_budget, int32_t(p.heads_q / p.heads_kv), heads)
+                       : int32_t(heads);
     cudaStream_t s = static_cast<cudaStream_t>(stream.handle);
-    sort_items_kernel<<<1, kSortThreads, 0, s>>>(a.lists, a.heads_q, a.q_tiles, a.num_items,
-                                                 static_cast<FwdWorkRecord*>(scratch), !lpt);
+    sort_items_kernel<<<fwd_sections(a.num_items, a.q_tiles, per_section), kSortThreads, 0, s>>>(
+        a.lists, a.heads_q, a.q_tiles, a.num_items, per_section, records, ticket, order.natural);
     ST_CUDA_CHECK(cudaGetLastError(), "CUDA attention: sort_items_kernel launch");
     dispatch(p.dtype, p.head_dim, a, stream.handle);
   }

@@ -36,7 +36,8 @@ struct FwdArgs {
   float scale;
   MaskWalkLists lists;  // sub_tiles in units of the kernel's kv tile
   KernelMaskSpec spec;
-  const FwdWorkRecord* records;  // work items with their walk counts, longest first ([num_items])
+  const FwdWorkRecord* records;  // work items with their walk counts in the work order ([num_items])
+  int32_t* ticket;               // the dynamic hand-out's counter (zeroed by the work-order kernel); null: static
   int32_t num_items, q_tiles;
   int32_t grid;  // persistent CTAs
 };

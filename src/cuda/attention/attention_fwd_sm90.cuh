@@ -1,8 +1,10 @@
 // Block-sparse attention forward for sm_90a: a persistent, warp-specialised CuTe kernel in the
 // shape of FlashAttention-3's, composed of
 //
-//   scheduler  FwdLptScheduler (tile_scheduler.h): work items (batch, query head, 128-row q tile)
-//              sorted longest first on the device, CTA c takes positions c, c + grid, ...
+//   scheduler  FwdTicketScheduler (tile_scheduler.h): work items (batch, query head, 128-row q
+//              tile) in L2 sections of heads, longest first inside each (ordered on the device);
+//              CTA c starts with position c and draws the next from an atomic counter; the q/K
+//              producer draws and passes the items to the other roles (item_ring_sm90.cuh)
 //   mainloop   fwd_mainloop_sm90_tma_wgmma.cuh: TMA producer, two wgmma consumer warpgroups
 //              (64 query rows each) with the mask (mask_tile_sm90.cuh) and online softmax
 //              (softmax_sm90.cuh)
@@ -156,9 +158,11 @@ __device__ __forceinline__ void fwd_consume(const typename T::Params& p, typenam
     return sm.update(S, scale_log2, correction);
   };
 
-  // The scheduler, one record ahead: `it` indexes rec_next, the next item to start.
-  const FwdLptScheduler sched{a.records, a.num_items};
-  int it = sched.initial_work(blockIdx.x);
+  // The items, one record ahead: `it` indexes rec_next, the next item to start (taken from the
+  // ring the q/K producer fills: item_ring_sm90.cuh).
+  const FwdTicketScheduler sched{a.records, a.num_items, a.ticket};
+  uint32_t taken = 0;
+  int it = ss.items.get(taken++);
   FwdWorkRecord rec_next = sched.valid(it) ? a.records[it] : FwdWorkRecord{};
   OnlineSoftmax<kRows> sm, sm_done;
   sm.reset();
@@ -169,7 +173,7 @@ __device__ __forceinline__ void fwd_consume(const typename T::Params& p, typenam
   auto next_nonempty = [&](FwdItem& c, WalkTile& tile, int& t) {
     while (sched.valid(it)) {
       const FwdItem n = fwd_item(a, rec_next, T::kBlockM);
-      it = sched.next_work(it, gridDim.x);
+      it = ss.items.get(taken++);
       rec_next = sched.valid(it) ? a.records[it] : FwdWorkRecord{};  // in flight while n runs
       t = walk_next_valid(a.lists, n.counts, n.b, n.h, n.row, 0, &tile);
       if (t < walk_length(a.lists, n.counts)) {
@@ -296,6 +300,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT 
       cutlass::arch::ClusterTransactionBarrier::init(&ss.q_full[i], 1);
       cutlass::arch::ClusterBarrier::init(&ss.q_empty[i], T::kMmaThreads);
     }
+    ss.items.init(T::kItemReaders);
   }
   // Producer threads: 0 loads q and K, 32 (the next warp) loads V.
   typename T::PipelineK::Params pk;

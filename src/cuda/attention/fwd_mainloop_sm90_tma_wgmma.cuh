@@ -16,6 +16,7 @@
 
 #include "cuda/attention/attention_fwd_params.h"
 #include "cuda/attention/attention_sm90_common.cuh"
+#include "cuda/attention/item_ring_sm90.cuh"
 #include "cuda/attention/mask_tile_sm90.cuh"
 #include "cuda/attention/softmax_sm90.cuh"
 #include "cuda/attention/tile_scheduler.h"
@@ -88,7 +89,12 @@ struct FwdTraits {
     uint64_t q_full[kQBuffers];   // the q tile landed (TMA transaction barrier)
     uint64_t q_empty[kQBuffers];  // the consumers are done with it (every consumer thread arrives)
     int32_t doc_kv[kConsumerWarpgroups][kBlockN];  // a partial tile's key document ids, per warpgroup
+    // The CTA's work items, from the q/K producer (which draws them) to the V producer and the
+    // consumers. The writer draws one item ahead and the consumers read one ahead, so a few slots
+    // suffice; more only let the writer run further ahead over items without tiles.
+    ItemRing<8> items;
   };
+  static constexpr uint32_t kItemReaders = kMmaThreads + 1;  // every consumer thread and the V producer
 
   static_assert(sizeof(SharedStorage) <= 227 * 1024, "sm90 allows 227 KiB of shared memory per CTA");
 
@@ -123,8 +129,23 @@ __device__ __forceinline__ void fwd_produce(const typename T::Params& p, typenam
   uint32_t n = 0;
   int q_loads = 0;
   const int group = a.heads_q / a.heads_kv;
-  const FwdLptScheduler sched{a.records, a.num_items};
-  for (int it = sched.initial_work(blockIdx.x); sched.valid(it); it = sched.next_work(it, gridDim.x)) {
+  // Items: the q/K thread draws them and passes them on (item k + 1 is put before item k's loads
+  // are issued: item_ring_sm90.cuh); the V thread takes them from the ring.
+  const FwdTicketScheduler sched{a.records, a.num_items, a.ticket};
+  uint32_t k = 0;  // items taken so far
+  int it = sched.initial_work(blockIdx.x);
+  if constexpr (kLoadsV) {
+    it = ss.items.get(k);
+  } else {
+    ss.items.put(k, it);
+  }
+  for (int next; sched.valid(it); it = next, ++k) {
+    if constexpr (kLoadsV) {
+      next = ss.items.get(k + 1);
+    } else {
+      next = sched.next_work(it, gridDim.x);
+      ss.items.put(k + 1, next);
+    }
     const FwdWorkRecord rec = a.records[it];
     const FwdWorkItem w = fwd_work_item(rec.item, a.heads_q, a.q_tiles);
     const int row = fwd_mask_row(w.q_tile, T::kBlockM, a.lists.block_q);

@@ -4,9 +4,12 @@
 // one. The index math is plain host/device code (tested on the CPU); only the ticket draw needs a
 // device atomic.
 //
-//   FwdLptScheduler     the forward: work items (batch, query head, q tile) sorted longest first
-//                       on the device (attention_cuda.cu), CTA c takes positions c, c + grid, ...
-//                       Each position is a FwdWorkRecord (common/attention_fwd_walk.h).
+//   FwdTicketScheduler  the forward: work items (batch, query head, q tile) in the work order
+//                       (L2 sections of heads, longest first inside each; attention_cuda.cu
+//                       builds it on the device), CTA c starts with position c and draws the
+//                       next from an atomic counter whenever it starts an item, so the CTAs
+//                       finish together whatever the items cost. Each position is a
+//                       FwdWorkRecord (common/attention_fwd_walk.h).
 //   BwdTicketScheduler  the backward: tickets from an atomic counter (zeroed on the stream before
 //                       every launch) in the mask's column schedule (DqColumnHandout), never by
 //                       blockIdx, so the earliest unfinished column always runs.
@@ -26,17 +29,26 @@ ST_HOST_DEVICE inline int32_t persistent_grid(int64_t items, int32_t sms, int32_
   return int32_t(g < 1 ? 1 : g);
 }
 
-struct FwdLptScheduler {
-  const FwdWorkRecord* records = nullptr;  // [num_items], longest first
+struct FwdTicketScheduler {
+  const FwdWorkRecord* records = nullptr;  // [num_items] in the work order
   int32_t num_items = 0;
+  int32_t* ticket = nullptr;  // zeroed before every launch; null: static hand-out (a sweep switch)
 
   static int32_t grid_shape(int64_t items, int32_t sms, int32_t sm_limit) {
     return persistent_grid(items, sms, sm_limit);
   }
   // cta, grid: blockIdx.x and gridDim.x (plain arguments: the CPU tests drive them).
   ST_HOST_DEVICE int32_t initial_work(int32_t cta) const { return cta; }
-  ST_HOST_DEVICE int32_t next_work(int32_t current, int32_t grid) const { return current + grid; }
   ST_HOST_DEVICE bool valid(int32_t index) const { return index < num_items; }
+  // The static hand-out: CTA c takes positions c, c + grid, ...
+  ST_HOST_DEVICE int32_t next_static(int32_t current, int32_t grid) const { return current + grid; }
+#if defined(__CUDACC__)
+  // One draw per call, by one thread of a CTA (it passes the index on: item_ring_sm90.cuh).
+  // Positions below grid are the CTAs' first items, so the counter starts past them.
+  __device__ int32_t next_work(int32_t current, int32_t grid) const {
+    return ticket == nullptr ? next_static(current, grid) : grid + atomicAdd(ticket, 1);
+  }
+#endif
 };
 
 struct BwdTicketScheduler {
