@@ -127,11 +127,16 @@ ST_HOST_DEVICE inline int32_t fwd_mask_row(int32_t q_tile, int32_t tile_q, int32
 // of every head in flight at once (128 heads at B = 8, H = 16), each CTA streaming its own head's
 // K and V from DRAM (measured on an H100: 81 % of DRAM bandwidth, 12 % L2 hits, 0.8x the time of
 // the numbered order at S = 4096; docs/PERF.md). A section holds whole GQA groups (the query
-// heads of one K/V head are adjacent) and at least one.
+// heads of one K/V head are adjacent), at least one, and at most kFwdMaxKvHeadsPerSection kv
+// heads: with small heads more of them only widen the working set (an H100 sweep of the section
+// size: 8-16 kv heads best from 1 to 8 MB of K/V a head, 30 at S = 2048 ran 6 % slower than 16).
+constexpr int64_t kFwdMaxKvHeadsPerSection = 16;
+
 ST_HOST_DEVICE inline int32_t fwd_heads_per_section(int64_t kv_bytes_per_kv_head, int64_t l2_budget_bytes,
                                                     int32_t group, int64_t heads_total) {
-  const int64_t kv_heads = kv_bytes_per_kv_head > 0 && l2_budget_bytes > kv_bytes_per_kv_head
-                               ? l2_budget_bytes / kv_bytes_per_kv_head : 1;
+  int64_t kv_heads = kv_bytes_per_kv_head > 0 && l2_budget_bytes > kv_bytes_per_kv_head
+                         ? l2_budget_bytes / kv_bytes_per_kv_head : 1;
+  if (kv_heads > kFwdMaxKvHeadsPerSection) kv_heads = kFwdMaxKvHeadsPerSection;
   const int64_t heads = kv_heads * group;
   return int32_t(heads < heads_total ? heads : (heads_total > 0 ? heads_total : 1));
 }

@@ -150,9 +150,10 @@ TEST(AttentionFwdWalk, RowIntervalsAreTheSpecsRows) {
 }
 
 TEST(AttentionFwdWalk, L2SectionsHoldWholeGqaGroupsWithinTheBudget) {
-  // Heads per section: a multiple of the GQA group, at least one group, at most every head, and
-  // the K/V of its kv heads within the budget unless one kv head alone exceeds it.
-  for (int64_t kv_bytes : {int64_t(1) << 20, int64_t(3) << 20, int64_t(8) << 20, int64_t(64) << 20, int64_t(0)})
+  // Heads per section: a multiple of the GQA group, at least one group, at most every head and
+  // kFwdMaxKvHeadsPerSection kv heads, and the K/V of its kv heads within the budget unless one kv
+  // head alone exceeds it.
+  for (int64_t kv_bytes : {int64_t(1) << 18, int64_t(1) << 20, int64_t(3) << 20, int64_t(8) << 20, int64_t(64) << 20, int64_t(0)})
     for (int32_t group : {1, 2, 4, 8})
       for (int64_t heads_total : {int64_t(group), int64_t(group) * 3, int64_t(group) * 16, int64_t(group) * 128}) {
         const int64_t budget = int64_t(30) << 20;
@@ -160,10 +161,12 @@ TEST(AttentionFwdWalk, L2SectionsHoldWholeGqaGroupsWithinTheBudget) {
         EXPECT_EQ(hps % group, 0) << kv_bytes << " " << group << " " << heads_total;
         EXPECT_GE(hps, group);
         EXPECT_LE(hps, heads_total);
+        EXPECT_LE(hps / group, st::kFwdMaxKvHeadsPerSection);
         if (kv_bytes > 0 && kv_bytes <= budget) {
           EXPECT_LE(hps / group * kv_bytes, budget);
-          // As many as fit: one more kv head would exceed the budget, or every head is in.
-          EXPECT_TRUE(hps == heads_total || (hps / group + 1) * kv_bytes > budget);
+          // As many as fit: one more kv head would exceed the budget or the cap, or every head is in.
+          EXPECT_TRUE(hps == heads_total || (hps / group + 1) * kv_bytes > budget ||
+                      hps / group == st::kFwdMaxKvHeadsPerSection);
         }
       }
   // The sections partition the items in order, each into whole heads.

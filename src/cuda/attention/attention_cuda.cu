@@ -330,10 +330,11 @@ class AttentionCuda final : public backend::AttentionBackend {
     const FwdOrder order = fwd_order();
     int32_t* ticket = reinterpret_cast<int32_t*>(records + a.num_items);
     a.ticket = order.dynamic ? ticket : nullptr;
-    // Sections of heads whose K and V fill at most 3/5 of L2 (FlashAttention-3 budgets 32 MB of
-    // the H100's 50 MB); "lpt" (a sweep switch) makes the whole problem one section.
+    // Sections of heads whose K and V fill at most 2/3 of L2 (33 MB of the H100's 50 MB; the
+    // section-size sweep in docs/PERF.md: 32 MB sections at 4 and 8 MB a head ran best;
+    // FlashAttention-3 budgets 32 MB); "lpt" (a sweep switch) makes the whole problem one section.
     const int64_t heads = p.batch * p.heads_q;
-    const int64_t l2_budget = int64_t(cuda::device_info(fp.q.device().index).l2_bytes) * 3 / 5;
+    const int64_t l2_budget = int64_t(cuda::device_info(fp.q.device().index).l2_bytes) * 2 / 3;
     const int64_t kv_head_bytes = 2 * p.seq_kv * p.head_dim * int64_t(dtype_size(p.dtype));
     const int32_t per_section =
         order.sections ? fwd_heads_per_section(kv_head_bytes, l2_budget, int32_t(p.heads_q / p.heads_kv), heads)
