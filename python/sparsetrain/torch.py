@@ -114,6 +114,16 @@ def _rows(t: Tensor, T: int) -> Tensor:
 # with the C++ rule before anything runs (an error at backward time would come too late).
 
 
+def _direct(*tensors: Optional[Tensor]) -> bool:
+    """Whether an autograd function may call an op's implementation itself instead of going
+    through torch's dispatcher (~20 us a call): in eager mode on plain tensors with no dispatch
+    mode active. Under torch.compile, make_fx / export (fake or proxy tensors) and dispatch modes
+    (functionalization, FlopCounterMode, ...) the op is called, so they see it; and on meta
+    tensors, so that they get the fake implementations' shapes."""
+    return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
+            and all(t is None or (type(t) is Tensor and not t.is_meta) for t in tensors))
+
+
 def _core_and_splits(layer_id: int, x: Tensor, splits: Tensor, grad_input: Optional[Tensor]) -> Tuple[Any, Any]:
     """The layer's core and the splits argument, grad_input checked."""
     m = _layer(layer_id)
@@ -124,11 +134,16 @@ def _core_and_splits(layer_id: int, x: Tensor, splits: Tensor, grad_input: Optio
     return core, s
 
 
+def _forward_impl(layer_id: int, x: Tensor, splits: Tensor, grad_input: Optional[Tensor],
+                  out: Optional[Tensor] = None) -> Tensor:
+    core, s = _core_and_splits(layer_id, x, splits, grad_input)
+    return core.forward(x, s, out)
+
+
 @torch.library.custom_op("sparsetrain::grouped_linear_forward", mutates_args=())
 def _forward_op(layer_id: int, x: Tensor, splits: Tensor, params: List[Tensor],
                 grad_input: Optional[Tensor] = None) -> Tensor:
-    core, s = _core_and_splits(layer_id, x, splits, grad_input)
-    return core.forward(x, s)
+    return _forward_impl(layer_id, x, splits, grad_input)
 
 
 @_forward_op.register_fake
@@ -139,8 +154,7 @@ def _(layer_id, x, splits, params, grad_input=None):
 @torch.library.custom_op("sparsetrain::grouped_linear_forward_into", mutates_args=("out",))
 def _forward_into_op(layer_id: int, x: Tensor, splits: Tensor, params: List[Tensor], out: Tensor,
                      grad_input: Optional[Tensor] = None) -> None:
-    core, s = _core_and_splits(layer_id, x, splits, grad_input)
-    core.forward(x, s, out)
+    _forward_impl(layer_id, x, splits, grad_input, out)
 
 
 @_forward_into_op.register_fake
@@ -212,10 +226,15 @@ class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, layer_id: int, disposition: Tuple[str, bool], packed: bool, x: Tensor, splits: Tensor,
                 out: Optional[Tensor], grad_input: Optional[Tensor], num_weights: int, *params: Tensor):
+        direct = _direct(x, splits, out, grad_input)
         if out is None:
-            y = torch.ops.sparsetrain.grouped_linear_forward(layer_id, x, splits, list(params), grad_input)
+            y = (_forward_impl(layer_id, x, splits, grad_input) if direct
+                 else torch.ops.sparsetrain.grouped_linear_forward(layer_id, x, splits, list(params), grad_input))
         else:
-            torch.ops.sparsetrain.grouped_linear_forward_into(layer_id, x, splits, list(params), out, grad_input)
+            if direct:
+                _forward_impl(layer_id, x, splits, grad_input, out)
+            else:
+                torch.ops.sparsetrain.grouped_linear_forward_into(layer_id, x, splits, list(params), out, grad_input)
             ctx.mark_dirty(out)
             y = out
         ctx.save_for_backward(x, splits, *params)
@@ -229,11 +248,14 @@ class _GroupedLinearFunction(torch.autograd.Function):
         dy = _rows(dy, x.shape[0])
         if dy.stride(-1) != 1:
             dy = dy.contiguous()
-        if ctx.grad_input is None:
+        if _direct(x, dy, splits, ctx.grad_input):
+            dx, dw, db = _backward_impl(ctx.layer_id, x, dy, splits, ctx.grad_input)
+        elif ctx.grad_input is None:
             dx, dw, db = torch.ops.sparsetrain.grouped_linear_backward(ctx.layer_id, x, dy, splits, params)
         else:
             dw, db = torch.ops.sparsetrain.grouped_linear_backward_into(
                 ctx.layer_id, x, dy, splits, params, ctx.grad_input)
+        if ctx.grad_input is not None:
             dx = _rows(ctx.grad_input, x.shape[0])
         grads = _param_grads(ctx.disposition, ctx.packed, params[:ctx.num_weights], params[ctx.num_weights:], dw, db)
         return (None, None, None, dx, None, None, None, None, *grads)
@@ -344,6 +366,9 @@ class GroupedLinear(_DelayedWgrad, nn.Module):
                 if bias:
                     self.register_parameter(f"bias{i}", nn.Parameter(
                         torch.empty(out_features, **kw).uniform_(-bound, bound)))
+        self._weight_names = ["weight"] if single_grouped_weight else [f"weight{i}" for i in range(num_gemms)]
+        self._bias_names = ([] if not bias else ["bias"] if single_grouped_weight
+                            else [f"bias{i}" for i in range(num_gemms)])
         # Not in the state dict (persistent=False); moves with the module (.to / .cuda).
         self.register_buffer("splits_status", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
         self._hooks: List[Callable[[], None]] = []
@@ -357,23 +382,18 @@ class GroupedLinear(_DelayedWgrad, nn.Module):
     def weights(self) -> List[Tensor]:
         """The weight parameters: [weight] ([G, out, in]) with single_grouped_weight, else
         weight0 .. weight{G-1} ([out, in] each)."""
-        if self.single_grouped_weight:
-            return [self.weight]
-        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+        # Read from _parameters by precomputed names: nn.Module's attribute lookup costs ~1 us a
+        # parameter, and a forward reads the lists more than once (64 experts: ~0.3 ms a call).
+        params = self._parameters
+        return [params[n] for n in self._weight_names]
 
     def biases(self) -> List[Tensor]:
         """The bias parameters (none without bias), laid out as weights()."""
-        if not self.use_bias:
-            return []
-        if self.single_grouped_weight:
-            return [self.bias]
-        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+        params = self._parameters
+        return [params[n] for n in self._bias_names]
 
-    def _names(self) -> List[str]:
-        return ["weight"] if self.single_grouped_weight else [f"weight{i}" for i in range(self.num_gemms)]
-
-    def _has_grad_added_attr(self) -> bool:
-        return all(hasattr(w, "grad_added_to_main_grad") for w in self.weights())
+    def _has_grad_added_attr(self, weights: Optional[List[Tensor]] = None) -> bool:
+        return all(hasattr(w, "grad_added_to_main_grad") for w in (self.weights() if weights is None else weights))
 
     def _disposition(self) -> Tuple[str, bool]:
         return tuple(_weight_grad_disposition(self.delay_wgrad_compute, self.fuse_wgrad_accumulation,
@@ -383,7 +403,7 @@ class GroupedLinear(_DelayedWgrad, nn.Module):
         if not self.fuse_wgrad_accumulation:
             return None
         grads = []
-        for name, w in zip(self._names(), self.weights()):
+        for name, w in zip(self._weight_names, self.weights()):
             mg = getattr(w, "main_grad", None)
             if mg is None:
                 raise ValueError(f"{prefix}{name}.main_grad: expected an fp32 tensor of shape {list(w.shape)} "
@@ -396,9 +416,12 @@ class GroupedLinear(_DelayedWgrad, nn.Module):
         main_grad) moves; `prefix` names this layer inside a GroupedMLP in errors."""
         weights, biases, main_grads = self.weights(), self.biases(), self._main_grads(prefix)
         overwrite = bool(self.fuse_wgrad_accumulation and getattr(weights[0], "overwrite_main_grad", False))
-        has_attr = self._has_grad_added_attr()
-        key = tuple((t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
-                    for t in [*weights, *biases, *(main_grads or [])]) + (overwrite, has_attr)
+        has_attr = self._has_grad_added_attr(weights)
+        # Where every tensor lives and how it is laid out (a new dtype or device means new memory,
+        # so the first tensor's stand for all); map over the unbound methods: this runs every call.
+        ts = [*weights, *biases, *(main_grads or [])]
+        key = (tuple(map(Tensor.data_ptr, ts)), tuple(map(Tensor.size, ts)), tuple(map(Tensor.stride, ts)),
+               ts[0].dtype, ts[0].device, overwrite, has_attr)
 
         def packed_or_list(ts):
             if ts is None or not ts:
@@ -443,7 +466,7 @@ class GroupedLinear(_DelayedWgrad, nn.Module):
         splits = self._normalize_splits(m_splits)
         weights, biases = self.weights(), self.biases()
         disposition = _disposition_constant(self.delay_wgrad_compute, self.fuse_wgrad_accumulation,
-                                            self._has_grad_added_attr())
+                                            self._has_grad_added_attr(weights))
         return _GroupedLinearFunction.apply(self._id, disposition, self.single_grouped_weight, x, splits,
                                             out, grad_input, len(weights), *weights, *biases)
 
@@ -497,11 +520,16 @@ def _accumulate_layer_grads(m: GroupedLinear, g: Any) -> None:
 # biases]; each layer's weight grad comes back as (dw, db) under that layer's disposition.
 
 
+def _mlp_forward_impl(layer_id: int, x: Tensor, splits: Tensor, probs: Tensor, grad_input: Optional[Tensor],
+                      out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    core, s = _core_and_splits(layer_id, x, splits, grad_input)
+    return core.forward(x, s, probs, out)
+
+
 @torch.library.custom_op("sparsetrain::grouped_mlp_forward", mutates_args=())
 def _mlp_forward_op(layer_id: int, x: Tensor, splits: Tensor, probs: Tensor,
                     params: List[Tensor], grad_input: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-    core, s = _core_and_splits(layer_id, x, splits, grad_input)
-    return core.forward(x, s, probs)
+    return _mlp_forward_impl(layer_id, x, splits, probs, grad_input)
 
 
 @_mlp_forward_op.register_fake
@@ -513,8 +541,7 @@ def _(layer_id, x, splits, probs, params, grad_input=None):
 @torch.library.custom_op("sparsetrain::grouped_mlp_forward_into", mutates_args=("out",))
 def _mlp_forward_into_op(layer_id: int, x: Tensor, splits: Tensor, probs: Tensor, params: List[Tensor],
                          out: Tensor, grad_input: Optional[Tensor] = None) -> Tensor:
-    core, s = _core_and_splits(layer_id, x, splits, grad_input)
-    return core.forward(x, s, probs, out)[1]
+    return _mlp_forward_impl(layer_id, x, splits, probs, grad_input, out)[1]
 
 
 @_mlp_forward_into_op.register_fake
@@ -562,12 +589,15 @@ class _GroupedMLPFunction(torch.autograd.Function):
     def forward(ctx, layer_id: int, dispositions: Tuple[Tuple[str, bool], Tuple[str, bool]], packed: bool,
                 x: Tensor, splits: Tensor, probs: Tensor, out: Optional[Tensor], grad_input: Optional[Tensor],
                 counts: Tuple[int, int, int, int], *params: Tensor):
-        if out is None:
+        if _direct(x, splits, probs, out, grad_input):
+            y, fc1_out = _mlp_forward_impl(layer_id, x, splits, probs, grad_input, out)
+        elif out is None:
             y, fc1_out = torch.ops.sparsetrain.grouped_mlp_forward(layer_id, x, splits, probs, list(params),
                                                                    grad_input)
         else:
             fc1_out = torch.ops.sparsetrain.grouped_mlp_forward_into(layer_id, x, splits, probs, list(params), out,
                                                                      grad_input)
+        if out is not None:
             ctx.mark_dirty(out)
             y = out
         # Saved activations: x, fc1's pre-activation output and probs (the activation is recomputed).
@@ -582,12 +612,16 @@ class _GroupedMLPFunction(torch.autograd.Function):
         dy = _rows(dy, x.shape[0])
         if dy.stride(-1) != 1:
             dy = dy.contiguous()
-        if ctx.grad_input is None:
+        if _direct(x, fc1_out, probs, dy, splits, ctx.grad_input):
+            dx, dprobs, dw1, db1, dw2, db2 = _mlp_backward_impl(ctx.layer_id, x, fc1_out, probs, dy, splits,
+                                                                ctx.grad_input)
+        elif ctx.grad_input is None:
             dx, dprobs, dw1, db1, dw2, db2 = torch.ops.sparsetrain.grouped_mlp_backward(
                 ctx.layer_id, x, fc1_out, probs, dy, splits, params)
         else:
             dprobs, dw1, db1, dw2, db2 = torch.ops.sparsetrain.grouped_mlp_backward_into(
                 ctx.layer_id, x, fc1_out, probs, dy, splits, params, ctx.grad_input)
+        if ctx.grad_input is not None:
             dx = _rows(ctx.grad_input, x.shape[0])
         nw1, nb1, nw2, nb2 = ctx.counts
         w1, b1 = params[:nw1], params[nw1:nw1 + nb1]
@@ -672,13 +706,15 @@ class GroupedMLP(_DelayedWgrad, nn.Module):
         as GroupedLinear's (>= S rows with host splits, neither requiring grad)."""
         _check_buffer_args(x, out, grad_input)
         splits = self.fc1._normalize_splits(m_splits)
-        params, counts = [], []
+        params, counts, dispositions = [], [], []
         for layer in (self.fc1, self.fc2):
-            for group in (layer.weights(), layer.biases()):
+            weights = layer.weights()
+            for group in (weights, layer.biases()):
                 params += group
                 counts.append(len(group))
-        dispositions = tuple(_disposition_constant(self.delay_wgrad_compute, self.fuse_wgrad_accumulation,
-                                                   layer._has_grad_added_attr()) for layer in (self.fc1, self.fc2))
+            dispositions.append(_disposition_constant(self.delay_wgrad_compute, self.fuse_wgrad_accumulation,
+                                                      layer._has_grad_added_attr(weights)))
+        dispositions = tuple(dispositions)
         return _GroupedMLPFunction.apply(self._id, dispositions, self.single_grouped_weight, x, splits, probs,
                                          out, grad_input, tuple(counts), *params)
 
@@ -732,15 +768,21 @@ def _device_guard(t: Tensor) -> Any:
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-@torch.library.custom_op("sparsetrain::block_sparse_attention_forward", mutates_args=())
-def _attention_forward_op(q: Tensor, k: Tensor, v: Tensor, mask_tensors: List[Optional[Tensor]],
-                          mask_sizes: List[int], mask_kinds: str, scale: float,
-                          deterministic: bool, sm_limit: int = 0) -> Tuple[Tensor, Tensor]:
+def _attention_forward_impl(q: Tensor, k: Tensor, v: Tensor, mask_tensors: Sequence[Optional[Tensor]],
+                            mask_sizes: List[int], mask_kinds: str, scale: float,
+                            deterministic: bool, sm_limit: int = 0) -> Tuple[Tensor, Tensor]:
     mask = _mask_from_args(mask_tensors, mask_sizes, mask_kinds)
     with _device_guard(q):
         o, lse = _attention_forward(_bshd(q), _bshd(k), _bshd(v), mask, scale=scale or None,
                                     deterministic=deterministic, sm_limit=sm_limit)
     return _bshd(o), lse
+
+
+@torch.library.custom_op("sparsetrain::block_sparse_attention_forward", mutates_args=())
+def _attention_forward_op(q: Tensor, k: Tensor, v: Tensor, mask_tensors: List[Optional[Tensor]],
+                          mask_sizes: List[int], mask_kinds: str, scale: float,
+                          deterministic: bool, sm_limit: int = 0) -> Tuple[Tensor, Tensor]:
+    return _attention_forward_impl(q, k, v, mask_tensors, mask_sizes, mask_kinds, scale, deterministic, sm_limit)
 
 
 @_attention_forward_op.register_fake
@@ -749,10 +791,9 @@ def _(q, k, v, mask_tensors, mask_sizes, mask_kinds, scale, deterministic, sm_li
     return _bshd(q.new_empty((B, S, H, D))), q.new_empty((B, H, S), dtype=torch.float32)
 
 
-@torch.library.custom_op("sparsetrain::block_sparse_attention_backward", mutates_args=())
-def _attention_backward_op(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dout: Tensor,
-                           mask_tensors: List[Optional[Tensor]], mask_sizes: List[int], mask_kinds: str,
-                           scale: float, deterministic: bool, sm_limit: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
+def _attention_backward_impl(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dout: Tensor,
+                             mask_tensors: Sequence[Optional[Tensor]], mask_sizes: List[int], mask_kinds: str,
+                             scale: float, deterministic: bool, sm_limit: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
     # `deterministic` comes resolved from block_sparse_attention (torch's deterministic mode at
     # the forward included); the mode is read again here, when the backward runs, as torch's own
     # kernels read it: switched on between the forward and the backward, it still applies.
@@ -762,6 +803,14 @@ def _attention_backward_op(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tens
         dq, dk, dv = _attention_backward(_bshd(q), _bshd(k), _bshd(v), _bshd(o), lse, _bshd(dout), mask,
                                          scale=scale or None, deterministic=deterministic, sm_limit=sm_limit)
     return _bshd(dq), _bshd(dk), _bshd(dv)
+
+
+@torch.library.custom_op("sparsetrain::block_sparse_attention_backward", mutates_args=())
+def _attention_backward_op(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dout: Tensor,
+                           mask_tensors: List[Optional[Tensor]], mask_sizes: List[int], mask_kinds: str,
+                           scale: float, deterministic: bool, sm_limit: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
+    return _attention_backward_impl(q, k, v, o, lse, dout, mask_tensors, mask_sizes, mask_kinds, scale,
+                                    deterministic, sm_limit)
 
 
 @_attention_backward_op.register_fake
@@ -777,8 +826,9 @@ class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sizes: List[int], kinds: str, scale: float,
                 deterministic: bool, sm_limit: int, *mask_tensors: Optional[Tensor]):
-        o, lse = torch.ops.sparsetrain.block_sparse_attention_forward(q, k, v, list(mask_tensors), sizes, kinds,
-                                                                       scale, deterministic, sm_limit)
+        fn = (_attention_forward_impl if _direct(q, k, v, *mask_tensors)
+              else torch.ops.sparsetrain.block_sparse_attention_forward)
+        o, lse = fn(q, k, v, list(mask_tensors), sizes, kinds, scale, deterministic, sm_limit)
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, o, lse, *mask_tensors)
         ctx.sizes, ctx.kinds, ctx.scale, ctx.deterministic, ctx.sm_limit = sizes, kinds, scale, deterministic, sm_limit
@@ -789,9 +839,10 @@ class _AttentionFunction(torch.autograd.Function):
         q, k, v, o, lse, *mask_tensors = ctx.saved_tensors
         if do.stride(-1) != 1:
             do = do.contiguous()
-        dq, dk, dv = torch.ops.sparsetrain.block_sparse_attention_backward(
-            q, k, v, o, lse, do, list(mask_tensors), ctx.sizes, ctx.kinds, ctx.scale, ctx.deterministic,
-            ctx.sm_limit)
+        fn = (_attention_backward_impl if _direct(q, k, v, o, lse, do, *mask_tensors)
+              else torch.ops.sparsetrain.block_sparse_attention_backward)
+        dq, dk, dv = fn(q, k, v, o, lse, do, list(mask_tensors), ctx.sizes, ctx.kinds, ctx.scale, ctx.deterministic,
+                        ctx.sm_limit)
         return (dq, dk, dv, None, None, None, None, None, *([None] * len(mask_tensors)))
 
 

@@ -2,9 +2,12 @@
 backward (S-row buffers under host splits, grad_input refused at forward, buffers that require
 grad refused), backward_dw without delayed wgrad (a no-op, hooks included, as TransformerEngine's),
 the sticky status word of device splits (`splits_status`), the packed-wgrad stride the fake
-implementations use, and the error of an op whose module is gone. GroupedLinear and GroupedMLP
-alike. CPU tensors here; the CUDA cases skip visibly without a GPU."""
+implementations use, the error of an op whose module is gone, and the eager path that skips
+torch's dispatcher (same bytes as the ops; the ops still seen by dispatch modes). GroupedLinear
+and GroupedMLP alike, attention for the eager path. CPU tensors here; the CUDA cases skip visibly
+without a GPU."""
 
+import contextlib
 import gc
 
 import pytest
@@ -191,6 +194,78 @@ def test_an_op_of_a_freed_module_says_so():
     x = torch.randn(T, IN, dtype=BF16)
     with pytest.raises(RuntimeError, match=f"sparsetrain layer {layer_id} no longer exists"):
         torch.ops.sparsetrain.grouped_linear_forward(layer_id, x, torch.tensor(SPLITS), params)
+
+
+class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """A dispatch mode that records the ops it sees (and runs them unchanged)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def _grads_of(run, m, x, probs, dy, mode=None):
+    """(y, x.grad, probs.grad, parameter grads) of one forward + backward, under `mode` if given."""
+    for p in m.parameters():
+        p.grad = None
+    xr, pr = x.detach().clone().requires_grad_(), probs.detach().clone().requires_grad_()
+    with mode if mode is not None else contextlib.nullcontext():
+        y = run(m, xr, pr)
+        y.backward(dy)
+    return [y.detach(), xr.grad, pr.grad if pr.grad is not None else pr.new_zeros(0),
+            *[p.grad for p in m.parameters()]]
+
+
+@pytest.mark.parametrize("make", MODULES)
+@pytest.mark.parametrize("buffers", [False, True], ids=["library_buffers", "caller_buffers"])
+def test_eager_calls_skip_the_dispatcher_with_the_ops_bytes(make, buffers):
+    """Eager calls on plain tensors run the op implementations directly (the dispatcher's cost
+    saved); under a dispatch mode the ops run and the mode sees them. Same bytes either way."""
+    m = make()
+    x, probs, dy = _data(3)
+
+    def run(m, x, p):
+        kw = dict(out=torch.full((T, OUT), float("nan"), dtype=BF16),
+                  grad_input=torch.full((T, IN), float("nan"), dtype=BF16)) if buffers else {}
+        return _call(m, x, p, **kw)
+
+    direct = _grads_of(run, m, x, probs, dy)
+    log = _OpLog()
+    assert stt._direct(x, dy) and not stt._direct(x, torch.empty(0, device="meta"))
+    with log:
+        assert not stt._direct(x, dy), "a dispatch mode is active: the ops must run"
+    via_ops = _grads_of(run, m, x, probs, dy, log)
+    kind = "grouped_mlp" if isinstance(m, stt.GroupedMLP) else "grouped_linear"
+    suffix = "_into" if buffers else ""
+    assert f"sparsetrain.{kind}_forward{suffix}" in log.names, log.names
+    assert f"sparsetrain.{kind}_backward{suffix}" in log.names, log.names
+    for i, (a, b) in enumerate(zip(direct, via_ops)):
+        assert a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), i
+
+
+def test_eager_attention_skips_the_dispatcher_with_the_ops_bytes():
+    gen = torch.Generator().manual_seed(4)
+    q, k, v, do = (torch.randn(1, 2, 200, 16, generator=gen) for _ in range(4))
+    mask = sparsetrain.BlockMask.build("causal", 200)
+
+    def run(mode=None):
+        ins = [t.clone().requires_grad_() for t in (q, k, v)]
+        with mode if mode is not None else contextlib.nullcontext():
+            o = stt.block_sparse_attention(*ins, mask)
+            o.backward(do)
+        return [o.detach()] + [t.grad for t in ins]
+
+    direct = run()
+    log = _OpLog()
+    via_ops = run(log)
+    assert "sparsetrain.block_sparse_attention_forward" in log.names, log.names
+    assert "sparsetrain.block_sparse_attention_backward" in log.names, log.names
+    for a, b in zip(direct, via_ops):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: CUDA torch test skipped")

@@ -1,0 +1,81 @@
+"""Host time per call of the torch front (issue 16): a CPU timer over `calls` calls of tiny cases,
+where the GPU (or CPU) work is small, so what is left is what an eager step pays on the host.
+Cases: GroupedLinear forward at G = 4 and G = 64 (per-expert weights, the O(G) Python path) against
+a Python loop of F.linear plus cat over the same groups; GroupedMLP forward at G = 4; attention
+forward (causal; CUDA: bf16 B1 H2 S256 D64, CPU: fp32 B1 H1 S128 D16). Medians of 5 repeats, after
+warm-up, forward under torch.no_grad() and with autograd recording (grad mode).
+
+    python bench/bench_host.py [--device cpu|cuda] [--calls 1000] [--json out.json]
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def host_us(fn, calls, device):
+    for _ in range(max(10, calls // 10)):
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    reps = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        reps.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(reps)
+
+
+def cases(device):
+    import sparsetrain
+    import sparsetrain.torch as stt
+
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    out = []
+    for G in (4, 64):
+        K = N = 64
+        m = stt.GroupedLinear(G, K, N, bias=True, params_dtype=dt, device=device)
+        x = torch.randn(4 * G, K, device=device, dtype=dt)
+        splits = [4] * G
+        ws, bs = m.weights(), m.biases()
+        out.append((f"grouped_linear_fwd_G{G}", lambda m=m, x=x, s=splits: m(x, s)))
+        out.append((f"loop_of_F.linear_G{G}", lambda x=x, ws=ws, bs=bs, G=G:
+                    torch.cat([F.linear(xi, w, b) for xi, w, b in zip(x.split(4), ws, bs)])))
+    mlp = stt.GroupedMLP(4, 64, 32, bias=True, params_dtype=dt, device=device)
+    xm, pm = torch.randn(16, 64, device=device, dtype=dt), torch.rand(16, device=device)
+    out.append(("grouped_mlp_fwd_G4", lambda: mlp(xm, [4] * 4, pm)))
+    # The CPU reference's work grows with S * S * D: keep it small there.
+    S, H, D = (256, 2, 64) if device == "cuda" else (128, 1, 16)
+    q, k, v = (torch.randn(1, H, S, D, device=device, dtype=dt) for _ in range(3))
+    mask = sparsetrain.BlockMask.build("causal", S, device=device)
+    out.append(("attention_fwd", lambda: stt.block_sparse_attention(q, k, v, mask)))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--calls", type=int, default=1000)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    rows = []
+    for name, fn in cases(a.device):
+        with torch.no_grad():
+            no_grad = host_us(fn, a.calls, a.device)
+        grad = host_us(fn, a.calls, a.device)
+        rows.append({"case": name, "no_grad_us": no_grad, "grad_mode_us": grad})
+        print(f"{name:26s} no_grad {no_grad:8.1f} us   grad mode {grad:8.1f} us", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": a.device, "torch": torch.__version__, "calls": a.calls, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
