@@ -109,6 +109,9 @@ def to_core_splits(splits: Any) -> Any:
     return to_core(splits)
 
 
+_SHARED: dict = {}  # "torch" / "numpy" -> the Framework every array call of that kind uses
+
+
 class Framework:
     """numpy or torch: allocation and result views for the C++ core."""
 
@@ -118,11 +121,18 @@ class Framework:
 
     @staticmethod
     def of(a: Any) -> "Framework":
-        if _is_torch(a):
-            import torch  # noqa: PLC0415
+        """The shared instance of a's framework (its stream wrappers are cached across calls)."""
+        kind = "torch" if _is_torch(a) else "numpy"
+        fw = _SHARED.get(kind)
+        if fw is None:
+            if kind == "torch":
+                import torch  # noqa: PLC0415
 
-            return Framework(torch)
-        return Framework(None)
+                fw = Framework(torch)
+            else:
+                fw = Framework(None)
+            _SHARED[kind] = fw
+        return fw
 
     def stream_of(self, a: Any) -> int:
         """The stream a call on `a` runs on: torch's current stream for CUDA tensors, else 0."""

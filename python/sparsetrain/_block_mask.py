@@ -234,6 +234,7 @@ class BlockMask:
         self.sub_tiles = int(sub_tiles)
         self._fw = framework
         self._other: Optional[BlockMask] = None  # the cached to_torch() / to_numpy() twin
+        self._core_cache: Optional[tuple] = None  # _core_mask()'s
 
     # -- builders ------------------------------------------------------------------------------
     @classmethod
@@ -527,7 +528,21 @@ class BlockMask:
         return self.to_numpy() if fw.torch is None else self.to_torch()
 
     def _core_mask(self) -> dict:
-        """The dict the extension reads (views of this mask's arrays)."""
+        """The dict the extension reads (views of this mask's arrays). Built once and reused while
+        the mask holds the same tensor objects at the same addresses (every call reads it; the
+        cache keeps those tensors, so their addresses cannot be reused by others meanwhile)."""
+        parts = (*(getattr(self, n) for n in TENSOR_NAMES), self.spec, self.spec.doc_q, self.spec.doc_kv,
+                 self.schedule_permutation, self.seq_q, self.seq_kv, self.block_q, self.block_kv, self.sub_tiles,
+                 self.schedule, self.walk)
+        ptrs = tuple(p.data_ptr() if hasattr(p, "data_ptr") else None for p in parts)
+        cached = self._core_cache
+        if cached is not None and cached[1] == ptrs and all(a is b for a, b in zip(cached[0], parts)):
+            return cached[2]
+        d = self._build_core_mask()
+        self._core_cache = (parts, ptrs, d)
+        return d
+
+    def _build_core_mask(self) -> dict:
         perm = self.schedule_permutation
         d = {"seq_q": self.seq_q, "seq_kv": self.seq_kv, "block_q": self.block_q, "block_kv": self.block_kv,
              "sub_tiles": self.sub_tiles, "schedule": self.schedule, "schedule_walk": self.walk,

@@ -770,8 +770,11 @@ def _device_guard(t: Tensor) -> Any:
 
 def _attention_forward_impl(q: Tensor, k: Tensor, v: Tensor, mask_tensors: Sequence[Optional[Tensor]],
                             mask_sizes: List[int], mask_kinds: str, scale: float,
-                            deterministic: bool, sm_limit: int = 0) -> Tuple[Tensor, Tensor]:
-    mask = _mask_from_args(mask_tensors, mask_sizes, mask_kinds)
+                            deterministic: bool, sm_limit: int = 0,
+                            mask: Optional[BlockMask] = None) -> Tuple[Tensor, Tensor]:
+    # `mask`: the caller's BlockMask itself where it is at hand (eager calls: its descriptors are
+    # cached on it), else rebuilt from the op's arguments.
+    mask = _mask_from_args(mask_tensors, mask_sizes, mask_kinds) if mask is None else mask
     with _device_guard(q):
         o, lse = _attention_forward(_bshd(q), _bshd(k), _bshd(v), mask, scale=scale or None,
                                     deterministic=deterministic, sm_limit=sm_limit)
@@ -793,12 +796,13 @@ def _(q, k, v, mask_tensors, mask_sizes, mask_kinds, scale, deterministic, sm_li
 
 def _attention_backward_impl(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dout: Tensor,
                              mask_tensors: Sequence[Optional[Tensor]], mask_sizes: List[int], mask_kinds: str,
-                             scale: float, deterministic: bool, sm_limit: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
+                             scale: float, deterministic: bool, sm_limit: int = 0,
+                             mask: Optional[BlockMask] = None) -> Tuple[Tensor, Tensor, Tensor]:
     # `deterministic` comes resolved from block_sparse_attention (torch's deterministic mode at
     # the forward included); the mode is read again here, when the backward runs, as torch's own
     # kernels read it: switched on between the forward and the backward, it still applies.
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
-    mask = _mask_from_args(mask_tensors, mask_sizes, mask_kinds)
+    mask = _mask_from_args(mask_tensors, mask_sizes, mask_kinds) if mask is None else mask
     with _device_guard(q):
         dq, dk, dv = _attention_backward(_bshd(q), _bshd(k), _bshd(v), _bshd(o), lse, _bshd(dout), mask,
                                          scale=scale or None, deterministic=deterministic, sm_limit=sm_limit)
@@ -825,10 +829,15 @@ def _(q, k, v, o, lse, dout, mask_tensors, mask_sizes, mask_kinds, scale, determ
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sizes: List[int], kinds: str, scale: float,
-                deterministic: bool, sm_limit: int, *mask_tensors: Optional[Tensor]):
-        fn = (_attention_forward_impl if _direct(q, k, v, *mask_tensors)
-              else torch.ops.sparsetrain.block_sparse_attention_forward)
-        o, lse = fn(q, k, v, list(mask_tensors), sizes, kinds, scale, deterministic, sm_limit)
+                deterministic: bool, sm_limit: int, mask: Optional[BlockMask], *mask_tensors: Optional[Tensor]):
+        # mask: the BlockMask of mask_tensors in eager calls (None under torch.compile)
+        ctx.mask = mask if _direct(q, k, v, *mask_tensors) else None
+        if ctx.mask is not None:
+            o, lse = _attention_forward_impl(q, k, v, mask_tensors, sizes, kinds, scale, deterministic, sm_limit,
+                                             ctx.mask)
+        else:
+            o, lse = torch.ops.sparsetrain.block_sparse_attention_forward(q, k, v, list(mask_tensors), sizes, kinds,
+                                                                           scale, deterministic, sm_limit)
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(q, k, v, o, lse, *mask_tensors)
         ctx.sizes, ctx.kinds, ctx.scale, ctx.deterministic, ctx.sm_limit = sizes, kinds, scale, deterministic, sm_limit
@@ -839,11 +848,13 @@ class _AttentionFunction(torch.autograd.Function):
         q, k, v, o, lse, *mask_tensors = ctx.saved_tensors
         if do.stride(-1) != 1:
             do = do.contiguous()
-        fn = (_attention_backward_impl if _direct(q, k, v, o, lse, do, *mask_tensors)
-              else torch.ops.sparsetrain.block_sparse_attention_backward)
-        dq, dk, dv = fn(q, k, v, o, lse, do, list(mask_tensors), ctx.sizes, ctx.kinds, ctx.scale, ctx.deterministic,
-                        ctx.sm_limit)
-        return (dq, dk, dv, None, None, None, None, None, *([None] * len(mask_tensors)))
+        args = (q, k, v, o, lse, do, list(mask_tensors), ctx.sizes, ctx.kinds, ctx.scale, ctx.deterministic,
+                ctx.sm_limit)
+        if _direct(q, k, v, o, lse, do, *mask_tensors):
+            dq, dk, dv = _attention_backward_impl(*args, ctx.mask)
+        else:
+            dq, dk, dv = torch.ops.sparsetrain.block_sparse_attention_backward(*args)
+        return (dq, dk, dv, None, None, None, None, None, None, *([None] * len(mask_tensors)))
 
 
 def _check_attention_inputs(q: Any, k: Any, v: Any, mask: BlockMask) -> None:
@@ -916,5 +927,6 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMas
     _check_attention_inputs(q, k, v, mask)
     tensors, sizes, kinds = _mask_args(mask)
     o, lse = _AttentionFunction.apply(q, k, v, sizes, kinds, _scale_arg(scale), _deterministic_arg(deterministic),
-                                      _sm_limit_arg(sm_limit), *tensors)
+                                      _sm_limit_arg(sm_limit), None if torch.compiler.is_compiling() else mask,
+                                      *tensors)
     return (o, lse) if return_lse else o

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import sparsetrain as st
+from sparsetrain._block_mask import TENSOR_NAMES as _TENSOR_NAMES
 
 
 def _allowed(kind, sq, skv, **p):
@@ -189,3 +190,19 @@ def test_cu_seqlens_bad_input():
         st.BlockMask.build("document", 8, cu_seqlens_k=cu)
     with pytest.raises(ValueError, match="max_seqlen_q: expected an int >= 0 or None"):
         st.BlockMask.from_cu_seqlens(cu, cu, -1, 4)
+
+
+def test_mask_descriptors_follow_the_masks_tensors():
+    """The extension's view of a mask is cached on it (every call reads it); a mask whose tensors
+    are replaced is read with its new tensors, never the old ones."""
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 48, 2, 16), np.float32) for _ in range(3))
+    mask = st.BlockMask.build("causal", 48, block_size=16)
+    full = st.BlockMask.build("full", 48, block_size=16)
+    o1, _ = st.block_sparse_attention_forward(q, k, v, mask)
+    assert np.array_equal(st.block_sparse_attention_forward(q, k, v, mask)[0], o1)
+    for name in _TENSOR_NAMES:
+        setattr(mask, name, getattr(full, name))
+    o2, _ = st.block_sparse_attention_forward(q, k, v, mask)
+    assert np.array_equal(o2, st.block_sparse_attention_forward(q, k, v, full)[0])
+    assert not np.array_equal(o2, o1)
