@@ -13,7 +13,7 @@
 // walk order (bwd_walk_shape, common/attention_bwd_walk.h: by default q blocks descending with the
 // heads innermost, or per head ascending); at each it waits until q block m's semaphore (per
 // batch, query head and q block) equals its turn, adds its dQ partial (one unit of time), and
-// increments it. The turn of sub-column t is the stored write order (the turn of sub-column 0) + t.
+// increments it. The turn of sub-column t: dq_visit_turn(stored write order, t) (common/dq_turn.h).
 // The non-deterministic mode (atomic adds) is the same walk without the waits: the ratio of the
 // two critical paths is the model's det / nondet. The unit is a q block (the kernel's 64-row q
 // tiles of one block run back to back, so a block's cost scales both modes alike).
@@ -26,6 +26,7 @@
 
 #include "common/attention_bwd_walk.h"  // BwdWalkShape: the walk order, shared with the kernel
 #include "common/block_mask_rows.h"     // schedule_column, ST_HOST_DEVICE
+#include "common/dq_turn.h"
 #include "sparsetrain/block_mask.h"
 
 namespace sparsetrain {
@@ -160,7 +161,7 @@ inline DqModelResult simulate_dq_backward(const DqModelProblem& pb, const DqColu
     w.pos = begin + (pb.walk.descending ? len - 1 - w.k : w.k);
     const int64_t h = w.item.kv_head * group + w.head;
     w.sem = (w.item.batch * pb.q_heads + h) * pb.num_q_blocks + pb.walk_q_block[size_t(w.pos)];
-    w.turn = int64_t(pb.walk_turn[size_t(w.pos)]) + w.item.sub_tile;
+    w.turn = dq_visit_turn(pb.walk_turn[size_t(w.pos)], int32_t(w.item.sub_tile));
     return true;
   };
   auto take_item = [&](Worker& w) {

@@ -249,16 +249,16 @@ std::string check_write_order(const BlockMask& mask) {
            std::to_string(sch.permutation.size());
   int64_t B = 1, H = 1;
   mask_leading_dims(mask, &B, &H);
-  std::vector<int64_t> next_turn(static_cast<size_t>(Mq));
+  std::vector<int64_t> writers(static_cast<size_t>(Mq));  // columns seen so far at each q block
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h) {
       const IndexRows q = mask_rows(mask.q_num_blocks, mask.q_indices, b, h);
       const IndexRows fq = mask_rows(mask.full_q_num_blocks, mask.full_q_indices, b, h);
       const WriteOrderOut wo = mask_write_order(mask.dq_write_order, b, h);
       const WriteOrderOut fwo = mask_write_order(mask.dq_write_order_full, b, h);
-      std::fill(next_turn.begin(), next_turn.end(), 0);
+      std::fill(writers.begin(), writers.end(), 0);
       // Columns in hand-out order: at each q block the next turn must go to the next column
-      // touching it (turns 0, s, 2s, ... for the first sub-columns).
+      // touching it (common/dq_turn.h).
       for (int64_t p = 0; p < Nk; ++p) {
         const int64_t n = schedule_column(sch.kind, sch.permutation.data(), p, Nk);
         if (n < 0 || n >= Nk) return "schedule.permutation: expected column ids in [0, Nk), got " + sch.str();
@@ -276,16 +276,16 @@ std::string check_write_order(const BlockMask& mask) {
           for (int32_t i = 0; i < c; ++i) {
             const int32_t m = rows.at(n, i);
             if (m < 0 || m >= Mq) return "q_indices: expected q blocks in [0, Mq), got " + std::to_string(m);
-            const int64_t got = order.at(n, i), want = next_turn[size_t(m)];
+            const int64_t got = order.at(n, i), want = dq_stored_turn(writers[size_t(m)], s);
             if (got != want) {
               std::ostringstream os;
               os << (pass == 0 ? "dq_write_order" : "dq_write_order_full") << "[b=" << b << ", h=" << h << ", column "
                  << n << ", q block " << m << "]: expected turn " << want << " (column " << n << " is writer "
-                 << want / s << " of q block " << m << " in " << sch.str() << " order, " << s
+                 << writers[size_t(m)] << " of q block " << m << " in " << sch.str() << " order, " << s
                  << " sub-tile(s) per column), got " << got;
               return os.str();
             }
-            next_turn[size_t(m)] += s;
+            ++writers[size_t(m)];
           }
         }
       }

@@ -316,7 +316,7 @@ __device__ void bwd_write_dq(const typename T::Params& p, typename T::SharedStor
       cutlass::arch::ClusterBarrier::wait(&ss.dq_full[buf], (n_dq / T::kDqBuffers) & 1);
       const int64_t tile = bwd_q_tile_index(b, visit.q_head, a.heads_q, a.lists.num_q_tiles, visit.q_tile);
       int32_t* sem = a.semaphores + tile;
-      if (a.deterministic) wait_turn(sem, visit.turn + int32_t(w.sub_tile), a);
+      if (a.deterministic) wait_turn(sem, dq_visit_turn(visit.turn, int32_t(w.sub_tile)), a);
       bulk_reduce_add(a.dq_accum + tile * (T::kBlockM * T::kHeadDim), ss.dq.data() + buf * (T::kBlockM * T::kHeadDim),
                       T::kDqBytes);
       tma_store_arrive();

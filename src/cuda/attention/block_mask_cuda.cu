@@ -185,7 +185,7 @@ __global__ void cols_kernel(const DeviceMaskBuild p, int32_t* q_num, int32_t* q_
     const int64_t m = base + threadIdx.x;
     const int32_t r = m < Mq ? records[m * Nk] : make_record(kBlockSkipped, 0);
     const int32_t cls = record_class(r);
-    const int32_t turn = int32_t(int64_t(record_rank(r)) * p.sub_tiles);
+    const int32_t turn = int32_t(dq_stored_turn(record_rank(r), p.sub_tiles));
     Counts chunk;
     const Counts before = listed + cta_exclusive_sum(count_of(cls), &chunk, warp_sums);
     if (cls == kBlockPartial) {
