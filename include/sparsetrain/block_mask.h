@@ -65,6 +65,9 @@ struct ColumnSchedule {
   std::string str() const;
 };
 const char* walk_order_name(WalkOrder w);  // "descending_heads_inner", "ascending_heads_outer"
+WalkOrder parse_walk_order(const std::string& name);  // the inverse; an error naming `walk` otherwise
+const char* schedule_kind_name(ScheduleKind k);  // "left_to_right", "shortest_first", "permutation"
+ScheduleKind parse_schedule_kind(const std::string& name);  // the inverse; an error naming `schedule`
 
 // Non-owning views of a block mask (host or device memory; int32 index tensors).
 struct BlockMask {

@@ -32,4 +32,10 @@ struct MaskSpec {
   std::string str() const;  // e.g. "sliding_window(left=2048, right=0)"
 };
 
+// The kinds' names ("full", "causal", "causal_bottom_right", "sliding_window", "document",
+// "document_causal", "prefix_lm", "bitmask"), as the Python and torch fronts spell them, and the
+// inverse (an invalid-argument error naming `kind` for any other string).
+const char* mask_kind_name(MaskKind kind);
+MaskKind parse_mask_kind(const std::string& name);
+
 }  // namespace sparsetrain

@@ -396,55 +396,10 @@ class PyGroupedMLP {
 // sizes, the index tensors (arrays, torch descriptors or None), the spec and the schedule. The
 // dict keeps every array alive for the call; the C++ mask is a set of views of them.
 
-st::MaskKind parse_mask_kind(const std::string& s) {
-  static const std::pair<const char*, st::MaskKind> kinds[] = {
-      {"full", st::MaskKind::kFull},
-      {"causal", st::MaskKind::kCausal},
-      {"causal_bottom_right", st::MaskKind::kCausalBottomRight},
-      {"sliding_window", st::MaskKind::kSlidingWindow},
-      {"document", st::MaskKind::kDocument},
-      {"document_causal", st::MaskKind::kDocumentCausal},
-      {"prefix_lm", st::MaskKind::kPrefixLM},
-      {"bitmask", st::MaskKind::kBitmask}};
-  for (const auto& [name, kind] : kinds)
-    if (s == name) return kind;
-  st::detail::throw_arg_error("kind",
-                              "one of full, causal, causal_bottom_right, sliding_window, document, "
-                              "document_causal, prefix_lm, bitmask",
-                              s);
-}
-
-const char* mask_kind_name(st::MaskKind k) {
-  switch (k) {
-    case st::MaskKind::kFull: return "full";
-    case st::MaskKind::kCausal: return "causal";
-    case st::MaskKind::kCausalBottomRight: return "causal_bottom_right";
-    case st::MaskKind::kSlidingWindow: return "sliding_window";
-    case st::MaskKind::kDocument: return "document";
-    case st::MaskKind::kDocumentCausal: return "document_causal";
-    case st::MaskKind::kPrefixLM: return "prefix_lm";
-    case st::MaskKind::kBitmask: return "bitmask";
-  }
-  return "?";
-}
-
-const char* schedule_name(st::ScheduleKind k) {
-  switch (k) {
-    case st::ScheduleKind::kLeftToRight: return "left_to_right";
-    case st::ScheduleKind::kShortestFirst: return "shortest_first";
-    case st::ScheduleKind::kPermutation: return "permutation";
-  }
-  return "?";
-}
-
 // A walk order from Python: "descending_heads_inner" (the default, also for None) or
 // "ascending_heads_outer".
 st::WalkOrder parse_walk(nb::handle obj) {
-  if (obj.is_none()) return st::WalkOrder::kDescendingHeadsInner;
-  const std::string name = nb::cast<std::string>(obj);
-  if (name == st::walk_order_name(st::WalkOrder::kDescendingHeadsInner)) return st::WalkOrder::kDescendingHeadsInner;
-  if (name == st::walk_order_name(st::WalkOrder::kAscendingHeadsOuter)) return st::WalkOrder::kAscendingHeadsOuter;
-  st::detail::throw_arg_error("walk", "\"descending_heads_inner\" or \"ascending_heads_outer\"", name);
+  return obj.is_none() ? st::WalkOrder::kDescendingHeadsInner : st::parse_walk_order(nb::cast<std::string>(obj));
 }
 
 // A schedule from Python: "left_to_right", "shortest_first", or a list of column ids ("auto" is
@@ -454,10 +409,12 @@ st::ColumnSchedule parse_schedule(nb::handle obj, nb::handle walk = nb::none()) 
   s.walk = parse_walk(walk);
   if (nb::isinstance<nb::str>(obj)) {
     const std::string name = nb::cast<std::string>(obj);
-    if (name == "left_to_right") return s;
-    if (name == "shortest_first") {
-      s.kind = st::ScheduleKind::kShortestFirst;
-      return s;
+    if (name != st::schedule_kind_name(st::ScheduleKind::kPermutation)) {
+      for (st::ScheduleKind k : {st::ScheduleKind::kLeftToRight, st::ScheduleKind::kShortestFirst})
+        if (name == st::schedule_kind_name(k)) {
+          s.kind = k;
+          return s;
+        }
     }
     st::detail::throw_arg_error("schedule", "\"auto\", \"left_to_right\", \"shortest_first\" or a permutation", name);
   }
@@ -468,7 +425,7 @@ st::ColumnSchedule parse_schedule(nb::handle obj, nb::handle walk = nb::none()) 
 
 st::MaskSpec spec_of(const nb::dict& d) {
   st::MaskSpec spec;
-  spec.kind = parse_mask_kind(nb::cast<std::string>(d["kind"]));
+  spec.kind = st::parse_mask_kind(nb::cast<std::string>(d["kind"]));
   spec.window_left = nb::cast<int64_t>(d["window_left"]);
   spec.window_right = nb::cast<int64_t>(d["window_right"]);
   spec.prefix_length = nb::cast<int64_t>(d["prefix_length"]);
@@ -517,11 +474,11 @@ nb::dict export_mask(st::BlockMaskTensors& t, const PyAllocator& alloc) {
                                &t.dq_write_order, &t.dq_write_order_full, &t.partial_bitmasks};
   for (int i = 0; i < 11; ++i) d[kMaskTensorNames[i]] = export_tensor(*owned[i], alloc);
   d["sub_tiles"] = m.write_order_sub_tiles;
-  d["schedule"] = schedule_name(m.schedule.kind);
+  d["schedule"] = st::schedule_kind_name(m.schedule.kind);
   d["schedule_walk"] = st::walk_order_name(m.schedule.walk);
   d["schedule_permutation"] =
       m.schedule.kind == st::ScheduleKind::kPermutation ? nb::cast(m.schedule.permutation) : nb::none();
-  d["spec_kind"] = mask_kind_name(m.spec.kind);
+  d["spec_kind"] = st::mask_kind_name(m.spec.kind);
   return d;
 }
 
@@ -724,13 +681,13 @@ NB_MODULE(_C, m) {
   m.def("check_write_order", [](nb::dict mask) { return st::check_write_order(mask_of(mask)); }, nb::arg("mask"));
   // "auto"'s choice and the model's critical paths of every candidate (the bench reports them).
   m.def("choose_schedule", [](nb::dict mask, nb::handle problem) {
-    return std::string(schedule_name(st::choose_schedule(mask_of(mask), parse_problem(problem)).kind));
+    return std::string(st::schedule_kind_name(st::choose_schedule(mask_of(mask), parse_problem(problem)).kind));
   }, nb::arg("mask"), nb::arg("problem").none() = nb::none());
   m.def("schedule_candidates", [](nb::dict mask, nb::handle problem) {
     nb::list out;
     for (const st::ScheduleCandidate& c : st::schedule_candidates(mask_of(mask), parse_problem(problem))) {
       nb::dict d;
-      d["schedule"] = schedule_name(c.schedule.kind);
+      d["schedule"] = st::schedule_kind_name(c.schedule.kind);
       d["walk"] = st::walk_order_name(c.schedule.walk);
       d["critical_path"] = c.critical_path;
       d["nondeterministic_critical_path"] = c.nondeterministic_critical_path;

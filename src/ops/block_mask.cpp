@@ -38,6 +38,51 @@ const char* walk_order_name(WalkOrder w) {
   return w == WalkOrder::kAscendingHeadsOuter ? "ascending_heads_outer" : "descending_heads_inner";
 }
 
+WalkOrder parse_walk_order(const std::string& name) {
+  for (WalkOrder w : {WalkOrder::kDescendingHeadsInner, WalkOrder::kAscendingHeadsOuter})
+    if (name == walk_order_name(w)) return w;
+  detail::throw_arg_error("walk", "\"descending_heads_inner\" or \"ascending_heads_outer\"", name);
+}
+
+const char* schedule_kind_name(ScheduleKind k) {
+  switch (k) {
+    case ScheduleKind::kLeftToRight: return "left_to_right";
+    case ScheduleKind::kShortestFirst: return "shortest_first";
+    case ScheduleKind::kPermutation: return "permutation";
+  }
+  return "?";
+}
+
+ScheduleKind parse_schedule_kind(const std::string& name) {
+  for (ScheduleKind k : {ScheduleKind::kLeftToRight, ScheduleKind::kShortestFirst, ScheduleKind::kPermutation})
+    if (name == schedule_kind_name(k)) return k;
+  detail::throw_arg_error("schedule", "\"left_to_right\", \"shortest_first\" or \"permutation\"", name);
+}
+
+const char* mask_kind_name(MaskKind k) {
+  switch (k) {
+    case MaskKind::kFull: return "full";
+    case MaskKind::kCausal: return "causal";
+    case MaskKind::kCausalBottomRight: return "causal_bottom_right";
+    case MaskKind::kSlidingWindow: return "sliding_window";
+    case MaskKind::kDocument: return "document";
+    case MaskKind::kDocumentCausal: return "document_causal";
+    case MaskKind::kPrefixLM: return "prefix_lm";
+    case MaskKind::kBitmask: return "bitmask";
+  }
+  return "?";
+}
+
+MaskKind parse_mask_kind(const std::string& name) {
+  for (MaskKind k : {MaskKind::kFull, MaskKind::kCausal, MaskKind::kCausalBottomRight, MaskKind::kSlidingWindow,
+                     MaskKind::kDocument, MaskKind::kDocumentCausal, MaskKind::kPrefixLM, MaskKind::kBitmask})
+    if (name == mask_kind_name(k)) return k;
+  detail::throw_arg_error("kind",
+                          "one of full, causal, causal_bottom_right, sliding_window, document, document_causal, "
+                          "prefix_lm, bitmask",
+                          name);
+}
+
 std::string ColumnSchedule::str() const {
   const std::string walk_text = walk == WalkOrder::kDescendingHeadsInner ? "" : " + ascending heads outer";
   switch (kind) {
@@ -57,21 +102,10 @@ std::string ColumnSchedule::str() const {
 
 std::string MaskSpec::str() const {
   std::ostringstream os;
-  switch (kind) {
-    case MaskKind::kFull: return "full";
-    case MaskKind::kCausal: return "causal";
-    case MaskKind::kCausalBottomRight: return "causal_bottom_right";
-    case MaskKind::kSlidingWindow:
-      os << "sliding_window(left=" << window_left << ", right=" << window_right << ")";
-      return os.str();
-    case MaskKind::kDocument: return "document";
-    case MaskKind::kDocumentCausal: return "document_causal";
-    case MaskKind::kPrefixLM:
-      os << "prefix_lm(prefix_length=" << prefix_length << ")";
-      return os.str();
-    case MaskKind::kBitmask: return "bitmask";
-  }
-  return "?";
+  os << mask_kind_name(kind);
+  if (kind == MaskKind::kSlidingWindow) os << "(left=" << window_left << ", right=" << window_right << ")";
+  if (kind == MaskKind::kPrefixLM) os << "(prefix_length=" << prefix_length << ")";
+  return os.str();
 }
 
 // ---- slices --------------------------------------------------------------------------------
