@@ -15,6 +15,8 @@ import atexit
 import contextlib
 import itertools
 import math
+import os
+import warnings
 import weakref
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -768,10 +770,32 @@ def _device_guard(t: Tensor) -> Any:
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
+def _load_native() -> Any:
+    """torch.ops.sparsetrain_native (python/src/torch_ops.cpp: attention as C++ torch operators,
+    no Python per allocation or result) where it was built and loads against this torch; else
+    None, and attention runs through the extension `_C`. SPARSETRAIN_TORCH_OPS=0 chooses `_C`."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_torch_ops.so")
+    if os.environ.get("SPARSETRAIN_TORCH_OPS", "1") == "0" or not os.path.exists(path):
+        return None
+    try:
+        torch.ops.load_library(path)
+    except (OSError, RuntimeError) as e:  # built against another torch
+        warnings.warn(f"sparsetrain: {path} does not load here ({e}); attention runs through sparsetrain._C")
+        return None
+    return torch.ops.sparsetrain_native
+
+
+_NATIVE = _load_native()
+
+
 def _attention_forward_impl(q: Tensor, k: Tensor, v: Tensor, mask_tensors: Sequence[Optional[Tensor]],
                             mask_sizes: List[int], mask_kinds: str, scale: float,
                             deterministic: bool, sm_limit: int = 0,
                             mask: Optional[BlockMask] = None) -> Tuple[Tensor, Tensor]:
+    if _NATIVE is not None:
+        o, lse = _NATIVE.attention_forward(_bshd(q), _bshd(k), _bshd(v), list(mask_tensors), list(mask_sizes),
+                                           mask_kinds, scale, deterministic, sm_limit)
+        return _bshd(o), lse
     # `mask`: the caller's BlockMask itself where it is at hand (eager calls: its descriptors are
     # cached on it), else rebuilt from the op's arguments.
     mask = _mask_from_args(mask_tensors, mask_sizes, mask_kinds) if mask is None else mask
@@ -802,6 +826,11 @@ def _attention_backward_impl(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Te
     # the forward included); the mode is read again here, when the backward runs, as torch's own
     # kernels read it: switched on between the forward and the backward, it still applies.
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
+    if _NATIVE is not None:
+        dq, dk, dv = _NATIVE.attention_backward(_bshd(q), _bshd(k), _bshd(v), _bshd(o), lse, _bshd(dout),
+                                                list(mask_tensors), list(mask_sizes), mask_kinds, scale,
+                                                deterministic, sm_limit)
+        return _bshd(dq), _bshd(dk), _bshd(dv)
     mask = _mask_from_args(mask_tensors, mask_sizes, mask_kinds) if mask is None else mask
     with _device_guard(q):
         dq, dk, dv = _attention_backward(_bshd(q), _bshd(k), _bshd(v), _bshd(o), lse, _bshd(dout), mask,

@@ -653,3 +653,46 @@ def test_cu_seqlens_arguments():
     if torch.cuda.is_available():  # offsets on a CUDA device need the lengths (no host read)
         with pytest.raises(ValueError, match="seq_q: expected the packed query length"):
             stt.BlockMask.from_cu_seqlens(cu.cuda())
+
+
+NATIVE_CASES = {
+    "causal_gqa": (dict(kind="causal", seq_q=200, block_size=64), (2, 4, 2, 200, 200, 16)),
+    "window_perm": (dict(kind="sliding_window", seq_q=150, window_left=40, window_right=10, block_size=32,
+                         schedule=[4, 0, 3, 1, 2]), (1, 2, 2, 150, 150, 8)),
+    "doc_causal": (dict(kind="document_causal", seq_q=96, block_size=16,
+                        document_ids=torch.tensor([0] * 30 + [1] * 5 + [2] * 61)), (1, 2, 1, 96, 96, 16)),
+    "prefix_rect": (dict(kind="prefix_lm", seq_q=70, seq_kv=70, prefix_length=23, block_size=(16, 32)),
+                    (2, 1, 1, 70, 70, 8)),
+    "full_sq_ne_skv": (dict(kind="full", seq_q=33, seq_kv=90, block_size=16), (1, 3, 1, 33, 90, 16)),
+}
+
+
+@pytest.mark.skipif(stt._NATIVE is None, reason="the C++ torch operators (sparsetrain/_torch_ops.so) are not built "
+                    "here, or SPARSETRAIN_TORCH_OPS=0: their parity test skipped")
+@pytest.mark.parametrize("name", list(NATIVE_CASES))
+def test_native_torch_ops_equal_the_extension_path(name, monkeypatch):
+    """Attention through the C++ torch operators (the default where built) gives the bytes of the
+    extension path (`_C`), forward and backward; their errors are ValueErrors naming the argument."""
+    spec, shape = NATIVE_CASES[name]
+    spec = dict(spec)
+    kind, sq = spec.pop("kind"), spec.pop("seq_q")
+    skv = spec.pop("seq_kv", None)
+    mask = st.BlockMask.build(kind, sq, skv, framework="torch", **spec)
+
+    def run():
+        q, k, v, do = _inputs(*shape, seed=5)
+        o, lse = stt.block_sparse_attention(q, k, v, mask, return_lse=True)
+        o.backward(do)
+        return [o.detach(), lse, q.grad, k.grad, v.grad]
+
+    native = run()
+    monkeypatch.setattr(stt, "_NATIVE", None)
+    extension = run()
+    for a, b in zip(native, extension):
+        assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a.view(torch.int32), b.view(torch.int32))
+    monkeypatch.undo()
+    q, k, v, _ = _inputs(*shape)
+    bad = st.BlockMask.build(kind, sq, skv, framework="torch", **spec)
+    bad.kv_num_blocks[0, 0, 0] = 99
+    with pytest.raises(ValueError, match=r"mask.kv_num_blocks"):
+        stt.block_sparse_attention(q, k, v, bad)

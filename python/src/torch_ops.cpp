@@ -1,0 +1,199 @@
+// sparsetrain's attention as C++ torch operators (`torch.ops.sparsetrain_native.*`), the eager
+// path of sparsetrain.torch: at::Tensor arguments become views here, outputs come from torch's
+// caching allocator (at::empty on the current stream) and go back as tensors sharing that memory,
+// with no Python in between (the numpy/DLPack module `_C` crosses into Python for each allocation
+// and each result). Built where the Python build's torch has its C++ headers; sparsetrain.torch
+// falls back to `_C` where this library is absent. torch.compile keeps tracing the Python custom
+// ops (sparsetrain::block_sparse_attention_*), whose implementations call these.
+//
+// The mask arrives as the custom ops pass it: its tensors in sparsetrain._block_mask.TENSOR_NAMES
+// order then doc_q, doc_kv and the schedule permutation (undefined where absent), its sizes
+// (seq_q, seq_kv, block_q, block_kv, sub_tiles, window_left, window_right, prefix_length) and
+// "kind,schedule,walk".
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#ifdef SPARSETRAIN_TORCH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include <map>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "sparsetrain/attention.h"
+#include "sparsetrain/block_mask.h"
+#include "sparsetrain/error.h"
+
+namespace st = sparsetrain;
+
+namespace {
+
+st::DType dtype_of(const at::Tensor& t, const char* arg) {
+  switch (t.scalar_type()) {
+    case at::kBFloat16: return st::DType::kBF16;
+    case at::kHalf: return st::DType::kFP16;
+    case at::kFloat: return st::DType::kFP32;
+    case at::kInt: return st::DType::kInt32;
+    case at::kLong: return st::DType::kInt64;
+    case at::kByte: return st::DType::kUInt8;
+    default: break;
+  }
+  st::detail::throw_arg_error(arg, "dtype bf16, fp16, fp32, int32, int64 or uint8", std::string(at::toString(t.scalar_type())));
+}
+
+st::Device device_of(const at::Tensor& t, const char* arg) {
+  if (t.is_cpu()) return st::Device::cpu();
+  if (t.is_cuda()) return st::Device::cuda(t.get_device());
+  st::detail::throw_arg_error(arg, "a CPU or CUDA tensor", t.device().str());
+}
+
+st::TensorView view_of(const at::Tensor& t, const char* arg) {
+  if (!t.defined()) return {};
+  ST_CHECK_ARG(t.dim() >= 1 && t.dim() <= st::TensorView::kMaxDims, arg,
+               "1 to " + std::to_string(st::TensorView::kMaxDims) + " dims", t.dim());
+  return st::TensorView(t.data_ptr(), dtype_of(t, arg), t.sizes().data(), t.strides().data(), int(t.dim()),
+                        device_of(t, arg));
+}
+
+// Memory from torch's caching allocator: at::empty on the call's device (on CUDA the current
+// stream, which is the stream the call's kernels run on). Results leave as tensors holding the
+// allocation they live in.
+class TorchAllocator final : public st::Allocator {
+ public:
+  void* allocate(size_t bytes, st::Device device, st::Stream) override {
+    const at::Device dev = device.is_cpu() ? at::Device(at::kCPU) : at::Device(at::kCUDA, c10::DeviceIndex(device.index));
+    at::Tensor owner = at::empty({int64_t(bytes) + kAlign}, at::TensorOptions().dtype(at::kByte).device(dev));
+    const auto addr = reinterpret_cast<uintptr_t>(owner.data_ptr());
+    void* p = reinterpret_cast<void*>(addr + (kAlign - addr % kAlign) % kAlign);
+    live_[p] = std::move(owner);
+    return p;
+  }
+  void deallocate(void* p, size_t, st::Device, st::Stream) override { live_.erase(p); }
+
+  // A result as a torch tensor that keeps its allocation alive.
+  at::Tensor take(const st::Tensor& t) {
+    const st::TensorView& v = t.view();
+    auto it = live_.upper_bound(v.data());
+    if (it == live_.begin()) ST_FAIL("internal: no allocation holds address ", v.data());
+    --it;
+    at::Tensor owner = it->second;
+    const at::ScalarType type = v.dtype() == st::DType::kBF16   ? at::kBFloat16
+                                : v.dtype() == st::DType::kFP16 ? at::kHalf
+                                                                : at::kFloat;
+    return at::from_blob(
+        v.data(), at::IntArrayRef(v.shape(), size_t(v.dim())), at::IntArrayRef(v.strides(), size_t(v.dim())),
+        [owner](void*) mutable { owner.reset(); }, owner.options().dtype(type));
+  }
+
+ private:
+  static constexpr int64_t kAlign = 256;
+  std::map<void*, at::Tensor> live_;
+};
+
+st::BlockMask mask_of(const std::vector<std::optional<at::Tensor>>& tensors, at::IntArrayRef sizes,
+                      const std::string& kinds) {
+  static const char* const kNames[] = {"kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+                                       "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices",
+                                       "dq_write_order", "dq_write_order_full", "partial_bitmasks"};
+  ST_CHECK_ARG(tensors.size() == 14, "mask tensors", "14 (the index tensors, doc_q, doc_kv, the permutation)",
+               tensors.size());
+  ST_CHECK_ARG(sizes.size() == 8, "mask sizes", "8", sizes.size());
+  auto at_ = [&](size_t i) { return tensors[i].has_value() ? *tensors[i] : at::Tensor(); };
+  st::BlockMask m;
+  m.seq_q = sizes[0], m.seq_kv = sizes[1], m.block_q = sizes[2], m.block_kv = sizes[3];
+  m.write_order_sub_tiles = sizes[4];
+  st::TensorView* fields[] = {&m.kv_num_blocks, &m.kv_indices, &m.full_kv_num_blocks, &m.full_kv_indices,
+                              &m.q_num_blocks, &m.q_indices, &m.full_q_num_blocks, &m.full_q_indices,
+                              &m.dq_write_order, &m.dq_write_order_full, &m.partial_bitmasks};
+  for (size_t i = 0; i < 11; ++i) *fields[i] = view_of(at_(i), kNames[i]);
+  const size_t c1 = kinds.find(','), c2 = kinds.find(',', c1 + 1);
+  ST_CHECK_ARG(c1 != std::string::npos && c2 != std::string::npos, "mask kinds", "\"kind,schedule,walk\"", kinds);
+  m.spec.kind = st::parse_mask_kind(kinds.substr(0, c1));
+  m.spec.window_left = sizes[5], m.spec.window_right = sizes[6], m.spec.prefix_length = sizes[7];
+  m.spec.doc_q = view_of(at_(11), "doc_q");
+  m.spec.doc_kv = view_of(at_(12), "doc_kv");
+  m.schedule.kind = st::parse_schedule_kind(kinds.substr(c1 + 1, c2 - c1 - 1));
+  m.schedule.walk = st::parse_walk_order(kinds.substr(c2 + 1));
+  if (m.schedule.kind == st::ScheduleKind::kPermutation) {
+    const at::Tensor perm = at_(13);
+    ST_CHECK_ARG(perm.defined() && perm.is_cpu() && perm.dim() == 1, "schedule_permutation",
+                 "a 1-d CPU tensor of column ids", perm.defined() ? perm.toString() : std::string("none"));
+    const at::Tensor p32 = perm.to(at::kInt).contiguous();
+    m.schedule.permutation.assign(p32.data_ptr<int32_t>(), p32.data_ptr<int32_t>() + p32.numel());
+  }
+  return m;
+}
+
+st::AttentionOptions options_of(double scale, bool deterministic, int64_t sm_limit) {
+  st::AttentionOptions o;
+  o.scale = float(scale);
+  o.deterministic = deterministic;
+  o.sm_limit = int(sm_limit);
+  return o;
+}
+
+st::AttentionCall call_on(const at::Tensor& q, TorchAllocator* alloc) {
+  st::AttentionCall call;
+  call.allocator = alloc;
+#ifdef SPARSETRAIN_TORCH_CUDA
+  if (q.is_cuda()) call.stream.handle = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
+#else
+  (void)q;
+#endif
+  return call;
+}
+
+// The library's errors as torch's: an invalid argument is a ValueError in Python, as from `_C`.
+template <class F>
+auto translated(F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const st::Error& e) {
+    if (e.kind() == st::Error::Kind::kInvalidArgument) TORCH_CHECK_VALUE(false, e.what());
+    TORCH_CHECK(false, e.what());
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     const std::vector<std::optional<at::Tensor>>& mask_tensors,
+                                                     at::IntArrayRef mask_sizes, const std::string& mask_kinds,
+                                                     double scale, bool deterministic, int64_t sm_limit) {
+  return translated([&] {
+    TorchAllocator alloc;
+    const st::AttentionForward f =
+        st::block_sparse_attention_forward(view_of(q, "q"), view_of(k, "k"), view_of(v, "v"),
+                                           mask_of(mask_tensors, mask_sizes, mask_kinds),
+                                           options_of(scale, deterministic, sm_limit), call_on(q, &alloc));
+    return std::make_tuple(alloc.take(f.o), alloc.take(f.lse));
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o, const at::Tensor& lse,
+    const at::Tensor& dout, const std::vector<std::optional<at::Tensor>>& mask_tensors, at::IntArrayRef mask_sizes,
+    const std::string& mask_kinds, double scale, bool deterministic, int64_t sm_limit) {
+  return translated([&] {
+    TorchAllocator alloc;
+    const st::AttentionGrads g = st::block_sparse_attention_backward(
+        view_of(q, "q"), view_of(k, "k"), view_of(v, "v"), view_of(o, "o"), view_of(lse, "lse"),
+        view_of(dout, "dout"), mask_of(mask_tensors, mask_sizes, mask_kinds),
+        options_of(scale, deterministic, sm_limit), call_on(q, &alloc));
+    return std::make_tuple(alloc.take(g.dq), alloc.take(g.dk), alloc.take(g.dv));
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(sparsetrain_native, m) {
+  m.def("attention_forward(Tensor q, Tensor k, Tensor v, Tensor?[] mask_tensors, int[] mask_sizes, str mask_kinds, "
+        "float scale, bool deterministic, int sm_limit) -> (Tensor, Tensor)");
+  m.def("attention_backward(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor dout, Tensor?[] mask_tensors, "
+        "int[] mask_sizes, str mask_kinds, float scale, bool deterministic, int sm_limit) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(sparsetrain_native, CompositeExplicitAutograd, m) {
+  m.impl("attention_forward", &attention_forward);
+  m.impl("attention_backward", &attention_backward);
+}
