@@ -72,19 +72,21 @@ class TorchAllocator final : public st::Allocator {
   }
   void deallocate(void* p, size_t, st::Device, st::Stream) override { live_.erase(p); }
 
-  // A result as a torch tensor that keeps its allocation alive.
+  // A result as a torch tensor over its allocation's storage (not a from_blob wrapper: torch's
+  // record_stream and the caching allocator's stream tracking must see the real allocation).
   at::Tensor take(const st::Tensor& t) {
     const st::TensorView& v = t.view();
     auto it = live_.upper_bound(v.data());
     if (it == live_.begin()) ST_FAIL("internal: no allocation holds address ", v.data());
     --it;
-    at::Tensor owner = it->second;
+    const at::Tensor& owner = it->second;
     const at::ScalarType type = v.dtype() == st::DType::kBF16   ? at::kBFloat16
                                 : v.dtype() == st::DType::kFP16 ? at::kHalf
                                                                 : at::kFloat;
-    return at::from_blob(
-        v.data(), at::IntArrayRef(v.shape(), size_t(v.dim())), at::IntArrayRef(v.strides(), size_t(v.dim())),
-        [owner](void*) mutable { owner.reset(); }, owner.options().dtype(type));
+    const int64_t offset = static_cast<const char*>(v.data()) - static_cast<const char*>(owner.data_ptr());
+    return at::empty({0}, owner.options().dtype(type))
+        .set_(owner.storage(), offset / int64_t(v.element_size()), at::IntArrayRef(v.shape(), size_t(v.dim())),
+              at::IntArrayRef(v.strides(), size_t(v.dim())));
   }
 
  private:
