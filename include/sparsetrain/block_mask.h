@@ -90,6 +90,13 @@ struct BlockMask {
   int64_t num_kv_blocks() const { return (seq_kv + block_kv - 1) / block_kv; }
 };
 
+// A mask's 11 index tensors in the one order the fronts pass them as a list (Python's
+// sparsetrain._block_mask.TENSOR_NAMES): kv_num_blocks, kv_indices, full_kv_*, q_*, full_q_*,
+// dq_write_order, dq_write_order_full, partial_bitmasks.
+constexpr int kBlockMaskTensors = 11;
+const char* block_mask_tensor_name(int i);
+TensorView& block_mask_tensor(BlockMask& m, int i);
+
 // Owning storage for a BlockMask built by the library (tensors from the caller's allocator).
 struct BlockMaskTensors {
   BlockMask mask;  // views into the tensors below

@@ -434,24 +434,14 @@ st::MaskSpec spec_of(const nb::dict& d) {
   return spec;
 }
 
-const char* const kMaskTensorNames[] = {"kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
-                                        "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices",
-                                        "dq_write_order", "dq_write_order_full", "partial_bitmasks"};
-
-st::TensorView* mask_tensor(st::BlockMask& m, int i) {
-  st::TensorView* fields[] = {&m.kv_num_blocks, &m.kv_indices, &m.full_kv_num_blocks, &m.full_kv_indices,
-                              &m.q_num_blocks, &m.q_indices, &m.full_q_num_blocks, &m.full_q_indices,
-                              &m.dq_write_order, &m.dq_write_order_full, &m.partial_bitmasks};
-  return fields[i];
-}
-
 st::BlockMask mask_of(const nb::dict& d) {
   st::BlockMask m;
   m.seq_q = nb::cast<int64_t>(d["seq_q"]);
   m.seq_kv = nb::cast<int64_t>(d["seq_kv"]);
   m.block_q = nb::cast<int64_t>(d["block_q"]);
   m.block_kv = nb::cast<int64_t>(d["block_kv"]);
-  for (int i = 0; i < 11; ++i) *mask_tensor(m, i) = optional_view(d[kMaskTensorNames[i]], kMaskTensorNames[i]);
+  for (int i = 0; i < st::kBlockMaskTensors; ++i)
+    st::block_mask_tensor(m, i) = optional_view(d[st::block_mask_tensor_name(i)], st::block_mask_tensor_name(i));
   m.write_order_sub_tiles = nb::cast<int64_t>(d["sub_tiles"]);
   nb::handle perm = d["schedule_permutation"];
   m.schedule = parse_schedule(perm.is_none() ? nb::handle(d["schedule"]) : perm,
@@ -472,7 +462,7 @@ nb::dict export_mask(st::BlockMaskTensors& t, const PyAllocator& alloc) {
   const st::Tensor* owned[] = {&t.kv_num_blocks, &t.kv_indices, &t.full_kv_num_blocks, &t.full_kv_indices,
                                &t.q_num_blocks, &t.q_indices, &t.full_q_num_blocks, &t.full_q_indices,
                                &t.dq_write_order, &t.dq_write_order_full, &t.partial_bitmasks};
-  for (int i = 0; i < 11; ++i) d[kMaskTensorNames[i]] = export_tensor(*owned[i], alloc);
+  for (int i = 0; i < st::kBlockMaskTensors; ++i) d[st::block_mask_tensor_name(i)] = export_tensor(*owned[i], alloc);
   d["sub_tiles"] = m.write_order_sub_tiles;
   d["schedule"] = st::schedule_kind_name(m.schedule.kind);
   d["schedule_walk"] = st::walk_order_name(m.schedule.walk);

@@ -96,9 +96,6 @@ class TorchAllocator final : public st::Allocator {
 
 st::BlockMask mask_of(const std::vector<std::optional<at::Tensor>>& tensors, at::IntArrayRef sizes,
                       const std::string& kinds) {
-  static const char* const kNames[] = {"kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
-                                       "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices",
-                                       "dq_write_order", "dq_write_order_full", "partial_bitmasks"};
   ST_CHECK_ARG(tensors.size() == 14, "mask tensors", "14 (the index tensors, doc_q, doc_kv, the permutation)",
                tensors.size());
   ST_CHECK_ARG(sizes.size() == 8, "mask sizes", "8", sizes.size());
@@ -106,10 +103,8 @@ st::BlockMask mask_of(const std::vector<std::optional<at::Tensor>>& tensors, at:
   st::BlockMask m;
   m.seq_q = sizes[0], m.seq_kv = sizes[1], m.block_q = sizes[2], m.block_kv = sizes[3];
   m.write_order_sub_tiles = sizes[4];
-  st::TensorView* fields[] = {&m.kv_num_blocks, &m.kv_indices, &m.full_kv_num_blocks, &m.full_kv_indices,
-                              &m.q_num_blocks, &m.q_indices, &m.full_q_num_blocks, &m.full_q_indices,
-                              &m.dq_write_order, &m.dq_write_order_full, &m.partial_bitmasks};
-  for (size_t i = 0; i < 11; ++i) *fields[i] = view_of(at_(i), kNames[i]);
+  for (int i = 0; i < st::kBlockMaskTensors; ++i)
+    st::block_mask_tensor(m, i) = view_of(at_(size_t(i)), st::block_mask_tensor_name(i));
   const size_t c1 = kinds.find(','), c2 = kinds.find(',', c1 + 1);
   ST_CHECK_ARG(c1 != std::string::npos && c2 != std::string::npos, "mask kinds", "\"kind,schedule,walk\"", kinds);
   m.spec.kind = st::parse_mask_kind(kinds.substr(0, c1));

@@ -34,6 +34,21 @@ int64_t ColumnSchedule::position(int64_t n, int64_t num_columns) const {
   return n;
 }
 
+const char* block_mask_tensor_name(int i) {
+  static const char* const names[kBlockMaskTensors] = {
+      "kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
+      "full_q_num_blocks", "full_q_indices", "dq_write_order", "dq_write_order_full", "partial_bitmasks"};
+  return names[i];
+}
+
+TensorView& block_mask_tensor(BlockMask& m, int i) {
+  TensorView* fields[kBlockMaskTensors] = {&m.kv_num_blocks,  &m.kv_indices,        &m.full_kv_num_blocks,
+                                           &m.full_kv_indices, &m.q_num_blocks,     &m.q_indices,
+                                           &m.full_q_num_blocks, &m.full_q_indices, &m.dq_write_order,
+                                           &m.dq_write_order_full, &m.partial_bitmasks};
+  return *fields[i];
+}
+
 const char* walk_order_name(WalkOrder w) {
   return w == WalkOrder::kAscendingHeadsOuter ? "ascending_heads_outer" : "descending_heads_inner";
 }
