@@ -210,6 +210,48 @@ def time_ms(fn, reps, warmup=3):
     return statistics.median(times), statistics.median(walls)
 
 
+def input_sets(B, Hq, Hkv, S, D, device="cuda", dtype=torch.bfloat16):
+    """(q, k, v) inputs [B, H, S, D]: enough copies to exceed twice the L2 cache, to be used in turn
+    (a timed call never finds its inputs in L2 from the call before)."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    set_bytes = 2 * (B * Hq * S * D + 2 * B * Hkv * S * D)  # bf16 q, k, v
+    gen = torch.Generator(device=device).manual_seed(0)
+    return [tuple(torch.randn(B, h, S, D, device=device, dtype=dtype, generator=gen) for h in (Hq, Hkv, Hkv))
+            for _ in range(max(1, math.ceil(2 * l2 / set_bytes)))]
+
+
+def interleaved_ms(fns, rounds, reps, before=None):
+    """A / B timing in one process: each round times every fn back to back (queued_ms), the fns
+    alternating so that drift (clocks, temperature) hits all alike; before(i), if given, runs
+    ahead of fn i's timing. Returns (medians over the rounds, each fn's per-round times)."""
+    times = [[] for _ in fns]
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            if before is not None:
+                before(i)
+            times[i].append(queued_ms(fn, reps, 2))
+    return [statistics.median(t) for t in times], times
+
+
+def ab_main(doc, bench_case, show):
+    """The A / B scripts' command line: --only cases of CASES, --rounds, --reps, --json; runs
+    bench_case(name, rounds, reps) per case, show(name, row) prints it."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", required=True, metavar="NAMES", help="comma-separated bench_attention CASES")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json", default=None, metavar="PATH")
+    a = ap.parse_args()
+    rows = []
+    for name in a.only.split(","):
+        rows.append(bench_case(name, a.rounds, a.reps))
+        show(name, rows[-1])
+        torch.cuda.empty_cache()
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"info": environment(), "rows": rows}, f, indent=1)
+
+
 def queued_ms(fn, reps, warmup=3):
     """Back to back: `reps` calls of fn() queued between two CUDA events, the time per call (the
     GPU work, host work hidden while the GPU is the slower side; the host's when it is not)."""
@@ -333,13 +375,8 @@ def bench_case(name, seq, reps, backward, flex_compiled, schedule="auto", walk=N
         row["dense_causal_case"] = c.dense
 
     # Inputs: enough copies to exceed twice the L2 cache, used in turn by every peer.
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    set_bytes = 2 * (B * Hq * S * D + 2 * B * Hkv * S * D)  # bf16 q, k, v
-    n_sets = max(1, math.ceil(2 * l2 / set_bytes))
-    gen = torch.Generator(device=dev).manual_seed(0)
-    sets = [tuple(torch.randn(B, h, S, D, device=dev, dtype=dt, generator=gen) for h in (Hq, Hkv, Hkv))
-            for _ in range(n_sets)]
-    row["input_copies"] = n_sets
+    sets = input_sets(B, Hq, Hkv, S, D, dev, dt)
+    row["input_copies"] = len(sets)
 
     def rotating(fn):
         it = itertools.cycle(sets)

@@ -13,9 +13,6 @@ heads and 132 workers) and the model's critical paths of every candidate.
     python bench/bench_dq_schedule.py --only causal,gqa_causal [--rounds 5] [--reps 20] [--json out.json]
 """
 
-import argparse
-import json
-import statistics
 
 import torch
 
@@ -42,11 +39,8 @@ def bench_case(name, rounds, reps):
             for s, w, det in CANDIDATES]
     host = sparsetrain.BlockMask.build(c.kind, S, framework="torch", schedule="auto", auto_problem=(B, Hq, Hkv, 132),
                                        **ba.our_mask_args(c.kind, g, doc_cpu))
-    times = [[] for _ in CANDIDATES]
-    for _ in range(rounds):
-        for i, o in enumerate(outs):
-            times[i].append(ba.queued_ms(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), reps, 2))
-    med = [statistics.median(t) for t in times]
+    med, times = ba.interleaved_ms([lambda o=o: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+                                    for o in outs], rounds, reps)
     return {"case": name, "mask": c.kind, "B": B, "Hq": Hq, "Hkv": Hkv, "S": S, "D": D, "rounds": rounds,
             "reps": reps, "auto": {"schedule": host.schedule, "walk": host.walk},
             "model": _C.schedule_candidates(host._core_mask(), [B, Hq, Hkv, 132]),
@@ -54,26 +48,12 @@ def bench_case(name, rounds, reps):
                            for (s, w, det), m, t in zip(CANDIDATES, med, times)]}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", required=True, metavar="NAMES", help="comma-separated bench_attention CASES")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--json", default=None, metavar="PATH")
-    a = ap.parse_args()
-    rows = []
-    for name in a.only.split(","):
-        r = bench_case(name, a.rounds, a.reps)
-        rows.append(r)
-        ms = [x["bwd_b2b_ms"] for x in r["candidates"]]
-        print(f"{name:26s} det ms: LTR desc {ms[0]:.3f}  LTR asc {ms[1]:.3f} ({ms[1] / ms[0]:.3f}x)  SPT asc "
-              f"{ms[2]:.3f} ({ms[2] / ms[0]:.3f}x)  nondet {ms[3]:.3f}  auto {r['auto']['schedule']} "
-              f"{r['auto']['walk']}  model {[m['critical_path'] for m in r['model']]}", flush=True)
-        torch.cuda.empty_cache()
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"info": ba.environment(), "rows": rows}, f, indent=1)
+def show(name, r):
+    ms = [x["bwd_b2b_ms"] for x in r["candidates"]]
+    print(f"{name:26s} det ms: LTR desc {ms[0]:.3f}  LTR asc {ms[1]:.3f} ({ms[1] / ms[0]:.3f}x)  SPT asc "
+          f"{ms[2]:.3f} ({ms[2] / ms[0]:.3f}x)  nondet {ms[3]:.3f}  auto {r['auto']['schedule']} "
+          f"{r['auto']['walk']}  model {[m['critical_path'] for m in r['model']]}", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    ba.ab_main(__doc__, bench_case, show)

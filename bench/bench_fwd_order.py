@@ -15,12 +15,8 @@ the order).
     python bench/bench_fwd_order.py --only causal,causal_s4096_b8 [--rounds 5] [--reps 20] [--json out.json]
 """
 
-import argparse
 import itertools
-import json
-import math
 import os
-import statistics
 
 import torch
 
@@ -42,11 +38,7 @@ def bench_case(name, rounds, reps):
     c, g, _, doc, _, pairs = ba.case_masks(name, ba.SEQ, "cuda")
     B, S, Hq, Hkv, D = g.B, g.S, c.Hq, c.Hkv, c.D
     mask = sparsetrain.BlockMask.build(c.kind, S, device="cuda", **ba.our_mask_args(c.kind, g, doc))
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    n_sets = max(1, math.ceil(2 * l2 / (2 * (B * Hq * S * D + 2 * B * Hkv * S * D))))
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    sets = [tuple(torch.randn(B, h, S, D, device="cuda", dtype=torch.bfloat16, generator=gen) for h in (Hq, Hkv, Hkv))
-            for _ in range(n_sets)]
+    sets = ba.input_sets(B, Hq, Hkv, S, D)
     cycle = itertools.cycle(sets)
 
     def call():
@@ -57,41 +49,26 @@ def bench_case(name, rounds, reps):
         use(order, static)
         outs.append(stt.block_sparse_attention(*sets[0], mask))
     same = [bool(torch.equal(o, outs[0])) for o in outs]
-    times = [[] for _ in VARIANTS]
-    for _ in range(rounds):
-        for i, (order, static) in enumerate(VARIANTS):
-            use(order, static)
-            times[i].append(ba.queued_ms(call, reps, 2))
+    med, times = ba.interleaved_ms([call] * len(VARIANTS), rounds, reps, before=lambda i: use(*VARIANTS[i]))
     use("sections", False)
     flops = 4.0 * D * Hq * sum(pairs)
-    med = [statistics.median(t) for t in times]
     return {"case": name, "mask": c.kind, "B": B, "Hq": Hq, "Hkv": Hkv, "S": S, "D": D, "rounds": rounds,
-            "reps": reps, "input_copies": n_sets,
+            "reps": reps, "input_copies": len(sets),
             "variants": [{"order": o, "static": st, "fwd_b2b_ms": m, "tflops": flops / m * 1e-9, "rounds_ms": t,
                           "bitwise_equal_to_default": e}
                          for (o, st), m, t, e in zip(VARIANTS, med, times, same)]}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", required=True, metavar="NAMES", help="comma-separated bench_attention CASES")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--json", default=None, metavar="PATH")
-    a = ap.parse_args()
-    rows = []
-    print(f"{'case':26s} " + " ".join(f"{o + ('/static' if s else ''):>15s}" for o, s in VARIANTS) + "   (TFLOP/s)")
-    for name in a.only.split(","):
-        r = bench_case(name, a.rounds, a.reps)
-        rows.append(r)
-        cells = " ".join(f"{v['tflops']:15.1f}" for v in r["variants"])
-        equal = "" if all(v["bitwise_equal_to_default"] for v in r["variants"]) else "  OUTPUTS DIFFER"
-        print(f"{name:26s} {cells}{equal}", flush=True)
-        torch.cuda.empty_cache()
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"info": ba.environment(), "rows": rows}, f, indent=1)
+def show(name, row):
+    if not _shown:  # the header, with the first row
+        print(f"{'case':26s} " + " ".join(f"{o + ('/static' if s else ''):>15s}" for o, s in VARIANTS) + "   (TFLOP/s)")
+        _shown.append(name)
+    cells = " ".join(f"{v['tflops']:15.1f}" for v in row["variants"])
+    equal = "" if all(v["bitwise_equal_to_default"] for v in row["variants"]) else "  OUTPUTS DIFFER"
+    print(f"{name:26s} {cells}{equal}", flush=True)
 
+
+_shown = []
 
 if __name__ == "__main__":
-    main()
+    ba.ab_main(__doc__, bench_case, show)
