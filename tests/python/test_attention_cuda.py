@@ -763,8 +763,22 @@ def test_deterministic_backward_is_bitwise_reproducible(name):
 
 
 def _spy_on_the_core_backward(monkeypatch):
-    """The `deterministic` flag of every backward that reaches the core, in a list."""
+    """The `deterministic` flag of every backward that reaches the core, in a list, whichever
+    route it takes (the C++ torch operators where built, else the extension)."""
     seen = []
+    if stt._NATIVE is not None:
+        native = stt._NATIVE
+
+        class Spy:
+            def __getattr__(self, name):
+                return getattr(native, name)
+
+            def attention_backward(self, *args):
+                seen.append(args[10])  # (q, k, v, o, lse, dout, tensors, sizes, kinds, scale, deterministic, ...)
+                return native.attention_backward(*args)
+
+        monkeypatch.setattr(stt, "_NATIVE", Spy())
+        return seen
     core = stt._attention_backward
 
     def spy(*args, **kw):
