@@ -223,11 +223,18 @@ __device__ __forceinline__ void fwd_consume(const typename T::Params& p, typenam
     ++n;
     bool pv_first = true;  // the pending PV is its item's first: it overwrites O
 
+    // The walk runs one tile ahead of the GEMMs: the next tile's entry (a global load, a
+    // division by sub_tiles and the validity test) is looked up while this step's S is computed,
+    // not before its GEMMs are issued (ncu: ~15 % of the consumers' stall samples sat there).
+    WalkTile tile_next;
+    int t_next = walk_next_valid(a.lists, cur.counts, cur.b, cur.h, cur.row, t + 1, &tile_next);
+
     // Steady state: one step per tile, across items. No wgmma sits on a divergent path (ptxas
     // would serialise them all): the boundary work is outside the issue sequence.
     for (;;) {
-      t = walk_next_valid(a.lists, cur.counts, cur.b, cur.h, cur.row, t + 1, &tile);
-      const bool boundary = t >= walk_length(a.lists, cur.counts);
+      const bool boundary = t_next >= walk_length(a.lists, cur.counts);
+      t = t_next;
+      tile = tile_next;
       int32_t done_b = cur.b, done_h = cur.h, done_q0 = cur.q0;  // the item an epilogue in this step stores
       if (boundary) {
         cutlass::arch::ClusterBarrier::arrive(&ss.q_empty[buf()]);  // every S of cur is computed and masked
@@ -242,6 +249,7 @@ __device__ __forceinline__ void fwd_consume(const typename T::Params& p, typenam
       warpgroup_gemm_issue<true>(mma_qk, tSrQ(_, _, _, buf()), tSrK(_, _, _, k_state(n).index()), tSrS);
       warpgroup_gemm_issue(mma_pv, tOrP, tOrV(_, _, _, v_state(n - 1).index()), tOrO, pv_first);
       pass_turn();
+      t_next = walk_next_valid(a.lists, cur.counts, cur.b, cur.h, cur.row, t + 1, &tile_next);
       warpgroup_wait<1>();
       warpgroup_fence_operand(tSrS);
       pipe_k.consumer_release(k_state(n));
