@@ -1,0 +1,131 @@
+// route / route_backward (moe_router.h): every check before anything is allocated, then the rules
+// of common/moe_routing.h token by token (the CPU reference).
+#include <string>
+#include <vector>
+
+#include "common/moe_routing.h"
+#include "ops/checks.h"
+#include "sparsetrain/error.h"
+#include "sparsetrain/moe_router.h"
+
+namespace sparsetrain {
+namespace {
+
+RouterRule rule_of(const RouterOptions& o) {
+  ST_CHECK_ARG(o.num_experts >= 1 && o.num_experts <= INT32_MAX, "num_experts", "1 <= num_experts <= 2^31 - 1",
+               o.num_experts);
+  ST_CHECK_ARG(o.top_k >= 1 && o.top_k <= o.num_experts, "top_k",
+               "1 <= top_k <= num_experts = " + std::to_string(o.num_experts), o.top_k);
+  ST_CHECK_ARG(o.score == RouterScore::kSoftmax || o.score == RouterScore::kSigmoid, "score",
+               "RouterScore::kSoftmax or kSigmoid", int(o.score));
+  return {int32_t(o.num_experts), int32_t(o.top_k), o.score, o.normalize};
+}
+
+// fp32 [N, E] logits with contiguous rows, on the CPU (the only backend built for the router).
+void check_logits(const TensorView& logits, const RouterRule& r) {
+  checks::defined(logits, "logits", "fp32 router logits [N, E]");
+  checks::dtype(logits, "logits", DType::kFP32, " (router logits)");
+  ST_CHECK_ARG(logits.dim() == 2 && logits.size(1) == r.num_experts, "logits",
+               "shape [N, E = " + std::to_string(r.num_experts) + "]", logits.shape_str());
+  ST_CHECK_ARG(logits.size(0) * r.top_k <= INT32_MAX, "logits",
+               "N * top_k rows that int32 indices hold (<= 2^31 - 1)", logits.shape_str());
+  checks::rows_contiguous(logits, "logits");
+  checks::non_null(logits, "logits");
+  ST_CHECK_ARG(logits.device().is_cpu(), "logits",
+               "a tensor on the CPU (the CUDA router kernel is not built yet)", logits.device().str());
+}
+
+void check_vector(const TensorView& t, const char* name, DType dtype, int64_t n, const char* what) {
+  checks::dtype(t, name, dtype);
+  ST_CHECK_ARG(t.dim() == 1 && t.size(0) == n, name, "shape [" + std::to_string(n) + "] (" + what + ")",
+               t.shape_str());
+  ST_CHECK_ARG(t.stride(0) == 1 || n <= 1, name, "a unit stride", t.stride(0));
+  checks::non_null(t, name);
+  ST_CHECK_ARG(t.device().is_cpu(), name, "a tensor on the CPU (logits' device)", t.device().str());
+}
+
+void check_matrix(const TensorView& t, const char* name, DType dtype, int64_t rows, int64_t cols) {
+  checks::defined(t, name, std::string(dtype_name(dtype)) + " [N, top_k]");
+  checks::dtype(t, name, dtype);
+  checks::shape(t, name, {rows, cols}, "[N = " + std::to_string(rows) + ", top_k = " + std::to_string(cols) + "]");
+  checks::rows_contiguous(t, name);
+  checks::non_null(t, name);
+  ST_CHECK_ARG(t.device().is_cpu(), name, "a tensor on the CPU (logits' device)", t.device().str());
+}
+
+}  // namespace
+
+RouterOutput route(const RouterOptions& options, const TensorView& logits, const TensorView& expert_bias,
+                   Allocator* allocator, Stream stream) {
+  const RouterRule r = rule_of(options);
+  check_logits(logits, r);
+  if (expert_bias.defined()) check_vector(expert_bias, "expert_bias", DType::kFP32, r.num_experts, "one per expert");
+  Allocator& alloc = allocator != nullptr ? *allocator : default_allocator();
+  const int64_t N = logits.size(0), E = r.num_experts, K = r.top_k;
+  const Device cpu = Device::cpu();
+  RouterOutput out{Tensor::empty(DType::kInt32, {N, K}, cpu, alloc, stream),
+                   Tensor::empty(DType::kFP32, {N, K}, cpu, alloc, stream),
+                   Tensor::empty(DType::kInt64, {E}, cpu, alloc, stream),
+                   Tensor::empty(DType::kInt32, {N, K}, cpu, alloc, stream),
+                   Tensor::empty(DType::kInt32, {N * K}, cpu, alloc, stream),
+                   Tensor::empty(DType::kFP32, {E}, cpu, alloc, stream)};
+  int32_t* experts = out.experts.view().data_as<int32_t>();
+  float* probs = out.probs.view().data_as<float>();
+  int64_t* counts = out.counts.view().data_as<int64_t>();
+  float* score_sum = out.score_sum.view().data_as<float>();
+  const float* bias = expert_bias.defined() ? expert_bias.data_as<const float>() : nullptr;
+  for (int64_t e = 0; e < E; ++e) counts[e] = 0, score_sum[e] = 0.f;
+  for (int64_t n = 0; n < N; ++n) {
+    const float* l = logits.data_as<const float>() + n * logits.stride(0);
+    route_token(r, l, bias, experts + n * K, probs + n * K);
+    for (int64_t i = 0; i < K; ++i) ++counts[experts[n * K + i]];
+    SoftmaxRow row;
+    if (r.score == RouterScore::kSoftmax) row = router_softmax_row(l, r.num_experts);
+    for (int32_t e = 0; e < r.num_experts; ++e) score_sum[e] += router_score(r, l[e], row);
+  }
+  // The layout: expert e's rows from the counts of the experts before it, its tokens in order.
+  std::vector<int64_t> next(size_t(E), 0);
+  for (int64_t e = 1; e < E; ++e) next[size_t(e)] = next[size_t(e - 1)] + counts[e - 1];
+  int32_t* row_of = out.row_of.view().data_as<int32_t>();
+  int32_t* token_of_row = out.token_of_row.view().data_as<int32_t>();
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t i = 0; i < K; ++i) {
+      const int64_t row = next[size_t(experts[n * K + i])]++;
+      row_of[n * K + i] = int32_t(row);
+      token_of_row[row] = int32_t(n);
+    }
+  return out;
+}
+
+Tensor route_backward(const RouterOptions& options, const TensorView& logits, const TensorView& experts,
+                      const TensorView& dprobs, const TensorView& dscore_sum, Allocator* allocator, Stream stream) {
+  const RouterRule r = rule_of(options);
+  check_logits(logits, r);
+  const int64_t N = logits.size(0), K = r.top_k;
+  check_matrix(experts, "experts", DType::kInt32, N, K);
+  check_matrix(dprobs, "dprobs", DType::kFP32, N, K);
+  if (dscore_sum.defined()) check_vector(dscore_sum, "dscore_sum", DType::kFP32, r.num_experts, "one per expert");
+  // Expert ids are read as indices: each in range and, per token, distinct (route()'s output is).
+  for (int64_t n = 0; n < N; ++n) {
+    const int32_t* ex = experts.data_as<const int32_t>() + n * experts.stride(0);
+    for (int64_t i = 0; i < K; ++i) {
+      ST_CHECK_ARG(ex[i] >= 0 && ex[i] < r.num_experts, "experts",
+                   "expert ids in [0, " + std::to_string(r.num_experts) + ") (route()'s output)",
+                   ex[i], " at token ", n, ", slot ", i);
+      for (int64_t j = 0; j < i; ++j)
+        ST_CHECK_ARG(ex[j] != ex[i], "experts", "distinct experts per token (route()'s output)", "expert ",
+                     ex[i], " twice at token ", n);
+    }
+  }
+  Allocator& alloc = allocator != nullptr ? *allocator : default_allocator();
+  Tensor dlogits = Tensor::empty(DType::kFP32, {N, int64_t(r.num_experts)}, Device::cpu(), alloc, stream);
+  const float* ds = dscore_sum.defined() ? dscore_sum.data_as<const float>() : nullptr;
+  for (int64_t n = 0; n < N; ++n)
+    route_token_backward(r, logits.data_as<const float>() + n * logits.stride(0),
+                         experts.data_as<const int32_t>() + n * experts.stride(0),
+                         dprobs.data_as<const float>() + n * dprobs.stride(0), ds,
+                         dlogits.view().data_as<float>() + n * r.num_experts);
+  return dlogits;
+}
+
+}  // namespace sparsetrain
