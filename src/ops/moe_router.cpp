@@ -5,6 +5,7 @@
 
 #include "common/moe_routing.h"
 #include "ops/checks.h"
+#include "ops/moe_router_internal.h"
 #include "sparsetrain/error.h"
 #include "sparsetrain/moe_router.h"
 
@@ -97,14 +98,20 @@ RouterOutput route(const RouterOptions& options, const TensorView& logits, const
   return out;
 }
 
-Tensor route_backward(const RouterOptions& options, const TensorView& logits, const TensorView& experts,
-                      const TensorView& dprobs, const TensorView& dscore_sum, Allocator* allocator, Stream stream) {
+void ops::check_route_backward_inputs(const RouterOptions& options, const TensorView& logits,
+                                      const TensorView& dscore_sum) {
   const RouterRule r = rule_of(options);
   check_logits(logits, r);
+  if (dscore_sum.defined()) check_vector(dscore_sum, "dscore_sum", DType::kFP32, r.num_experts, "one per expert");
+}
+
+Tensor route_backward(const RouterOptions& options, const TensorView& logits, const TensorView& experts,
+                      const TensorView& dprobs, const TensorView& dscore_sum, Allocator* allocator, Stream stream) {
+  ops::check_route_backward_inputs(options, logits, dscore_sum);
+  const RouterRule r = rule_of(options);
   const int64_t N = logits.size(0), K = r.top_k;
   check_matrix(experts, "experts", DType::kInt32, N, K);
   check_matrix(dprobs, "dprobs", DType::kFP32, N, K);
-  if (dscore_sum.defined()) check_vector(dscore_sum, "dscore_sum", DType::kFP32, r.num_experts, "one per expert");
   // Expert ids are read as indices: each in range and, per token, distinct (route()'s output is).
   for (int64_t n = 0; n < N; ++n) {
     const int32_t* ex = experts.data_as<const int32_t>() + n * experts.stride(0);

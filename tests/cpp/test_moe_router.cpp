@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "host_tensor.h"
+#include "moe_router_oracle.h"
 #include "sparsetrain/error.h"
 #include "sparsetrain/moe_router.h"
 
@@ -25,77 +26,12 @@ namespace st = sparsetrain;
 using st::DType;
 using st::RouterScore;
 using st::testing::HostTensor;
+using st::testing::RouterOracle;
+using st::testing::chosen_probs;
+using st::testing::router_oracle;
+using st::testing::router_scores;
 
 namespace {
-
-struct Oracle {
-  std::vector<int> experts;     // [N, K]
-  std::vector<double> probs;    // [N, K]
-  std::vector<int64_t> counts;  // [E]
-  std::vector<int> row_of, token_of_row;
-  std::vector<double> score_sum;
-};
-
-std::vector<double> scores(const std::vector<double>& l, RouterScore score) {
-  std::vector<double> s(l.size());
-  if (score == RouterScore::kSigmoid) {
-    for (size_t e = 0; e < l.size(); ++e) s[e] = 1.0 / (1.0 + std::exp(-l[e]));
-    return s;
-  }
-  const double mx = *std::max_element(l.begin(), l.end());
-  double sum = 0;
-  for (size_t e = 0; e < l.size(); ++e) sum += s[e] = std::exp(l[e] - mx);
-  for (double& v : s) v /= sum;
-  return s;
-}
-
-// The probs of a token for a given choice (what the gradient check differentiates).
-std::vector<double> chosen_probs(const std::vector<double>& l, const std::vector<int>& chosen, RouterScore score,
-                                 bool normalize) {
-  const std::vector<double> s = scores(l, score);
-  std::vector<double> p;
-  double sum = 0;
-  for (int e : chosen) p.push_back(s[size_t(e)]), sum += s[size_t(e)];
-  if (normalize)
-    for (double& v : p) v /= sum;
-  return p;
-}
-
-Oracle oracle(const std::vector<float>& logits, const std::vector<float>& bias, int64_t N, int E, int K,
-              RouterScore score, bool normalize) {
-  Oracle o;
-  o.counts.assign(size_t(E), 0);
-  o.score_sum.assign(size_t(E), 0.0);
-  for (int64_t n = 0; n < N; ++n) {
-    std::vector<double> l(logits.begin() + n * E, logits.begin() + (n + 1) * E);
-    const std::vector<double> s = scores(l, score);
-    // The choice compares float scores plus bias, as the library states its rule (ties exact).
-    std::vector<int> ids(static_cast<size_t>(E));
-    std::iota(ids.begin(), ids.end(), 0);
-    auto value = [&](int e) { return float(s[size_t(e)]) + (bias.empty() ? 0.f : bias[size_t(e)]); };
-    std::stable_sort(ids.begin(), ids.end(), [&](int a, int b) { return value(a) > value(b); });
-    ids.resize(size_t(K));
-    const std::vector<double> p = chosen_probs(l, ids, score, normalize);
-    for (int i = 0; i < K; ++i) {
-      o.experts.push_back(ids[size_t(i)]);
-      o.probs.push_back(p[size_t(i)]);
-      ++o.counts[size_t(ids[size_t(i)])];
-    }
-    for (int e = 0; e < E; ++e) o.score_sum[size_t(e)] += s[size_t(e)];
-  }
-  // Layout: (expert, token) pairs stably sorted by expert.
-  std::vector<std::tuple<int, int64_t, int>> pairs;  // (expert, token, slot)
-  for (int64_t n = 0; n < N; ++n)
-    for (int i = 0; i < K; ++i) pairs.emplace_back(o.experts[size_t(n * K + i)], n, i);
-  std::stable_sort(pairs.begin(), pairs.end(),
-                   [](const auto& a, const auto& b) { return std::get<0>(a) < std::get<0>(b); });
-  o.row_of.assign(size_t(N * K), -1);
-  for (size_t r = 0; r < pairs.size(); ++r) {
-    o.row_of[size_t(std::get<1>(pairs[r]) * K + std::get<2>(pairs[r]))] = int(r);
-    o.token_of_row.push_back(int(std::get<1>(pairs[r])));
-  }
-  return o;
-}
 
 HostTensor from(const std::vector<float>& v, std::vector<int64_t> shape) {
   HostTensor t(DType::kFP32, std::move(shape));
@@ -145,7 +81,7 @@ TEST_P(Router, MatchesTheOracleForwardAndBackward) {
   const HostTensor hb = c.bias ? from(bias, {c.E}) : HostTensor();
   const st::RouterOptions opt{c.E, c.K, c.score, c.normalize};
   const st::RouterOutput out = st::route(opt, hl.view(), c.bias ? hb.view() : st::TensorView{});
-  const Oracle o = oracle(logits, bias, c.N, c.E, c.K, c.score, c.normalize);
+  const RouterOracle o = router_oracle(logits, bias, c.N, c.E, c.K, c.score, c.normalize);
 
   ASSERT_EQ(out.experts.view().shape_str(), "[" + std::to_string(c.N) + ", " + std::to_string(c.K) + "]");
   for (int64_t i = 0; i < c.N * c.K; ++i) {
@@ -174,26 +110,16 @@ TEST_P(Router, MatchesTheOracleForwardAndBackward) {
     const st::Tensor dl =
         st::route_backward(opt, hl.view(), hex.view(), hdp.view(), with_sum ? hds.view() : st::TensorView{});
     for (int64_t n = 0; n < c.N; ++n) {
-      std::vector<double> l(logits.begin() + n * c.E, logits.begin() + (n + 1) * c.E);
+      const std::vector<double> l(logits.begin() + n * c.E, logits.begin() + (n + 1) * c.E);
       const std::vector<int> chosen(o.experts.begin() + n * c.K, o.experts.begin() + (n + 1) * c.K);
-      auto loss = [&](const std::vector<double>& x) {
-        const std::vector<double> p = chosen_probs(x, chosen, c.score, c.normalize);
-        double L = 0;
-        for (int i = 0; i < c.K; ++i) L += dprobs[size_t(n * c.K + i)] * p[size_t(i)];
-        if (with_sum) {
-          const std::vector<double> s = scores(x, c.score);
-          for (int e = 0; e < c.E; ++e) L += dsum[size_t(e)] * s[size_t(e)];
-        }
-        return L;
-      };
+      const std::vector<double> dp(dprobs.begin() + n * c.K, dprobs.begin() + (n + 1) * c.K);
+      const std::vector<double> ds(dsum.begin(), dsum.end());
+      const std::vector<double> want =
+          st::testing::dlogits_by_differences(l, chosen, c.score, c.normalize, dp, with_sum ? &ds : nullptr);
       for (int e = 0; e < c.E; ++e) {
-        const double h = 1e-5;
-        std::vector<double> up = l, down = l;
-        up[size_t(e)] += h, down[size_t(e)] -= h;
-        const double want = (loss(up) - loss(down)) / (2 * h);
         const double got = value(dl, n * c.E + e);
         ASSERT_FALSE(std::isnan(got));
-        EXPECT_NEAR(got, want, 1e-5 * (1.0 + std::fabs(want)) * (1.0 + 0.05 * c.K))
+        EXPECT_NEAR(got, want[size_t(e)], 1e-5 * (1.0 + std::fabs(want[size_t(e)])) * (1.0 + 0.05 * c.K))
             << "token " << n << " expert " << e << (with_sum ? " (with score sums)" : "");
       }
     }

@@ -1,0 +1,78 @@
+// MoELayer: a dropless MoE block after the router's own linear (docs/DESIGN.md section 10):
+//
+//   route (moe_router.h)  -> each token's top_k experts and probs, the expert-major layout
+//   rows                  -> x's rows in that layout (row r holds token token_of_row[r])
+//   GroupedMLP            -> one group per expert, each row scaled by its prob (grouped_mlp.h)
+//   combine               -> out[n] = sum over slots i = 0..top_k-1 of the MLP's row row_of[n, i],
+//                            in slot order, in fp32, rounded once: no atomics, so the output and
+//                            every gradient are bitwise deterministic
+//
+// Backward: dout's rows go back through the same layout, the MLP's backward gives each row's
+// dx and dprob, dx[n] sums token n's rows in slot order, and the router's backward turns the
+// dprobs (and, optionally, the gradient of the per-expert score sums an aux loss used) into the
+// logits' gradient. The experts' parameters follow GroupedMLP's contract (main_grad fusion,
+// delayed wgrad through backward_dw()).
+//
+// Runs on the CPU (the reference backend); the CUDA kernels (the router, the row gather folded
+// into fc1's loads, the combine) are not built yet: CUDA tensors are refused with an error.
+#pragma once
+
+#include <cstdint>
+
+#include "sparsetrain/allocator.h"
+#include "sparsetrain/grouped_mlp.h"
+#include "sparsetrain/moe_router.h"
+#include "sparsetrain/tensor.h"
+
+namespace sparsetrain {
+
+struct MoELayerOptions {
+  RouterOptions router;
+  // The experts: num_groups == router.num_experts, in_features == out_features (the hidden size).
+  GroupedMLPOptions mlp;
+};
+
+struct MoEForward {
+  Tensor out;          // [N, hidden] in mlp.dtype
+  RouterOutput route;  // the routing (its score_sum is the aux-loss statistic)
+  // Saved for backward (keep this whole struct until backward, and with delayed wgrad until
+  // the matching backward_dw): x's rows in the expert-major layout, their probs, fc1's output.
+  Tensor rows, row_probs, fc1_out;
+};
+
+struct MoEGrads {
+  Tensor grad_input;  // [N, hidden]
+  Tensor dlogits;     // fp32 [N, E]
+  GroupedMLPLayerGrads fc1, fc2;
+};
+
+class MoELayer {
+ public:
+  // `allocator`: where every output and intermediate comes from (default_allocator() if null);
+  // it must outlive the layer.
+  MoELayer(const MoELayerOptions& options, const GroupedMLPParams& params, Allocator* allocator = nullptr);
+
+  const MoELayerOptions& options() const { return options_; }
+  const GroupedMLP& experts() const { return mlp_; }
+
+  // x [N, hidden] (mlp.dtype, rows contiguous), logits fp32 [N, E], expert_bias optional fp32 [E]
+  // (for the choice only).
+  MoEForward forward(const TensorView& x, const TensorView& logits, const TensorView& expert_bias = {},
+                     const CallArgs& args = {});
+
+  // x and logits as given to forward, `saved` its result, dout [N, hidden]; dscore_sum: optional
+  // fp32 [E], the gradient of saved.route.score_sum.
+  MoEGrads backward(const TensorView& x, const TensorView& logits, const MoEForward& saved, const TensorView& dout,
+                    const TensorView& dscore_sum = {}, const CallArgs& args = {});
+
+  // GroupedMLP::backward_dw of the experts (delayed wgrad).
+  GroupedMLPGrads backward_dw(const CallArgs& args = {}) { return mlp_.backward_dw(args); }
+  size_t pending_wgrads() const { return mlp_.pending_wgrads(); }
+
+ private:
+  MoELayerOptions options_;
+  Allocator* allocator_;
+  GroupedMLP mlp_;
+};
+
+}  // namespace sparsetrain

@@ -1,0 +1,130 @@
+// MoELayer (moe_layer.h) on the CPU reference: route, gather x's rows into the expert-major
+// layout, GroupedMLP with the counts as device splits (no host read of them, as the CUDA path
+// will run), combine in slot order. Every argument is checked before anything is written.
+#include <cstring>
+#include <memory>
+#include <string>
+#include <tuple>
+
+#include "ops/checks.h"
+#include "ops/moe_router_internal.h"
+#include "sparsetrain/error.h"
+#include "sparsetrain/moe_layer.h"
+
+namespace sparsetrain {
+namespace {
+
+const MoELayerOptions& checked(const MoELayerOptions& o) {
+  ST_CHECK_ARG(o.mlp.num_groups == o.router.num_experts, "mlp.num_groups",
+               "router.num_experts = " + std::to_string(o.router.num_experts) + " (one group per expert)",
+               o.mlp.num_groups);
+  ST_CHECK_ARG(o.mlp.in_features == o.mlp.out_features, "mlp.out_features",
+               "in_features = " + std::to_string(o.mlp.in_features) + " (the hidden size: out is summed into x's shape)",
+               o.mlp.out_features);
+  return o;
+}
+
+// [N, hidden] activations of the layer's dtype on the CPU, rows contiguous.
+void check_tokens(const TensorView& t, const char* name, const GroupedMLPOptions& o, int64_t N) {
+  checks::defined(t, name, std::string(dtype_name(o.dtype)) + " [N, hidden]");
+  checks::dtype(t, name, o.dtype, " (the layer's dtype)");
+  ST_CHECK_ARG(t.dim() == 2 && (N < 0 || t.size(0) == N) && t.size(1) == o.in_features, name,
+               "shape [" + (N < 0 ? std::string("N") : std::to_string(N)) + ", hidden = " +
+                   std::to_string(o.in_features) + "]",
+               t.shape_str());
+  checks::rows_contiguous(t, name);
+  checks::non_null(t, name);
+  ST_CHECK_ARG(t.device().is_cpu(), name, "a tensor on the CPU (the MoE layer's CUDA kernels are not built yet)",
+               t.device().str());
+}
+
+// rows[r] = x[token_of_row[r]].
+Tensor gather_rows(const TensorView& x, const Tensor& token_of_row, Allocator& alloc, Stream stream) {
+  const int64_t R = token_of_row.view().size(0), H = x.size(1), bytes = H * int64_t(x.element_size());
+  Tensor rows = Tensor::empty(x.dtype(), {R, H}, Device::cpu(), alloc, stream);
+  const int32_t* token = token_of_row.view().data_as<const int32_t>();
+  for (int64_t r = 0; r < R; ++r)
+    std::memcpy(static_cast<char*>(rows.view().data()) + r * bytes,
+                static_cast<const char*>(x.data()) + token[r] * x.stride(0) * int64_t(x.element_size()), size_t(bytes));
+  return rows;
+}
+
+// out[n] = sum over slots i of rows[row_of[n, i]], in slot order, in fp32, rounded once.
+Tensor combine_rows(const TensorView& rows, const Tensor& row_of, int64_t N, Allocator& alloc, Stream stream) {
+  const int64_t K = row_of.view().size(1), H = rows.size(1);
+  Tensor out = Tensor::empty(rows.dtype(), {N, H}, Device::cpu(), alloc, stream);
+  const int32_t* row = row_of.view().data_as<const int32_t>();
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t h = 0; h < H; ++h) {
+      float acc = 0.f;
+      for (int64_t i = 0; i < K; ++i) acc += load_float(rows.data(), rows.dtype(), row[n * K + i] * rows.stride(0) + h);
+      store_float(out.view().data(), rows.dtype(), n * H + h, acc);
+    }
+  return out;
+}
+
+}  // namespace
+
+MoELayer::MoELayer(const MoELayerOptions& options, const GroupedMLPParams& params, Allocator* allocator)
+    : options_(checked(options)),
+      allocator_(allocator != nullptr ? allocator : &default_allocator()),
+      mlp_(options.mlp, params, allocator_) {
+  ST_CHECK_ARG(mlp_.device().is_cpu(), "fc1.weight",
+               "parameters on the CPU (the MoE layer's CUDA kernels are not built yet)", mlp_.device().str());
+}
+
+MoEForward MoELayer::forward(const TensorView& x, const TensorView& logits, const TensorView& expert_bias,
+                             const CallArgs& args) {
+  check_tokens(x, "x", options_.mlp, -1);
+  // (Not 2-D or undefined: route() names what is wrong.)
+  ST_CHECK_ARG(logits.dim() != 2 || logits.size(0) == x.size(0), "logits",
+               "N = " + std::to_string(x.size(0)) + " rows (x's tokens)", logits.shape_str());
+  MoEForward f;
+  f.route = route(options_.router, logits, expert_bias, allocator_, args.stream);  // checks logits, bias
+  const int64_t N = x.size(0), K = options_.router.top_k;
+  f.rows = gather_rows(x, f.route.token_of_row, *allocator_, args.stream);
+  f.row_probs = Tensor::empty(DType::kFP32, {N * K}, Device::cpu(), *allocator_, args.stream);
+  const int32_t* row_of = f.route.row_of.view().data_as<const int32_t>();
+  for (int64_t i = 0; i < N * K; ++i)
+    f.row_probs.view().data_as<float>()[row_of[i]] = f.route.probs.view().data_as<const float>()[i];
+  GroupedMLPForward m =
+      mlp_.forward(f.rows.view(), Splits::device(f.route.counts.view()), f.row_probs.view(), {}, args);
+  f.fc1_out = std::move(m.fc1_out);
+  f.out = combine_rows(m.out.view(), f.route.row_of, N, *allocator_, args.stream);
+  return f;
+}
+
+MoEGrads MoELayer::backward(const TensorView& x, const TensorView& logits, const MoEForward& saved,
+                            const TensorView& dout, const TensorView& dscore_sum, const CallArgs& args) {
+  check_tokens(x, "x", options_.mlp, -1);
+  const int64_t N = x.size(0), K = options_.router.top_k;
+  check_tokens(dout, "dout", options_.mlp, N);
+  ST_CHECK_ARG(saved.route.row_of.defined() && saved.route.row_of.view().size(0) == N && saved.rows.defined(),
+               "saved", "forward()'s result for these " + std::to_string(N) + " tokens",
+               saved.route.row_of.defined() ? saved.route.row_of.view().shape_str() : std::string("no routing"));
+  ops::check_route_backward_inputs(options_.router, logits, dscore_sum);
+  ST_CHECK_ARG(logits.size(0) == N, "logits", "N = " + std::to_string(N) + " rows (x's tokens)", logits.shape_str());
+  // Everything is valid: from here on outputs may be written.
+  // dout's rows in the layout: row row_of[n, i] gets dout[n] (each row exactly once).
+  Tensor drows = gather_rows(dout, saved.route.token_of_row, *allocator_, args.stream);
+  // The MLP's delayed wgrad keeps references to its inputs and splits: they stay alive with the
+  // pending entry.
+  CallArgs mlp_args = args;
+  mlp_args.keep_alive = std::make_shared<std::tuple<Tensor, Tensor, Tensor, Tensor, std::shared_ptr<const void>>>(
+      saved.rows, saved.row_probs, saved.route.counts, drows, args.keep_alive);
+  GroupedMLPGrads m = mlp_.backward(saved.rows.view(), saved.fc1_out.view(), saved.row_probs.view(), drows.view(),
+                                    Splits::device(saved.route.counts.view()), {}, mlp_args);
+  MoEGrads g;
+  g.grad_input = combine_rows(m.grad_input.view(), saved.route.row_of, N, *allocator_, args.stream);
+  Tensor dprobs = Tensor::empty(DType::kFP32, {N, K}, Device::cpu(), *allocator_, args.stream);
+  const int32_t* row_of = saved.route.row_of.view().data_as<const int32_t>();
+  for (int64_t i = 0; i < N * K; ++i)
+    dprobs.view().data_as<float>()[i] = m.dprobs.view().data_as<const float>()[row_of[i]];
+  g.dlogits = route_backward(options_.router, logits, saved.route.experts.view(), dprobs.view(), dscore_sum,
+                             allocator_, args.stream);
+  g.fc1 = std::move(m.fc1);
+  g.fc2 = std::move(m.fc2);
+  return g;
+}
+
+}  // namespace sparsetrain

@@ -1,0 +1,292 @@
+// MoELayer (moe_layer.h) on the CPU against oracles written apart from the library: the routing
+// from the router oracle (choice and layout exact), the experts from GroupedMLP's double-precision
+// oracle run on the rows the routing oracle lays out, the combine (each token's rows summed) and
+// the logits' gradient (central differences of the router oracle, fed the expert oracle's dprobs)
+// in double, each with its error bound. Also: bitwise repeatable, delayed wgrad equal to the
+// immediate one, every library allocation poisoned, and bad arguments refused (naming them)
+// before anything is written: a refused backward leaves the delayed-wgrad queue as it was.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+#include <ostream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "grouped_mlp_case.h"
+#include "host_tensor.h"
+#include "moe_router_oracle.h"
+#include "sparsetrain/error.h"
+#include "sparsetrain/moe_layer.h"
+
+namespace st = sparsetrain;
+using st::DType;
+using st::RouterScore;
+using st::testing::Bounded;
+using st::testing::GroupedMLPCase;
+using st::testing::HostTensor;
+
+namespace {
+
+struct Case {
+  int64_t N;
+  int E, K;
+  int64_t H, F;
+  RouterScore score;
+  bool normalize, bias, mlp_bias;
+  DType dtype;
+};
+
+std::string name(const Case& c) {
+  return "N" + std::to_string(c.N) + "_E" + std::to_string(c.E) + "_K" + std::to_string(c.K) + "_H" +
+         std::to_string(c.H) + "_F" + std::to_string(c.F) + (c.score == RouterScore::kSoftmax ? "_softmax" : "_sigmoid") +
+         (c.normalize ? "_norm" : "") + (c.bias ? "_ebias" : "") + (c.mlp_bias ? "_mlpbias" : "") + "_" +
+         st::dtype_name(c.dtype);
+}
+void PrintTo(const Case& c, std::ostream* os) { *os << name(c); }
+
+// A routed problem: tokens, logits, the routing oracle, and an expert case whose rows are the
+// tokens' rows in the oracle's layout.
+struct Problem {
+  Case c;
+  HostTensor x, logits, bias, dout, dsum;
+  std::vector<float> logit_values, bias_values;
+  st::testing::RouterOracle route;
+  GroupedMLPCase mlp;
+
+  explicit Problem(const Case& cs, uint64_t seed) : c(cs) {
+    std::mt19937_64 rng(seed * 1000003 + uint64_t(c.N * 31 + c.E * 7 + c.K));
+    x = HostTensor(c.dtype, {c.N, c.H});
+    dout = HostTensor(c.dtype, {c.N, c.H});
+    x.fill_random(rng);
+    dout.fill_random(rng);
+    std::normal_distribution<float> d(0.f, 2.f);
+    logits = HostTensor(DType::kFP32, {c.N, c.E});
+    for (int64_t i = 0; i < c.N * c.E; ++i) logit_values.push_back(d(rng)), logits.set(i, logit_values.back());
+    if (c.bias) {
+      bias = HostTensor(DType::kFP32, {c.E});
+      for (int e = 0; e < c.E; ++e) bias_values.push_back(0.25f * d(rng)), bias.set(e, bias_values.back());
+    }
+    dsum = HostTensor(DType::kFP32, {c.E});
+    for (int e = 0; e < c.E; ++e) dsum.set(e, d(rng));
+    route = st::testing::router_oracle(logit_values, bias_values, c.N, c.E, c.K, c.score, c.normalize);
+
+    mlp.dtype = c.dtype;
+    mlp.G = c.E;
+    mlp.T = c.N * c.K;
+    mlp.in = mlp.out = c.H;
+    mlp.F = c.F;
+    mlp.bias1 = mlp.bias2 = c.mlp_bias;
+    mlp.splits = route.counts;
+    mlp.seed = seed;
+    mlp.make();
+    // The expert case's rows are the tokens' rows in the layout.
+    for (int64_t r = 0; r < mlp.T; ++r)
+      for (int64_t h = 0; h < c.H; ++h) {
+        const int64_t n = route.token_of_row[size_t(r)];
+        mlp.x.set(r * c.H + h, x.get(n * c.H + h));
+        mlp.dy.set(r * c.H + h, dout.get(n * c.H + h));
+      }
+  }
+
+  st::MoELayerOptions options() const {
+    st::MoELayerOptions o;
+    o.router = {c.E, c.K, c.score, c.normalize};
+    o.mlp = mlp.options();
+    return o;
+  }
+  st::TensorView bias_view() const { return c.bias ? bias.view() : st::TensorView{}; }
+};
+
+void expect_ok(const st::testing::CompareResult& r) { EXPECT_TRUE(r.ok) << r.first_failure; }
+
+// Token n's value: the sum over its slots of the oracle's rows, the bound the rows' errors plus
+// the fp32 sum's roundings (the final rounding to the dtype is compare_bounded's).
+Bounded combine(const Bounded& rows, const std::vector<int>& row_of, int64_t N, int K, int64_t H) {
+  Bounded out(size_t(N * H));
+  const double u32 = std::ldexp(1.0, -24);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t h = 0; h < H; ++h) {
+      double v = 0, e = 0, a = 0;
+      for (int i = 0; i < K; ++i) {
+        const size_t j = size_t(row_of[size_t(n * K + i)] * H + h);
+        v += rows.value[j], e += rows.err[j], a += std::fabs(rows.value[j]);
+      }
+      out.value[size_t(n * H + h)] = v;
+      out.err[size_t(n * H + h)] = e + double(K + 1) * u32 * a;
+    }
+  return out;
+}
+
+class MoELayerVsOracle : public ::testing::TestWithParam<Case> {};
+
+TEST_P(MoELayerVsOracle, ForwardBackwardMatchTheOracles) {
+  const Case c = GetParam();
+  Problem p(c, 1);
+  st::testing::PoisonAllocator alloc;
+  st::MoELayer layer(p.options(), p.mlp.params(), &alloc);
+  const st::MoEForward f = layer.forward(p.x.view(), p.logits.view(), p.bias_view());
+
+  // The routing: choice and layout exact, probs to fp32.
+  const HostTensor experts = HostTensor::copy_of(f.route.experts.view());
+  const HostTensor row_of = HostTensor::copy_of(f.route.row_of.view());
+  const HostTensor probs = HostTensor::copy_of(f.route.probs.view());
+  for (int64_t i = 0; i < c.N * c.K; ++i) {
+    ASSERT_EQ(experts.get(i), p.route.experts[size_t(i)]) << i;
+    ASSERT_EQ(row_of.get(i), p.route.row_of[size_t(i)]) << i;
+    ASSERT_NEAR(probs.get(i), p.route.probs[size_t(i)], 2e-6) << i;
+  }
+  // The experts' oracle takes the library's fp32 probs (checked just above) on the rows.
+  GroupedMLPCase& m = p.mlp;
+  for (int64_t i = 0; i < c.N * c.K; ++i) m.probs.set(p.route.row_of[size_t(i)], probs.get(i));
+  const auto oracle = m.oracle();
+  const auto fo = oracle.forward();
+  expect_ok(st::testing::compare_bounded(HostTensor::copy_of(f.out.view()),
+                                         combine(fo.out, p.route.row_of, c.N, c.K, c.H), c.dtype, "out"));
+
+  const st::MoEGrads g = layer.backward(p.x.view(), p.logits.view(), f, p.dout.view(), p.dsum.view());
+  const auto bo = oracle.backward(HostTensor::copy_of(f.fc1_out.view()).to_double());
+  expect_ok(st::testing::compare_bounded(HostTensor::copy_of(g.grad_input.view()),
+                                         combine(bo.dx, p.route.row_of, c.N, c.K, c.H), c.dtype, "dx"));
+  // dlogits: the router oracle's gradient fed the experts' oracle dprobs; their error bounds
+  // carried through a Jacobian whose entries are at most 1 in size (twice that, with normalise).
+  const HostTensor dl = HostTensor::copy_of(g.dlogits.view());
+  const std::vector<double> ds = p.dsum.to_double();
+  for (int64_t n = 0; n < c.N; ++n) {
+    const std::vector<double> l(p.logit_values.begin() + n * c.E, p.logit_values.begin() + (n + 1) * c.E);
+    const std::vector<int> chosen(p.route.experts.begin() + n * c.K, p.route.experts.begin() + (n + 1) * c.K);
+    std::vector<double> dp;
+    double err = 0;
+    for (int i = 0; i < c.K; ++i) {
+      const size_t r = size_t(p.route.row_of[size_t(n * c.K + i)]);
+      dp.push_back(bo.dprobs.value[r]);
+      err += bo.dprobs.err[r] + std::ldexp(1.0, -24) * std::fabs(bo.dprobs.value[r]);
+    }
+    const std::vector<double> want = st::testing::dlogits_by_differences(l, chosen, c.score, c.normalize, dp, &ds);
+    for (int e = 0; e < c.E; ++e) {
+      const double got = dl.get(n * c.E + e);
+      ASSERT_FALSE(std::isnan(got)) << n << "," << e;
+      EXPECT_NEAR(got, want[size_t(e)], 2 * err + 1e-5 * (1 + std::fabs(want[size_t(e)])) * (1 + 0.1 * c.K))
+          << "token " << n << " expert " << e;
+    }
+  }
+  for (int e = 0; e < c.E; ++e) {
+    const std::string n = "[" + std::to_string(e) + "]";
+    expect_ok(st::testing::compare_bounded(HostTensor::copy_of(g.fc1.weight.per_group[size_t(e)].view()),
+                                           bo.dw1[size_t(e)], c.dtype, "dW1" + n));
+    expect_ok(st::testing::compare_bounded(HostTensor::copy_of(g.fc2.weight.per_group[size_t(e)].view()),
+                                           bo.dw2[size_t(e)], c.dtype, "dW2" + n));
+    if (c.mlp_bias)
+      expect_ok(st::testing::compare_bounded(HostTensor::copy_of(g.fc2.bias_grad.view().select(e)),
+                                             bo.db2[size_t(e)], c.dtype, "db2" + n));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, MoELayerVsOracle,
+    ::testing::Values(Case{37, 8, 2, 16, 8, RouterScore::kSoftmax, true, false, false, DType::kBF16},
+                      Case{29, 16, 4, 8, 16, RouterScore::kSigmoid, true, true, true, DType::kBF16},
+                      Case{13, 4, 1, 24, 8, RouterScore::kSoftmax, false, false, true, DType::kFP16},
+                      Case{9, 1, 1, 8, 8, RouterScore::kSigmoid, false, true, false, DType::kBF16},
+                      Case{7, 64, 8, 8, 8, RouterScore::kSigmoid, true, true, false, DType::kBF16}),
+    [](const ::testing::TestParamInfo<Case>& i) { return name(i.param); });
+
+HostTensor copy(const st::Tensor& t) { return HostTensor::copy_of(t.view()); }
+
+TEST(MoELayer, BitwiseRepeatableAndDelayedWgradEqualsImmediate) {
+  const Case c{41, 8, 2, 16, 8, RouterScore::kSoftmax, true, true, true, DType::kBF16};
+  Problem p(c, 2);
+  st::MoELayer a(p.options(), p.mlp.params());
+  const st::MoEForward fa = a.forward(p.x.view(), p.logits.view(), p.bias_view());
+  const st::MoEGrads ga = a.backward(p.x.view(), p.logits.view(), fa, p.dout.view(), p.dsum.view());
+  st::MoELayer b(p.options(), p.mlp.params());
+  const st::MoEForward fb = b.forward(p.x.view(), p.logits.view(), p.bias_view());
+  const st::MoEGrads gb = b.backward(p.x.view(), p.logits.view(), fb, p.dout.view(), p.dsum.view());
+  EXPECT_TRUE(copy(fa.out).bytes_equal(copy(fb.out)));
+  EXPECT_TRUE(copy(ga.grad_input).bytes_equal(copy(gb.grad_input)));
+  EXPECT_TRUE(copy(ga.dlogits).bytes_equal(copy(gb.dlogits)));
+  EXPECT_TRUE(copy(ga.fc1.weight.packed).bytes_equal(copy(gb.fc1.weight.packed)));
+
+  st::MoELayerOptions delayed = p.options();
+  delayed.mlp.delay_wgrad_compute = true;
+  st::MoELayer d(delayed, p.mlp.params());
+  st::MoEGrads gd;
+  {
+    const st::MoEForward fd = d.forward(p.x.view(), p.logits.view(), p.bias_view());
+    gd = d.backward(p.x.view(), p.logits.view(), fd, p.dout.view(), p.dsum.view());
+  }  // the forward's result is gone: the pending wgrad keeps what it needs alive
+  EXPECT_EQ(gd.fc1.weight.kind, st::WeightGradKind::kNone);
+  EXPECT_TRUE(copy(gd.grad_input).bytes_equal(copy(ga.grad_input)));
+  EXPECT_TRUE(copy(gd.dlogits).bytes_equal(copy(ga.dlogits)));
+  ASSERT_EQ(d.pending_wgrads(), 1u);
+  const st::GroupedMLPGrads w = d.backward_dw();
+  EXPECT_TRUE(copy(w.fc1.weight.packed).bytes_equal(copy(ga.fc1.weight.packed)));
+  EXPECT_TRUE(copy(w.fc2.weight.packed).bytes_equal(copy(ga.fc2.weight.packed)));
+  EXPECT_TRUE(copy(w.fc2.bias_grad).bytes_equal(copy(ga.fc2.bias_grad)));
+}
+
+TEST(MoELayer, NoTokens) {
+  const Case c{0, 4, 2, 8, 8, RouterScore::kSoftmax, false, false, false, DType::kBF16};
+  Problem p(c, 4);
+  st::MoELayer l(p.options(), p.mlp.params());
+  const st::MoEForward f = l.forward(p.x.view(), p.logits.view());
+  EXPECT_EQ(f.out.view().shape_str(), "[0, 8]");
+  const st::MoEGrads g = l.backward(p.x.view(), p.logits.view(), f, p.dout.view());
+  EXPECT_EQ(g.grad_input.view().shape_str(), "[0, 8]");
+  EXPECT_EQ(g.dlogits.view().shape_str(), "[0, 4]");
+  for (int e = 0; e < 4; ++e) {  // no rows: zero weight grads
+    const HostTensor w = HostTensor::copy_of(g.fc1.weight.per_group[size_t(e)].view());
+    for (int64_t i = 0; i < w.numel(); ++i) ASSERT_EQ(w.get(i), 0.0);
+  }
+}
+
+void expect_error(const std::function<void()>& f, const std::string& arg, const std::string& what) {
+  try {
+    f();
+    FAIL() << "no error for " << arg;
+  } catch (const st::Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find(arg), std::string::npos) << m;
+    EXPECT_NE(m.find(what), std::string::npos) << m;
+  }
+}
+
+TEST(MoELayerErrors, BadArgumentsAreNamedBeforeAnythingIsWritten) {
+  const Case c{11, 4, 2, 8, 8, RouterScore::kSoftmax, false, false, false, DType::kBF16};
+  Problem p(c, 3);
+  st::MoELayerOptions bad = p.options();
+  bad.router.num_experts = 5;
+  expect_error([&] { st::MoELayer l(bad, p.mlp.params()); }, "mlp.num_groups", "router.num_experts = 5");
+  bad = p.options();
+  bad.router.top_k = 5;
+  st::MoELayer top5(bad, p.mlp.params());
+  expect_error([&] { top5.forward(p.x.view(), p.logits.view()); }, "top_k", "num_experts = 4");
+
+  st::MoELayerOptions delayed = p.options();
+  delayed.mlp.delay_wgrad_compute = true;
+  st::MoELayer l(delayed, p.mlp.params());
+  const HostTensor x_fp16(DType::kFP16, {c.N, c.H});
+  const HostTensor x_short(DType::kBF16, {c.N, c.H - 1});
+  expect_error([&] { l.forward(x_fp16.view(), p.logits.view()); }, "x", "bf16");
+  expect_error([&] { l.forward(x_short.view(), p.logits.view()); }, "x", "hidden = 8");
+  const HostTensor logits_rows(DType::kFP32, {c.N + 1, c.E});
+  expect_error([&] { l.forward(p.x.view(), logits_rows.view()); }, "logits", "N = 11");
+  const HostTensor logits_bf16(DType::kBF16, {c.N, c.E});
+  expect_error([&] { l.forward(p.x.view(), logits_bf16.view()); }, "logits", "fp32");
+
+  const st::MoEForward f = l.forward(p.x.view(), p.logits.view());
+  const HostTensor dout_short(DType::kBF16, {c.N - 1, c.H});
+  const HostTensor dsum_wrong(DType::kFP32, {c.E + 1});
+  expect_error([&] { l.backward(p.x.view(), p.logits.view(), f, dout_short.view()); }, "dout", "[11, hidden = 8]");
+  expect_error([&] { l.backward(p.x.view(), p.logits.view(), f, p.dout.view(), dsum_wrong.view()); }, "dscore_sum",
+               "[4]");
+  expect_error([&] { l.backward(p.x.view(), logits_bf16.view(), f, p.dout.view()); }, "logits", "fp32");
+  expect_error([&] { l.backward(p.x.view(), p.logits.view(), st::MoEForward{}, p.dout.view()); }, "saved",
+               "forward()'s result");
+  EXPECT_EQ(l.pending_wgrads(), 0u) << "a refused backward queued a delayed wgrad";
+  l.backward(p.x.view(), p.logits.view(), f, p.dout.view());
+  EXPECT_EQ(l.pending_wgrads(), 1u);
+}
+
+}  // namespace
