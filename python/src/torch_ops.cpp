@@ -4,20 +4,15 @@
 // with no Python in between (the numpy/DLPack module `_C` crosses into Python for each allocation
 // and each result). Built where the Python build's torch has its C++ headers; sparsetrain.torch
 // falls back to `_C` where this library is absent. torch.compile keeps tracing the Python custom
-// ops (sparsetrain::block_sparse_attention_*), whose implementations call these.
+// ops (sparsetrain::block_sparse_attention_*), whose implementations call these. The grouped
+// layers of the same library are in torch_grouped.cpp; what both share in torch_common.h.
 //
 // The mask arrives as the custom ops pass it: its tensors in sparsetrain._block_mask.TENSOR_NAMES
 // order then doc_q, doc_kv and the schedule permutation (undefined where absent), its sizes
 // (seq_q, seq_kv, block_q, block_kv, sub_tiles, window_left, window_right, prefix_length) and
 // "kind,schedule,walk".
-#include <ATen/ATen.h>
 #include <torch/library.h>
 
-#ifdef SPARSETRAIN_TORCH_CUDA
-#include <c10/cuda/CUDAStream.h>
-#endif
-
-#include <map>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -25,74 +20,16 @@
 #include "sparsetrain/attention.h"
 #include "sparsetrain/block_mask.h"
 #include "sparsetrain/error.h"
+#include "torch_common.h"
 
 namespace st = sparsetrain;
 
 namespace {
 
-st::DType dtype_of(const at::Tensor& t, const char* arg) {
-  switch (t.scalar_type()) {
-    case at::kBFloat16: return st::DType::kBF16;
-    case at::kHalf: return st::DType::kFP16;
-    case at::kFloat: return st::DType::kFP32;
-    case at::kInt: return st::DType::kInt32;
-    case at::kLong: return st::DType::kInt64;
-    case at::kByte: return st::DType::kUInt8;
-    default: break;
-  }
-  st::detail::throw_arg_error(arg, "dtype bf16, fp16, fp32, int32, int64 or uint8", std::string(at::toString(t.scalar_type())));
-}
-
-st::Device device_of(const at::Tensor& t, const char* arg) {
-  if (t.is_cpu()) return st::Device::cpu();
-  if (t.is_cuda()) return st::Device::cuda(t.get_device());
-  st::detail::throw_arg_error(arg, "a CPU or CUDA tensor", t.device().str());
-}
-
-st::TensorView view_of(const at::Tensor& t, const char* arg) {
-  if (!t.defined()) return {};
-  ST_CHECK_ARG(t.dim() >= 1 && t.dim() <= st::TensorView::kMaxDims, arg,
-               "1 to " + std::to_string(st::TensorView::kMaxDims) + " dims", t.dim());
-  return st::TensorView(t.data_ptr(), dtype_of(t, arg), t.sizes().data(), t.strides().data(), int(t.dim()),
-                        device_of(t, arg));
-}
-
-// Memory from torch's caching allocator: at::empty on the call's device (on CUDA the current
-// stream, which is the stream the call's kernels run on). Results leave as tensors holding the
-// allocation they live in.
-class TorchAllocator final : public st::Allocator {
- public:
-  void* allocate(size_t bytes, st::Device device, st::Stream) override {
-    const at::Device dev = device.is_cpu() ? at::Device(at::kCPU) : at::Device(at::kCUDA, c10::DeviceIndex(device.index));
-    at::Tensor owner = at::empty({int64_t(bytes) + kAlign}, at::TensorOptions().dtype(at::kByte).device(dev));
-    const auto addr = reinterpret_cast<uintptr_t>(owner.data_ptr());
-    void* p = reinterpret_cast<void*>(addr + (kAlign - addr % kAlign) % kAlign);
-    live_[p] = std::move(owner);
-    return p;
-  }
-  void deallocate(void* p, size_t, st::Device, st::Stream) override { live_.erase(p); }
-
-  // A result as a torch tensor over its allocation's storage (not a from_blob wrapper: torch's
-  // record_stream and the caching allocator's stream tracking must see the real allocation).
-  at::Tensor take(const st::Tensor& t) {
-    const st::TensorView& v = t.view();
-    auto it = live_.upper_bound(v.data());
-    if (it == live_.begin()) ST_FAIL("internal: no allocation holds address ", v.data());
-    --it;
-    const at::Tensor& owner = it->second;
-    const at::ScalarType type = v.dtype() == st::DType::kBF16   ? at::kBFloat16
-                                : v.dtype() == st::DType::kFP16 ? at::kHalf
-                                                                : at::kFloat;
-    const int64_t offset = static_cast<const char*>(v.data()) - static_cast<const char*>(owner.data_ptr());
-    return at::empty({0}, owner.options().dtype(type))
-        .set_(owner.storage(), offset / int64_t(v.element_size()), at::IntArrayRef(v.shape(), size_t(v.dim())),
-              at::IntArrayRef(v.strides(), size_t(v.dim())));
-  }
-
- private:
-  static constexpr int64_t kAlign = 256;
-  std::map<void*, at::Tensor> live_;
-};
+using st::torch_ops::stream_of;
+using st::torch_ops::TorchAllocator;
+using st::torch_ops::translated;
+using st::torch_ops::view_of;
 
 st::BlockMask mask_of(const std::vector<std::optional<at::Tensor>>& tensors, at::IntArrayRef sizes,
                       const std::string& kinds) {
@@ -134,23 +71,8 @@ st::AttentionOptions options_of(double scale, bool deterministic, int64_t sm_lim
 st::AttentionCall call_on(const at::Tensor& q, TorchAllocator* alloc) {
   st::AttentionCall call;
   call.allocator = alloc;
-#ifdef SPARSETRAIN_TORCH_CUDA
-  if (q.is_cuda()) call.stream.handle = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
-#else
-  (void)q;
-#endif
+  call.stream = stream_of(q);
   return call;
-}
-
-// The library's errors as torch's: an invalid argument is a ValueError in Python, as from `_C`.
-template <class F>
-auto translated(F&& f) -> decltype(f()) {
-  try {
-    return f();
-  } catch (const st::Error& e) {
-    if (e.kind() == st::Error::Kind::kInvalidArgument) TORCH_CHECK_VALUE(false, e.what());
-    TORCH_CHECK(false, e.what());
-  }
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
