@@ -1,8 +1,10 @@
-# sparsetrain's attention as C++ torch operators (python/src/torch_ops.cpp): the torch front's
-# eager path with no Python per allocation or result. Built next to the extension where the
-# Python build's torch has its C++ headers and libraries (SPARSETRAIN_TORCH_OPS=AUTO, the
-# default; OFF skips it); sparsetrain.torch uses the Python path where the library is absent.
-set(SPARSETRAIN_TORCH_OPS "AUTO" CACHE STRING "Build the C++ torch operators: AUTO or OFF")
+# The C++ torch library sparsetrain._torch_ops: attention as C++ torch operators
+# (python/src/torch_ops.cpp) and the grouped layers' C++ layers over torch tensors
+# (python/src/torch_grouped.cpp, pybind11 with torch's tensor caster), the torch front's eager path
+# with no Python per allocation or result. Built next to the extension where the Python build's
+# torch has its C++ headers and libraries (SPARSETRAIN_TORCH_OPS=AUTO, the default; OFF skips it);
+# sparsetrain.torch uses the Python path where the library is absent.
+set(SPARSETRAIN_TORCH_OPS "AUTO" CACHE STRING "Build the C++ torch library: AUTO or OFF")
 if(SPARSETRAIN_TORCH_OPS STREQUAL "OFF" OR SKBUILD)
   return()
 endif()
@@ -17,7 +19,7 @@ print(int(torch.version.cuda is not None))
 ]=]
   OUTPUT_VARIABLE st_torch RESULT_VARIABLE st_torch_rc ERROR_QUIET OUTPUT_STRIP_TRAILING_WHITESPACE)
 if(NOT st_torch_rc EQUAL 0)
-  message(STATUS "sparsetrain: no torch for ${Python_EXECUTABLE}; the C++ torch operators are not built")
+  message(STATUS "sparsetrain: no torch for ${Python_EXECUTABLE}; the C++ torch library is not built")
   return()
 endif()
 string(REPLACE "\n" ";" st_torch "${st_torch}")
@@ -26,17 +28,17 @@ list(GET st_torch 1 st_torch_lib)
 list(GET st_torch 2 st_torch_abi)
 list(GET st_torch 3 st_torch_cuda)
 string(REPLACE "|" ";" st_torch_includes "${st_torch_includes}")
-set(st_torch_libs torch_cpu c10)
+set(st_torch_libs torch_cpu c10 torch_python)
 if(st_torch_cuda AND SPARSETRAIN_WITH_CUDA)
   list(APPEND st_torch_libs c10_cuda)
 endif()
 foreach(lib IN LISTS st_torch_libs)
   if(NOT EXISTS "${st_torch_lib}/lib${lib}.so")
-    message(STATUS "sparsetrain: ${st_torch_lib}/lib${lib}.so not found; the C++ torch operators are not built")
+    message(STATUS "sparsetrain: ${st_torch_lib}/lib${lib}.so not found; the C++ torch library is not built")
     return()
   endif()
 endforeach()
-add_library(sparsetrain_torch_ops MODULE python/src/torch_ops.cpp)
+add_library(sparsetrain_torch_ops MODULE python/src/torch_ops.cpp python/src/torch_grouped.cpp)
 target_include_directories(sparsetrain_torch_ops SYSTEM PRIVATE ${st_torch_includes})
 target_compile_definitions(sparsetrain_torch_ops PRIVATE _GLIBCXX_USE_CXX11_ABI=${st_torch_abi})
 if(st_torch_cuda AND SPARSETRAIN_WITH_CUDA)
@@ -45,8 +47,10 @@ if(st_torch_cuda AND SPARSETRAIN_WITH_CUDA)
 endif()
 target_compile_options(sparsetrain_torch_ops PRIVATE -Wall -Wextra)
 target_link_directories(sparsetrain_torch_ops PRIVATE "${st_torch_lib}")
-target_link_libraries(sparsetrain_torch_ops PRIVATE sparsetrain ${st_torch_libs})
-# Loaded by sparsetrain.torch with torch.ops.load_library (torch's libraries are loaded by then).
-set_target_properties(sparsetrain_torch_ops PROPERTIES PREFIX "" OUTPUT_NAME _torch_ops
+# Python headers for the pybind11 module (torch's pybind11 and tensor caster; no libpython).
+target_link_libraries(sparsetrain_torch_ops PRIVATE sparsetrain ${st_torch_libs} Python::Module)
+# Imported by sparsetrain.torch as sparsetrain._torch_ops after torch (whose libraries are
+# loaded by then); pybind11 wants its symbols hidden.
+set_target_properties(sparsetrain_torch_ops PROPERTIES PREFIX "" OUTPUT_NAME _torch_ops CXX_VISIBILITY_PRESET hidden
                       LIBRARY_OUTPUT_DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR}/python/sparsetrain)
-message(STATUS "sparsetrain: C++ torch operators for torch in ${st_torch_lib}")
+message(STATUS "sparsetrain: C++ torch library for torch in ${st_torch_lib}")

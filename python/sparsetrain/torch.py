@@ -4,8 +4,11 @@ grad_input buffers, device splits), and `block_sparse_attention` (FlexAttention'
 sparsetrain.BlockMask), on top of `torch.library` custom ops with fake implementations so that
 models compile with torch.compile(fullgraph=True).
 
-Memory: every tensor the library allocates comes from torch's caching allocator on the current
-stream (torch.empty through the allocator callback) and is handed back as a view of that tensor.
+Eager calls run through the C++ torch library (sparsetrain._torch_ops) where it was built, else
+through the extension `_C`; the custom ops' implementations call the same code. Memory: every
+tensor the library allocates comes from torch's caching allocator on the current stream (at::empty
+in the C++ torch library, torch.empty through `_C`'s allocator callback) and is handed back as a
+tensor over that memory.
 What backward returns for a weight follows the one rule in C++ (`weight_grad_disposition`).
 """
 
@@ -18,9 +21,11 @@ import math
 import os
 import warnings
 import weakref
+from operator import attrgetter
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.autograd.forward_ad as _fwad
 from torch import Tensor, nn
 
 from . import _C
@@ -39,6 +44,28 @@ from ._block_mask import block_sparse_attention_forward as _attention_forward
 
 __all__ = ["GroupedLinear", "GroupedMLP", "BlockMask", "block_sparse_attention"]
 
+
+def _load_native() -> Any:
+    """torch.ops.sparsetrain_native where the C++ torch library was built and loads against this
+    torch (the Python module sparsetrain._torch_ops: python/src/torch_ops.cpp registers attention's
+    operators, torch_grouped.cpp has the grouped layers' C++ layers; no Python per allocation or
+    result); else None, and every call runs through the extension `_C`. SPARSETRAIN_TORCH_OPS=0
+    chooses `_C`."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_torch_ops.so")
+    if os.environ.get("SPARSETRAIN_TORCH_OPS", "1") == "0" or not os.path.exists(path):
+        return None
+    try:
+        from . import _torch_ops  # noqa: F401, PLC0415  (importing it registers the operators)
+    except ImportError as e:  # built against another torch or Python
+        warnings.warn(f"sparsetrain: {path} does not load here ({e}); calls run through sparsetrain._C")
+        return None
+    return torch.ops.sparsetrain_native
+
+
+_NATIVE = _load_native()
+
+_requires_grad = attrgetter("requires_grad")
+
 # Every layer module by id: the custom ops find their layer's state through it.
 _LAYERS: "dict[int, weakref.ReferenceType[nn.Module]]" = {}
 _NEXT_ID = itertools.count()
@@ -56,11 +83,14 @@ def _release_cores_at_exit() -> None:
     """torch.compile's caches keep a compiled module alive past interpreter shutdown, later than
     nanobind's check for live instances, which then reports the C++ layer the module holds as
     leaked (with its type and methods). Nothing can run a layer after exit: drop the C++ layers
-    here, before that check. (Registered at import, so it runs after atexit hooks added later.)"""
+    here, before that check (those of the C++ torch library too: they hold torch tensors, better
+    freed while torch is whole). (Registered at import, so it runs after atexit hooks added
+    later.)"""
     for ref in list(_LAYERS.values()):
         module = ref()
         if module is not None:
             module._core_layer, module._core_key = None, None
+            module._native_layer, module._native_methods = None, None
 
 
 def _layer(layer_id: int) -> Any:
@@ -71,12 +101,19 @@ def _layer(layer_id: int) -> Any:
     return module
 
 
-def _splits_arg(splits: Tensor, status: Optional[Tensor] = None) -> Any:
-    # CUDA splits stay on the device (capturable); invalid values OR bits into the layer's sticky
-    # status word (`splits_status`). CPU splits are host splits, validated at once.
+def _status_for(splits: Tensor, m: nn.Module) -> Optional[Tensor]:
+    """Module m's sticky status word (`splits_status`) where invalid `splits` OR bits into it:
+    CUDA splits stay on the device (capturable) and report there, when the word is on their
+    device. CPU splits are host splits, validated at once (None)."""
     if not splits.is_cuda:
-        return splits
-    return DeviceSplits(splits, status if status is not None and status.device == splits.device else None)
+        return None
+    status = m._splits_status()
+    return status if status.device == splits.device else None
+
+
+def _splits_arg(splits: Tensor, m: nn.Module) -> Any:
+    """splits as the extension `_C` takes them (see _status_for)."""
+    return DeviceSplits(splits, _status_for(splits, m)) if splits.is_cuda else splits
 
 
 def _check_buffer_args(x: Tensor, out: Optional[Tensor], grad_input: Optional[Tensor]) -> None:
@@ -126,11 +163,32 @@ def _direct(*tensors: Optional[Tensor]) -> bool:
             and all(t is None or (type(t) is Tensor and not t.is_meta) for t in tensors))
 
 
-def _core_and_splits(layer_id: int, x: Tensor, splits: Tensor, grad_input: Optional[Tensor]) -> Tuple[Any, Any]:
-    """The layer's core and the splits argument, grad_input checked."""
-    m = _layer(layer_id)
+def _without_autograd(inputs: Sequence[Tensor], buffers: Sequence[Optional[Tensor]],
+                      params: Sequence[Tensor]) -> bool:
+    """Whether an eager module call may skip its autograd.Function (~15 us a call with 4 experts,
+    ~80 us with 64, even under no_grad) and call the op implementation itself: autograd would record nothing (grad mode
+    off, or neither an input nor a parameter requires grad; no forward-mode AD level) and
+    _direct's conditions hold (so never under torch.compile, fake tensors or dispatch modes)."""
+    if torch.compiler.is_compiling() or _fwad._current_level >= 0:
+        return False
+    if torch.is_grad_enabled() and (any(map(_requires_grad, inputs)) or any(map(_requires_grad, params))):
+        return False
+    return _direct(*inputs, *buffers)
+
+
+def _written(out: Optional[Tensor], y: Tensor) -> Tensor:
+    """An op's result without its autograd.Function: the caller's buffer `out` (its version
+    bumped, as mark_dirty does) or the new tensor y."""
+    if out is None:
+        return y
+    torch.autograd.graph.increment_version(out)
+    return out
+
+
+def _core_and_splits(m: nn.Module, x: Tensor, splits: Tensor, grad_input: Optional[Tensor]) -> Tuple[Any, Any]:
+    """The `_C` core of module m and the splits argument, grad_input checked."""
     core = m._core()
-    s = _splits_arg(splits, m._splits_status())
+    s = _splits_arg(splits, m)
     if grad_input is not None:
         core.check_grad_input(x, s, grad_input)
     return core, s
@@ -138,7 +196,10 @@ def _core_and_splits(layer_id: int, x: Tensor, splits: Tensor, grad_input: Optio
 
 def _forward_impl(layer_id: int, x: Tensor, splits: Tensor, grad_input: Optional[Tensor],
                   out: Optional[Tensor] = None) -> Tensor:
-    core, s = _core_and_splits(layer_id, x, splits, grad_input)
+    m = _layer(layer_id)
+    if _NATIVE is not None:
+        return m._native("forward", x, splits, _status_for(splits, m), out, grad_input)
+    core, s = _core_and_splits(m, x, splits, grad_input)
     return core.forward(x, s, out)
 
 
@@ -166,7 +227,8 @@ def _(layer_id, x, splits, params, out, grad_input=None):
 
 def _layer_grad_tensors(g: Any, x: Tensor) -> Tuple[Tensor, Tensor]:
     """One layer's grads (GroupedLinearGrads or LayerGrads) as op outputs: (packed weight grad or
-    dummy, bias grad [G, out]); an empty tensor stands for none."""
+    dummy, bias grad [G, out]); an empty tensor (x's dtype) stands for none. The C++ torch
+    library's layers hand them back in this form themselves."""
     if g.weight_kind == "none":
         dw = x.new_empty(0)
     elif g.weight_grad_packed is not None:
@@ -194,7 +256,9 @@ def _layer_grads_fake(m: "GroupedLinear", x: Tensor) -> Tuple[Tensor, Tensor]:
 def _backward_impl(layer_id, x, dy, splits, grad_input):
     """(dx, packed weight grad or dummy, bias grad [G, out])."""
     m = _layer(layer_id)
-    g = m._core().backward(x, dy, _splits_arg(splits, m._splits_status()), grad_input)
+    if _NATIVE is not None:
+        return m._native("backward", x, dy, splits, _status_for(splits, m), grad_input)
+    g = m._core().backward(x, dy, _splits_arg(splits, m), grad_input)
     return (g.grad_input, *_layer_grad_tensors(g, x))
 
 
@@ -291,9 +355,21 @@ def _disposition_constant(delay: bool, fuse: bool, has_attr: bool) -> Tuple[str,
 
 
 class _DelayedWgrad:
-    """TransformerEngine's delayed-wgrad surface, shared by GroupedLinear and GroupedMLP: the
-    module keeps `_hooks`, `_core_layer` and `delay_wgrad_compute`, and defines
-    `_accumulate_backward_dw()` (its pending wgrads into main_grad or .grad, and bias grads)."""
+    """TransformerEngine's delayed-wgrad surface and the C++ layer, shared by GroupedLinear and
+    GroupedMLP: the module keeps `_hooks`, `_core_layer` (the `_C` path's), `_native_layer` (the
+    C++ torch library's) and `delay_wgrad_compute`, and defines
+    `_accumulate_backward_dw()` (its pending wgrads into main_grad or .grad, and bias grads),
+    `_make_native()` and `_native_params()`."""
+
+    def _native(self, method: str, *args: Any) -> Any:
+        """`method` of the module's C++ layer in the C++ torch library (made once), called with
+        `args` and the module's current parameters and flags (`_native_params`); the layer
+        compares them with the last call's and rebuilds its views when one moved."""
+        methods = self._native_methods
+        if methods is None:  # bound once
+            layer = self._native_layer = self._make_native()
+            methods = self._native_methods = {n: getattr(layer, n) for n in ("forward", "backward", "backward_dw")}
+        return methods[method](*args, *self._native_params())
 
     def backward_dw(self) -> None:
         """Computes the oldest pending delayed wgrad (into main_grad when fused, else into the
@@ -317,7 +393,8 @@ class _DelayedWgrad:
 
     @property
     def pending_wgrads(self) -> int:
-        return 0 if self._core_layer is None else self._core_layer.pending_wgrads
+        core = self._core_layer if _NATIVE is None else self._native_layer
+        return 0 if core is None else core.pending_wgrads
 
 
 class GroupedLinear(_DelayedWgrad, nn.Module):
@@ -376,6 +453,9 @@ class GroupedLinear(_DelayedWgrad, nn.Module):
         self._hooks: List[Callable[[], None]] = []
         self._core_layer: Optional[_CoreGroupedLinear] = None
         self._core_key: Any = None
+        self._native_layer: Any = None
+        self._native_methods: Any = None
+        self._host_splits: Optional[Tuple[tuple, Tensor]] = None  # (values, tensor) of the last list
         self._id = _register(self)
 
     def _splits_status(self) -> Tensor:
@@ -413,28 +493,45 @@ class GroupedLinear(_DelayedWgrad, nn.Module):
             grads.append(mg)
         return grads
 
-    def _param_state(self, prefix: str = "") -> "_ParamState":
-        """The parameters in the core's form, and a key that changes when any of them (or a
-        main_grad) moves; `prefix` names this layer inside a GroupedMLP in errors."""
+    def _param_tensors(self, prefix: str = "") -> "_ParamTensors":
+        """The parameters, main_grads and flags as they are now; `prefix` names this layer inside
+        a GroupedMLP in errors."""
         weights, biases, main_grads = self.weights(), self.biases(), self._main_grads(prefix)
         overwrite = bool(self.fuse_wgrad_accumulation and getattr(weights[0], "overwrite_main_grad", False))
-        has_attr = self._has_grad_added_attr(weights)
+        return _ParamTensors(weights, biases, main_grads, overwrite, self._has_grad_added_attr(weights))
+
+    def _param_state(self, prefix: str = "") -> "_ParamState":
+        """The parameters in the `_C` core's form, and a key that changes when any of them (or a
+        main_grad) moves."""
+        p = self._param_tensors(prefix)
         # Where every tensor lives and how it is laid out (a new dtype or device means new memory,
         # so the first tensor's stand for all); map over the unbound methods: this runs every call.
-        ts = [*weights, *biases, *(main_grads or [])]
+        ts = p.tensors()
         key = (tuple(map(Tensor.data_ptr, ts)), tuple(map(Tensor.size, ts)), tuple(map(Tensor.stride, ts)),
-               ts[0].dtype, ts[0].device, overwrite, has_attr)
+               ts[0].dtype, ts[0].device, p.overwrite, p.has_attr)
 
         def packed_or_list(ts):
             if ts is None or not ts:
                 return None
             return ts[0] if self.single_grouped_weight else list(ts)
 
-        return _ParamState(packed_or_list(weights), packed_or_list(biases), packed_or_list(main_grads),
-                           overwrite, has_attr, key)
+        return _ParamState(packed_or_list(p.weights), packed_or_list(p.biases), packed_or_list(p.main_grads),
+                           p.overwrite, p.has_attr, key)
+
+    def _make_native(self) -> Any:
+        from . import _torch_ops  # noqa: PLC0415  (loaded by _load_native)
+
+        return _torch_ops.GroupedLinear(
+            self.num_gemms, self.in_features, self.out_features, self.single_grouped_weight, self.use_bias,
+            self.fuse_wgrad_accumulation, self.delay_wgrad_compute, self.check_device_splits)
+
+    def _native_params(self) -> Tuple[List[Tensor], List[bool]]:
+        p = self._param_tensors()
+        return p.tensors(), [p.overwrite, p.has_attr]
 
     def _core(self) -> _CoreGroupedLinear:
-        """The C++ layer over the current parameters, rebuilt when they (or main_grad) move."""
+        """The `_C` path's C++ layer over the current parameters, rebuilt when they (or main_grad)
+        move."""
         p = self._param_state()
         if p.key != self._core_key:
             _check_no_pending(self._core_layer, "GroupedLinear")
@@ -450,8 +547,18 @@ class GroupedLinear(_DelayedWgrad, nn.Module):
     def _normalize_splits(self, m_splits: Any) -> Tensor:
         if isinstance(m_splits, Tensor):
             splits = m_splits if m_splits.dtype == torch.int64 else m_splits.to(torch.int64)
-        else:
+        elif torch.compiler.is_compiling():
             splits = torch.tensor([int(s) for s in m_splits], dtype=torch.int64)
+        else:
+            # Eager host splits: the tensor of the last call's values is reused (torch.tensor costs
+            # ~4 us); nothing writes it.
+            values = tuple(m_splits)
+            last = self._host_splits
+            if last is not None and last[0] == values:
+                return last[1]
+            splits = torch.tensor([int(s) for s in values], dtype=torch.int64)
+            if tuple(splits.shape) == (self.num_gemms,):
+                self._host_splits = (values, splits)
         if tuple(splits.shape) != (self.num_gemms,):
             raise ValueError(f"m_splits: expected shape ({self.num_gemms},) (num_gemms), "
                              f"got {tuple(splits.shape)}")
@@ -467,19 +574,37 @@ class GroupedLinear(_DelayedWgrad, nn.Module):
         _check_buffer_args(x, out, grad_input)
         splits = self._normalize_splits(m_splits)
         weights, biases = self.weights(), self.biases()
+        if _without_autograd((x,), (splits, out, grad_input), weights + biases):
+            return _written(out, _forward_impl(self._id, x, splits, grad_input, out))
         disposition = _disposition_constant(self.delay_wgrad_compute, self.fuse_wgrad_accumulation,
                                             self._has_grad_added_attr(weights))
         return _GroupedLinearFunction.apply(self._id, disposition, self.single_grouped_weight, x, splits,
                                             out, grad_input, len(weights), *weights, *biases)
 
     def _accumulate_backward_dw(self) -> None:
-        _accumulate_layer_grads(self, self._core().backward_dw())
+        if _NATIVE is not None:
+            dw, db = self._native("backward_dw")
+        else:
+            dw, db = _layer_grad_tensors(self._core().backward_dw(), self.weights()[0])
+        _accumulate_layer_grads(self, dw, db)
 
     def extra_repr(self) -> str:
         return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.use_bias}, single_grouped_weight={self.single_grouped_weight}, "
                 f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}, "
                 f"delay_wgrad_compute={self.delay_wgrad_compute}")
+
+
+class _ParamTensors(NamedTuple):
+    weights: List[Tensor]
+    biases: List[Tensor]
+    main_grads: Optional[List[Tensor]]  # None without fuse_wgrad_accumulation
+    overwrite: bool
+    has_attr: bool
+
+    def tensors(self) -> List[Tensor]:
+        """In the order the C++ torch library takes them: weights, biases, main_grads."""
+        return [*self.weights, *self.biases, *(self.main_grads or [])]
 
 
 class _ParamState(NamedTuple):
@@ -489,6 +614,12 @@ class _ParamState(NamedTuple):
     overwrite: bool
     has_attr: bool
     key: tuple
+
+
+def _check_same_overwrite(p1: Any, p2: Any) -> None:
+    """A GroupedMLP's two layers share overwrite_main_grad (_ParamTensors or _ParamState each)."""
+    if p1.overwrite != p2.overwrite:
+        raise ValueError(f"fc2 weights' overwrite_main_grad: expected {p1.overwrite} (as fc1's), got {p2.overwrite}")
 
 
 def _check_no_pending(core: Any, what: str) -> None:
@@ -504,17 +635,14 @@ def _accumulate_grad(p: Tensor, grad: Tensor) -> None:
         p.grad += grad
 
 
-def _accumulate_layer_grads(m: GroupedLinear, g: Any) -> None:
-    """A delayed wgrad (GroupedLinearGrads or LayerGrads) into the .grad of m's parameters; with
-    main_grad fusion the core has already written main_grad and there is nothing to add."""
-    if g.weight_kind == "wgrad":
-        grads = [g.weight_grad_packed] if m.single_grouped_weight else g.weight_grads
-        for p, grad in zip(m.weights(), grads):
-            _accumulate_grad(p, grad)
-    if g.bias_grad is not None:
-        grads = [g.bias_grad] if m.single_grouped_weight else list(g.bias_grad.unbind(0))
-        for p, grad in zip(m.biases(), grads):
-            _accumulate_grad(p, grad)
+def _accumulate_layer_grads(m: GroupedLinear, dw: Tensor, db: Tensor) -> None:
+    """A delayed wgrad, (packed wgrad, bias grad) as _layer_grad_tensors gives them (empty: none),
+    into the .grad of m's parameters; with main_grad fusion the core has already written
+    main_grad and there is no wgrad to add."""
+    for params, grad in ((m.weights(), dw), (m.biases(), db)):
+        if grad.numel():
+            for p, g in zip(params, [grad] if m.single_grouped_weight else grad.unbind(0)):
+                _accumulate_grad(p, g)
 
 
 # --- GroupedMLP ------------------------------------------------------------------------------
@@ -524,7 +652,10 @@ def _accumulate_layer_grads(m: GroupedLinear, g: Any) -> None:
 
 def _mlp_forward_impl(layer_id: int, x: Tensor, splits: Tensor, probs: Tensor, grad_input: Optional[Tensor],
                       out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-    core, s = _core_and_splits(layer_id, x, splits, grad_input)
+    m = _layer(layer_id)
+    if _NATIVE is not None:
+        return m._native("forward", x, splits, _status_for(splits, m), probs, out, grad_input)
+    core, s = _core_and_splits(m, x, splits, grad_input)
     return core.forward(x, s, probs, out)
 
 
@@ -554,7 +685,9 @@ def _(layer_id, x, splits, probs, params, out, grad_input=None):
 def _mlp_backward_impl(layer_id, x, fc1_out, probs, dy, splits, grad_input):
     """(dx, dprobs, fc1's dw, db, fc2's dw, db)."""
     m = _layer(layer_id)
-    g = m._core().backward(x, fc1_out, probs, dy, _splits_arg(splits, m._splits_status()), grad_input)
+    if _NATIVE is not None:
+        return m._native("backward", x, fc1_out, probs, dy, splits, _status_for(splits, m), grad_input)
+    g = m._core().backward(x, fc1_out, probs, dy, _splits_arg(splits, m), grad_input)
     return (g.grad_input, g.dprobs, *_layer_grad_tensors(g.fc1, x), *_layer_grad_tensors(g.fc2, x))
 
 
@@ -670,6 +803,8 @@ class GroupedMLP(_DelayedWgrad, nn.Module):
         self._hooks: List[Callable[[], None]] = []
         self._core_layer: Optional[_CoreGroupedMLP] = None
         self._core_key: Any = None
+        self._native_layer: Any = None
+        self._native_methods: Any = None
         self._id = _register(self)
 
     @property
@@ -681,13 +816,16 @@ class GroupedMLP(_DelayedWgrad, nn.Module):
     def _splits_status(self) -> Tensor:
         return self.fc1.splits_status
 
+    def _layers(self) -> Tuple[GroupedLinear, GroupedLinear]:
+        """(fc1, fc2), read from _modules: nn.Module's attribute lookup costs ~0.7 us each."""
+        modules = self._modules
+        return modules["fc1"], modules["fc2"]
+
     def _core(self) -> _CoreGroupedMLP:
         """The C++ GroupedMLP over both layers' current parameters, rebuilt when any of them (or a
         main_grad) moves. Sizes and dtypes are checked there (errors name fc1.* / fc2.*)."""
         p1, p2 = self.fc1._param_state("fc1."), self.fc2._param_state("fc2.")
-        if p1.overwrite != p2.overwrite:
-            raise ValueError(f"fc2 weights' overwrite_main_grad: expected {p1.overwrite} (as fc1's), "
-                             f"got {p2.overwrite}")
+        _check_same_overwrite(p1, p2)
         key = (p1.key, p2.key)
         if key != self._core_key:
             _check_no_pending(self._core_layer, "GroupedMLP")
@@ -700,6 +838,20 @@ class GroupedMLP(_DelayedWgrad, nn.Module):
             self._core_key = key
         return self._core_layer
 
+    def _make_native(self) -> Any:
+        from . import _torch_ops  # noqa: PLC0415  (loaded by _load_native)
+
+        return _torch_ops.GroupedMLP(
+            self.num_gemms, self.in_features, self.ffn_hidden_size, self.out_features, self.glu_interleave_size,
+            self.single_grouped_weight, self.use_bias, self.fuse_wgrad_accumulation, self.delay_wgrad_compute,
+            self.check_device_splits)
+
+    def _native_params(self) -> Tuple[List[Tensor], List[bool]]:
+        fc1, fc2 = self._layers()
+        p1, p2 = fc1._param_tensors("fc1."), fc2._param_tensors("fc2.")
+        _check_same_overwrite(p1, p2)
+        return p1.tensors() + p2.tensors(), [p1.overwrite, p1.has_attr, p2.has_attr]
+
     def forward(self, x: Tensor, m_splits: Union[Sequence[int], Tensor], probs: Tensor,
                 out: Optional[Tensor] = None, grad_input: Optional[Tensor] = None) -> Tensor:
         """x [T, in] grouped by expert; m_splits as for GroupedLinear; probs fp32 [T] (the router
@@ -707,23 +859,31 @@ class GroupedMLP(_DelayedWgrad, nn.Module):
         written in place (rows >= S untouched); grad_input: optional [>= T, in] buffer for dx;
         as GroupedLinear's (>= S rows with host splits, neither requiring grad)."""
         _check_buffer_args(x, out, grad_input)
-        splits = self.fc1._normalize_splits(m_splits)
-        params, counts, dispositions = [], [], []
-        for layer in (self.fc1, self.fc2):
+        layers = self._layers()
+        splits = layers[0]._normalize_splits(m_splits)
+        params, counts, weight_lists = [], [], []
+        for layer in layers:
             weights = layer.weights()
+            weight_lists.append(weights)
             for group in (weights, layer.biases()):
                 params += group
                 counts.append(len(group))
-            dispositions.append(_disposition_constant(self.delay_wgrad_compute, self.fuse_wgrad_accumulation,
-                                                      layer._has_grad_added_attr(weights)))
-        dispositions = tuple(dispositions)
+        if _without_autograd((x, probs), (splits, out, grad_input), params):
+            return _written(out, _mlp_forward_impl(self._id, x, splits, probs, grad_input, out)[0])
+        dispositions = tuple(_disposition_constant(self.delay_wgrad_compute, self.fuse_wgrad_accumulation,
+                                                   layer._has_grad_added_attr(weights))
+                             for layer, weights in zip(layers, weight_lists))
         return _GroupedMLPFunction.apply(self._id, dispositions, self.single_grouped_weight, x, splits, probs,
                                          out, grad_input, tuple(counts), *params)
 
     def _accumulate_backward_dw(self) -> None:  # both layers' oldest pending wgrads
-        g = self._core().backward_dw()
-        _accumulate_layer_grads(self.fc1, g.fc1)
-        _accumulate_layer_grads(self.fc2, g.fc2)
+        if _NATIVE is not None:
+            dw1, db1, dw2, db2 = self._native("backward_dw")
+        else:
+            g, like = self._core().backward_dw(), self.fc1.weights()[0]
+            (dw1, db1), (dw2, db2) = _layer_grad_tensors(g.fc1, like), _layer_grad_tensors(g.fc2, like)
+        _accumulate_layer_grads(self.fc1, dw1, db1)
+        _accumulate_layer_grads(self.fc2, dw2, db2)
 
     def extra_repr(self) -> str:
         return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, "
@@ -768,24 +928,6 @@ def _device_guard(t: Tensor) -> Any:
     """The CUDA device of `t` made current for the call (torch's current stream there is the
     one the library runs on); nothing for a CPU tensor."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
-def _load_native() -> Any:
-    """torch.ops.sparsetrain_native (python/src/torch_ops.cpp: attention as C++ torch operators,
-    no Python per allocation or result) where it was built and loads against this torch; else
-    None, and attention runs through the extension `_C`. SPARSETRAIN_TORCH_OPS=0 chooses `_C`."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_torch_ops.so")
-    if os.environ.get("SPARSETRAIN_TORCH_OPS", "1") == "0" or not os.path.exists(path):
-        return None
-    try:
-        torch.ops.load_library(path)
-    except (OSError, RuntimeError) as e:  # built against another torch
-        warnings.warn(f"sparsetrain: {path} does not load here ({e}); attention runs through sparsetrain._C")
-        return None
-    return torch.ops.sparsetrain_native
-
-
-_NATIVE = _load_native()
 
 
 def _attention_forward_impl(q: Tensor, k: Tensor, v: Tensor, mask_tensors: Sequence[Optional[Tensor]],
