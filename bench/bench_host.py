@@ -2,8 +2,10 @@
 where the GPU (or CPU) work is small, so what is left is what an eager step pays on the host.
 Cases: GroupedLinear forward at G = 4 and G = 64 (per-expert weights, the O(G) Python path) against
 a Python loop of F.linear plus cat over the same groups; GroupedMLP forward at G = 4; attention
-forward (causal; CUDA: bf16 B1 H2 S256 D64, CPU: fp32 B1 H1 S128 D16). Medians of 5 repeats, after
-warm-up, forward under torch.no_grad() and with autograd recording (grad mode).
+forward (causal; CUDA: bf16 B1 H2 S256 D64, CPU: fp32 B1 H1 S128 D16). Where the C++ torch library
+is loaded, each grouped case also times its C++ layer's forward called alone (`*_cpp_layer`: no
+module, no autograd; the floor, with on the CPU the reference backend's compute in it). Medians of
+5 repeats, after warm-up, forward under torch.no_grad() and with autograd recording (grad mode).
 
     python bench/bench_host.py [--device cpu|cuda] [--calls 1000] [--json out.json]
 """
@@ -33,6 +35,18 @@ def host_us(fn, calls, device):
     return statistics.median(reps)
 
 
+def cpp_layer(name, m, args):
+    """The module's C++ layer (sparsetrain._torch_ops) called alone with `args`, where loaded."""
+    import sparsetrain.torch as stt
+
+    if stt._NATIVE is None:
+        return []
+    with torch.no_grad():
+        m._native("forward", *args)  # makes the layer
+    fwd, (params, flags) = m._native_methods["forward"], m._native_params()
+    return [(f"{name}_cpp_layer", lambda: fwd(*args, params, flags))]
+
+
 def cases(device):
     import sparsetrain
     import sparsetrain.torch as stt
@@ -46,11 +60,13 @@ def cases(device):
         splits = [4] * G
         ws, bs = m.weights(), m.biases()
         out.append((f"grouped_linear_fwd_G{G}", lambda m=m, x=x, s=splits: m(x, s)))
+        out += cpp_layer(f"grouped_linear_fwd_G{G}", m, (x, torch.tensor(splits), None, None, None))
         out.append((f"loop_of_F.linear_G{G}", lambda x=x, ws=ws, bs=bs, G=G:
                     torch.cat([F.linear(xi, w, b) for xi, w, b in zip(x.split(4), ws, bs)])))
     mlp = stt.GroupedMLP(4, 64, 32, bias=True, params_dtype=dt, device=device)
     xm, pm = torch.randn(16, 64, device=device, dtype=dt), torch.rand(16, device=device)
     out.append(("grouped_mlp_fwd_G4", lambda: mlp(xm, [4] * 4, pm)))
+    out += cpp_layer("grouped_mlp_fwd_G4", mlp, (xm, torch.tensor([4] * 4), None, pm, None, None))
     # The CPU reference's work grows with S * S * D: keep it small there.
     S, H, D = (256, 2, 64) if device == "cuda" else (128, 1, 16)
     q, k, v = (torch.randn(1, H, S, D, device=device, dtype=dt) for _ in range(3))
@@ -71,7 +87,7 @@ def main():
             no_grad = host_us(fn, a.calls, a.device)
         grad = host_us(fn, a.calls, a.device)
         rows.append({"case": name, "no_grad_us": no_grad, "grad_mode_us": grad})
-        print(f"{name:26s} no_grad {no_grad:8.1f} us   grad mode {grad:8.1f} us", flush=True)
+        print(f"{name:34s} no_grad {no_grad:8.1f} us   grad mode {grad:8.1f} us", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": a.device, "torch": torch.__version__, "calls": a.calls, "rows": rows}, f, indent=1)
