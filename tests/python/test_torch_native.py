@@ -2,7 +2,8 @@
 where it is built) against the extension path (`_C`, SPARSETRAIN_TORCH_OPS=0): the same bytes
 forward and backward, with bias, packed weights, caller out / grad_input buffers, main_grad
 accumulation and overwrite, the dummy wgrad of Megatron's grad_added_to_main_grad and delayed
-wgrad (two backwards queued, then backward_dw twice, first in first out); the C++ layer following
+wgrad (two backwards queued, then backward_dw twice, first in first out; on CUDA on a side
+stream, with device splits; those cases skip without a GPU); the C++ layer following
 parameters that move and refusing while wgrads are pending; eager no-grad calls that skip the
 autograd.Function. Fresh random data on each run (the seed is in the failure message)."""
 
@@ -48,8 +49,8 @@ def _make(kind, seed, **opts):
     return stt.GroupedLinear(G, IN, OUT, **kw)
 
 
-def _call(m, x, probs, **kw):
-    return m(x, SPLITS, probs, **kw) if isinstance(m, stt.GroupedMLP) else m(x, SPLITS, **kw)
+def _call(m, x, probs, splits=SPLITS, **kw):
+    return m(x, splits, probs, **kw) if isinstance(m, stt.GroupedMLP) else m(x, splits, **kw)
 
 
 def _bits(t):
@@ -57,32 +58,41 @@ def _bits(t):
     return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
-def _run(kind, case, seed):
-    """Two steps of forward + backward (then the delayed wgrads): every tensor that came out."""
+def _run(kind, case, seed, device):
+    """Two steps of forward + backward (then the delayed wgrads): every tensor that came out. On
+    CUDA with device splits, and the delayed wgrads computed on a side stream."""
     opts = dict(CASES[case])
     buffers, main_grad, added = opts.pop("buffers", False), opts.pop("main_grad", None), opts.pop("grad_added", False)
-    m = _make(kind, seed, **opts)
+    m = _make(kind, seed, device=device, **opts)
     dtype = m.fc1.weights()[0].dtype if kind == "GroupedMLP" else m.weights()[0].dtype
+    splits = torch.tensor(SPLITS, device=device) if device == "cuda" else SPLITS
     gen = torch.Generator().manual_seed(seed + 1)
     weights = [p for n, p in m.named_parameters() if "weight" in n]
     for w in weights if main_grad else []:
-        w.main_grad = torch.randn(w.shape, generator=gen)
+        w.main_grad = torch.randn(w.shape, generator=gen).to(device)
         w.overwrite_main_grad = main_grad == "overwrite"
         if added:
             w.grad_added_to_main_grad = False
     got = []
     for _ in range(2):
-        x = torch.randn(T, IN, generator=gen).to(dtype).requires_grad_()
-        probs = torch.rand(T, generator=gen).requires_grad_()
-        dy = torch.randn(T, OUT, generator=gen).to(dtype)
-        kw = dict(out=torch.full((T, OUT), float("nan"), dtype=dtype),
-                  grad_input=torch.full((T, IN), float("nan"), dtype=dtype)) if buffers else {}
-        y = _call(m, x, probs, **kw)
+        x = torch.randn(T, IN, generator=gen).to(device, dtype).requires_grad_()
+        probs = torch.rand(T, generator=gen).to(device).requires_grad_()
+        dy = torch.randn(T, OUT, generator=gen).to(device, dtype)
+        kw = dict(out=torch.full((T, OUT), float("nan"), dtype=dtype, device=device),
+                  grad_input=torch.full((T, IN), float("nan"), dtype=dtype, device=device)) if buffers else {}
+        y = _call(m, x, probs, splits, **kw)
         y.backward(dy)
         got += [y, x.grad] + ([probs.grad] if kind == "GroupedMLP" else [])
     assert m.pending_wgrads == (2 if m.delay_wgrad_compute else 0)
+    side = torch.cuda.Stream() if device == "cuda" else None
     for _ in range(2 if m.delay_wgrad_compute else 0):
-        m.backward_dw()
+        if side is None:
+            m.backward_dw()
+            continue
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            m.backward_dw()
+        torch.cuda.current_stream().wait_stream(side)
     assert m.pending_wgrads == 0
     got += [p.grad if p.grad is not None else torch.zeros(0) for p in m.parameters()]
     got += [w.main_grad for w in weights if main_grad]
@@ -90,15 +100,22 @@ def _run(kind, case, seed):
     return m, got, flags
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason="no CUDA device: the CUDA parity cases skip"))]
+
+
 @needs_native
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("kind", KINDS)
-def test_native_layers_equal_the_extension_path(kind, case, monkeypatch):
+def test_native_layers_equal_the_extension_path(kind, case, device, monkeypatch):
+    if device == "cuda" and CASES[case].get("params_dtype") == torch.float32:
+        pytest.skip("fp32 layers run on the CPU reference only")
     seed = random.SystemRandom().randrange(2**31)
-    native, got, flags = _run(kind, case, seed)
+    native, got, flags = _run(kind, case, seed, device)
     assert native._native_layer is not None and native._core_layer is None, "ran through the C++ torch library"
     monkeypatch.setattr(stt, "_NATIVE", None)
-    extension, want, want_flags = _run(kind, case, seed)
+    extension, want, want_flags = _run(kind, case, seed, device)
     assert extension._core_layer is not None and extension._native_layer is None, "ran through _C"
     assert flags == want_flags, f"grad_added_to_main_grad, seed {seed}"
     assert len(got) == len(want)
