@@ -267,8 +267,9 @@ def queued_ms(fn, reps, warmup=3):
     return a.elapsed_time(b) / reps
 
 
-def graph_ms(fn, reps):
-    """Median time of fn captured in a CUDA graph and replayed: the GPU work without the host's."""
+def captured(fn, calls=1):
+    """`calls` calls of fn captured in a CUDA graph (after warm-up on a side stream); returns the
+    graph's replay."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -277,8 +278,14 @@ def graph_ms(fn, reps):
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
-    return time_ms(graph.replay, reps)[0]
+        for _ in range(calls):
+            fn()
+    return graph.replay
+
+
+def graph_ms(fn, reps):
+    """Median time of fn captured in a CUDA graph and replayed: the GPU work without the host's."""
+    return time_ms(captured(fn), reps)[0]
 
 
 def first_line(e):

@@ -10,9 +10,11 @@ inputs rotated over enough copies to exceed twice the L2 cache, and each round t
 variant back to back (`reps` calls queued between two CUDA events, after warm-up), the variants
 alternating within a round so drift hits all alike; medians over the rounds. The outputs of every
 variant are checked bitwise equal to the default's (each item is computed by one CTA whatever
-the order).
+the order). --graph times CUDA-graph replays of `reps` calls instead (each variant captured with
+its switch set): the GPU work alone, where back-to-back calls shorter than ~0.4 ms are host-bound.
 
-    python bench/bench_fwd_order.py --only causal,causal_s4096_b8 [--rounds 5] [--reps 20] [--json out.json]
+    python bench/bench_fwd_order.py --only causal,causal_s4096_b8 [--graph] [--rounds 5] [--reps 20]
+                                    [--json out.json]
 """
 
 import itertools
@@ -22,13 +24,13 @@ import torch
 
 import bench_attention as ba
 
-VARIANTS = [("sections", False), ("lpt", False), ("natural", False), ("sections", True), ("lpt", True),
-            ("natural", True)]
+# (label, the switches' values); the first is the default.
+VARIANTS = [(f"{o}{'/static' if st else ''}", {"SPARSETRAIN_ATTN_FWD_ORDER": o, "SPARSETRAIN_ATTN_FWD_STATIC": "1" if st else "0"})
+            for st in (False, True) for o in ("sections", "lpt", "natural")]
 
 
-def use(order, static):
-    os.environ["SPARSETRAIN_ATTN_FWD_ORDER"] = order
-    os.environ["SPARSETRAIN_ATTN_FWD_STATIC"] = "1" if static else "0"
+def use(i):
+    os.environ.update(VARIANTS[i][1])
 
 
 def bench_case(name, rounds, reps):
@@ -45,23 +47,32 @@ def bench_case(name, rounds, reps):
         return stt.block_sparse_attention(*next(cycle), mask)
 
     outs = []
-    for order, static in VARIANTS:
-        use(order, static)
+    for i in range(len(VARIANTS)):
+        use(i)
         outs.append(stt.block_sparse_attention(*sets[0], mask))
     same = [bool(torch.equal(o, outs[0])) for o in outs]
-    med, times = ba.interleaved_ms([call] * len(VARIANTS), rounds, reps, before=lambda i: use(*VARIANTS[i]))
-    use("sections", False)
+    if GRAPH:
+        fns = []
+        for i in range(len(VARIANTS)):
+            use(i)
+            fns.append(ba.captured(call, reps))
+        med, times = ba.interleaved_ms(fns, rounds, 1)
+        med, times = [m / reps for m in med], [[t / reps for t in ts] for ts in times]
+    else:
+        med, times = ba.interleaved_ms([call] * len(VARIANTS), rounds, reps, before=use)
+    use(0)
     flops = 4.0 * D * Hq * sum(pairs)
     return {"case": name, "mask": c.kind, "B": B, "Hq": Hq, "Hkv": Hkv, "S": S, "D": D, "rounds": rounds,
-            "reps": reps, "input_copies": len(sets),
-            "variants": [{"order": o, "static": st, "fwd_b2b_ms": m, "tflops": flops / m * 1e-9, "rounds_ms": t,
-                          "bitwise_equal_to_default": e}
-                         for (o, st), m, t, e in zip(VARIANTS, med, times, same)]}
+            "reps": reps, "input_copies": len(sets), "timing": "graph" if GRAPH else "b2b",
+            "variants": [{"variant": label, "switches": env, "fwd_ms": m, "tflops": flops / m * 1e-9,
+                          "rounds_ms": t, "bitwise_equal_to_default": e}
+                         for (label, env), m, t, e in zip(VARIANTS, med, times, same)]}
 
 
 def show(name, row):
     if not _shown:  # the header, with the first row
-        print(f"{'case':26s} " + " ".join(f"{o + ('/static' if s else ''):>15s}" for o, s in VARIANTS) + "   (TFLOP/s)")
+        print(f"{'case':26s} " + " ".join(f"{label:>15s}" for label, _ in VARIANTS) +
+              f"   (TFLOP/s, {'graph' if GRAPH else 'back to back'})")
         _shown.append(name)
     cells = " ".join(f"{v['tflops']:15.1f}" for v in row["variants"])
     equal = "" if all(v["bitwise_equal_to_default"] for v in row["variants"]) else "  OUTPUTS DIFFER"
@@ -69,6 +80,15 @@ def show(name, row):
 
 
 _shown = []
+GRAPH = False
 
 if __name__ == "__main__":
+    import sys
+
+    # This script's own options, taken off before the shared A/B command line reads the rest.
+    args = sys.argv[1:]
+    if "--graph" in args:
+        GRAPH = True
+        args.remove("--graph")
+    sys.argv[1:] = args
     ba.ab_main(__doc__, bench_case, show)

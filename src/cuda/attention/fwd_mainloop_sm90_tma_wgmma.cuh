@@ -3,7 +3,7 @@
 //
 //   FwdTraits      tiles, pipelines (K: 2 stages, V: 3: V is held until the PV GEMM of the next
 //                  iteration), shared memory, the two GEMMs (S = Q K^T from shared memory, O += P V
-//                  with P straight from registers)
+//                  with P straight from registers), the TMA loads and o's TMA store
 //   fwd_produce    one producer thread loads q (two buffers: the next item's q and first kv tiles
 //                  load while the consumers finish the current item) and K, another V, walking the
 //                  same valid tiles as the consumers (common/attention_fwd_walk.h)
@@ -74,6 +74,14 @@ struct FwdTraits {
                                       Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
   using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, take<0, 2>(SmemLayoutK{}),
                                        Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  // o [B, Sq, Hq, D] as the TMA store sees it, from one V stage ([kBlockN = kBlockM, D], the same
+  // K-major swizzle as q's tile): an item's o is staged in the V stage its last PV GEMM read
+  // (fwd_consume's store_o).
+  static_assert(kBlockN == kBlockM, "o is staged in a V stage: the tiles must have as many rows");
+  using SmemLayoutO = decltype(take<0, 2>(SmemLayoutV{}));
+  using GmemTensorO = decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), GmemShape{}, GmemStride{}));
+  using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensorO{}, SmemLayoutO{},
+                                     Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
 
@@ -102,6 +110,7 @@ struct FwdTraits {
     FwdArgs args;
     TmaQ tma_q;
     TmaKV tma_k, tma_v;
+    TmaO tma_o;
     float scale_log2;  // scale * log2(e): the softmax runs in base 2
   };
 };
