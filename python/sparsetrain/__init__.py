@@ -1,8 +1,9 @@
 """sparsetrain: training kernels for MoE layers and block-sparse attention.
 
 This module is the framework-neutral API over DLPack arrays (numpy on the CPU, torch CPU and
-CUDA tensors, any DLPack producer), zero-copy: GroupedLinear, GroupedMLP, BlockMask (block-sparse
-attention masks: builders, torch's flex_attention BlockMask) and the attention forward/backward. `sparsetrain.torch` (where torch is installed)
+CUDA tensors, any DLPack producer), zero-copy: GroupedLinear, GroupedMLP, the MoE router (route,
+route_backward), BlockMask (block-sparse attention masks: builders, torch's flex_attention
+BlockMask) and the attention forward/backward. `sparsetrain.torch` (where torch is installed)
 has the torch.nn.Module front. Bad arguments raise ValueError, other failures RuntimeError, with
 the C++ library's message (argument, what was expected, what came).
 """
@@ -15,11 +16,13 @@ from . import _C
 from ._arrays import DeviceSplits, Framework, dtype_name, to_core, to_core_splits, workspace_to_core
 from ._block_mask import (MASK_KINDS, BlockMask, MaskSpec, block_sparse_attention_backward,
                           block_sparse_attention_forward, document_ids_from_cu_seqlens)
+from ._moe import ROUTER_SCORES, RoutedTokens, route, route_backward
 
 __all__ = ["GroupedLinear", "GroupedLinearGrads", "GroupedMLP", "GroupedMLPGrads", "LayerGrads",
            "DeviceSplits", "weight_grad_disposition", "BlockMask", "MaskSpec", "MASK_KINDS",
            "document_ids_from_cu_seqlens",
            "block_sparse_attention_forward", "block_sparse_attention_backward",
+           "route", "route_backward", "RoutedTokens", "ROUTER_SCORES",
            "SPLITS_NEGATIVE", "SPLITS_SUM_EXCEEDS_ROWS", "version", "built_with_cuda",
            "cuda_device_count", "build_info"]
 

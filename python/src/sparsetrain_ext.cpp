@@ -20,6 +20,7 @@
 #include "sparsetrain/error.h"
 #include "sparsetrain/grouped_linear.h"
 #include "sparsetrain/grouped_mlp.h"
+#include "sparsetrain/moe_router.h"
 #include "sparsetrain/runtime.h"
 
 namespace nb = nanobind;
@@ -585,6 +586,36 @@ nb::tuple attention_backward(nb::handle q, nb::handle k, nb::handle v, nb::handl
   return nb::make_tuple(export_tensor(g.dq, alloc), export_tensor(g.dk, alloc), export_tensor(g.dv, alloc));
 }
 
+st::RouterOptions router_options(int64_t num_experts, int64_t top_k, const std::string& score, bool normalize) {
+  ST_CHECK_ARG(score == "softmax" || score == "sigmoid", "score", "softmax or sigmoid", score);
+  return {num_experts, top_k, score == "softmax" ? st::RouterScore::kSoftmax : st::RouterScore::kSigmoid, normalize};
+}
+
+// The MoE router (moe_router.h): (experts, probs, counts, row_of, token_of_row, score_sum), exported.
+nb::tuple moe_route(nb::handle logits, nb::handle expert_bias, int64_t num_experts, int64_t top_k,
+                    const std::string& score, bool normalize, uintptr_t stream, nb::callable allocator) {
+  PyAllocator alloc(std::move(allocator));
+  st::Stream s;
+  s.handle = reinterpret_cast<void*>(stream);
+  const st::RouterOutput r = st::route(router_options(num_experts, top_k, score, normalize), view_of(logits, "logits"),
+                                       optional_view(expert_bias, "expert_bias"), &alloc, s);
+  return nb::make_tuple(export_tensor(r.experts, alloc), export_tensor(r.probs, alloc), export_tensor(r.counts, alloc),
+                        export_tensor(r.row_of, alloc), export_tensor(r.token_of_row, alloc),
+                        export_tensor(r.score_sum, alloc));
+}
+
+nb::object moe_route_backward(nb::handle logits, nb::handle experts, nb::handle dprobs, nb::handle dscore_sum,
+                              int64_t num_experts, int64_t top_k, const std::string& score, bool normalize,
+                              uintptr_t stream, nb::callable allocator) {
+  PyAllocator alloc(std::move(allocator));
+  st::Stream s;
+  s.handle = reinterpret_cast<void*>(stream);
+  return export_tensor(st::route_backward(router_options(num_experts, top_k, score, normalize),
+                                          view_of(logits, "logits"), view_of(experts, "experts"),
+                                          view_of(dprobs, "dprobs"), optional_view(dscore_sum, "dscore_sum"), &alloc, s),
+                       alloc);
+}
+
 }  // namespace
 
 NB_MODULE(_C, m) {
@@ -654,6 +685,11 @@ NB_MODULE(_C, m) {
       .def_prop_ro("pending_wgrads", &PyGroupedMLP::pending_wgrads);
 
   // Block masks (block_mask.h): each builder returns a dict of exported tensors (see export_mask).
+  m.def("moe_route", &moe_route, nb::arg("logits"), nb::arg("expert_bias").none(), nb::arg("num_experts"),
+        nb::arg("top_k"), nb::arg("score"), nb::arg("normalize"), nb::arg("stream"), nb::arg("allocator"));
+  m.def("moe_route_backward", &moe_route_backward, nb::arg("logits"), nb::arg("experts"), nb::arg("dprobs"),
+        nb::arg("dscore_sum").none(), nb::arg("num_experts"), nb::arg("top_k"), nb::arg("score"), nb::arg("normalize"),
+        nb::arg("stream"), nb::arg("allocator"));
   m.def("build_block_mask", &build_mask, nb::arg("spec"), nb::arg("seq_q"), nb::arg("seq_kv"), nb::arg("block_q"),
         nb::arg("block_kv"), nb::arg("schedule"), nb::arg("sub_tiles"), nb::arg("allocator"),
         nb::arg("device") = "cpu", nb::arg("device_index") = 0, nb::arg("stream") = 0, nb::arg("walk").none() = nb::none(),
