@@ -42,7 +42,7 @@ from ._block_mask import _check_mask, _scale_arg, _sm_limit_arg
 from ._block_mask import block_sparse_attention_backward as _attention_backward
 from ._block_mask import block_sparse_attention_forward as _attention_forward
 
-__all__ = ["GroupedLinear", "GroupedMLP", "BlockMask", "block_sparse_attention"]
+__all__ = ["GroupedLinear", "GroupedMLP", "BlockMask", "block_sparse_attention", "MoELayer", "moe_route"]
 
 
 def _load_native() -> Any:
@@ -1101,3 +1101,7 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMas
                                       _sm_limit_arg(sm_limit), None if torch.compiler.is_compiling() else mask,
                                       *tensors)
     return (o, lse) if return_lse else o
+
+
+# The MoE layer (router custom ops, MoELayer over GroupedMLP): in its own module.
+from ._torch_moe import MoELayer, MoEOutput, RoutedTokens, moe_route  # noqa: E402,F401

@@ -1,0 +1,161 @@
+"""The MoE layer's torch front (sparsetrain.torch.MoELayer, sparsetrain.torch.moe_route): the router
+as torch.library custom ops (the rules of moe_router.h, fake implementations for torch.compile),
+the tokens' rows moved by gathers in both directions (no scatter, no atomics: deterministic on
+every device), and the experts as a sparsetrain.torch.GroupedMLP. Runs where the router runs: on
+the CPU for now (its CUDA kernel, and the gather folded into fc1's loads, are issue 18's next
+part); CUDA tensors are refused with the library's error."""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from ._moe import ROUTER_SCORES, route, route_backward
+
+
+@torch.library.custom_op("sparsetrain::moe_route", mutates_args=())
+def _route_op(logits: Tensor, expert_bias: Optional[Tensor], top_k: int, score: str,
+              normalize: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return tuple(t.clone() for t in route(logits, top_k, score=score, normalize=normalize, expert_bias=expert_bias))
+
+
+@_route_op.register_fake
+def _(logits, expert_bias, top_k, score, normalize):
+    N, E = logits.shape
+    i32 = torch.int32
+    return (logits.new_empty((N, top_k), dtype=i32), logits.new_empty((N, top_k), dtype=torch.float32),
+            logits.new_empty((E,), dtype=torch.int64), logits.new_empty((N, top_k), dtype=i32),
+            logits.new_empty((N * top_k,), dtype=i32), logits.new_empty((E,), dtype=torch.float32))
+
+
+@torch.library.custom_op("sparsetrain::moe_route_backward", mutates_args=())
+def _route_backward_op(logits: Tensor, experts: Tensor, dprobs: Tensor, dscore_sum: Optional[Tensor], top_k: int,
+                       score: str, normalize: bool) -> Tensor:
+    return route_backward(logits, experts, dprobs, top_k, score=score, normalize=normalize,
+                          dscore_sum=dscore_sum).clone()
+
+
+@_route_backward_op.register_fake
+def _(logits, experts, dprobs, dscore_sum, top_k, score, normalize):
+    return torch.empty_like(logits, dtype=torch.float32)
+
+
+def _route_setup(ctx, inputs, output):
+    logits, _, top_k, score, normalize = inputs
+    ctx.save_for_backward(logits, output[0])
+    ctx.rule = (top_k, score, normalize)
+
+
+def _route_grad(ctx, d_experts, d_probs, d_counts, d_row_of, d_token_of_row, d_score_sum):
+    logits, experts = ctx.saved_tensors
+    top_k, score, normalize = ctx.rule
+    dprobs = torch.zeros_like(experts, dtype=torch.float32) if d_probs is None else d_probs.float().contiguous()
+    dsum = None if d_score_sum is None else d_score_sum.float().contiguous()
+    return _route_backward_op(logits, experts, dprobs, dsum, top_k, score, normalize), None, None, None, None
+
+
+torch.library.register_autograd("sparsetrain::moe_route", _route_grad, setup_context=_route_setup)
+
+
+class RoutedTokens(NamedTuple):
+    """moe_route's result (sparsetrain.RoutedTokens' fields, as torch tensors): probs and
+    score_sum carry gradients to the logits."""
+    experts: Tensor
+    probs: Tensor
+    counts: Tensor
+    row_of: Tensor
+    token_of_row: Tensor
+    score_sum: Tensor
+
+
+def moe_route(logits: Tensor, top_k: int, *, score: str = "softmax", normalize: bool = False,
+              expert_bias: Optional[Tensor] = None) -> RoutedTokens:
+    """sparsetrain.route for torch under autograd and torch.compile: fp32 logits [N, E] ->
+    RoutedTokens (see sparsetrain.route for the rules: choice, ties, normalisation, layout). The
+    gradient of probs and of score_sum flows back to the logits; expert_bias gets none."""
+    return RoutedTokens(*_route_op(logits, expert_bias, int(top_k), score, bool(normalize)))
+
+
+def _take(x: Tensor, index: Tensor) -> Tensor:
+    """x's rows at `index`: [M] -> [M, ...]; [M, k] -> the k rows summed, [M, ...]."""
+    rows = x.index_select(0, index.reshape(-1))
+    return rows if index.dim() == 1 else rows.view(*index.shape, *x.shape[1:]).sum(1)
+
+
+class _Rows(torch.autograd.Function):
+    """_take(x, index), whose adjoint is _take(g, inverse): `index` and `inverse` describe the same
+    row mapping from both sides (row_of [N, k] and token_of_row [N * k], or a permutation and its
+    inverse), so both directions are gathers: no scatter, no atomic adds, deterministic."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
+        ctx.save_for_backward(inverse)
+        return _take(x, index)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        (inverse,) = ctx.saved_tensors
+        return _take(g, inverse), None, None
+
+
+class MoEOutput(NamedTuple):
+    """MoELayer's result: out [N, hidden]; score_sum fp32 [E] (each expert's router score summed
+    over the tokens, differentiable: the statistic of an auxiliary load-balancing loss); counts
+    int64 [E] (tokens per expert)."""
+    out: Tensor
+    score_sum: Tensor
+    counts: Tensor
+
+
+class MoELayer(nn.Module):
+    """A dropless MoE block after the router's own linear layer: each token's top_k experts by
+    the router logits (moe_route: softmax or sigmoid scores, optional normalisation and
+    choice-only expert bias), the tokens' rows laid out by expert, the experts' MLPs (`experts`, a
+    sparsetrain.torch.GroupedMLP: its options, main_grad and delayed wgrad with backward_dw), each
+    row scaled by its probability, and each token's top_k rows summed (in slot order, by gathers:
+    deterministic). Gradients reach x, the logits (through the probs and, if used, score_sum) and
+    the experts' parameters. The same as sparsetrain's C++ MoELayer (moe_layer.h)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, top_k: int, *,
+                 score: str = "softmax", normalize: bool = False, bias: bool = False,
+                 params_dtype: Optional[torch.dtype] = None, device: Union[torch.device, str, None] = None,
+                 glu_interleave_size: int = 0, single_grouped_weight: bool = False,
+                 fuse_wgrad_accumulation: bool = False, delay_wgrad_compute: bool = False):
+        super().__init__()
+        from .torch import GroupedMLP  # noqa: PLC0415  (sparsetrain.torch imports this module)
+
+        if score not in ROUTER_SCORES:
+            raise ValueError(f"score: expected one of {', '.join(ROUTER_SCORES)}, got {score}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k: expected 1 <= top_k <= num_experts = {num_experts}, got {top_k}")
+        self.num_experts, self.hidden_size, self.top_k = num_experts, hidden_size, top_k
+        self.score, self.normalize = score, normalize
+        self.experts = GroupedMLP(num_experts, hidden_size, ffn_hidden_size, hidden_size, bias=bias,
+                                  params_dtype=params_dtype, device=device, glu_interleave_size=glu_interleave_size,
+                                  single_grouped_weight=single_grouped_weight,
+                                  fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+                                  delay_wgrad_compute=delay_wgrad_compute)
+
+    def forward(self, x: Tensor, logits: Tensor, expert_bias: Optional[Tensor] = None) -> MoEOutput:
+        """x [N, hidden] (the experts' dtype), logits fp32 [N, E], expert_bias optional fp32 [E]."""
+        if x.dim() != 2 or x.shape[1] != self.hidden_size:
+            raise ValueError(f"x: expected shape [N, hidden = {self.hidden_size}], got {list(x.shape)}")
+        if logits.dim() != 2 or tuple(logits.shape) != (x.shape[0], self.num_experts):
+            raise ValueError(f"logits: expected shape [N = {x.shape[0]}, E = {self.num_experts}], "
+                             f"got {list(logits.shape)}")
+        r = moe_route(logits, self.top_k, score=self.score, normalize=self.normalize, expert_bias=expert_bias)
+        row_of = r.row_of.long()
+        flat_row = row_of.reshape(-1)  # (token, slot) -> row
+        flat_of_row = torch.empty_like(flat_row)  # row -> (token, slot): its inverse
+        flat_of_row[flat_row] = torch.arange(flat_row.numel(), device=flat_row.device)
+        rows = _Rows.apply(x, r.token_of_row.long(), row_of)
+        row_probs = _Rows.apply(r.probs.reshape(-1), flat_of_row, flat_row)
+        y = self.experts(rows, r.counts, row_probs)
+        out = _Rows.apply(y, row_of, r.token_of_row.long())
+        return MoEOutput(out, r.score_sum, r.counts)
+
+    def backward_dw(self) -> None:
+        """The experts' delayed wgrads (GroupedMLP.backward_dw)."""
+        self.experts.backward_dw()

@@ -1,0 +1,137 @@
+"""sparsetrain.torch.MoELayer and moe_route against a float64 torch composition written here:
+softmax / sigmoid scores, the top-k by a stable descending sort of the (float32) scores plus bias,
+optional normalisation, each chosen expert's MLP (fc1 -> SwiGLU -> fc2) scaled by its prob,
+summed per token; gradients by autograd in float64 (the choice held) for x, the logits (through
+the probs and the score sums) and the experts' weights. Fresh random data each run (the seed is
+in the failure message); bitwise repeatability; torch.compile(fullgraph=True) traces the layer;
+bad arguments raise ValueError naming them."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed: torch tests skipped")
+
+import sparsetrain.torch as stt  # noqa: E402
+
+BF16 = torch.bfloat16
+
+
+def leaves(layer):
+    """The weights whose gradients are checked: the first expert's fc1, the last expert's fc2."""
+    return [layer.experts.fc1.weights()[0], layer.experts.fc2.weights()[-1]]
+
+
+@pytest.mark.parametrize("N,E,K,score,normalize,with_bias", [
+    (19, 8, 2, "softmax", True, False),
+    (23, 6, 1, "softmax", False, True),
+    (17, 8, 4, "sigmoid", True, True),
+    (7, 1, 1, "sigmoid", False, False),
+])
+def test_moe_layer_matches_a_float64_composition(N, E, K, score, normalize, with_bias):
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    torch.manual_seed(seed)
+    H, F = 16, 8
+    layer = stt.MoELayer(E, H, F, K, score=score, normalize=normalize, params_dtype=BF16)
+    x = torch.randn(N, H, dtype=BF16, requires_grad=True)
+    logits = (2 * torch.randn(N, E)).requires_grad_()
+    bias = 0.3 * torch.randn(E) if with_bias else None
+    dout = torch.randn(N, H, dtype=BF16)
+    dsum = torch.randn(E)
+
+    got = layer(x, logits, bias)
+    (got.out.float() * dout.float()).sum().add((got.score_sum * dsum).sum()).backward()
+    g_lib = [x.grad, logits.grad] + [w.grad for w in leaves(layer)]
+
+    xr = x.detach().double().requires_grad_()
+    lr = logits.detach().double().requires_grad_()
+    wd = [w.detach().double().requires_grad_() for w in leaves(layer)]
+    ref_out, ref_sum, experts = reference(xr, lr, bias, layer, K, score, normalize, wd)
+    assert torch.equal(got.counts, torch.bincount(experts.reshape(-1), minlength=E)), f"seed {seed}"
+    torch.testing.assert_close(got.score_sum.double(), ref_sum.detach(), rtol=1e-5, atol=1e-5, msg=f"seed {seed}")
+    # bf16 inputs and intermediates (fc1's output, the activation, the rows' outputs): a few units
+    # of bf16's roundoff (2^-8) relative to the values' scale (unit normal data).
+    torch.testing.assert_close(got.out.double(), ref_out.detach(), rtol=3e-2, atol=3e-2, msg=f"seed {seed}")
+    (ref_out * dout.double()).sum().add((ref_sum * dsum.double()).sum()).backward()
+    g_ref = [xr.grad, lr.grad] + [torch.zeros_like(w) if w.grad is None else w.grad for w in wd]  # None: no token
+    for name, a, b in zip(("dx", "dlogits", "dW1[0]", "dW2[-1]"), g_lib, g_ref):
+        assert a is not None and not torch.isnan(a).any(), f"{name}: missing or NaN (seed {seed})"
+        torch.testing.assert_close(a.double(), b, rtol=4e-2, atol=4e-2, msg=f"{name}, seed {seed}")
+
+
+def reference(x, logits, bias, layer, top_k, score, normalize, leaf_doubles):
+    """(out, score_sum, experts) in float64 from the layer's parameters, the first expert's fc1
+    weight and the last expert's fc2 weight replaced by the given float64 leaves (autograd reaches
+    them); the choice as the library rules it (float32 scores plus bias, stable descending sort)."""
+    fc1, fc2 = layer.experts.fc1, layer.experts.fc2
+    w1 = [leaf_doubles[0]] + [w.double() for w in fc1.weights()[1:]]
+    w2 = [w.double() for w in fc2.weights()[:-1]] + [leaf_doubles[1]]
+    l = logits
+    s = torch.softmax(l, dim=1) if score == "softmax" else torch.sigmoid(l)
+    with torch.no_grad():
+        value = s.float() + (0 if bias is None else bias)
+        experts = torch.sort(value, dim=1, descending=True, stable=True).indices[:, :top_k]
+    probs = s.gather(1, experts)
+    if normalize:
+        probs = probs / probs.sum(1, keepdim=True)
+    F = layer.experts.ffn_hidden_size
+    rows = []
+    for n in range(x.shape[0]):
+        acc = 0
+        for i in range(top_k):
+            e = int(experts[n, i])
+            h = x[n] @ w1[e].T
+            acc = acc + probs[n, i] * ((torch.nn.functional.silu(h[:F]) * h[F:]) @ w2[e].T)
+        rows.append(acc)
+    return torch.stack(rows), s.sum(0), experts
+
+
+def test_moe_layer_is_bitwise_repeatable():
+    torch.manual_seed(1)
+    layer = stt.MoELayer(8, 16, 8, 2, normalize=True, params_dtype=BF16)
+    x = torch.randn(29, 16, dtype=BF16)
+    logits = torch.randn(29, 8)
+    runs = []
+    for _ in range(3):
+        xi, li = x.clone().requires_grad_(), logits.clone().requires_grad_()
+        for w in layer.parameters():
+            w.grad = None
+        o = layer(xi, li)
+        (o.out.float().square().sum() + o.score_sum.sum()).backward()
+        runs.append([o.out, xi.grad, li.grad, layer.experts.fc1.weights()[0].grad])
+    for later in runs[1:]:
+        for a, b in zip(runs[0], later):
+            assert torch.equal(a, b)
+
+
+def test_moe_route_under_compile_fullgraph():
+    torch.manual_seed(2)
+    logits = torch.randn(11, 6, requires_grad=True)
+
+    def f(l):
+        r = stt.moe_route(l, 2, score="sigmoid", normalize=True)
+        return (r.probs * torch.arange(2.0)).sum() + r.score_sum.sum(), r.experts
+
+    eager_loss, eager_experts = f(logits)
+    (g_eager,) = torch.autograd.grad(eager_loss, logits)
+    compiled_loss, compiled_experts = torch.compile(f, fullgraph=True, backend="aot_eager")(logits)
+    (g_compiled,) = torch.autograd.grad(compiled_loss, logits)
+    assert torch.equal(eager_experts, compiled_experts)
+    torch.testing.assert_close(compiled_loss, eager_loss)
+    torch.testing.assert_close(g_compiled, g_eager)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="top_k: expected 1 <= top_k <= num_experts = 4, got 5"):
+        stt.MoELayer(4, 16, 8, 5)
+    with pytest.raises(ValueError, match="score: expected one of softmax, sigmoid, got tanh"):
+        stt.MoELayer(4, 16, 8, 2, score="tanh")
+    layer = stt.MoELayer(4, 16, 8, 2, params_dtype=BF16)
+    x = torch.randn(5, 16, dtype=BF16)
+    with pytest.raises(ValueError, match=r"logits: expected shape \[N = 5, E = 4\]"):
+        layer(x, torch.randn(6, 4))
+    with pytest.raises(ValueError, match=r"x: expected shape \[N, hidden = 16\]"):
+        layer(torch.randn(5, 15, dtype=BF16), torch.randn(5, 4))
+    with pytest.raises(ValueError, match=r"logits: expected shape \[N = 5, E = 4\], got \[5, 3\]"):
+        layer(x, torch.randn(5, 3))
+    with pytest.raises(ValueError, match="logits: expected dtype fp32"):
+        layer(x, torch.randn(5, 4, dtype=BF16))
