@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "grouped_mlp_case.h"
+#include "expect_error.h"
 #include "host_tensor.h"
 #include "moe_router_oracle.h"
 #include "sparsetrain/error.h"
@@ -26,6 +27,7 @@ using st::RouterScore;
 using st::testing::Bounded;
 using st::testing::GroupedMLPCase;
 using st::testing::HostTensor;
+using st::testing::expect_error;
 
 namespace {
 
@@ -241,49 +243,36 @@ TEST(MoELayer, NoTokens) {
   }
 }
 
-void expect_error(const std::function<void()>& f, const std::string& arg, const std::string& what) {
-  try {
-    f();
-    FAIL() << "no error for " << arg;
-  } catch (const st::Error& e) {
-    const std::string m = e.what();
-    EXPECT_NE(m.find(arg), std::string::npos) << m;
-    EXPECT_NE(m.find(what), std::string::npos) << m;
-  }
-}
-
 TEST(MoELayerErrors, BadArgumentsAreNamedBeforeAnythingIsWritten) {
   const Case c{11, 4, 2, 8, 8, RouterScore::kSoftmax, false, false, false, DType::kBF16};
   Problem p(c, 3);
   st::MoELayerOptions bad = p.options();
   bad.router.num_experts = 5;
-  expect_error([&] { st::MoELayer l(bad, p.mlp.params()); }, "mlp.num_groups", "router.num_experts = 5");
+  expect_error([&] { st::MoELayer l(bad, p.mlp.params()); }, {"mlp.num_groups", "router.num_experts = 5"});
   bad = p.options();
   bad.router.top_k = 5;
   st::MoELayer top5(bad, p.mlp.params());
-  expect_error([&] { top5.forward(p.x.view(), p.logits.view()); }, "top_k", "num_experts = 4");
+  expect_error([&] { top5.forward(p.x.view(), p.logits.view()); }, {"top_k", "num_experts = 4"});
 
   st::MoELayerOptions delayed = p.options();
   delayed.mlp.delay_wgrad_compute = true;
   st::MoELayer l(delayed, p.mlp.params());
   const HostTensor x_fp16(DType::kFP16, {c.N, c.H});
   const HostTensor x_short(DType::kBF16, {c.N, c.H - 1});
-  expect_error([&] { l.forward(x_fp16.view(), p.logits.view()); }, "x", "bf16");
-  expect_error([&] { l.forward(x_short.view(), p.logits.view()); }, "x", "hidden = 8");
+  expect_error([&] { l.forward(x_fp16.view(), p.logits.view()); }, {"x", "bf16"});
+  expect_error([&] { l.forward(x_short.view(), p.logits.view()); }, {"x", "hidden = 8"});
   const HostTensor logits_rows(DType::kFP32, {c.N + 1, c.E});
-  expect_error([&] { l.forward(p.x.view(), logits_rows.view()); }, "logits", "N = 11");
+  expect_error([&] { l.forward(p.x.view(), logits_rows.view()); }, {"logits", "N = 11"});
   const HostTensor logits_bf16(DType::kBF16, {c.N, c.E});
-  expect_error([&] { l.forward(p.x.view(), logits_bf16.view()); }, "logits", "fp32");
+  expect_error([&] { l.forward(p.x.view(), logits_bf16.view()); }, {"logits", "fp32"});
 
   const st::MoEForward f = l.forward(p.x.view(), p.logits.view());
   const HostTensor dout_short(DType::kBF16, {c.N - 1, c.H});
   const HostTensor dsum_wrong(DType::kFP32, {c.E + 1});
-  expect_error([&] { l.backward(p.x.view(), p.logits.view(), f, dout_short.view()); }, "dout", "[11, hidden = 8]");
-  expect_error([&] { l.backward(p.x.view(), p.logits.view(), f, p.dout.view(), dsum_wrong.view()); }, "dscore_sum",
-               "[4]");
-  expect_error([&] { l.backward(p.x.view(), logits_bf16.view(), f, p.dout.view()); }, "logits", "fp32");
-  expect_error([&] { l.backward(p.x.view(), p.logits.view(), st::MoEForward{}, p.dout.view()); }, "saved",
-               "forward()'s result");
+  expect_error([&] { l.backward(p.x.view(), p.logits.view(), f, dout_short.view()); }, {"dout", "[11, hidden = 8]"});
+  expect_error([&] { l.backward(p.x.view(), p.logits.view(), f, p.dout.view(), dsum_wrong.view()); }, {"dscore_sum", "[4]"});
+  expect_error([&] { l.backward(p.x.view(), logits_bf16.view(), f, p.dout.view()); }, {"logits", "fp32"});
+  expect_error([&] { l.backward(p.x.view(), p.logits.view(), st::MoEForward{}, p.dout.view()); }, {"saved", "forward()'s result"});
   EXPECT_EQ(l.pending_wgrads(), 0u) << "a refused backward queued a delayed wgrad";
   l.backward(p.x.view(), p.logits.view(), f, p.dout.view());
   EXPECT_EQ(l.pending_wgrads(), 1u);

@@ -17,6 +17,7 @@
 #include <tuple>
 #include <vector>
 
+#include "expect_error.h"
 #include "host_tensor.h"
 #include "moe_router_oracle.h"
 #include "sparsetrain/error.h"
@@ -26,6 +27,7 @@ namespace st = sparsetrain;
 using st::DType;
 using st::RouterScore;
 using st::testing::HostTensor;
+using st::testing::expect_error;
 using st::testing::RouterOracle;
 using st::testing::chosen_probs;
 using st::testing::router_oracle;
@@ -174,50 +176,37 @@ TEST(RouterRules, NanLogitsGiveNanProbsNeverASilentChoice) {
   for (int e = 0; e < 4; ++e) EXPECT_GE(value(sg.counts, e), 1);  // still k distinct experts
 }
 
-void expect_error(const std::function<void()>& f, const std::string& arg, const std::string& what) {
-  try {
-    f();
-    FAIL() << "no error for " << arg;
-  } catch (const st::Error& e) {
-    const std::string m = e.what();
-    EXPECT_NE(m.find(arg), std::string::npos) << m;
-    EXPECT_NE(m.find(what), std::string::npos) << m;
-  }
-}
-
 TEST(RouterErrors, BadArgumentsAreNamed) {
   const HostTensor l = from(random_floats(24, 1, 1.f), {6, 4});
   const HostTensor l16(DType::kBF16, {6, 4});
   const HostTensor wrong_e = from(random_floats(30, 1, 1.f), {6, 5});
-  expect_error([&] { st::route({4, 5, RouterScore::kSoftmax, false}, l.view()); }, "top_k", "num_experts = 4");
-  expect_error([&] { st::route({4, 0, RouterScore::kSoftmax, false}, l.view()); }, "top_k", "1 <= top_k");
-  expect_error([&] { st::route({0, 1, RouterScore::kSoftmax, false}, l.view()); }, "num_experts", "1 <=");
-  expect_error([&] { st::route({4, 2, RouterScore(7), false}, l.view()); }, "score", "kSoftmax");
-  expect_error([&] { st::route({4, 2, RouterScore::kSoftmax, false}, l16.view()); }, "logits", "fp32");
-  expect_error([&] { st::route({4, 2, RouterScore::kSoftmax, false}, wrong_e.view()); }, "logits", "[N, E = 4]");
-  expect_error([&] { st::route({4, 2, RouterScore::kSoftmax, false}, {}); }, "logits", "no tensor");
+  expect_error([&] { st::route({4, 5, RouterScore::kSoftmax, false}, l.view()); }, {"top_k", "num_experts = 4"});
+  expect_error([&] { st::route({4, 0, RouterScore::kSoftmax, false}, l.view()); }, {"top_k", "1 <= top_k"});
+  expect_error([&] { st::route({0, 1, RouterScore::kSoftmax, false}, l.view()); }, {"num_experts", "1 <="});
+  expect_error([&] { st::route({4, 2, RouterScore(7), false}, l.view()); }, {"score", "kSoftmax"});
+  expect_error([&] { st::route({4, 2, RouterScore::kSoftmax, false}, l16.view()); }, {"logits", "fp32"});
+  expect_error([&] { st::route({4, 2, RouterScore::kSoftmax, false}, wrong_e.view()); }, {"logits", "[N, E = 4]"});
+  expect_error([&] { st::route({4, 2, RouterScore::kSoftmax, false}, {}); }, {"logits", "no tensor"});
   const HostTensor bias3 = from({0.f, 0.f, 0.f}, {3});
-  expect_error([&] { st::route({4, 2, RouterScore::kSoftmax, false}, l.view(), bias3.view()); }, "expert_bias",
-               "[4]");
+  expect_error([&] { st::route({4, 2, RouterScore::kSoftmax, false}, l.view(), bias3.view()); }, {"expert_bias", "[4]"});
   float dummy = 0.f;
   const st::TensorView on_gpu(&dummy, DType::kFP32, {1, 4}, st::Device::cuda(0));
-  expect_error([&] { st::route({4, 2, RouterScore::kSoftmax, false}, on_gpu); }, "logits", "CPU");
+  expect_error([&] { st::route({4, 2, RouterScore::kSoftmax, false}, on_gpu); }, {"logits", "CPU"});
 
   const st::RouterOptions opt{4, 2, RouterScore::kSoftmax, false};
   const st::RouterOutput out = st::route(opt, l.view());
   const HostTensor dp = from(std::vector<float>(12, 1.f), {6, 2});
   const HostTensor dp_wrong = from(std::vector<float>(18, 1.f), {6, 3});
-  expect_error([&] { st::route_backward(opt, l.view(), out.experts.view(), dp_wrong.view()); }, "dprobs",
-               "[N = 6, top_k = 2]");
+  expect_error([&] { st::route_backward(opt, l.view(), out.experts.view(), dp_wrong.view()); }, {"dprobs", "[N = 6, top_k = 2]"});
   HostTensor bad_ids(DType::kInt32, {6, 2});
   for (int64_t i = 0; i < 12; ++i) bad_ids.set(i, i % 2);
   bad_ids.set(5, 4);
-  expect_error([&] { st::route_backward(opt, l.view(), bad_ids.view(), dp.view()); }, "experts", "[0, 4)");
+  expect_error([&] { st::route_backward(opt, l.view(), bad_ids.view(), dp.view()); }, {"experts", "[0, 4)"});
   bad_ids.set(5, 0);  // token 2: experts 0, 0
-  expect_error([&] { st::route_backward(opt, l.view(), bad_ids.view(), dp.view()); }, "experts", "distinct");
+  expect_error([&] { st::route_backward(opt, l.view(), bad_ids.view(), dp.view()); }, {"experts", "distinct"});
   const HostTensor ds_wrong = from(std::vector<float>(3, 1.f), {3});
   expect_error([&] { st::route_backward(opt, l.view(), out.experts.view(), dp.view(), ds_wrong.view()); },
-               "dscore_sum", "[4]");
+               {"dscore_sum", "[4]"});
 }
 
 }  // namespace
