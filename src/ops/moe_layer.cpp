@@ -19,7 +19,8 @@ const MoELayerOptions& checked(const MoELayerOptions& o) {
                "router.num_experts = " + std::to_string(o.router.num_experts) + " (one group per expert)",
                o.mlp.num_groups);
   ST_CHECK_ARG(o.mlp.in_features == o.mlp.out_features, "mlp.out_features",
-               "in_features = " + std::to_string(o.mlp.in_features) + " (the hidden size: out is summed into x's shape)",
+               "in_features = " + std::to_string(o.mlp.in_features) +
+                   " (the hidden size: out is summed into x's shape)",
                o.mlp.out_features);
   return o;
 }

@@ -87,7 +87,8 @@ __device__ __forceinline__ void fwd_consume(const typename T::Params& p, typenam
     return make_tensor(c.data(), acc_rowcol(c.layout()));
   };
   auto o_coord_of = [&](int thread) {
-    Tensor c = mma_pv.get_thread_slice(thread).partition_C(make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kHeadDim>>{}));
+    Tensor c = mma_pv.get_thread_slice(thread).partition_C(
+        make_identity_tensor(Shape<Int<T::kBlockM>, Int<T::kHeadDim>>{}));
     return make_tensor(c.data(), acc_rowcol(c.layout()));
   };
   auto o_coord = [&] { return o_coord_of(thread_index() - 128); };
@@ -382,8 +383,9 @@ void launch_fwd_sm90(const FwdArgs& a, void* stream) {
   using KVTile = Shape<Int<T::kBlockN>, Int<HeadDim>>;
   using KVStage = decltype(take<0, 2>(typename T::SmemLayoutK{}));
   // o: [B, Sq, Hq, D] contiguous.
-  Tensor go = make_tensor(make_gmem_ptr(static_cast<Element*>(a.o)), make_shape(a.seq_q, int32_t(HeadDim), a.heads_q, a.batch),
-                          make_stride(int64_t(a.heads_q) * HeadDim, _1{}, int64_t(HeadDim), int64_t(a.seq_q) * a.heads_q * HeadDim));
+  Tensor go = make_tensor(
+      make_gmem_ptr(static_cast<Element*>(a.o)), make_shape(a.seq_q, int32_t(HeadDim), a.heads_q, a.batch),
+      make_stride(int64_t(a.heads_q) * HeadDim, _1{}, int64_t(HeadDim), int64_t(a.seq_q) * a.heads_q * HeadDim));
   typename T::Params p{
       a,
       tma(a.q, a.seq_q, a.heads_q, a.q_stride_b, a.q_stride_s, a.q_stride_h, typename T::SmemLayoutQ{}, QTile{}),

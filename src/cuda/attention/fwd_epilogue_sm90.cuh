@@ -26,7 +26,8 @@ __device__ __forceinline__ void fwd_store_lse(const FwdArgs& a, int b, int h, in
   for (int i = 0; i < kRows; ++i) {
     const float sum = kEmpty ? 0.f : row_sum[i];  // summed over the row's 4 lanes already
     const int q = q0 + get<0>(O_coord(i, 0));
-    if (q < a.seq_q) a.lse[(int64_t(b) * a.heads_q + h) * a.seq_q + q] = sum > 0.f ? row_max[i] * a.scale + logf(sum) : -INFINITY;
+    if (q < a.seq_q)
+      a.lse[(int64_t(b) * a.heads_q + h) * a.seq_q + q] = sum > 0.f ? row_max[i] * a.scale + logf(sum) : -INFINITY;
   }
 }
 
