@@ -13,8 +13,10 @@
 // logits' gradient. The experts' parameters follow GroupedMLP's contract (main_grad fusion,
 // delayed wgrad through backward_dw()).
 //
-// Runs on the CPU (the reference backend); the CUDA kernels (the router, the row gather folded
-// into fc1's loads, the combine) are not built yet: CUDA tensors are refused with an error.
+// Runs where the experts' parameters are: the CPU (the reference) or a CUDA device (the router,
+// gather and combine kernels of ops/moe_cuda.h and the GroupedMLP's, the counts as device
+// splits: no host synchronisation, graph-capturable). The rows are gathered into a copy for fc1;
+// folding the gather into fc1's loads is the next step.
 #pragma once
 
 #include <cstdint>

@@ -4,8 +4,10 @@
 // score sums an auxiliary load-balancing loss uses (returned, not applied). The rules (scores,
 // choice order and ties, normalisation, layout, NaN) are written once in src/common/moe_routing.h.
 //
-// The router's own linear layer (hidden -> E logits) stays the caller's. Runs on the CPU (the
-// reference backend); the CUDA kernel is not built yet: CUDA logits are refused with an error.
+// The router's own linear layer (hidden -> E logits) stays the caller's. Runs where the logits are:
+// on the CPU (the reference) or a CUDA device (kernels on `stream`, nothing read by the host:
+// graph-capturable; device expert ids given to route_backward are not checked by the host, and a
+// token with invalid ones gets NaN gradients instead).
 #pragma once
 
 #include <cstdint>

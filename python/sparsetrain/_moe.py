@@ -1,5 +1,5 @@
-"""The MoE router over arrays (moe_router.h): numpy or torch tensors on the CPU (the CUDA kernel is
-not built yet: CUDA tensors are refused with the library's error)."""
+"""The MoE router over arrays (moe_router.h): numpy arrays, torch CPU or CUDA tensors (on CUDA on
+the current stream, without a host synchronisation)."""
 
 from __future__ import annotations
 

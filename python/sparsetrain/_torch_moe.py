@@ -1,9 +1,8 @@
 """The MoE layer's torch front (sparsetrain.torch.MoELayer, sparsetrain.torch.moe_route): the router
 as torch.library custom ops (the rules of moe_router.h, fake implementations for torch.compile),
 the tokens' rows moved by gathers in both directions (no scatter, no atomics: deterministic on
-every device), and the experts as a sparsetrain.torch.GroupedMLP. Runs where the router runs: on
-the CPU for now (its CUDA kernel, and the gather folded into fc1's loads, are issue 18's next
-part); CUDA tensors are refused with the library's error."""
+every device), and the experts as a sparsetrain.torch.GroupedMLP. CPU or CUDA tensors (on CUDA the
+counts reach the experts as device splits: no host synchronisation)."""
 
 from __future__ import annotations
 

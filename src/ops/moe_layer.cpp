@@ -1,12 +1,13 @@
-// MoELayer (moe_layer.h) on the CPU reference: route, gather x's rows into the expert-major
-// layout, GroupedMLP with the counts as device splits (no host read of them, as the CUDA path
-// will run), combine in slot order. Every argument is checked before anything is written.
+// MoELayer (moe_layer.h): route, gather x's rows into the expert-major layout, GroupedMLP with the
+// counts as device splits (never read by the host), combine in slot order; loops on the CPU,
+// kernels on a CUDA device (ops/moe_cuda.h). Every argument is checked before anything is written.
 #include <cstring>
 #include <memory>
 #include <string>
 #include <tuple>
 
 #include "ops/checks.h"
+#include "ops/moe_cuda.h"
 #include "ops/moe_router_internal.h"
 #include "sparsetrain/error.h"
 #include "sparsetrain/moe_layer.h"
@@ -25,8 +26,8 @@ const MoELayerOptions& checked(const MoELayerOptions& o) {
   return o;
 }
 
-// [N, hidden] activations of the layer's dtype on the CPU, rows contiguous.
-void check_tokens(const TensorView& t, const char* name, const GroupedMLPOptions& o, int64_t N) {
+// [N, hidden] activations of the layer's dtype on its device, rows contiguous.
+void check_tokens(const TensorView& t, const char* name, const GroupedMLPOptions& o, int64_t N, Device device) {
   checks::defined(t, name, std::string(dtype_name(o.dtype)) + " [N, hidden]");
   checks::dtype(t, name, o.dtype, " (the layer's dtype)");
   ST_CHECK_ARG(t.dim() == 2 && (N < 0 || t.size(0) == N) && t.size(1) == o.in_features, name,
@@ -35,15 +36,20 @@ void check_tokens(const TensorView& t, const char* name, const GroupedMLPOptions
                t.shape_str());
   checks::rows_contiguous(t, name);
   checks::non_null(t, name);
-  ST_CHECK_ARG(t.device().is_cpu(), name, "a tensor on the CPU (the MoE layer's CUDA kernels are not built yet)",
-               t.device().str());
+  checks::device(t, name, device);
 }
 
 // rows[r] = x[token_of_row[r]].
 Tensor gather_rows(const TensorView& x, const Tensor& token_of_row, Allocator& alloc, Stream stream) {
   const int64_t R = token_of_row.view().size(0), H = x.size(1), bytes = H * int64_t(x.element_size());
-  Tensor rows = Tensor::empty(x.dtype(), {R, H}, Device::cpu(), alloc, stream);
+  Tensor rows = Tensor::empty(x.dtype(), {R, H}, x.device(), alloc, stream);
   const int32_t* token = token_of_row.view().data_as<const int32_t>();
+#if SPARSETRAIN_WITH_CUDA
+  if (x.device().is_cuda()) {
+    gather_rows_cuda(x.dtype(), x.data(), x.stride(0), token, R, H, rows.view().data(), x.device().index, stream);
+    return rows;
+  }
+#endif
   for (int64_t r = 0; r < R; ++r)
     std::memcpy(static_cast<char*>(rows.view().data()) + r * bytes,
                 static_cast<const char*>(x.data()) + token[r] * x.stride(0) * int64_t(x.element_size()), size_t(bytes));
@@ -53,8 +59,15 @@ Tensor gather_rows(const TensorView& x, const Tensor& token_of_row, Allocator& a
 // out[n] = sum over slots i of rows[row_of[n, i]], in slot order, in fp32, rounded once.
 Tensor combine_rows(const TensorView& rows, const Tensor& row_of, int64_t N, Allocator& alloc, Stream stream) {
   const int64_t K = row_of.view().size(1), H = rows.size(1);
-  Tensor out = Tensor::empty(rows.dtype(), {N, H}, Device::cpu(), alloc, stream);
+  Tensor out = Tensor::empty(rows.dtype(), {N, H}, rows.device(), alloc, stream);
   const int32_t* row = row_of.view().data_as<const int32_t>();
+#if SPARSETRAIN_WITH_CUDA
+  if (rows.device().is_cuda()) {
+    combine_rows_cuda(rows.dtype(), rows.data(), rows.stride(0), row, N, int32_t(K), H, out.view().data(),
+                      rows.device().index, stream);
+    return out;
+  }
+#endif
   for (int64_t n = 0; n < N; ++n)
     for (int64_t h = 0; h < H; ++h) {
       float acc = 0.f;
@@ -64,30 +77,50 @@ Tensor combine_rows(const TensorView& rows, const Tensor& row_of, int64_t N, All
   return out;
 }
 
+// fp32 values between the (token, slot) order and the layout's rows: dst[row_of[i]] = src[i]
+// (to_rows: [N * K]) or dst[i] = src[row_of[i]] ([N, K], row_of's shape).
+Tensor permute_probs(const TensorView& src, const Tensor& row_of, bool to_rows, Allocator& alloc, Stream stream) {
+  const int64_t n = row_of.view().numel();
+  Tensor dst = to_rows ? Tensor::empty(DType::kFP32, {n}, src.device(), alloc, stream)
+                       : Tensor::empty(DType::kFP32, {row_of.view().size(0), row_of.view().size(1)}, src.device(),
+                                       alloc, stream);
+  const int32_t* row = row_of.view().data_as<const int32_t>();
+  float* d = dst.view().data_as<float>();
+  const float* s = src.data_as<const float>();
+#if SPARSETRAIN_WITH_CUDA
+  if (src.device().is_cuda()) {
+    permute_f32_cuda(s, row, n, d, to_rows, src.device().index, stream);
+    return dst;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) {
+    if (to_rows) {
+      d[row[i]] = s[i];
+    } else {
+      d[i] = s[row[i]];
+    }
+  }
+  return dst;
+}
+
 }  // namespace
 
 MoELayer::MoELayer(const MoELayerOptions& options, const GroupedMLPParams& params, Allocator* allocator)
     : options_(checked(options)),
       allocator_(allocator != nullptr ? allocator : &default_allocator()),
-      mlp_(options.mlp, params, allocator_) {
-  ST_CHECK_ARG(mlp_.device().is_cpu(), "fc1.weight",
-               "parameters on the CPU (the MoE layer's CUDA kernels are not built yet)", mlp_.device().str());
-}
+      mlp_(options.mlp, params, allocator_) {}
 
 MoEForward MoELayer::forward(const TensorView& x, const TensorView& logits, const TensorView& expert_bias,
                              const CallArgs& args) {
-  check_tokens(x, "x", options_.mlp, -1);
+  check_tokens(x, "x", options_.mlp, -1, mlp_.device());
   // (Not 2-D or undefined: route() names what is wrong.)
   ST_CHECK_ARG(logits.dim() != 2 || logits.size(0) == x.size(0), "logits",
                "N = " + std::to_string(x.size(0)) + " rows (x's tokens)", logits.shape_str());
   MoEForward f;
   f.route = route(options_.router, logits, expert_bias, allocator_, args.stream);  // checks logits, bias
-  const int64_t N = x.size(0), K = options_.router.top_k;
+  const int64_t N = x.size(0);
   f.rows = gather_rows(x, f.route.token_of_row, *allocator_, args.stream);
-  f.row_probs = Tensor::empty(DType::kFP32, {N * K}, Device::cpu(), *allocator_, args.stream);
-  const int32_t* row_of = f.route.row_of.view().data_as<const int32_t>();
-  for (int64_t i = 0; i < N * K; ++i)
-    f.row_probs.view().data_as<float>()[row_of[i]] = f.route.probs.view().data_as<const float>()[i];
+  f.row_probs = permute_probs(f.route.probs.view(), f.route.row_of, true, *allocator_, args.stream);
   GroupedMLPForward m =
       mlp_.forward(f.rows.view(), Splits::device(f.route.counts.view()), f.row_probs.view(), {}, args);
   f.fc1_out = std::move(m.fc1_out);
@@ -97,9 +130,9 @@ MoEForward MoELayer::forward(const TensorView& x, const TensorView& logits, cons
 
 MoEGrads MoELayer::backward(const TensorView& x, const TensorView& logits, const MoEForward& saved,
                             const TensorView& dout, const TensorView& dscore_sum, const CallArgs& args) {
-  check_tokens(x, "x", options_.mlp, -1);
-  const int64_t N = x.size(0), K = options_.router.top_k;
-  check_tokens(dout, "dout", options_.mlp, N);
+  check_tokens(x, "x", options_.mlp, -1, mlp_.device());
+  const int64_t N = x.size(0);
+  check_tokens(dout, "dout", options_.mlp, N, mlp_.device());
   ST_CHECK_ARG(saved.route.row_of.defined() && saved.route.row_of.view().size(0) == N && saved.rows.defined(),
                "saved", "forward()'s result for these " + std::to_string(N) + " tokens",
                saved.route.row_of.defined() ? saved.route.row_of.view().shape_str() : std::string("no routing"));
@@ -117,10 +150,7 @@ MoEGrads MoELayer::backward(const TensorView& x, const TensorView& logits, const
                                     Splits::device(saved.route.counts.view()), {}, mlp_args);
   MoEGrads g;
   g.grad_input = combine_rows(m.grad_input.view(), saved.route.row_of, N, *allocator_, args.stream);
-  Tensor dprobs = Tensor::empty(DType::kFP32, {N, K}, Device::cpu(), *allocator_, args.stream);
-  const int32_t* row_of = saved.route.row_of.view().data_as<const int32_t>();
-  for (int64_t i = 0; i < N * K; ++i)
-    dprobs.view().data_as<float>()[i] = m.dprobs.view().data_as<const float>()[row_of[i]];
+  const Tensor dprobs = permute_probs(m.dprobs.view(), saved.route.row_of, false, *allocator_, args.stream);
   g.dlogits = route_backward(options_.router, logits, saved.route.experts.view(), dprobs.view(), dscore_sum,
                              allocator_, args.stream);
   g.fc1 = std::move(m.fc1);

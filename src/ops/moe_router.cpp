@@ -1,10 +1,12 @@
 // route / route_backward (moe_router.h): every check before anything is allocated, then the rules
-// of common/moe_routing.h token by token (the CPU reference).
+// of common/moe_routing.h token by token: loops on the CPU (the reference), kernels on a CUDA
+// device (ops/moe_cuda.h).
 #include <string>
 #include <vector>
 
 #include "common/moe_routing.h"
 #include "ops/checks.h"
+#include "ops/moe_cuda.h"
 #include "ops/moe_router_internal.h"
 #include "sparsetrain/error.h"
 #include "sparsetrain/moe_router.h"
@@ -22,7 +24,7 @@ RouterRule rule_of(const RouterOptions& o) {
   return {int32_t(o.num_experts), int32_t(o.top_k), o.score, o.normalize};
 }
 
-// fp32 [N, E] logits with contiguous rows, on the CPU (the only backend built for the router).
+// fp32 [N, E] logits with contiguous rows, on the CPU or a CUDA device that runs the kernels.
 void check_logits(const TensorView& logits, const RouterRule& r) {
   checks::defined(logits, "logits", "fp32 router logits [N, E]");
   checks::dtype(logits, "logits", DType::kFP32, " (router logits)");
@@ -32,26 +34,24 @@ void check_logits(const TensorView& logits, const RouterRule& r) {
                "N * top_k rows that int32 indices hold (<= 2^31 - 1)", logits.shape_str());
   checks::rows_contiguous(logits, "logits");
   checks::non_null(logits, "logits");
-  ST_CHECK_ARG(logits.device().is_cpu(), "logits",
-               "a tensor on the CPU (the CUDA router kernel is not built yet)", logits.device().str());
 }
 
-void check_vector(const TensorView& t, const char* name, DType dtype, int64_t n, const char* what) {
+void check_vector(const TensorView& t, const char* name, DType dtype, int64_t n, const char* what, Device device) {
   checks::dtype(t, name, dtype);
   ST_CHECK_ARG(t.dim() == 1 && t.size(0) == n, name, "shape [" + std::to_string(n) + "] (" + what + ")",
                t.shape_str());
   ST_CHECK_ARG(t.stride(0) == 1 || n <= 1, name, "a unit stride", t.stride(0));
   checks::non_null(t, name);
-  ST_CHECK_ARG(t.device().is_cpu(), name, "a tensor on the CPU (logits' device)", t.device().str());
+  ST_CHECK_ARG(t.device() == device, name, "a tensor on " + device.str() + " (logits' device)", t.device().str());
 }
 
-void check_matrix(const TensorView& t, const char* name, DType dtype, int64_t rows, int64_t cols) {
+void check_matrix(const TensorView& t, const char* name, DType dtype, int64_t rows, int64_t cols, Device device) {
   checks::defined(t, name, std::string(dtype_name(dtype)) + " [N, top_k]");
   checks::dtype(t, name, dtype);
   checks::shape(t, name, {rows, cols}, "[N = " + std::to_string(rows) + ", top_k = " + std::to_string(cols) + "]");
   checks::rows_contiguous(t, name);
   checks::non_null(t, name);
-  ST_CHECK_ARG(t.device().is_cpu(), name, "a tensor on the CPU (logits' device)", t.device().str());
+  ST_CHECK_ARG(t.device() == device, name, "a tensor on " + device.str() + " (logits' device)", t.device().str());
 }
 
 }  // namespace
@@ -60,21 +60,34 @@ RouterOutput route(const RouterOptions& options, const TensorView& logits, const
                    Allocator* allocator, Stream stream) {
   const RouterRule r = rule_of(options);
   check_logits(logits, r);
-  if (expert_bias.defined()) check_vector(expert_bias, "expert_bias", DType::kFP32, r.num_experts, "one per expert");
+  const Device dev = logits.device();
+  if (expert_bias.defined())
+    check_vector(expert_bias, "expert_bias", DType::kFP32, r.num_experts, "one per expert", dev);
+  checks::device_runs(dev, checks::Kernels::kGeneric, "logits");
   Allocator& alloc = allocator != nullptr ? *allocator : default_allocator();
   const int64_t N = logits.size(0), E = r.num_experts, K = r.top_k;
-  const Device cpu = Device::cpu();
-  RouterOutput out{Tensor::empty(DType::kInt32, {N, K}, cpu, alloc, stream),
-                   Tensor::empty(DType::kFP32, {N, K}, cpu, alloc, stream),
-                   Tensor::empty(DType::kInt64, {E}, cpu, alloc, stream),
-                   Tensor::empty(DType::kInt32, {N, K}, cpu, alloc, stream),
-                   Tensor::empty(DType::kInt32, {N * K}, cpu, alloc, stream),
-                   Tensor::empty(DType::kFP32, {E}, cpu, alloc, stream)};
+  RouterOutput out{Tensor::empty(DType::kInt32, {N, K}, dev, alloc, stream),
+                   Tensor::empty(DType::kFP32, {N, K}, dev, alloc, stream),
+                   Tensor::empty(DType::kInt64, {E}, dev, alloc, stream),
+                   Tensor::empty(DType::kInt32, {N, K}, dev, alloc, stream),
+                   Tensor::empty(DType::kInt32, {N * K}, dev, alloc, stream),
+                   Tensor::empty(DType::kFP32, {E}, dev, alloc, stream)};
+  const float* bias = expert_bias.defined() ? expert_bias.data_as<const float>() : nullptr;
+#if SPARSETRAIN_WITH_CUDA
+  if (dev.is_cuda()) {
+    const Tensor scratch = Tensor::empty(DType::kUInt8, {route_cuda_scratch_bytes(N, r.num_experts)}, dev, alloc, stream);
+    route_cuda(r, logits.data_as<const float>(), logits.stride(0), bias, N,
+               {out.experts.view().data_as<int32_t>(), out.probs.view().data_as<float>(),
+                out.counts.view().data_as<int64_t>(), out.row_of.view().data_as<int32_t>(),
+                out.token_of_row.view().data_as<int32_t>(), out.score_sum.view().data_as<float>()},
+               scratch.view().data(), dev.index, stream);
+    return out;
+  }
+#endif
   int32_t* experts = out.experts.view().data_as<int32_t>();
   float* probs = out.probs.view().data_as<float>();
   int64_t* counts = out.counts.view().data_as<int64_t>();
   float* score_sum = out.score_sum.view().data_as<float>();
-  const float* bias = expert_bias.defined() ? expert_bias.data_as<const float>() : nullptr;
   for (int64_t e = 0; e < E; ++e) counts[e] = 0, score_sum[e] = 0.f;
   for (int64_t n = 0; n < N; ++n) {
     const float* l = logits.data_as<const float>() + n * logits.stride(0);
@@ -102,7 +115,8 @@ void ops::check_route_backward_inputs(const RouterOptions& options, const Tensor
                                       const TensorView& dscore_sum) {
   const RouterRule r = rule_of(options);
   check_logits(logits, r);
-  if (dscore_sum.defined()) check_vector(dscore_sum, "dscore_sum", DType::kFP32, r.num_experts, "one per expert");
+  if (dscore_sum.defined())
+    check_vector(dscore_sum, "dscore_sum", DType::kFP32, r.num_experts, "one per expert", logits.device());
 }
 
 Tensor route_backward(const RouterOptions& options, const TensorView& logits, const TensorView& experts,
@@ -110,23 +124,36 @@ Tensor route_backward(const RouterOptions& options, const TensorView& logits, co
   ops::check_route_backward_inputs(options, logits, dscore_sum);
   const RouterRule r = rule_of(options);
   const int64_t N = logits.size(0), K = r.top_k;
-  check_matrix(experts, "experts", DType::kInt32, N, K);
-  check_matrix(dprobs, "dprobs", DType::kFP32, N, K);
-  // Expert ids are read as indices: each in range and, per token, distinct (route()'s output is).
-  for (int64_t n = 0; n < N; ++n) {
-    const int32_t* ex = experts.data_as<const int32_t>() + n * experts.stride(0);
-    for (int64_t i = 0; i < K; ++i) {
-      ST_CHECK_ARG(ex[i] >= 0 && ex[i] < r.num_experts, "experts",
-                   "expert ids in [0, " + std::to_string(r.num_experts) + ") (route()'s output)",
-                   ex[i], " at token ", n, ", slot ", i);
-      for (int64_t j = 0; j < i; ++j)
-        ST_CHECK_ARG(ex[j] != ex[i], "experts", "distinct experts per token (route()'s output)", "expert ",
-                     ex[i], " twice at token ", n);
+  const Device dev = logits.device();
+  check_matrix(experts, "experts", DType::kInt32, N, K, dev);
+  check_matrix(dprobs, "dprobs", DType::kFP32, N, K, dev);
+  checks::device_runs(dev, checks::Kernels::kGeneric, "logits");
+  // Host expert ids are checked as indices: each in range and, per token, distinct (route()'s
+  // output is). Device ids are not read by the host: the kernel turns a token with invalid ids
+  // into NaN gradients instead of reading out of bounds.
+  if (dev.is_cpu())
+    for (int64_t n = 0; n < N; ++n) {
+      const int32_t* ex = experts.data_as<const int32_t>() + n * experts.stride(0);
+      for (int64_t i = 0; i < K; ++i) {
+        ST_CHECK_ARG(ex[i] >= 0 && ex[i] < r.num_experts, "experts",
+                     "expert ids in [0, " + std::to_string(r.num_experts) + ") (route()'s output)",
+                     ex[i], " at token ", n, ", slot ", i);
+        for (int64_t j = 0; j < i; ++j)
+          ST_CHECK_ARG(ex[j] != ex[i], "experts", "distinct experts per token (route()'s output)", "expert ",
+                       ex[i], " twice at token ", n);
+      }
     }
-  }
   Allocator& alloc = allocator != nullptr ? *allocator : default_allocator();
-  Tensor dlogits = Tensor::empty(DType::kFP32, {N, int64_t(r.num_experts)}, Device::cpu(), alloc, stream);
+  Tensor dlogits = Tensor::empty(DType::kFP32, {N, int64_t(r.num_experts)}, dev, alloc, stream);
   const float* ds = dscore_sum.defined() ? dscore_sum.data_as<const float>() : nullptr;
+#if SPARSETRAIN_WITH_CUDA
+  if (dev.is_cuda()) {
+    route_backward_cuda(r, logits.data_as<const float>(), logits.stride(0), experts.data_as<const int32_t>(),
+                        experts.stride(0), dprobs.data_as<const float>(), dprobs.stride(0), ds, N,
+                        dlogits.view().data_as<float>(), dev.index, stream);
+    return dlogits;
+  }
+#endif
   for (int64_t n = 0; n < N; ++n)
     route_token_backward(r, logits.data_as<const float>() + n * logits.stride(0),
                          experts.data_as<const int32_t>() + n * experts.stride(0),

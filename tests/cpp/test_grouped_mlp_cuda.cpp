@@ -21,6 +21,7 @@ using st::testing::Bounded;
 using st::testing::DeviceTensor;
 using st::testing::GroupedMLPCase;
 using st::testing::HostTensor;
+using st::testing::PoolAllocator;
 using st::testing::to_host;
 
 namespace {
@@ -92,24 +93,6 @@ void expect_tail_zero(const st::TensorView& t, int64_t from_row, const char* wha
   const int64_t row = t.dim() > 1 ? t.size(1) : 1;
   for (int64_t i = from_row * row; i < h.numel(); ++i) ASSERT_EQ(h.get(i), 0.0) << what << ": tail element " << i;
 }
-
-// Hands out pieces of one device buffer allocated before a capture, never reusing any (like
-// torch's graph memory pool): a graph captured with it owns fixed addresses and replays freely.
-class PoolAllocator final : public st::Allocator {
- public:
-  explicit PoolAllocator(size_t bytes) : pool_(HostTensor(st::DType::kInt32, {int64_t(bytes / 4)}), false) {}
-  void* allocate(size_t bytes, st::Device, st::Stream) override {
-    const size_t at = used_;
-    used_ += (bytes + 255) / 256 * 256;
-    EXPECT_LE(used_, size_t(pool_.view().numel())) << "pool exhausted";
-    return static_cast<char*>(pool_.view().data()) + at;
-  }
-  void deallocate(void*, size_t, st::Device, st::Stream) override {}
-
- private:
-  DeviceTensor pool_;
-  size_t used_ = 0;
-};
 
 class GroupedMLPCuda : public ::testing::TestWithParam<Shape> {};
 

@@ -189,9 +189,11 @@ TEST(RouterErrors, BadArgumentsAreNamed) {
   expect_error([&] { st::route({4, 2, RouterScore::kSoftmax, false}, {}); }, {"logits", "no tensor"});
   const HostTensor bias3 = from({0.f, 0.f, 0.f}, {3});
   expect_error([&] { st::route({4, 2, RouterScore::kSoftmax, false}, l.view(), bias3.view()); }, {"expert_bias", "[4]"});
-  float dummy = 0.f;
-  const st::TensorView on_gpu(&dummy, DType::kFP32, {1, 4}, st::Device::cuda(0));
-  expect_error([&] { st::route({4, 2, RouterScore::kSoftmax, false}, on_gpu); }, {"logits", "CPU"});
+  float dummy[4] = {};
+  const st::TensorView on_gpu(dummy, DType::kFP32, {1, 4}, st::Device::cuda(0));
+  const HostTensor bias4 = from({0.f, 0.f, 0.f, 0.f}, {4});
+  expect_error([&] { st::route({4, 2, RouterScore::kSoftmax, false}, on_gpu, bias4.view()); },
+               {"expert_bias", "cuda:0 (logits' device)"});
 
   const st::RouterOptions opt{4, 2, RouterScore::kSoftmax, false};
   const st::RouterOutput out = st::route(opt, l.view());

@@ -135,3 +135,24 @@ def test_bad_arguments_are_named():
         layer(x, torch.randn(5, 3))
     with pytest.raises(ValueError, match="logits: expected dtype fp32"):
         layer(x, torch.randn(5, 4, dtype=BF16))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the CUDA MoE layer test skipped")
+def test_cuda_moe_layer_equals_the_cpu_layer():
+    torch.manual_seed(3)
+    cpu = stt.MoELayer(8, 64, 32, 2, normalize=True, params_dtype=BF16)
+    gpu = stt.MoELayer(8, 64, 32, 2, normalize=True, params_dtype=BF16, device="cuda")
+    gpu.load_state_dict(cpu.state_dict())
+    x = torch.randn(301, 64, dtype=BF16)
+    logits = torch.randn(301, 8)
+    results = []
+    for layer, dev in ((cpu, "cpu"), (gpu, "cuda")):
+        xi, li = x.to(dev).requires_grad_(), logits.to(dev).requires_grad_()
+        o = layer(xi, li)
+        (o.out.float().square().sum() + o.score_sum.sum()).backward()
+        results.append([o.out, o.counts, xi.grad, li.grad, layer.experts.fc1.weights()[0].grad])
+    for name, a, b in zip(("out", "counts", "dx", "dlogits", "dW1[0]"), *results):
+        if name == "counts":
+            assert torch.equal(a, b.cpu())
+        else:
+            torch.testing.assert_close(b.cpu().double(), a.double(), rtol=3e-2, atol=3e-2, msg=name)

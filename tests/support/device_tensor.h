@@ -45,6 +45,24 @@ inline HostTensor to_host(const TensorView& v) {
   return HostTensor::copy_of(sv);
 }
 
+// Hands out pieces of one device buffer allocated before a capture, never reusing any (like
+// torch's graph memory pool): a graph captured with it owns fixed addresses and replays freely.
+class PoolAllocator final : public Allocator {
+ public:
+  explicit PoolAllocator(size_t bytes) : pool_(HostTensor(DType::kInt32, {int64_t(bytes / 4)}), false) {}
+  void* allocate(size_t bytes, Device, Stream) override {
+    const size_t at = used_;
+    used_ += (bytes + 255) / 256 * 256;
+    EXPECT_LE(used_, size_t(pool_.view().numel())) << "pool exhausted";
+    return static_cast<char*>(pool_.view().data()) + at;
+  }
+  void deallocate(void*, size_t, Device, Stream) override {}
+
+ private:
+  DeviceTensor pool_;
+  size_t used_ = 0;
+};
+
 inline bool have_gpu() { return cuda_device_count() > 0; }
 // Device 0 runs the sm_90a kernels (attention): compute capability 9.0.
 inline bool have_hopper() {
