@@ -10,6 +10,9 @@
 
 namespace sparsetrain {
 
+// The layout kernel counts a chunk's tokens per expert in shared memory (4 bytes an expert).
+constexpr int64_t kMaxExpertsCuda = 8192;
+
 #if SPARSETRAIN_WITH_CUDA
 struct RouteOutputs {
   int32_t* experts;       // [N, K]

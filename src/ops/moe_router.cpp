@@ -63,6 +63,8 @@ RouterOutput route(const RouterOptions& options, const TensorView& logits, const
   const Device dev = logits.device();
   if (expert_bias.defined())
     check_vector(expert_bias, "expert_bias", DType::kFP32, r.num_experts, "one per expert", dev);
+  ST_CHECK_ARG(dev.is_cpu() || r.num_experts <= kMaxExpertsCuda, "num_experts",
+               "<= " + std::to_string(kMaxExpertsCuda) + " on a CUDA device", r.num_experts);
   checks::device_runs(dev, checks::Kernels::kGeneric, "logits");
   Allocator& alloc = allocator != nullptr ? *allocator : default_allocator();
   const int64_t N = logits.size(0), E = r.num_experts, K = r.top_k;
