@@ -17,3 +17,19 @@ def test_bench_attention_self_check_passes():
     r = subprocess.run([sys.executable, BENCH, "--self-check", "--quick"], capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0 and "self-check passed" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def test_bench_moe_runs_on_the_cpu(tmp_path):
+    """The MoE benchmark end to end at --quick on the CPU: both sides run, agree, and the JSON is
+    written (its timings are not the point here)."""
+    import json
+
+    out = tmp_path / "moe.json"
+    bench = os.path.join(os.path.dirname(BENCH), "bench_moe.py")
+    r = subprocess.run([sys.executable, bench, "--quick", "--device", "cpu", "--reps", "1", "--only", "mixtral,qwen3",
+                        "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["case"] for row in rows] == ["mixtral", "qwen3"]
+    for row in rows:
+        assert row["max_abs_diff_vs_torch"] < 0.05, row  # bf16 experts, the same weights on both sides
