@@ -235,6 +235,7 @@ class BlockMask:
         self._fw = framework
         self._other: Optional[BlockMask] = None  # the cached to_torch() / to_numpy() twin
         self._core_cache: Optional[tuple] = None  # _core_mask()'s
+        self._torch_cache: Optional[tuple] = None  # sparsetrain.torch's (_mask_args_of)
 
     # -- builders ------------------------------------------------------------------------------
     @classmethod

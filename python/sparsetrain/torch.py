@@ -18,6 +18,7 @@ import atexit
 import contextlib
 import itertools
 import math
+import operator
 import os
 import warnings
 import weakref
@@ -63,6 +64,10 @@ def _load_native() -> Any:
 
 
 _NATIVE = _load_native()
+# The Python module sparsetrain._torch_ops itself (its layer classes, attention's eager entry), where loaded.
+_TORCH_OPS: Any = None
+if _NATIVE is not None:
+    from . import _torch_ops as _TORCH_OPS  # noqa: N812
 
 _requires_grad = attrgetter("requires_grad")
 
@@ -909,6 +914,48 @@ def _mask_args(mask: BlockMask) -> Tuple[List[Optional[Tensor]], List[int], str]
     return tensors, sizes, f"{mask.spec.kind},{mask.schedule},{mask.walk}"
 
 
+# What the mask arguments are read from, in one C call: the cache below is valid while a mask still
+# holds these same objects.
+_MASK_PARTS = attrgetter(*_TENSOR_NAMES, "spec", "schedule_permutation", "seq_q", "seq_kv", "block_q", "block_kv",
+                         "sub_tiles", "schedule", "walk")
+
+
+class _MaskArgs:
+    """One BlockMask's arguments to the attention ops (_mask_args), the devices of its tensors
+    (the permutation, a host array, aside), whether they are plain tensors (not meta, no
+    subclass), and the C++ torch library's AttentionMask over them (made at the first eager call
+    that takes that way). Built once per mask (_mask_args_of)."""
+
+    __slots__ = ("tensors", "sizes", "kinds", "devices", "plain", "_native")
+
+    def __init__(self, mask: BlockMask):
+        self.tensors, self.sizes, self.kinds = _mask_args(mask)
+        on_device = [t for t in self.tensors[:-1] if t is not None]
+        self.devices = tuple({t.device for t in on_device})
+        self.plain = all(type(t) is Tensor and not t.is_meta for t in self.tensors if t is not None)
+        self._native: Any = None
+
+    def native(self) -> Any:
+        if self._native is None:
+            self._native = _TORCH_OPS.AttentionMask(self.tensors, self.sizes, self.kinds)
+        return self._native
+
+
+def _mask_args_of(mask: BlockMask) -> _MaskArgs:
+    """mask's _MaskArgs, cached on it while it holds the same tensor objects, sizes and kinds
+    (building them costs ~3 us a call; the C++ AttentionMask also sees a tensor moved in place).
+    Under torch.compile they are built for each trace, as before."""
+    if torch.compiler.is_compiling():
+        return _MaskArgs(mask)
+    parts = _MASK_PARTS(mask)
+    cached = mask._torch_cache
+    if cached is not None and all(map(operator.is_, cached[0], parts)):
+        return cached[1]
+    args = _MaskArgs(mask)
+    mask._torch_cache = (parts, args)
+    return args
+
+
 def _mask_from_args(tensors: Sequence[Optional[Tensor]], sizes: Sequence[int], kinds: str) -> BlockMask:
     seq_q, seq_kv, block_q, block_kv, sub_tiles, window_left, window_right, prefix_length = sizes
     kind, schedule, walk = kinds.split(",")
@@ -1028,38 +1075,46 @@ class _AttentionFunction(torch.autograd.Function):
         return (dq, dk, dv, None, None, None, None, None, None, *([None] * len(mask_tensors)))
 
 
-def _check_attention_inputs(q: Any, k: Any, v: Any, mask: BlockMask) -> None:
+_ATTENTION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_attention_inputs(q: Any, k: Any, v: Any, mask: BlockMask, mask_devices: Tuple[torch.device, ...]) -> None:
     """The [B, H, S, D] contract in the caller's terms (the core would name [B, S, H, D] dims);
-    the rules of the CUDA kernels (dtypes, head dims, alignment) are the core's to check."""
+    the rules of the CUDA kernels (dtypes, head dims, alignment) are the core's to check.
+    mask_devices: those of the mask's tensors (_MaskArgs.devices)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise ValueError(f"{name}: expected a torch.Tensor [B, H, S, D], got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name}: expected a 4-d tensor [B, H, S, D], got shape {list(t.shape)}")
-    if q.device.type not in ("cpu", "cuda"):
-        raise NotImplementedError(f"block_sparse_attention: q is on {q.device}; expected CPU or CUDA tensors")
+    device = q.device
+    if device.type not in ("cpu", "cuda"):
+        raise NotImplementedError(f"block_sparse_attention: q is on {device}; expected CPU or CUDA tensors")
     for name, t in (("k", k), ("v", v)):
-        if t.device != q.device:
-            raise ValueError(f"{name}: expected a tensor on {q.device} (q's device), got {t.device}")
-    for name, t in mask.tensors().items():
-        if t is not None and t.device != q.device:
-            where = "spec." + name if name.startswith("doc_") else name
-            raise ValueError(f"block_mask.{where}: expected a tensor on {q.device} (q's device), got {t.device} "
-                             "(move the mask once with block_mask.to(q.device), or build it there with "
-                             "BlockMask.build(..., device=q.device))")
-    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"q: expected dtype float32, bfloat16 or float16, got {q.dtype}")
+        if t.device != device:
+            raise ValueError(f"{name}: expected a tensor on {device} (q's device), got {t.device}")
+    if mask_devices != (device,):
+        for name, t in mask.tensors().items():
+            if t is not None and t.device != device:
+                where = "spec." + name if name.startswith("doc_") else name
+                raise ValueError(f"block_mask.{where}: expected a tensor on {device} (q's device), got {t.device} "
+                                 "(move the mask once with block_mask.to(q.device), or build it there with "
+                                 "BlockMask.build(..., device=q.device))")
+    dtype = q.dtype
+    if dtype not in _ATTENTION_DTYPES:
+        raise ValueError(f"q: expected dtype float32, bfloat16 or float16, got {dtype}")
     for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise ValueError(f"{name}: expected dtype {q.dtype} (q's dtype), got {t.dtype}")
+        if t.dtype != dtype:
+            raise ValueError(f"{name}: expected dtype {dtype} (q's dtype), got {t.dtype}")
     B, Hq, Sq, D = q.shape
-    if k.shape[0] != B or k.shape[3] != D:
-        raise ValueError(f"k: expected shape [{B} (q's B), Hkv, Skv, {D} (q's D)], got {list(k.shape)}")
-    if Hq % k.shape[1] != 0:
-        raise ValueError(f"k: expected a head count Hkv that divides q's Hq = {Hq} (GQA / MQA), got {k.shape[1]}")
-    if v.shape != k.shape:
-        raise ValueError(f"v: expected shape {list(k.shape)} (k's shape), got {list(v.shape)}")
-    if mask.seq_q != Sq or mask.seq_kv != k.shape[2]:
+    ks = k.shape
+    if ks[0] != B or ks[3] != D:
+        raise ValueError(f"k: expected shape [{B} (q's B), Hkv, Skv, {D} (q's D)], got {list(ks)}")
+    if Hq % ks[1] != 0:
+        raise ValueError(f"k: expected a head count Hkv that divides q's Hq = {Hq} (GQA / MQA), got {ks[1]}")
+    if v.shape != ks:
+        raise ValueError(f"v: expected shape {list(ks)} (k's shape), got {list(v.shape)}")
+    if mask.seq_q != Sq or mask.seq_kv != ks[2]:
         raise ValueError(f"block_mask: expected seq lengths ({Sq}, {k.shape[2]}) (q's and k's S), got "
                          f"({mask.seq_q}, {mask.seq_kv})")
 
@@ -1095,11 +1150,16 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMas
     sm_limit: on CUDA, at most this many SMs' worth of persistent CTAs (0: every SM), e.g. to
     leave SMs to communication kernels running beside it; results never depend on it."""
     mask = _check_mask(block_mask).to_torch()
-    _check_attention_inputs(q, k, v, mask)
-    tensors, sizes, kinds = _mask_args(mask)
-    o, lse = _AttentionFunction.apply(q, k, v, sizes, kinds, _scale_arg(scale), _deterministic_arg(deterministic),
-                                      _sm_limit_arg(sm_limit), None if torch.compiler.is_compiling() else mask,
-                                      *tensors)
+    args = _mask_args_of(mask)
+    _check_attention_inputs(q, k, v, mask, args.devices)
+    scale, deterministic, sm_limit = _scale_arg(scale), _deterministic_arg(deterministic), _sm_limit_arg(sm_limit)
+    if _NATIVE is not None and args.plain and _fwad._current_level < 0 and _direct(q, k, v):
+        # Eager on plain tensors: the C++ torch library's attention with its autograd in C++
+        # (what the custom ops and _AttentionFunction would run, without their Python).
+        o, lse = _TORCH_OPS.attention(q, k, v, args.native(), scale, deterministic, sm_limit)
+    else:
+        o, lse = _AttentionFunction.apply(q, k, v, args.sizes, args.kinds, scale, deterministic, sm_limit,
+                                          None if torch.compiler.is_compiling() else mask, *args.tensors)
     return (o, lse) if return_lse else o
 
 

@@ -19,7 +19,14 @@
 #include "sparsetrain/error.h"
 #include "sparsetrain/tensor.h"
 
+namespace pybind11 {
+class module_;
+}
+
 namespace sparsetrain::torch_ops {
+
+// Adds attention's eager entry points (torch_ops.cpp) to the Python module sparsetrain._torch_ops.
+void register_attention(pybind11::module_& m);
 
 inline DType dtype_of(const at::Tensor& t, const char* arg) {
   switch (t.scalar_type()) {

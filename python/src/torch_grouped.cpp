@@ -329,8 +329,9 @@ void register_layer(pybind11::module_& m, const char* name, Init init) {
 }  // namespace
 
 // Imported by sparsetrain.torch after torch (whose libraries it links); importing it also
-// registers attention's operators (torch_ops.cpp).
+// registers attention's operators (torch_ops.cpp), whose eager entry points it also holds.
 PYBIND11_MODULE(_torch_ops, m) {
+  st::torch_ops::register_attention(m);
   register_layer<TorchGroupedLinear>(m, "GroupedLinear",
                                      pybind11::init<int64_t, int64_t, int64_t, bool, bool, bool, bool, bool>());
   register_layer<TorchGroupedMLP>(

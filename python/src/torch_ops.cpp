@@ -11,7 +11,15 @@
 // order then doc_q, doc_kv and the schedule permutation (undefined where absent), its sizes
 // (seq_q, seq_kv, block_q, block_kv, sub_tiles, window_left, window_right, prefix_length) and
 // "kind,schedule,walk".
+//
+// Eager calls take a shorter way: `attention` (a function of the Python module
+// sparsetrain._torch_ops) over an AttentionMask parsed once per BlockMask, in FlexAttention's
+// [B, H, S, D] layout, with its autograd in C++ (a torch::autograd::Function: no Python
+// autograd.Function, no dispatcher). sparsetrain.torch takes it only where the custom ops would
+// see nothing of interest (not under torch.compile, fake tensors, dispatch modes or forward AD).
+#include <torch/autograd.h>
 #include <torch/library.h>
+#include <torch/python.h>
 
 #include <string>
 #include <tuple>
@@ -60,6 +68,16 @@ st::BlockMask mask_of(const std::vector<std::optional<at::Tensor>>& tensors, at:
   return m;
 }
 
+// q, k or v in FlexAttention's [B, H, S, D] layout as the core's [B, S, H, D] view (the transpose
+// the custom ops take, without a dispatcher call).
+st::TensorView bshd_view_of(const at::Tensor& t, const char* arg) {
+  ST_CHECK_ARG(t.dim() == 4, arg, "a 4-d tensor [B, H, S, D]", t.dim());
+  const at::IntArrayRef n = t.sizes(), s = t.strides();
+  const int64_t sizes[4] = {n[0], n[2], n[1], n[3]}, strides[4] = {s[0], s[2], s[1], s[3]};
+  return st::TensorView(t.data_ptr(), st::torch_ops::dtype_of(t, arg), sizes, strides, 4,
+                        st::torch_ops::device_of(t, arg));
+}
+
 st::AttentionOptions options_of(double scale, bool deterministic, int64_t sm_limit) {
   st::AttentionOptions o;
   o.scale = float(scale);
@@ -103,7 +121,109 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
   });
 }
 
+// A BlockMask as the custom ops pass it, parsed once: sparsetrain.torch keeps one per BlockMask
+// (while that holds the same tensor objects) for its eager calls. A tensor moved in place since
+// (set_, resize_ to another address) makes a call parse the mask anew.
+class AttentionMask {
+ public:
+  AttentionMask(std::vector<std::optional<at::Tensor>> tensors, std::vector<int64_t> sizes, std::string kinds)
+      : tensors_(std::move(tensors)), sizes_(std::move(sizes)), kinds_(std::move(kinds)),
+        mask_(translated([&] { return mask_of(tensors_, sizes_, kinds_); })) {
+    for (const auto& t : tensors_) data_.push_back(data_of(t));
+  }
+
+  // The parsed mask, or `scratch` parsed anew where a tensor moved.
+  const st::BlockMask& current(st::BlockMask& scratch) const {
+    for (size_t i = 0; i < tensors_.size(); ++i)
+      if (data_of(tensors_[i]) != data_[i]) return scratch = mask_of(tensors_, sizes_, kinds_);
+    return mask_;
+  }
+
+  const std::vector<std::optional<at::Tensor>>& tensors() const { return tensors_; }
+  const std::vector<int64_t>& sizes() const { return sizes_; }
+  const std::string& kinds() const { return kinds_; }
+
+ private:
+  static const void* data_of(const std::optional<at::Tensor>& t) {
+    return t.has_value() && t->defined() ? t->data_ptr() : nullptr;
+  }
+
+  std::vector<std::optional<at::Tensor>> tensors_;
+  std::vector<int64_t> sizes_;
+  std::string kinds_;
+  st::BlockMask mask_;
+  std::vector<const void*> data_;
+};
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Attention's autograd in C++, the same computation as sparsetrain.torch's _AttentionFunction:
+// saves q, k, v, o, lse and the mask's tensors (version-checked as save_for_backward does); lse has
+// no gradient; the backward reads torch's deterministic mode again when it runs.
+struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const AttentionMask* mask, double scale, bool deterministic, int64_t sm_limit) {
+    st::BlockMask scratch;
+    TorchAllocator alloc;
+    const st::AttentionForward f = st::block_sparse_attention_forward(
+        bshd_view_of(q, "q"), bshd_view_of(k, "k"), bshd_view_of(v, "v"), mask->current(scratch),
+        options_of(scale, deterministic, sm_limit), call_on(q, &alloc));
+    at::Tensor o = alloc.take(f.o).transpose(1, 2), lse = alloc.take(f.lse);
+    ctx->mark_non_differentiable({lse});
+    std::vector<at::Tensor> saved{q, k, v, o, lse};
+    for (const auto& t : mask->tensors()) saved.push_back(t.value_or(at::Tensor()));
+    ctx->save_for_backward(saved);
+    ctx->saved_data["sizes"] = mask->sizes();
+    ctx->saved_data["kinds"] = mask->kinds();
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["deterministic"] = deterministic;
+    ctx->saved_data["sm_limit"] = sm_limit;
+    return {o, lse};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return translated([&] {
+      const variable_list s = ctx->get_saved_variables();
+      std::vector<std::optional<at::Tensor>> mask_tensors;
+      for (size_t i = 5; i < s.size(); ++i)
+        mask_tensors.push_back(s[i].defined() ? std::optional<at::Tensor>(s[i]) : std::nullopt);
+      const std::vector<int64_t> sizes = ctx->saved_data["sizes"].toIntVector();
+      at::Tensor dout = grads[0];
+      if (dout.stride(-1) != 1) dout = dout.contiguous();
+      const bool deterministic =
+          ctx->saved_data["deterministic"].toBool() || at::globalContext().deterministicAlgorithms();
+      TorchAllocator alloc;
+      const st::AttentionGrads g = st::block_sparse_attention_backward(
+          bshd_view_of(s[0], "q"), bshd_view_of(s[1], "k"), bshd_view_of(s[2], "v"), bshd_view_of(s[3], "o"),
+          view_of(s[4], "lse"), bshd_view_of(dout, "dout"),
+          mask_of(mask_tensors, sizes, ctx->saved_data["kinds"].toStringRef()),
+          options_of(ctx->saved_data["scale"].toDouble(), deterministic, ctx->saved_data["sm_limit"].toInt()),
+          call_on(s[0], &alloc));
+      return variable_list{alloc.take(g.dq).transpose(1, 2), alloc.take(g.dk).transpose(1, 2),
+                           alloc.take(g.dv).transpose(1, 2), {}, {}, {}, {}};
+    });
+  }
+};
+
+// (o [B, Hq, Sq, D], lse [B, Hq, Sq]) of q, k, v in [B, H, S, D], recorded by autograd where an
+// input requires grad.
+std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                             const AttentionMask& mask, double scale, bool deterministic,
+                                             int64_t sm_limit) {
+  return translated([&] {
+    const variable_list r = AttentionFunction::apply(q, k, v, &mask, scale, deterministic, sm_limit);
+    return std::make_tuple(r[0], r[1]);
+  });
+}
+
 }  // namespace
+
+void st::torch_ops::register_attention(pybind11::module_& m) {
+  pybind11::class_<AttentionMask>(m, "AttentionMask")
+      .def(pybind11::init<std::vector<std::optional<at::Tensor>>, std::vector<int64_t>, std::string>());
+  m.def("attention", &attention);
+}
 
 TORCH_LIBRARY(sparsetrain_native, m) {
   m.def("attention_forward(Tensor q, Tensor k, Tensor v, Tensor?[] mask_tensors, int[] mask_sizes, str mask_kinds, "

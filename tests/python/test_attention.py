@@ -696,3 +696,73 @@ def test_native_torch_ops_equal_the_extension_path(name, monkeypatch):
     bad.kv_num_blocks[0, 0, 0] = 99
     with pytest.raises(ValueError, match=r"mask.kv_num_blocks"):
         stt.block_sparse_attention(q, k, v, bad)
+
+
+def _bitwise(a, b):
+    return a.shape == b.shape and a.stride() == b.stride() and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.skipif(stt._NATIVE is None, reason="the C++ torch library (sparsetrain/_torch_ops.so) is not built "
+                    "here, or SPARSETRAIN_TORCH_OPS=0: its eager attention path is not there to test")
+def test_eager_native_attention_path(monkeypatch):
+    """Eager calls on plain tensors take the C++ torch library's attention (autograd in C++, the
+    mask parsed once and cached on the BlockMask): the bytes of the extension path, the mask's
+    tensors replaced or moved in place seen, in-place edits between forward and backward caught
+    as autograd catches them, lse without a gradient, only the inputs that require grad get one."""
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    calls = []
+    eager = stt._TORCH_OPS.attention
+    monkeypatch.setattr(stt._TORCH_OPS, "attention", lambda *a: calls.append(1) or eager(*a))
+    mask = st.BlockMask.build("sliding_window", 96, window_left=20, window_right=5, block_size=16, framework="torch")
+    q, k, v, do = _inputs(1, 4, 2, 96, 96, 8, seed=seed)
+
+    def run(m, needs=(True, True, True), native=True):
+        with monkeypatch.context() as mp:
+            if not native:
+                mp.setattr(stt, "_NATIVE", None)
+            ins = [t.detach().clone().requires_grad_(r) for t, r in zip((q, k, v), needs)]
+            o, lse = stt.block_sparse_attention(*ins, m, return_lse=True)
+            assert not lse.requires_grad and lse.grad_fn is None
+            o.backward(do)
+            return [o.detach(), lse] + [t.grad for t in ins]
+
+    def same(a, b):
+        assert len(a) == len(b)
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert (x is None and y is None) or _bitwise(x, y), f"output {i} (seed {seed})"
+
+    n = len(calls)
+    same(run(mask), run(mask, native=False))
+    assert len(calls) == n + 1, "the eager call did not take the C++ torch library's attention"
+    same(run(mask, needs=(False, True, False)), run(mask, needs=(False, True, False), native=False))
+    # Another mask's tensors put in: a replaced attribute, and a tensor moved in place (set_).
+    other = st.BlockMask.build("causal", 96, block_size=16, framework="torch")
+    expected = run(other)
+    for name in st._block_mask.TENSOR_NAMES:
+        setattr(mask, name, getattr(other, name))
+    mask.spec = other.spec
+    same(run(mask), expected)
+    # (A window spec over the causal mask's blocks: the walk is the blocks', the mask inside the spec's.)
+    moved, ref = (st.BlockMask.build("sliding_window", 96, window_left=20, window_right=5, block_size=16,
+                                     framework="torch") for _ in range(2))
+    before = run(moved)  # its arguments and parsed mask cached
+    cache = moved._torch_cache
+    for name in st._block_mask.TENSOR_NAMES:
+        t = getattr(moved, name)
+        if t is not None:
+            t.set_(getattr(other, name).clone())
+            setattr(ref, name, getattr(other, name))
+    expected = run(ref)
+    assert not torch.equal(before[0], expected[0]), "the donor's blocks must change the result"
+    same(run(moved), expected)
+    assert moved._torch_cache is cache, "the Python cache must hold here: the C++ mask sees the move"
+    # A mask tensor edited in place between forward and backward: autograd's version check, both ways.
+    for native in (True, False):
+        m = st.BlockMask.build("causal", 96, block_size=16, framework="torch")
+        with monkeypatch.context() as mp:
+            if not native:
+                mp.setattr(stt, "_NATIVE", None)
+            o = stt.block_sparse_attention(q.detach().clone().requires_grad_(), k, v, m)
+            m.kv_num_blocks.add_(0)
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                o.backward(do)
