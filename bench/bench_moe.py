@@ -79,14 +79,12 @@ def timed(fn, reps, device):
 
 
 def peak_mib(fn, device):
+    """Peak memory beyond the inputs (bench_grouped_mlp's measure); None on the CPU."""
     if device != "cuda":
         return None
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
+    from bench_grouped_mlp import peak_extra_mb
+
+    return peak_extra_mb(fn)
 
 
 def bench_case(name, shape, reps, device):
