@@ -47,6 +47,9 @@ class TensorView {
   int dim() const { return dim_; }
   int64_t size(int d) const { return shape_[d < 0 ? d + dim_ : d]; }
   int64_t stride(int d) const { return strides_[d < 0 ? d + dim_ : d]; }
+  // The stride that broadcasts: 0 where dimension d has size 1 (every index reads the one
+  // element: masks' leading [B, H] dims, document ids' batch), else stride(d).
+  int64_t broadcast_stride(int d) const { return size(d) == 1 ? 0 : stride(d); }
   const int64_t* shape() const { return shape_.data(); }
   const int64_t* strides() const { return strides_.data(); }
   int64_t numel() const;

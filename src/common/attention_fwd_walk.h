@@ -34,8 +34,8 @@ inline MaskIndexView mask_index_view(const TensorView& t) {
   MaskIndexView v;
   if (!t.defined()) return v;
   v.data = static_cast<const int32_t*>(t.data());
-  v.stride_b = t.size(0) == 1 ? 0 : t.stride(0);
-  v.stride_h = t.size(1) == 1 ? 0 : t.stride(1);
+  v.stride_b = t.broadcast_stride(0);
+  v.stride_h = t.broadcast_stride(1);
   v.stride_r = t.stride(2);
   v.stride_w = t.dim() > 3 ? t.stride(3) : 0;
   v.width = t.dim() > 3 ? int32_t(t.size(3)) : 0;

@@ -125,18 +125,14 @@ std::string MaskSpec::str() const {
 
 // ---- slices --------------------------------------------------------------------------------
 
-namespace {
-int64_t bcast(const TensorView& t, int d, int64_t i) { return t.size(d) == 1 ? 0 : i; }
-}  // namespace
-
 IndexRows mask_rows(const TensorView& counts, const TensorView& indices, int64_t b, int64_t h) {
   IndexRows r;
   if (!counts.defined() || !indices.defined()) return r;
-  r.counts = reinterpret_cast<const int32_t*>(counts.byte_ptr(bcast(counts, 0, b) * counts.stride(0) +
-                                                              bcast(counts, 1, h) * counts.stride(1)));
+  r.counts = reinterpret_cast<const int32_t*>(counts.byte_ptr(b * counts.broadcast_stride(0) +
+                                                              h * counts.broadcast_stride(1)));
   r.count_stride = counts.stride(2);
-  r.indices = reinterpret_cast<const int32_t*>(indices.byte_ptr(bcast(indices, 0, b) * indices.stride(0) +
-                                                                bcast(indices, 1, h) * indices.stride(1)));
+  r.indices = reinterpret_cast<const int32_t*>(indices.byte_ptr(b * indices.broadcast_stride(0) +
+                                                                h * indices.broadcast_stride(1)));
   r.row_stride = indices.stride(2);
   r.elem_stride = indices.stride(3);
   return r;
@@ -145,8 +141,8 @@ IndexRows mask_rows(const TensorView& counts, const TensorView& indices, int64_t
 WriteOrderOut mask_write_order(const TensorView& order, int64_t b, int64_t h) {
   WriteOrderOut w;
   if (!order.defined()) return w;
-  w.order = reinterpret_cast<int32_t*>(order.byte_ptr(bcast(order, 0, b) * order.stride(0) +
-                                                      bcast(order, 1, h) * order.stride(1)));
+  w.order = reinterpret_cast<int32_t*>(order.byte_ptr(b * order.broadcast_stride(0) +
+                                                      h * order.broadcast_stride(1)));
   w.row_stride = order.stride(2);
   w.elem_stride = order.stride(3);
   return w;
@@ -463,8 +459,8 @@ BlockMaskTensors build_block_mask(const MaskSpec& spec, int64_t seq_q, int64_t s
   for (int64_t b = 0; b < B; ++b) {
     MaskRowParams p{spec.kind, spec.window_left, spec.window_right, spec.prefix_length, seq_q, seq_kv, nullptr, nullptr};
     if (doc) {
-      p.doc_q = reinterpret_cast<const int32_t*>(spec.doc_q.byte_ptr(bcast(spec.doc_q, 0, b) * spec.doc_q.stride(0)));
-      p.doc_kv = reinterpret_cast<const int32_t*>(spec.doc_kv.byte_ptr(bcast(spec.doc_kv, 0, b) * spec.doc_kv.stride(0)));
+      p.doc_q = reinterpret_cast<const int32_t*>(spec.doc_q.byte_ptr(b * spec.doc_q.broadcast_stride(0)));
+      p.doc_kv = reinterpret_cast<const int32_t*>(spec.doc_kv.byte_ptr(b * spec.doc_kv.broadcast_stride(0)));
     }
     for (int64_t m = 0; m < Mq; ++m)
       build_block_row(p, options.block_q, options.block_kv, m, Nk, row_ptr(t.kv_indices, b, 0, m),

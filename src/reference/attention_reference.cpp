@@ -29,7 +29,7 @@ int64_t offset4(const TensorView& t, int64_t i0, int64_t i1, int64_t i2, int64_t
 struct IndexView {
   TensorView t;
   int32_t at(int64_t b, int64_t h, int64_t r, int64_t c = 0) const {
-    int64_t off = (t.size(0) == 1 ? 0 : b * t.stride(0)) + (t.size(1) == 1 ? 0 : h * t.stride(1)) + r * t.stride(2);
+    int64_t off = b * t.broadcast_stride(0) + h * t.broadcast_stride(1) + r * t.stride(2);
     if (t.dim() == 4) off += c * t.stride(3);
     return t.data_as<const int32_t>()[off];
   }
@@ -42,8 +42,8 @@ class ElementMask {
   ElementMask(const BlockMask& mask, int64_t b, int64_t h) : mask_(mask), b_(b), h_(h) {
     const MaskSpec& s = mask.spec;
     if (s.kind == MaskKind::kDocument || s.kind == MaskKind::kDocumentCausal) {
-      doc_q_ = s.doc_q.data_as<const int32_t>() + (s.doc_q.size(0) == 1 ? 0 : b * s.doc_q.stride(0));
-      doc_kv_ = s.doc_kv.data_as<const int32_t>() + (s.doc_kv.size(0) == 1 ? 0 : b * s.doc_kv.stride(0));
+      doc_q_ = s.doc_q.data_as<const int32_t>() + b * s.doc_q.broadcast_stride(0);
+      doc_kv_ = s.doc_kv.data_as<const int32_t>() + b * s.doc_kv.broadcast_stride(0);
     }
   }
   bool allows(int64_t m, int64_t w, int64_t q, int64_t kv) const {
@@ -53,7 +53,7 @@ class ElementMask {
                          mask_.seq_kv, q, kv);
     const TensorView& bits = mask_.partial_bitmasks;
     const int64_t bit = (q - m * mask_.block_q) * mask_.block_kv + (kv % mask_.block_kv);
-    const int64_t off = (bits.size(0) == 1 ? 0 : b_ * bits.stride(0)) + (bits.size(1) == 1 ? 0 : h_ * bits.stride(1)) +
+    const int64_t off = b_ * bits.broadcast_stride(0) + h_ * bits.broadcast_stride(1) +
                         m * bits.stride(2) + w * bits.stride(3) + (bit / 8) * bits.stride(4);
     return (static_cast<const uint8_t*>(bits.data())[off] >> (bit % 8)) & 1u;
   }

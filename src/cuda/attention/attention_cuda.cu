@@ -161,7 +161,6 @@ int64_t spin_limit_ns() {
 
 // ---- arguments ----------------------------------------------------------------------------------
 
-int64_t lead_stride(const TensorView& t, int d) { return t.size(d) == 1 ? 0 : t.stride(d); }
 
 // The mask inside partial blocks, as both kernels evaluate it.
 cuda::attn::KernelMaskSpec mask_spec_args(const BlockMask& m) {
@@ -173,13 +172,13 @@ cuda::attn::KernelMaskSpec mask_spec_args(const BlockMask& m) {
   if (m.spec.kind == MaskKind::kDocument || m.spec.kind == MaskKind::kDocumentCausal) {
     spec.doc_q = static_cast<const int32_t*>(m.spec.doc_q.data());
     spec.doc_kv = static_cast<const int32_t*>(m.spec.doc_kv.data());
-    spec.doc_q_stride_b = lead_stride(m.spec.doc_q, 0);
-    spec.doc_kv_stride_b = lead_stride(m.spec.doc_kv, 0);
+    spec.doc_q_stride_b = m.spec.doc_q.broadcast_stride(0);
+    spec.doc_kv_stride_b = m.spec.doc_kv.broadcast_stride(0);
   }
   if (m.spec.kind == MaskKind::kBitmask) {
     const TensorView& bits = m.partial_bitmasks;
     spec.bits = static_cast<const uint8_t*>(bits.data());
-    spec.bits_stride_b = lead_stride(bits, 0), spec.bits_stride_h = lead_stride(bits, 1);
+    spec.bits_stride_b = bits.broadcast_stride(0), spec.bits_stride_h = bits.broadcast_stride(1);
     spec.bits_stride_m = bits.stride(2), spec.bits_stride_w = bits.stride(3);
     spec.bits_width = int32_t(bits.size(3));
   }
