@@ -22,15 +22,11 @@ namespace sparsetrain {
 int64_t ColumnSchedule::position(int64_t n, int64_t num_columns) const {
   ST_CHECK_ARG(n >= 0 && n < num_columns, "ColumnSchedule::position column",
                "0 <= column < " + std::to_string(num_columns), n);
-  switch (kind) {
-    case ScheduleKind::kLeftToRight: return n;
-    case ScheduleKind::kShortestFirst: return num_columns - 1 - n;
-    case ScheduleKind::kPermutation:
-      for (size_t p = 0; p < permutation.size(); ++p)
-        if (permutation[p] == n) return int64_t(p);
-      ST_CHECK_ARG(false, "ColumnSchedule permutation", "a permutation holding column " + std::to_string(n),
-                   str());
-  }
+  if (kind != ScheduleKind::kPermutation) return schedule_position(kind, nullptr, n, num_columns);
+  // A permutation has no inverse at hand here: found by search (and checked to hold n).
+  for (size_t p = 0; p < permutation.size(); ++p)
+    if (permutation[p] == n) return int64_t(p);
+  ST_CHECK_ARG(false, "ColumnSchedule permutation", "a permutation holding column " + std::to_string(n), str());
   return n;
 }
 
