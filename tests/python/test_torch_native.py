@@ -36,6 +36,7 @@ CASES = {
     "delayed_fused_dummy": dict(delay_wgrad_compute=True, fuse_wgrad_accumulation=True, main_grad="accumulate",
                                 grad_added=True),
     "fp32_no_bias": dict(bias=False, params_dtype=torch.float32),
+    "delayed_grad_input_only": dict(delay_wgrad_compute=True, buffers="grad_input"),
 }
 KINDS = ["GroupedLinear", "GroupedMLP"]
 
@@ -80,6 +81,8 @@ def _run(kind, case, seed, device):
         dy = torch.randn(T, OUT, generator=gen).to(device, dtype)
         kw = dict(out=torch.full((T, OUT), float("nan"), dtype=dtype, device=device),
                   grad_input=torch.full((T, IN), float("nan"), dtype=dtype, device=device)) if buffers else {}
+        if buffers == "grad_input":
+            del kw["out"]
         y = _call(m, x, probs, splits, **kw)
         y.backward(dy)
         got += [y, x.grad] + ([probs.grad] if kind == "GroupedMLP" else [])
@@ -207,3 +210,44 @@ def test_torch_ops_0_runs_the_extension_path():
     env = dict(os.environ, SPARSETRAIN_TORCH_OPS="0")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
+
+
+@needs_native
+@pytest.mark.parametrize("kind", KINDS)
+def test_recorded_calls_take_the_cpp_node(kind):
+    """An eager call that autograd records, without a caller `out`, skips the autograd.Function:
+    the C++ torch library records its node (sparsetrain::PythonBackward) whose backward is the
+    same Python code (bytes: the parity cases above). Its saved tensors are released after a
+    backward (a second one is refused as autograd refuses it) or kept with retain_graph (the same
+    grads again); an input that needs no grad gets none; an error in the backward reaches the
+    caller with its type (a freed module's layer)."""
+    gen = torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))
+    m = _make(kind, 0)
+    x = torch.randn(T, IN, generator=gen).to(BF16).requires_grad_()
+    probs = torch.rand(T, generator=gen).requires_grad_()
+    dy = torch.randn(T, OUT, generator=gen).to(BF16)
+    y = _call(m, x, probs)
+    assert y.grad_fn.name() == "sparsetrain::PythonBackward"
+    with_out = _call(m, x, probs, out=torch.empty(T, OUT, dtype=BF16))
+    assert "PythonBackward" not in with_out.grad_fn.name(), "a caller `out` keeps the autograd.Function"
+    y.backward(dy, retain_graph=True)
+    first = [x.grad.clone()] + [p.grad.clone() for p in m.parameters()]
+    y.backward(dy)
+    assert torch.equal(_bits(x.grad), _bits(first[0] + first[0]))
+    for p, g in zip(m.parameters(), first[1:]):
+        assert torch.equal(_bits(p.grad), _bits(g + g))
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        y.backward(dy)
+    for p in m.parameters():
+        p.grad = None
+    frozen_x = _call(m, x.detach(), probs.detach())
+    assert frozen_x.grad_fn.name() == "sparsetrain::PythonBackward"
+    frozen_x.backward(dy)
+    assert all(p.grad is not None for p in m.parameters())
+    orphan, layer_id = _call(m, x, probs), m._id
+    del m
+    import gc  # noqa: PLC0415
+
+    gc.collect()
+    with pytest.raises(RuntimeError, match=f"sparsetrain layer {layer_id} no longer exists"):
+        orphan.backward(dy)
