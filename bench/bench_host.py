@@ -2,7 +2,8 @@
 where the GPU (or CPU) work is small, so what is left is what an eager step pays on the host.
 Cases: GroupedLinear forward at G = 4 and G = 64 (per-expert weights, the O(G) Python path) against
 a Python loop of F.linear plus cat over the same groups; GroupedMLP forward at G = 4; attention
-forward (causal; CUDA: bf16 B1 H2 S256 D64, CPU: fp32 B1 H1 S128 D16). Where the C++ torch library
+forward (causal; CUDA: bf16 B1 H2 S256 D64, CPU: fp32 B1 H1 S128 D16), also with q, k and v
+requiring grad (what grad mode records). Where the C++ torch library
 is loaded, each grouped case also times its C++ layer's forward called alone (`*_cpp_layer`: no
 module, no autograd; the floor, with on the CPU the reference backend's compute in it). Medians of
 5 repeats, after warm-up, forward under torch.no_grad() and with autograd recording (grad mode).
@@ -72,6 +73,9 @@ def cases(device):
     q, k, v = (torch.randn(1, H, S, D, device=device, dtype=dt) for _ in range(3))
     mask = sparsetrain.BlockMask.build("causal", S, device=device)
     out.append(("attention_fwd", lambda: stt.block_sparse_attention(q, k, v, mask)))
+    # q, k and v requiring grad: in grad mode autograd records the call (its graph freed unused).
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    out.append(("attention_fwd_inputs_require_grad", lambda: stt.block_sparse_attention(qg, kg, vg, mask)))
     return out
 
 
