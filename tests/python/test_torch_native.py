@@ -220,7 +220,8 @@ def test_recorded_calls_take_the_cpp_node(kind):
     same Python code (bytes: the parity cases above). Its saved tensors are released after a
     backward (a second one is refused as autograd refuses it) or kept with retain_graph (the same
     grads again); an input that needs no grad gets none; an error in the backward reaches the
-    caller with its type (a freed module's layer)."""
+    caller with its type (a freed module's layer); the parameters' AccumulateGrad nodes are held
+    between graphs."""
     gen = torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))
     m = _make(kind, 0)
     x = torch.randn(T, IN, generator=gen).to(BF16).requires_grad_()
@@ -240,8 +241,13 @@ def test_recorded_calls_take_the_cpp_node(kind):
         y.backward(dy)
     for p in m.parameters():
         p.grad = None
+    del y, with_out
     frozen_x = _call(m, x.detach(), probs.detach())
     assert frozen_x.grad_fn.name() == "sparsetrain::PythonBackward"
+    # The parameters' AccumulateGrad nodes are held by the module between graphs (made once).
+    held = m._grad_accumulators[1]
+    edges = [e[0] for e in frozen_x.grad_fn.next_functions[2 if kind == "GroupedMLP" else 1:]]
+    assert len(held) == len(edges) == len(list(m.parameters())) and all(a is b for a, b in zip(held, edges))
     frozen_x.backward(dy)
     assert all(p.grad is not None for p in m.parameters())
     orphan, layer_id = _call(m, x, probs), m._id
