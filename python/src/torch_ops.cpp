@@ -17,6 +17,7 @@
 // [B, H, S, D] layout, with its autograd in C++ (a torch::autograd::Function: no Python
 // autograd.Function, no dispatcher). sparsetrain.torch takes it only where the custom ops would
 // see nothing of interest (not under torch.compile, fake tensors, dispatch modes or forward AD).
+#include <c10/core/DeviceGuard.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 #include <torch/python.h>
@@ -164,6 +165,7 @@ using torch::autograd::variable_list;
 struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const AttentionMask* mask, double scale, bool deterministic, int64_t sm_limit) {
+    const c10::DeviceGuard guard(q.device());  // q's device current, as the `_C` path's torch.cuda.device
     st::BlockMask scratch;
     TorchAllocator alloc;
     const st::AttentionForward f = st::block_sparse_attention_forward(
@@ -185,6 +187,7 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     return translated([&] {
       const variable_list s = ctx->get_saved_variables();
+      const c10::DeviceGuard guard(s[0].device());
       std::vector<std::optional<at::Tensor>> mask_tensors;
       for (size_t i = 5; i < s.size(); ++i)
         mask_tensors.push_back(s[i].defined() ? std::optional<at::Tensor>(s[i]) : std::nullopt);
