@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import functools
 import itertools
 import math
@@ -433,6 +434,28 @@ class _DelayedWgrad:
     def pending_wgrads(self) -> int:
         core = self._core_layer if _NATIVE is None else self._native_layer
         return 0 if core is None else core.pending_wgrads
+
+    # What a copy does not take: the C++ layers (they cannot be copied; a copy makes its own at its
+    # first call), what they cached, and the module's registration (a copy registers anew).
+    _NOT_COPIED = {"_core_layer": None, "_core_key": None, "_native_layer": None, "_native_methods": None,
+                   "_grad_accumulators": None, "_host_splits": None}
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        """copy.deepcopy (an EMA or reference copy of a model): parameters, options and hooks copied,
+        the C++ layer made anew by the copy's first call. Refused while delayed wgrads are pending:
+        their queue lives in the C++ layer."""
+        if self.pending_wgrads:
+            raise RuntimeError(f"copy.deepcopy of a {type(self).__name__}: {self.pending_wgrads} delayed wgrad(s) "
+                               "pending; run backward_dw() first")
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            if key in self._NOT_COPIED:
+                new.__dict__[key] = self._NOT_COPIED[key]
+            elif key != "_id":
+                new.__dict__[key] = copy.deepcopy(value, memo)
+        new._id = _register(new)
+        return new
 
 
 class GroupedLinear(_DelayedWgrad, nn.Module):

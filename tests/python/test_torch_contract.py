@@ -317,3 +317,34 @@ def test_wrong_dtype_or_device_of_out_and_main_grad(make):
                 w.main_grad = bad(w)
         with pytest.raises(ValueError, match=prefix + message):
             _call(fused, x, probs)
+
+
+@pytest.mark.parametrize("kind", ["GroupedLinear", "GroupedMLP"])
+def test_deepcopy_of_a_called_module(kind):
+    """copy.deepcopy of a module that has run (an EMA / reference copy): the copy has its own
+    parameters and C++ layer (same results, independent gradients); refused while a delayed wgrad
+    is pending."""
+    import copy
+
+    torch.manual_seed(7)
+    make = (lambda **kw: stt.GroupedLinear(4, 8, 6, params_dtype=torch.bfloat16, **kw)) if kind == "GroupedLinear" \
+        else (lambda **kw: stt.GroupedMLP(4, 8, 6, params_dtype=torch.bfloat16, **kw))
+    m = make()
+    x = torch.randn(10, 8, dtype=torch.bfloat16)
+    splits = [3, 0, 5, 2]
+    args = (x, splits) if kind == "GroupedLinear" else (x, splits, torch.rand(10))
+    m(*args).float().sum().backward()
+    c = copy.deepcopy(m)
+    assert c._id != m._id
+    for p, q in zip(m.parameters(), c.parameters()):
+        assert p is not q and torch.equal(p, q)
+    assert torch.equal(c(*args), m(*args))
+    with torch.no_grad():
+        next(c.parameters()).add_(1)
+    assert not torch.equal(c(*args), m(*args)), "the copy's layer reads the copy's parameters"
+    d = make(delay_wgrad_compute=True)
+    d(*args).float().sum().backward()
+    with pytest.raises(RuntimeError, match="delayed wgrad"):
+        copy.deepcopy(d)
+    d.backward_dw()
+    copy.deepcopy(d)
