@@ -778,6 +778,18 @@ def _spy_on_the_core_backward(monkeypatch):
                 return native.attention_backward(*args)
 
         monkeypatch.setattr(stt, "_NATIVE", Spy())
+        if stt._TORCH_OPS is not None:
+            ops = stt._TORCH_OPS
+
+            class OpsSpy:  # eager calls on plain tensors: the flag goes to the C++ autograd path at the forward
+                def __getattr__(self, name):
+                    return getattr(ops, name)
+
+                def attention(self, *args):
+                    seen.append(args[5])  # (q, k, v, mask, scale, deterministic, sm_limit)
+                    return ops.attention(*args)
+
+            monkeypatch.setattr(stt, "_TORCH_OPS", OpsSpy())
         return seen
     core = stt._attention_backward
 
