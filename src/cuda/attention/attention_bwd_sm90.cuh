@@ -11,13 +11,15 @@
 //              reduction) in the schedule's walk order (bwd_item_next, common/attention_bwd_walk.h:
 //              by default q tiles bottom-up with the group's heads innermost): Q, dO, lse and delta
 //              through a 2-stage TMA pipeline. Two consumer warpgroups (64 keys each) compute
-//              S^T = K Q^T and dP^T = V dO^T, P^T and dS^T = P^T (dP^T - delta) in registers,
-//              dV += P^T dO and dK += dS^T Q with the A operand straight from registers, and
-//              dQ = dS K from shared memory (dS^T stored transposed; each warpgroup half of D)
+//              S^T = K Q^T and dP^T = V dO^T, P^T and dS^T = P^T (dP^T - delta) in registers;
+//              dS^T to shared memory with matrix stores, then (FlashAttention-3's order) dV +=
+//              P^T dO (A from registers) runs while the warpgroups meet at a barrier, dQ = dS K
+//              (each warpgroup half of D) and dK += dS^T Q, and the dQ partial goes to shared
+//              memory while dK's GEMM runs
 //   dQ writer  one thread takes each 64 x D fp32 partial from shared memory and adds it to the
-//              accumulator with a bulk TMA reduce-add; in the deterministic mode it first waits
-//              until the q tile's semaphore equals the visit's turn, and increments it after the
-//              add has landed. The consumers meanwhile go on with the next tile
+//              accumulator with a bulk TMA reduce-add, two adds in flight; in the deterministic
+//              mode it first waits until the q tile's semaphore equals the visit's turn, and
+//              increments it once the add has landed. The consumers meanwhile go on
 //   epilogue   dK * scale and dV in the input dtype, from registers to global; a second kernel
 //              converts the fp32 dQ accumulator (times scale) to the input dtype
 //
@@ -82,6 +84,9 @@ struct BwdTraits {
   // still read tile j's.
   using SmemLayoutDs =
       decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{}, Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
+  using SmemLayoutDsT = decltype(composition(
+      SmemLayoutDs{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>, _2>{}, Step<_2, _1, _3>{})));
+  using SmemCopyDs = decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, MmaSdP{}));
 
   using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;  // (S, D, H, B)
   using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
@@ -190,7 +195,11 @@ __device__ __forceinline__ void bulk_reduce_add(float* gmem, const float* smem, 
                : "memory");
 }
 
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+// Waits until at most N bulk groups of this thread are pending (their global writes included).
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
+}
 
 // ---- masking (the tile is transposed: rows are keys, columns q rows; mask_tile_sm90.cuh) ---------
 
@@ -302,6 +311,25 @@ __device__ void bwd_write_dq(const typename T::Params& p, typename T::SharedStor
   const int group = a.heads_q / a.heads_kv;
   const int64_t num_items = a.handout.num_items();
   int n_dq = 0;
+  // Two reduce-adds in flight: a partial's buffer is handed back to the consumers (and in the
+  // deterministic mode the q tile's next writer let go) once the add after it has been issued and
+  // its own has read shared memory (deterministic: landed in global memory).
+  int pending = -1;  // the buffer of the add not yet retired
+  int32_t* pending_sem = nullptr;
+  auto retire = [&](bool all) {
+    if (a.deterministic) {
+      if (all) bulk_wait<0>();
+      else bulk_wait<1>();
+      __threadfence();
+      add_release(pending_sem, 1);
+    } else if (all) {
+      tma_store_wait<0>();
+    } else {
+      tma_store_wait<1>();
+    }
+    cutlass::arch::ClusterBarrier::arrive(&ss.dq_empty[pending]);
+    pending = -1;
+  };
   for (int n_item = 0;; ++n_item) {
     const int32_t ticket = read_ticket<T>(ss, n_item);
     if (ticket >= num_items) break;
@@ -316,21 +344,24 @@ __device__ void bwd_write_dq(const typename T::Params& p, typename T::SharedStor
       cutlass::arch::ClusterBarrier::wait(&ss.dq_full[buf], (n_dq / T::kDqBuffers) & 1);
       const int64_t tile = bwd_q_tile_index(b, visit.q_head, a.heads_q, a.lists.num_q_tiles, visit.q_tile);
       int32_t* sem = a.semaphores + tile;
-      if (a.deterministic) wait_turn(sem, dq_visit_turn(visit.turn, int32_t(w.sub_tile)), a);
+      if (a.deterministic) {
+        const int32_t turn = dq_visit_turn(visit.turn, int32_t(w.sub_tile));
+        // Never wait for a turn while holding back a release: the writer we wait for may be
+        // waiting for it.
+        if (pending >= 0 && load_acquire(sem) != turn) retire(true);
+        wait_turn(sem, turn, a);
+      }
       bulk_reduce_add(a.dq_accum + tile * (T::kBlockM * T::kHeadDim), ss.dq.data() + buf * (T::kBlockM * T::kHeadDim),
                       T::kDqBytes);
       tma_store_arrive();
-      if (a.deterministic) {
-        bulk_wait_all();  // the add has landed in global memory: the next writer may go
-        __threadfence();
-        add_release(sem, 1);
-      } else {
-        tma_store_wait<0>();  // shared memory read: the consumers may write the next partial
-      }
-      cutlass::arch::ClusterBarrier::arrive(&ss.dq_empty[buf]);
+      if (pending >= 0) retire(false);
+      pending = buf;
+      pending_sem = sem;
+      if constexpr (T::kDqBuffers == 1) retire(true);  // the consumers need this buffer for the next one
       ++n_dq;
     }
   }
+  if (pending >= 0) retire(true);
 }
 
 template <class T>
@@ -371,6 +402,7 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
   Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<N>, Int<D>>{});
   Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<N>, Int<D>>{});
   Tensor tdKVcdKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<N>, Int<D>>{}));
+  Tensor tdKVcdKV0 = mma_dkv.get_thread_slice(0).partition_C(make_identity_tensor(Shape<Int<N>, Int<D>>{}));
   Tensor rP = make_tensor_like<Element>(tSrS);
   Tensor rdS = make_tensor_like<Element>(tSrS);
   Tensor tdVrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
@@ -379,14 +411,21 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
   Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);  // (MMA, q, keys, buffer)
   Tensor tdQrK = thr_dq.partition_fragment_B(sKt);   // (MMA, D half, keys)
   Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<M>, Int<D>>{});
+  Tensor sdSt = make_tensor(make_smem_ptr(ss.ds.data()), typename T::SmemLayoutDsT{});
+  typename T::SmemCopyDs copy_ds;
+  auto thr_copy_ds = copy_ds.get_thread_slice(tid);
+  Tensor tdSsdS = thr_copy_ds.partition_D(sdSt);
+  Tensor tdSrdS = thr_copy_ds.retile_S(rdS);
 
   const float scale_log2 = p.scale_log2;
   const int group = a.heads_q / a.heads_kv;
   const int64_t num_items = a.handout.num_items();
   cutlass::PipelineState<T::kStages> read;
   int n_dq = 0, n_tile = 0;
-  // A tile's dQ partial, from registers to shared memory for the writer thread. (Deferring it past
-  // the next tile's first GEMMs, to overlap them, runs out of registers: ptxas then serialises.)
+  // A tile's dQ partial, from registers to shared memory for the writer thread, while the tile's
+  // dK GEMM runs. (Deferring it past the next tile's first GEMMs runs out of registers: ptxas
+  // then serialises. So did walking the mask one visit ahead here, as the forward does: ~130
+  // spilled loads and stores per tile.)
   auto write_dq = [&] {
     const int buf = n_dq % T::kDqBuffers;
     if (n_dq >= T::kDqBuffers)  // the writer has read the buffer's previous partial
@@ -445,56 +484,52 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
       }
       convert_p(tSrS, rP);
       convert_p(tPrP, rdS);
-      warpgroup_gemm_issue<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, st), tdVrdV);
-      warpgroup_gemm_issue<false>(mma_dkv, tdKrdS, tdKrQ(_, _, _, st), tdKrdK);
-      // dS^T -> dS in shared memory (q contiguous); both warpgroups' halves are needed by each
-      // one's dQ GEMM.
+      // dS^T -> dS in shared memory (q contiguous): both warpgroups' halves are needed by each
+      // one's dQ GEMM. dV += P^T dO runs while the warpgroups meet at the barrier.
       const int buf = n_tile & 1;
-      // Fragment values i and i + 1 are adjacent q rows of one key: one 32-bit store (a swizzle
-      // moves 16-byte chunks only).
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(rdS); i += 2) {
-        Element* at = &sdS(get<1>(tScS(i)), get<0>(tScS(i)), buf);
-        cutlass::Array<Element, 2> pair;
-        pair[0] = rdS(i);
-        pair[1] = rdS(i + 1);
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(at) = pair;
-      }
+      copy(copy_ds, tdSrdS, tdSsdS(_, _, _, buf));
+      warpgroup_gemm_issue<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, st), tdVrdV);
       cutlass::arch::fence_view_async_shared();
       cutlass::arch::NamedBarrier::sync(T::kMmaThreads, 1);
       warpgroup_gemm_issue<true>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, tdQrdQ);
+      warpgroup_gemm_issue<false>(mma_dkv, tdKrdS, tdKrQ(_, _, _, st), tdKrdK);
+      warpgroup_wait<1>();  // dV and dQ done: dQ goes to shared memory while dK += dS^T Q runs
+      warpgroup_fence_operand(tdQrdQ);
+      write_dq();
       warpgroup_wait<0>();
       warpgroup_fence_operand(tdVrdV);
       warpgroup_fence_operand(tdKrdK);
-      warpgroup_fence_operand(tdQrdQ);
       pipe.consumer_release(read);
       ++read;
       ++n_tile;
-      write_dq();
     }
     cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty);  // the last dQ GEMM has read K
 
-    // Epilogue: dK * scale and dV, keys past Skv dropped.
+    // Epilogue: dK * scale and dV, keys past Skv dropped. Each row through one pointer with
+    // immediate offsets: a thread's columns are its first one plus the pattern every thread shares
+    // (thread 0's: compile-time constants), as the forward's fwd_store_empty (a 64-bit address per
+    // store made this epilogue ~11 % of the samples on short columns, ncu).
     Tensor dK = make_tensor(tdKrdK.data(), acc_rowcol(tdKrdK.layout()));
     Tensor dV = make_tensor(tdVrdV.data(), acc_rowcol(tdVrdV.layout()));
     Tensor dKV_coord = make_tensor(tdKVcdKV.data(), acc_rowcol(tdKVcdKV.layout()));
-    Element* dk = static_cast<Element*>(a.dk);
-    Element* dv = static_cast<Element*>(a.dv);
+    Tensor dKV_coord0 = make_tensor(tdKVcdKV0.data(), acc_rowcol(tdKVcdKV0.layout()));
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size<0>(dK); ++i) {
       const int kv = kv0 + get<0>(dKV_coord(i, 0));
       if (kv >= a.seq_kv) continue;
-      const int64_t off = ((int64_t(b) * a.seq_kv + kv) * a.heads_kv + hkv) * D;
+      const int64_t off = ((int64_t(b) * a.seq_kv + kv) * a.heads_kv + hkv) * D + get<1>(dKV_coord(i, 0));
+      Element* dk = static_cast<Element*>(a.dk) + off;
+      Element* dv = static_cast<Element*>(a.dv) + off;
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < size<1>(dK); j += 2) {
-        const int d = get<1>(dKV_coord(i, j));
+        const int d = get<1>(dKV_coord0(i, j)) - get<1>(dKV_coord0(i, 0));
         cutlass::Array<Element, 2> k2, v2;
         k2[0] = Element(dK(i, j) * a.scale);
         k2[1] = Element(dK(i, j + 1) * a.scale);
         v2[0] = Element(dV(i, j));
         v2[1] = Element(dV(i, j + 1));
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(dk + off + d) = k2;
-        *reinterpret_cast<cutlass::Array<Element, 2>*>(dv + off + d) = v2;
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(dk + d) = k2;
+        *reinterpret_cast<cutlass::Array<Element, 2>*>(dv + d) = v2;
       }
     }
   }
