@@ -99,6 +99,40 @@ class _Rows(torch.autograd.Function):
         return _take(g, inverse), None, None
 
 
+class _ExpertRows(NamedTuple):
+    """A batch's rows in expert-major order (token order inside an expert): x [N * k, hidden] and
+    probs fp32 [N * k], both differentiable; row_of [N, k] and token_of_row [N * k] (int64) map
+    between tokens and rows for the combine."""
+    x: Tensor
+    probs: Tensor
+    row_of: Tensor
+    token_of_row: Tensor
+
+
+def _check_layer_inputs(layer: nn.Module, x: Tensor, logits: Tensor) -> None:
+    if x.dim() != 2 or x.shape[1] != layer.hidden_size:
+        raise ValueError(f"x: expected shape [N, hidden = {layer.hidden_size}], got {list(x.shape)}")
+    if logits.dim() != 2 or tuple(logits.shape) != (x.shape[0], layer.num_experts):
+        raise ValueError(f"logits: expected shape [N = {x.shape[0]}, E = {layer.num_experts}], "
+                         f"got {list(logits.shape)}")
+
+
+def _expert_rows(x: Tensor, r: RoutedTokens) -> _ExpertRows:
+    """The rows the experts take, gathered from x and the (token, slot) probs by r's layout."""
+    row_of, token_of_row = r.row_of.long(), r.token_of_row.long()
+    flat_row = row_of.reshape(-1)  # (token, slot) -> row
+    flat_of_row = torch.empty_like(flat_row)  # row -> (token, slot): its inverse
+    flat_of_row[flat_row] = torch.arange(flat_row.numel(), device=flat_row.device)
+    return _ExpertRows(_Rows.apply(x, token_of_row, row_of), _Rows.apply(r.probs.reshape(-1), flat_of_row, flat_row),
+                       row_of, token_of_row)
+
+
+def _combine(y: Tensor, rows: _ExpertRows) -> Tensor:
+    """Each token's top_k expert rows of y (expert-major, as _expert_rows laid them out) summed in
+    slot order: [N, out]."""
+    return _Rows.apply(y, rows.row_of, rows.token_of_row)
+
+
 class MoEOutput(NamedTuple):
     """MoELayer's result: out [N, hidden]; score_sum fp32 [E] (each expert's router score summed
     over the tokens, differentiable: the statistic of an auxiliary load-balancing loss); counts
@@ -139,21 +173,11 @@ class MoELayer(nn.Module):
 
     def forward(self, x: Tensor, logits: Tensor, expert_bias: Optional[Tensor] = None) -> MoEOutput:
         """x [N, hidden] (the experts' dtype), logits fp32 [N, E], expert_bias optional fp32 [E]."""
-        if x.dim() != 2 or x.shape[1] != self.hidden_size:
-            raise ValueError(f"x: expected shape [N, hidden = {self.hidden_size}], got {list(x.shape)}")
-        if logits.dim() != 2 or tuple(logits.shape) != (x.shape[0], self.num_experts):
-            raise ValueError(f"logits: expected shape [N = {x.shape[0]}, E = {self.num_experts}], "
-                             f"got {list(logits.shape)}")
+        _check_layer_inputs(self, x, logits)
         r = moe_route(logits, self.top_k, score=self.score, normalize=self.normalize, expert_bias=expert_bias)
-        row_of = r.row_of.long()
-        flat_row = row_of.reshape(-1)  # (token, slot) -> row
-        flat_of_row = torch.empty_like(flat_row)  # row -> (token, slot): its inverse
-        flat_of_row[flat_row] = torch.arange(flat_row.numel(), device=flat_row.device)
-        rows = _Rows.apply(x, r.token_of_row.long(), row_of)
-        row_probs = _Rows.apply(r.probs.reshape(-1), flat_of_row, flat_row)
-        y = self.experts(rows, r.counts, row_probs)
-        out = _Rows.apply(y, row_of, r.token_of_row.long())
-        return MoEOutput(out, r.score_sum, r.counts)
+        rows = _expert_rows(x, r)
+        y = self.experts(rows.x, r.counts, rows.probs)
+        return MoEOutput(_combine(y, rows), r.score_sum, r.counts)
 
     def backward_dw(self) -> None:
         """The experts' delayed wgrads (GroupedMLP.backward_dw)."""
