@@ -45,7 +45,8 @@ from ._block_mask import _check_mask, _scale_arg, _sm_limit_arg
 from ._block_mask import block_sparse_attention_backward as _attention_backward
 from ._block_mask import block_sparse_attention_forward as _attention_forward
 
-__all__ = ["GroupedLinear", "GroupedMLP", "BlockMask", "block_sparse_attention", "MoELayer", "moe_route"]
+__all__ = ["GroupedLinear", "GroupedMLP", "BlockMask", "block_sparse_attention", "MoELayer", "moe_route",
+           "ExpertParallelMoELayer"]
 
 
 def _load_native() -> Any:
@@ -1248,3 +1249,5 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMas
 
 # The MoE layer (router custom ops, MoELayer over GroupedMLP): in its own module.
 from ._torch_moe import MoELayer, MoEOutput, RoutedTokens, moe_route  # noqa: E402,F401
+# Expert parallelism over torch.distributed (the MoE layer's experts spread over ranks).
+from ._torch_ep import ExpertParallelMoELayer  # noqa: E402,F401
