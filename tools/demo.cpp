@@ -469,15 +469,13 @@ bool run_attention_step(const Place& place, std::mt19937_64& rng) {
   HostTensor dout(DType::kBF16, {B, S, Hq, D});
   for (HostTensor* t : {&q, &k, &v, &dout}) t->fill_random(rng);
 
-  // Forward where the demo computes, with the mask built there (no host sync on a GPU; the write
-  // order for the CUDA backward's 128-column kv tiles).
+  // Forward where the demo computes, with the mask built there (no host sync on a GPU).
   std::vector<Tensor> keep;
   MaskSpec place_spec = spec;
   place_spec.doc_q = place_spec.doc_kv = place.put(doc, keep);
   BlockMaskOptions mo;
   mo.device = place.device;
   mo.auto_schedule = !place.gpu();
-  mo.write_order_sub_tiles = mo.block_kv / 128;
   const BlockMaskTensors place_mask = build_block_mask(place_spec, S, S, mo);
   const TensorView qp = place.put(q, keep), kp = place.put(k, keep), vp = place.put(v, keep);
   const auto t0 = std::chrono::steady_clock::now();
@@ -671,9 +669,8 @@ bool run_block_step(const Place& place, const DemoOptions& opt) {
     spec.doc_q = spec.doc_kv = doc.view();
 
     // The mask: "auto" schedule chosen on the host (the scheduler model), then on a GPU built on
-    // the device with that schedule; the dQ write order for the backward's 128-column kv tiles.
+    // the device with that schedule.
     BlockMaskOptions host_options;
-    host_options.write_order_sub_tiles = host_options.block_kv / 128;
     const BlockMaskTensors host_mask = build_block_mask(spec, S, S, host_options);
     std::vector<Tensor> keep;
     std::deque<HostTensor> host;
@@ -691,10 +688,10 @@ bool run_block_step(const Place& place, const DemoOptions& opt) {
     }
     std::printf("            attention: document-causal block-sparse, B=%lld, S=%lld, Hq=%lld, Hkv=%lld, D=%lld, bf16, "
                 "%lld documents of %lld..%lld tokens, %.1f %% of (q, kv) pairs allowed; mask built on %s, dQ schedule "
-                "%s (\"auto\" on the host), write order for %lld sub-tile(s) per block column\n",
+                "%s (\"auto\" on the host)\n",
                 (long long)B, (long long)S, (long long)Hq, (long long)Hkv, (long long)D, (long long)documents,
                 (long long)sh.doc_min, (long long)sh.doc_max, 100.0 * double(pairs) / double(B * Hq * S * S),
-                place.device.str().c_str(), mask->schedule.str().c_str(), (long long)mask->write_order_sub_tiles);
+                place.device.str().c_str(), mask->schedule.str().c_str());
     std::printf("            MLP: GroupedMLP G=%lld, %lld -> 2 x %lld -> %lld, bf16, on the attention output "
                 "(T=%lld tokens, top-1 Dirichlet routing), fp32 main_grad accumulation\n",
                 (long long)G, (long long)hidden, (long long)F, (long long)hidden, (long long)T);

@@ -18,14 +18,12 @@
 //
 // dQ write order: for a column schedule (the order in which backward hands out kv columns), every
 // q block m is written by the columns touching it one at a time, in schedule order; the entry
-// parallel to (n, m) is n's turn (0, 1, ...) among those columns. With a kernel kv tile smaller
-// than block_kv, each block column n splits into s = write_order_sub_tiles sub-columns
-// n * s + t that take turns separately; they are handed out consecutively (sub-column (n, t) has
-// position position(n) * s + t), so their turns at m are consecutive too: the tensors keep the
-// shape of q_indices and store the turn of sub-column 0 (rank * s), sub-column t taking stored + t
-// (src/common/dq_schedule_model.h is the hand-out and the model). Deadlock freedom (docs/DESIGN.md
-// section 6) holds when, at every q block, turns increase with the writers' positions in the
-// schedule — true of every order built here, and checked by check_write_order().
+// parallel to (n, m) is n's turn (0, 1, ...) among those columns, in the mask's own block units.
+// A backend whose kv tile is narrower than block_kv expands it (its sub-columns of n take
+// consecutive turns: src/common/dq_turn.h); the mask does not depend on any kernel's tile.
+// Deadlock freedom (docs/DESIGN.md section 6) holds when, at every q block, turns increase with
+// the writers' positions in the schedule — true of every order built here, and checked by
+// check_write_order().
 #pragma once
 
 #include <cstdint>
@@ -78,7 +76,6 @@ struct BlockMask {
   TensorView q_num_blocks, q_indices;              // the transposes (required for backward)
   TensorView full_q_num_blocks, full_q_indices;
   TensorView dq_write_order, dq_write_order_full;  // parallel to q_indices / full_q_indices
-  int64_t write_order_sub_tiles = 1;               // kv sub-columns per block column in the order
   ColumnSchedule schedule;                         // the schedule the write orders were built for
   // The mask inside partial blocks: a built-in spec, or per-partial-block bitmasks
   // (MaskKind::kBitmask): uint8 [B, H, Mq, Wkv, block_q * block_kv / 8] parallel to kv_indices,
@@ -128,7 +125,6 @@ struct BlockMaskOptions {
   bool auto_schedule = true;   // choose_schedule(mask, problem); otherwise `schedule`
   ColumnSchedule schedule;
   ScheduleProblem problem;     // for auto_schedule
-  int64_t write_order_sub_tiles = 1;
   Allocator* allocator = nullptr;
   // build_block_mask only: a CUDA device builds the same tensors there (document ids on that
   // device), one thread per row / column, on `stream`, without a host synchronisation; index
@@ -155,11 +151,10 @@ using MaskFunction = bool (*)(void* context, int64_t b, int64_t h, int64_t q, in
 BlockMaskTensors build_block_mask_from_function(MaskFunction allowed, void* context, int64_t batch, int64_t heads,
                                                 int64_t seq_q, int64_t seq_kv, const BlockMaskOptions& options = {});
 
-// The transposes (q_* from kv_*), and the dQ write orders for `schedule` with `sub_tiles` kv
-// sub-columns per block column, written into `out` (which already holds the forward lists).
+// The transposes (q_* from kv_*), and the dQ write orders for `schedule`, written into `out`
+// (which already holds the forward lists).
 void transpose_block_mask(BlockMaskTensors& out, Allocator* allocator = nullptr);
-void compute_dq_write_order(BlockMaskTensors& out, const ColumnSchedule& schedule, int64_t sub_tiles,
-                            Allocator* allocator = nullptr);
+void compute_dq_write_order(BlockMaskTensors& out, const ColumnSchedule& schedule, Allocator* allocator = nullptr);
 
 // The deadlock-freedom invariant: for every (b, h) and q block, the writers' turns are exactly
 // 0..k-1 and increase with their position in `mask.schedule`. Returns "" or the first violation.
@@ -167,8 +162,8 @@ std::string check_write_order(const BlockMask& mask);
 
 // "auto": a pure function of the mask and `problem`. Columns are handed out left to right (on the
 // GPU that beat shortest first on every mask measured); the walk is kDescendingHeadsInner when the
-// scheduler model (src/common/dq_schedule_model.h, with the problem's batch, heads and workers)
-// puts its deterministic critical path at or below kDescendingWalkGain x the ascending walk's,
+// scheduler model (src/common/dq_schedule_model.h, with the problem's batch, heads and workers,
+// and the block columns split into the CUDA backward's kv tiles as the kernel runs them) puts its deterministic critical path at or below kDescendingWalkGain x the ascending walk's,
 // kAscendingHeadsOuter otherwise (docs/PERF.md, "Deterministic backward: the walk", has the
 // measurements behind both rules).
 inline constexpr double kDescendingWalkGain = 0.95;

@@ -206,8 +206,8 @@ class BlockMask:
     (include/sparsetrain/block_mask.h): kv_num_blocks [B, H, Mq], kv_indices [B, H, Mq, W] (partial
     blocks: `spec` or the bitmasks apply inside), full_kv_* (no mask inside; may be None), the
     transposes q_* for backward, and dq_write_order(_full), the deterministic backward's dQ turns
-    for `schedule` ("left_to_right", "shortest_first" or "permutation" with `schedule_permutation`)
-    with `sub_tiles` kv sub-columns per block column, and `walk`, the order in which the backward
+    for `schedule` ("left_to_right", "shortest_first" or "permutation" with `schedule_permutation`;
+    a column's turns in the mask's own block units), and `walk`, the order in which the backward
     visits one kv column's q tiles and query heads ("descending_heads_inner", the default, or
     "ascending_heads_outer"; block_mask.h WalkOrder): the schedule and walk fix the backward's
     bits. Leading dims broadcast over the batch and the query heads.
@@ -221,7 +221,7 @@ class BlockMask:
     """
 
     def __init__(self, *, seq_q: int, seq_kv: int, block_q: int, block_kv: int, tensors: Dict[str, Any],
-                 spec: MaskSpec, schedule: str, schedule_permutation: Any, sub_tiles: int, framework: Framework,
+                 spec: MaskSpec, schedule: str, schedule_permutation: Any, framework: Framework,
                  walk: str = "descending_heads_inner"):
         self.seq_q, self.seq_kv = int(seq_q), int(seq_kv)
         self.block_q, self.block_kv = int(block_q), int(block_kv)
@@ -231,7 +231,6 @@ class BlockMask:
         self.schedule = schedule
         self.schedule_permutation = schedule_permutation
         self.walk = walk
-        self.sub_tiles = int(sub_tiles)
         self._fw = framework
         self._other: Optional[BlockMask] = None  # the cached to_torch() / to_numpy() twin
         self._core_cache: Optional[tuple] = None  # _core_mask()'s
@@ -242,7 +241,7 @@ class BlockMask:
     def build(cls, kind: str, seq_q: int, seq_kv: Optional[int] = None, *, window_left: int = -1,
               window_right: int = -1, prefix_length: int = 0, document_ids: Any = None, doc_q: Any = None,
               doc_kv: Any = None, block_size: Union[int, Sequence[int]] = 128, schedule: Any = None,
-              sub_tiles: int = 1, framework: Optional[str] = None, device: Any = None, cu_seqlens_q: Any = None,
+              framework: Optional[str] = None, device: Any = None, cu_seqlens_q: Any = None,
               cu_seqlens_k: Any = None, max_seqlen_q: Optional[int] = None,
               max_seqlen_k: Optional[int] = None, walk: Optional[str] = None,
               auto_problem: Optional[Sequence[int]] = None) -> "BlockMask":
@@ -312,18 +311,18 @@ class BlockMask:
         bq, bkv = _block_size(block_size)
         if dev is None:
             d = _C.build_block_mask(spec._core(), int(seq_q), int(seq_kv), bq, bkv, _schedule_arg(schedule),
-                                    int(sub_tiles), fw.allocate, walk=walk, problem=_problem_arg(auto_problem))
+                                    fw.allocate, walk=walk, problem=_problem_arg(auto_problem))
         else:
             stream = fw.torch.cuda.current_stream(dev).cuda_stream
             d = _C.build_block_mask(spec._core(), int(seq_q), int(seq_kv), bq, bkv, _schedule_arg(schedule),
-                                    int(sub_tiles), fw.allocate, "cuda", dev.index, stream, walk=walk)
+                                    fw.allocate, "cuda", dev.index, stream, walk=walk)
         return cls._from_core(d, fw, spec)
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens_q: Any, cu_seqlens_k: Any = None, max_seqlen_q: Optional[int] = None,
                         max_seqlen_k: Optional[int] = None, *, seq_q: Optional[int] = None,
                         seq_kv: Optional[int] = None, causal: bool = False,
-                        block_size: Union[int, Sequence[int]] = 128, schedule: Any = None, sub_tiles: int = 1,
+                        block_size: Union[int, Sequence[int]] = 128, schedule: Any = None,
                         framework: Optional[str] = None, device: Any = None) -> "BlockMask":
         """A document mask from FlashAttention's packed form, with the arguments
         flash_attn_varlen_func takes (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -349,12 +348,12 @@ class BlockMask:
                                  f"{cu_seqlens_k.device} (reading cu_seqlens_k[-1] would synchronise), got None")
         return cls.build("document_causal" if causal else "document", int(seq_q), int(seq_kv),
                          cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                         max_seqlen_k=max_seqlen_k, block_size=block_size, schedule=schedule, sub_tiles=sub_tiles,
+                         max_seqlen_k=max_seqlen_k, block_size=block_size, schedule=schedule,
                          framework=framework, device=device)
 
     @classmethod
     def from_blocks(cls, blocks: Any, seq_q: int, seq_kv: int, *, block_size: Union[int, Sequence[int]] = 128,
-                    schedule: Any = "auto", sub_tiles: int = 1, spec: Optional[MaskSpec] = None,
+                    schedule: Any = "auto", spec: Optional[MaskSpec] = None,
                     framework: Optional[str] = None) -> "BlockMask":
         """A mask from a dense block matrix, uint8 (or bool) [B, H, Mq, Nk]: 0 skipped, 1 partial,
         2 full (bool: True = full). `spec` is what applies inside partial blocks (default
@@ -369,12 +368,12 @@ class BlockMask:
             spec = spec._replace(doc_q=_doc_ids(spec.doc_q, fw, "spec.doc_q"),
                                  doc_kv=_doc_ids(spec.doc_kv, fw, "spec.doc_kv"))
         d = _C.build_block_mask_from_blocks(to_core(blocks, "blocks"), int(seq_q), int(seq_kv), bq, bkv,
-                                            _schedule_arg(schedule), int(sub_tiles), fw.allocate)
+                                            _schedule_arg(schedule), fw.allocate)
         return cls._from_core(d, fw, spec)
 
     @classmethod
     def from_torch(cls, block_mask: Any, *, batch: Optional[int] = None, heads: Optional[int] = None,
-                   schedule: Any = "auto", sub_tiles: int = 1, device: Any = None) -> "BlockMask":
+                   schedule: Any = "auto", device: Any = None) -> "BlockMask":
         """torch.nn.attention.flex_attention.BlockMask as it is: its partial and full blocks
         (full_kv_* may be None: every listed block is then partial), BLOCK_SIZE and seq_lengths,
         and its mask_mod evaluated once per partial block into bitmasks (vectorised with torch.vmap
@@ -387,18 +386,17 @@ class BlockMask:
         runs on the flex mask's device, where the tensors it captures live)."""
         import torch  # noqa: PLC0415
 
-        return _from_flex(cls, torch, block_mask, batch, heads, schedule, sub_tiles, device)
+        return _from_flex(cls, torch, block_mask, batch, heads, schedule, device)
 
-    def with_schedule(self, schedule: Any = "auto", sub_tiles: Optional[int] = None, *, walk: Optional[str] = None,
+    def with_schedule(self, schedule: Any = "auto", *, walk: Optional[str] = None,
                       auto_problem: Optional[Sequence[int]] = None) -> "BlockMask":
         """The same mask with the transposes and dQ write orders rebuilt for another schedule
-        (or sub-tile count, or walk; "auto" for auto_problem as in build); the forward lists and
+        (or walk; "auto" for auto_problem as in build); the forward lists and
         bitmasks are shared. On a CUDA mask they are rebuilt on a host copy and copied back (a
         synchronising debug/setup path)."""
         if self._on_device():
-            return self.cpu().with_schedule(schedule, sub_tiles, walk=walk, auto_problem=auto_problem).to(self.device)
-        sub_tiles = self.sub_tiles if sub_tiles is None else int(sub_tiles)
-        d = _C.complete_block_mask(self._core_mask(), _schedule_arg(schedule), sub_tiles, self._fw.allocate,
+            return self.cpu().with_schedule(schedule, walk=walk, auto_problem=auto_problem).to(self.device)
+        d = _C.complete_block_mask(self._core_mask(), _schedule_arg(schedule), self._fw.allocate,
                                    walk=walk, problem=_problem_arg(auto_problem))
         tensors = {n: getattr(self, n) for n in TENSOR_NAMES}
         for n in ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices", "dq_write_order",
@@ -407,7 +405,7 @@ class BlockMask:
         return BlockMask(seq_q=self.seq_q, seq_kv=self.seq_kv, block_q=self.block_q, block_kv=self.block_kv,
                          tensors=tensors, spec=self.spec, schedule=d["schedule"],
                          schedule_permutation=self._permutation(d["schedule_permutation"], self._fw),
-                         sub_tiles=d["sub_tiles"], framework=self._fw, walk=d["schedule_walk"])
+                         framework=self._fw, walk=d["schedule_walk"])
 
     @classmethod
     def _from_core(cls, d: dict, fw: Framework, spec: MaskSpec) -> "BlockMask":
@@ -415,7 +413,7 @@ class BlockMask:
         return cls(seq_q=d["seq_q"], seq_kv=d["seq_kv"], block_q=d["block_q"], block_kv=d["block_kv"],
                    tensors=tensors, spec=spec, schedule=d["schedule"],
                    schedule_permutation=cls._permutation(d["schedule_permutation"], fw),
-                   sub_tiles=d["sub_tiles"], framework=fw, walk=d["schedule_walk"])
+                   framework=fw, walk=d["schedule_walk"])
 
     @staticmethod
     def _permutation(perm: Optional[list], fw: Framework) -> Any:
@@ -523,7 +521,7 @@ class BlockMask:
         return BlockMask(seq_q=self.seq_q, seq_kv=self.seq_kv, block_q=self.block_q, block_kv=self.block_kv,
                          tensors={n: c(getattr(self, n)) for n in TENSOR_NAMES}, spec=spec,
                          schedule=self.schedule, schedule_permutation=perm,
-                         sub_tiles=self.sub_tiles, framework=fw, walk=self.walk)
+                         framework=fw, walk=self.walk)
 
     def _for(self, fw: Framework) -> "BlockMask":
         return self.to_numpy() if fw.torch is None else self.to_torch()
@@ -533,7 +531,7 @@ class BlockMask:
         the mask holds the same tensor objects at the same addresses (every call reads it; the
         cache keeps those tensors, so their addresses cannot be reused by others meanwhile)."""
         parts = (*(getattr(self, n) for n in TENSOR_NAMES), self.spec, self.spec.doc_q, self.spec.doc_kv,
-                 self.schedule_permutation, self.seq_q, self.seq_kv, self.block_q, self.block_kv, self.sub_tiles,
+                 self.schedule_permutation, self.seq_q, self.seq_kv, self.block_q, self.block_kv,
                  self.schedule, self.walk)
         ptrs = tuple(p.data_ptr() if hasattr(p, "data_ptr") else None for p in parts)
         cached = self._core_cache
@@ -546,7 +544,7 @@ class BlockMask:
     def _build_core_mask(self) -> dict:
         perm = self.schedule_permutation
         d = {"seq_q": self.seq_q, "seq_kv": self.seq_kv, "block_q": self.block_q, "block_kv": self.block_kv,
-             "sub_tiles": self.sub_tiles, "schedule": self.schedule, "schedule_walk": self.walk,
+             "schedule": self.schedule, "schedule_walk": self.walk,
              "schedule_permutation": None if perm is None else [int(c) for c in perm.tolist()],
              "spec": self.spec._core()}
         for n in TENSOR_NAMES:
@@ -557,7 +555,7 @@ class BlockMask:
         lead = list(self.kv_num_blocks.shape[:2])
         sched = self.schedule if self.schedule != "permutation" else f"permutation{list(self.schedule_permutation.tolist())}"
         return (f"BlockMask(seq_q={self.seq_q}, seq_kv={self.seq_kv}, block_size=({self.block_q}, {self.block_kv}), "
-                f"leading_dims={lead}, spec={self.spec.kind}, schedule={sched}, walk={self.walk}, sub_tiles={self.sub_tiles}, "
+                f"leading_dims={lead}, spec={self.spec.kind}, schedule={sched}, walk={self.walk}, "
                 f"framework={self.framework}, device={self.device})")
 
 
@@ -620,7 +618,7 @@ def _flex_dense(torch, counts: Any, indices: Any, name: str, shape: Tuple[int, i
 
 
 def _from_flex(cls, torch, m: Any, batch: Optional[int], heads: Optional[int], schedule: Any,
-               sub_tiles: int, device: Any) -> BlockMask:
+               device: Any) -> BlockMask:
     needed = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "BLOCK_SIZE", "seq_lengths",
               "mask_mod")
     if not all(hasattr(m, a) for a in needed):
@@ -657,7 +655,7 @@ def _from_flex(cls, torch, m: Any, batch: Optional[int], heads: Optional[int], s
     target = torch.device("cpu") if target is None else target
     fw = Framework(torch)
     d = _C.build_block_mask_from_blocks(to_core(blocks.contiguous()), sq, skv, bq, bkv, _schedule_arg(schedule),
-                                        int(sub_tiles), fw.allocate)
+                                        fw.allocate)
     mask = cls._from_core(d, fw, MaskSpec("bitmask"))
     mask.partial_bitmasks = _evaluate_bitmasks(torch, m.mask_mod, mask.kv_num_blocks, mask.kv_indices, bq, bkv, sq,
                                                skv, m.kv_indices.device, target)

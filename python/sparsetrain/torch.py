@@ -993,15 +993,15 @@ class GroupedMLP(_DelayedWgrad, nn.Module):
 def _mask_args(mask: BlockMask) -> Tuple[List[Optional[Tensor]], List[int], str]:
     tensors = [getattr(mask, n) for n in _TENSOR_NAMES]
     tensors += [mask.spec.doc_q, mask.spec.doc_kv, mask.schedule_permutation]
-    sizes = [mask.seq_q, mask.seq_kv, mask.block_q, mask.block_kv, mask.sub_tiles, mask.spec.window_left,
-             mask.spec.window_right, mask.spec.prefix_length]
+    sizes = [mask.seq_q, mask.seq_kv, mask.block_q, mask.block_kv, mask.spec.window_left, mask.spec.window_right,
+             mask.spec.prefix_length]
     return tensors, sizes, f"{mask.spec.kind},{mask.schedule},{mask.walk}"
 
 
 # What the mask arguments are read from, in one C call: the cache below is valid while a mask still
 # holds these same objects.
 _MASK_PARTS = attrgetter(*_TENSOR_NAMES, "spec", "schedule_permutation", "seq_q", "seq_kv", "block_q", "block_kv",
-                         "sub_tiles", "schedule", "walk")
+                         "schedule", "walk")
 
 
 class _MaskArgs:
@@ -1041,13 +1041,13 @@ def _mask_args_of(mask: BlockMask) -> _MaskArgs:
 
 
 def _mask_from_args(tensors: Sequence[Optional[Tensor]], sizes: Sequence[int], kinds: str) -> BlockMask:
-    seq_q, seq_kv, block_q, block_kv, sub_tiles, window_left, window_right, prefix_length = sizes
+    seq_q, seq_kv, block_q, block_kv, window_left, window_right, prefix_length = sizes
     kind, schedule, walk = kinds.split(",")
     n = len(_TENSOR_NAMES)
     spec = _MaskSpec(kind, window_left, window_right, prefix_length, tensors[n], tensors[n + 1])
     return BlockMask(seq_q=seq_q, seq_kv=seq_kv, block_q=block_q, block_kv=block_kv,
                      tensors=dict(zip(_TENSOR_NAMES, tensors[:n])), spec=spec, schedule=schedule,
-                     schedule_permutation=tensors[n + 2], sub_tiles=sub_tiles, framework=_Framework(torch),
+                     schedule_permutation=tensors[n + 2], framework=_Framework(torch),
                      walk=walk)
 
 

@@ -443,7 +443,6 @@ st::BlockMask mask_of(const nb::dict& d) {
   m.block_kv = nb::cast<int64_t>(d["block_kv"]);
   for (int i = 0; i < st::kBlockMaskTensors; ++i)
     st::block_mask_tensor(m, i) = optional_view(d[st::block_mask_tensor_name(i)], st::block_mask_tensor_name(i));
-  m.write_order_sub_tiles = nb::cast<int64_t>(d["sub_tiles"]);
   nb::handle perm = d["schedule_permutation"];
   m.schedule = parse_schedule(perm.is_none() ? nb::handle(d["schedule"]) : perm,
                               d.contains("schedule_walk") ? nb::handle(d["schedule_walk"]) : nb::none());
@@ -464,7 +463,6 @@ nb::dict export_mask(st::BlockMaskTensors& t, const PyAllocator& alloc) {
                                &t.q_num_blocks, &t.q_indices, &t.full_q_num_blocks, &t.full_q_indices,
                                &t.dq_write_order, &t.dq_write_order_full, &t.partial_bitmasks};
   for (int i = 0; i < st::kBlockMaskTensors; ++i) d[st::block_mask_tensor_name(i)] = export_tensor(*owned[i], alloc);
-  d["sub_tiles"] = m.write_order_sub_tiles;
   d["schedule"] = st::schedule_kind_name(m.schedule.kind);
   d["schedule_walk"] = st::walk_order_name(m.schedule.walk);
   d["schedule_permutation"] =
@@ -484,16 +482,14 @@ st::ScheduleProblem parse_problem(nb::handle obj) {
   return p;
 }
 
-st::BlockMaskOptions mask_options(int64_t block_q, int64_t block_kv, nb::handle schedule, int64_t sub_tiles,
-                                  st::Allocator* alloc, nb::handle walk = nb::none(),
-                                  nb::handle problem = nb::none()) {
+st::BlockMaskOptions mask_options(int64_t block_q, int64_t block_kv, nb::handle schedule, st::Allocator* alloc,
+                                  nb::handle walk = nb::none(), nb::handle problem = nb::none()) {
   st::BlockMaskOptions o;
   o.block_q = block_q;
   o.block_kv = block_kv;
   o.auto_schedule = nb::isinstance<nb::str>(schedule) && nb::cast<std::string>(schedule) == "auto";
   if (!o.auto_schedule) o.schedule = parse_schedule(schedule, walk);
   o.problem = parse_problem(problem);
-  o.write_order_sub_tiles = sub_tiles;
   o.allocator = alloc;
   return o;
 }
@@ -502,10 +498,10 @@ st::BlockMaskOptions mask_options(int64_t block_q, int64_t block_kv, nb::handle 
 // sync (block_mask.h: document ids on that device, an explicit schedule), the tensors coming from
 // the allocator callback on that device (torch.empty on the current stream).
 nb::dict build_mask(nb::dict spec, int64_t seq_q, int64_t seq_kv, int64_t block_q, int64_t block_kv,
-                    nb::handle schedule, int64_t sub_tiles, nb::callable allocator, const std::string& device,
+                    nb::handle schedule, nb::callable allocator, const std::string& device,
                     int device_index, uintptr_t stream, nb::handle walk, nb::handle problem) {
   PyAllocator alloc(std::move(allocator));
-  st::BlockMaskOptions o = mask_options(block_q, block_kv, schedule, sub_tiles, &alloc, walk, problem);
+  st::BlockMaskOptions o = mask_options(block_q, block_kv, schedule, &alloc, walk, problem);
   ST_CHECK_ARG(device == "cpu" || device == "cuda", "device", "cpu or cuda", device);
   if (device == "cuda") {
     o.device = st::Device::cuda(device_index);
@@ -516,27 +512,26 @@ nb::dict build_mask(nb::dict spec, int64_t seq_q, int64_t seq_kv, int64_t block_
 }
 
 nb::dict build_mask_from_blocks(nb::handle blocks, int64_t seq_q, int64_t seq_kv, int64_t block_q, int64_t block_kv,
-                                nb::handle schedule, int64_t sub_tiles, nb::callable allocator, nb::handle walk,
+                                nb::handle schedule, nb::callable allocator, nb::handle walk,
                                 nb::handle problem) {
   PyAllocator alloc(std::move(allocator));
   st::BlockMaskTensors t = st::build_block_mask_from_blocks(
       view_of(blocks, "blocks"), seq_q, seq_kv,
-      mask_options(block_q, block_kv, schedule, sub_tiles, &alloc, walk, problem));
+      mask_options(block_q, block_kv, schedule, &alloc, walk, problem));
   return export_mask(t, alloc);
 }
 
 // The transposes and write orders of a mask given by its forward lists (the caller's arrays):
-// a dict with q_*, dq_write_order(_full), sub_tiles and the schedule (other tensors None).
-nb::dict complete_mask(nb::dict mask, nb::handle schedule, int64_t sub_tiles, nb::callable allocator,
+// a dict with q_*, dq_write_order(_full) and the schedule (other tensors None).
+nb::dict complete_mask(nb::dict mask, nb::handle schedule, nb::callable allocator,
                        nb::handle walk, nb::handle problem) {
   PyAllocator alloc(std::move(allocator));
   st::BlockMaskTensors t;
   t.mask = mask_of(mask);
   st::transpose_block_mask(t, &alloc);
-  t.mask.write_order_sub_tiles = sub_tiles;
   const bool is_auto = nb::isinstance<nb::str>(schedule) && nb::cast<std::string>(schedule) == "auto";
   const st::ColumnSchedule s = is_auto ? st::choose_schedule(t.mask, parse_problem(problem)) : parse_schedule(schedule, walk);
-  st::compute_dq_write_order(t, s, sub_tiles, &alloc);
+  st::compute_dq_write_order(t, s, &alloc);
   return export_mask(t, alloc);
 }
 
@@ -691,16 +686,14 @@ NB_MODULE(_C, m) {
         nb::arg("dscore_sum").none(), nb::arg("num_experts"), nb::arg("top_k"), nb::arg("score"), nb::arg("normalize"),
         nb::arg("stream"), nb::arg("allocator"));
   m.def("build_block_mask", &build_mask, nb::arg("spec"), nb::arg("seq_q"), nb::arg("seq_kv"), nb::arg("block_q"),
-        nb::arg("block_kv"), nb::arg("schedule"), nb::arg("sub_tiles"), nb::arg("allocator"),
+        nb::arg("block_kv"), nb::arg("schedule"), nb::arg("allocator"),
         nb::arg("device") = "cpu", nb::arg("device_index") = 0, nb::arg("stream") = 0, nb::arg("walk").none() = nb::none(),
         nb::arg("problem").none() = nb::none());
   m.def("document_ids_from_cu_seqlens", &document_ids_from_cu_seqlens, nb::arg("cu_seqlens_q"),
         nb::arg("cu_seqlens_k"), nb::arg("seq_q"), nb::arg("seq_kv"), nb::arg("allocator"), nb::arg("stream") = 0);
   m.def("build_block_mask_from_blocks", &build_mask_from_blocks, nb::arg("blocks"), nb::arg("seq_q"),
-        nb::arg("seq_kv"), nb::arg("block_q"), nb::arg("block_kv"), nb::arg("schedule"), nb::arg("sub_tiles"),
-        nb::arg("allocator"), nb::arg("walk").none() = nb::none(), nb::arg("problem").none() = nb::none());
-  m.def("complete_block_mask", &complete_mask, nb::arg("mask"), nb::arg("schedule"), nb::arg("sub_tiles"),
-        nb::arg("allocator"), nb::arg("walk").none() = nb::none(), nb::arg("problem").none() = nb::none());
+        nb::arg("seq_kv"), nb::arg("block_q"), nb::arg("block_kv"), nb::arg("schedule"), nb::arg("allocator"), nb::arg("walk").none() = nb::none(), nb::arg("problem").none() = nb::none());
+  m.def("complete_block_mask", &complete_mask, nb::arg("mask"), nb::arg("schedule"), nb::arg("allocator"), nb::arg("walk").none() = nb::none(), nb::arg("problem").none() = nb::none());
   m.def("validate_block_mask", [](nb::dict mask, int64_t batch, int64_t heads) {
     st::validate_block_mask(mask_of(mask), batch, heads);
   }, nb::arg("mask"), nb::arg("batch"), nb::arg("heads"));

@@ -9,7 +9,7 @@
 //
 // The mask arrives as the custom ops pass it: its tensors in sparsetrain._block_mask.TENSOR_NAMES
 // order then doc_q, doc_kv and the schedule permutation (undefined where absent), its sizes
-// (seq_q, seq_kv, block_q, block_kv, sub_tiles, window_left, window_right, prefix_length) and
+// (seq_q, seq_kv, block_q, block_kv, window_left, window_right, prefix_length) and
 // "kind,schedule,walk".
 //
 // Eager calls take a shorter way: `attention` (a function of the Python module
@@ -44,17 +44,16 @@ st::BlockMask mask_of(const std::vector<std::optional<at::Tensor>>& tensors, at:
                       const std::string& kinds) {
   ST_CHECK_ARG(tensors.size() == 14, "mask tensors", "14 (the index tensors, doc_q, doc_kv, the permutation)",
                tensors.size());
-  ST_CHECK_ARG(sizes.size() == 8, "mask sizes", "8", sizes.size());
+  ST_CHECK_ARG(sizes.size() == 7, "mask sizes", "7", sizes.size());
   auto at_ = [&](size_t i) { return tensors[i].has_value() ? *tensors[i] : at::Tensor(); };
   st::BlockMask m;
   m.seq_q = sizes[0], m.seq_kv = sizes[1], m.block_q = sizes[2], m.block_kv = sizes[3];
-  m.write_order_sub_tiles = sizes[4];
   for (int i = 0; i < st::kBlockMaskTensors; ++i)
     st::block_mask_tensor(m, i) = view_of(at_(size_t(i)), st::block_mask_tensor_name(i));
   const size_t c1 = kinds.find(','), c2 = kinds.find(',', c1 + 1);
   ST_CHECK_ARG(c1 != std::string::npos && c2 != std::string::npos, "mask kinds", "\"kind,schedule,walk\"", kinds);
   m.spec.kind = st::parse_mask_kind(kinds.substr(0, c1));
-  m.spec.window_left = sizes[5], m.spec.window_right = sizes[6], m.spec.prefix_length = sizes[7];
+  m.spec.window_left = sizes[4], m.spec.window_right = sizes[5], m.spec.prefix_length = sizes[6];
   m.spec.doc_q = view_of(at_(11), "doc_q");
   m.spec.doc_kv = view_of(at_(12), "doc_kv");
   m.schedule.kind = st::parse_schedule_kind(kinds.substr(c1 + 1, c2 - c1 - 1));

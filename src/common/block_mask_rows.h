@@ -6,7 +6,6 @@
 
 #include <cstdint>
 
-#include "common/dq_turn.h"
 #include "common/group_offsets.h"  // ST_HOST_DEVICE
 #include "common/mask_predicate.h"
 #include "sparsetrain/block_mask.h"
@@ -213,14 +212,13 @@ struct WriteOrderOut {
 };
 
 // The dQ turns at q block m (common/dq_turn.h): the columns touching m (row m's partial and full
-// lists) ranked in schedule order; the stored entry of (column n, q block m) is
-// dq_stored_turn(rank of n, sub_tiles). `rank_scratch` has num_columns entries, all zero on
-// entry and on return.
+// lists) ranked in schedule order; the stored entry of (column n, q block m) is n's rank (from 0).
+// `rank_scratch` has num_columns entries, all zero on entry and on return.
 ST_HOST_DEVICE inline void write_order_row(const IndexRows& kv_rows, const IndexRows& full_kv_rows, int64_t m,
                                            const IndexRows& q_rows, const IndexRows& full_q_rows,
                                            const WriteOrderOut& out, const WriteOrderOut& full_out,
                                            ScheduleKind kind, const int32_t* inverse, int64_t num_columns,
-                                           int64_t sub_tiles, int32_t* rank_scratch) {
+                                           int32_t* rank_scratch) {
   const int32_t np = kv_rows.count(m), nf = full_kv_rows.count(m);
   // Ranks by position: mark the positions taken, then an exclusive prefix count over them.
   for (int32_t i = 0; i < np; ++i) rank_scratch[schedule_position(kind, inverse, kv_rows.at(m, i), num_columns)] = 1;
@@ -234,13 +232,13 @@ ST_HOST_DEVICE inline void write_order_row(const IndexRows& kv_rows, const Index
     const int32_t n = kv_rows.at(m, i);
     int32_t& r = rank_scratch[schedule_position(kind, inverse, n, num_columns)];
     const int64_t j = q_rows.find(n, int32_t(m));
-    if (j >= 0) out.at(n, j) = int32_t(dq_stored_turn(r - 1, sub_tiles));
+    if (j >= 0) out.at(n, j) = r - 1;
   }
   for (int32_t i = 0; i < nf; ++i) {
     const int32_t n = full_kv_rows.at(m, i);
     int32_t& r = rank_scratch[schedule_position(kind, inverse, n, num_columns)];
     const int64_t j = full_q_rows.find(n, int32_t(m));
-    if (j >= 0) full_out.at(n, j) = int32_t(dq_stored_turn(r - 1, sub_tiles));
+    if (j >= 0) full_out.at(n, j) = r - 1;
   }
   for (int32_t i = 0; i < np; ++i) rank_scratch[schedule_position(kind, inverse, kv_rows.at(m, i), num_columns)] = 0;
   for (int32_t i = 0; i < nf; ++i)

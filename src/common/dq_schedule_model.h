@@ -13,7 +13,7 @@
 // walk order (bwd_walk_shape, common/attention_bwd_walk.h: by default q blocks descending with the
 // heads innermost, or per head ascending); at each it waits until q block m's semaphore (per
 // batch, query head and q block) equals its turn, adds its dQ partial (one unit of time), and
-// increments it. The turn of sub-column t: dq_visit_turn(stored write order, t) (common/dq_turn.h).
+// increments it. The turn of sub-column t: dq_visit_turn(stored rank, sub_tiles, t) (common/dq_turn.h).
 // The non-deterministic mode (atomic adds) is the same walk without the waits: the ratio of the
 // two critical paths is the model's det / nondet. The unit is a q block (the kernel's 64-row q
 // tiles of one block run back to back, so a block's cost scales both modes alike).
@@ -51,10 +51,11 @@ struct DqColumnHandout {
 };
 
 // What the model runs on: for every (b, query head) slice and block column n, the q blocks n
-// touches in ascending order with the stored turn (of sub-column 0) at each, and how the kernel
+// touches in ascending order with n's rank at each (the mask's write order, in block units), and how the kernel
 // walks them (heads_inner needs every head's list of a column to be the same: a mask with H = 1).
 struct DqModelProblem {
-  int64_t batch = 1, q_heads = 1, kv_heads = 1, num_q_blocks = 0, num_columns = 0, sub_tiles = 1;
+  int64_t batch = 1, q_heads = 1, kv_heads = 1, num_q_blocks = 0, num_columns = 0;
+  int64_t sub_tiles = 1;  // writers per block column (the kernel's: dq_sub_tiles(block_kv))
   BwdWalkShape walk;
   std::vector<int64_t> walk_begin;  // [batch * q_heads * num_columns + 1]
   std::vector<int32_t> walk_q_block, walk_turn;
@@ -161,7 +162,7 @@ inline DqModelResult simulate_dq_backward(const DqModelProblem& pb, const DqColu
     w.pos = begin + (pb.walk.descending ? len - 1 - w.k : w.k);
     const int64_t h = w.item.kv_head * group + w.head;
     w.sem = (w.item.batch * pb.q_heads + h) * pb.num_q_blocks + pb.walk_q_block[size_t(w.pos)];
-    w.turn = dq_visit_turn(pb.walk_turn[size_t(w.pos)], int32_t(w.item.sub_tile));
+    w.turn = dq_visit_turn(pb.walk_turn[size_t(w.pos)], int32_t(s), int32_t(w.item.sub_tile));
     return true;
   };
   auto take_item = [&](Worker& w) {

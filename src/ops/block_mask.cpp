@@ -223,11 +223,12 @@ DqModelProblem empty_problem(const BlockMask& mask, int64_t sub_tiles, int64_t b
 
 }  // namespace
 
-DqModelProblem dq_model_problem(const BlockMask& mask, int64_t batch, int64_t q_heads, int64_t kv_heads) {
+DqModelProblem dq_model_problem(const BlockMask& mask, int64_t sub_tiles, int64_t batch, int64_t q_heads,
+                                int64_t kv_heads) {
   check_model_shape(mask, batch, q_heads, kv_heads);
   ST_CHECK_ARG(mask.dq_write_order.defined(), "BlockMask dq_write_order", "the write orders (compute_dq_write_order)",
                "none");
-  DqModelProblem pb = empty_problem(mask, mask.write_order_sub_tiles, batch, q_heads, kv_heads);
+  DqModelProblem pb = empty_problem(mask, sub_tiles, batch, q_heads, kv_heads);
   pb.walk = mask_walk_shape(mask, mask.schedule.walk);
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t h = 0; h < q_heads; ++h) {
@@ -256,7 +257,7 @@ DqModelProblem dq_model_problem(const BlockMask& mask, const ColumnSchedule& sch
     for (int64_t h = 0; h < q_heads; ++h) {
       const IndexRows q = mask_rows(mask.q_num_blocks, mask.q_indices, b, h);
       const IndexRows fq = mask_rows(mask.full_q_num_blocks, mask.full_q_indices, b, h);
-      // Turns by walking the columns in hand-out order: each q block's next turn goes to the next
+      // Ranks by walking the columns in hand-out order: each q block's next rank goes to the next
       // column touching it.
       std::fill(next_turn.begin(), next_turn.end(), 0);
       turn_begin[0] = 0;
@@ -267,11 +268,11 @@ DqModelProblem dq_model_problem(const BlockMask& mask, const ColumnSchedule& sch
         int64_t k = turn_begin[size_t(n)];
         for (int32_t i = 0; i < q.count(n); ++i, ++k) {
           turns[size_t(k)] = next_turn[size_t(q.at(n, i))];
-          next_turn[size_t(q.at(n, i))] += int32_t(sub_tiles);
+          ++next_turn[size_t(q.at(n, i))];
         }
         for (int32_t i = 0; i < fq.count(n); ++i, ++k) {
           turns[size_t(k)] = next_turn[size_t(fq.at(n, i))];
-          next_turn[size_t(fq.at(n, i))] += int32_t(sub_tiles);
+          ++next_turn[size_t(fq.at(n, i))];
         }
       }
       for (int64_t n = 0; n < Nk; ++n) {
@@ -300,9 +301,6 @@ void check_options(const BlockMaskOptions& o, int64_t seq_q, int64_t seq_kv) {
   ST_CHECK_ARG(seq_kv >= 1, "seq_kv", ">= 1", seq_kv);
   ST_CHECK_ARG(o.block_q >= 1, "BlockMaskOptions block_q", ">= 1", o.block_q);
   ST_CHECK_ARG(o.block_kv >= 1, "BlockMaskOptions block_kv", ">= 1", o.block_kv);
-  ST_CHECK_ARG(o.write_order_sub_tiles >= 1 && o.block_kv % o.write_order_sub_tiles == 0,
-               "BlockMaskOptions write_order_sub_tiles", ">= 1 and dividing block_kv " + std::to_string(o.block_kv),
-               o.write_order_sub_tiles);
 }
 
 // Empty forward lists [B, H, Mq(, Nk)] (full width), with the mask's geometry filled in.
@@ -332,9 +330,8 @@ BlockMaskTensors new_forward(int64_t B, int64_t H, int64_t seq_q, int64_t seq_kv
 // Transposes, then the write orders for the chosen (or given) schedule.
 void finish(BlockMaskTensors& t, const BlockMaskOptions& o) {
   transpose_block_mask(t, o.allocator);
-  t.mask.write_order_sub_tiles = o.write_order_sub_tiles;
   const ColumnSchedule schedule = o.auto_schedule ? choose_schedule(t.mask, o.problem) : o.schedule;
-  compute_dq_write_order(t, schedule, o.write_order_sub_tiles, o.allocator);
+  compute_dq_write_order(t, schedule, o.allocator);
 }
 
 int32_t* row_ptr(const Tensor& t, int64_t b, int64_t h, int64_t r) {
@@ -391,7 +388,6 @@ BlockMaskTensors build_on_device(const MaskSpec& spec, int64_t B, int64_t seq_q,
   m.dq_write_order = t.dq_write_order.view();
   m.dq_write_order_full = t.dq_write_order_full.view();
   m.schedule = o.schedule;
-  m.write_order_sub_tiles = o.write_order_sub_tiles;
   t.schedule_permutation = o.schedule.permutation;
   int32_t* scratch_begin = scratch.view().data_as<int32_t>();
   DeviceMaskBuild p{spec.kind,
@@ -409,7 +405,6 @@ BlockMaskTensors build_on_device(const MaskSpec& spec, int64_t B, int64_t seq_q,
                     seq_kv,
                     o.block_q,
                     o.block_kv,
-                    o.write_order_sub_tiles,
                     o.schedule.kind,
                     o.schedule.kind == ScheduleKind::kPermutation ? o.schedule.permutation.data() : nullptr,
                     scratch_begin,
@@ -638,15 +633,12 @@ void check_schedule(const ColumnSchedule& s, int64_t Nk) {
 }
 }  // namespace
 
-void compute_dq_write_order(BlockMaskTensors& out, const ColumnSchedule& schedule, int64_t sub_tiles,
-                            Allocator* allocator) {
+void compute_dq_write_order(BlockMaskTensors& out, const ColumnSchedule& schedule, Allocator* allocator) {
   BlockMask& m = out.mask;
   ST_CHECK_ARG(m.q_num_blocks.defined() && m.q_indices.defined(), "BlockMask q_indices",
                "the transposes (transpose_block_mask)", "none");
   ST_CHECK_ARG(m.kv_num_blocks.defined() && m.kv_indices.defined(), "BlockMask kv_indices",
                "the forward lists (kv_num_blocks, kv_indices)", "none");
-  ST_CHECK_ARG(sub_tiles >= 1 && m.block_kv % sub_tiles == 0, "sub_tiles",
-               ">= 1 and dividing block_kv " + std::to_string(m.block_kv), sub_tiles);
   const int64_t Mq = m.num_q_blocks(), Nk = m.num_kv_blocks();
   check_schedule(schedule, Nk);
   const bool has_full = m.full_q_num_blocks.defined() && m.full_q_indices.defined();
@@ -661,7 +653,6 @@ void compute_dq_write_order(BlockMaskTensors& out, const ColumnSchedule& schedul
   out.dq_write_order_full = has_full ? parallel(m.full_q_indices) : Tensor();
   out.schedule_permutation = schedule.permutation;
   m.schedule = schedule;
-  m.write_order_sub_tiles = sub_tiles;
   m.dq_write_order = out.dq_write_order.view();
   m.dq_write_order_full = out.dq_write_order_full.view();
   std::vector<int32_t> inverse(size_t(Nk), 0), scratch(size_t(Nk), 0);
@@ -678,7 +669,7 @@ void compute_dq_write_order(BlockMaskTensors& out, const ColumnSchedule& schedul
       const WriteOrderOut wo = mask_write_order(m.dq_write_order, b, h);
       const WriteOrderOut fwo = mask_write_order(m.dq_write_order_full, b, h);
       for (int64_t row = 0; row < Mq; ++row)
-        write_order_row(kv, fkv, row, q, fq, wo, fwo, schedule.kind, inverse.data(), Nk, sub_tiles, scratch.data());
+        write_order_row(kv, fkv, row, q, fq, wo, fwo, schedule.kind, inverse.data(), Nk, scratch.data());
     }
 }
 
@@ -695,7 +686,8 @@ std::vector<ScheduleCandidate> model_candidates(const BlockMask& mask, const Sch
   ST_CHECK_ARG(problem.batch >= 0 && problem.heads_q >= 0 && problem.heads_kv >= 0 && problem.workers >= 0,
                "ScheduleProblem", "sizes >= 0 (0: from the mask / the default)", "batch ", problem.batch,
                ", heads_q ", problem.heads_q, ", heads_kv ", problem.heads_kv, ", workers ", problem.workers);
-  const int64_t s = std::max<int64_t>(1, mask.write_order_sub_tiles), Nk = mask.num_kv_blocks();
+  // The kernel splits block columns into writers of its own kv tile: model them so.
+  const int64_t s = dq_sub_tiles(mask.block_kv), Nk = mask.num_kv_blocks();
   // Every hand-out x walk the kernel runs (block_mask.h: schedule_candidates), the first `count`.
   std::vector<ScheduleCandidate> out;
   for (const auto& [kind, walk] : {std::make_pair(ScheduleKind::kLeftToRight, WalkOrder::kDescendingHeadsInner),

@@ -33,8 +33,10 @@ DqColumnHandout dq_handout(const ColumnSchedule& schedule, int64_t batch, int64_
                            int64_t sub_tiles);
 
 // The model's input for an attention of `batch` x `q_heads` (kv_heads divides q_heads) over the
-// mask (broadcast): turns from the mask's stored write orders (sub_tiles: the mask's) ...
-DqModelProblem dq_model_problem(const BlockMask& mask, int64_t batch, int64_t q_heads, int64_t kv_heads);
+// mask (broadcast), for a kernel that runs each block column as `sub_tiles` writers (the CUDA
+// backward: dq_sub_tiles(block_kv), common/dq_turn.h): ranks from the mask's stored write orders ...
+DqModelProblem dq_model_problem(const BlockMask& mask, int64_t sub_tiles, int64_t batch, int64_t q_heads,
+                                int64_t kv_heads);
 // ... or computed here for `schedule` from the q-side lists (independently of compute_dq_write_order).
 DqModelProblem dq_model_problem(const BlockMask& mask, const ColumnSchedule& schedule, int64_t sub_tiles,
                                 int64_t batch, int64_t q_heads, int64_t kv_heads);
@@ -49,7 +51,7 @@ struct DeviceMaskBuild {
   const int32_t* doc_q;
   const int32_t* doc_kv;
   int64_t doc_q_batch, doc_q_stride, doc_kv_batch, doc_kv_stride;
-  int64_t batch, seq_q, seq_kv, block_q, block_kv, sub_tiles;
+  int64_t batch, seq_q, seq_kv, block_q, block_kv;
   ScheduleKind schedule;
   const int32_t* permutation_host;  // kPermutation: [Nk] column ids in hand-out order (copied to
                                     // `permutation` on the stream)

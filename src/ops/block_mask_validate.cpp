@@ -121,9 +121,6 @@ void check_block_mask_structure(const BlockMask& mask, int64_t batch, int64_t he
     check_tensor(mask.dq_write_order, "dq_write_order", 4, Nk, nk.c_str(), DType::kInt32, B, H, device);
     if (mask.dq_write_order_full.defined())
       check_tensor(mask.dq_write_order_full, "dq_write_order_full", 4, Nk, nk.c_str(), DType::kInt32, B, H, device);
-    ST_CHECK_ARG(mask.write_order_sub_tiles >= 1 && mask.block_kv % mask.write_order_sub_tiles == 0,
-                 "BlockMask write_order_sub_tiles", ">= 1 and dividing block_kv " + std::to_string(mask.block_kv),
-                 mask.write_order_sub_tiles);
     if (mask.schedule.kind == ScheduleKind::kPermutation) {
       std::vector<char> seen(size_t(Nk), 0);
       bool ok = int64_t(mask.schedule.permutation.size()) == Nk;
@@ -241,8 +238,7 @@ std::string check_write_order(const BlockMask& mask) {
   if (!mask.dq_write_order.defined()) return "dq_write_order: expected a tensor, got none";
   const bool has_full = mask.full_q_indices.defined();
   if (has_full && !mask.dq_write_order_full.defined()) return "dq_write_order_full: expected a tensor, got none";
-  const int64_t Mq = mask.num_q_blocks(), Nk = mask.num_kv_blocks(), s = mask.write_order_sub_tiles;
-  if (s < 1) return "write_order_sub_tiles: expected >= 1, got " + std::to_string(s);
+  const int64_t Mq = mask.num_q_blocks(), Nk = mask.num_kv_blocks();
   const ColumnSchedule& sch = mask.schedule;
   if (sch.kind == ScheduleKind::kPermutation && int64_t(sch.permutation.size()) != Nk)
     return "schedule.permutation: expected " + std::to_string(Nk) + " columns, got " +
@@ -257,8 +253,9 @@ std::string check_write_order(const BlockMask& mask) {
       const WriteOrderOut wo = mask_write_order(mask.dq_write_order, b, h);
       const WriteOrderOut fwo = mask_write_order(mask.dq_write_order_full, b, h);
       std::fill(writers.begin(), writers.end(), 0);
-      // Columns in hand-out order: at each q block the next turn must go to the next column
-      // touching it (common/dq_turn.h).
+      // Columns in hand-out order: at each q block the next rank must go to the next column
+      // touching it (common/dq_turn.h). Ranks are in block units: any split of the columns into
+      // consecutive sub-columns (dq_visit_turn) keeps them increasing with hand-out position.
       for (int64_t p = 0; p < Nk; ++p) {
         const int64_t n = schedule_column(sch.kind, sch.permutation.data(), p, Nk);
         if (n < 0 || n >= Nk) return "schedule.permutation: expected column ids in [0, Nk), got " + sch.str();
@@ -276,13 +273,12 @@ std::string check_write_order(const BlockMask& mask) {
           for (int32_t i = 0; i < c; ++i) {
             const int32_t m = rows.at(n, i);
             if (m < 0 || m >= Mq) return "q_indices: expected q blocks in [0, Mq), got " + std::to_string(m);
-            const int64_t got = order.at(n, i), want = dq_stored_turn(writers[size_t(m)], s);
+            const int64_t got = order.at(n, i), want = writers[size_t(m)];
             if (got != want) {
               std::ostringstream os;
               os << (pass == 0 ? "dq_write_order" : "dq_write_order_full") << "[b=" << b << ", h=" << h << ", column "
                  << n << ", q block " << m << "]: expected turn " << want << " (column " << n << " is writer "
-                 << writers[size_t(m)] << " of q block " << m << " in " << sch.str() << " order, " << s
-                 << " sub-tile(s) per column), got " << got;
+                 << writers[size_t(m)] << " of q block " << m << " in " << sch.str() << " order), got " << got;
               return os.str();
             }
             ++writers[size_t(m)];

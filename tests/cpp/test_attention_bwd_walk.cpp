@@ -97,10 +97,10 @@ std::vector<int64_t> positions_of(const st::ColumnSchedule& s, int64_t Nk) {
 
 // The naive walk of column n over a dense class matrix [Mq, Nk] (0 skipped, 1 partial, 2 full):
 // the touched q blocks ascending, each as its kernel q tiles (clipped to the sequence); the turn
-// is n's rank among the columns touching m in hand-out order times sub_tiles; bit_entry (bitmask
+// is n's rank among the columns touching m in hand-out order (block units); bit_entry (bitmask
 // masks) is n's position among row m's partial blocks.
 std::vector<Visit> oracle_walk(const std::vector<uint8_t>& cls, int64_t Mq, int64_t Nk, int32_t n,
-                               const std::vector<int64_t>& pos, int64_t sub_tiles, int32_t tiles_per_block,
+                               const std::vector<int64_t>& pos, int32_t tiles_per_block,
                                int32_t num_q_tiles, bool bitmask) {
   std::vector<Visit> out;
   for (int32_t m = 0; m < Mq; ++m) {
@@ -114,7 +114,7 @@ std::vector<Visit> oracle_walk(const std::vector<uint8_t>& cls, int64_t Mq, int6
     }
     const int32_t end = std::min((m + 1) * tiles_per_block, num_q_tiles);
     for (int32_t t = m * tiles_per_block; t < end; ++t)
-      out.push_back({m, t, int32_t(rank * sub_tiles), bitmask && c == 1 ? entry : -1, c == 1});
+      out.push_back({m, t, rank, bitmask && c == 1 ? entry : -1, c == 1});
   }
   return out;
 }
@@ -171,7 +171,6 @@ BlocksCase random_blocks_case(std::mt19937& rng, int64_t max_seq, int64_t gqa = 
   st::BlockMaskOptions o;
   o.block_q = c.block_q;
   o.block_kv = c.block_kv;
-  o.write_order_sub_tiles = c.block_kv / 128;
   const int kind = int(rng() % 4);
   o.auto_schedule = kind == 3;
   if (kind < 3) o.schedule = pick_schedule(kind, Nk, rng);
@@ -241,7 +240,7 @@ TEST(AttentionBwdWalk, RandomBlockMatricesWalkLikeTheOracle) {
         for (int32_t n = 0; n < Nk; ++n) {
           const std::vector<Visit> got = walk(l, b, h, n);
           const std::vector<Visit> want =
-              oracle_walk(cls, Mq, Nk, n, pos, m.write_order_sub_tiles, l.q_tiles_per_block, l.num_q_tiles, false);
+              oracle_walk(cls, Mq, Nk, n, pos, l.q_tiles_per_block, l.num_q_tiles, false);
           ASSERT_EQ(got, want) << "b " << b << " h " << h << " column " << n;
           visits += int64_t(got.size());
         }
@@ -277,7 +276,6 @@ TEST(AttentionBwdWalk, BitmaskMasksFindEachPartialBlocksForwardEntry) {
     st::BlockMaskOptions o;
     o.block_q = rng() % 2 ? 128 : 256;
     o.block_kv = rng() % 2 ? 128 : 256;
-    o.write_order_sub_tiles = o.block_kv / 128;
     const int64_t Sq = ragged_length(rng, 1, 700), Skv = 1 + int64_t(rng() % 700);
     const int64_t Nk = (Skv + o.block_kv - 1) / o.block_kv;
     o.auto_schedule = false;
@@ -310,8 +308,7 @@ TEST(AttentionBwdWalk, BitmaskMasksFindEachPartialBlocksForwardEntry) {
           }
         for (int32_t n = 0; n < Nk; ++n) {
           const std::vector<Visit> got = walk(l, b, h, n);
-          ASSERT_EQ(got, oracle_walk(cls, Mq, Nk, n, pos, o.write_order_sub_tiles, l.q_tiles_per_block,
-                                     l.num_q_tiles, true))
+          ASSERT_EQ(got, oracle_walk(cls, Mq, Nk, n, pos, l.q_tiles_per_block, l.num_q_tiles, true))
               << "b " << b << " h " << h << " column " << n;
           // The entry's bitmask is this block's: bit (i * block_kv + j) = element (q0 + i, kv0 + j).
           for (const Visit& v : got) {
@@ -680,7 +677,7 @@ TEST(AttentionBwdWalk, ItemWalksVisitTheSameSetAscendingOrDescendingWithHeadsInn
           std::vector<std::vector<Visit>> per;
           for (int32_t g = 0; g < group; ++g)
             per.push_back(oracle_walk(classes_at(c.blocks, c.mb, c.mh, Mq, Nk, b, hkv * group + g), Mq, Nk, n, pos,
-                                      m.write_order_sub_tiles, new_l.q_tiles_per_block, new_l.num_q_tiles, false));
+                                      new_l.q_tiles_per_block, new_l.num_q_tiles, false));
           std::vector<HeadVisit> want_old, want_new;
           for (int32_t g = 0; g < group; ++g)
             for (const Visit& v : per[size_t(g)]) want_old.push_back({int32_t(hkv * group + g), v});
@@ -786,7 +783,7 @@ st::DqColumnHandout handout_of(const st::BlockMask& m, int64_t B, int64_t Hkv, c
   h.batch = B;
   h.kv_heads = Hkv;
   h.num_columns = m.num_kv_blocks();
-  h.sub_tiles = m.write_order_sub_tiles;
+  h.sub_tiles = st::dq_sub_tiles(m.block_kv);  // the kernel's split
   h.kind = sch.kind;
   h.permutation = sch.permutation.data();
   return h;
@@ -798,20 +795,21 @@ TEST(AttentionBwdWalk, TileSemaphoresFollowTheWriteOrderWithoutDeadlockOrRace) {
   int cases = 0;
   std::set<int> kinds_seen;
   auto check = [&](const st::BlockMask& m, int64_t B, int64_t Hq, const std::string& what) {
-    SCOPED_TRACE(what + " " + m.schedule.str() + " sub " + std::to_string(m.write_order_sub_tiles));
+    const int64_t sub_tiles = st::dq_sub_tiles(m.block_kv);
+    SCOPED_TRACE(what + " " + m.schedule.str() + " sub " + std::to_string(sub_tiles));
     ASSERT_EQ(st::check_write_order(m), "");
     const int64_t Hkv = Hq / 4;
     const st::MaskColumnLists l = column_lists(m);
     const st::DqColumnHandout h = handout_of(m, B, Hkv);
     // Both walks (the mask's own, and the other), each as the kernel shapes it for this mask.
     for (const st::WalkOrder wo : {st::WalkOrder::kDescendingHeadsInner, st::WalkOrder::kAscendingHeadsOuter}) {
-      const st::DqModelProblem pb = tile_problem(l, B, Hq, Hkv, m.num_kv_blocks(), m.write_order_sub_tiles,
+      const st::DqModelProblem pb = tile_problem(l, B, Hq, Hkv, m.num_kv_blocks(), sub_tiles,
                                                  st::bwd_walk_shape(wo, m.q_indices.size(1) > 1));
       const int64_t tile_visits = int64_t(pb.walk_q_block.size());
       for (int64_t workers : worker_counts) {
         const st::DqModelResult r = st::simulate_dq_backward(pb, h, workers);
         ASSERT_TRUE(r.ok) << workers << " workers, walk " << st::walk_order_name(wo) << ": " << r.str();
-        ASSERT_EQ(r.total_work, tile_visits * m.write_order_sub_tiles);
+        ASSERT_EQ(r.total_work, tile_visits * sub_tiles);
         ASSERT_EQ(r.items_not_handed_out, 0);
       }
     }
@@ -824,7 +822,7 @@ TEST(AttentionBwdWalk, TileSemaphoresFollowTheWriteOrderWithoutDeadlockOrRace) {
     if (c.block_kv != 256) continue;
     check(c.t.mask, c.B, c.Hq, "blocks " + std::to_string(i) + ": " + c.what);
   }
-  // Built-in specs (block_kv 256, sub_tiles 2) under every schedule kind.
+  // Built-in specs (block_kv 256: 2 sub-columns) under every schedule kind.
   const st::MaskKind kinds[] = {st::MaskKind::kCausal, st::MaskKind::kSlidingWindow, st::MaskKind::kFull,
                                 st::MaskKind::kCausalBottomRight, st::MaskKind::kPrefixLM};
   for (int i = 0; i < 30; ++i) {
@@ -836,7 +834,6 @@ TEST(AttentionBwdWalk, TileSemaphoresFollowTheWriteOrderWithoutDeadlockOrRace) {
     st::BlockMaskOptions o;
     o.block_q = i % 2 ? 256 : 128;
     o.block_kv = 256;
-    o.write_order_sub_tiles = 2;
     const int64_t Sq = ragged_length(rng, 100, 2500), Skv = rng() % 2 ? Sq : ragged_length(rng, 100, 2500);
     o.auto_schedule = i % 4 == 3;
     if (!o.auto_schedule) o.schedule = pick_schedule(i % 3, (Skv + 255) / 256, rng);
@@ -848,7 +845,6 @@ TEST(AttentionBwdWalk, TileSemaphoresFollowTheWriteOrderWithoutDeadlockOrRace) {
     st::BlockMaskOptions o;
     o.block_q = 128;
     o.block_kv = 256;
-    o.write_order_sub_tiles = 2;
     o.auto_schedule = false;
     const int64_t Sq = ragged_length(rng, 50, 900), Skv = ragged_length(rng, 50, 900);
     o.schedule = pick_schedule(i, (Skv + 255) / 256, rng);
@@ -867,7 +863,6 @@ TEST(AttentionBwdWalk, TileSemaphoresStarveUnderAHandOutTheOrderWasNotBuiltFor) 
   st::BlockMaskOptions o;
   o.block_q = 256;
   o.block_kv = 256;
-  o.write_order_sub_tiles = 2;
   o.auto_schedule = false;
   o.schedule = schedule_of(st::ScheduleKind::kLeftToRight);
   const st::BlockMaskTensors t = st::build_block_mask(s, 1000, 1000, o);

@@ -291,7 +291,6 @@ struct Prepared {
     st::BlockMaskOptions opts;
     opts.block_q = c.block_q;
     opts.block_kv = c.block_kv;
-    opts.write_order_sub_tiles = c.block_kv / 128;  // the CUDA backward's kv tile
     random = RandomMask{rng(), c.empty_column};
     if (c.kind == MaskKind::kBitmask) {
       host_mask = std::make_unique<st::BlockMaskTensors>(
@@ -631,10 +630,6 @@ TEST(AttentionCudaErrors, BackwardRefusalsAllocateNothing) {
   st::BlockMask no_order = dev.mask;
   no_order.dq_write_order = st::TensorView();
   no_order.dq_write_order_full = st::TensorView();
-  st::BlockMaskOptions wide;
-  wide.block_kv = 256;  // write order left at 1 sub-tile: the kernel's kv tile needs 2
-  const st::BlockMaskTensors host256 = st::build_block_mask(causal, S, S, wide);
-  DeviceMask dev256(host256.mask);
   const st::AttentionForward f = st::block_sparse_attention_forward(q.dev_view, k.dev_view, k.dev_view, dev.mask);
   const int64_t shape[4] = {1, S / 2, 2, 128}, odd[4] = {S * 2 * 128, 2 * 128 + 4, 128, 1};
   const st::TensorView odd_dout(q.dev.view().data(), DType::kBF16, shape, odd, 4, st::Device::cuda(0));
@@ -645,8 +640,6 @@ TEST(AttentionCudaErrors, BackwardRefusalsAllocateNothing) {
   const Bad bad[] = {
       {"no write order", [&](auto& call) { backward(no_order, call); },
        "mask.dq_write_order: expected the dQ write orders for the deterministic backward"},
-      {"write order for 1 sub-tile", [&](auto& call) { backward(dev256.mask, call); },
-       "mask.write_order_sub_tiles: expected 2 (block_kv / the CUDA backward's kv tile of 128"},
       {"unaligned dout", [&](auto& call) {
          st::BlockMaskTensors m = st::build_block_mask(causal, S / 2, S / 2);
          DeviceMask dm(m.mask);

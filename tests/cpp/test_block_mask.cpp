@@ -277,8 +277,7 @@ TEST(BlockMaskBuilders, TransposeMatchesAndDropsStaleWriteOrders) {
   st::transpose_block_mask(t);
   EXPECT_FALSE(t.mask.dq_write_order.defined());
   EXPECT_EQ(st::testing::classes_of(t.mask, 0, 0, true), st::testing::classes_of(t.mask, 0, 0, false));
-  st::compute_dq_write_order(t, st::ColumnSchedule{}, 2);
-  EXPECT_EQ(t.mask.write_order_sub_tiles, 2);
+  st::compute_dq_write_order(t, st::ColumnSchedule{});
   EXPECT_NO_THROW(st::validate_block_mask(t.mask));
 }
 
@@ -326,8 +325,8 @@ TEST(BlockMaskBuilders, DocumentSpansGivenOrComputedClassifyAlike) {
 
 // What the device builder computes, per (b, kv block n), from the dense class matrix: the
 // transposes are the q blocks m whose class at n is partial / full, ascending, zero-padded, and
-// the write order next to each is sub_tiles x the number of columns touching m (partial or full)
-// handed out before n (walking schedule_column). The host builder's tensors (write_order_row over
+// the write order next to each is the number of columns touching m (partial or full) handed out
+// before n (walking schedule_column): block units, whatever a kernel's kv tile. The host builder's tensors (write_order_row over
 // the lists) satisfy exactly that, for every schedule kind.
 TEST(BlockMaskBuilders, WriteOrdersAreScheduleOrderCountsOfTheClassMatrix) {
   std::mt19937 rng(17);
@@ -343,12 +342,11 @@ TEST(BlockMaskBuilders, WriteOrdersAreScheduleOrderCountsOfTheClassMatrix) {
   specs[3].prefix_length = 200;
   for (const st::MaskSpec& spec : specs)
     for (int kind = 0; kind < 3; ++kind)
-      for (int64_t sub_tiles : {int64_t(1), int64_t(4)}) {
+      {
         st::BlockMaskOptions o;
         o.block_q = 64;
         o.block_kv = 128;
         o.auto_schedule = false;
-        o.write_order_sub_tiles = sub_tiles;
         const int64_t Mq = (1500 + 63) / 64, Nk = (1500 + 127) / 128;
         o.schedule.kind = kind == 0 ? st::ScheduleKind::kLeftToRight
                           : kind == 1 ? st::ScheduleKind::kShortestFirst
@@ -357,7 +355,7 @@ TEST(BlockMaskBuilders, WriteOrdersAreScheduleOrderCountsOfTheClassMatrix) {
           for (int64_t n = 0; n < Nk; ++n) o.schedule.permutation.push_back(int32_t(n));
           std::shuffle(o.schedule.permutation.begin(), o.schedule.permutation.end(), rng);
         }
-        SCOPED_TRACE(spec.str() + " " + o.schedule.str() + " sub_tiles " + std::to_string(sub_tiles));
+        SCOPED_TRACE(spec.str() + " " + o.schedule.str());
         const st::BlockMaskTensors t = st::build_block_mask(spec, 1500, 1500, o);
         const int64_t B = t.kv_num_blocks.view().size(0);
         for (int64_t b = 0; b < B; ++b) {
@@ -381,7 +379,7 @@ TEST(BlockMaskBuilders, WriteOrdersAreScheduleOrderCountsOfTheClassMatrix) {
                 if (cls[size_t(m * Nk + n)] != (full ? 2 : 1)) continue;
                 ASSERT_LT(k, *count);
                 EXPECT_EQ(idx[k], m);
-                EXPECT_EQ(order[k], rank[size_t(m * Nk + n)] * sub_tiles) << "column " << n << " row " << m;
+                EXPECT_EQ(order[k], rank[size_t(m * Nk + n)]) << "column " << n << " row " << m;
                 ++k;
               }
               ASSERT_EQ(k, *count) << "column " << n;
@@ -436,7 +434,6 @@ TEST(BlockMaskCompact, CompactIndexAndWriteOrderTensorsAreAccepted) {
   s.window_right = 0;
   st::BlockMaskOptions o;
   o.block_q = o.block_kv = 64;
-  o.write_order_sub_tiles = 2;
   const auto t = st::build_block_mask(s, 2000, 2000, o);  // 32 x 32 blocks, rows of <= 6
   st::BlockMask m = t.mask;
   const int64_t wkv = max_count(m.kv_num_blocks), wfkv = max_count(m.full_kv_num_blocks);
@@ -455,7 +452,7 @@ TEST(BlockMaskCompact, CompactIndexAndWriteOrderTensorsAreAccepted) {
   EXPECT_NO_THROW(st::validate_block_mask(m));
   EXPECT_EQ(st::check_write_order(m), "");
   // The scheduler model reads them the same way.
-  const auto res = st::simulate_dq_backward(st::dq_model_problem(m, 1, 1, 1),
+  const auto res = st::simulate_dq_backward(st::dq_model_problem(m, 2, 1, 1, 1),
                                             st::dq_handout(m.schedule, 1, 1, m.num_kv_blocks(), 2), 7);
   EXPECT_TRUE(res.ok) << res.str();
   // A write order narrower than the largest count is not.
@@ -481,7 +478,7 @@ TEST(BlockMaskCompact, CompactTransposeInputAndWriteOrderFromIt) {
   const int64_t wq = max_count(t.mask.q_num_blocks);
   HostTensor q = narrowed(t.mask.q_indices, wq);
   t.mask.q_indices = q.view();
-  st::compute_dq_write_order(t, st::ColumnSchedule{}, 1);
+  st::compute_dq_write_order(t, st::ColumnSchedule{});
   EXPECT_EQ(t.mask.dq_write_order.size(3), wq);
   EXPECT_NO_THROW(st::validate_block_mask(t.mask));
 }
@@ -559,7 +556,6 @@ TEST(BlockMaskErrors, EachKindOfBadInputIsRejectedWithItsMessage) {
     t.mask.schedule.kind = st::ScheduleKind::kPermutation;
     t.mask.schedule.permutation = {0, 1, 1};
   }, {"schedule.permutation", "a permutation of the 3 kv block columns", "permutation[0, 1, 1]"});
-  expect_bad([](T& t) { t.mask.write_order_sub_tiles = 3; }, {"write_order_sub_tiles", "dividing block_kv 64", "got 3"});
   expect_bad([](T& t) { t.mask.spec.kind = st::MaskKind::kBitmask; }, {"partial_bitmasks", "no tensor"});
   expect_bad([](T& t) { t.mask.spec.kind = st::MaskKind::kDocumentCausal; }, {"spec.doc_q", "no tensor"});
   expect_bad([](T& t) { t.mask.block_q = 0; }, {"block_q: expected >= 1, got 0"});
@@ -579,9 +575,6 @@ TEST(BlockMaskErrors, EachKindOfBadInputIsRejectedWithItsMessage) {
 TEST(BlockMaskErrors, BuilderArgumentsAreChecked) {
   st::MaskSpec s;
   expect_error([&] { st::build_block_mask(s, 0, 10); }, {"seq_q: expected >= 1, got 0"});
-  st::BlockMaskOptions o;
-  o.write_order_sub_tiles = 3;
-  expect_error([&] { st::build_block_mask(s, 10, 10, o); }, {"write_order_sub_tiles", "dividing block_kv 128", "got 3"});
   s.kind = st::MaskKind::kBitmask;
   expect_error([&] { st::build_block_mask(s, 10, 10); }, {"spec.kind", "built-in", "bitmask"});
   s.kind = st::MaskKind::kDocument;
@@ -600,7 +593,7 @@ TEST(BlockMaskErrors, BuilderArgumentsAreChecked) {
   st::ColumnSchedule bad;
   bad.kind = st::ScheduleKind::kPermutation;
   bad.permutation = {0, 1};
-  expect_error([&] { st::compute_dq_write_order(t, bad, 1); }, {"schedule.permutation", "3 kv block columns"});
+  expect_error([&] { st::compute_dq_write_order(t, bad); }, {"schedule.permutation", "3 kv block columns"});
 }
 
 }  // namespace

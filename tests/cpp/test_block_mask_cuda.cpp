@@ -119,16 +119,14 @@ TEST(BlockMaskCuda, DeviceBuildEqualsTheHostBuildForEveryKindAndSchedule) {
       ddoc_kv = DeviceTensor(doc_kv);
     }
     const int64_t Nk = (c.seq_kv + c.block_kv - 1) / c.block_kv;
-    for (const st::ColumnSchedule& schedule : every_schedule_kind(Nk, rng))
-      for (int64_t sub_tiles : {int64_t(1), int64_t(2)}) {
+    for (const st::ColumnSchedule& schedule : every_schedule_kind(Nk, rng)) {
         SCOPED_TRACE(spec.str() + " Sq " + std::to_string(c.seq_q) + " Skv " + std::to_string(c.seq_kv) + " " +
-                     schedule.str() + " sub_tiles " + std::to_string(sub_tiles));
+                     schedule.str());
         st::BlockMaskOptions o;
         o.block_q = c.block_q;
         o.block_kv = c.block_kv;
         o.auto_schedule = false;
         o.schedule = schedule;
-        o.write_order_sub_tiles = sub_tiles;
         expect_device_build_equals_host(spec, c.seq_q, c.seq_kv, o, doc ? &doc_q : nullptr, doc ? &doc_kv : nullptr,
                                         doc ? &ddoc_q : nullptr, doc ? &ddoc_kv : nullptr);
       }
@@ -158,7 +156,6 @@ TEST(BlockMaskCuda, DeviceBuildEqualsTheHostBuildForBroadcastAndUnsortedDocument
       for (const st::ColumnSchedule& schedule : every_schedule_kind((Skv + 127) / 128, rng)) {
         SCOPED_TRACE(spec.str() + " kv batch " + std::to_string(hkv->view().size(0)) + " " + schedule.str());
         o.schedule = schedule;
-        o.write_order_sub_tiles = 4;
         expect_device_build_equals_host(spec, Sq, Skv, o, hq, hkv, &dq, &dkv);
       }
     }

@@ -1,9 +1,9 @@
 // The deterministic backward's scheduling: the dynamic column hand-out, the CPU model of the
 // persistent kernel (success, blocked sets, critical paths), check_write_order, and "auto".
 // The property test builds >= 10,000 random masks (built-in specs, documents, windows, random block
-// matrices, GQA, schedules incl. random permutations, sub-tile factors 1/2/4, 1..132 workers) and
-// shows that every order the library builds passes both the checker and the model, and that
-// inconsistent orders are caught by both.
+// matrices, GQA, schedules incl. random permutations, models splitting block columns into 1/2/4
+// writers, 1..132 workers) and shows that every order the library builds passes both the checker
+// and the model, and that inconsistent orders are caught by both.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -42,11 +42,10 @@ st::ColumnSchedule ascending(st::ColumnSchedule s) {
 const st::ColumnSchedule kLTRasc = ascending(kLTR);
 const st::ColumnSchedule kSPTasc = ascending(kSPT);
 
-st::BlockMaskTensors spec_mask(st::MaskKind kind, int64_t seq, const st::ColumnSchedule* schedule, int64_t sub_tiles = 1) {
+st::BlockMaskTensors spec_mask(st::MaskKind kind, int64_t seq, const st::ColumnSchedule* schedule) {
   st::MaskSpec s;
   s.kind = kind;
   st::BlockMaskOptions o;
-  o.write_order_sub_tiles = sub_tiles;
   if (schedule != nullptr) {
     o.auto_schedule = false;
     o.schedule = *schedule;
@@ -54,12 +53,32 @@ st::BlockMaskTensors spec_mask(st::MaskKind kind, int64_t seq, const st::ColumnS
   return st::build_block_mask(s, seq, seq, o);
 }
 
+// The model of a kernel that runs each block column as `sub_tiles` writers (a kv tile of
+// block_kv / sub_tiles), on the mask's stored write orders.
 st::DqModelResult run_model(const st::BlockMask& m, int64_t workers, const st::ColumnSchedule* handout = nullptr,
-                            int64_t batch = 1, int64_t q_heads = 1, int64_t kv_heads = 1) {
+                            int64_t batch = 1, int64_t q_heads = 1, int64_t kv_heads = 1, int64_t sub_tiles = 1) {
   const st::ColumnSchedule& h = handout != nullptr ? *handout : m.schedule;
-  return st::simulate_dq_backward(st::dq_model_problem(m, batch, q_heads, kv_heads),
-                                  st::dq_handout(h, batch, kv_heads, m.num_kv_blocks(), m.write_order_sub_tiles),
-                                  workers);
+  return st::simulate_dq_backward(st::dq_model_problem(m, sub_tiles, batch, q_heads, kv_heads),
+                                  st::dq_handout(h, batch, kv_heads, m.num_kv_blocks(), sub_tiles), workers);
+}
+
+// The turn rule (common/dq_turn.h): the mask stores ranks in block units; a kernel with kv tile
+// block_kv / s expands rank r to turns r * s .. r * s + s - 1, so the ranks 0..k-1 of a q block's
+// columns become exactly the turns 0..k*s-1, each once, increasing with (rank, sub-column): the
+// hand-out order of the sub-columns.
+TEST(DqTurn, RanksExpandToConsecutiveTurnsPerSubColumn) {
+  static_assert(st::dq_visit_turn(3, 2, 1) == 7, "rank 3, 2 sub-columns, the second: turn 7");
+  EXPECT_EQ(st::dq_sub_tiles(st::kBwdTileKv), 1);
+  EXPECT_EQ(st::dq_sub_tiles(2 * st::kBwdTileKv), 2);
+  EXPECT_EQ(st::dq_sub_tiles(4 * st::kBwdTileKv), 4);
+  // Not a multiple of the CUDA tile (CPU-only masks): the block itself is the writer.
+  for (int64_t block_kv : {1, 16, 64, 127, 192, 200}) EXPECT_EQ(st::dq_sub_tiles(block_kv), 1) << block_kv;
+  for (int32_t s : {1, 2, 3, 4}) {
+    std::vector<int32_t> turns;
+    for (int32_t rank = 0; rank < 5; ++rank)
+      for (int32_t t = 0; t < s; ++t) turns.push_back(st::dq_visit_turn(rank, s, t));
+    for (size_t i = 0; i < turns.size(); ++i) EXPECT_EQ(turns[i], int32_t(i)) << "s " << s;
+  }
 }
 
 TEST(DqHandout, TicketsCoverEveryItemOnceInScheduleOrder) {
@@ -112,20 +131,18 @@ TEST(DqModel, CausalCriticalPathsLeftToRightVersusShortestFirst) {
   EXPECT_EQ(run_model(spt.mask, 1).critical_path, 36);
   EXPECT_EQ(run_model(fix.mask, 1).critical_path, 36);
   // Two sub-tiles per block column: 16 writers; each sub-column pair serialises at every block.
-  const auto spt2 = spec_mask(st::MaskKind::kCausal, 1024, &kSPTasc, 2);
-  const auto c = run_model(spt2.mask, 132);
+  // The mask is the same (turns in block units); the model splits its columns.
+  const auto c = run_model(spt.mask, 132, nullptr, 1, 1, 1, 2);
   ASSERT_TRUE(c.ok) << c.str();
   EXPECT_EQ(c.total_work, 72);
   // Each q block's writers take turns one at a time, so the bottom q block's 8 x 2 writers bound
   // the critical path from below; shortest first reaches that bound (at s = 1 too: 8 writers),
   // and so does left to right walking down.
   EXPECT_EQ(c.critical_path, 16);
-  const auto ltr2 = spec_mask(st::MaskKind::kCausal, 1024, &kLTRasc, 2);
-  const auto d = run_model(ltr2.mask, 132);
+  const auto d = run_model(ltr.mask, 132, nullptr, 1, 1, 1, 2);
   ASSERT_TRUE(d.ok) << d.str();
   EXPECT_GT(d.critical_path, c.critical_path);
-  const auto fix2 = spec_mask(st::MaskKind::kCausal, 1024, &kLTR, 2);
-  EXPECT_EQ(run_model(fix2.mask, 132).critical_path, 16);
+  EXPECT_EQ(run_model(fix.mask, 132, nullptr, 1, 1, 1, 2).critical_path, 16);
 }
 
 TEST(DqModel, AutoWeighsEveryHandOutAndWalkAndTiesGoToTheDefault) {
@@ -213,6 +230,7 @@ struct Case {
   st::BlockMaskTensors t;
   std::vector<HostTensor> keep;  // document ids the spec points at
   int64_t batch = 1, q_heads = 1, kv_heads = 1;
+  int64_t sub_tiles = 1;  // writers per block column in the model (a kernel kv tile of block_kv / sub_tiles)
   std::string what;
 };
 
@@ -241,7 +259,7 @@ Case random_case(std::mt19937& rng) {
   o.block_q = bq;
   o.block_kv = bk;
   const int64_t subs[] = {1, 2, 4};
-  o.write_order_sub_tiles = subs[rng() % 3];
+  c.sub_tiles = subs[rng() % 3];
   const int64_t Nk = (Skv + bk - 1) / bk, Mq = (Sq + bq - 1) / bq;
   switch (rng() % 4) {
     case 0: o.auto_schedule = true; break;
@@ -289,7 +307,6 @@ Case random_case(std::mt19937& rng) {
     c.t = st::build_block_mask_from_blocks(blocks.view(), Sq, Skv, o);
   } else {  // a mask function on small sizes (every element is evaluated)
     o.block_q = o.block_kv = 16;
-    o.write_order_sub_tiles = subs[rng() % 3];
     struct Ctx { int64_t w, period; };
     static thread_local Ctx ctx;
     ctx = {int64_t(rng() % 60), 2 + int64_t(rng() % 30)};
@@ -367,11 +384,11 @@ TEST(DqScheduleProperty, BuiltOrdersPassCheckerAndModelInconsistentOnesAreCaught
     max_nk = std::max(max_nk, Nk);
     SCOPED_TRACE("case " + std::to_string(i) + ": " + c.what + " Sq " + std::to_string(m.seq_q) + " Skv " +
                  std::to_string(m.seq_kv) + " blocks " + std::to_string(m.block_q) + "x" + std::to_string(m.block_kv) +
-                 " " + m.schedule.str() + " sub " + std::to_string(m.write_order_sub_tiles) + " heads " +
+                 " " + m.schedule.str() + " sub " + std::to_string(c.sub_tiles) + " heads " +
                  std::to_string(c.q_heads) + "/" + std::to_string(c.kv_heads) + " workers " + std::to_string(workers));
     ASSERT_NO_THROW(st::validate_block_mask(m, c.batch, c.q_heads));
     ASSERT_EQ(st::check_write_order(m), "");
-    const auto ok = run_model(m, workers, nullptr, c.batch, c.q_heads, c.kv_heads);
+    const auto ok = run_model(m, workers, nullptr, c.batch, c.q_heads, c.kv_heads, c.sub_tiles);
     ASSERT_TRUE(ok.ok) << ok.str();
     // Every block visited once per sub-column.
     int64_t blocks = 0;
@@ -380,17 +397,17 @@ TEST(DqScheduleProperty, BuiltOrdersPassCheckerAndModelInconsistentOnesAreCaught
         const auto cls = st::testing::classes_of(m, m.q_indices.size(0) == 1 ? 0 : b, m.q_indices.size(1) == 1 ? 0 : h, true);
         blocks += std::count_if(cls.begin(), cls.end(), [](uint8_t v) { return v != 0; });
       }
-    ASSERT_EQ(ok.total_work, blocks * m.write_order_sub_tiles);
-    ASSERT_GE(ok.critical_path, (blocks * m.write_order_sub_tiles + workers - 1) / workers);
+    ASSERT_EQ(ok.total_work, blocks * c.sub_tiles);
+    ASSERT_GE(ok.critical_path, (blocks * c.sub_tiles + workers - 1) / workers);
     if (i % 10 == 0) {  // "auto": left to right, never worse than the ascending walk in the model, and
                         // the descending walk only with the modelled gain block_mask.h asks for
       st::ScheduleProblem p;
       p.batch = c.batch, p.heads_q = c.q_heads, p.heads_kv = c.kv_heads, p.workers = workers;
       const st::ColumnSchedule chosen = st::choose_schedule(m, p);
+      const int64_t s = st::dq_sub_tiles(m.block_kv);  // what "auto" models: the CUDA kernel's split
       auto path = [&](const st::ColumnSchedule& sch) {
-        const auto r = st::simulate_dq_backward(
-            st::dq_model_problem(m, sch, m.write_order_sub_tiles, c.batch, c.q_heads, c.kv_heads),
-            st::dq_handout(sch, c.batch, c.kv_heads, Nk, m.write_order_sub_tiles), workers);
+        const auto r = st::simulate_dq_backward(st::dq_model_problem(m, sch, s, c.batch, c.q_heads, c.kv_heads),
+                                                st::dq_handout(sch, c.batch, c.kv_heads, Nk, s), workers);
         EXPECT_TRUE(r.ok) << sch.str() << ": " << r.str();
         return r.critical_path;
       };
@@ -410,22 +427,22 @@ TEST(DqScheduleProperty, BuiltOrdersPassCheckerAndModelInconsistentOnesAreCaught
       st::BlockMask claimed = m;
       claimed.schedule = other;
       ASSERT_EQ(st::check_write_order(claimed).empty(), !disagree);
-      const auto one = run_model(m, 1, &other, c.batch, c.q_heads, c.kv_heads);
+      const auto one = run_model(m, 1, &other, c.batch, c.q_heads, c.kv_heads, c.sub_tiles);
       ASSERT_EQ(one.ok, !disagree) << one.str();
       if (disagree) {
         ++mismatched;
         ASSERT_FALSE(one.blocked.empty());
-        mismatched_blocked_random_w += !run_model(m, workers, &other, c.batch, c.q_heads, c.kv_heads).ok;
+        mismatched_blocked_random_w += !run_model(m, workers, &other, c.batch, c.q_heads, c.kv_heads, c.sub_tiles).ok;
       }
     }
     // Two turns swapped at one q block: the checker names it, and one worker blocks.
     if (swap_two_turns(m, rng)) {
       ++swapped;
       ASSERT_NE(st::check_write_order(m), "");
-      const auto one = run_model(m, 1, nullptr, c.batch, c.q_heads, c.kv_heads);
+      const auto one = run_model(m, 1, nullptr, c.batch, c.q_heads, c.kv_heads, c.sub_tiles);
       ASSERT_FALSE(one.ok) << "a swapped pair must starve a single worker";
       ASSERT_FALSE(one.blocked.empty());
-      swapped_blocked_random_w += !run_model(m, workers, nullptr, c.batch, c.q_heads, c.kv_heads).ok;
+      swapped_blocked_random_w += !run_model(m, workers, nullptr, c.batch, c.q_heads, c.kv_heads, c.sub_tiles).ok;
     }
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -559,8 +576,9 @@ TEST(DqModelNote, AutoTakesTheMeasuredWalkOnTheBenchMasks) {
     const st::BlockMaskTensors t = st::build_block_mask(spec, nc.S, nc.S, o);  // auto
     EXPECT_EQ(t.mask.schedule.kind, st::ScheduleKind::kLeftToRight);
     EXPECT_EQ(t.mask.schedule.walk, m.faster) << t.mask.schedule.str();
-    const auto got = st::simulate_dq_backward(st::dq_model_problem(t.mask, nc.B, nc.Hq, nc.Hkv),
-                                              st::dq_handout(t.mask.schedule, nc.B, nc.Hkv, t.mask.num_kv_blocks(), 1),
+    const int64_t s = st::dq_sub_tiles(t.mask.block_kv);
+    const auto got = st::simulate_dq_backward(st::dq_model_problem(t.mask, s, nc.B, nc.Hq, nc.Hkv),
+                                              st::dq_handout(t.mask.schedule, nc.B, nc.Hkv, t.mask.num_kv_blocks(), s),
                                               132);
     ASSERT_TRUE(got.ok) << got.str();
     const auto cands = st::schedule_candidates(t.mask, o.problem);
@@ -576,7 +594,7 @@ TEST(DqModelNote, EveryCandidateIsDeadlockFreeOnRandomMasksAtAnyWorkerCount) {
   for (int i = 0; i < 300; ++i) {
     Case c = random_case(rng);
     const st::BlockMask& m = c.t.mask;
-    const int64_t Nk = m.num_kv_blocks(), s = m.write_order_sub_tiles;
+    const int64_t Nk = m.num_kv_blocks(), s = c.sub_tiles;
     for (const auto& sch : {kLTR, kSPT, kLTRasc, kSPTasc}) {
       const st::DqModelProblem pb = st::dq_model_problem(m, sch, s, c.batch, c.q_heads, c.kv_heads);
       for (int64_t workers : {1, 7, 61, 132}) {

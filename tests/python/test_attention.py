@@ -181,10 +181,9 @@ def test_numpy_mask_and_schedules_give_identical_results():
     outs = []
     base = st.BlockMask.build("causal", S, block_size=16)
     nk = base.num_kv_blocks
-    masks = [base, base, base.with_schedule("left_to_right"), base.with_schedule("shortest_first", sub_tiles=4),
+    masks = [base, base, base.with_schedule("left_to_right"), base.with_schedule("shortest_first"),
              base.with_schedule([2, 0, 3, 1][:nk])]
     assert masks[-1].schedule == "permutation" and list(masks[-1].schedule_permutation) == [2, 0, 3, 1]
-    assert masks[3].sub_tiles == 4
     for m in masks:
         assert m.check_write_order() == ""
         q.grad = k.grad = v.grad = None
@@ -529,8 +528,6 @@ def test_bad_scale_and_builder_arguments():
         st.BlockMask.build("causal", 40, block_size=16, schedule=[0, 0, 1])
     with pytest.raises(ValueError, match="document_ids: expected document ids"):
         st.BlockMask.build("document", 40)
-    with pytest.raises(ValueError, match="sub_tiles"):
-        st.BlockMask.build("causal", 40, block_size=16, sub_tiles=3)
     with pytest.raises(ValueError, match="doc_q: expected integer document ids"):
         st.BlockMask.build("document", 4, document_ids=torch.tensor([0.0, 0.0, 1.0, 1.0]))
 
@@ -582,7 +579,7 @@ def test_block_mask_to_device_and_back():
             assert t.shape == mt.tensors()[name].shape and t.dtype == mt.tensors()[name].dtype, name
     assert moved.spec.doc_q.device.type == "meta" and moved.schedule_permutation.device.type == "cpu"
     assert moved.to("meta") is moved
-    assert (moved.schedule, moved.sub_tiles, moved.seq_q, moved.block_kv) == ("permutation", 1, 70, 16)
+    assert (moved.schedule, moved.seq_q, moved.block_kv) == ("permutation", 70, 16)
     fm = flex.create_block_mask(_mod3, 1, 1, 48, 37, device="cpu", BLOCK_SIZE=16)
     bm = st.BlockMask.from_torch(fm)
     assert bm.device == torch.device("cpu")

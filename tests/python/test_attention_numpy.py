@@ -64,8 +64,9 @@ def test_forward_backward_vs_float64(kind, sq, skv):
 
 
 def test_builders_schedules_and_checks():
-    m = st.BlockMask.build("causal", 64, block_size=16, schedule="left_to_right", sub_tiles=2)
-    assert (m.schedule, m.sub_tiles, m.framework) == ("left_to_right", 2, "numpy")
+    m = st.BlockMask.build("causal", 64, block_size=16, schedule="left_to_right")
+    assert (m.schedule, m.framework) == ("left_to_right", "numpy")
+    assert not hasattr(m, "sub_tiles")  # turns are in the mask's block units: no kernel tile leaks in
     assert m.kv_num_blocks.tolist() == [[[1, 1, 1, 1]]] and m.full_kv_indices[0, 0, 3, :3].tolist() == [0, 1, 2]
     assert m.check_write_order() == ""
     m.validate()

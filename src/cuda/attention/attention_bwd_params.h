@@ -11,9 +11,10 @@
 namespace sparsetrain::cuda::attn {
 
 // The backward kernel's tiles: 64 query rows (the dQ partial of a visit, the unit of a dQ turn)
-// by 128 keys (one work item's kv sub-column).
+// by kBwdTileKv = 128 keys (one work item's kv sub-column; common/dq_turn.h holds it, since the
+// dQ turn rule and the scheduler model need it on the host).
 constexpr int kBwdTileQ = 64;
-constexpr int kBwdTileKv = 128;
+using sparsetrain::kBwdTileKv;
 
 struct BwdArgs {
   const void* q;     // [B, Sq, Hq, D], strides in elements (last dim 1)
@@ -40,7 +41,7 @@ struct BwdArgs {
   MaskColumnLists lists;  // q tiles in units of kBwdTileQ
   KernelMaskSpec spec;
   int32_t block_q, block_kv;
-  DqColumnHandout handout;  // sub_tiles = block_kv / kBwdTileKv; permutation in device memory
+  DqColumnHandout handout;  // sub_tiles = dq_sub_tiles(block_kv); permutation in device memory
   int32_t grid;             // persistent CTAs
   bool deterministic;
   int64_t spin_limit_ns;    // a dQ wait longer than this reports and gives up (no hang)

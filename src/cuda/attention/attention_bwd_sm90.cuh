@@ -345,7 +345,7 @@ __device__ void bwd_write_dq(const typename T::Params& p, typename T::SharedStor
       const int64_t tile = bwd_q_tile_index(b, visit.q_head, a.heads_q, a.lists.num_q_tiles, visit.q_tile);
       int32_t* sem = a.semaphores + tile;
       if (a.deterministic) {
-        const int32_t turn = dq_visit_turn(visit.turn, int32_t(w.sub_tile));
+        const int32_t turn = dq_visit_turn(visit.turn, int32_t(a.handout.sub_tiles), int32_t(w.sub_tile));
         // Never wait for a turn while holding back a release: the writer we wait for may be
         // waiting for it.
         if (pending >= 0 && load_acquire(sem) != turn) retire(true);

@@ -254,6 +254,7 @@ class AttentionCuda final : public backend::AttentionBackend {
     if (backward != nullptr) check_tma_operand(backward->dout, "dout", p.dtype);
     ST_CHECK_ARG(mask.block_q % kTileQ == 0, "mask.block_q",
                  "a multiple of the CUDA kernel's q tile (" + std::to_string(kTileQ) + ")", mask.block_q);
+    static_assert(kBwdTileKv == kTileKv, "the block_kv check below covers both kernels' kv tiles: if they differ, check each");
     ST_CHECK_ARG(mask.block_kv % kTileKv == 0, "mask.block_kv",
                  "a multiple of the CUDA kernel's kv tile (" + std::to_string(kTileKv) + ")", mask.block_kv);
     if (mask.spec.kind == MaskKind::kBitmask) {
@@ -267,15 +268,10 @@ class AttentionCuda final : public backend::AttentionBackend {
                    bits.stride(4), "] at ", bits.data());
     }
     if (backward != nullptr && backward->deterministic) {
-      // The kernel's kv tile is 128 keys: a block column is block_kv / 128 writers at each q block.
+      // Turns are stored in block units; the kernel expands them to its kv tiles (dq_visit_turn).
       ST_CHECK_ARG(mask.dq_write_order.defined() && (!mask.full_q_indices.defined() || mask.dq_write_order_full.defined()),
                    "mask.dq_write_order", "the dQ write orders for the deterministic backward (compute_dq_write_order)",
                    "none");
-      const int64_t sub_tiles = mask.block_kv / kBwdTileKv;
-      ST_CHECK_ARG(mask.write_order_sub_tiles == sub_tiles, "mask.write_order_sub_tiles",
-                   std::to_string(sub_tiles) + " (block_kv / the CUDA backward's kv tile of " +
-                       std::to_string(kBwdTileKv) + "; rebuild the mask with that many sub-tiles)",
-                   mask.write_order_sub_tiles);
     }
     if (backward != nullptr && mask.schedule.kind == ScheduleKind::kPermutation)
       ST_CHECK_ARG(int64_t(mask.schedule.permutation.size()) == mask.num_kv_blocks(), "mask.schedule",
@@ -402,7 +398,7 @@ class AttentionCuda final : public backend::AttentionBackend {
     a.handout.batch = p.batch;
     a.handout.kv_heads = p.heads_kv;
     a.handout.num_columns = m.num_kv_blocks();
-    a.handout.sub_tiles = m.block_kv / kBwdTileKv;
+    a.handout.sub_tiles = dq_sub_tiles(m.block_kv);  // block_kv / kBwdTileKv: a multiple (checked)
     a.handout.kind = m.schedule.kind;
     if (m.schedule.kind == ScheduleKind::kPermutation) {
       // From the mask's host vector: a capture must keep the mask alive for the graph's life.

@@ -13,8 +13,8 @@
 //     out before it, i.e. write_order_row's rank - 1. Class and rank go to the row's records.
 //   cols_kernel: one CTA per (b, kv block n), one thread per q block m: the same compaction down
 //     column n of the records gives the transposes (the rows m whose list holds n, ascending:
-//     transpose_column) and, next to each entry, its write order rank * sub_tiles
-//     (write_order_row's); padding zeroed.
+//     transpose_column) and, next to each entry, its write order: the rank (write_order_row's);
+//     padding zeroed.
 // Two launches (three for documents) on the caller's stream, no memsets, no host synchronisation.
 #include <cuda_runtime.h>
 
@@ -185,7 +185,7 @@ __global__ void cols_kernel(const DeviceMaskBuild p, int32_t* q_num, int32_t* q_
     const int64_t m = base + threadIdx.x;
     const int32_t r = m < Mq ? records[m * Nk] : make_record(kBlockSkipped, 0);
     const int32_t cls = record_class(r);
-    const int32_t turn = int32_t(dq_stored_turn(record_rank(r), p.sub_tiles));
+    const int32_t turn = record_rank(r);
     Counts chunk;
     const Counts before = listed + cta_exclusive_sum(count_of(cls), &chunk, warp_sums);
     if (cls == kBlockPartial) {

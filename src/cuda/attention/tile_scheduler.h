@@ -52,7 +52,7 @@ struct FwdTicketScheduler {
 };
 
 struct BwdTicketScheduler {
-  DqColumnHandout handout;   // sub_tiles = block_kv / the backward's kv tile
+  DqColumnHandout handout;   // sub_tiles = dq_sub_tiles(block_kv)
   int32_t* ticket = nullptr;  // the counter, zeroed before every launch
 
   static int32_t grid_shape(int64_t items, int32_t sms, int32_t sm_limit) {
