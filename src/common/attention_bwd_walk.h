@@ -21,8 +21,8 @@
 
 #include <cstdint>
 
-#include "common/attention_fwd_walk.h"  // MaskIndexView, clamp_count
-#include "sparsetrain/block_mask.h"     // WalkOrder
+#include "common/mask_index_view.h"  // MaskIndexView, clamp_count, find_in_row
+#include "sparsetrain/block_mask.h"  // WalkOrder
 
 namespace sparsetrain {
 
@@ -97,21 +97,6 @@ struct BwdColumnCursor {
   int32_t tile = 0, tiles_left = 0;       // the next q tile of `block`, and how many remain
   BwdVisit block{};
 };
-
-// The entry of value n in row m of a sorted index list (clamped count), or -1.
-ST_HOST_DEVICE inline int32_t find_in_row(const MaskIndexView& count, const MaskIndexView& index, int64_t b,
-                                          int64_t h, int64_t m, int32_t n) {
-  int32_t lo = 0, hi = clamp_count(count, index, b, h, m) - 1;
-  const int32_t* row = index.data != nullptr ? index.row(b, h, m) : nullptr;
-  while (lo <= hi) {
-    const int32_t mid = (lo + hi) / 2;
-    const int32_t v = row[int64_t(mid) * index.stride_w];
-    if (v == n) return mid;
-    if (v < n) lo = mid + 1;
-    else hi = mid - 1;
-  }
-  return -1;
-}
 
 ST_HOST_DEVICE inline BwdColumnCursor bwd_column_begin(const MaskColumnLists& l, int64_t b, int64_t h, int32_t n) {
   BwdColumnCursor c;

@@ -11,36 +11,10 @@
 
 #include <cstdint>
 
-#include "common/group_offsets.h"  // ST_HOST_DEVICE
-#include "sparsetrain/tensor.h"
+#include "common/group_offsets.h"    // ST_HOST_DEVICE
+#include "common/mask_index_view.h"  // MaskIndexView, clamp_count
 
 namespace sparsetrain {
-
-// One int32 tensor of a block mask, [B, H, R(, W)], with the broadcast leading dims given stride 0:
-// the walk indexes it with the attention's (b, h).
-struct MaskIndexView {
-  const int32_t* data = nullptr;  // null: an absent tensor (every count 0)
-  int64_t stride_b = 0, stride_h = 0, stride_r = 0, stride_w = 0;
-  int32_t width = 0;  // of the last dim (index tensors); counts are clamped to it
-
-  ST_HOST_DEVICE const int32_t* row(int64_t b, int64_t h, int64_t r) const {
-    return data + b * stride_b + h * stride_h + r * stride_r;
-  }
-};
-
-// The view of a mask's int32 tensor [B, H, R(, W)] (host side, for the kernels' arguments and the
-// tests): leading dims of size 1 broadcast (stride 0); an undefined tensor gives the absent view.
-inline MaskIndexView mask_index_view(const TensorView& t) {
-  MaskIndexView v;
-  if (!t.defined()) return v;
-  v.data = static_cast<const int32_t*>(t.data());
-  v.stride_b = t.broadcast_stride(0);
-  v.stride_h = t.broadcast_stride(1);
-  v.stride_r = t.stride(2);
-  v.stride_w = t.dim() > 3 ? t.stride(3) : 0;
-  v.width = t.dim() > 3 ? int32_t(t.size(3)) : 0;
-  return v;
-}
 
 // The forward lists of a mask (kv_* and full_kv_*), as the walk reads them.
 struct MaskWalkLists {
@@ -58,17 +32,10 @@ struct WalkTile {
   bool partial;
 };
 
-// The clamped counts of mask row m of (b, h): partial and full blocks.
+// The clamped counts of mask row m of (b, h): partial and full blocks (clamp_count).
 struct WalkCounts {
   int32_t partial, full;
 };
-
-ST_HOST_DEVICE inline int32_t clamp_count(const MaskIndexView& counts, const MaskIndexView& index, int64_t b, int64_t h,
-                                          int64_t m) {
-  if (counts.data == nullptr || index.data == nullptr) return 0;
-  const int32_t c = *counts.row(b, h, m);
-  return c < 0 ? 0 : (c > index.width ? index.width : c);
-}
 
 ST_HOST_DEVICE inline WalkCounts walk_counts(const MaskWalkLists& l, int64_t b, int64_t h, int64_t m) {
   return {clamp_count(l.partial_count, l.partial_index, b, h, m), clamp_count(l.full_count, l.full_index, b, h, m)};

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "common/group_offsets.h"  // ST_HOST_DEVICE
+#include "common/mask_index_view.h"
 #include "common/mask_predicate.h"
 #include "sparsetrain/block_mask.h"
 
@@ -150,28 +151,17 @@ ST_HOST_DEVICE inline void build_block_row(const MaskRowParams& p, int64_t block
   *num_full = nf;
 }
 
-// A strided [rows, width] int32 index list with its [rows] counts (one (b, h) slice of a mask).
+// One (b, h) slice of a mask list: its [rows] counts and [rows, width] sorted indices, both
+// mask_index_view slices (MaskIndexView::slice). Counts are read as stored (the validator checks
+// them); an absent list (either tensor undefined) has count 0 everywhere.
 struct IndexRows {
-  const int32_t* counts = nullptr;
-  int64_t count_stride = 0;
-  const int32_t* indices = nullptr;
-  int64_t row_stride = 0, elem_stride = 1;
+  MaskIndexView counts, indices;
 
-  ST_HOST_DEVICE bool present() const { return counts != nullptr; }
-  ST_HOST_DEVICE int32_t count(int64_t r) const { return counts != nullptr ? counts[r * count_stride] : 0; }
-  ST_HOST_DEVICE int32_t at(int64_t r, int64_t i) const { return indices[r * row_stride + i * elem_stride]; }
+  ST_HOST_DEVICE bool present() const { return counts.data != nullptr; }
+  ST_HOST_DEVICE int32_t count(int64_t r) const { return counts.data != nullptr ? counts.at(0, 0, r) : 0; }
+  ST_HOST_DEVICE int32_t at(int64_t r, int64_t i) const { return indices.at(0, 0, r, i); }
   // Where `value` sits in row r's sorted list, or -1.
-  ST_HOST_DEVICE int64_t find(int64_t r, int32_t value) const {
-    int64_t lo = 0, hi = int64_t(count(r)) - 1;
-    while (lo <= hi) {
-      const int64_t mid = (lo + hi) / 2;
-      const int32_t v = at(r, mid);
-      if (v == value) return mid;
-      if (v < value) lo = mid + 1;
-      else hi = mid - 1;
-    }
-    return -1;
-  }
+  ST_HOST_DEVICE int64_t find(int64_t r, int32_t value) const { return find_sorted(indices, 0, 0, r, count(r), value); }
 };
 
 // Column n of the transpose: the rows whose (sorted) list holds n, ascending, into out[]; returns
@@ -204,19 +194,14 @@ ST_HOST_DEVICE inline int64_t schedule_column(ScheduleKind kind, const int32_t* 
   return p;
 }
 
-// Where one (b, h) slice's write orders go: parallel to the q-side lists (q_rows / full_q_rows).
-struct WriteOrderOut {
-  int32_t* order = nullptr;
-  int64_t row_stride = 0, elem_stride = 1;
-  ST_HOST_DEVICE int32_t& at(int64_t n, int64_t i) const { return order[n * row_stride + i * elem_stride]; }
-};
-
 // The dQ turns at q block m (common/dq_turn.h): the columns touching m (row m's partial and full
-// lists) ranked in schedule order; the stored entry of (column n, q block m) is n's rank (from 0).
+// lists) ranked in schedule order; the stored entry of (column n, q block m) is n's rank (from 0),
+// written through out / full_out: the (b, h) slices of the write orders, parallel to q_rows /
+// full_q_rows.
 // `rank_scratch` has num_columns entries, all zero on entry and on return.
 ST_HOST_DEVICE inline void write_order_row(const IndexRows& kv_rows, const IndexRows& full_kv_rows, int64_t m,
                                            const IndexRows& q_rows, const IndexRows& full_q_rows,
-                                           const WriteOrderOut& out, const WriteOrderOut& full_out,
+                                           const MaskIndexOut& out, const MaskIndexOut& full_out,
                                            ScheduleKind kind, const int32_t* inverse, int64_t num_columns,
                                            int32_t* rank_scratch) {
   const int32_t np = kv_rows.count(m), nf = full_kv_rows.count(m);
@@ -232,13 +217,13 @@ ST_HOST_DEVICE inline void write_order_row(const IndexRows& kv_rows, const Index
     const int32_t n = kv_rows.at(m, i);
     int32_t& r = rank_scratch[schedule_position(kind, inverse, n, num_columns)];
     const int64_t j = q_rows.find(n, int32_t(m));
-    if (j >= 0) out.at(n, j) = r - 1;
+    if (j >= 0) out.at(0, 0, n, j) = r - 1;
   }
   for (int32_t i = 0; i < nf; ++i) {
     const int32_t n = full_kv_rows.at(m, i);
     int32_t& r = rank_scratch[schedule_position(kind, inverse, n, num_columns)];
     const int64_t j = full_q_rows.find(n, int32_t(m));
-    if (j >= 0) full_out.at(n, j) = r - 1;
+    if (j >= 0) full_out.at(0, 0, n, j) = r - 1;
   }
   for (int32_t i = 0; i < np; ++i) rank_scratch[schedule_position(kind, inverse, kv_rows.at(m, i), num_columns)] = 0;
   for (int32_t i = 0; i < nf; ++i)

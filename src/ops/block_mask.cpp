@@ -122,26 +122,12 @@ std::string MaskSpec::str() const {
 // ---- slices --------------------------------------------------------------------------------
 
 IndexRows mask_rows(const TensorView& counts, const TensorView& indices, int64_t b, int64_t h) {
-  IndexRows r;
-  if (!counts.defined() || !indices.defined()) return r;
-  r.counts = reinterpret_cast<const int32_t*>(counts.byte_ptr(b * counts.broadcast_stride(0) +
-                                                              h * counts.broadcast_stride(1)));
-  r.count_stride = counts.stride(2);
-  r.indices = reinterpret_cast<const int32_t*>(indices.byte_ptr(b * indices.broadcast_stride(0) +
-                                                                h * indices.broadcast_stride(1)));
-  r.row_stride = indices.stride(2);
-  r.elem_stride = indices.stride(3);
-  return r;
+  if (!counts.defined() || !indices.defined()) return {};
+  return {mask_index_view(counts).slice(b, h), mask_index_view(indices).slice(b, h)};
 }
 
-WriteOrderOut mask_write_order(const TensorView& order, int64_t b, int64_t h) {
-  WriteOrderOut w;
-  if (!order.defined()) return w;
-  w.order = reinterpret_cast<int32_t*>(order.byte_ptr(b * order.broadcast_stride(0) +
-                                                      h * order.broadcast_stride(1)));
-  w.row_stride = order.stride(2);
-  w.elem_stride = order.stride(3);
-  return w;
+MaskIndexOut mask_write_order(const TensorView& order, int64_t b, int64_t h) {
+  return mask_index_view<int32_t>(order).slice(b, h);
 }
 
 void mask_leading_dims(const BlockMask& mask, int64_t* batch, int64_t* heads) {
@@ -234,10 +220,11 @@ DqModelProblem dq_model_problem(const BlockMask& mask, int64_t sub_tiles, int64_
     for (int64_t h = 0; h < q_heads; ++h) {
       const IndexRows q = mask_rows(mask.q_num_blocks, mask.q_indices, b, h);
       const IndexRows fq = mask_rows(mask.full_q_num_blocks, mask.full_q_indices, b, h);
-      const WriteOrderOut wo = mask_write_order(mask.dq_write_order, b, h);
-      const WriteOrderOut fwo = mask_write_order(mask.dq_write_order_full, b, h);
+      const MaskIndexOut wo = mask_write_order(mask.dq_write_order, b, h);
+      const MaskIndexOut fwo = mask_write_order(mask.dq_write_order_full, b, h);
       for (int64_t n = 0; n < pb.num_columns; ++n) {
-        append_walk(q, fq, n, pb, [&](bool partial, int32_t i, int32_t) { return partial ? wo.at(n, i) : fwo.at(n, i); });
+        append_walk(q, fq, n, pb,
+                    [&](bool partial, int32_t i, int32_t) { return partial ? wo.at(0, 0, n, i) : fwo.at(0, 0, n, i); });
         pb.walk_begin.push_back(int64_t(pb.walk_q_block.size()));
       }
     }
@@ -666,8 +653,8 @@ void compute_dq_write_order(BlockMaskTensors& out, const ColumnSchedule& schedul
       const IndexRows fkv = mask_rows(m.full_kv_num_blocks, m.full_kv_indices, b, h);
       const IndexRows q = mask_rows(m.q_num_blocks, m.q_indices, b, h);
       const IndexRows fq = mask_rows(m.full_q_num_blocks, m.full_q_indices, b, h);
-      const WriteOrderOut wo = mask_write_order(m.dq_write_order, b, h);
-      const WriteOrderOut fwo = mask_write_order(m.dq_write_order_full, b, h);
+      const MaskIndexOut wo = mask_write_order(m.dq_write_order, b, h);
+      const MaskIndexOut fwo = mask_write_order(m.dq_write_order_full, b, h);
       for (int64_t row = 0; row < Mq; ++row)
         write_order_row(kv, fkv, row, q, fq, wo, fwo, schedule.kind, inverse.data(), Nk, scratch.data());
     }

@@ -11,10 +11,11 @@
 
 namespace sparsetrain {
 
-// Slice (b, h) of counts [B, H, R] / indices [B, H, R, W], a size-1 leading dim broadcasting.
-// Undefined tensors give an empty list (count 0 everywhere).
+// Slice (b, h) of counts [B, H, R] / indices [B, H, R, W] (mask_index_view: a size-1 leading dim
+// broadcasts). Undefined tensors give an empty list (count 0 everywhere).
 IndexRows mask_rows(const TensorView& counts, const TensorView& indices, int64_t b, int64_t h);
-WriteOrderOut mask_write_order(const TensorView& order, int64_t b, int64_t h);
+// Slice (b, h) of a write order, to fill (read it with b = h = 0).
+MaskIndexOut mask_write_order(const TensorView& order, int64_t b, int64_t h);
 
 // validate_block_mask's structural half, for a mask whose tensors live on `device`: presence,
 // dtypes, ranks, row counts, broadcastable leading dims, the bitmask / document-id tensors; not

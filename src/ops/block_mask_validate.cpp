@@ -250,8 +250,8 @@ std::string check_write_order(const BlockMask& mask) {
     for (int64_t h = 0; h < H; ++h) {
       const IndexRows q = mask_rows(mask.q_num_blocks, mask.q_indices, b, h);
       const IndexRows fq = mask_rows(mask.full_q_num_blocks, mask.full_q_indices, b, h);
-      const WriteOrderOut wo = mask_write_order(mask.dq_write_order, b, h);
-      const WriteOrderOut fwo = mask_write_order(mask.dq_write_order_full, b, h);
+      const MaskIndexOut wo = mask_write_order(mask.dq_write_order, b, h);
+      const MaskIndexOut fwo = mask_write_order(mask.dq_write_order_full, b, h);
       std::fill(writers.begin(), writers.end(), 0);
       // Columns in hand-out order: at each q block the next rank must go to the next column
       // touching it (common/dq_turn.h). Ranks are in block units: any split of the columns into
@@ -261,7 +261,7 @@ std::string check_write_order(const BlockMask& mask) {
         if (n < 0 || n >= Nk) return "schedule.permutation: expected column ids in [0, Nk), got " + sch.str();
         for (int pass = 0; pass < 2; ++pass) {
           const IndexRows& rows = pass == 0 ? q : fq;
-          const WriteOrderOut& order = pass == 0 ? wo : fwo;
+          const MaskIndexOut& order = pass == 0 ? wo : fwo;
           const TensorView& ot = pass == 0 ? mask.dq_write_order : mask.dq_write_order_full;
           const int32_t c = rows.count(n);
           if (c > 0 && c > ot.size(3)) {
@@ -273,7 +273,7 @@ std::string check_write_order(const BlockMask& mask) {
           for (int32_t i = 0; i < c; ++i) {
             const int32_t m = rows.at(n, i);
             if (m < 0 || m >= Mq) return "q_indices: expected q blocks in [0, Mq), got " + std::to_string(m);
-            const int64_t got = order.at(n, i), want = writers[size_t(m)];
+            const int64_t got = order.at(0, 0, n, i), want = writers[size_t(m)];
             if (got != want) {
               std::ostringstream os;
               os << (pass == 0 ? "dq_write_order" : "dq_write_order_full") << "[b=" << b << ", h=" << h << ", column "

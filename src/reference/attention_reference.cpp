@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/mask_index_view.h"
 #include "common/mask_predicate.h"
 #include "ops/attention_backend.h"
 #include "sparsetrain/error.h"
@@ -24,16 +25,6 @@ namespace {
 int64_t offset4(const TensorView& t, int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
   return i0 * t.stride(0) + i1 * t.stride(1) + i2 * t.stride(2) + i3 * t.stride(3);
 }
-
-// An int32 mask tensor whose leading [B, H] dims broadcast (size 1: the same for every b / h).
-struct IndexView {
-  TensorView t;
-  int32_t at(int64_t b, int64_t h, int64_t r, int64_t c = 0) const {
-    int64_t off = b * t.broadcast_stride(0) + h * t.broadcast_stride(1) + r * t.stride(2);
-    if (t.dim() == 4) off += c * t.stride(3);
-    return t.data_as<const int32_t>()[off];
-  }
-};
 
 // The element mask of one head's attention inside partial blocks: a built-in spec or the
 // per-partial-block bitmasks (bit (i * block_kv + j) of the block at slot `w` of q block m).
@@ -117,8 +108,9 @@ class ReferenceAttentionBackend final : public AttentionBackend {
     const DType dt = pr.dtype;
     const int64_t D = pr.head_dim, group = pr.heads_q / pr.heads_kv, Mq = mask.num_q_blocks();
     const bool has_full = mask.full_kv_num_blocks.defined();
-    const IndexView kv_num{mask.kv_num_blocks}, kv_idx{mask.kv_indices};
-    const IndexView full_num{mask.full_kv_num_blocks}, full_idx{mask.full_kv_indices};
+    const MaskIndexView kv_num = mask_index_view(mask.kv_num_blocks), kv_idx = mask_index_view(mask.kv_indices);
+    const MaskIndexView full_num = mask_index_view(mask.full_kv_num_blocks);
+    const MaskIndexView full_idx = mask_index_view(mask.full_kv_indices);
     Arena arena{static_cast<char*>(scratch)};
     float* k = arena.take(pr.seq_kv * D);
     float* v = arena.take(pr.seq_kv * D);
@@ -182,9 +174,10 @@ class ReferenceAttentionBackend final : public AttentionBackend {
     const int64_t D = pr.head_dim, group = pr.heads_q / pr.heads_kv, Nk = mask.num_kv_blocks();
     const int64_t Sq = pr.seq_q, Skv = pr.seq_kv;
     const bool has_full = mask.full_q_num_blocks.defined();
-    const IndexView q_num{mask.q_num_blocks}, q_idx{mask.q_indices};
-    const IndexView full_num{mask.full_q_num_blocks}, full_idx{mask.full_q_indices};
-    const IndexView kv_num{mask.kv_num_blocks}, kv_idx{mask.kv_indices};
+    const MaskIndexView q_num = mask_index_view(mask.q_num_blocks), q_idx = mask_index_view(mask.q_indices);
+    const MaskIndexView full_num = mask_index_view(mask.full_q_num_blocks);
+    const MaskIndexView full_idx = mask_index_view(mask.full_q_indices);
+    const MaskIndexView kv_num = mask_index_view(mask.kv_num_blocks), kv_idx = mask_index_view(mask.kv_indices);
 
     Arena arena{static_cast<char*>(scratch)};
     float* dq_acc = arena.take(pr.batch * Sq * pr.heads_q * D);  // [B, Sq, Hq, D]
@@ -280,7 +273,7 @@ class ReferenceAttentionBackend final : public AttentionBackend {
  private:
   // The slot of kv block n in q block m's partial list (where its bitmask sits). Validation has
   // checked the transposes against the forward lists, so it is there.
-  static int64_t partial_slot(const IndexView& kv_num, const IndexView& kv_idx, int64_t b, int64_t h, int64_t m,
+  static int64_t partial_slot(const MaskIndexView& kv_num, const MaskIndexView& kv_idx, int64_t b, int64_t h, int64_t m,
                               int64_t n) {
     const int64_t count = kv_num.at(b, h, m);
     for (int64_t w = 0; w < count; ++w)

@@ -356,13 +356,13 @@ bool swap_two_turns(st::BlockMask& m, std::mt19937& rng) {
     cells.clear();
     const st::IndexRows p = st::mask_rows(m.q_num_blocks, m.q_indices, b, h);
     const st::IndexRows f = st::mask_rows(m.full_q_num_blocks, m.full_q_indices, b, h);
-    const st::WriteOrderOut wp = st::mask_write_order(m.dq_write_order, b, h);
-    const st::WriteOrderOut wf = st::mask_write_order(m.dq_write_order_full, b, h);
+    const st::MaskIndexOut wp = st::mask_write_order(m.dq_write_order, b, h);
+    const st::MaskIndexOut wf = st::mask_write_order(m.dq_write_order_full, b, h);
     for (int64_t n = 0; n < Nk; ++n) {
       int64_t i = p.find(n, q);
-      if (i >= 0) cells.push_back(&wp.at(n, i));
+      if (i >= 0) cells.push_back(&wp.at(0, 0, n, i));
       i = f.present() ? f.find(n, q) : -1;
-      if (i >= 0) cells.push_back(&wf.at(n, i));
+      if (i >= 0) cells.push_back(&wf.at(0, 0, n, i));
     }
   }
   if (cells.size() < 2) return false;
