@@ -35,16 +35,28 @@ struct DqWorkItem {
   int64_t batch, kv_head, column, sub_tile;  // column: the mask's block column
 };
 
-// Tickets 0, 1, ... (an atomic counter on the device, reset inside the graph) -> work items.
+// Tickets 0, 1, ... (an atomic counter on the device, reset inside the graph) -> work items: the
+// sub-columns in schedule order, each position handed to every (batch, kv head) group before the
+// next position. With section_groups > 0 the groups are handed out in sections of that many
+// consecutive groups (the last may hold fewer), the whole schedule of one section before the next:
+// the CTAs in flight then share a few heads' Q and dO in L2 instead of one head each (the forward's
+// L2 sections, common/attention_fwd_walk.h). A group's own order of positions is the same either
+// way and its items keep their relative hand-out order, so the turns (per q tile, within one
+// group) still increase with hand-out position: determinism and deadlock freedom hold as they are.
 struct DqColumnHandout {
   int64_t batch = 1, kv_heads = 1, num_columns = 0, sub_tiles = 1;
   ScheduleKind kind = ScheduleKind::kLeftToRight;
   const int32_t* permutation = nullptr;  // kPermutation: block column ids in hand-out order
+  int64_t section_groups = 0;            // groups per section; 0 (or >= all): one section
 
   ST_HOST_DEVICE int64_t num_items() const { return batch * kv_heads * num_columns * sub_tiles; }
   ST_HOST_DEVICE DqWorkItem item(int64_t ticket) const {
-    const int64_t groups = batch * kv_heads;
-    const int64_t sub_position = ticket / groups, g = ticket % groups;
+    const int64_t groups = batch * kv_heads, per_group = num_columns * sub_tiles;
+    const int64_t section = section_groups > 0 && section_groups < groups ? section_groups : groups;
+    const int64_t first = ticket / (section * per_group) * section;  // every earlier section is full
+    const int64_t size = groups - first < section ? groups - first : section;
+    const int64_t r = ticket - first * per_group;
+    const int64_t sub_position = r / size, g = first + r % size;
     const int64_t column = schedule_column(kind, permutation, sub_position / sub_tiles, num_columns);
     return {g / kv_heads, g % kv_heads, column, sub_position % sub_tiles};
   }

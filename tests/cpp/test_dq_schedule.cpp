@@ -107,6 +107,32 @@ TEST(DqHandout, TicketsCoverEveryItemOnceInScheduleOrder) {
   EXPECT_EQ(h.item(3).sub_tile, 1);
 }
 
+TEST(DqHandout, SectionsHandOutWholeGroupsAndKeepEachGroupsOrder) {
+  const std::vector<int32_t> perm = {2, 0, 3, 1};
+  for (const auto& s : {kLTR, kSPT, schedule_of(st::ScheduleKind::kPermutation, perm)}) {
+    for (int64_t sub : {1, 2}) {
+      for (int64_t section : {1, 2, 4, 5, 6, 9}) {  // 6 groups: uneven last sections, one section
+        st::DqColumnHandout h = st::dq_handout(s, 2, 3, 4, sub);
+        h.section_groups = section;
+        std::set<std::tuple<int64_t, int64_t, int64_t, int64_t>> seen;
+        std::vector<int64_t> next_pos(6, 0);
+        int64_t last_section = 0;
+        for (int64_t t = 0; t < h.num_items(); ++t) {
+          const st::DqWorkItem it = h.item(t);
+          ASSERT_TRUE(seen.insert({it.batch, it.kv_head, it.column, it.sub_tile}).second) << "ticket " << t;
+          const int64_t g = it.batch * 3 + it.kv_head;
+          // Each group meets its sub-column positions in schedule order, as without sections.
+          EXPECT_EQ(s.position(it.column, 4) * sub + it.sub_tile, next_pos[g]++) << s.str() << " ticket " << t;
+          // Sections of consecutive groups, one after the other.
+          EXPECT_GE(g / std::min<int64_t>(section, 6), last_section) << "ticket " << t;
+          last_section = g / std::min<int64_t>(section, 6);
+        }
+        EXPECT_EQ(int64_t(seen.size()), h.num_items());
+      }
+    }
+  }
+}
+
 TEST(DqModel, CausalCriticalPathsLeftToRightVersusShortestFirst) {
   // 8 x 8 causal blocks, enough workers for every column. Left to right with the old ascending
   // walk, column n does q block m at step m + n + 1 (it waits for column n - 1 there): 2N - 1 = 15
@@ -606,6 +632,32 @@ TEST(DqModelNote, EveryCandidateIsDeadlockFreeOnRandomMasksAtAnyWorkerCount) {
     }
   }
   EXPECT_GT(checked, 4000);
+}
+
+TEST(DqModelNote, SectionedHandOutsAreDeadlockFree) {
+  // The kernel's L2 sections of (batch, kv head) groups (a sweep switch for now): the same random
+  // masks, every hand-out x walk, sections of 1 and 3 groups, workers 1, 7 and 61.
+  std::mt19937 rng(4211);
+  int checked = 0;
+  for (int i = 0; i < 120; ++i) {
+    Case c = random_case(rng);
+    const int64_t Nk = c.t.mask.num_kv_blocks(), s = c.sub_tiles;
+    for (const auto& sch : {kLTR, kSPT, kLTRasc, kSPTasc}) {
+      const st::DqModelProblem pb = st::dq_model_problem(c.t.mask, sch, s, c.batch, c.q_heads, c.kv_heads);
+      for (int64_t section : {1, 3}) {
+        st::DqColumnHandout h = st::dq_handout(sch, c.batch, c.kv_heads, Nk, s);
+        h.section_groups = section;
+        for (int64_t workers : {1, 7, 61}) {
+          const auto r = st::simulate_dq_backward(pb, h, workers);
+          ASSERT_TRUE(r.ok) << c.what << " " << sch.str() << " section " << section << " workers " << workers << ": "
+                            << r.str();
+          ASSERT_EQ(r.total_work, int64_t(pb.walk_q_block.size()) * s);
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_GT(checked, 2000);
 }
 
 }  // namespace

@@ -208,6 +208,19 @@ FwdOrder fwd_order() {
   return o;
 }
 
+// The backward's hand-out. A sweep switch, read at every call: SPARSETRAIN_ATTN_BWD_ORDER =
+// sections hands the columns out in L2 sections of (batch, kv head) groups (DqColumnHandout), the
+// default (columns) every group's column before the next column. Sections are the forward's cure
+// for CTAs spread over every head at once (on the backward at S = 2048, B x H = 128 a quarter of
+// the consumers' stall samples wait for Q / dO: docs/PERF.md); not the default until measured.
+bool bwd_sections() {
+  const char* v = std::getenv("SPARSETRAIN_ATTN_BWD_ORDER");
+  if (v == nullptr) return false;
+  const std::string order(v);
+  ST_CHECK_ARG(order == "sections" || order == "columns", "SPARSETRAIN_ATTN_BWD_ORDER", "sections or columns", order);
+  return order == "sections";
+}
+
 int64_t q_tiles_of(const AttentionProblem& p) { return (p.seq_q + kTileQ - 1) / kTileQ; }
 
 // The dispatch: one case per entry of the build's instance list (SPARSETRAIN_ATTN_INSTANCES).
@@ -400,6 +413,14 @@ class AttentionCuda final : public backend::AttentionBackend {
     a.handout.num_columns = m.num_kv_blocks();
     a.handout.sub_tiles = dq_sub_tiles(m.block_kv);  // block_kv / kBwdTileKv: a multiple (checked)
     a.handout.kind = m.schedule.kind;
+    if (bwd_sections()) {
+      // The shared data of a (batch, kv head) group is its query heads' Q and dO: as many groups
+      // as fill 2/3 of L2, the forward's rule (fwd_heads_per_section counts query heads).
+      const int64_t group = p.heads_q / p.heads_kv;
+      const int64_t l2_budget = int64_t(cuda::device_info(bp.q.device().index).l2_bytes) * 2 / 3;
+      const int64_t group_bytes = group * 2 * p.seq_q * p.head_dim * int64_t(dtype_size(p.dtype));
+      a.handout.section_groups = fwd_heads_per_section(group_bytes, l2_budget, int32_t(group), p.batch * p.heads_q) / group;
+    }
     if (m.schedule.kind == ScheduleKind::kPermutation) {
       // From the mask's host vector: a capture must keep the mask alive for the graph's life.
       ST_CUDA_CHECK(cudaMemcpyAsync(ws.permutation, m.schedule.permutation.data(),
