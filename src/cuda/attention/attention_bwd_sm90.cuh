@@ -84,6 +84,9 @@ struct BwdTraits {
   // still read tile j's.
   using SmemLayoutDs =
       decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{}, Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
+  // The same buffers as (keys, q, buffer), the accumulator's orientation: rows of 8 q values are
+  // 16 contiguous bytes, so dS^T goes in with matrix stores (stmatrix) instead of one 32-bit store
+  // (and its swizzled address) per pair.
   using SmemLayoutDsT = decltype(composition(
       SmemLayoutDs{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>, _2>{}, Step<_2, _1, _3>{})));
   using SmemCopyDs = decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, MmaSdP{}));
