@@ -115,16 +115,20 @@ struct DqModelResult {
   }
 };
 
-// Discrete-time simulation: in each step every worker whose turn has come adds (one unit) and
-// increments the semaphore; a worker that finished its item takes the next ticket for the next
-// step. Event-driven (a waiting worker is woken only by the increment it waits for), so a run costs
-// O(work + workers). When no worker can move and work is left, the model stops and reports the
-// waiting workers: a dependency cycle, or starvation (everyone waits on an item not handed out).
-// Two writers holding the same turn either race (both ready in one step: counted in `races`) or
-// leave one of them waiting for a value the semaphore has passed (blocked). deterministic = false:
-// no waits (the atomic adds), only the hand-out and the walks.
+// Discrete-time simulation: in each step every worker whose turn has come starts an add; an add
+// takes visit_steps steps, after which the worker starts its next visit (or takes the next
+// ticket), and the semaphore's increment becomes visible handoff_steps later (the partial landing
+// in global memory, the release reaching the next writer's spin: the deterministic mode's
+// hand-off latency, which the default of 0 leaves out). Event-driven (a waiting worker is woken
+// only by the increment it waits for), so a run costs O(work + workers + time). When no worker can
+// move and work is left, the model stops and reports the waiting workers: a dependency cycle, or
+// starvation (everyone waits on an item not handed out). Two writers holding the same turn either
+// race (both starting in one step: counted in `races`) or leave one of them waiting for a value the
+// semaphore has passed (blocked). deterministic = false: no waits (the atomic adds), only the
+// hand-out and the walks. The critical path: the step in which the last add completes.
 inline DqModelResult simulate_dq_backward(const DqModelProblem& pb, const DqColumnHandout& handout, int64_t workers,
-                                          bool deterministic = true) {
+                                          bool deterministic = true, int64_t visit_steps = 1,
+                                          int64_t handoff_steps = 0) {
   DqModelResult res;
   const int64_t group = pb.q_heads / pb.kv_heads, s = pb.sub_tiles;
   const int64_t num_sems = pb.batch * pb.q_heads * pb.num_q_blocks;
@@ -199,7 +203,7 @@ inline DqModelResult simulate_dq_backward(const DqModelProblem& pb, const DqColu
     }
     return settle(w) || take_item(w);
   };
-  std::vector<int32_t> ready, next_ready, stuck;
+  std::vector<int32_t> ready, stuck;
   // A worker at a block: ready now, waiting in its turn's slot, or stuck (its turn passed, or
   // lies outside 0..writers-1: it can never come).
   auto place = [&](int32_t wi) {
@@ -207,7 +211,7 @@ inline DqModelResult simulate_dq_backward(const DqModelProblem& pb, const DqColu
     const int64_t writers = slot_begin[size_t(w.sem + 1)] - slot_begin[size_t(w.sem)];
     const int64_t v = sem[size_t(w.sem)];
     if (!deterministic || w.turn == v) {
-      next_ready.push_back(wi);
+      ready.push_back(wi);
     } else if (w.turn > v && w.turn < writers) {
       int32_t& head = slot_head[size_t(slot_begin[size_t(w.sem)] + w.turn)];
       next_waiter[size_t(wi)] = head;
@@ -216,37 +220,58 @@ inline DqModelResult simulate_dq_backward(const DqModelProblem& pb, const DqColu
       stuck.push_back(wi);
     }
   };
+  // Future events in a ring of time slots (no event lies further ahead than the ring is long):
+  // workers whose add completes (free) and semaphore increments that become visible (bump).
+  const int64_t V = visit_steps < 1 ? 1 : visit_steps, H = handoff_steps < 0 ? 0 : handoff_steps;
+  const size_t ring = size_t(V + H + 1);
+  std::vector<std::vector<int32_t>> free_at(ring);
+  std::vector<std::vector<int64_t>> bump_at(ring);
+  int64_t pending = 0, t = 0, last_add = 0;
   for (int64_t i = 0; i < workers; ++i)
     if (take_item(ws[size_t(i)])) place(int32_t(i));
-  std::vector<int64_t> bumped, last_step(static_cast<size_t>(num_sems), -1);
-  while (!next_ready.empty()) {
-    ready.swap(next_ready);
-    next_ready.clear();
-    ++res.critical_path;
-    bumped.clear();
-    for (int32_t wi : ready) {
-      const int64_t sm = ws[size_t(wi)].sem;
-      if (deterministic && last_step[size_t(sm)] == res.critical_path) ++res.races;
-      last_step[size_t(sm)] = res.critical_path;
-      ++sem[size_t(sm)];
-      ++res.total_work;
-      bumped.push_back(sm);
-    }
-    for (int32_t wi : ready)
-      if (advance(ws[size_t(wi)])) place(wi);
-    if (!deterministic) continue;
-    for (int64_t sm : bumped) {  // wake whoever waits for the semaphore's new value
-      const int64_t v = sem[size_t(sm)];
+  std::vector<int64_t> last_step(static_cast<size_t>(num_sems), -1);
+  while (!ready.empty() || pending > 0) {
+    ++t;
+    const size_t slot = size_t(t % int64_t(ring));
+    // Increments that reach the waiters now: whoever waits for the new value starts this step.
+    for (int64_t sm : bump_at[slot]) {
+      --pending;
+      const int64_t v = ++sem[size_t(sm)];
       if (v >= slot_begin[size_t(sm + 1)] - slot_begin[size_t(sm)]) continue;
       int32_t& head = slot_head[size_t(slot_begin[size_t(sm)] + v)];
       for (int32_t wi = head; wi >= 0;) {
         const int32_t nx = next_waiter[size_t(wi)];
-        next_ready.push_back(wi);
+        ready.push_back(wi);
         wi = nx;
       }
       head = -1;
     }
+    bump_at[slot].clear();
+    // Workers whose add completed: on to their next visit (seeing this step's increments).
+    for (int32_t wi : free_at[slot]) {
+      --pending;
+      if (advance(ws[size_t(wi)])) place(wi);
+    }
+    free_at[slot].clear();
+    if (ready.empty()) continue;
+    for (int32_t wi : ready) {
+      const int64_t sm = ws[size_t(wi)].sem;
+      if (deterministic && last_step[size_t(sm)] == t) ++res.races;
+      last_step[size_t(sm)] = t;
+      ++res.total_work;
+      free_at[size_t((t + V) % int64_t(ring))].push_back(wi);
+      ++pending;
+      if (deterministic) {
+        bump_at[size_t((t + V + H) % int64_t(ring))].push_back(sm);
+        ++pending;
+      } else {
+        ++sem[size_t(sm)];
+      }
+    }
+    ready.clear();
+    last_add = t + V - 1;
   }
+  res.critical_path = last_add;
   res.items_not_handed_out = num_items - next_ticket;
   for (int64_t i = 0; i < workers; ++i) {
     const Worker& w = ws[size_t(i)];

@@ -634,6 +634,52 @@ TEST(DqModelNote, EveryCandidateIsDeadlockFreeOnRandomMasksAtAnyWorkerCount) {
   EXPECT_GT(checked, 4000);
 }
 
+TEST(DqModel, VisitAndHandOffStepsByHand) {
+  // Causal, two block columns: column 0 touches q blocks 0 and 1, column 1 q block 1 (rank 1
+  // there). Two workers, adds of 2 steps, an increment visible 1 step after its add completes.
+  for (const auto& sch : {kLTR, kLTRasc}) {
+    const st::BlockMaskTensors t = spec_mask(st::MaskKind::kCausal, 256, &sch);
+    const st::DqModelProblem pb = st::dq_model_problem(t.mask, 1, 1, 1, 1);
+    const st::DqColumnHandout h = st::dq_handout(sch, 1, 1, 2, 1);
+    const auto det = st::simulate_dq_backward(pb, h, 2, true, 2, 1);
+    ASSERT_TRUE(det.ok) << det.str();
+    // Descending: column 0 adds to q block 1 in steps 1-2 (visible at 4), column 1's add there
+    // runs 4-5. Ascending: column 0 reaches q block 1 only in steps 3-4 (visible at 6): 6-7.
+    EXPECT_EQ(det.critical_path, pb.walk.descending ? 5 : 7) << sch.str();
+    EXPECT_EQ(det.total_work, 3);
+    // Without turns: column 0's two adds, 1-2 and 3-4; the hand-off costs nothing.
+    EXPECT_EQ(st::simulate_dq_backward(pb, h, 2, false, 2, 1).critical_path, 4);
+    EXPECT_EQ(st::simulate_dq_backward(pb, h, 2, false, 2, 0).critical_path, 4);
+  }
+}
+
+TEST(DqModelNote, LongerVisitsScaleTheCriticalPathWithoutHandOffs) {
+  // With no hand-off latency, adds of k steps are the unit model slowed down k times: the same
+  // schedule, every critical path times k (deterministic or not).
+  std::mt19937 rng(977);
+  for (int i = 0; i < 60; ++i) {
+    Case c = random_case(rng);
+    const int64_t Nk = c.t.mask.num_kv_blocks(), s = c.sub_tiles;
+    for (const auto& sch : {kLTR, kSPTasc}) {
+      const st::DqModelProblem pb = st::dq_model_problem(c.t.mask, sch, s, c.batch, c.q_heads, c.kv_heads);
+      const st::DqColumnHandout h = st::dq_handout(sch, c.batch, c.kv_heads, Nk, s);
+      for (bool det : {true, false}) {
+        const auto unit = st::simulate_dq_backward(pb, h, 7, det);
+        const auto slow = st::simulate_dq_backward(pb, h, 7, det, 3, 0);
+        ASSERT_TRUE(unit.ok && slow.ok) << c.what;
+        EXPECT_EQ(slow.critical_path, 3 * unit.critical_path) << c.what << " " << sch.str() << " det " << det;
+        EXPECT_EQ(slow.total_work, unit.total_work);
+        // A hand-off latency delays only the deterministic mode, and never breaks it.
+        const auto late = st::simulate_dq_backward(pb, h, 7, det, 3, 2);
+        ASSERT_TRUE(late.ok) << c.what << ": " << late.str();
+        if (!det) {
+          EXPECT_EQ(late.critical_path, slow.critical_path) << c.what;
+        }
+      }
+    }
+  }
+}
+
 TEST(DqModelNote, SectionedHandOutsAreDeadlockFree) {
   // The kernel's L2 sections of (batch, kv head) groups (a sweep switch for now): the same random
   // masks, every hand-out x walk, sections of 1 and 3 groups, workers 1, 7 and 61.

@@ -213,6 +213,9 @@ FwdOrder fwd_order() {
 // default (columns) every group's column before the next column. Sections are the forward's cure
 // for CTAs spread over every head at once (on the backward at S = 2048, B x H = 128 a quarter of
 // the consumers' stall samples wait for Q / dO: docs/PERF.md); not the default until measured.
+// The scheduler model (bench/dq_model_sweep.cpp) expects it to cost the deterministic mode dearly
+// (a section's columns all start together and queue for each other's turns: det / nondet 1.6-2.0
+// at S = 2048 B = 8 against 1.0) and the non-deterministic one nothing: measure both.
 bool bwd_sections() {
   const char* v = std::getenv("SPARSETRAIN_ATTN_BWD_ORDER");
   if (v == nullptr) return false;
