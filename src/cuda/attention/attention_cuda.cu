@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "common/attention_fwd_walk.h"
+#include "common/bwd_sections.h"
 #include "common/dispatch_dtype.h"
 #include "cuda/attention/attention_bwd_params.h"
 #include "cuda/attention/attention_fwd_params.h"
@@ -208,21 +209,30 @@ FwdOrder fwd_order() {
   return o;
 }
 
-// The backward's hand-out. A sweep switch, read at every call: SPARSETRAIN_ATTN_BWD_ORDER =
-// sections hands the columns out in L2 sections of (batch, kv head) groups (DqColumnHandout), the
-// default (columns) every group's column before the next column. Sections are the forward's cure
-// for CTAs spread over every head at once (on the backward at S = 2048, B x H = 128 a quarter of
-// the consumers' stall samples wait for Q / dO: docs/PERF.md); not the default until measured.
-// The scheduler model (bench/dq_model_sweep.cpp) expects it to cost the deterministic mode dearly
-// (a section's columns all start together and queue for each other's turns: det / nondet 1.6-2.0
-// at S = 2048 B = 8 against 1.0) and the non-deterministic one nothing: measure both.
-bool bwd_sections() {
+// The backward's hand-out order (common/bwd_sections.h says why, and how many groups a section).
+// A sweep switch, read at every call: SPARSETRAIN_ATTN_BWD_ORDER = auto (the default: that rule),
+// columns (one section: every group's column before the next column), sections (the L2 budget
+// alone, in both modes) or sections:N (N groups a section).
+struct BwdOrder {
+  enum How { kAuto, kColumns, kBudget, kFixed } how = kAuto;
+  int64_t groups = 0;  // kFixed
+};
+BwdOrder bwd_order() {
   const char* v = std::getenv("SPARSETRAIN_ATTN_BWD_ORDER");
-  if (v == nullptr) return false;
+  if (v == nullptr) return {};
   const std::string order(v);
-  ST_CHECK_ARG(order == "sections" || order == "columns", "SPARSETRAIN_ATTN_BWD_ORDER", "sections or columns", order);
-  return order == "sections";
+  if (order.rfind("sections:", 0) == 0) {
+    const int64_t n = std::atoll(order.c_str() + 9);
+    ST_CHECK_ARG(n > 0, "SPARSETRAIN_ATTN_BWD_ORDER", "sections:N with N > 0", order);
+    return {BwdOrder::kFixed, n};
+  }
+  ST_CHECK_ARG(order == "auto" || order == "sections" || order == "columns", "SPARSETRAIN_ATTN_BWD_ORDER",
+               "auto, columns, sections or sections:N", order);
+  return {order == "auto" ? BwdOrder::kAuto : order == "columns" ? BwdOrder::kColumns : BwdOrder::kBudget};
 }
+
+// The L2 both walks' sections fill: 2/3 of it (FlashAttention-3 budgets 32 MB of the H100's 50).
+int64_t l2_budget(int device) { return int64_t(cuda::device_info(device).l2_bytes) * 2 / 3; }
 
 int64_t q_tiles_of(const AttentionProblem& p) { return (p.seq_q + kTileQ - 1) / kTileQ; }
 
@@ -341,14 +351,14 @@ class AttentionCuda final : public backend::AttentionBackend {
     const FwdOrder order = fwd_order();
     int32_t* ticket = reinterpret_cast<int32_t*>(records + a.num_items);
     a.ticket = order.dynamic ? ticket : nullptr;
-    // Sections of heads whose K and V fill at most 2/3 of L2 (33 MB of the H100's 50 MB; the
-    // section-size sweep in docs/PERF.md: 32 MB sections at 4 and 8 MB a head ran best;
-    // FlashAttention-3 budgets 32 MB); "lpt" (a sweep switch) makes the whole problem one section.
+    // Sections of heads whose K and V fill the L2 budget (the section-size sweep in docs/PERF.md:
+    // 32 MB sections at 4 and 8 MB a head ran best); "lpt" (a sweep switch) makes the whole
+    // problem one section.
     const int64_t heads = p.batch * p.heads_q;
-    const int64_t l2_budget = int64_t(cuda::device_info(fp.q.device().index).l2_bytes) * 2 / 3;
     const int64_t kv_head_bytes = 2 * p.seq_kv * p.head_dim * int64_t(dtype_size(p.dtype));
     const int32_t per_section =
-        order.sections ? fwd_heads_per_section(kv_head_bytes, l2_budget, int32_t(p.heads_q / p.heads_kv), heads)
+        order.sections ? fwd_heads_per_section(kv_head_bytes, l2_budget(fp.q.device().index),
+                                               int32_t(p.heads_q / p.heads_kv), heads)
                        : int32_t(heads);
     cudaStream_t s = static_cast<cudaStream_t>(stream.handle);
     sort_items_kernel<<<fwd_sections(a.num_items, a.q_tiles, per_section), kSortThreads, 0, s>>>(
@@ -416,13 +426,16 @@ class AttentionCuda final : public backend::AttentionBackend {
     a.handout.num_columns = m.num_kv_blocks();
     a.handout.sub_tiles = dq_sub_tiles(m.block_kv);  // block_kv / kBwdTileKv: a multiple (checked)
     a.handout.kind = m.schedule.kind;
-    if (bwd_sections()) {
-      // The shared data of a (batch, kv head) group is its query heads' Q and dO: as many groups
-      // as fill 2/3 of L2, the forward's rule (fwd_heads_per_section counts query heads).
-      const int64_t group = p.heads_q / p.heads_kv;
-      const int64_t l2_budget = int64_t(cuda::device_info(bp.q.device().index).l2_bytes) * 2 / 3;
+    a.grid = grid_of(a.handout.num_items(), bp.q.device().index, bp.sm_limit);
+    if (const BwdOrder order = bwd_order(); order.how == BwdOrder::kFixed) {
+      a.handout.section_groups = order.groups;
+    } else if (order.how != BwdOrder::kColumns) {
+      const int64_t group = p.heads_q / p.heads_kv;  // a group shares its query heads' Q and dO
       const int64_t group_bytes = group * 2 * p.seq_q * p.head_dim * int64_t(dtype_size(p.dtype));
-      a.handout.section_groups = fwd_heads_per_section(group_bytes, l2_budget, int32_t(group), p.batch * p.heads_q) / group;
+      const double visits = bwd_mean_column_visits(m.spec, p.seq_q, p.seq_kv, m.block_kv, kBwdTileQ);
+      a.handout.section_groups =
+          bwd_section_groups(p.batch * p.heads_kv, group_bytes, l2_budget(bp.q.device().index), a.grid, visits,
+                             group, bp.deterministic && order.how == BwdOrder::kAuto);
     }
     if (m.schedule.kind == ScheduleKind::kPermutation) {
       // From the mask's host vector: a capture must keep the mask alive for the graph's life.
@@ -431,7 +444,6 @@ class AttentionCuda final : public backend::AttentionBackend {
                     "CUDA attention: cudaMemcpyAsync (schedule permutation)");
       a.handout.permutation = ws.permutation;
     }
-    a.grid = grid_of(a.handout.num_items(), bp.q.device().index, bp.sm_limit);
     a.deterministic = bp.deterministic;
     a.spin_limit_ns = spin_limit_ns();
     dispatch_bwd(p.dtype, p.head_dim, a, bp.dq.data(), stream.handle);

@@ -1,0 +1,73 @@
+// How many (batch, kv head) groups one L2 section of the backward's hand-out holds
+// (DqColumnHandout::section_groups in common/dq_schedule_model.h; 0: one section, the plain
+// column hand-out). Host code, tested on the CPU (tests/cpp/test_bwd_sections.cpp).
+//
+// Why sections: the plain hand-out gives every group's column c before any group's column c + 1,
+// so with many groups (B x H = 128 at S = 2048) the CTAs in flight each read another head's Q and
+// dO and L2 misses (a quarter of the consumers' stall samples wait for the Q / dO pipeline).
+// Handing out a few groups at a time, as many as fill the forward's L2 budget (fwd_heads_per_section),
+// ran the backward 25-41 % faster at S = 2048 / 4096, B = 8 and 6-10 % on GQA 8:1 (H100 sweep,
+// docs/PERF.md).
+//
+// Why the deterministic mode sometimes wants bigger sections: a section's columns start together
+// and the later ones queue for the earlier ones' turns; each of the m = workers / section_groups
+// columns of one group in flight waits up to a hand-off per column ahead of it. That cost stays
+// small while m is at most one column's walk length (its visits: q tiles x query heads of the
+// group); on documents of up to 3000 tokens (~12 visits a column) sections of 4 groups (m = 33)
+// ran 10 % slower than the plain hand-out, 8-16 groups (m <= 16) as fast. So the deterministic
+// mode takes at least workers / visits groups a section, and where the walk length is not known
+// on the host (document ids and bitmasks live on the device) it keeps the plain hand-out, whose
+// deterministic runs measured as fast as the best section size on those masks.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "common/attention_fwd_walk.h"  // fwd_heads_per_section: the forward's L2 budget rule
+#include "sparsetrain/mask_spec.h"
+
+namespace sparsetrain {
+
+// The mean number of q tiles of `tile_q` rows a kv block column of the mask visits (per query
+// head), from a built-in spec's closed form; 0 where the host cannot know (documents, bitmasks).
+inline double bwd_mean_column_visits(const MaskSpec& spec, int64_t seq_q, int64_t seq_kv, int64_t block_kv,
+                                     int64_t tile_q) {
+  if (seq_q <= 0 || seq_kv <= 0 || block_kv <= 0 || tile_q <= 0) return 0;
+  const int64_t columns = (seq_kv + block_kv - 1) / block_kv;
+  int64_t tiles = 0;
+  for (int64_t n = 0; n < columns; ++n) {
+    const int64_t x0 = n * block_kv, x1 = std::min(seq_kv, x0 + block_kv) - 1;  // the column's keys
+    int64_t lo = 0, hi = seq_q - 1;  // the rows any of them sees
+    switch (spec.kind) {
+      case MaskKind::kFull: break;
+      case MaskKind::kCausal: lo = x0; break;
+      case MaskKind::kCausalBottomRight: lo = x0 - (seq_kv - seq_q); break;
+      case MaskKind::kPrefixLM: lo = x0 < spec.prefix_length ? 0 : x0; break;
+      case MaskKind::kSlidingWindow:  // q - left <= kv <= q + right
+        if (spec.window_right >= 0) lo = x0 - spec.window_right;
+        if (spec.window_left >= 0) hi = std::min(hi, x1 + spec.window_left);
+        break;
+      default: return 0;  // documents, bitmasks: on the device
+    }
+    lo = std::max<int64_t>(lo, 0);
+    if (lo <= hi) tiles += hi / tile_q - lo / tile_q + 1;
+  }
+  return double(tiles) / double(columns);
+}
+
+// Groups a section: as many as fill l2_budget with group_bytes each (the forward's rule, at most
+// kFwdMaxKvHeadsPerSection); deterministic: at least workers / walk groups, where walk = mean
+// visits x query heads a group (0: unknown, then the plain hand-out). 0 when it is one section.
+inline int64_t bwd_section_groups(int64_t groups, int64_t group_bytes, int64_t l2_budget, int64_t workers,
+                                  double mean_visits, int64_t heads_per_group, bool deterministic) {
+  int64_t section = fwd_heads_per_section(group_bytes, l2_budget, 1, groups);
+  if (deterministic) {
+    const double walk = mean_visits * double(heads_per_group);
+    if (walk <= 0) return 0;
+    section = std::max(section, int64_t(std::ceil(double(workers) / walk)));
+  }
+  return section >= groups ? 0 : section;
+}
+
+}  // namespace sparsetrain
