@@ -128,8 +128,7 @@ struct BlockMaskOptions {
   Allocator* allocator = nullptr;
   // build_block_mask only: a CUDA device builds the same tensors there (document ids on that
   // device), one thread per row / column, on `stream`, without a host synchronisation; index
-  // tensors are full width. "auto" needs the scheduler model on the host, so a device build
-  // takes an explicit schedule (auto_schedule = false).
+  // tensors are full width.
   Device device = Device::cpu();
   Stream stream;
 };
@@ -160,13 +159,11 @@ void compute_dq_write_order(BlockMaskTensors& out, const ColumnSchedule& schedul
 // 0..k-1 and increase with their position in `mask.schedule`. Returns "" or the first violation.
 std::string check_write_order(const BlockMask& mask);
 
-// "auto": a pure function of the mask and `problem`. Columns are handed out left to right (on the
-// GPU that beat shortest first on every mask measured); the walk is kDescendingHeadsInner when the
-// scheduler model (src/common/dq_schedule_model.h, with the problem's batch, heads and workers,
-// and the block columns split into the CUDA backward's kv tiles as the kernel runs them) puts its deterministic critical path at or below kDescendingWalkGain x the ascending walk's,
-// kAscendingHeadsOuter otherwise (docs/PERF.md, "Deterministic backward: the walk", has the
-// measurements behind both rules).
-inline constexpr double kDescendingWalkGain = 0.95;
+// "auto": what measured fastest on the GPU, whatever the mask and `problem`: columns handed out
+// left to right (it beat shortest first on every mask measured) and the kDescendingHeadsInner walk
+// (with the backward's L2 sections it beat the ascending walk on every mask measured, by 1-32 %;
+// before them the ascending walk won on some). docs/PERF.md, "Deterministic backward: the walk"
+// and "L2 sections", has the measurements; schedule_candidates still reports the model's view.
 ColumnSchedule choose_schedule(const BlockMask& mask, const ScheduleProblem& problem = {});
 
 // Every hand-out x walk the kernel runs, with its modelled critical paths (deterministic and not):

@@ -251,17 +251,17 @@ class BlockMask:
         q + window_right, a negative bound is unbounded); "document" / "document_causal"
         (document_ids [B or 1, S] or [S] for both sides, or doc_q and doc_kv; int32 or int64);
         "prefix_lm" (kv <= q or kv < prefix_length). block_size: 128 or (block_q, block_kv).
-        schedule: "auto" (the default on the host: left to right, with the walk the scheduler
-        model picks for the mask and auto_problem; block_mask.h choose_schedule),
-        "left_to_right" (the default on a CUDA device), "shortest_first", or a permutation of the
-        kv block columns. walk (with an explicit schedule): "descending_heads_inner" (the default)
-        or "ascending_heads_outer". auto_problem: what "auto" models besides the mask, (batch,
-        heads_q, heads_kv, workers) of the attention and the GPU (workers: its SM count, or the
-        sm_limit used), 0 for the defaults (the mask's leading dims, 132 workers). framework: "numpy", "torch", or None (torch when the document ids are
+        schedule: "auto" (the default: what measured fastest, left to right with the descending
+        walk; block_mask.h choose_schedule), "left_to_right", "shortest_first", or a permutation
+        of the kv block columns. walk (with an explicit schedule): "descending_heads_inner" (the
+        default) or "ascending_heads_outer". auto_problem: (batch, heads_q, heads_kv, workers) of
+        the attention and the GPU (workers: its SM count, or the sm_limit used), 0 for the
+        defaults (the mask's leading dims, 132 workers); checked, and what the scheduler model's
+        candidates (_C.schedule_candidates) are computed for. framework: "numpy", "torch", or None (torch when the document ids are
         torch tensors or the device is CUDA). device: None or "cpu" builds on the host; a CUDA
         device ("cuda", "cuda:1", a torch.device) builds the same tensors there, on torch's current
         stream, without a host synchronisation (torch tensors from torch's allocator; document ids
-        are moved there first; "auto" is not available: it runs the scheduler model on the host).
+        are moved there first).
         cu_seqlens_q / cu_seqlens_k (document kinds, instead of document ids): FlashAttention's
         packed documents, int32 [n + 1] cumulative offsets of one packed batch row (cu_seqlens_k
         defaults to cu_seqlens_q); moved to the build's device like document ids, then turned into
@@ -290,11 +290,7 @@ class BlockMask:
         fw = _framework("torch" if dev is not None and framework is None else framework, doc_q, doc_kv,
                         cu_seqlens_q, cu_seqlens_k)
         if schedule is None:
-            schedule = "auto" if dev is None else "left_to_right"
-        elif dev is not None and isinstance(schedule, str) and schedule == "auto":
-            raise ValueError(f"schedule: expected 'left_to_right', 'shortest_first' or a permutation for a build on "
-                             f"{dev} (\"auto\" runs the scheduler model on the host: build there, or pick one), "
-                             "got 'auto'")
+            schedule = "auto"
         if cu_seqlens_q is not None:  # converted on the build's device, then the document-id path
             same = cu_seqlens_k is None or cu_seqlens_k is cu_seqlens_q
             cu_q = _cu_seqlens_arg(cu_seqlens_q, fw, dev)

@@ -17,7 +17,12 @@
 // ran 10 % slower than the plain hand-out, 8-16 groups (m <= 16) as fast. So the deterministic
 // mode takes at least workers / visits groups a section, and where the walk length is not known
 // on the host (document ids and bitmasks live on the device) it keeps the plain hand-out, whose
-// deterministic runs measured as fast as the best section size on those masks.
+// deterministic runs measured as fast as the best section size on those masks. That bound holds
+// for the descending walk only, where the columns in flight run one hand-off apart
+// (common/attention_bwd_walk.h); walking ascending, each column reaches every tile before the
+// column whose turn comes first, so the queue grows with every column in flight: sections of 8
+// groups ran the deterministic backward 1.3-3.2x slower there (causal, a 1024 window; H100). The
+// caller passes no walk length for an ascending walk: the plain hand-out.
 #pragma once
 
 #include <algorithm>

@@ -334,8 +334,6 @@ void check_schedule(const ColumnSchedule& s, int64_t Nk);
 BlockMaskTensors build_on_device(const MaskSpec& spec, int64_t B, int64_t seq_q, int64_t seq_kv,
                                  const BlockMaskOptions& o) {
 #if SPARSETRAIN_WITH_CUDA
-  ST_CHECK_ARG(!o.auto_schedule, "BlockMaskOptions auto_schedule",
-               "false on a CUDA device (\"auto\" runs the scheduler model on the host: pass a schedule)", "true");
   BlockMaskTensors t;
   BlockMask& m = t.mask;
   m.seq_q = seq_q;
@@ -344,7 +342,8 @@ BlockMaskTensors build_on_device(const MaskSpec& spec, int64_t B, int64_t seq_q,
   m.block_kv = o.block_kv;
   m.spec = spec;
   const int64_t Mq = m.num_q_blocks(), Nk = m.num_kv_blocks();
-  check_schedule(o.schedule, Nk);
+  const ColumnSchedule schedule = o.auto_schedule ? choose_schedule(m, o.problem) : o.schedule;
+  check_schedule(schedule, Nk);
   checks::device_runs(o.device, checks::Kernels::kGeneric, "BlockMaskOptions device");
   Allocator& a = alloc_or_default(o.allocator);
   const auto dev = [&](std::initializer_list<int64_t> shape) {
@@ -374,8 +373,8 @@ BlockMaskTensors build_on_device(const MaskSpec& spec, int64_t B, int64_t seq_q,
   m.full_q_indices = t.full_q_indices.view();
   m.dq_write_order = t.dq_write_order.view();
   m.dq_write_order_full = t.dq_write_order_full.view();
-  m.schedule = o.schedule;
-  t.schedule_permutation = o.schedule.permutation;
+  m.schedule = schedule;
+  t.schedule_permutation = schedule.permutation;
   int32_t* scratch_begin = scratch.view().data_as<int32_t>();
   DeviceMaskBuild p{spec.kind,
                     spec.window_left,
@@ -392,8 +391,8 @@ BlockMaskTensors build_on_device(const MaskSpec& spec, int64_t B, int64_t seq_q,
                     seq_kv,
                     o.block_q,
                     o.block_kv,
-                    o.schedule.kind,
-                    o.schedule.kind == ScheduleKind::kPermutation ? o.schedule.permutation.data() : nullptr,
+                    schedule.kind,
+                    schedule.kind == ScheduleKind::kPermutation ? schedule.permutation.data() : nullptr,
                     scratch_begin,
                     scratch_begin + Nk,
                     doc ? reinterpret_cast<DocIdSpan*>(scratch_begin + Nk + B * Mq * Nk) : nullptr};
@@ -661,8 +660,15 @@ void compute_dq_write_order(BlockMaskTensors& out, const ColumnSchedule& schedul
 }
 
 namespace {
-std::vector<ScheduleCandidate> model_candidates(const BlockMask& mask, const ScheduleProblem& problem,
-                                                bool nondeterministic_too, size_t count = 4) {
+void check_problem(const ScheduleProblem& problem) {
+  ST_CHECK_ARG(problem.batch >= 0 && problem.heads_q >= 0 && problem.heads_kv >= 0 && problem.workers >= 0,
+               "ScheduleProblem", "sizes >= 0 (0: from the mask / the default)", "batch ", problem.batch,
+               ", heads_q ", problem.heads_q, ", heads_kv ", problem.heads_kv, ", workers ", problem.workers);
+}
+}  // namespace
+
+std::vector<ScheduleCandidate> schedule_candidates(const BlockMask& mask, const ScheduleProblem& problem) {
+  check_problem(problem);
   int64_t B = 1, H = 1;
   mask_leading_dims(mask, &B, &H);
   const int64_t batch = problem.batch > 0 ? problem.batch : B;
@@ -670,47 +676,35 @@ std::vector<ScheduleCandidate> model_candidates(const BlockMask& mask, const Sch
   const int64_t heads_kv = problem.heads_kv > 0 ? problem.heads_kv : heads_q;
   // One persistent CTA per SM: 132 on an H100 SXM or an H200.
   const int64_t workers = problem.workers > 0 ? problem.workers : 132;
-  ST_CHECK_ARG(problem.batch >= 0 && problem.heads_q >= 0 && problem.heads_kv >= 0 && problem.workers >= 0,
-               "ScheduleProblem", "sizes >= 0 (0: from the mask / the default)", "batch ", problem.batch,
-               ", heads_q ", problem.heads_q, ", heads_kv ", problem.heads_kv, ", workers ", problem.workers);
   // The kernel splits block columns into writers of its own kv tile: model them so.
   const int64_t s = dq_sub_tiles(mask.block_kv), Nk = mask.num_kv_blocks();
-  // Every hand-out x walk the kernel runs (block_mask.h: schedule_candidates), the first `count`.
+  // Every hand-out x walk the kernel runs.
   std::vector<ScheduleCandidate> out;
   for (const auto& [kind, walk] : {std::make_pair(ScheduleKind::kLeftToRight, WalkOrder::kDescendingHeadsInner),
                                    std::make_pair(ScheduleKind::kLeftToRight, WalkOrder::kAscendingHeadsOuter),
                                    std::make_pair(ScheduleKind::kShortestFirst, WalkOrder::kAscendingHeadsOuter),
                                    std::make_pair(ScheduleKind::kShortestFirst, WalkOrder::kDescendingHeadsInner)}) {
-    if (out.size() == count) break;
     ScheduleCandidate c;
     c.schedule.kind = kind;
     c.schedule.walk = walk;
     const DqModelProblem pb = dq_model_problem(mask, c.schedule, s, batch, heads_q, heads_kv);
     const DqColumnHandout handout = dq_handout(c.schedule, batch, heads_kv, Nk, s);
     c.critical_path = simulate_dq_backward(pb, handout, workers).critical_path;
-    if (nondeterministic_too)
-      c.nondeterministic_critical_path = simulate_dq_backward(pb, handout, workers, false).critical_path;
+    c.nondeterministic_critical_path = simulate_dq_backward(pb, handout, workers, false).critical_path;
     out.push_back(std::move(c));
   }
   return out;
 }
-}  // namespace
-
-std::vector<ScheduleCandidate> schedule_candidates(const BlockMask& mask, const ScheduleProblem& problem) {
-  return model_candidates(mask, problem, true);
-}
 
 ColumnSchedule choose_schedule(const BlockMask& mask, const ScheduleProblem& problem) {
-  // Measured, not modelled (docs/PERF.md, "Deterministic backward: the walk"): on the GPU left to
-  // right beat shortest first on every mask tried, though the model often ranks shortest first
-  // level or ahead, so "auto" hands out left to right. The walk follows the model only where it
-  // predicts a clear gain: the model has no per-item, hand-off or locality cost, and predicted
-  // differences of a few percent went either way on the GPU, while large ones held.
-  const std::vector<ScheduleCandidate> c = model_candidates(mask, problem, false, 2);
-  const ScheduleCandidate& descending = c[0];  // left to right, kDescendingHeadsInner
-  const ScheduleCandidate& ascending = c[1];   // left to right, kAscendingHeadsOuter
-  return double(descending.critical_path) <= kDescendingWalkGain * double(ascending.critical_path) ? descending.schedule
-                                                                                                   : ascending.schedule;
+  // Measured, not modelled (block_mask.h): the model has no per-item, hand-off or L2 cost, and
+  // with the backward's L2 sections those decide.
+  (void)mask;
+  check_problem(problem);
+  ColumnSchedule s;
+  s.kind = ScheduleKind::kLeftToRight;
+  s.walk = WalkOrder::kDescendingHeadsInner;
+  return s;
 }
 
 }  // namespace sparsetrain

@@ -337,11 +337,10 @@ def test_device_built_mask_equals_the_host_built_mask(name, schedule):
 def test_device_build_defaults_and_arguments():
     S = 1000
     dev = st.BlockMask.build("causal", S, device=DEV)
-    assert dev.schedule == "left_to_right"  # "auto" needs the host: the device default is explicit
+    # "auto" (the default, as on the host): left to right with the descending walk.
+    assert (dev.schedule, dev.walk) == ("left_to_right", "descending_heads_inner")
     _assert_same_mask(dev, st.BlockMask.build("causal", S, schedule="left_to_right", framework="torch"))
-    with pytest.raises(ValueError, match=r"schedule: expected 'left_to_right', 'shortest_first' or a permutation "
-                                         r"for a build on cuda:\d+ \(\"auto\" runs the scheduler model on the host"):
-        st.BlockMask.build("causal", S, device="cuda", schedule="auto")
+    _assert_same_mask(st.BlockMask.build("causal", S, device="cuda", schedule="auto"), st.BlockMask.build("causal", S))
     with pytest.raises(ValueError, match="device: expected 'cpu' for framework 'numpy'"):
         st.BlockMask.build("causal", S, device="cuda", framework="numpy")
     # Document ids from anywhere (host numpy, host or device torch, int64) are moved there as int32.

@@ -432,7 +432,9 @@ class AttentionCuda final : public backend::AttentionBackend {
     } else if (order.how != BwdOrder::kColumns) {
       const int64_t group = p.heads_q / p.heads_kv;  // a group shares its query heads' Q and dO
       const int64_t group_bytes = group * 2 * p.seq_q * p.head_dim * int64_t(dtype_size(p.dtype));
-      const double visits = bwd_mean_column_visits(m.spec, p.seq_q, p.seq_kv, m.block_kv, kBwdTileQ);
+      // An ascending walk queues its columns behind each other (common/bwd_sections.h): no bound.
+      const double visits =
+          a.lists.walk.descending ? bwd_mean_column_visits(m.spec, p.seq_q, p.seq_kv, m.block_kv, kBwdTileQ) : 0.0;
       a.handout.section_groups =
           bwd_section_groups(p.batch * p.heads_kv, group_bytes, l2_budget(bp.q.device().index), a.grid, visits,
                              group, bp.deterministic && order.how == BwdOrder::kAuto);
