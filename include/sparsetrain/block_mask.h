@@ -161,7 +161,7 @@ std::string check_write_order(const BlockMask& mask);
 
 // "auto": what measured fastest on the GPU, whatever the mask and `problem`: columns handed out
 // left to right (it beat shortest first on every mask measured) and the kDescendingHeadsInner walk
-// (with the backward's L2 sections it beat the ascending walk on every mask measured, by 1-32 %;
+// (with the backward's L2 sections it beat the ascending walk on every mask measured, by 1-23 %;
 // before them the ascending walk won on some). docs/PERF.md, "Deterministic backward: the walk"
 // and "L2 sections", has the measurements; schedule_candidates still reports the model's view.
 ColumnSchedule choose_schedule(const BlockMask& mask, const ScheduleProblem& problem = {});

@@ -20,9 +20,10 @@
 // deterministic runs measured as fast as the best section size on those masks. That bound holds
 // for the descending walk only, where the columns in flight run one hand-off apart
 // (common/attention_bwd_walk.h); walking ascending, each column reaches every tile before the
-// column whose turn comes first, so the queue grows with every column in flight: sections of 8
-// groups ran the deterministic backward 1.3-3.2x slower there (causal, a 1024 window; H100). The
-// caller passes no walk length for an ascending walk: the plain hand-out.
+// column whose turn comes first, so the queue grows with every column in flight: the L2-budget
+// sections ran the deterministic backward 1.5-4x slower there on windows, documents and GQA (H100;
+// faster only on short sequences with B = 8). The caller passes no walk length for an ascending
+// walk: the plain hand-out.
 #pragma once
 
 #include <algorithm>

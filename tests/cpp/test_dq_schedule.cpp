@@ -564,7 +564,7 @@ TEST(DqModelNote, DescendingHeadsInnerRemovesTheChainWasteOfTheNotesCases) {
 TEST(DqModelNote, AutoTakesTheMeasuredWalkOnTheBenchMasks) {
   // The bench's cases (bench/bench_attention.py CASES) with their batch and heads, and the walk
   // that ran faster on an H100 with the backward's L2 sections (docs/PERF.md, "L2 sections"): the
-  // descending one on every case, 1-32 % (before the sections the ascending walk won by 0-3 % on
+  // descending one on every case, 1-23 % (before the sections the ascending walk won by 0-3 % on
   // causal MHA and windows, where the model ranks the two walks within 3 %). Each time
   // auto's choice is what the model gives for the chosen schedule.
   using W = st::WalkOrder;

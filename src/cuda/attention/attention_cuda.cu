@@ -432,12 +432,14 @@ class AttentionCuda final : public backend::AttentionBackend {
     } else if (order.how != BwdOrder::kColumns) {
       const int64_t group = p.heads_q / p.heads_kv;  // a group shares its query heads' Q and dO
       const int64_t group_bytes = group * 2 * p.seq_q * p.head_dim * int64_t(dtype_size(p.dtype));
-      // An ascending walk queues its columns behind each other (common/bwd_sections.h): no bound.
-      const double visits =
-          a.lists.walk.descending ? bwd_mean_column_visits(m.spec, p.seq_q, p.seq_kv, m.block_kv, kBwdTileQ) : 0.0;
-      a.handout.section_groups =
-          bwd_section_groups(p.batch * p.heads_kv, group_bytes, l2_budget(bp.q.device().index), a.grid, visits,
-                             group, bp.deterministic && order.how == BwdOrder::kAuto);
+      // The deterministic rule's walk length; an ascending walk queues its columns behind each
+      // other whatever their length (common/bwd_sections.h): none, the plain hand-out.
+      const bool det = bp.deterministic && order.how == BwdOrder::kAuto;
+      const double visits = det && a.lists.walk.descending
+                                ? bwd_mean_column_visits(m.spec, p.seq_q, p.seq_kv, m.block_kv, kBwdTileQ)
+                                : 0.0;
+      a.handout.section_groups = bwd_section_groups(p.batch * p.heads_kv, group_bytes, l2_budget(bp.q.device().index),
+                                                    a.grid, visits, group, det);
     }
     if (m.schedule.kind == ScheduleKind::kPermutation) {
       // From the mask's host vector: a capture must keep the mask alive for the graph's life.
