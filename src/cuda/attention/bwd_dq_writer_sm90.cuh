@@ -1,0 +1,126 @@
+// The backward's dQ writer (one producer thread): each 64 x D fp32 partial from shared memory into
+// the accumulator with a bulk TMA reduce-add, two adds in flight; in the deterministic mode after
+// waiting for the q tile's turn on its semaphore, and releasing the next writer once the add has
+// landed. With the primitives it synchronises with other CTAs by.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/attention/bwd_traits_sm90.cuh"
+
+namespace sparsetrain::cuda::attn {
+
+using namespace cute;
+
+// ---- synchronisation with other CTAs (deterministic dQ) ------------------------------------------
+
+__device__ __forceinline__ int32_t load_acquire(const int32_t* p) {
+  int32_t v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void add_release(int32_t* p, int32_t v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t global_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// Waits until *sem == turn. A turn that never comes can only mean a corrupt write order (the
+// scheduler guarantees progress otherwise): after spin_limit_ns the wait records what it waited
+// for in abandoned[0..3] (the dQ conversion kernel reports it), marks the run abandoned (later
+// waits return at once) and gives up the order, so the kernel cannot hang. (No printf here: the
+// writer runs in the producer warpgroup with 24 registers.)
+__device__ inline void wait_turn(const int32_t* sem, int32_t turn, const BwdArgs& a) {
+  if (load_acquire(sem) == turn) return;
+  const uint64_t start = global_ns();
+  while (load_acquire(sem) != turn) {
+    if (*reinterpret_cast<volatile int32_t*>(a.abandoned) != 0) return;
+    if (global_ns() - start > uint64_t(a.spin_limit_ns)) {
+      if (atomicExch(a.abandoned, 1) == 0) {
+        a.abandoned[1] = int32_t(sem - a.semaphores);
+        a.abandoned[2] = turn;
+        a.abandoned[3] = load_acquire(sem);
+      }
+      return;
+    }
+  }
+}
+
+__device__ __forceinline__ void bulk_reduce_add(float* gmem, const float* smem, uint32_t bytes) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(gmem), "r"(s),
+               "r"(bytes)
+               : "memory");
+}
+
+// Waits until at most N bulk groups of this thread are pending (their global writes included).
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
+}
+
+template <class T>
+__device__ void bwd_write_dq(const typename T::Params& p, typename T::SharedStorage& ss) {
+  const BwdArgs& a = p.args;
+  const int group = a.heads_q / a.heads_kv;
+  const int64_t num_items = a.handout.num_items();
+  int n_dq = 0;
+  // Two reduce-adds in flight: a partial's buffer is handed back to the consumers (and in the
+  // deterministic mode the q tile's next writer let go) once the add after it has been issued and
+  // its own has read shared memory (deterministic: landed in global memory).
+  int pending = -1;  // the buffer of the add not yet retired
+  int32_t* pending_sem = nullptr;
+  auto retire = [&](bool all) {
+    if (a.deterministic) {
+      if (all) bulk_wait<0>();
+      else bulk_wait<1>();
+      __threadfence();
+      add_release(pending_sem, 1);
+    } else if (all) {
+      tma_store_wait<0>();
+    } else {
+      tma_store_wait<1>();
+    }
+    cutlass::arch::ClusterBarrier::arrive(&ss.dq_empty[pending]);
+    pending = -1;
+  };
+  for (int n_item = 0;; ++n_item) {
+    const int32_t ticket = read_ticket<T>(ss, n_item);
+    if (ticket >= num_items) break;
+    const DqWorkItem w = a.handout.item(ticket);
+    const int b = int(w.batch), column = int(w.column);
+    // The same visits in the same order as the loader and the consumers (the walk is the one rule
+    // of bwd_item_next); each waits for its own turn, whatever the order (attention_bwd_walk.h).
+    BwdItemCursor cur = bwd_item_begin(a.lists, b, int(w.kv_head), group, column);
+    BwdVisit visit;
+    while (bwd_item_next(a.lists, b, column, cur, &visit)) {
+      const int buf = n_dq % T::kDqBuffers;
+      cutlass::arch::ClusterBarrier::wait(&ss.dq_full[buf], (n_dq / T::kDqBuffers) & 1);
+      const int64_t tile = bwd_q_tile_index(b, visit.q_head, a.heads_q, a.lists.num_q_tiles, visit.q_tile);
+      int32_t* sem = a.semaphores + tile;
+      if (a.deterministic) {
+        const int32_t turn = dq_visit_turn(visit.turn, int32_t(a.handout.sub_tiles), int32_t(w.sub_tile));
+        // Never wait for a turn while holding back a release: the writer we wait for may be
+        // waiting for it.
+        if (pending >= 0 && load_acquire(sem) != turn) retire(true);
+        wait_turn(sem, turn, a);
+      }
+      bulk_reduce_add(a.dq_accum + tile * (T::kBlockM * T::kHeadDim), ss.dq.data() + buf * (T::kBlockM * T::kHeadDim),
+                      T::kDqBytes);
+      tma_store_arrive();
+      if (pending >= 0) retire(false);
+      pending = buf;
+      pending_sem = sem;
+      if constexpr (T::kDqBuffers == 1) retire(true);  // the consumers need this buffer for the next one
+      ++n_dq;
+    }
+  }
+  if (pending >= 0) retire(true);
+}
+
+}  // namespace sparsetrain::cuda::attn

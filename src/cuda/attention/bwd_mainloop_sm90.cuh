@@ -1,0 +1,252 @@
+// The backward's mainloop: the loader (one producer thread: K and V once per item, then Q, dO, lse
+// and delta per visit through the TMA pipeline) and the two consumer warpgroups (S^T, dP^T, P^T,
+// dS^T, then dV, dQ and dK), with the in-tile mask of a transposed tile. attention_bwd_sm90.cuh
+// describes the whole kernel.
+#pragma once
+
+#include <cmath>
+
+#include "cuda/attention/bwd_epilogue_sm90.cuh"
+#include "cuda/attention/bwd_traits_sm90.cuh"
+#include "cuda/attention/mask_tile_sm90.cuh"
+
+namespace sparsetrain::cuda::attn {
+
+using namespace cute;
+
+// ---- masking (the tile is transposed: rows are keys, columns q rows; mask_tile_sm90.cuh) ---------
+
+template <class TS, class TC>
+__device__ __forceinline__ void mask_tile_t(TS& s, TC const& coord, int q0, int kv0, const BwdArgs& a, int b, int h,
+                                            int column, const BwdVisit& visit) {
+  const KernelMaskSpec& m = a.spec;
+  TileMaskCoords t{q0, kv0, a.seq_q, a.seq_kv};
+  if (m.kind == MaskKind::kBitmask) {
+    t.block_bits = m.bits + b * m.bits_stride_b + h * m.bits_stride_h + visit.q_block * m.bits_stride_m +
+                   int64_t(visit.bit_entry) * m.bits_stride_w;
+    t.block_row0 = visit.q_block * a.block_q;
+    t.block_col = kv0 - column * a.block_kv;
+    t.bits_ok = visit.bit_entry >= 0 && visit.bit_entry < m.bits_width;  // else a corrupt mask
+  }
+  // Document ids: the thread's keys (rows) in registers, queries read through L1.
+  constexpr int kKeys = decltype(size<0>(s))::value;
+  int32_t dkv[kKeys];
+  const bool docs = m.kind == MaskKind::kDocument || m.kind == MaskKind::kDocumentCausal;
+  const int32_t* doc_q = docs ? m.doc_q + b * m.doc_q_stride_b : nullptr;
+  if (docs) {
+    const int32_t* doc_kv = m.doc_kv + b * m.doc_kv_stride_b;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kKeys; ++i) {
+      const int kv = kv0 + get<0>(coord(i, 0));
+      dkv[i] = kv < a.seq_kv ? __ldg(doc_kv + kv) : INT32_MIN;
+    }
+  }
+  mask_partial_tile<false>(
+      s, coord, m, t, [&](int, int q) { return __ldg(doc_q + q); }, [&](int i, int) { return dkv[i]; });
+}
+
+template <class T>
+__device__ void bwd_load(const typename T::Params& p, typename T::SharedStorage& ss, typename T::Pipeline& pipe) {
+  const BwdArgs& a = p.args;
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename T::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutV{});
+  constexpr int D = T::kHeadDim;
+  Tensor mQ = p.tma_q.get_tma_tensor(make_shape(a.seq_q, int32_t(D), a.heads_q, a.batch));
+  Tensor mdO = p.tma_do.get_tma_tensor(make_shape(a.seq_q, int32_t(D), a.heads_q, a.batch));
+  Tensor mK = p.tma_k.get_tma_tensor(make_shape(a.seq_kv, int32_t(D), a.heads_kv, a.batch));
+  Tensor mV = p.tma_v.get_tma_tensor(make_shape(a.seq_kv, int32_t(D), a.heads_kv, a.batch));
+  using QTile = Shape<Int<T::kBlockM>, Int<D>>;
+  using KVTile = Shape<Int<T::kBlockN>, Int<D>>;
+  const int group = a.heads_q / a.heads_kv;
+  const int64_t num_items = a.handout.num_items();
+  auto write = cutlass::make_producer_start_state<typename T::Pipeline>();
+  for (int n_item = 0;; ++n_item) {
+    const int32_t ticket = atomicAdd(a.ticket, 1);
+    const int slot = n_item & 1;
+    if (n_item >= 2) cutlass::arch::ClusterBarrier::wait(&ss.ticket_empty[slot], ((n_item - 2) >> 1) & 1);
+    ss.ticket[slot] = ticket;
+    cutlass::arch::ClusterBarrier::arrive(&ss.ticket_full[slot]);
+    if (ticket >= num_items) break;
+    const DqWorkItem w = a.handout.item(ticket);
+    const int b = int(w.batch), hkv = int(w.kv_head), column = int(w.column);
+    const int kv_tile = column * int(a.handout.sub_tiles) + int(w.sub_tile);
+
+    if (n_item >= 1) cutlass::arch::ClusterBarrier::wait(&ss.kv_empty, (n_item - 1) & 1);
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.kv_full, 2 * T::kKVBytes);
+    Tensor gK = local_tile(mK(_, _, hkv, b), KVTile{}, make_coord(kv_tile, 0));
+    Tensor gV = local_tile(mV(_, _, hkv, b), KVTile{}, make_coord(kv_tile, 0));
+    auto [tKgK, tKsK] = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto [tVgV, tVsV] = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+    copy(p.tma_k.with(ss.kv_full), tKgK, tKsK);
+    copy(p.tma_v.with(ss.kv_full), tVgV, tVsV);
+
+    BwdItemCursor cur = bwd_item_begin(a.lists, b, hkv, group, column);
+    BwdVisit visit;
+    while (bwd_item_next(a.lists, b, column, cur, &visit)) {
+      const int h = visit.q_head;
+      Tensor gQ = local_tile(mQ(_, _, h, b), QTile{}, make_coord(visit.q_tile, 0));  // (64, D)
+      Tensor gdO = local_tile(mdO(_, _, h, b), QTile{}, make_coord(visit.q_tile, 0));
+      auto [tQgQ, tQsQ] =
+          tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+      auto [tdOgdO, tdOsdO] =
+          tma_partition(p.tma_do, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
+      pipe.producer_acquire(write);
+      uint64_t* bar = pipe.producer_get_barrier(write);
+      const int st = write.index();
+      copy(p.tma_q.with(*bar, 0), tQgQ, tQsQ(_, st));
+      copy(p.tma_do.with(*bar, 0), tdOgdO, tdOsdO(_, st));
+      const int64_t row0 = bwd_q_tile_index(b, h, a.heads_q, a.lists.num_q_tiles, visit.q_tile) * T::kBlockM;
+      SM90_BULK_COPY_G2S::copy(a.lse_log2 + row0, bar, ss.lse[st], int32_t(T::kRowBytes));
+      SM90_BULK_COPY_G2S::copy(a.delta + row0, bar, ss.delta[st], int32_t(T::kRowBytes));
+      ++write;
+    }
+  }
+}
+
+template <class T>
+__device__ void bwd_compute(const typename T::Params& p, typename T::SharedStorage& ss, typename T::Pipeline& pipe,
+                            int tid) {
+  using Element = typename T::Element;
+  constexpr int M = T::kBlockM, N = T::kBlockN, D = T::kHeadDim;
+  const BwdArgs& a = p.args;
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQ{});
+  Tensor sdO = make_tensor(make_smem_ptr(ss.dout.data()), typename T::SmemLayoutQ{});
+  Tensor sQt = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQt{});
+  Tensor sdOt = make_tensor(make_smem_ptr(ss.dout.data()), typename T::SmemLayoutQt{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutK{});
+  Tensor sKt = make_tensor(make_smem_ptr(ss.k.data()), typename T::SmemLayoutKt{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutV{});
+  Tensor sdS = make_tensor(make_smem_ptr(ss.ds.data()), typename T::SmemLayoutDs{});
+
+  typename T::MmaSdP mma_sdp;
+  typename T::MmaDkv mma_dkv;
+  typename T::MmaDq mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(tid);
+  auto thr_dkv = mma_dkv.get_thread_slice(tid);
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+  // S^T and dP^T.
+  Tensor tSrK = thr_sdp.partition_fragment_A(sK);     // (MMA, keys, D)
+  Tensor tSrQ = thr_sdp.partition_fragment_B(sQ);     // (MMA, q, D, stage)
+  Tensor tPrV = thr_sdp.partition_fragment_A(sV);
+  Tensor tPrdO = thr_sdp.partition_fragment_B(sdO);
+  Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<N>, Int<M>>{});
+  Tensor tPrP = partition_fragment_C(mma_sdp, Shape<Int<N>, Int<M>>{});
+  Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<N>, Int<M>>{}));
+  Tensor S = make_tensor(tSrS.data(), acc_rowcol(tSrS.layout()));  // (keys, q) of this thread
+  Tensor dP = make_tensor(tPrP.data(), acc_rowcol(tPrP.layout()));
+  Tensor S_coord = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
+  // dV and dK.
+  Tensor tdVrdO = thr_dkv.partition_fragment_B(sdOt);  // (MMA, D, q, stage)
+  Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
+  Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<N>, Int<D>>{});
+  Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<N>, Int<D>>{});
+  Tensor tdKVcdKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<N>, Int<D>>{}));
+  Tensor tdKVcdKV0 = mma_dkv.get_thread_slice(0).partition_C(make_identity_tensor(Shape<Int<N>, Int<D>>{}));
+  Tensor rP = make_tensor_like<Element>(tSrS);
+  Tensor rdS = make_tensor_like<Element>(tSrS);
+  Tensor tdVrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
+  Tensor tdKrdS = make_tensor(rdS.data(), acc_as_a_operand(rdS.layout()));
+  // dQ.
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);  // (MMA, q, keys, buffer)
+  Tensor tdQrK = thr_dq.partition_fragment_B(sKt);   // (MMA, D half, keys)
+  Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<M>, Int<D>>{});
+  Tensor sdSt = make_tensor(make_smem_ptr(ss.ds.data()), typename T::SmemLayoutDsT{});
+  typename T::SmemCopyDs copy_ds;
+  auto thr_copy_ds = copy_ds.get_thread_slice(tid);
+  Tensor tdSsdS = thr_copy_ds.partition_D(sdSt);
+  Tensor tdSrdS = thr_copy_ds.retile_S(rdS);
+
+  const float scale_log2 = p.scale_log2;
+  const int group = a.heads_q / a.heads_kv;
+  const int64_t num_items = a.handout.num_items();
+  cutlass::PipelineState<T::kStages> read;
+  int n_dq = 0, n_tile = 0;
+  // A tile's dQ partial, from registers to shared memory for the writer thread, while the tile's
+  // dK GEMM runs. (Deferring it past the next tile's first GEMMs runs out of registers: ptxas
+  // then serialises. So did walking the mask one visit ahead here, as the forward does: ~130
+  // spilled loads and stores per tile.)
+  auto write_dq = [&] {
+    const int buf = n_dq % T::kDqBuffers;
+    if (n_dq >= T::kDqBuffers)  // the writer has read the buffer's previous partial
+      cutlass::arch::ClusterBarrier::wait(&ss.dq_empty[buf], (n_dq / T::kDqBuffers - 1) & 1);
+    float* out = ss.dq.data() + buf * (M * D);
+    static_assert(decltype(size(tdQrdQ))::value % 4 == 0, "dQ fragments go out as float4");
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(tdQrdQ); i += 4)
+      *reinterpret_cast<float4*>(out + dq_fragment_offset<T>(tid, i)) =
+          make_float4(tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2), tdQrdQ(i + 3));
+    cutlass::arch::fence_view_async_shared();
+    cutlass::arch::ClusterBarrier::arrive(&ss.dq_full[buf]);
+    ++n_dq;
+  };
+  for (int n_item = 0;; ++n_item) {
+    const int32_t ticket = read_ticket<T>(ss, n_item);
+    if (ticket >= num_items) break;
+    const DqWorkItem w = a.handout.item(ticket);
+    const int b = int(w.batch), hkv = int(w.kv_head), column = int(w.column);
+    const int kv0 = (column * int(a.handout.sub_tiles) + int(w.sub_tile)) * N;
+    const bool crosses_end = kv0 + N > a.seq_kv;
+    clear(tdVrdV);
+    clear(tdKrdK);
+    cutlass::arch::ClusterBarrier::wait(&ss.kv_full, n_item & 1);
+    // dK and dV sum the visits in walk order: a function of the schedule, never of the grid.
+    BwdItemCursor cur = bwd_item_begin(a.lists, b, hkv, group, column);
+    BwdVisit visit;
+    while (bwd_item_next(a.lists, b, column, cur, &visit)) {
+      const int h = visit.q_head;
+      const int st = read.index();
+      const int q0 = visit.q_tile * M;
+      pipe.consumer_wait(read);
+      warpgroup_gemm_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, st), tSrS);
+      warpgroup_gemm_issue<true>(mma_sdp, tPrV, tPrdO(_, _, _, st), tPrP);
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(tSrS);
+      if (visit.partial) {
+        mask_tile_t(S, S_coord, q0, kv0, a, b, h, column, visit);
+      } else if (crosses_end) {
+        mask_seq_kv<false>(S, S_coord, kv0, a.seq_kv);
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < size<1>(S); ++j) {
+        const float lse = ss.lse[st][get<1>(S_coord(0, j))];
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size<0>(S); ++i)
+          S(i, j) = S(i, j) == -INFINITY ? 0.f : fast_exp2(S(i, j) * scale_log2 - lse);
+      }
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tPrP);
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < size<1>(dP); ++j) {
+        const float delta = ss.delta[st][get<1>(S_coord(0, j))];
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size<0>(dP); ++i) dP(i, j) = S(i, j) * (dP(i, j) - delta);
+      }
+      convert_p(tSrS, rP);
+      convert_p(tPrP, rdS);
+      // dS^T -> dS in shared memory (q contiguous): both warpgroups' halves are needed by each
+      // one's dQ GEMM. dV += P^T dO runs while the warpgroups meet at the barrier.
+      const int buf = n_tile & 1;
+      copy(copy_ds, tdSrdS, tdSsdS(_, _, _, buf));
+      warpgroup_gemm_issue<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, st), tdVrdV);
+      cutlass::arch::fence_view_async_shared();
+      cutlass::arch::NamedBarrier::sync(T::kMmaThreads, 1);
+      warpgroup_gemm_issue<true>(mma_dq, tdQrdS(_, _, _, buf), tdQrK, tdQrdQ);
+      warpgroup_gemm_issue<false>(mma_dkv, tdKrdS, tdKrQ(_, _, _, st), tdKrdK);
+      warpgroup_wait<1>();  // dV and dQ done: dQ goes to shared memory while dK += dS^T Q runs
+      warpgroup_fence_operand(tdQrdQ);
+      write_dq();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tdVrdV);
+      warpgroup_fence_operand(tdKrdK);
+      pipe.consumer_release(read);
+      ++read;
+      ++n_tile;
+    }
+    cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty);  // the last dQ GEMM has read K
+    bwd_store_dkdv<T>(a, b, hkv, kv0, tdKrdK, tdVrdV, tdKVcdKV, tdKVcdKV0);
+  }
+}
+
+}  // namespace sparsetrain::cuda::attn
