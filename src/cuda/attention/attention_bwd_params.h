@@ -7,6 +7,7 @@
 #include "common/attention_bwd_walk.h"
 #include "common/dq_schedule_model.h"
 #include "cuda/attention/attention_fwd_params.h"  // KernelMaskSpec: the mask inside partial blocks
+#include "cuda/attention/tile_scheduler.h"        // BwdTicketScheduler
 
 namespace sparsetrain::cuda::attn {
 
@@ -32,7 +33,6 @@ struct BwdArgs {
   const float* delta;     // rowsum(dout * o)
   float* dq_accum;        // [B, Hq, num_q_tiles, 64 * D] fp32 (tiles in fragment order), zeroed first
   int32_t* semaphores;    // [B * Hq * num_q_tiles], zeroed before every backward
-  int32_t* ticket;        // the work counter, zeroed before every backward
   // [4]: set when a dQ wait timed out (a corrupt write order; no more waits), then the q tile's
   // semaphore index, the turn waited for and the value found, for the report.
   int32_t* abandoned;
@@ -41,7 +41,9 @@ struct BwdArgs {
   MaskColumnLists lists;  // q tiles in units of kBwdTileQ
   KernelMaskSpec spec;
   int32_t block_q, block_kv;
-  DqColumnHandout handout;  // sub_tiles = dq_sub_tiles(block_kv); permutation in device memory
+  // The hand-out (sub_tiles = dq_sub_tiles(block_kv); permutation in device memory) and the work
+  // counter, zeroed before every backward.
+  BwdTicketScheduler sched;
   int32_t grid;             // persistent CTAs
   bool deterministic;
   int64_t spin_limit_ns;    // a dQ wait longer than this reports and gives up (no hang)

@@ -235,10 +235,6 @@ void check_tma_operand(const TensorView& t, const char* name, DType dtype) {
                "strides [", t.stride(0), ", ", t.stride(1), ", ", t.stride(2), ", 1] at ", t.data());
 }
 
-int grid_of(int64_t items, int device, int sm_limit) {
-  return cuda::attn::persistent_grid(items, cuda::sm_count(device), sm_limit);
-}
-
 class AttentionCuda final : public backend::AttentionBackend {
  public:
   void check_supported(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
@@ -318,7 +314,7 @@ class AttentionCuda final : public backend::AttentionBackend {
     a.num_items = int32_t(p.batch * p.heads_q * a.q_tiles);
     FwdWorkRecord* records = static_cast<FwdWorkRecord*>(scratch);
     a.records = records;
-    a.grid = grid_of(a.num_items, fp.q.device().index, fp.sm_limit);
+    a.grid = cuda::attn::FwdTicketScheduler::grid_shape(a.num_items, cuda::sm_count(fp.q.device().index), fp.sm_limit);
     const FwdOrder order = fwd_order();
     int32_t* ticket = reinterpret_cast<int32_t*>(records + a.num_items);
     a.ticket = order.dynamic ? ticket : nullptr;
@@ -371,7 +367,7 @@ class AttentionCuda final : public backend::AttentionBackend {
     a.do_stride_b = bp.dout.stride(0), a.do_stride_s = bp.dout.stride(1), a.do_stride_h = bp.dout.stride(2);
     a.dk = bp.dk.data(), a.dv = bp.dv.data();
     a.lse_log2 = ws.lse_log2, a.delta = ws.delta, a.dq_accum = ws.dq_accum;
-    a.semaphores = ws.semaphores, a.ticket = ws.counters, a.abandoned = ws.counters + 1;
+    a.semaphores = ws.semaphores, a.sched.ticket = ws.counters, a.abandoned = ws.counters + 1;
     a.batch = int32_t(p.batch), a.seq_q = int32_t(p.seq_q), a.seq_kv = int32_t(p.seq_kv);
     a.heads_q = int32_t(p.heads_q), a.heads_kv = int32_t(p.heads_kv);
     a.scale = p.scale;
@@ -392,14 +388,16 @@ class AttentionCuda final : public backend::AttentionBackend {
     a.lists.walk = mask_walk_shape(m, m.schedule.walk);  // in both modes: dK / dV bits follow it
     a.spec = mask_spec_args(m);
     a.block_q = int32_t(m.block_q), a.block_kv = int32_t(m.block_kv);
-    a.handout.batch = p.batch;
-    a.handout.kv_heads = p.heads_kv;
-    a.handout.num_columns = m.num_kv_blocks();
-    a.handout.sub_tiles = dq_sub_tiles(m.block_kv);  // block_kv / kBwdTileKv: a multiple (checked)
-    a.handout.kind = m.schedule.kind;
-    a.grid = grid_of(a.handout.num_items(), bp.q.device().index, bp.sm_limit);
+    DqColumnHandout& handout = a.sched.handout;
+    handout.batch = p.batch;
+    handout.kv_heads = p.heads_kv;
+    handout.num_columns = m.num_kv_blocks();
+    handout.sub_tiles = dq_sub_tiles(m.block_kv);  // block_kv / kBwdTileKv: a multiple (checked)
+    handout.kind = m.schedule.kind;
+    const int device = bp.q.device().index;
+    a.grid = cuda::attn::BwdTicketScheduler::grid_shape(handout.num_items(), cuda::sm_count(device), bp.sm_limit);
     if (const BwdOrder order = bwd_order(); order.how == BwdOrder::kFixed) {
-      a.handout.section_groups = order.groups;
+      handout.section_groups = order.groups;
     } else if (order.how != BwdOrder::kColumns) {
       const int64_t group = p.heads_q / p.heads_kv;  // a group shares its query heads' Q and dO
       const int64_t group_bytes = group * 2 * p.seq_q * p.head_dim * int64_t(dtype_size(p.dtype));
@@ -409,15 +407,15 @@ class AttentionCuda final : public backend::AttentionBackend {
       const double visits = det && a.lists.walk.descending
                                 ? bwd_mean_column_visits(m.spec, p.seq_q, p.seq_kv, m.block_kv, kBwdTileQ)
                                 : 0.0;
-      a.handout.section_groups = bwd_section_groups(p.batch * p.heads_kv, group_bytes, l2_budget(bp.q.device().index),
-                                                    a.grid, visits, group, det);
+      handout.section_groups =
+          bwd_section_groups(p.batch * p.heads_kv, group_bytes, l2_budget(device), a.grid, visits, group, det);
     }
     if (m.schedule.kind == ScheduleKind::kPermutation) {
       // From the mask's host vector: a capture must keep the mask alive for the graph's life.
       ST_CUDA_CHECK(cudaMemcpyAsync(ws.permutation, m.schedule.permutation.data(),
                                     m.schedule.permutation.size() * sizeof(int32_t), cudaMemcpyHostToDevice, s),
                     "CUDA attention: cudaMemcpyAsync (schedule permutation)");
-      a.handout.permutation = ws.permutation;
+      handout.permutation = ws.permutation;
     }
     a.deterministic = bp.deterministic;
     a.spin_limit_ns = spin_limit_ns();

@@ -68,7 +68,7 @@ template <class T>
 __device__ void bwd_write_dq(const typename T::Params& p, typename T::SharedStorage& ss) {
   const BwdArgs& a = p.args;
   const int group = a.heads_q / a.heads_kv;
-  const int64_t num_items = a.handout.num_items();
+  const BwdTicketScheduler& sched = a.sched;
   int n_dq = 0;
   // Two reduce-adds in flight: a partial's buffer is handed back to the consumers (and in the
   // deterministic mode the q tile's next writer let go) once the add after it has been issued and
@@ -91,8 +91,8 @@ __device__ void bwd_write_dq(const typename T::Params& p, typename T::SharedStor
   };
   for (int n_item = 0;; ++n_item) {
     const int32_t ticket = read_ticket<T>(ss, n_item);
-    if (ticket >= num_items) break;
-    const DqWorkItem w = a.handout.item(ticket);
+    if (!sched.valid(ticket)) break;
+    const DqWorkItem w = sched.item(ticket);
     const int b = int(w.batch), column = int(w.column);
     // The same visits in the same order as the loader and the consumers (the walk is the one rule
     // of bwd_item_next); each waits for its own turn, whatever the order (attention_bwd_walk.h).
@@ -104,7 +104,7 @@ __device__ void bwd_write_dq(const typename T::Params& p, typename T::SharedStor
       const int64_t tile = bwd_q_tile_index(b, visit.q_head, a.heads_q, a.lists.num_q_tiles, visit.q_tile);
       int32_t* sem = a.semaphores + tile;
       if (a.deterministic) {
-        const int32_t turn = dq_visit_turn(visit.turn, int32_t(a.handout.sub_tiles), int32_t(w.sub_tile));
+        const int32_t turn = dq_visit_turn(visit.turn, int32_t(a.sched.handout.sub_tiles), int32_t(w.sub_tile));
         // Never wait for a turn while holding back a release: the writer we wait for may be
         // waiting for it.
         if (pending >= 0 && load_acquire(sem) != turn) retire(true);

@@ -60,18 +60,18 @@ __device__ void bwd_load(const typename T::Params& p, typename T::SharedStorage&
   using QTile = Shape<Int<T::kBlockM>, Int<D>>;
   using KVTile = Shape<Int<T::kBlockN>, Int<D>>;
   const int group = a.heads_q / a.heads_kv;
-  const int64_t num_items = a.handout.num_items();
+  const BwdTicketScheduler& sched = a.sched;
   auto write = cutlass::make_producer_start_state<typename T::Pipeline>();
-  for (int n_item = 0;; ++n_item) {
-    const int32_t ticket = atomicAdd(a.ticket, 1);
+  int32_t ticket = sched.initial_work();
+  for (int n_item = 0;; ++n_item, ticket = sched.next_work(ticket)) {
     const int slot = n_item & 1;
     if (n_item >= 2) cutlass::arch::ClusterBarrier::wait(&ss.ticket_empty[slot], ((n_item - 2) >> 1) & 1);
     ss.ticket[slot] = ticket;
     cutlass::arch::ClusterBarrier::arrive(&ss.ticket_full[slot]);
-    if (ticket >= num_items) break;
-    const DqWorkItem w = a.handout.item(ticket);
+    if (!sched.valid(ticket)) break;
+    const DqWorkItem w = sched.item(ticket);
     const int b = int(w.batch), hkv = int(w.kv_head), column = int(w.column);
-    const int kv_tile = column * int(a.handout.sub_tiles) + int(w.sub_tile);
+    const int kv_tile = column * int(a.sched.handout.sub_tiles) + int(w.sub_tile);
 
     if (n_item >= 1) cutlass::arch::ClusterBarrier::wait(&ss.kv_empty, (n_item - 1) & 1);
     cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.kv_full, 2 * T::kKVBytes);
@@ -160,7 +160,7 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
 
   const float scale_log2 = p.scale_log2;
   const int group = a.heads_q / a.heads_kv;
-  const int64_t num_items = a.handout.num_items();
+  const BwdTicketScheduler& sched = a.sched;
   cutlass::PipelineState<T::kStages> read;
   int n_dq = 0, n_tile = 0;
   // A tile's dQ partial, from registers to shared memory for the writer thread, while the tile's
@@ -183,10 +183,10 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
   };
   for (int n_item = 0;; ++n_item) {
     const int32_t ticket = read_ticket<T>(ss, n_item);
-    if (ticket >= num_items) break;
-    const DqWorkItem w = a.handout.item(ticket);
+    if (!sched.valid(ticket)) break;
+    const DqWorkItem w = sched.item(ticket);
     const int b = int(w.batch), hkv = int(w.kv_head), column = int(w.column);
-    const int kv0 = (column * int(a.handout.sub_tiles) + int(w.sub_tile)) * N;
+    const int kv0 = (column * int(a.sched.handout.sub_tiles) + int(w.sub_tile)) * N;
     const bool crosses_end = kv0 + N > a.seq_kv;
     clear(tdVrdV);
     clear(tdKrdK);
