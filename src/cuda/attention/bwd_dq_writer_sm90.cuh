@@ -1,7 +1,7 @@
 // The backward's dQ writer (one producer thread): each 64 x D fp32 partial from shared memory into
 // the accumulator with a bulk TMA reduce-add, two adds in flight; in the deterministic mode after
 // waiting for the q tile's turn on its semaphore, and releasing the next writer once the add has
-// landed. With the primitives it synchronises with other CTAs by.
+// landed; and the primitives it synchronises with other CTAs through.
 #pragma once
 
 #include <cstdint>

@@ -124,7 +124,7 @@ __host__ __device__ constexpr int dq_fragment_offset(int thread, int i) {
   return ((i / 4) * T::kMmaThreads + thread) * 4 + i % 4;
 }
 
-// Every role takes the same tickets in the same order: the loader draws them from the counter and
+// Every role takes the same tickets in the same order: the loader draws them (BwdTicketScheduler) and
 // passes each on through a two-slot ring in shared memory.
 template <class T>
 __device__ __forceinline__ int32_t read_ticket(typename T::SharedStorage& ss, int n_item) {
