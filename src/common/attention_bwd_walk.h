@@ -113,7 +113,14 @@ ST_HOST_DEVICE inline BwdColumnCursor bwd_column_begin(const MaskColumnLists& l,
 }
 
 // The next q tile of column n's walk for (b, h) into *v, in the direction of l.walk (the merge of
-// the two lists, from the front or from the back); false when the walk is done.
+// the two lists, from the front or from the back); false when the walk is done. kFields: which of
+// a visit's optional fields the caller reads (BwdVisitField bits); the others stay turn 0 /
+// bit_entry -1. The kernel's loader (neither) and dQ writer (turns) walk in the producer
+// warpgroup's 40 registers, where the loads and the bitmask entry's search they never read
+// spilled (ptxas); the consumers read bit entries, not turns.
+enum BwdVisitField : int { kVisitTurn = 1, kVisitBitEntry = 2, kVisitAll = 3 };
+
+template <int kFields = kVisitAll>
 ST_HOST_DEVICE inline bool bwd_column_next(const MaskColumnLists& l, int64_t b, int64_t h, int32_t n,
                                            BwdColumnCursor& c, BwdVisit* v) {
   const bool down = l.walk.descending;
@@ -135,8 +142,12 @@ ST_HOST_DEVICE inline bool bwd_column_next(const MaskColumnLists& l, int64_t b, 
     const MaskIndexView& turns = partial ? l.partial_turn : l.full_turn;
     c.block.q_block = m;
     c.block.partial = partial;
-    c.block.turn = turns.data != nullptr ? turns.row(b, h, n)[int64_t(entry) * turns.stride_w] : 0;
-    c.block.bit_entry = partial && l.find_bit_entry ? find_in_row(l.kv_count, l.kv_index, b, h, m, n) : -1;
+    c.block.turn = (kFields & kVisitTurn) != 0 && turns.data != nullptr
+                       ? turns.row(b, h, n)[int64_t(entry) * turns.stride_w]
+                       : 0;
+    c.block.bit_entry = (kFields & kVisitBitEntry) != 0 && partial && l.find_bit_entry
+                            ? find_in_row(l.kv_count, l.kv_index, b, h, m, n)
+                            : -1;
     const int32_t first = m * l.q_tiles_per_block;
     const int32_t end = first + l.q_tiles_per_block < l.num_q_tiles ? first + l.q_tiles_per_block : l.num_q_tiles;
     c.tiles_left = end - first;
@@ -153,8 +164,7 @@ ST_HOST_DEVICE inline bool bwd_column_next(const MaskColumnLists& l, int64_t b, 
 // the order of l.walk (heads innermost: each q tile of the shared walk once per head; else one
 // head's column walk after the other).
 struct BwdItemCursor {
-  BwdColumnCursor column;
-  BwdVisit visit{};      // heads innermost: the current q tile, handed out once per head
+  BwdColumnCursor column;  // heads innermost: its last visit is the current q tile, once per head
   int32_t head = 0;      // g of the visit handed out next
   int32_t head0 = 0, group = 1;
 };
@@ -169,20 +179,26 @@ ST_HOST_DEVICE inline BwdItemCursor bwd_item_begin(const MaskColumnLists& l, int
   return c;
 }
 
-// The next visit of the item (v->q_head set); false when the item is done.
+// The next visit of the item (v->q_head set); false when the item is done. kFields: as
+// bwd_column_next's.
+template <int kFields = kVisitAll>
 ST_HOST_DEVICE inline bool bwd_item_next(const MaskColumnLists& l, int64_t b, int32_t n, BwdItemCursor& c,
                                          BwdVisit* v) {
   if (l.walk.heads_inner) {
     if (c.head >= c.group) {  // the shared lists (those of head0) are every head's: the next q tile
-      if (!bwd_column_next(l, b, c.head0, n, c.column, &c.visit)) return false;
+      if (!bwd_column_next<kFields>(l, b, c.head0, n, c.column, v)) return false;
       c.head = 0;
+    } else {
+      // The column's last visit again, rebuilt from the cursor (not held: the kernel's loader and
+      // dQ writer walk in 40 registers): its block, and the tile before the cursor's next one.
+      *v = c.column.block;
+      v->q_tile = c.column.tile + (l.walk.descending ? 1 : -1);
     }
-    *v = c.visit;
     v->q_head = c.head0 + c.head++;
     return true;
   }
   if (c.head >= c.group) return false;  // done: never read the lists of a head past the group
-  while (!bwd_column_next(l, b, c.head0 + c.head, n, c.column, v)) {
+  while (!bwd_column_next<kFields>(l, b, c.head0 + c.head, n, c.column, v)) {
     if (++c.head >= c.group) return false;
     c.column = bwd_column_begin(l, b, c.head0 + c.head, n);
   }

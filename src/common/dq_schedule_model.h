@@ -50,15 +50,20 @@ struct DqColumnHandout {
   int64_t section_groups = 0;            // groups per section; 0 (or >= all): one section
 
   ST_HOST_DEVICE int64_t num_items() const { return batch * kv_heads * num_columns * sub_tiles; }
-  ST_HOST_DEVICE DqWorkItem item(int64_t ticket) const {
-    const int64_t groups = batch * kv_heads, per_group = num_columns * sub_tiles;
-    const int64_t section = section_groups > 0 && section_groups < groups ? section_groups : groups;
-    const int64_t first = ticket / (section * per_group) * section;  // every earlier section is full
-    const int64_t size = groups - first < section ? groups - first : section;
-    const int64_t r = ticket - first * per_group;
-    const int64_t sub_position = r / size, g = first + r % size;
-    const int64_t column = schedule_column(kind, permutation, sub_position / sub_tiles, num_columns);
-    return {g / kv_heads, g % kv_heads, column, sub_position % sub_tiles};
+  ST_HOST_DEVICE DqWorkItem item(int64_t ticket) const { return item_in<int64_t>(ticket); }
+  // The same in index type I: the kernel's int32 (its tickets are; the backend checks that
+  // num_items fits), whose divisions are a few instructions where int64's are a call that spilled
+  // the 40-register loader and dQ writer.
+  template <class I>
+  ST_HOST_DEVICE DqWorkItem item_in(I ticket) const {
+    const I groups = I(batch * kv_heads), per_group = I(num_columns * sub_tiles), subs = I(sub_tiles);
+    const I section = section_groups > 0 && section_groups < groups ? I(section_groups) : groups;
+    const I first = ticket / (section * per_group) * section;  // every earlier section is full
+    const I size = groups - first < section ? groups - first : section;
+    const I r = ticket - first * per_group;
+    const I sub_position = r / size, g = first + r % size;
+    const I column = I(schedule_column(kind, permutation, sub_position / subs, num_columns));
+    return {g / I(kv_heads), g % I(kv_heads), column, sub_position % subs};
   }
 };
 

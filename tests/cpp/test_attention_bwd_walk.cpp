@@ -20,6 +20,7 @@
 #include <set>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "common/attention_bwd_walk.h"
@@ -651,6 +652,25 @@ std::vector<HeadVisit> item_walk(const st::MaskColumnLists& l, int64_t b, int32_
     }
   }
   EXPECT_FALSE(st::bwd_item_next(l, b, n, c, &v)) << "a finished item stays finished";
+  // The kernel's roles read fewer fields (kFields): the same visits, the others left at turn 0 /
+  // bit_entry -1.
+  auto fewer = [&](auto fields) {
+    constexpr int kFields = decltype(fields)::value;
+    std::vector<HeadVisit> got;
+    st::BwdItemCursor cf = st::bwd_item_begin(l, b, hkv, group, n);
+    st::BwdVisit vf{};
+    while (got.size() <= out.size() && st::bwd_item_next<kFields>(l, b, n, cf, &vf))
+      got.push_back({vf.q_head, {vf.q_block, vf.q_tile, vf.turn, vf.bit_entry, vf.partial}});
+    std::vector<HeadVisit> want = out;
+    for (HeadVisit& h : want) {
+      if ((kFields & st::kVisitTurn) == 0) h.v.turn = 0;
+      if ((kFields & st::kVisitBitEntry) == 0) h.v.bit_entry = -1;
+    }
+    EXPECT_EQ(got, want) << "kFields " << kFields;
+  };
+  fewer(std::integral_constant<int, 0>{});
+  fewer(std::integral_constant<int, st::kVisitTurn>{});
+  fewer(std::integral_constant<int, st::kVisitBitEntry>{});
   return out;
 }
 

@@ -33,18 +33,24 @@ TEST(AttentionTileScheduler, ForwardStaticHandOutCoversEveryPositionOnce) {
 }
 
 TEST(AttentionTileScheduler, BackwardTicketsMapToTheHandOutsItemsAndEndAtItsCount) {
-  attn::BwdTicketScheduler s;
-  s.handout.batch = 2, s.handout.kv_heads = 3, s.handout.num_columns = 5, s.handout.sub_tiles = 2;
-  s.handout.section_groups = 4;  // a short last section
-  const int64_t n = s.handout.num_items();
-  ASSERT_EQ(n, 2 * 3 * 5 * 2);
-  std::set<std::tuple<int64_t, int64_t, int64_t, int64_t>> items;
-  for (int32_t t = 0; t < n; ++t) {
-    ASSERT_TRUE(s.valid(t)) << t;
-    const sparsetrain::DqWorkItem w = s.item(t), h = s.handout.item(t);
-    EXPECT_EQ(std::tie(w.batch, w.kv_head, w.column, w.sub_tile), std::tie(h.batch, h.kv_head, h.column, h.sub_tile));
-    items.insert({w.batch, w.kv_head, w.column, w.sub_tile});
-  }
-  EXPECT_EQ(int64_t(items.size()), n);  // every (batch, kv head, column, sub-column) once
-  EXPECT_FALSE(s.valid(int32_t(n)));    // the first ticket past the end stops every role
+  // The kernel's int32 index math (item_in<int32_t>) gives the model's int64 items.
+  for (const int64_t sections : {int64_t(0), int64_t(4), int64_t(5)})
+    for (const auto kind : {sparsetrain::ScheduleKind::kLeftToRight, sparsetrain::ScheduleKind::kShortestFirst}) {
+      attn::BwdTicketScheduler s;
+      s.handout.batch = 2, s.handout.kv_heads = 3, s.handout.num_columns = 5, s.handout.sub_tiles = 2;
+      s.handout.section_groups = sections;  // 4: a short last section
+      s.handout.kind = kind;
+      const int64_t n = s.handout.num_items();
+      ASSERT_EQ(n, 2 * 3 * 5 * 2);
+      std::set<std::tuple<int64_t, int64_t, int64_t, int64_t>> items;
+      for (int32_t t = 0; t < n; ++t) {
+        ASSERT_TRUE(s.valid(t)) << t;
+        const sparsetrain::DqWorkItem w = s.item(t), h = s.handout.item(t);
+        EXPECT_EQ(std::tie(w.batch, w.kv_head, w.column, w.sub_tile), std::tie(h.batch, h.kv_head, h.column, h.sub_tile))
+            << "sections " << sections << " ticket " << t;
+        items.insert({w.batch, w.kv_head, w.column, w.sub_tile});
+      }
+      EXPECT_EQ(int64_t(items.size()), n);  // every (batch, kv head, column, sub-column) once
+      EXPECT_FALSE(s.valid(int32_t(n)));    // the first ticket past the end stops every role
+    }
 }

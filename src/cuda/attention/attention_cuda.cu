@@ -275,6 +275,12 @@ class AttentionCuda final : public backend::AttentionBackend {
                  "D = ", p.head_dim, " (", dtype_name(p.dtype), ")");
     const int64_t limit = int64_t(1) << 30;
     const int64_t items = p.batch * p.heads_q * q_tiles_of(p);
+    if (backward != nullptr) {
+      // The backward's tickets are int32 (BwdTicketScheduler, its index math 32-bit).
+      const int64_t tickets = p.batch * p.heads_kv * mask.num_kv_blocks() * dq_sub_tiles(mask.block_kv);
+      ST_CHECK_ARG(tickets < (int64_t(1) << 31), "k", "B * Hkv * ceil(Skv / 128) below 2^31 (the backward's work items)",
+                   tickets, " items");
+    }
     ST_CHECK_ARG(p.seq_q < limit && p.seq_kv < limit && items < limit, "q",
                  "Sq, Skv and B * Hq * ceil(Sq / 128) below 2^30 (32-bit indexing)", "Sq = ", p.seq_q,
                  ", Skv = ", p.seq_kv, ", ", items, " q tiles");

@@ -93,18 +93,18 @@ __device__ void bwd_write_dq(const typename T::Params& p, typename T::SharedStor
     const int32_t ticket = read_ticket<T>(ss, n_item);
     if (!sched.valid(ticket)) break;
     const DqWorkItem w = sched.item(ticket);
-    const int b = int(w.batch), column = int(w.column);
+    const int b = int(w.batch), column = int(w.column), sub_tile = int(w.sub_tile);
     // The same visits in the same order as the loader and the consumers (the walk is the one rule
     // of bwd_item_next); each waits for its own turn, whatever the order (attention_bwd_walk.h).
     BwdItemCursor cur = bwd_item_begin(a.lists, b, int(w.kv_head), group, column);
     BwdVisit visit;
-    while (bwd_item_next(a.lists, b, column, cur, &visit)) {
+    while (bwd_item_next<kVisitTurn>(a.lists, b, column, cur, &visit)) {
       const int buf = n_dq % T::kDqBuffers;
       cutlass::arch::ClusterBarrier::wait(&ss.dq_full[buf], (n_dq / T::kDqBuffers) & 1);
       const int64_t tile = bwd_q_tile_index(b, visit.q_head, a.heads_q, a.lists.num_q_tiles, visit.q_tile);
       int32_t* sem = a.semaphores + tile;
       if (a.deterministic) {
-        const int32_t turn = dq_visit_turn(visit.turn, int32_t(a.sched.handout.sub_tiles), int32_t(w.sub_tile));
+        const int32_t turn = dq_visit_turn(visit.turn, int32_t(a.sched.handout.sub_tiles), sub_tile);
         // Never wait for a turn while holding back a release: the writer we wait for may be
         // waiting for it.
         if (pending >= 0 && load_acquire(sem) != turn) retire(true);

@@ -84,7 +84,7 @@ __device__ void bwd_load(const typename T::Params& p, typename T::SharedStorage&
 
     BwdItemCursor cur = bwd_item_begin(a.lists, b, hkv, group, column);
     BwdVisit visit;
-    while (bwd_item_next(a.lists, b, column, cur, &visit)) {
+    while (bwd_item_next</*kFields=*/0>(a.lists, b, column, cur, &visit)) {
       const int h = visit.q_head;
       Tensor gQ = local_tile(mQ(_, _, h, b), QTile{}, make_coord(visit.q_tile, 0));  // (64, D)
       Tensor gdO = local_tile(mdO(_, _, h, b), QTile{}, make_coord(visit.q_tile, 0));
@@ -194,7 +194,7 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
     // dK and dV sum the visits in walk order: a function of the schedule, never of the grid.
     BwdItemCursor cur = bwd_item_begin(a.lists, b, hkv, group, column);
     BwdVisit visit;
-    while (bwd_item_next(a.lists, b, column, cur, &visit)) {
+    while (bwd_item_next<kVisitBitEntry>(a.lists, b, column, cur, &visit)) {
       const int h = visit.q_head;
       const int st = read.index();
       const int q0 = visit.q_tile * M;

@@ -59,7 +59,7 @@ struct BwdTicketScheduler {
     return persistent_grid(items, sms, sm_limit);
   }
   ST_HOST_DEVICE bool valid(int32_t index) const { return index < handout.num_items(); }
-  ST_HOST_DEVICE DqWorkItem item(int32_t index) const { return handout.item(index); }
+  ST_HOST_DEVICE DqWorkItem item(int32_t index) const { return handout.item_in<int32_t>(index); }
 #if defined(__CUDACC__)
   // Every call draws the next ticket: one thread of a CTA draws and passes it on to the others.
   __device__ int32_t initial_work() const { return atomicAdd(ticket, 1); }
