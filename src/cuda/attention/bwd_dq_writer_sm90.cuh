@@ -74,13 +74,15 @@ __device__ void bwd_write_dq(const typename T::Params& p, typename T::SharedStor
   // deterministic mode the q tile's next writer let go) once the add after it has been issued and
   // its own has read shared memory (deterministic: landed in global memory).
   int pending = -1;  // the buffer of the add not yet retired
-  int32_t* pending_sem = nullptr;
+  // Its q tile's semaphore: an index, not a 64-bit pointer (the writer has 40 registers); B * Hq *
+  // ceil(Sq / 64) < 2^31 since the backend keeps B * Hq * ceil(Sq / 128) below 2^30.
+  int32_t pending_tile = 0;
   auto retire = [&](bool all) {
     if (a.deterministic) {
       if (all) bulk_wait<0>();
       else bulk_wait<1>();
       __threadfence();
-      add_release(pending_sem, 1);
+      add_release(a.semaphores + pending_tile, 1);
     } else if (all) {
       tma_store_wait<0>();
     } else {
@@ -115,7 +117,7 @@ __device__ void bwd_write_dq(const typename T::Params& p, typename T::SharedStor
       tma_store_arrive();
       if (pending >= 0) retire(false);
       pending = buf;
-      pending_sem = sem;
+      pending_tile = int32_t(tile);
       if constexpr (T::kDqBuffers == 1) retire(true);  // the consumers need this buffer for the next one
       ++n_dq;
     }
