@@ -16,10 +16,11 @@
 //              P^T dO (A from registers) runs while the warpgroups meet at a barrier, dQ = dS K
 //              (each warpgroup half of D) and dK += dS^T Q, and the dQ partial goes to shared
 //              memory while dK's GEMM runs
-//   dQ writer  one thread takes each 64 x D fp32 partial from shared memory and adds it to the
-//              accumulator with a bulk TMA reduce-add, two adds in flight; in the deterministic
-//              mode it first waits until the q tile's semaphore equals the visit's turn, and
-//              increments it once the add has landed. The consumers meanwhile go on
+//   dQ writer  two threads (one warp each) take the 64 x D fp32 partials from shared memory in
+//              turn and add each to the accumulator with a bulk TMA reduce-add; in the
+//              deterministic mode a writer first waits until the q tile's semaphore equals the
+//              visit's turn, and increments it as soon as its add has landed. The consumers
+//              meanwhile go on
 //   epilogue   dK * scale and dV in the input dtype, from registers to global; a second kernel
 //              converts the fp32 dQ accumulator (times scale) to the input dtype
 //
@@ -65,7 +66,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     }
     for (int i = 0; i < 2; ++i) {
       cutlass::arch::ClusterBarrier::init(&ss.ticket_full[i], 1);
-      cutlass::arch::ClusterBarrier::init(&ss.ticket_empty[i], T::kMmaThreads + 1);  // + the dQ writer
+      cutlass::arch::ClusterBarrier::init(&ss.ticket_empty[i], T::kMmaThreads + T::kDqWriters);
     }
   }
   typename T::Pipeline::Params pp;
@@ -80,7 +81,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
     if (threadIdx.x == 0) bwd_load<T>(p, ss, pipe);
-    else if (threadIdx.x == 32) bwd_write_dq<T>(p, ss);
+    else if (threadIdx.x % 32 == 0 && threadIdx.x / 32 <= T::kDqWriters) bwd_write_dq<T>(p, ss, threadIdx.x / 32 - 1);
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
     bwd_compute<T>(p, ss, pipe, int(threadIdx.x) - 128);

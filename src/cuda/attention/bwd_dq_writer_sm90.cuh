@@ -1,7 +1,7 @@
-// The backward's dQ writer (one producer thread): each 64 x D fp32 partial from shared memory into
-// the accumulator with a bulk TMA reduce-add, two adds in flight; in the deterministic mode after
-// waiting for the q tile's turn on its semaphore, and releasing the next writer once the add has
-// landed; and the primitives it synchronises with other CTAs through.
+// The backward's dQ writers (two producer threads, taking the partials in turn): each 64 x D fp32
+// partial from shared memory into the accumulator with a bulk TMA reduce-add; in the deterministic
+// mode after waiting for the q tile's turn on its semaphore, and releasing the next writer once the
+// add has landed; and the primitives they synchronise with other CTAs through.
 #pragma once
 
 #include <cstdint>
@@ -64,33 +64,19 @@ __device__ __forceinline__ void bulk_wait() {
   asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
 }
 
+// Writer `writer` of T::kDqWriters takes every kDqWriters-th partial (the CTA's visits counted in
+// walk order). Each has one add in flight: it hands the buffer back once the add has read it, and
+// releases the q tile's next writer as soon as the add has landed, not when a later partial
+// arrives (on a long column that hand-off is on the deterministic mode's critical path once per
+// (q tile, column)); meanwhile the other writers take the next partials. A writer never waits for
+// a turn while holding a release back (its own add is retired first), so no writer can wait for
+// one that waits for it.
 template <class T>
-__device__ void bwd_write_dq(const typename T::Params& p, typename T::SharedStorage& ss) {
+__device__ void bwd_write_dq(const typename T::Params& p, typename T::SharedStorage& ss, int writer) {
   const BwdArgs& a = p.args;
   const int group = a.heads_q / a.heads_kv;
   const BwdTicketScheduler& sched = a.sched;
   int n_dq = 0;
-  // Two reduce-adds in flight: a partial's buffer is handed back to the consumers (and in the
-  // deterministic mode the q tile's next writer let go) once the add after it has been issued and
-  // its own has read shared memory (deterministic: landed in global memory).
-  int pending = -1;  // the buffer of the add not yet retired
-  // Its q tile's semaphore: an index, not a 64-bit pointer (the writer has 40 registers); B * Hq *
-  // ceil(Sq / 64) < 2^31 since the backend keeps B * Hq * ceil(Sq / 128) below 2^30.
-  int32_t pending_tile = 0;
-  auto retire = [&](bool all) {
-    if (a.deterministic) {
-      if (all) bulk_wait<0>();
-      else bulk_wait<1>();
-      __threadfence();
-      add_release(a.semaphores + pending_tile, 1);
-    } else if (all) {
-      tma_store_wait<0>();
-    } else {
-      tma_store_wait<1>();
-    }
-    cutlass::arch::ClusterBarrier::arrive(&ss.dq_empty[pending]);
-    pending = -1;
-  };
   for (int n_item = 0;; ++n_item) {
     const int32_t ticket = read_ticket<T>(ss, n_item);
     if (!sched.valid(ticket)) break;
@@ -100,29 +86,25 @@ __device__ void bwd_write_dq(const typename T::Params& p, typename T::SharedStor
     // of bwd_item_next); each waits for its own turn, whatever the order (attention_bwd_walk.h).
     BwdItemCursor cur = bwd_item_begin(a.lists, b, int(w.kv_head), group, column);
     BwdVisit visit;
-    while (bwd_item_next<kVisitTurn>(a.lists, b, column, cur, &visit)) {
+    for (; bwd_item_next<kVisitTurn>(a.lists, b, column, cur, &visit); ++n_dq) {
+      if (n_dq % T::kDqWriters != writer) continue;
       const int buf = n_dq % T::kDqBuffers;
       cutlass::arch::ClusterBarrier::wait(&ss.dq_full[buf], (n_dq / T::kDqBuffers) & 1);
       const int64_t tile = bwd_q_tile_index(b, visit.q_head, a.heads_q, a.lists.num_q_tiles, visit.q_tile);
-      int32_t* sem = a.semaphores + tile;
-      if (a.deterministic) {
-        const int32_t turn = dq_visit_turn(visit.turn, int32_t(a.sched.handout.sub_tiles), sub_tile);
-        // Never wait for a turn while holding back a release: the writer we wait for may be
-        // waiting for it.
-        if (pending >= 0 && load_acquire(sem) != turn) retire(true);
-        wait_turn(sem, turn, a);
-      }
+      if (a.deterministic)
+        wait_turn(a.semaphores + tile, dq_visit_turn(visit.turn, int32_t(a.sched.handout.sub_tiles), sub_tile), a);
       bulk_reduce_add(a.dq_accum + tile * (T::kBlockM * T::kHeadDim), ss.dq.data() + buf * (T::kBlockM * T::kHeadDim),
                       T::kDqBytes);
       tma_store_arrive();
-      if (pending >= 0) retire(false);
-      pending = buf;
-      pending_tile = int32_t(tile);
-      if constexpr (T::kDqBuffers == 1) retire(true);  // the consumers need this buffer for the next one
-      ++n_dq;
+      tma_store_wait<0>();  // shared memory read: the buffer goes back to the consumers at once
+      cutlass::arch::ClusterBarrier::arrive(&ss.dq_empty[buf]);
+      if (a.deterministic) {
+        bulk_wait<0>();  // landed in global memory: now the next writer may add to the tile
+        __threadfence();
+        add_release(a.semaphores + tile, 1);
+      }
     }
   }
-  if (pending >= 0) retire(true);
 }
 
 }  // namespace sparsetrain::cuda::attn

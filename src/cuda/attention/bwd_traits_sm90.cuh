@@ -83,6 +83,11 @@ struct BwdTraits {
   static constexpr int kSmemBesidesDq = int(2 * kStages * kQBytes + 2 * kKVBytes) +
                                         2 * kBlockM * kBlockN * int(sizeof(Element)) + 2048;
   static constexpr int kDqBuffers = std::max(1, std::min(4, (227 * 1024 - kSmemBesidesDq) / int(kDqBytes)));
+  // dQ writer threads (bwd_dq_writer_sm90.cuh: lane 0 of the producer warpgroup's warps 1, 2),
+  // each with its own buffers: a writer waits for its buffers' phases in order, so another writer
+  // could not share one without mistaking an earlier phase for its own.
+  static constexpr int kDqWriters = 2;
+  static_assert(kDqBuffers % kDqWriters == 0, "each dQ writer owns every kDqWriters-th buffer");
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
 
