@@ -66,7 +66,10 @@ ST_HOST_DEVICE inline BwdWalkShape bwd_walk_shape(WalkOrder walk, bool per_head_
 }
 
 // The transposed lists of a mask (q_* and full_q_*), their dQ write orders, and the forward's
-// partial lists (to find a partial block's bitmask), as the backward walk reads them.
+// partial lists (to find a partial block's bitmask), as the backward walk reads them. The walk
+// indexes them in int32 (BwdOffset): whoever fills this struct from tensors checks
+// offsets_fit_int32 on each (the CUDA backend does).
+using BwdOffset = int32_t;
 struct MaskColumnLists {
   MaskIndexView partial_count, partial_index, full_count, full_index;  // [B, H, Nk(, W)]
   MaskIndexView partial_turn, full_turn;  // parallel to partial_index / full_index; null: turn 0
@@ -100,8 +103,8 @@ struct BwdColumnCursor {
 
 ST_HOST_DEVICE inline BwdColumnCursor bwd_column_begin(const MaskColumnLists& l, int64_t b, int64_t h, int32_t n) {
   BwdColumnCursor c;
-  c.num_partial = clamp_count(l.partial_count, l.partial_index, b, h, n);
-  c.num_full = clamp_count(l.full_count, l.full_index, b, h, n);
+  c.num_partial = clamp_count<BwdOffset>(l.partial_count, l.partial_index, b, h, n);
+  c.num_full = clamp_count<BwdOffset>(l.full_count, l.full_index, b, h, n);
   // The write orders may be narrower than the index tensors (compact): never read past them.
   if (l.partial_turn.data != nullptr && c.num_partial > l.partial_turn.width) c.num_partial = l.partial_turn.width;
   if (l.full_turn.data != nullptr && c.num_full > l.full_turn.width) c.num_full = l.full_turn.width;
@@ -128,8 +131,8 @@ ST_HOST_DEVICE inline bool bwd_column_next(const MaskColumnLists& l, int64_t b, 
     const bool has_p = down ? c.next_partial >= 0 : c.next_partial < c.num_partial;
     const bool has_f = down ? c.next_full >= 0 : c.next_full < c.num_full;
     if (!has_p && !has_f) return false;
-    const int32_t mp = has_p ? l.partial_index.row(b, h, n)[int64_t(c.next_partial) * l.partial_index.stride_w] : 0;
-    const int32_t mf = has_f ? l.full_index.row(b, h, n)[int64_t(c.next_full) * l.full_index.stride_w] : 0;
+    const int32_t mp = has_p ? l.partial_index.row_in<BwdOffset>(b, h, n)[c.next_partial * BwdOffset(l.partial_index.stride_w)] : 0;
+    const int32_t mf = has_f ? l.full_index.row_in<BwdOffset>(b, h, n)[c.next_full * BwdOffset(l.full_index.stride_w)] : 0;
     // Ascending: the smaller id first; descending: the larger (a block in both lists, which
     // validation refuses, is visited once from each).
     const bool partial = !has_f || (has_p && (down ? mp >= mf : mp <= mf));
@@ -143,10 +146,10 @@ ST_HOST_DEVICE inline bool bwd_column_next(const MaskColumnLists& l, int64_t b, 
     c.block.q_block = m;
     c.block.partial = partial;
     c.block.turn = (kFields & kVisitTurn) != 0 && turns.data != nullptr
-                       ? turns.row(b, h, n)[int64_t(entry) * turns.stride_w]
+                       ? turns.row_in<BwdOffset>(b, h, n)[entry * BwdOffset(turns.stride_w)]
                        : 0;
     c.block.bit_entry = (kFields & kVisitBitEntry) != 0 && partial && l.find_bit_entry
-                            ? find_in_row(l.kv_count, l.kv_index, b, h, m, n)
+                            ? find_in_row<BwdOffset>(l.kv_count, l.kv_index, b, h, m, n)
                             : -1;
     const int32_t first = m * l.q_tiles_per_block;
     const int32_t end = first + l.q_tiles_per_block < l.num_q_tiles ? first + l.q_tiles_per_block : l.num_q_tiles;

@@ -94,3 +94,33 @@ TEST(MaskIndexView, TheMutableViewWritesWhereTheReaderReads) {
 }
 
 }  // namespace
+
+// The backward walk indexes the lists in int32 (row_in<int32_t>) after the CUDA backend's
+// offsets_fit_int32 check: both must agree with plain int64 arithmetic.
+TEST(MaskIndexView, Int32OffsetsEqualInt64OnesAndTheFitCheckIsExact) {
+  for (const auto& [B, H] : {std::pair<int64_t, int64_t>{1, 1}, {2, 3}}) {
+    const HostTensor t = numbered_list(B, H, 4, 5);
+    const st::MaskIndexView v = st::mask_index_view(t.view());
+    EXPECT_TRUE(st::offsets_fit_int32(t.view()));
+    EXPECT_EQ(st::max_element_offset(t.view()), B * H * 4 * 5 - 1);
+    for (int64_t b = 0; b < 2; ++b)
+      for (int64_t h = 0; h < 3; ++h)
+        for (int64_t r = 0; r < 4; ++r) {
+          ASSERT_EQ(v.row_in<int32_t>(b, h, r), v.row(b, h, r));
+          ASSERT_EQ(st::clamp_count<int32_t>(v, v, b, h, r), st::clamp_count(v, v, b, h, r));
+          const int32_t value = int32_t(v.at(b, h, r, 3));
+          ASSERT_EQ(st::find_in_row<int32_t>(v, v, b, h, r, value), st::find_in_row(v, v, b, h, r, value));
+        }
+  }
+  EXPECT_EQ(st::max_element_offset(st::TensorView()), 0);
+  // Views over no real memory (never read): the largest offset just below / at 2^31.
+  int32_t cell = 0;
+  const int64_t half = int64_t(1) << 30;
+  const int64_t shape[] = {3, 2, 2}, fits[] = {half - 1, 1, 0}, too_far[] = {half - 1, 1, 1};
+  const st::TensorView below(&cell, st::DType::kInt32, shape, fits, 3);
+  const st::TensorView at(&cell, st::DType::kInt32, shape, too_far, 3);
+  EXPECT_EQ(st::max_element_offset(below), (int64_t(1) << 31) - 1);
+  EXPECT_TRUE(st::offsets_fit_int32(below));
+  EXPECT_EQ(st::max_element_offset(at), int64_t(1) << 31);
+  EXPECT_FALSE(st::offsets_fit_int32(at));
+}

@@ -34,7 +34,7 @@ __device__ __forceinline__ uint64_t global_ns() {
 // scheduler guarantees progress otherwise): after spin_limit_ns the wait records what it waited
 // for in abandoned[0..3] (the dQ conversion kernel reports it), marks the run abandoned (later
 // waits return at once) and gives up the order, so the kernel cannot hang. (No printf here: the
-// writer runs in the producer warpgroup with 24 registers.)
+// writers run in the producer warpgroup with 40 registers.)
 __device__ inline void wait_turn(const int32_t* sem, int32_t turn, const BwdArgs& a) {
   if (load_acquire(sem) == turn) return;
   const uint64_t start = global_ns();

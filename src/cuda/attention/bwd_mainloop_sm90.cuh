@@ -162,7 +162,7 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
   const int group = a.heads_q / a.heads_kv;
   const BwdTicketScheduler& sched = a.sched;
   cutlass::PipelineState<T::kStages> read;
-  int n_dq = 0, n_tile = 0;
+  int n_dq = 0;  // visits so far: each makes one dQ partial (and takes the next dS buffer)
   // A tile's dQ partial, from registers to shared memory for the writer thread, while the tile's
   // dK GEMM runs. (Deferring it past the next tile's first GEMMs runs out of registers: ptxas
   // then serialises. So did walking the mask one visit ahead here, as the forward does: ~130
@@ -227,7 +227,7 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
       convert_p(tPrP, rdS);
       // dS^T -> dS in shared memory (q contiguous): both warpgroups' halves are needed by each
       // one's dQ GEMM. dV += P^T dO runs while the warpgroups meet at the barrier.
-      const int buf = n_tile & 1;
+      const int buf = n_dq & 1;
       copy(copy_ds, tdSrdS, tdSsdS(_, _, _, buf));
       warpgroup_gemm_issue<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, st), tdVrdV);
       cutlass::arch::fence_view_async_shared();
@@ -242,7 +242,6 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
       warpgroup_fence_operand(tdKrdK);
       pipe.consumer_release(read);
       ++read;
-      ++n_tile;
     }
     cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty);  // the last dQ GEMM has read K
     bwd_store_dkdv<T>(a, b, hkv, kv0, tdKrdK, tdVrdV, tdKVcdKV, tdKVcdKV0);
