@@ -55,7 +55,9 @@ namespace sparsetrain {
 //   waits is satisfied at once, in whatever order X makes them. X is running: the CTA that drew it
 //   processes its tickets in order and all its earlier ones are finished (lower tickets). So X
 //   finishes, and by induction every item does. Only the order of X's own waits changed here,
-//   which the argument never uses. (simulate_dq_backward checks it: no wait cycle, no race.)
+//   which the argument never uses; nor does it use how many dQ writer threads a CTA has, as long
+//   as none waits for a turn while holding back a release of an earlier add (bwd_dq_writer_sm90.cuh).
+//   (simulate_dq_backward checks it: no wait cycle, no race.)
 struct BwdWalkShape {
   bool descending = true;   // q blocks and tiles from the bottom up
   bool heads_inner = true;  // at each q tile, every query head of the group
@@ -118,7 +120,7 @@ ST_HOST_DEVICE inline BwdColumnCursor bwd_column_begin(const MaskColumnLists& l,
 // The next q tile of column n's walk for (b, h) into *v, in the direction of l.walk (the merge of
 // the two lists, from the front or from the back); false when the walk is done. kFields: which of
 // a visit's optional fields the caller reads (BwdVisitField bits); the others stay turn 0 /
-// bit_entry -1. The kernel's loader (neither) and dQ writer (turns) walk in the producer
+// bit_entry -1. The kernel's loader (neither) and dQ writers (turns) walk in the producer
 // warpgroup's 40 registers, where the loads and the bitmask entry's search they never read
 // spilled (ptxas); the consumers read bit entries, not turns.
 enum BwdVisitField : int { kVisitTurn = 1, kVisitBitEntry = 2, kVisitAll = 3 };
@@ -193,7 +195,7 @@ ST_HOST_DEVICE inline bool bwd_item_next(const MaskColumnLists& l, int64_t b, in
       c.head = 0;
     } else {
       // The column's last visit again, rebuilt from the cursor (not held: the kernel's loader and
-      // dQ writer walk in 40 registers): its block, and the tile before the cursor's next one.
+      // dQ writers walk in 40 registers): its block, and the tile before the cursor's next one.
       *v = c.column.block;
       v->q_tile = c.column.tile + (l.walk.descending ? 1 : -1);
     }

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 
 #include "common/group_offsets.h"  // ST_HOST_DEVICE
 #include "sparsetrain/tensor.h"
@@ -56,10 +57,17 @@ inline MaskIndexViewOf<T> mask_index_view(const TensorView& t) {
 
 // The largest element offset of t (0 for an absent or empty tensor), and whether every offset is
 // below 2^31, so that a reader may index it in int32 (MaskIndexViewOf::row_in<int32_t>). Host side.
+// (Saturates at INT64_MAX instead of wrapping.)
 inline int64_t max_element_offset(const TensorView& t) {
   if (!t.defined() || t.numel() == 0) return 0;
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
   int64_t last = 0;
-  for (int d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * (t.stride(d) < 0 ? -t.stride(d) : t.stride(d));
+  for (int d = 0; d < t.dim(); ++d) {
+    if (t.stride(d) == std::numeric_limits<int64_t>::min()) return kMax;
+    const int64_t stride = t.stride(d) < 0 ? -t.stride(d) : t.stride(d), steps = t.size(d) - 1;
+    if (stride != 0 && steps > (kMax - last) / stride) return kMax;
+    last += steps * stride;
+  }
   return last;
 }
 inline bool offsets_fit_int32(const TensorView& t) { return max_element_offset(t) < (int64_t(1) << 31); }

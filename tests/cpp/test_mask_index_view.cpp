@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "common/mask_index_view.h"
@@ -93,7 +94,6 @@ TEST(MaskIndexView, TheMutableViewWritesWhereTheReaderReads) {
   EXPECT_EQ(t.get(((1 * 1 + 0) * 3 + 2) * 4 + 3), 77.0);
 }
 
-}  // namespace
 
 // The backward walk indexes the lists in int32 (row_in<int32_t>) after the CUDA backend's
 // offsets_fit_int32 check: both must agree with plain int64 arithmetic.
@@ -123,4 +123,11 @@ TEST(MaskIndexView, Int32OffsetsEqualInt64OnesAndTheFitCheckIsExact) {
   EXPECT_TRUE(st::offsets_fit_int32(below));
   EXPECT_EQ(st::max_element_offset(at), int64_t(1) << 31);
   EXPECT_FALSE(st::offsets_fit_int32(at));
+  // Absurd strides saturate instead of wrapping back below 2^31.
+  const int64_t huge[] = {int64_t(1) << 62, 1, 1}, most_negative[] = {std::numeric_limits<int64_t>::min(), 1, 1};
+  EXPECT_EQ(st::max_element_offset(st::TensorView(&cell, st::DType::kInt32, shape, huge, 3)),
+            std::numeric_limits<int64_t>::max());
+  EXPECT_FALSE(st::offsets_fit_int32(st::TensorView(&cell, st::DType::kInt32, shape, most_negative, 3)));
 }
+
+}  // namespace

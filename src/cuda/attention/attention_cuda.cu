@@ -281,17 +281,24 @@ class AttentionCuda final : public backend::AttentionBackend {
       const int64_t tickets = p.batch * p.heads_kv * mask.num_kv_blocks() * dq_sub_tiles(mask.block_kv);
       ST_CHECK_ARG(tickets < (int64_t(1) << 31), "k", "B * Hkv * ceil(Skv / 128) below 2^31 (the backward's work items)",
                    tickets, " items");
-      // The backward's walk indexes the mask's lists in int32 (common/attention_bwd_walk.h).
+      // The backward's walk indexes the mask's lists in int32 (common/attention_bwd_walk.h): those
+      // it reads (write orders in the deterministic mode, the forward lists for bitmasks).
+      const bool det = backward->deterministic, bits = mask.spec.kind == MaskKind::kBitmask;
       const std::pair<const TensorView*, const char*> lists[] = {
-          {&mask.q_num_blocks, "mask.q_num_blocks"},           {&mask.q_indices, "mask.q_indices"},
-          {&mask.full_q_num_blocks, "mask.full_q_num_blocks"}, {&mask.full_q_indices, "mask.full_q_indices"},
-          {&mask.dq_write_order, "mask.dq_write_order"},       {&mask.dq_write_order_full, "mask.dq_write_order_full"},
-          {&mask.kv_num_blocks, "mask.kv_num_blocks"},         {&mask.kv_indices, "mask.kv_indices"}};
+          {&mask.q_num_blocks, "mask.q_num_blocks"},
+          {&mask.q_indices, "mask.q_indices"},
+          {&mask.full_q_num_blocks, "mask.full_q_num_blocks"},
+          {&mask.full_q_indices, "mask.full_q_indices"},
+          {det ? &mask.dq_write_order : nullptr, "mask.dq_write_order"},
+          {det ? &mask.dq_write_order_full : nullptr, "mask.dq_write_order_full"},
+          {bits ? &mask.kv_num_blocks : nullptr, "mask.kv_num_blocks"},
+          {bits ? &mask.kv_indices : nullptr, "mask.kv_indices"}};
       for (const auto& [t, name] : lists)
-        ST_CHECK_ARG(offsets_fit_int32(*t), name,
-                     "every element offset below 2^31 (the backward indexes the mask's lists in int32; broadcast "
-                     "the mask over batch or heads)",
-                     "the largest offset ", max_element_offset(*t));
+        if (t != nullptr)
+          ST_CHECK_ARG(offsets_fit_int32(*t), name,
+                       "every element offset below 2^31 (the backward indexes the mask's lists in int32; broadcast "
+                       "the mask over batch or heads)",
+                       "the largest offset ", max_element_offset(*t));
     }
     ST_CHECK_ARG(p.seq_q < limit && p.seq_kv < limit && items < limit, "q",
                  "Sq, Skv and B * Hq * ceil(Sq / 128) below 2^30 (32-bit indexing)", "Sq = ", p.seq_q,

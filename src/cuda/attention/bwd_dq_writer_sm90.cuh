@@ -69,8 +69,8 @@ __device__ __forceinline__ void bulk_wait() {
 // releases the q tile's next writer as soon as the add has landed, not when a later partial
 // arrives (on a long column that hand-off is on the deterministic mode's critical path once per
 // (q tile, column)); meanwhile the other writers take the next partials. A writer never waits for
-// a turn while holding a release back (its own add is retired first), so no writer can wait for
-// one that waits for it.
+// a turn while holding a release back (its own add is retired first): what deadlock freedom
+// needs (the argument, for any number of writers: attention_bwd_walk.h).
 template <class T>
 __device__ void bwd_write_dq(const typename T::Params& p, typename T::SharedStorage& ss, int writer) {
   const BwdArgs& a = p.args;

@@ -163,7 +163,7 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
   const BwdTicketScheduler& sched = a.sched;
   cutlass::PipelineState<T::kStages> read;
   int n_dq = 0;  // visits so far: each makes one dQ partial (and takes the next dS buffer)
-  // A tile's dQ partial, from registers to shared memory for the writer thread, while the tile's
+  // A tile's dQ partial, from registers to shared memory for its writer thread, while the tile's
   // dK GEMM runs. (Deferring it past the next tile's first GEMMs runs out of registers: ptxas
   // then serialises. So did walking the mask one visit ahead here, as the forward does: ~130
   // spilled loads and stores per tile.)

@@ -20,7 +20,7 @@ struct BwdTraits {
   static constexpr int kStages = 2;  // of Q, dO, lse, delta
   static constexpr int kMmaThreads = 256;
   static constexpr int kThreads = kMmaThreads + 128;
-  // setmaxnreg budgets (2 x 128 x 232 + 128 x 40 = 64 K registers): the loader and the dQ writer
+  // setmaxnreg budgets (2 x 128 x 232 + 128 x 40 = 64 K registers): the loader and the dQ writers
   // walk the mask's lists and spill at 24; the consumers hold dK, dV, S, dP and dQ.
   static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 
@@ -78,7 +78,7 @@ struct BwdTraits {
   static constexpr uint32_t kRowBytes = kBlockM * sizeof(float);  // lse or delta of a q tile
   static constexpr uint32_t kDqBytes = kBlockM * kHeadDim * sizeof(float);
   // dQ staging buffers: as many as shared memory holds, up to 4 (2 at D = 128, 4 below). The
-  // more there are, the further the writer may fall behind (waiting for deterministic turns)
+  // more there are, the further the writers may fall behind (waiting for deterministic turns)
   // before the consumers stall.
   static constexpr int kSmemBesidesDq = int(2 * kStages * kQBytes + 2 * kKVBytes) +
                                         2 * kBlockM * kBlockN * int(sizeof(Element)) + 2048;
@@ -88,6 +88,7 @@ struct BwdTraits {
   // could not share one without mistaking an earlier phase for its own.
   static constexpr int kDqWriters = 2;
   static_assert(kDqBuffers % kDqWriters == 0, "each dQ writer owns every kDqWriters-th buffer");
+  static_assert(kDqWriters <= 3, "the writers are lane 0 of the producer warpgroup's warps 1..3");
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
 
@@ -98,13 +99,13 @@ struct BwdTraits {
     array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
     array_aligned<Element, cosize_v<SmemLayoutDs>, 1024> ds;
     // dQ partials in fragment order (dq_fragment_offset), the layout of a tile in the accumulator:
-    // the consumers go on while the writer waits for a deterministic turn.
+    // the consumers go on while the writers wait for deterministic turns.
     array_aligned<float, kDqBuffers * kBlockM * kHeadDim, 128> dq;
     alignas(16) float lse[kStages][kBlockM];
     alignas(16) float delta[kStages][kBlockM];
     typename Pipeline::SharedStorage pipe;
     uint64_t kv_full, kv_empty;  // the item's K and V landed / every consumer is done with them
-    uint64_t dq_full[kDqBuffers], dq_empty[kDqBuffers];  // a dQ partial written / read by the writer
+    uint64_t dq_full[kDqBuffers], dq_empty[kDqBuffers];  // a dQ partial written / read by its writer
     uint64_t ticket_full[2], ticket_empty[2];
     int32_t ticket[2];
   };
