@@ -33,3 +33,19 @@ def test_bench_moe_runs_on_the_cpu(tmp_path):
     assert [row["case"] for row in rows] == ["mixtral", "qwen3"]
     for row in rows:
         assert row["max_abs_diff_vs_torch"] < 0.05, row  # bf16 experts, the same weights on both sides
+
+
+def test_bench_moe_ep_runs_on_the_cpu(tmp_path):
+    """The expert-parallel benchmark end to end at --quick with 2 gloo processes: both sides run
+    and the JSON holds a row per case (its timings are not the point here)."""
+    import json
+
+    out = tmp_path / "moe_ep.json"
+    bench = os.path.join(os.path.dirname(BENCH), "bench_moe_ep.py")
+    r = subprocess.run([sys.executable, bench, "--quick", "--device", "cpu", "--world", "2", "--reps", "1",
+                        "--rounds", "1", "--only", "mixtral", "--json", str(out)], capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["case"] for row in rows] == ["mixtral"]
+    assert rows[0]["world"] == 2 and rows[0]["ep_ms"] > 0 and rows[0]["single_ms"] > 0, rows[0]

@@ -1,7 +1,8 @@
-"""sparsetrain.torch.ExpertParallelMoELayer on 2 and 4 gloo processes (one machine, CPU) against
-the single-process MoELayer holding all the experts, run on the ranks' tokens concatenated in rank
-order: out, dx, dlogits and every expert's weight gradients (gathered from the ranks) must be
-bitwise equal. Cases: fp32 and bf16, softmax and sigmoid, top_k 1 and 2, token counts per rank
+"""sparsetrain.torch.ExpertParallelMoELayer on 2 and 4 gloo processes (one machine, CPU), and on 2
+and 4 GPUs with NCCL where the machine has them (skipped, visibly, elsewhere), against the
+single-process MoELayer holding all the experts (on the rank's own device), run on the ranks'
+tokens concatenated in rank order: out, dx, dlogits and every expert's weight gradients (gathered
+from the ranks) must be bitwise equal. Cases: fp32 and bf16, softmax and sigmoid, top_k 1 and 2, token counts per rank
 that are multiples of nothing (one rank with none), empty experts, a rank whose tokens all go to
 other ranks and a rank that receives no rows, single grouped weights with main_grad and delayed
 wgrad. Each world size is launched once for all its cases (processes cost seconds to start);
@@ -120,18 +121,20 @@ def _global_name(name, source, local):
     return f"{stem}{source * local + int(name[len(stem):])}" if stem != name else name
 
 
-def _check_case(case, rank, world):
+def _check_case(case, rank, world, device):
     fused = case.grouped_main_grad_delayed
     options = dict(score=case.score, normalize=case.normalize, params_dtype=getattr(torch, case.dtype),
-                   bias=fused, single_grouped_weight=fused, fuse_wgrad_accumulation=fused, delay_wgrad_compute=fused)
+                   bias=fused, single_grouped_weight=fused, fuse_wgrad_accumulation=fused, delay_wgrad_compute=fused,
+                   device=device)
     torch.manual_seed(case.seed)
     full = stt.MoELayer(case.num_experts, H, F, case.top_k, **options)
     ep = stt.ExpertParallelMoELayer(case.num_experts, H, F, case.top_k, **options)
     ep.load_full_state_dict(full.state_dict())
     if fused:
         for p in list(full.experts.parameters()) + list(ep.experts.parameters()):
-            p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
-    x, logits, dout, dsum, bias, mine = _data(case, rank)
+            p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=device)
+    x, logits, dout, dsum, bias, mine = (t.to(device) if isinstance(t, torch.Tensor) else t
+                                         for t in _data(case, rank))
 
     want, want_dx, want_dlogits = _run(full, x, logits, dout, dsum, bias, fused)
     got, got_dx, got_dlogits = _run(ep, x[mine], logits[mine], dout[mine], dsum, bias, fused)
@@ -166,9 +169,14 @@ def _check_case(case, rank, world):
         assert torch.equal(g, want_grads[f"experts.{name}"]), f"{where}: gradient of experts.{name} differs"
 
 
-def _worker(rank, world, init_file, done_dir, cases):
+def _worker(rank, world, init_file, done_dir, cases, backend):
     torch.set_num_threads(1)  # the processes share the machine's cores
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+    device = "cpu"
+    if backend == "nccl":
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the lent machines
+        device = f"cuda:{rank}"
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=LAUNCH_TIMEOUT_S))
     try:
         import sparsetrain._torch_ep as ep  # noqa: PLC0415
@@ -178,7 +186,7 @@ def _worker(rank, world, init_file, done_dir, cases):
             with pytest.raises(ValueError, match=f"num_experts: expected a multiple of the group's size {world}"):
                 stt.ExpertParallelMoELayer(world + 1, H, F, 1)
         for case in cases:
-            _check_case(case, rank, world)
+            _check_case(case, rank, world, device)
             with open(os.path.join(done_dir, f"{case.name}.{rank}"), "w"):
                 pass
     finally:
@@ -188,14 +196,15 @@ def _worker(rank, world, init_file, done_dir, cases):
 _LAUNCHES = {}
 
 
-def _launch(world):
-    """Runs every case of this world size in one group of `world` processes, once; returns the
-    names of the cases every rank finished and the launch's error (None if it ended well)."""
-    if world not in _LAUNCHES:
+def _launch(world, backend="gloo"):
+    """Runs every case of this world size in one group of `world` processes (gloo on the CPU, or
+    NCCL with one GPU each), once; returns the names of the cases every rank finished and the
+    launch's error (None if it ended well)."""
+    if (world, backend) not in _LAUNCHES:
         cases = [c for c in CASES if c.world == world]
         with tempfile.TemporaryDirectory() as tmp:
             error = None
-            ctx = mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), tmp, cases), nprocs=world,
+            ctx = mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), tmp, cases, backend), nprocs=world,
                                      join=False, start_method="spawn")
             deadline = time.monotonic() + LAUNCH_TIMEOUT_S
             try:
@@ -211,14 +220,34 @@ def _launch(world):
                     p.join()
             done = {c.name for c in cases if all(os.path.exists(os.path.join(tmp, f"{c.name}.{r}"))
                                                  for r in range(world))}
-        _LAUNCHES[world] = (done, error)
-    return _LAUNCHES[world]
+        _LAUNCHES[(world, backend)] = (done, error)
+    return _LAUNCHES[(world, backend)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"W{c.world}_{c.name}")
 def test_expert_parallel_layer_equals_the_single_process_layer_bitwise(case):
     done, error = _launch(case.world)
     assert case.name in done, f"{case.name} did not pass on every rank:\n{error}"
+
+
+def _nccl_gpus():
+    """GPUs NCCL may use here (0 without CUDA or NCCL)."""
+    if not (torch.cuda.is_available() and dist.is_nccl_available()):
+        return 0
+    return torch.cuda.device_count()
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"nccl_W{c.world}_{c.name}")
+def test_expert_parallel_layer_on_gpus_equals_the_single_gpu_layer_bitwise(case):
+    """The same cases with NCCL, one GPU per rank: the exchange moves device tensors, the experts
+    run the CUDA GroupedMLP, the reference runs on each rank's GPU. Every expert GEMM runs one
+    kernel shape without split-K (cuda/grouped_linear/sm90_tuning.h), so a row's result does not
+    depend on how many experts or rows share the launch: bitwise, as on the CPU."""
+    gpus = _nccl_gpus()
+    if gpus < case.world:
+        pytest.skip(f"NCCL with {case.world} GPUs: this machine has {gpus} usable by NCCL")
+    done, error = _launch(case.world, "nccl")
+    assert case.name in done, f"{case.name} did not pass on every rank (NCCL):\n{error}"
 
 
 def test_layer_needs_an_initialised_process_group():
