@@ -281,9 +281,10 @@ class AttentionCuda final : public backend::AttentionBackend {
       const int64_t tickets = p.batch * p.heads_kv * mask.num_kv_blocks() * dq_sub_tiles(mask.block_kv);
       ST_CHECK_ARG(tickets < (int64_t(1) << 31), "k", "B * Hkv * ceil(Skv / 128) below 2^31 (the backward's work items)",
                    tickets, " items");
-      // The backward's walk indexes the mask's lists in int32 (common/attention_bwd_walk.h): those
-      // it reads (write orders in the deterministic mode, the forward lists for bitmasks).
+      // The backward indexes in int32 the mask's lists its walk reads (common/attention_bwd_walk.h:
+      // write orders in the deterministic mode, the forward lists for bitmasks) and the document ids.
       const bool det = backward->deterministic, bits = mask.spec.kind == MaskKind::kBitmask;
+      const bool docs = mask.spec.kind == MaskKind::kDocument || mask.spec.kind == MaskKind::kDocumentCausal;
       const std::pair<const TensorView*, const char*> lists[] = {
           {&mask.q_num_blocks, "mask.q_num_blocks"},
           {&mask.q_indices, "mask.q_indices"},
@@ -292,12 +293,14 @@ class AttentionCuda final : public backend::AttentionBackend {
           {det ? &mask.dq_write_order : nullptr, "mask.dq_write_order"},
           {det ? &mask.dq_write_order_full : nullptr, "mask.dq_write_order_full"},
           {bits ? &mask.kv_num_blocks : nullptr, "mask.kv_num_blocks"},
-          {bits ? &mask.kv_indices : nullptr, "mask.kv_indices"}};
+          {bits ? &mask.kv_indices : nullptr, "mask.kv_indices"},
+          {docs ? &mask.spec.doc_q : nullptr, "mask.spec.doc_q"},
+          {docs ? &mask.spec.doc_kv : nullptr, "mask.spec.doc_kv"}};
       for (const auto& [t, name] : lists)
         if (t != nullptr)
           ST_CHECK_ARG(offsets_fit_int32(*t), name,
-                       "every element offset below 2^31 (the backward indexes the mask's lists in int32; broadcast "
-                       "the mask over batch or heads)",
+                       "every element offset below 2^31 (the backward indexes it in int32; broadcast the mask over "
+                       "batch or heads)",
                        "the largest offset ", max_element_offset(*t));
     }
     ST_CHECK_ARG(p.seq_q < limit && p.seq_kv < limit && items < limit, "q",

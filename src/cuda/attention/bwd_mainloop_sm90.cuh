@@ -28,21 +28,23 @@ __device__ __forceinline__ void mask_tile_t(TS& s, TC const& coord, int q0, int 
     t.block_col = kv0 - column * a.block_kv;
     t.bits_ok = visit.bit_entry >= 0 && visit.bit_entry < m.bits_width;  // else a corrupt mask
   }
-  // Document ids: the thread's keys (rows) in registers, queries read through L1.
+  // Document ids: the thread's keys (rows) in registers, queries read through L1. Their offsets
+  // in int32 (the backend checks the id tensors fit): a 64-bit row pointer, hoisted out of the
+  // visit loop, was the D = 128 consumers' one spill.
   constexpr int kKeys = decltype(size<0>(s))::value;
   int32_t dkv[kKeys];
   const bool docs = m.kind == MaskKind::kDocument || m.kind == MaskKind::kDocumentCausal;
-  const int32_t* doc_q = docs ? m.doc_q + b * m.doc_q_stride_b : nullptr;
+  const int32_t doc_q0 = b * int32_t(m.doc_q_stride_b);
   if (docs) {
-    const int32_t* doc_kv = m.doc_kv + b * m.doc_kv_stride_b;
+    const int32_t doc_kv0 = b * int32_t(m.doc_kv_stride_b);
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kKeys; ++i) {
       const int kv = kv0 + get<0>(coord(i, 0));
-      dkv[i] = kv < a.seq_kv ? __ldg(doc_kv + kv) : INT32_MIN;
+      dkv[i] = kv < a.seq_kv ? __ldg(m.doc_kv + (doc_kv0 + kv)) : INT32_MIN;
     }
   }
   mask_partial_tile<false>(
-      s, coord, m, t, [&](int, int q) { return __ldg(doc_q + q); }, [&](int i, int) { return dkv[i]; });
+      s, coord, m, t, [&](int, int q) { return __ldg(m.doc_q + (doc_q0 + q)); }, [&](int i, int) { return dkv[i]; });
 }
 
 template <class T>
