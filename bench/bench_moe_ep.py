@@ -47,25 +47,20 @@ def _inputs(tokens, hidden, experts, device, seed):
 
 
 def _time_steps(fn, reps, rounds, device):
-    """ms per step: `reps` steps back to back between two events (wall clock on the CPU), per round."""
+    """ms per step, per round: `reps` steps back to back (bench_attention.queued_ms on CUDA, wall
+    clock on the CPU), after warm-up."""
+    if device == "cuda":
+        import bench_attention as ba  # noqa: PLC0415
+
+        return [ba.queued_ms(fn, reps, warmup=2 if r == 0 else 0) for r in range(rounds)]
     for _ in range(2):
         fn()
     out = []
     for _ in range(rounds):
-        if device == "cuda":
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(reps):
-                fn()
-            b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b) / reps)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            out.append((time.perf_counter() - t0) * 1e3 / reps)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        out.append((time.perf_counter() - t0) * 1e3 / reps)
     return out
 
 
