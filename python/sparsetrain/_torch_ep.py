@@ -4,19 +4,21 @@ tokens (moe_route), the rows travel to their experts' ranks and back with all_to
 each token's rows are summed in slot order. Invariant: the rows a rank's experts take are laid out
 as MoELayer lays out the ranks' tokens concatenated in rank order (by expert, then by token), and
 every step is a gather or an exchange, so the layer equals that MoELayer bitwise, forward and
-backward. One host synchronisation per forward (the split sizes), none in the backward."""
+backward. exchange="nccl": one host synchronisation per forward (the split sizes), none in the
+backward. exchange="symmetric_memory": torch's NVSHMEM all-to-all with device-side splits into
+symmetric buffers of a fixed capacity, no host synchronisation at all (CUDA-graph capturable)."""
 
 from __future__ import annotations
 
 import re
-from typing import List, Mapping, NamedTuple, Optional, Sequence, Union
+from typing import List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from ._moe import ROUTER_SCORES
-from ._torch_moe import MoEOutput, _check_layer_inputs, _combine, _expert_rows, _Rows, moe_route
+from ._torch_moe import MoEOutput, RoutedTokens, _check_layer_inputs, _combine, _expert_rows, _Rows, _take, moe_route
 
 
 def _receive_buffer(like: Tensor, rows: int) -> Tensor:
@@ -87,6 +89,203 @@ def _exchange_plan(counts: Tensor, world_size: int, group: Optional[dist.Process
     return _ExchangePlan(send, receive, local_counts, by_expert, by_source)
 
 
+# --- exchange="symmetric_memory" ---------------------------------------------------------------
+# torch 2.11's NVSHMEM ops (torch/csrc/distributed/c10d/symm_mem/nvshmem_extension.cu).
+# all_to_all_vdev_2d(input, out, in_splits, out_splits_offsets, group): input's rows ordered by
+# (destination rank, its local expert) with in_splits int64 [E] -- our expert-major rows and
+# moe_route's counts; out's rows grouped by local expert, the sources in rank order inside an
+# expert -- the order MoELayer gives these rows; out_splits_offsets int64 [2, E], indexed [local
+# expert, source], receives the splits and the rows' offsets in out. An expert that receives no
+# row still takes one row of out (the op rounds an empty expert up to major_align = 1 row, and
+# nothing writes that row). all_to_all_vdev_2d_offset(input, out, in_splits_offsets,
+# out_splits_offsets, group) is the reverse: input's rows given by [local expert, destination]
+# splits and offsets, out's rows back in the sources' expert-major order, without gaps. Both pull
+# from the peers' symmetric `input` and open with a barrier over the group, so a buffer that peers
+# read in one exchange is written again only after a later exchange (every use below keeps that).
+# The ops' limits: E / W <= 16 (all_to_all_vdev_2d) and W <= 16 (all_to_all_vdev_2d_offset).
+
+EXCHANGES = ("nccl", "symmetric_memory")
+_SYMMETRIC_MAX_LOCAL_EXPERTS = 16
+_SYMMETRIC_MAX_WORLD = 16
+
+
+def _symmetric_memory_unavailable(group: Optional[dist.ProcessGroup], device: torch.device) -> Optional[str]:
+    """Why exchange="symmetric_memory" cannot run here, or None."""
+    if not torch.cuda.is_available():
+        return "CUDA is not available (torch's symmetric memory is CUDA-only)"
+    backend = dist.get_backend(group)
+    if backend != "nccl":
+        return f"the process group's backend is {backend} (symmetric memory needs an NCCL group, one GPU per rank)"
+    if device.type != "cuda":
+        return f"the experts are on {device} (symmetric memory needs device='cuda:<the rank's GPU>')"
+    try:
+        import torch.distributed._symmetric_memory as symm_mem  # noqa: PLC0415
+    except ImportError as e:
+        return f"torch.distributed._symmetric_memory cannot be imported ({e})"
+    if not symm_mem.is_nvshmem_available():
+        return "NVSHMEM is not available in this torch build or on this machine (symm_mem.is_nvshmem_available())"
+    return None
+
+
+def _symmetric_empty(shape: Tuple[int, ...], dtype: torch.dtype, device: torch.device, group_name: str) -> Tensor:
+    """One symmetric tensor of torch's NVSHMEM backend, rendezvoused over the group (collective:
+    every rank allocates the same sizes in the same order). The tests poison the floating-point ones."""
+    import torch.distributed._symmetric_memory as symm_mem  # noqa: PLC0415
+
+    try:
+        symm_mem.set_backend("NVSHMEM")  # before the first allocation; a no-op once chosen
+    except RuntimeError as e:
+        raise RuntimeError("ExpertParallelMoELayer(exchange='symmetric_memory'): torch's NVSHMEM "
+                           f"symmetric-memory backend cannot be selected ({e})") from e
+    t = symm_mem.empty(*shape, dtype=dtype, device=device)
+    symm_mem.rendezvous(t, group_name)
+    return t
+
+
+class _SymmetricBuffers:
+    """A layer's symmetric buffers, allocated at its first forward and kept. Rows: send = tokens
+    * top_k (one rank's rows), receive = W * send + E / W + 1 (every source's rows, a row per
+    empty local expert, and a scratch row that the gap-row zeroing of a non-empty expert hits).
+    recv_x and recv_p are the experts' saved input until the backward; the others are free between
+    exchanges and serve both directions (named by their forward use)."""
+
+    def __init__(self, world: int, local: int, top_k: int, max_tokens: int, hidden: int, dtype: torch.dtype,
+                 device: torch.device, group_name: str):
+        send, receive = max_tokens * top_k, world * max_tokens * top_k + local + 1
+        self.world, self.local, self.group_name, self.scratch = world, local, group_name, receive - 1
+        f32, i64 = torch.float32, torch.int64
+
+        def make(shape, dtype=dtype):
+            return _symmetric_empty(shape, dtype, device, group_name)
+
+        self.send_x = make((send, hidden))  # dispatch input: x's rows; backward: dout's rows
+        self.send_p = make((send,), f32)
+        self.recv_x = make((receive, hidden))  # the experts' x
+        self.recv_p = make((receive,), f32)
+        self.y = make((receive, hidden))  # fc2's out, the combine's input; backward: the rows' dy
+        self.dx = make((receive, hidden))  # fc1's grad_input, the reverse exchange's input
+        self.dp = make((receive,), f32)
+        self.back_x = make((send, hidden))  # the combine's output; backward: the rows' dx back
+        self.back_p = make((send,), f32)
+        self.in_splits = make((world * local,), i64)
+        self.splits_offsets = {name: make((2, world * local), i64) for name in ("x", "p", "y", "dy", "dx", "dp")}
+
+    def dispatch(self, src: Tensor, dst: Tensor, name: str) -> None:
+        """src's rows (counts in in_splits) to their experts' ranks: dst grouped by local expert."""
+        torch.ops.symm_mem.all_to_all_vdev_2d(src, dst, self.in_splits, self.splits_offsets[name], self.group_name)
+
+    def combine(self, src: Tensor, dst: Tensor, name: str) -> None:
+        """The reverse of dispatch "x": src in its received layout, dst in the sources' order."""
+        torch.ops.symm_mem.all_to_all_vdev_2d_offset(src, dst, self.splits_offsets["x"], self.splits_offsets[name],
+                                                     self.group_name)
+
+    def groups(self, name: str) -> Tuple[Tensor, Tensor]:
+        """After dispatch `name`: each local expert's rows in the receive buffer as GroupedMLP's
+        device splits (its received rows, plus the unwritten row after an empty expert that a later
+        one follows), and that unwritten row per expert (the scratch row where there is none), which
+        the caller zeroes so that the expert computes exact zeros there. Device-only (no sync)."""
+        splits, offsets = self.splits_offsets[name].view(2, self.local, self.world).unbind(0)
+        count, start = splits.sum(1), offsets[:, 0]
+        group = torch.cat([start[1:], start[-1:] + count[-1:]]) - start
+        gap = torch.where(group > count, start + count, torch.full_like(start, self.scratch))
+        return group, gap
+
+
+def _check_symmetric_args(local_experts: int, world_size: int, max_tokens_per_rank: Optional[int]) -> None:
+    if isinstance(max_tokens_per_rank, bool) or not isinstance(max_tokens_per_rank, int) or max_tokens_per_rank < 1:
+        raise ValueError("max_tokens_per_rank: expected a positive int with exchange='symmetric_memory' (the most "
+                         "tokens a rank passes to forward: the symmetric buffers' capacity), "
+                         f"got {max_tokens_per_rank!r}")
+    if local_experts > _SYMMETRIC_MAX_LOCAL_EXPERTS:
+        raise ValueError(f"num_experts: exchange='symmetric_memory' takes at most {_SYMMETRIC_MAX_LOCAL_EXPERTS} "
+                         f"experts per rank (torch's all_to_all_vdev_2d), got {local_experts}")
+    if world_size > _SYMMETRIC_MAX_WORLD:
+        raise ValueError(f"group: exchange='symmetric_memory' takes at most {_SYMMETRIC_MAX_WORLD} ranks "
+                         f"(torch's all_to_all_vdev_2d_offset), got {world_size}")
+
+
+class _RowMaps(NamedTuple):
+    """_expert_rows's index maps without its gathers (the symmetric exchange gathers into its own
+    buffers): row_of [N, k], token_of_row [N * k], flat_row [N * k] ((token, slot) -> row) and
+    flat_of_row (row -> (token, slot)), int64."""
+    row_of: Tensor
+    token_of_row: Tensor
+    flat_row: Tensor
+    flat_of_row: Tensor
+
+
+def _row_maps(r: RoutedTokens) -> _RowMaps:
+    row_of = r.row_of.long()
+    flat_row = row_of.reshape(-1)
+    flat_of_row = torch.empty_like(flat_row)
+    flat_of_row[flat_row] = torch.arange(flat_row.numel(), device=flat_row.device)
+    return _RowMaps(row_of, r.token_of_row.long(), flat_row, flat_of_row)
+
+
+def _zero_rows(rows: Tensor, *buffers: Tensor) -> None:
+    """Zero `rows` of each buffer, then mark the buffers written for autograd (a forward that
+    overwrites the experts' saved input before its backward then fails there, loudly)."""
+    for b in buffers:
+        b.index_fill_(0, rows, 0)
+        torch.autograd.graph.increment_version(b)
+
+
+class _SymmetricDispatch(torch.autograd.Function):
+    """x's rows (x[token_of_row]) and their probs gathered into the send buffers and exchanged:
+    the experts' rows and probs (the receive buffers, grouped by local expert) and the groups'
+    sizes. Backward: the rows' and probs' gradients go back by the reverse exchange; each token's
+    top_k rows are summed in slot order (dx), the probs' put back in (token, slot) order."""
+
+    @staticmethod
+    def forward(ctx, bufs: _SymmetricBuffers, maps: _RowMaps, counts: Tensor, x: Tensor, probs: Tensor):
+        n = maps.token_of_row.numel()
+        torch.index_select(x, 0, maps.token_of_row, out=bufs.send_x[:n])
+        torch.index_select(probs, 0, maps.flat_of_row, out=bufs.send_p[:n])
+        bufs.in_splits.copy_(counts)
+        bufs.dispatch(bufs.send_x, bufs.recv_x, "x")
+        bufs.dispatch(bufs.send_p, bufs.recv_p, "p")
+        group, gap = bufs.groups("x")
+        _zero_rows(gap, bufs.recv_x, bufs.recv_p)
+        ctx.bufs, ctx.maps = bufs, maps
+        ctx.mark_non_differentiable(group)
+        # Aliases, not the buffers: autograd's marks land on them, the version counter is shared.
+        return bufs.recv_x.detach(), bufs.recv_p.detach(), group
+
+    @staticmethod
+    def backward(ctx, dx_rows: Tensor, dprobs_rows: Tensor, _):
+        bufs, maps = ctx.bufs, ctx.maps
+        if dx_rows.data_ptr() != bufs.dx.data_ptr():  # fc1's dgrad wrote bufs.dx unless autograd summed
+            bufs.dx.copy_(dx_rows)
+        bufs.dp.copy_(dprobs_rows)  # GroupedMLP returns dprobs in a tensor of its own: one copy
+        bufs.combine(bufs.dx, bufs.back_x, "dx")
+        bufs.combine(bufs.dp, bufs.back_p, "dp")
+        n = maps.token_of_row.numel()
+        return None, None, None, _take(bufs.back_x[:n], maps.row_of), _take(bufs.back_p[:n], maps.flat_row)
+
+
+class _SymmetricCombine(torch.autograd.Function):
+    """The experts' output rows (in bufs.y, where fc2 wrote them) back to their tokens' ranks, each
+    token's top_k rows summed in slot order. Backward: dout's rows (dout[token_of_row]) to the
+    experts, as dispatch sends x's, into bufs.y (the rows' dy; its unwritten rows zeroed)."""
+
+    @staticmethod
+    def forward(ctx, bufs: _SymmetricBuffers, maps: _RowMaps, counts: Tensor, y: Tensor):
+        if y.data_ptr() != bufs.y.data_ptr():
+            bufs.y.copy_(y)
+        bufs.combine(bufs.y, bufs.back_x, "y")
+        ctx.bufs, ctx.maps, ctx.counts = bufs, maps, counts
+        return _take(bufs.back_x[:maps.token_of_row.numel()], maps.row_of)
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        bufs, maps = ctx.bufs, ctx.maps
+        torch.index_select(dout, 0, maps.token_of_row, out=bufs.send_x[:maps.token_of_row.numel()])
+        bufs.in_splits.copy_(ctx.counts)
+        bufs.dispatch(bufs.send_x, bufs.y, "dy")
+        _zero_rows(bufs.groups("dy")[1], bufs.y)
+        return None, None, None, bufs.y.detach()
+
+
 _PER_EXPERT_KEY = re.compile(r"^(experts\.fc[12]\.(?:weight|bias))(\d+)$")
 _GROUPED_KEYS = ("experts.fc1.weight", "experts.fc1.bias", "experts.fc2.weight", "experts.fc2.bias")
 
@@ -96,18 +295,40 @@ class ExpertParallelMoELayer(nn.Module):
     on CPUs): rank r of W holds experts [r * E / W, (r + 1) * E / W) as a GroupedMLP (`experts`,
     its options as MoELayer's: main_grad, delayed wgrad with backward_dw, hooks on `experts`).
     Each rank passes its own tokens x [N_r, hidden] and logits [N_r, E] (N_r may differ by rank,
-    and may be 0); routing is MoELayer's; the rows go to their experts' ranks (all_to_all_single
-    after the per-expert counts are exchanged: one host synchronisation a forward), are regrouped
-    by local expert, go through the local experts, return, and each token's top_k rows are summed
-    in slot order. The result equals a MoELayer holding all the experts, run on the ranks' tokens
+    and may be 0); routing is MoELayer's; the rows go to their experts' ranks, are grouped by local
+    expert, go through the local experts, return, and each token's top_k rows are summed in slot
+    order. The result equals a MoELayer holding all the experts, run on the ranks' tokens
     concatenated in rank order, bitwise (out, dx, dlogits, the experts' gradients). score_sum and
     counts are over this rank's tokens (all-reduce them for a global balancing loss).
 
+    exchange="nccl" (default): the per-expert counts travel by all_to_all_single, the host reads
+    the split sizes (one host synchronisation a forward), the rows and probs travel by
+    all_to_all_single and are regrouped by local expert with a gather.
+    exchange="symmetric_memory": torch's NVSHMEM all-to-all with device-side splits
+    (torch.ops.symm_mem.all_to_all_vdev_2d, and all_to_all_vdev_2d_offset back), no host
+    synchronisation in the forward or the backward: the layer's step is CUDA-graph capturable and
+    a captured graph replays with new routing. It needs an NCCL group with one GPU per rank (start
+    it with init_process_group(..., device_id=torch.device("cuda", local_rank))), torch with NVSHMEM
+    (symm_mem.is_nvshmem_available()), E / W <= 16 and W <= 16 (the ops' limits), and
+    max_tokens_per_rank: the most tokens any rank passes to forward, the capacity of the symmetric
+    buffers (the same on every rank; a larger N_r is a ValueError before anything runs). The
+    buffers are allocated at the first forward, rendezvoused over the group (every rank must
+    build the layer identically) and kept: (2 * max_tokens_per_rank * top_k + 3 * R) rows of hidden
+    in the experts' dtype plus fp32 probs, R = W * max_tokens_per_rank * top_k + E / W + 1, from
+    NVSHMEM's symmetric heap (1 GiB unless NVSHMEM_SYMMETRIC_SIZE, read at its first use, says
+    more). The rows arrive already grouped by local expert (no regrouping gather), the experts run on the
+    receive buffer as it is (device splits, padded tail), fc2 writes into the buffer the return
+    exchange reads (GroupedMLP's out) and fc1's dgrad into the one the backward returns
+    (grad_input). The receive buffer is the experts' saved input: one forward in flight per layer
+    (a second forward before the first one's backward makes that backward fail, loudly), and
+    backward_dw before the next forward.
+
     Every rank must call forward and backward for every step (the exchanges are collectives), with
-    the same requires_grad on its inputs. Not done: torch's symmetric-memory all-to-all with
-    device-side splits (torch 2.11's symm_mem.all_to_all_vdev / all_to_all_vdev_2d: CUDA-only
-    NVSHMEM ops, not built: no multi-GPU machine to test them), so the forward is not CUDA-graph
-    capturable; overlap of the exchanges with expert compute; torch.compile (host splits).
+    the same requires_grad on its inputs. Not done: overlap of the exchanges with expert compute in
+    the layer (bench/bench_moe_ep.py --overlap measures two half batches with the second half's
+    NCCL dispatch under the first half's experts); torch.compile (the NCCL exchange's host splits;
+    the symmetric exchange is not tried under it); packing the probs into the rows' exchange (they
+    travel by exchanges of their own: three exchanges a forward, three a backward).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, top_k: int, *,
@@ -115,10 +336,13 @@ class ExpertParallelMoELayer(nn.Module):
                  bias: bool = False, params_dtype: Optional[torch.dtype] = None,
                  device: Union[torch.device, str, None] = None, glu_interleave_size: int = 0,
                  single_grouped_weight: bool = False, fuse_wgrad_accumulation: bool = False,
-                 delay_wgrad_compute: bool = False):
+                 delay_wgrad_compute: bool = False, exchange: str = "nccl",
+                 max_tokens_per_rank: Optional[int] = None):
         super().__init__()
         from .torch import GroupedMLP  # noqa: PLC0415  (sparsetrain.torch imports this module)
 
+        if exchange not in EXCHANGES:
+            raise ValueError(f"exchange: expected one of {', '.join(EXCHANGES)}, got {exchange!r}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ExpertParallelMoELayer: torch.distributed is not initialised "
                                "(call torch.distributed.init_process_group first)")
@@ -129,6 +353,8 @@ class ExpertParallelMoELayer(nn.Module):
         world_size, rank = dist.get_world_size(group), dist.get_rank(group)
         if num_experts % world_size != 0:
             raise ValueError(f"num_experts: expected a multiple of the group's size {world_size}, got {num_experts}")
+        if exchange == "symmetric_memory":
+            _check_symmetric_args(num_experts // world_size, world_size, max_tokens_per_rank)
         self.group, self.world_size, self.rank = group, world_size, rank
         self.num_experts, self.hidden_size, self.top_k = num_experts, hidden_size, top_k
         self.num_local_experts = num_experts // world_size
@@ -139,12 +365,28 @@ class ExpertParallelMoELayer(nn.Module):
                                   single_grouped_weight=single_grouped_weight,
                                   fuse_wgrad_accumulation=fuse_wgrad_accumulation,
                                   delay_wgrad_compute=delay_wgrad_compute)
+        self.exchange, self.max_tokens_per_rank = exchange, max_tokens_per_rank
+        self._symmetric: Optional[_SymmetricBuffers] = None
+        if exchange == "symmetric_memory":
+            weight = next(self.experts.parameters())
+            reason = _symmetric_memory_unavailable(group, weight.device)
+            if reason is not None:
+                raise RuntimeError(f"ExpertParallelMoELayer: exchange='symmetric_memory' is not available here: "
+                                   f"{reason}; use exchange='nccl'")
+            self._dtype = weight.dtype
 
     def forward(self, x: Tensor, logits: Tensor, expert_bias: Optional[Tensor] = None) -> MoEOutput:
         """x [N, hidden] (the experts' dtype), logits fp32 [N, E], expert_bias optional fp32 [E]:
         this rank's tokens. MoEOutput over this rank's tokens (score_sum, counts: [E])."""
         _check_layer_inputs(self, x, logits)
+        if self.exchange == "symmetric_memory":
+            self._check_symmetric_inputs(x)
         r = moe_route(logits, self.top_k, score=self.score, normalize=self.normalize, expert_bias=expert_bias)
+        if self.exchange == "symmetric_memory":
+            bufs, maps = self._symmetric_buffers(x.device), _row_maps(r)
+            got_x, got_probs, groups = _SymmetricDispatch.apply(bufs, maps, r.counts, x, r.probs.reshape(-1))
+            y = self.experts(got_x, groups, got_probs, out=bufs.y.detach(), grad_input=bufs.dx.detach())
+            return MoEOutput(_SymmetricCombine.apply(bufs, maps, r.counts, y), r.score_sum, r.counts)
         rows = _expert_rows(x, r)  # expert-major, so destination-rank-major
         plan = _exchange_plan(r.counts, self.world_size, self.group)
         got_x, got_probs = _AllToAll.apply(self.group, plan.send, plan.receive, rows.x, rows.probs)
@@ -152,6 +394,21 @@ class ExpertParallelMoELayer(nn.Module):
                          _Rows.apply(got_probs, plan.by_expert, plan.by_source))
         (back,) = _AllToAll.apply(self.group, plan.receive, plan.send, _Rows.apply(y, plan.by_source, plan.by_expert))
         return MoEOutput(_combine(back, rows), r.score_sum, r.counts)
+
+    def _check_symmetric_inputs(self, x: Tensor) -> None:
+        if x.shape[0] > self.max_tokens_per_rank:
+            raise ValueError(f"x: expected at most max_tokens_per_rank = {self.max_tokens_per_rank} tokens on this "
+                             f"rank (the symmetric buffers' capacity), got {x.shape[0]}")
+        if x.dtype != self._dtype:
+            raise ValueError(f"x: expected the experts' dtype {self._dtype}, got {x.dtype}")
+
+    def _symmetric_buffers(self, device: torch.device) -> _SymmetricBuffers:
+        if self._symmetric is None:
+            group_name = (self.group if self.group is not None else dist.group.WORLD).group_name
+            self._symmetric = _SymmetricBuffers(self.world_size, self.num_local_experts, self.top_k,
+                                                self.max_tokens_per_rank, self.hidden_size, self._dtype, device,
+                                                group_name)
+        return self._symmetric
 
     def backward_dw(self) -> None:
         """The local experts' delayed wgrads (GroupedMLP.backward_dw)."""
@@ -177,4 +434,5 @@ class ExpertParallelMoELayer(nn.Module):
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, experts [{self.first_expert}, "
                 f"{self.first_expert + self.num_local_experts}) on rank {self.rank} of {self.world_size}, "
-                f"top_k={self.top_k}, score={self.score}, normalize={self.normalize}")
+                f"top_k={self.top_k}, score={self.score}, normalize={self.normalize}, exchange={self.exchange}"
+                + (f", max_tokens_per_rank={self.max_tokens_per_rank}" if self.exchange != "nccl" else ""))

@@ -37,15 +37,18 @@ def test_bench_moe_runs_on_the_cpu(tmp_path):
 
 def test_bench_moe_ep_runs_on_the_cpu(tmp_path):
     """The expert-parallel benchmark end to end at --quick with 2 gloo processes: both sides run
-    and the JSON holds a row per case (its timings are not the point here)."""
+    and the JSON holds a row per case and exchange, the two-micro-batch rows of --overlap included
+    (symmetric memory is CUDA-only: not a default here); its timings are not the point here."""
     import json
 
     out = tmp_path / "moe_ep.json"
     bench = os.path.join(os.path.dirname(BENCH), "bench_moe_ep.py")
     r = subprocess.run([sys.executable, bench, "--quick", "--device", "cpu", "--world", "2", "--reps", "1",
-                        "--rounds", "1", "--only", "mixtral", "--json", str(out)], capture_output=True, text=True,
-                       timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                        "--rounds", "1", "--only", "mixtral", "--overlap", "--json", str(out)], capture_output=True,
+                       text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [row["case"] for row in rows] == ["mixtral"]
-    assert rows[0]["world"] == 2 and rows[0]["ep_ms"] > 0 and rows[0]["single_ms"] > 0, rows[0]
+    assert [(row["case"], row["exchange"]) for row in rows] == [("mixtral", "nccl"), ("mixtral", "nccl_halves"),
+                                                                ("mixtral", "nccl_overlap")]
+    for row in rows:
+        assert row["world"] == 2 and row["ep_ms"] > 0 and row["single_ms"] > 0, row

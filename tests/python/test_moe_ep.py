@@ -7,7 +7,12 @@ that are multiples of nothing (one rank with none), empty experts, a rank whose 
 other ranks and a rank that receives no rows, single grouped weights with main_grad and delayed
 wgrad. Each world size is launched once for all its cases (processes cost seconds to start);
 the exchanges' receive buffers are poisoned with NaN; a failing rank fails its case with the
-rank's traceback, and a launch that outlives its timeout (a deadlock) fails every case left."""
+rank's traceback, and a launch that outlives its timeout (a deadlock) fails every case left.
+exchange="symmetric_memory" (torch's NVSHMEM all-to-all with device splits): the same cases on
+GPUs where NVSHMEM is available (its symmetric buffers poisoned too, capacity above every rank's
+tokens so the padded tail is exercised), N > max_tokens_per_rank refused before anything runs,
+and the layer's forward + backward captured in one CUDA graph and replayed with new routing; on
+the CPU (gloo) its argument checks and the error that says why it cannot run there."""
 
 import os
 import socket
@@ -121,24 +126,44 @@ def _global_name(name, source, local):
     return f"{stem}{source * local + int(name[len(stem):])}" if stem != name else name
 
 
-def _check_case(case, rank, world, device):
+def _exchange_options(case, exchange):
+    """The EP layer's exchange arguments; the symmetric buffers' capacity is above every rank's
+    tokens, so every rank's receive buffer has a padded tail."""
+    if exchange == "nccl":
+        return {}
+    return dict(exchange=exchange, max_tokens_per_rank=max(case.tokens) + 2)
+
+
+def _layers(case, device, exchange):
+    """The full MoELayer and the EP layer holding this rank's slice of its experts."""
     fused = case.grouped_main_grad_delayed
     options = dict(score=case.score, normalize=case.normalize, params_dtype=getattr(torch, case.dtype),
                    bias=fused, single_grouped_weight=fused, fuse_wgrad_accumulation=fused, delay_wgrad_compute=fused,
                    device=device)
     torch.manual_seed(case.seed)
     full = stt.MoELayer(case.num_experts, H, F, case.top_k, **options)
-    ep = stt.ExpertParallelMoELayer(case.num_experts, H, F, case.top_k, **options)
+    ep = stt.ExpertParallelMoELayer(case.num_experts, H, F, case.top_k, **options, **_exchange_options(case, exchange))
     ep.load_full_state_dict(full.state_dict())
     if fused:
         for p in list(full.experts.parameters()) + list(ep.experts.parameters()):
             p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=device)
+    return full, ep
+
+
+def _check_case(case, rank, world, device, exchange="nccl"):
+    fused = case.grouped_main_grad_delayed
+    full, ep = _layers(case, device, exchange)
     x, logits, dout, dsum, bias, mine = (t.to(device) if isinstance(t, torch.Tensor) else t
                                          for t in _data(case, rank))
 
     want, want_dx, want_dlogits = _run(full, x, logits, dout, dsum, bias, fused)
     got, got_dx, got_dlogits = _run(ep, x[mine], logits[mine], dout[mine], dsum, bias, fused)
+    _compare(case, rank, world, ep, full, fused, (got, got_dx, got_dlogits), (want, want_dx, want_dlogits), mine)
 
+
+def _compare(case, rank, world, ep, full, fused, got_all, want_all, mine):
+    """The EP rank's out, dx, dlogits and the gathered experts' gradients against the full layer's."""
+    (got, got_dx, got_dlogits), (want, want_dx, want_dlogits) = got_all, want_all
     # Every collective before any assertion, so a mismatch on one rank cannot leave the others waiting.
     counts = got.counts.clone()
     dist.all_reduce(counts)
@@ -169,24 +194,165 @@ def _check_case(case, rank, world, device):
         assert torch.equal(g, want_grads[f"experts.{name}"]), f"{where}: gradient of experts.{name} differs"
 
 
-def _worker(rank, world, init_file, done_dir, cases, backend):
+def _poisoned_symmetric(empty):
+    def make(shape, dtype, device, group_name):
+        t = empty(shape, dtype, device, group_name)
+        return t.fill_(float("nan")) if t.dtype.is_floating_point else t.fill_(-1)
+    return make
+
+
+def _check_symmetric_arguments(world):
+    """exchange="symmetric_memory"'s argument checks, then (on gloo) the error saying why it cannot run."""
+    with pytest.raises(ValueError, match="exchange: expected one of nccl, symmetric_memory, got 'nvshmem'"):
+        stt.ExpertParallelMoELayer(2 * world, H, F, 1, exchange="nvshmem")
+    for bad in (None, 0, 2.5):
+        with pytest.raises(ValueError, match=f"max_tokens_per_rank: expected a positive int .* got {bad}"):
+            stt.ExpertParallelMoELayer(2 * world, H, F, 1, exchange="symmetric_memory", max_tokens_per_rank=bad)
+    with pytest.raises(ValueError, match="num_experts: exchange='symmetric_memory' takes at most 16 experts per rank"):
+        stt.ExpertParallelMoELayer(17 * world, H, F, 1, exchange="symmetric_memory", max_tokens_per_rank=8)
+    if dist.get_backend() == "gloo":
+        with pytest.raises(RuntimeError, match="exchange='symmetric_memory' is not available here: .*use "
+                                               "exchange='nccl'"):
+            stt.ExpertParallelMoELayer(2 * world, H, F, 1, exchange="symmetric_memory", max_tokens_per_rank=8)
+
+
+def _gather(t):
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return parts
+
+
+def _emulated_dispatch(src, dst, in_splits, splits_offsets):
+    """torch.ops.symm_mem.all_to_all_vdev_2d as nvshmem_extension.cu does it, over gloo: src's rows
+    ordered by (destination, local expert) with in_splits [E]; dst grouped by local expert, sources
+    in rank order; an expert that gets no row still takes major_align = 1 row (left unwritten);
+    splits_offsets [2, E] = [local expert, source] splits and dst offsets."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    local = in_splits.numel() // world
+    sources, splits = _gather(src), _gather(in_splits)
+    starts = [torch.cumsum(s, 0) - s for s in splits]
+    offset, table = 0, torch.zeros(2, local, world, dtype=torch.int64)
+    for e in range(local):
+        first = offset
+        for s in range(world):
+            n, at = int(splits[s][rank * local + e]), int(starts[s][rank * local + e])
+            dst[offset:offset + n] = sources[s][at:at + n]
+            table[0, e, s], table[1, e, s] = n, offset
+            offset += n
+        offset = first + max(offset - first, 1)
+    splits_offsets.copy_(table.view(2, -1))
+
+
+def _emulated_combine(src, dst, in_splits_offsets, splits_offsets):
+    """torch.ops.symm_mem.all_to_all_vdev_2d_offset likewise: src's rows at [local expert,
+    destination] splits and offsets; dst in (source rank, its local expert) order, no gaps."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    local = in_splits_offsets.shape[1] // world
+    sources, tables = _gather(src), _gather(in_splits_offsets)
+    offset, table = 0, torch.zeros(2, world, local, dtype=torch.int64)
+    for s in range(world):
+        for e in range(local):
+            n, at = int(tables[s][0, e * world + rank]), int(tables[s][1, e * world + rank])
+            dst[offset:offset + n] = sources[s][at:at + n]
+            table[0, s, e], table[1, s, e] = n, offset
+            offset += n
+    splits_offsets.copy_(table.view(2, -1))
+
+
+def _emulate_symmetric_memory(ep):
+    """The symmetric-memory layer on gloo: plain CPU buffers and the ops above, so that CI checks
+    the layer's layout logic (groups, an empty expert's row, offsets, autograd) without NVSHMEM."""
+    ep._symmetric_memory_unavailable = lambda group, device: None
+    ep._symmetric_empty = lambda shape, dtype, device, group_name: torch.empty(shape, dtype=dtype, device=device)
+    ep._SymmetricBuffers.dispatch = lambda self, src, dst, name: _emulated_dispatch(
+        src, dst, self.in_splits, self.splits_offsets[name])
+    ep._SymmetricBuffers.combine = lambda self, src, dst, name: _emulated_combine(
+        src, dst, self.splits_offsets["x"], self.splits_offsets[name])
+
+
+GRAPH_CASE = "cuda_graph_replays_with_new_routing"
+
+
+def _check_graph(rank, world, device):
+    """The symmetric-memory layer's forward + backward captured in one CUDA graph (no host sync
+    may happen in it), replayed on new tokens (new routing, new split values), each replay equal
+    to the full layer run eagerly on the same tokens."""
+    case = Case(GRAPH_CASE, world, "bfloat16", "softmax", 2, 2 * world, tuple(5 + 3 * r for r in range(world)),
+                seed=20)
+    full, ep = _layers(case, device, "symmetric_memory")
+    x, logits, dout, dsum, bias, mine = (t.to(device) if isinstance(t, torch.Tensor) else t
+                                         for t in _data(case, rank))
+    static_x, static_logits = x[mine].clone().requires_grad_(), logits[mine].clone().requires_grad_()
+    static_dout = dout[mine].clone()
+
+    def step():
+        o = ep(static_x, static_logits)
+        (o.out.float() * static_dout.float()).sum().add((o.score_sum * dsum).sum()).backward()
+        return o
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (and the buffers' allocation) outside the graph
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    leaves = [static_x, static_logits, *ep.experts.parameters()]
+    for p in leaves:
+        p.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_o = step()
+    for seed in (21, 22):
+        new = case._replace(seed=seed)
+        x, logits, dout, dsum_new, bias, mine = (t.to(device) if isinstance(t, torch.Tensor) else t
+                                                 for t in _data(new, rank))
+        with torch.no_grad():
+            static_x.copy_(x[mine])
+            static_logits.copy_(logits[mine])
+            static_dout.copy_(dout[mine])
+            dsum.copy_(dsum_new)
+        for p in leaves:
+            p.grad.zero_()  # the graph's backward accumulates into these
+        graph.replay()
+        torch.cuda.synchronize()
+        full.zero_grad(set_to_none=True)
+        want = _run(full, x, logits, dout, dsum, bias, False)
+        _compare(new, rank, world, ep, full, False, (static_o, static_x.grad, static_logits.grad), want, mine)
+
+
+def _worker(rank, world, init_file, done_dir, cases, backend, exchange="nccl"):
     torch.set_num_threads(1)  # the processes share the machine's cores
-    device = "cpu"
+    device, options = "cpu", {}
     if backend == "nccl":
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the lent machines
         device = f"cuda:{rank}"
         torch.cuda.set_device(device)
+        if exchange == "symmetric_memory":  # NVSHMEM's teams need the group bound to this GPU
+            options = dict(device_id=torch.device(device))
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=LAUNCH_TIMEOUT_S))
+                            timeout=timedelta(seconds=LAUNCH_TIMEOUT_S), **options)
     try:
         import sparsetrain._torch_ep as ep  # noqa: PLC0415
 
+        if backend == "gloo" and exchange == "symmetric_memory":
+            _emulate_symmetric_memory(ep)
         ep._receive_buffer = _poisoned_buffer  # every received row must be written by the exchange
+        ep._symmetric_empty = _poisoned_symmetric(ep._symmetric_empty)  # and every symmetric row read
         if world > 1:
             with pytest.raises(ValueError, match=f"num_experts: expected a multiple of the group's size {world}"):
                 stt.ExpertParallelMoELayer(world + 1, H, F, 1)
+            if exchange == "nccl":
+                _check_symmetric_arguments(world)
+        if exchange == "symmetric_memory":
+            layer = stt.ExpertParallelMoELayer(2 * world, H, F, 1, exchange=exchange, max_tokens_per_rank=4,
+                                               params_dtype=torch.bfloat16, device=device)
+            with pytest.raises(ValueError, match="x: expected at most max_tokens_per_rank = 4 tokens on this rank"):
+                layer(torch.zeros(5, H, dtype=torch.bfloat16, device=device), torch.zeros(5, 2 * world, device=device))
         for case in cases:
-            _check_case(case, rank, world, device)
+            if case.name == GRAPH_CASE:
+                _check_graph(rank, world, device)
+            else:
+                _check_case(case, rank, world, device, exchange)
             with open(os.path.join(done_dir, f"{case.name}.{rank}"), "w"):
                 pass
     finally:
@@ -196,16 +362,20 @@ def _worker(rank, world, init_file, done_dir, cases, backend):
 _LAUNCHES = {}
 
 
-def _launch(world, backend="gloo"):
+def _launch(world, backend="gloo", exchange="nccl"):
     """Runs every case of this world size in one group of `world` processes (gloo on the CPU, or
-    NCCL with one GPU each), once; returns the names of the cases every rank finished and the
-    launch's error (None if it ended well)."""
-    if (world, backend) not in _LAUNCHES:
+    NCCL with one GPU each, the EP layer with `exchange`; with symmetric memory the CUDA-graph case
+    last), once; returns the names of the cases every rank finished and the launch's error (None if
+    it ended well)."""
+    key = (world, backend, exchange)
+    if key not in _LAUNCHES:
         cases = [c for c in CASES if c.world == world]
+        if exchange == "symmetric_memory" and backend == "nccl":
+            cases.append(Case(GRAPH_CASE, world, "bfloat16", "softmax", 2, 2 * world, ()))
         with tempfile.TemporaryDirectory() as tmp:
             error = None
-            ctx = mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), tmp, cases, backend), nprocs=world,
-                                     join=False, start_method="spawn")
+            ctx = mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), tmp, cases, backend, exchange),
+                                     nprocs=world, join=False, start_method="spawn")
             deadline = time.monotonic() + LAUNCH_TIMEOUT_S
             try:
                 while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
@@ -220,14 +390,24 @@ def _launch(world, backend="gloo"):
                     p.join()
             done = {c.name for c in cases if all(os.path.exists(os.path.join(tmp, f"{c.name}.{r}"))
                                                  for r in range(world))}
-        _LAUNCHES[(world, backend)] = (done, error)
-    return _LAUNCHES[(world, backend)]
+        _LAUNCHES[key] = (done, error)
+    return _LAUNCHES[key]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"W{c.world}_{c.name}")
 def test_expert_parallel_layer_equals_the_single_process_layer_bitwise(case):
     done, error = _launch(case.world)
     assert case.name in done, f"{case.name} did not pass on every rank:\n{error}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"W{c.world}_{c.name}")
+def test_symmetric_memory_layer_logic_with_emulated_ops_on_gloo(case):
+    """exchange="symmetric_memory" on gloo with torch's NVSHMEM ops emulated (their layout as
+    nvshmem_extension.cu lays rows out, an empty expert's unwritten row included): the layer's
+    groups, zeroed rows, offsets and autograd, bitwise against the full layer. The GPU test below
+    runs the real ops."""
+    done, error = _launch(case.world, "gloo", "symmetric_memory")
+    assert case.name in done, f"{case.name} did not pass on every rank (emulated symmetric memory):\n{error}"
 
 
 def _nccl_gpus():
@@ -248,6 +428,36 @@ def test_expert_parallel_layer_on_gpus_equals_the_single_gpu_layer_bitwise(case)
         pytest.skip(f"NCCL with {case.world} GPUs: this machine has {gpus} usable by NCCL")
     done, error = _launch(case.world, "nccl")
     assert case.name in done, f"{case.name} did not pass on every rank (NCCL):\n{error}"
+
+
+def _nvshmem_available():
+    try:
+        import torch.distributed._symmetric_memory as symm_mem  # noqa: PLC0415
+    except ImportError:
+        return False
+    return symm_mem.is_nvshmem_available()
+
+
+@pytest.mark.parametrize("case", [*CASES, *(Case(GRAPH_CASE, w, "bfloat16", "softmax", 2, 2 * w, ()) for w in (2, 4))],
+                         ids=lambda c: f"symm_W{c.world}_{c.name}")
+def test_symmetric_memory_layer_on_gpus_equals_the_single_gpu_layer_bitwise(case):
+    """exchange="symmetric_memory" on the same cases (NCCL group, one GPU per rank, NVSHMEM): the
+    rows land grouped by local expert in a receive buffer padded to capacity (an empty expert's
+    unwritten row zeroed), the experts run on it with device splits, fc2 writes the buffer the
+    return exchange reads; bitwise equal to the full layer as with the NCCL exchange. Plus the
+    layer's step captured in a CUDA graph and replayed with new routing."""
+    gpus = _nccl_gpus()
+    if gpus < case.world:
+        pytest.skip(f"symmetric memory with {case.world} GPUs: this machine has {gpus} usable by NCCL")
+    if not _nvshmem_available():
+        pytest.skip("symmetric memory: torch.distributed._symmetric_memory.is_nvshmem_available() is False here")
+    done, error = _launch(case.world, "nccl", "symmetric_memory")
+    assert case.name in done, f"{case.name} did not pass on every rank (symmetric memory):\n{error}"
+
+
+def test_layer_rejects_an_unknown_exchange():
+    with pytest.raises(ValueError, match="exchange: expected one of nccl, symmetric_memory, got 'nvshmem'"):
+        stt.ExpertParallelMoELayer(4, H, F, 1, exchange="nvshmem")
 
 
 def test_layer_needs_an_initialised_process_group():
