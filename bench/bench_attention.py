@@ -17,7 +17,9 @@ and cuDNN (causal cases): peer / ours ratios of both, det / nondet (target <= 1.
 peer's peak memory of one forward + backward beyond its inputs ("fwdbwd_<peer>_peak_mib").
 
 All in this process on this GPU, CUDA events after warm-up, inputs rotated over enough copies to
-exceed twice the L2 cache. Two timings of every forward, ours and the peers (docs/DESIGN.md section 9):
+exceed twice the L2 cache. Two timings of every forward, backward and forward + backward, ours
+and the peers (docs/DESIGN.md section 9; the backward's keys "bwd_<peer>_ms" / "bwd_<peer>_b2b_ms",
+"fwdbwd_..." likewise):
 one call at a time ("<peer>_ms": the median of >= 100 runs, each started on an idle GPU, so host
 work inside the call counts: what an eager training step sees) and back to back
 ("<peer>_b2b_ms": the same number of calls queued between two events, divided by it: the GPU
@@ -471,8 +473,11 @@ def bench_backward(row, mask, fmask, sets, reps, flex_compiled, G, kind):
     forward graph retained per input copy; 10 * D * pairs FLOPs) and forward + backward (the
     forward, then torch.autograd.grad; 14 * D * pairs FLOPs). Peers: ours deterministic ("ours")
     and not ("ours_nondet"), FlexAttention on the same mask, cuDNN SDPA on the causal cases (with
-    GQA also on k and v expanded to Hq heads). Ratios: peer / ours (deterministic), and the
-    deterministic mode's cost det / nondet (target <= 1.10); peak memory of one forward + backward."""
+    GQA also on k and v expanded to Hq heads). Each timed one call at a time ("<what>_<peer>_ms":
+    host work counts) and back to back ("<what>_<peer>_b2b_ms": the GPU work). Ratios, both ways
+    ("<what>_speedup_vs_<peer>", "<what>_b2b_speedup_vs_<peer>"): peer / ours (deterministic), and
+    the deterministic mode's cost det / nondet (target <= 1.10); peak memory of one forward +
+    backward."""
     import sparsetrain.torch as stt
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -509,7 +514,7 @@ def bench_backward(row, mask, fmask, sets, reps, flex_compiled, G, kind):
             q, k, v, do = next(it)
             return torch.autograd.grad(fwd(q, k, v), (q, k, v), do)
 
-        run_peer(row, f"fwdbwd_{peer}", fwd_bwd, reps, row["fwdbwd_flops"])
+        run_peer(row, f"fwdbwd_{peer}", fwd_bwd, reps, row["fwdbwd_flops"], b2b=True)
         # Peak memory of one forward + backward beyond what was allocated before it (the inputs):
         # o, lse or the peer's saved tensors, workspaces, the gradients.
         torch.cuda.synchronize()
@@ -534,7 +539,7 @@ def bench_backward(row, mask, fmask, sets, reps, flex_compiled, G, kind):
             o, q, k, v, do = next(it_bwd)
             return torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
 
-        run_peer(row, f"bwd_{peer}", bwd, reps, row["bwd_flops"])
+        run_peer(row, f"bwd_{peer}", bwd, reps, row["bwd_flops"], b2b=True)
         if peer in ("ours", "ours_nondet", "flex"):  # gradients of the first input copy, compared below
             first = retained[0]
             try:
@@ -545,13 +550,7 @@ def bench_backward(row, mask, fmask, sets, reps, flex_compiled, G, kind):
         del retained, it_bwd
         torch.cuda.synchronize()
 
-    nan = float("nan")
-    for what in ("bwd", "fwdbwd"):
-        ours = row.get(f"{what}_ours_ms", nan)
-        for peer in ("flex", "cudnn", "cudnn_expanded_kv"):
-            if f"{what}_{peer}_ms" in row:
-                row[f"{what}_speedup_vs_{peer}"] = row[f"{what}_{peer}_ms"] / ours
-        row[f"{what}_det_over_nondet"] = ours / row.get(f"{what}_ours_nondet_ms", nan)
+    backward_ratios(row)
     # The same gradients: ours against flex, and the two modes of ours (max abs, bf16).
     for peer, ref in (("flex", "ours"), ("flex", "ours_nondet"), ("ours", "ours_nondet")):
         if peer in grads and ref in grads:
@@ -564,6 +563,18 @@ def bench_backward(row, mask, fmask, sets, reps, flex_compiled, G, kind):
             row["ours_bwd_bitwise_repeatable"] = all(torch.equal(a, b) for a, b in zip(again, grads["ours"]))
         except Exception as e:  # noqa: BLE001
             row.setdefault("bwd_ours_error", first_line(e))
+
+
+def backward_ratios(row):
+    """bench_backward's ratios from its timings, one call at a time and back to back."""
+    nan = float("nan")
+    for what in ("bwd", "fwdbwd"):
+        for sfx in ("", "b2b_"):
+            ours = row.get(f"{what}_ours_{sfx}ms", nan)
+            for peer in ("flex", "cudnn", "cudnn_expanded_kv"):
+                if f"{what}_{peer}_{sfx}ms" in row:
+                    row[f"{what}_{sfx}speedup_vs_{peer}"] = row[f"{what}_{peer}_{sfx}ms"] / ours
+            row[f"{what}_{sfx}det_over_nondet"] = ours / row.get(f"{what}_ours_nondet_{sfx}ms", nan)
 
 
 # -- block-mask build ------------------------------------------------------------------------------
@@ -714,17 +725,22 @@ def print_tables(rows):
     bwd = [r for r in att if "bwd_flops" in r]
     if bwd:
         # Ours is the deterministic backward unless "nondet"; x-columns are peer / ours (> 1: we are
-        # faster), det/nondet the deterministic mode's cost (target <= 1.10).
+        # faster), det/nondet the deterministic mode's cost (target <= 1.10). Each one call at a
+        # time (host work counts) and back to back (the GPU work).
         for what, title in (("bwd", "backward alone"), ("fwdbwd", "forward + backward")):
-            print(f"\n{title + ' (ms)':20} {'ours':>8} {'TFLOP/s':>8} {'nondet':>8} {'det/nondet':>10} "
-                  f"{'flex':>8} {'flex/ours':>9} {'cudnn':>8} {'cudnn/ours':>10}  errors")
-            for r in bwd:
-                errs = "; ".join(f"{k[:-6]}: {v}" for k, v in r.items()
-                                 if k.startswith(what + "_") and k.endswith("_error"))
-                print(f"{r['case']:20} {f(r, what + '_ours_ms'):>8} {f(r, what + '_ours_tflops', '{:.1f}'):>8} "
-                      f"{f(r, what + '_ours_nondet_ms'):>8} {f(r, what + '_det_over_nondet', '{:.3f}'):>10} "
-                      f"{f(r, what + '_flex_ms'):>8} {f(r, what + '_speedup_vs_flex', '{:.2f}x'):>9} "
-                      f"{f(r, what + '_cudnn_ms'):>8} {f(r, what + '_speedup_vs_cudnn', '{:.2f}x'):>10}  {errs}")
+            for sfx, how in (("", "one call at a time"), ("b2b_", "back to back")):
+                def ms(peer):
+                    return f"{what}_{peer}_{sfx}ms"
+
+                print(f"\n{title + ', ' + how + ' (ms)':44} {'ours':>8} {'TFLOP/s':>8} {'nondet':>8} "
+                      f"{'det/nondet':>10} {'flex':>8} {'flex/ours':>9} {'cudnn':>8} {'cudnn/ours':>10}  errors")
+                for r in bwd:
+                    errs = "; ".join(f"{k[:-6]}: {v}" for k, v in r.items()
+                                     if k.startswith(what + "_") and k.endswith("_error")) if not sfx else ""
+                    print(f"{r['case']:44} {f(r, ms('ours')):>8} {f(r, f'{what}_ours_{sfx}tflops', '{:.1f}'):>8} "
+                          f"{f(r, ms('ours_nondet')):>8} {f(r, f'{what}_{sfx}det_over_nondet', '{:.3f}'):>10} "
+                          f"{f(r, ms('flex')):>8} {f(r, f'{what}_{sfx}speedup_vs_flex', '{:.2f}x'):>9} "
+                          f"{f(r, ms('cudnn')):>8} {f(r, f'{what}_{sfx}speedup_vs_cudnn', '{:.2f}x'):>10}  {errs}")
     builds = [r for r in rows if r["case"] in BUILDS]
     if builds:
         print(f"\n{'mask build':24} {'ours ms':>9} {'flex ms':>9} {'flex/ours':>10} (target >= 10x) "
@@ -779,6 +795,16 @@ def self_check(names, seq):
         for peer in ("flex", "cudnn"):
             if f"{peer}_ms" in row:
                 row[f"speedup_vs_{peer}"] = row[f"b2b_speedup_vs_{peer}"] = 1.0
+        row["bwd_flops"], row["fwdbwd_flops"] = 2.5 * flops, 3.5 * flops
+        for what in ("bwd", "fwdbwd"):
+            for peer in ("ours", "ours_nondet", "flex") + (("cudnn",) if c.kind == "causal" else ()):
+                for k, sfx in enumerate(("", "b2b_")):
+                    row[f"{what}_{peer}_{sfx}ms"] = fake * (2 + k)
+                    row[f"{what}_{peer}_{sfx}tflops"] = row[f"{what}_flops"] / (fake * (2 + k)) * 1e-9
+        backward_ratios(row)
+        for what in ("bwd", "fwdbwd"):  # the ratios' keys and values, checked on the made-up rows
+            for sfx in ("", "b2b_"):
+                assert row[f"{what}_{sfx}speedup_vs_flex"] == 1.0 and row[f"{what}_{sfx}det_over_nondet"] == 1.0
         rows.append(row)
     add_dense_ratios(rows)
     print_tables(rows)
