@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ._moe import ROUTER_SCORES
-from ._torch_moe import MoEOutput, RoutedTokens, _check_layer_inputs, _combine, _expert_rows, _Rows, _take, moe_route
+from ._torch_moe import (MoEOutput, _check_layer_inputs, _combine, _expert_rows, _row_maps, _RowMaps, _Rows, _take,
+                         moe_route)
 
 
 def _receive_buffer(like: Tensor, rows: int) -> Tensor:
@@ -202,24 +203,6 @@ def _check_symmetric_args(local_experts: int, world_size: int, max_tokens_per_ra
     if world_size > _SYMMETRIC_MAX_WORLD:
         raise ValueError(f"group: exchange='symmetric_memory' takes at most {_SYMMETRIC_MAX_WORLD} ranks "
                          f"(torch's all_to_all_vdev_2d_offset), got {world_size}")
-
-
-class _RowMaps(NamedTuple):
-    """_expert_rows's index maps without its gathers (the symmetric exchange gathers into its own
-    buffers): row_of [N, k], token_of_row [N * k], flat_row [N * k] ((token, slot) -> row) and
-    flat_of_row (row -> (token, slot)), int64."""
-    row_of: Tensor
-    token_of_row: Tensor
-    flat_row: Tensor
-    flat_of_row: Tensor
-
-
-def _row_maps(r: RoutedTokens) -> _RowMaps:
-    row_of = r.row_of.long()
-    flat_row = row_of.reshape(-1)
-    flat_of_row = torch.empty_like(flat_row)
-    flat_of_row[flat_row] = torch.arange(flat_row.numel(), device=flat_row.device)
-    return _RowMaps(row_of, r.token_of_row.long(), flat_row, flat_of_row)
 
 
 def _zero_rows(rows: Tensor, *buffers: Tensor) -> None:

@@ -117,14 +117,28 @@ def _check_layer_inputs(layer: nn.Module, x: Tensor, logits: Tensor) -> None:
                          f"got {list(logits.shape)}")
 
 
+class _RowMaps(NamedTuple):
+    """r's layout as int64 index maps: row_of [N, k], token_of_row [N * k], flat_row [N * k]
+    ((token, slot) -> row) and flat_of_row, its inverse (row -> (token, slot))."""
+    row_of: Tensor
+    token_of_row: Tensor
+    flat_row: Tensor
+    flat_of_row: Tensor
+
+
+def _row_maps(r: RoutedTokens) -> _RowMaps:
+    row_of = r.row_of.long()
+    flat_row = row_of.reshape(-1)
+    flat_of_row = torch.empty_like(flat_row)
+    flat_of_row[flat_row] = torch.arange(flat_row.numel(), device=flat_row.device)
+    return _RowMaps(row_of, r.token_of_row.long(), flat_row, flat_of_row)
+
+
 def _expert_rows(x: Tensor, r: RoutedTokens) -> _ExpertRows:
     """The rows the experts take, gathered from x and the (token, slot) probs by r's layout."""
-    row_of, token_of_row = r.row_of.long(), r.token_of_row.long()
-    flat_row = row_of.reshape(-1)  # (token, slot) -> row
-    flat_of_row = torch.empty_like(flat_row)  # row -> (token, slot): its inverse
-    flat_of_row[flat_row] = torch.arange(flat_row.numel(), device=flat_row.device)
-    return _ExpertRows(_Rows.apply(x, token_of_row, row_of), _Rows.apply(r.probs.reshape(-1), flat_of_row, flat_row),
-                       row_of, token_of_row)
+    m = _row_maps(r)
+    return _ExpertRows(_Rows.apply(x, m.token_of_row, m.row_of),
+                       _Rows.apply(r.probs.reshape(-1), m.flat_of_row, m.flat_row), m.row_of, m.token_of_row)
 
 
 def _combine(y: Tensor, rows: _ExpertRows) -> Tensor:
