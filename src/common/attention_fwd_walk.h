@@ -50,7 +50,8 @@ ST_HOST_DEVICE inline int32_t walk_length(const MaskWalkLists& l, const WalkCoun
 // the full blocks'; a block's sub-tiles consecutively.
 ST_HOST_DEVICE inline WalkTile walk_tile(const MaskWalkLists& l, const WalkCounts& c, int64_t b, int64_t h, int64_t m,
                                          int32_t t) {
-  const int32_t block = t / l.sub_tiles, sub = t - block * l.sub_tiles;
+  // One kernel tile per block (block_kv = the kernel's kv tile) is the common case: no division.
+  const int32_t block = l.sub_tiles == 1 ? t : t / l.sub_tiles, sub = t - block * l.sub_tiles;
   const bool partial = block < c.partial;
   const int32_t entry = partial ? block : block - c.partial;
   const MaskIndexView& idx = partial ? l.partial_index : l.full_index;
@@ -77,15 +78,17 @@ struct FwdWorkItem {
   int32_t b, h, q_tile;
 };
 
-ST_HOST_DEVICE inline FwdWorkItem fwd_work_item(int64_t item, int32_t heads_q, int32_t q_tiles) {
-  const int32_t q_tile = int32_t(item % q_tiles);
-  const int64_t bh = item / q_tiles;
-  return {int32_t(bh / heads_q), int32_t(bh % heads_q), q_tile};
+// In 32 bits (the kernels decode an item at every item boundary; 64-bit divisions are subroutine
+// calls there): items are counted in int32 (FwdArgs::num_items).
+ST_HOST_DEVICE inline FwdWorkItem fwd_work_item(int32_t item, int32_t heads_q, int32_t q_tiles) {
+  const int32_t q_tile = item % q_tiles, bh = item / q_tiles;
+  return {bh / heads_q, bh % heads_q, q_tile};
 }
 
 // Mask row of a q tile: tile rows [q_tile * tile_q, ...) lie in block q_tile * tile_q / block_q.
+// (q_tile * tile_q < Sq fits int32; block_q = tile_q, the common case, divides nothing.)
 ST_HOST_DEVICE inline int32_t fwd_mask_row(int32_t q_tile, int32_t tile_q, int32_t block_q) {
-  return int32_t(int64_t(q_tile) * tile_q / block_q);
+  return block_q == tile_q ? q_tile : q_tile * tile_q / block_q;
 }
 
 // L2 sections of the work order. Items of a section (consecutive (b, h) heads, numbered as above)
