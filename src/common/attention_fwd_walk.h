@@ -46,12 +46,19 @@ ST_HOST_DEVICE inline int32_t walk_length(const MaskWalkLists& l, const WalkCoun
   return (c.partial + c.full) * l.sub_tiles;
 }
 
+// t / sub_tiles for a kernel kv tile t (or a walk position): the mask block it lies in. One kernel
+// tile per block (block_kv = the kernel's kv tile) is the common case and divides nothing: the
+// division's instructions (and its MUFU.RCP, which competes with the softmax's exponentials) were
+// 5 % of the forward's stall samples and cost it 4-12 % (docs/PERF.md).
+ST_HOST_DEVICE inline int32_t sub_tile_block(const MaskWalkLists& l, int32_t t) {
+  return l.sub_tiles == 1 ? t : t / l.sub_tiles;
+}
+
 // Tile t in [0, walk_length) of the walk of mask row m of (b, h): the partial blocks' tiles, then
 // the full blocks'; a block's sub-tiles consecutively.
 ST_HOST_DEVICE inline WalkTile walk_tile(const MaskWalkLists& l, const WalkCounts& c, int64_t b, int64_t h, int64_t m,
                                          int32_t t) {
-  // One kernel tile per block (block_kv = the kernel's kv tile) is the common case: no division.
-  const int32_t block = l.sub_tiles == 1 ? t : t / l.sub_tiles, sub = t - block * l.sub_tiles;
+  const int32_t block = sub_tile_block(l, t), sub = t - block * l.sub_tiles;
   const bool partial = block < c.partial;
   const int32_t entry = partial ? block : block - c.partial;
   const MaskIndexView& idx = partial ? l.partial_index : l.full_index;
@@ -138,11 +145,11 @@ struct alignas(16) FwdWorkRecord {
   int32_t cost;           // walk_length
 };
 
-ST_HOST_DEVICE inline FwdWorkRecord fwd_work_record(const MaskWalkLists& l, int64_t item, int32_t heads_q,
+ST_HOST_DEVICE inline FwdWorkRecord fwd_work_record(const MaskWalkLists& l, int32_t item, int32_t heads_q,
                                                     int32_t q_tiles, int32_t tile_q) {
   const FwdWorkItem w = fwd_work_item(item, heads_q, q_tiles);
   const WalkCounts c = walk_counts(l, w.b, w.h, fwd_mask_row(w.q_tile, tile_q, l.block_q));
-  return {int32_t(item), c.partial, c.full, walk_length(l, c)};
+  return {item, c.partial, c.full, walk_length(l, c)};
 }
 
 }  // namespace sparsetrain

@@ -185,7 +185,7 @@ __device__ __forceinline__ void fwd_consume(const typename T::Params& p, typenam
         tc.block_bits = m.bits + c.b * m.bits_stride_b + c.h * m.bits_stride_h + c.row * m.bits_stride_m +
                         tile.entry * m.bits_stride_w;
         tc.block_row0 = c.row * a.lists.block_q;
-        tc.block_col = kv0 - (tile.tile / a.lists.sub_tiles) * m.block_kv;
+        tc.block_col = kv0 - sub_tile_block(a.lists, tile.tile) * m.block_kv;
         tc.bits_ok = tile.entry < m.bits_width;
       }
       mask_partial_tile<true>(
