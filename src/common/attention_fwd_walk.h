@@ -16,7 +16,9 @@
 
 namespace sparsetrain {
 
-// The forward lists of a mask (kv_* and full_kv_*), as the walk reads them.
+// The forward lists of a mask (kv_* and full_kv_*), as the walk reads them: in int32 offsets
+// (MaskIndexViewOf::row_in; 64-bit products on every kv tile cost the kernel issue slots), so
+// whoever fills this from tensors checks offsets_fit_int32 on each (the CUDA backend does).
 struct MaskWalkLists {
   MaskIndexView partial_count, partial_index, full_count, full_index;
   int32_t num_kv_blocks = 0;  // Nk of the mask
@@ -62,7 +64,7 @@ ST_HOST_DEVICE inline WalkTile walk_tile(const MaskWalkLists& l, const WalkCount
   const bool partial = block < c.partial;
   const int32_t entry = partial ? block : block - c.partial;
   const MaskIndexView& idx = partial ? l.partial_index : l.full_index;
-  const int32_t n = idx.row(b, h, m)[int64_t(entry) * idx.stride_w];
+  const int32_t n = idx.row_in<int32_t>(b, h, m)[entry * int32_t(idx.stride_w)];
   const bool valid = n >= 0 && n < l.num_kv_blocks;
   return {valid ? n * l.sub_tiles + sub : -1, entry, partial};
 }

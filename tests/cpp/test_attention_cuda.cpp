@@ -592,6 +592,17 @@ TEST(AttentionCudaErrors, RefusedInputsAllocateNothing) {
          st::block_sparse_attention_forward(unaligned, unaligned, unaligned, dm.mask, {}, call);
        },
        "q: expected a 16-byte aligned base and strides that are multiples of 16 bytes"},
+      {"int32 offsets", [&](auto& call) {
+         // The forward's walk indexes the lists in int32: a view whose rows lie 2^31 elements apart
+         // (over no real memory: it must be refused before anything reads it).
+         st::BlockMask m = dev.mask;
+         const st::TensorView& t = m.kv_indices;
+         const int64_t shape4[4] = {t.size(0), t.size(1), t.size(2), t.size(3)};
+         const int64_t far[4] = {t.stride(0), t.stride(1), int64_t(1) << 31, t.stride(3)};
+         m.kv_indices = st::TensorView(t.data(), t.dtype(), shape4, far, 4, t.device());
+         forward(q, k, m, call);
+       },
+       "mask.kv_indices: expected every element offset below 2^31 (the forward indexes it in int32"},
   };
   expect_refused(bad);
 }

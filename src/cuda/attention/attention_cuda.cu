@@ -276,6 +276,21 @@ class AttentionCuda final : public backend::AttentionBackend {
                  "D = ", p.head_dim, " (", dtype_name(p.dtype), ")");
     const int64_t limit = int64_t(1) << 30;
     const int64_t items = p.batch * p.heads_q * q_tiles_of(p);
+    // The kernels index the mask's lists their walks read, and the document ids, in int32.
+    auto check_int32_offsets = [](const TensorView* t, const char* name, const char* reader) {
+      if (t != nullptr)
+        ST_CHECK_ARG(offsets_fit_int32(*t), name,
+                     std::string("every element offset below 2^31 (the ") + reader +
+                         " indexes it in int32; broadcast the mask over batch or heads)",
+                     "the largest offset ", max_element_offset(*t));
+    };
+    if (backward == nullptr) {  // common/attention_fwd_walk.h
+      for (const auto& [t, name] : {std::pair<const TensorView*, const char*>{&mask.kv_num_blocks, "mask.kv_num_blocks"},
+                                    {&mask.kv_indices, "mask.kv_indices"},
+                                    {&mask.full_kv_num_blocks, "mask.full_kv_num_blocks"},
+                                    {&mask.full_kv_indices, "mask.full_kv_indices"}})
+        check_int32_offsets(t, name, "forward");
+    }
     if (backward != nullptr) {
       // The backward's tickets are int32 (BwdTicketScheduler, its index math 32-bit).
       const int64_t tickets = p.batch * p.heads_kv * mask.num_kv_blocks() * dq_sub_tiles(mask.block_kv);
@@ -296,12 +311,7 @@ class AttentionCuda final : public backend::AttentionBackend {
           {bits ? &mask.kv_indices : nullptr, "mask.kv_indices"},
           {docs ? &mask.spec.doc_q : nullptr, "mask.spec.doc_q"},
           {docs ? &mask.spec.doc_kv : nullptr, "mask.spec.doc_kv"}};
-      for (const auto& [t, name] : lists)
-        if (t != nullptr)
-          ST_CHECK_ARG(offsets_fit_int32(*t), name,
-                       "every element offset below 2^31 (the backward indexes it in int32; broadcast the mask over "
-                       "batch or heads)",
-                       "the largest offset ", max_element_offset(*t));
+      for (const auto& [t, name] : lists) check_int32_offsets(t, name, "backward");
     }
     ST_CHECK_ARG(p.seq_q < limit && p.seq_kv < limit && items < limit, "q",
                  "Sq, Skv and B * Hq * ceil(Sq / 128) below 2^30 (32-bit indexing)", "Sq = ", p.seq_q,

@@ -227,7 +227,7 @@ __device__ __forceinline__ void fwd_consume(const typename T::Params& p, typenam
     if (!sched.valid(it)) return;
     const FwdItem n = fwd_item(a, rec_next, T::kBlockM);
     const MaskIndexView& idx = n.counts.partial > 0 ? a.lists.partial_index : a.lists.full_index;
-    if (walk_length(a.lists, n.counts) > 0) prefetch_l1(idx.row(n.b, n.h, n.row));
+    if (walk_length(a.lists, n.counts) > 0) prefetch_l1(idx.row_in<int32_t>(n.b, n.h, n.row));
   };
 
   // Pipeline positions from one counter (fewer live registers than three PipelineStates): tile n
