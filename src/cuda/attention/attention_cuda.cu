@@ -290,8 +290,7 @@ class AttentionCuda final : public backend::AttentionBackend {
                                     {&mask.full_kv_num_blocks, "mask.full_kv_num_blocks"},
                                     {&mask.full_kv_indices, "mask.full_kv_indices"}})
         check_int32_offsets(t, name, "forward");
-    }
-    if (backward != nullptr) {
+    } else {
       // The backward's tickets are int32 (BwdTicketScheduler, its index math 32-bit).
       const int64_t tickets = p.batch * p.heads_kv * mask.num_kv_blocks() * dq_sub_tiles(mask.block_kv);
       ST_CHECK_ARG(tickets < (int64_t(1) << 31), "k", "B * Hkv * ceil(Skv / 128) below 2^31 (the backward's work items)",
