@@ -13,7 +13,7 @@
 namespace sparsetrain {
 
 struct AttentionOptions {
-  float scale = 0.f;           // 0: 1 / sqrt(D)
+  float scale = 0.f;           // 0: 1 / sqrt(D); >= 0 (a negative scale is refused)
   bool deterministic = true;   // the backward's dQ reduction order (the CPU reference always is)
   // CUDA: at most this many SMs' worth of persistent CTAs (0: every SM), e.g. to leave SMs to
   // communication kernels. Results never depend on it (the deterministic backward is bitwise

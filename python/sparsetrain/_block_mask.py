@@ -716,8 +716,10 @@ def _scale_arg(scale: Optional[float]) -> float:
     if scale is None:
         return 0.0  # the core's default: 1 / sqrt(D)
     s = float(scale)
-    if s == 0.0 or not math.isfinite(s):
-        raise ValueError(f"scale: expected a finite nonzero number or None (1 / sqrt(D)), got {scale}")
+    # Negative scales are refused by the core on every backend (the CUDA kernels' softmax assumes
+    # scale > 0).
+    if not s > 0.0 or not math.isfinite(s):
+        raise ValueError(f"scale: expected a finite positive number or None (1 / sqrt(D)), got {scale}")
     return s
 
 

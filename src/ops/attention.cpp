@@ -75,7 +75,10 @@ AttentionProblem check_inputs(const TensorView& q, const TensorView& k, const Te
   check_bshd(v, "v", "[B, Skv, Hkv, D]", p.dtype, q.device(), " (q's dtype)");
   ST_CHECK_ARG(same_shape(v, p.batch, p.seq_kv, p.heads_kv, p.head_dim), "v", "shape " + k.shape_str() + " (k's shape)",
                v.shape_str());
-  ST_CHECK_ARG(std::isfinite(options.scale), "options.scale", "a finite number (0: 1 / sqrt(D))", options.scale);
+  // A negative scale is refused on every backend: the CUDA kernels' online softmax takes each row's
+  // maximum of the unscaled scores and masks with -inf, both of which assume scale > 0.
+  ST_CHECK_ARG(std::isfinite(options.scale) && options.scale >= 0.f, "options.scale",
+               "a finite number >= 0 (0: 1 / sqrt(D))", options.scale);
   p.scale = options.scale != 0.f ? options.scale : 1.f / std::sqrt(float(p.head_dim));
   ST_CHECK_ARG(options.sm_limit >= 0, "options.sm_limit", "a count >= 0 (0: every SM)", options.sm_limit);
   return p;

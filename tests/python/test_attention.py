@@ -518,8 +518,9 @@ def test_flex_block_mask_passed_directly_says_how_to_convert():
 
 def test_bad_scale_and_builder_arguments():
     q, k, v, m = _good()
-    with pytest.raises(ValueError, match="scale: expected a finite nonzero number"):
-        stt.block_sparse_attention(q, k, v, m, scale=float("nan"))
+    for bad in (float("nan"), 0.0, -0.125):
+        with pytest.raises(ValueError, match="scale: expected a finite positive number"):
+            stt.block_sparse_attention(q, k, v, m, scale=bad)
     with pytest.raises(ValueError, match="kind: expected one of full, causal"):
         st.BlockMask.build("diagonal", 40)
     with pytest.raises(ValueError, match="schedule: expected 'auto'"):
