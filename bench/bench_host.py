@@ -8,6 +8,12 @@ is loaded, each grouped case also times its C++ layer's forward called alone (`*
 module, no autograd; the floor, with on the CPU the reference backend's compute in it). Medians of
 5 repeats, after warm-up, forward under torch.no_grad() and with autograd recording (grad mode).
 
+On CUDA also the eager forward of many-expert GroupedLinear shapes against torch._grouped_mm
+(`eager_vs_grouped_mm`): per-expert weights (the module's default) and device splits, as a MoE
+router hands them over, against torch._grouped_mm over the same x and a packed copy of the
+weights with int32 offsets; wall time per call of an eager loop (host and GPU work overlapping as
+in a training step), no_grad and grad mode (weights requiring grad, x not).
+
     python bench/bench_host.py [--device cpu|cuda] [--calls 1000] [--json out.json]
 """
 
@@ -79,6 +85,29 @@ def cases(device):
     return out
 
 
+# (G, T, in, out): a 64-expert layer at two token counts, Qwen3-like 128 experts (fc1) at two.
+EAGER_SHAPES = ((64, 8192, 2048, 1024), (64, 32768, 4096, 2048), (128, 16384, 2048, 1536), (128, 65536, 2048, 1536))
+
+
+def eager_vs_grouped_mm(calls):
+    """[(name, ours, peer)]: the many-expert eager cases (see the module's doc)."""
+    import sparsetrain.torch as stt
+
+    out = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for G, T, K, N in EAGER_SHAPES:
+        m = stt.GroupedLinear(G, K, N, bias=False, params_dtype=torch.bfloat16, device="cuda")
+        x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16, generator=gen)
+        loads = torch.rand(G, device="cuda", generator=gen) + 0.5
+        splits = (loads / loads.sum() * T).floor().to(torch.int64)
+        splits[0] += T - splits.sum()
+        offs = torch.cumsum(splits, 0).to(torch.int32)
+        packed = torch.stack([w.detach() for w in m.weights()]).requires_grad_()  # [G, out, in], as ours
+        out.append((f"eager_G{G}_T{T}_{K}x{N}", lambda m=m, x=x, s=splits: m(x, s),
+                    lambda x=x, w=packed, o=offs: torch._grouped_mm(x, w.transpose(-2, -1), offs=o)))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -92,6 +121,18 @@ def main():
         grad = host_us(fn, a.calls, a.device)
         rows.append({"case": name, "no_grad_us": no_grad, "grad_mode_us": grad})
         print(f"{name:34s} no_grad {no_grad:8.1f} us   grad mode {grad:8.1f} us", flush=True)
+    if a.device == "cuda":
+        calls = max(20, a.calls // 10)
+        for name, ours, peer in eager_vs_grouped_mm(calls):
+            r = {"case": name, "calls": calls}
+            for mode, grad in (("no_grad", False), ("grad_mode", True)):
+                with torch.set_grad_enabled(grad):
+                    r[f"{mode}_us"], r[f"grouped_mm_{mode}_us"] = host_us(ours, calls, "cuda"), host_us(peer, calls, "cuda")
+                r[f"{mode}_speedup_vs_grouped_mm"] = r[f"grouped_mm_{mode}_us"] / r[f"{mode}_us"]
+            rows.append(r)
+            print(f"{name:34s} no_grad {r['no_grad_us']:8.1f} us ({r['no_grad_speedup_vs_grouped_mm']:.2f}x "
+                  f"torch._grouped_mm)   grad mode {r['grad_mode_us']:8.1f} us "
+                  f"({r['grad_mode_speedup_vs_grouped_mm']:.2f}x)", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": a.device, "torch": torch.__version__, "calls": a.calls, "rows": rows}, f, indent=1)
