@@ -203,10 +203,11 @@ def _core_and_splits(m: nn.Module, x: Tensor, splits: Tensor, grad_input: Option
 
 
 def _forward_impl(layer_id: int, x: Tensor, splits: Tensor, grad_input: Optional[Tensor],
-                  out: Optional[Tensor] = None) -> Tensor:
+                  out: Optional[Tensor] = None, params: Any = None) -> Tensor:
+    """params: the module's `_native_params()` where the caller has them already."""
     m = _layer(layer_id)
     if _NATIVE is not None:
-        return m._native("forward", x, splits, _status_for(splits, m), out, grad_input)
+        return m._native("forward", x, splits, _status_for(splits, m), out, grad_input, params=params)
     core, s = _core_and_splits(m, x, splits, grad_input)
     return core.forward(x, s, out)
 
@@ -389,15 +390,15 @@ class _DelayedWgrad:
     `_accumulate_backward_dw()` (its pending wgrads into main_grad or .grad, and bias grads),
     `_make_native()` and `_native_params()`."""
 
-    def _native(self, method: str, *args: Any) -> Any:
+    def _native(self, method: str, *args: Any, params: Any = None) -> Any:
         """`method` of the module's C++ layer in the C++ torch library (made once), called with
-        `args` and the module's current parameters and flags (`_native_params`); the layer
-        compares them with the last call's and rebuilds its views when one moved."""
+        `args` and the module's current parameters and flags (`params`, else `_native_params()`);
+        the layer compares them with the last call's and rebuilds its views when one moved."""
         methods = self._native_methods
         if methods is None:  # bound once
             layer = self._native_layer = self._make_native()
             methods = self._native_methods = {n: getattr(layer, n) for n in ("forward", "backward", "backward_dw")}
-        return methods[method](*args, *self._native_params())
+        return methods[method](*args, *(self._native_params() if params is None else params))
 
     def _hold_grad_accumulators(self, params: List[Tensor]) -> None:
         """Keeps the AccumulateGrad nodes of `params` alive between steps, as DDP's reducer does:
@@ -556,10 +557,13 @@ class GroupedLinear(_DelayedWgrad, nn.Module):
             grads.append(mg)
         return grads
 
-    def _param_tensors(self, prefix: str = "") -> "_ParamTensors":
+    def _param_tensors(self, prefix: str = "", weights: Optional[List[Tensor]] = None,
+                       biases: Optional[List[Tensor]] = None) -> "_ParamTensors":
         """The parameters, main_grads and flags as they are now; `prefix` names this layer inside
-        a GroupedMLP in errors."""
-        weights, biases, main_grads = self.weights(), self.biases(), self._main_grads(prefix)
+        a GroupedMLP in errors; `weights` and `biases` where the caller has listed them already."""
+        weights = self.weights() if weights is None else weights
+        biases = self.biases() if biases is None else biases
+        main_grads = self._main_grads(prefix)
         overwrite = bool(self.fuse_wgrad_accumulation and getattr(weights[0], "overwrite_main_grad", False))
         return _ParamTensors(weights, biases, main_grads, overwrite, self._has_grad_added_attr(weights))
 
@@ -588,8 +592,11 @@ class GroupedLinear(_DelayedWgrad, nn.Module):
             self.num_gemms, self.in_features, self.out_features, self.single_grouped_weight, self.use_bias,
             self.fuse_wgrad_accumulation, self.delay_wgrad_compute, self.check_device_splits)
 
-    def _native_params(self) -> Tuple[List[Tensor], List[bool]]:
-        p = self._param_tensors()
+    def _native_params(self, weights: Optional[List[Tensor]] = None,
+                       biases: Optional[List[Tensor]] = None) -> Tuple[List[Tensor], List[bool]]:
+        """`_param_tensors` as the C++ torch library takes them (a forward passes the lists it
+        has made already: this runs every call)."""
+        p = self._param_tensors("", weights, biases)
         return p.tensors(), [p.overwrite, p.has_attr]
 
     def _core(self) -> _CoreGroupedLinear:
@@ -638,13 +645,15 @@ class GroupedLinear(_DelayedWgrad, nn.Module):
         splits = self._normalize_splits(m_splits)
         weights, biases = self.weights(), self.biases()
         if _without_autograd((x,), (splits, out, grad_input), weights + biases):
-            return _written(out, _forward_impl(self._id, x, splits, grad_input, out))
+            params = self._native_params(weights, biases) if _NATIVE is not None else None
+            return _written(out, _forward_impl(self._id, x, splits, grad_input, out, params))
         disposition = _disposition_constant(self.delay_wgrad_compute, self.fuse_wgrad_accumulation,
                                             self._has_grad_added_attr(weights))
         if _recorded(out, x, splits, grad_input):
             params = [*weights, *biases]
             self._hold_grad_accumulators(params)
-            y = _forward_impl(self._id, x, splits, grad_input)
+            y = _forward_impl(self._id, x, splits, grad_input, None,
+                              self._native_params(weights, biases) if _NATIVE is not None else None)
             _TORCH_OPS.record(y, [x, *params], [x, splits, *params],
                               functools.partial(_grouped_linear_grads, self._id, disposition,
                                                 self.single_grouped_weight, grad_input, len(weights)))

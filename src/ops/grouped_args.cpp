@@ -119,7 +119,7 @@ void prepare_offsets(const Splits& s, int64_t T, int64_t* offsets, int32_t* stat
   const auto& v = s.host_values();
   std::vector<int64_t> host_offsets(v.size() + 1);
   compute_group_offsets(v.data(), int64_t(v.size()), T, host_offsets.data(), nullptr);
-  be.copy_from_host(offsets, host_offsets.data(), host_offsets.size() * sizeof(int64_t), device, stream);
+  be.write_host_offsets(offsets, host_offsets.data(), int64_t(host_offsets.size()), device, stream);
 }
 
 void check_workspace(size_t required, const Workspace& given) {

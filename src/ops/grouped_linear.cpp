@@ -151,7 +151,7 @@ Tensor GroupedLinear::forward(const TensorView& x, const Splits& splits, const T
                          group_views(params_.weight, o.num_groups),
                          group_views(params_.bias, o.num_groups),
                          y.view(),
-                         !out.defined()};
+                         !out.defined() && ops::has_tail_rows(S, T)};
   be.fprop(p, ws.scratch, args.stream);
   return y;
 }
@@ -231,7 +231,7 @@ GroupedLinearGrads GroupedLinear::backward(const TensorView& x, const TensorView
                          dy,
                          group_views(params_.weight, o.num_groups),
                          grads.grad_input.view(),
-                         !grad_input.defined()};
+                         !grad_input.defined() && ops::has_tail_rows(S, T)};
   be.dgrad(p, ws.scratch, args.stream);
 
   if (o.delay_wgrad_compute) {

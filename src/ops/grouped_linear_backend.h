@@ -67,9 +67,11 @@ class GroupedLinearBackend {
   // Device splits -> offsets[G + 1] (and status bits), on the stream, without a host sync.
   virtual void setup_device_splits(const TensorView& splits, int64_t num_rows, int64_t* offsets,
                                    int32_t* status, Stream stream) = 0;
-  // Copy host memory to `dst` on the compute device `device` (host splits' offsets): not
-  // capturable on CUDA.
-  virtual void copy_from_host(void* dst, const void* src, size_t bytes, Device device, Stream stream) = 0;
+  // Host splits' offsets (`count` values, at most max_groups() + 1) into `dst` on the compute
+  // device `device`, on the stream. CUDA: a kernel that takes the values in its parameters, so the
+  // host neither stages a pageable copy nor waits, and a captured graph keeps the values.
+  virtual void write_host_offsets(int64_t* dst, const int64_t* values, int64_t count, Device device,
+                                  Stream stream) = 0;
   // Read a device tensor of int64 back to the host (synchronises: checked mode only).
   virtual std::vector<int64_t> read_int64(const TensorView& t, Stream stream) = 0;
   virtual void fill_zero(const TensorView& t, Stream stream) = 0;

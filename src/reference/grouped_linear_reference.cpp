@@ -137,8 +137,8 @@ class ReferenceBackend final : public GroupedLinearBackend {
                            int32_t* status, Stream) override {
     compute_group_offsets(splits.data_as<const int64_t>(), splits.size(0), num_rows, offsets, status);
   }
-  void copy_from_host(void* dst, const void* src, size_t bytes, Device, Stream) override {
-    if (bytes) std::memcpy(dst, src, bytes);
+  void write_host_offsets(int64_t* dst, const int64_t* values, int64_t count, Device, Stream) override {
+    if (count) std::memcpy(dst, values, size_t(count) * sizeof(int64_t));
   }
   std::vector<int64_t> read_int64(const TensorView& t, Stream) override {
     std::vector<int64_t> v(static_cast<size_t>(t.numel()));

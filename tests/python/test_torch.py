@@ -340,6 +340,41 @@ def test_cuda_graph_capture_replays_with_new_split_values():
             _close(w.grad, rdw[g], torch.bfloat16, max(new[g], 1))
 
 
+@cuda
+def test_cuda_graph_capture_keeps_host_split_values():
+    """Host splits reach the device in a kernel's parameters (no pageable copy): a captured forward
+    + backward keeps the values it was captured with, replayed over new x; the list is the
+    caller's to change afterwards."""
+    m = _make(torch.bfloat16, device="cuda")
+    static_x = torch.randn(T, IN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    static_dy = torch.randn(T, OUT, device="cuda", dtype=torch.bfloat16)
+    splits = list(SPLITS)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            m(static_x, splits).backward(static_dy)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = m(static_x, splits)
+        static_y.backward(static_dy)
+    splits[0], splits[1] = splits[1], splits[0]  # not seen by the graph
+    for _ in range(2):
+        with torch.no_grad():
+            static_x.copy_(torch.randn(T, IN, device="cuda", dtype=torch.bfloat16))
+            static_y.fill_(float("nan"))  # every row rewritten by a replay (rows >= S zeroed)
+        for p in [static_x, *m.parameters()]:
+            p.grad.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        ry, rdx, rdw, _ = _reference(m, static_x, static_dy, SPLITS)
+        _close(static_y.detach(), ry, torch.bfloat16, IN + 1)
+        _close(static_x.grad, rdx, torch.bfloat16, OUT)
+        for g, w in enumerate(m.weights()):
+            _close(w.grad, rdw[g], torch.bfloat16, max(SPLITS[g], 1))
+
+
 # -- nanobind reference counts ---------------------------------------------------------------------
 
 _COMPILE_AND_EXIT = r"""

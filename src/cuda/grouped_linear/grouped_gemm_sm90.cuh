@@ -17,6 +17,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <type_traits>
@@ -204,12 +205,65 @@ struct Sm90GroupedGemm {
   }
 
   static void run(const GroupedGemmParams& p, const Tuning& t, void* workspace, size_t bytes, void* stream);
+
+  // GemmUniversalAdapter's initialize + run less the two cudaFuncSetAttribute calls they make on
+  // every call (~1.2 us of host time each, against ~17 us for a whole small MoE GEMM): the
+  // shared-memory opt-in goes through the library's per-device cache, and the non-portable
+  // cluster-size permission is not needed by a 2x1 cluster.
+  static void launch(const typename Kernel::Params& params, cudaStream_t s) {
+    const void* kernel = reinterpret_cast<const void*>(&cutlass::device_kernel<Kernel>);
+    constexpr int kSmem = int(Kernel::SharedStorageSize);
+    ::sparsetrain::cuda::opt_in_smem(kernel, kSmem);
+    cudaLaunchConfig_t config{};
+    config.gridDim = Gemm::get_grid_shape(params);
+    config.blockDim = Kernel::get_block_shape();
+    config.dynamicSmemBytes = kSmem;
+    config.stream = s;
+    cudaLaunchAttribute cluster{};
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = size<0>(ClusterShape{});
+    cluster.val.clusterDim.y = size<1>(ClusterShape{});
+    cluster.val.clusterDim.z = size<2>(ClusterShape{});
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    void* args[] = {const_cast<typename Kernel::Params*>(&params)};
+    ST_CUDA_CHECK(cudaLaunchKernelExC(&config, kernel, args), "sm90 grouped GEMM launch");
+  }
 };
+
+// What the set-up kernel reads of GroupedGemmParams, its per-group tables cut to `Cap` entries: a
+// launch's parameters go through the driver on the host, and the whole struct's 12 KiB cost a
+// few-group call more host time than all its other work but one launch (docs/PERF.md).
+template <int Cap>
+struct SetupParams {
+  int64_t num_groups, in, out;
+  const int64_t* offsets;
+  const void* act;
+  int64_t act_ld;
+  const void* act2;
+  int64_t act2_ld;
+  void* c;
+  int64_t c_ld;
+  const void* weight[Cap];
+  const void* bias[Cap];
+  void* dw[Cap];
+};
+
+template <int Cap>
+SetupParams<Cap> setup_params(const GroupedGemmParams& p) {
+  SetupParams<Cap> s;
+  s.num_groups = p.num_groups, s.in = p.in, s.out = p.out, s.offsets = p.offsets;
+  s.act = p.act, s.act_ld = p.act_ld, s.act2 = p.act2, s.act2_ld = p.act2_ld, s.c = p.c, s.c_ld = p.c_ld;
+  std::copy(p.weight, p.weight + p.num_groups, s.weight);
+  std::copy(p.bias, p.bias + p.num_groups, s.bias);
+  std::copy(p.dw, p.dw + p.num_groups, s.dw);
+  return s;
+}
 
 // One thread per group: that group's problem, pointers and strides. A wgrad group with no rows
 // gets M = 0; zero_empty_groups_kernel writes its zeros.
-template <typename S>
-__global__ void sm90_setup_kernel(const GroupedGemmParams p, typename S::Arrays a) {
+template <typename S, int Cap>
+__global__ void sm90_setup_kernel(const SetupParams<Cap> p, typename S::Arrays a) {
   using E = typename S::Element;
   constexpr Variant V = S::kComputes;
   const int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -271,13 +325,23 @@ void Sm90GroupedGemm<V, E>::run(const GroupedGemmParams& p, const Tuning& t, voi
                            (kComputes == Variant::kWgradF32 && p.wgrad_store == WgradStore::kMainGradAccumulate);
   const float beta = adds_source ? 1.f : 0.f;
   const auto args = arguments(p, t, a, device, beta);
-  Gemm gemm;
   // Every check before the first launch: a refusal must leave dW (zero-filled below for empty
   // groups) and the set-up arrays as they were. can_implement reads only host-side arguments
   // (the problem shapes stay on the device), so it can run before the set-up kernel writes them.
   if (arrays_bytes(p.num_groups) + Gemm::get_workspace_size(args) > bytes) ST_FAIL("sm90 grouped GEMM: workspace too small");
-  check_status(gemm.can_implement(args), "can_implement");
-  sm90_setup_kernel<Sm90GroupedGemm><<<unsigned((p.num_groups + 127) / 128), 128, 0, s>>>(p, a);
+  check_status(Gemm::can_implement(args), "can_implement");
+  auto setup = [&](auto cap) {
+    constexpr int kCap = decltype(cap)::value;
+    sm90_setup_kernel<Sm90GroupedGemm, kCap><<<unsigned((p.num_groups + 127) / 128), 128, 0, s>>>(
+        setup_params<kCap>(p), a);
+  };
+  if (p.num_groups <= 16) {
+    setup(std::integral_constant<int, 16>{});
+  } else if (p.num_groups <= 128) {
+    setup(std::integral_constant<int, 128>{});
+  } else {
+    setup(std::integral_constant<int, kMaxGroups>{});
+  }
   ST_CUDA_CHECK(cudaGetLastError(), "sm90 grouped GEMM: sm90_setup_kernel launch");
   if constexpr (kComputes == Variant::kWgrad || kComputes == Variant::kWgradF32) {
     if (p.wgrad_store != WgradStore::kMainGradAccumulate) {
@@ -289,8 +353,8 @@ void Sm90GroupedGemm<V, E>::run(const GroupedGemmParams& p, const Tuning& t, voi
     }
   }
   void* cutlass_ws = static_cast<char*>(workspace) + arrays_bytes(p.num_groups);
-  check_status(gemm.initialize(args, cutlass_ws, s), "initialize");
-  check_status(gemm.run(s), "run");  // its Status includes the launch's (cudaGetLastError)
+  check_status(Kernel::initialize_workspace(args, cutlass_ws, s, nullptr), "initialize_workspace");
+  launch(Kernel::to_underlying_arguments(args, cutlass_ws), s);
 }
 
 // The explicit specialisation of one (variant, element); CMake generates one .cu each.

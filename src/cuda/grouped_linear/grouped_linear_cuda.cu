@@ -32,6 +32,26 @@ __global__ void setup_offsets_kernel(const int64_t* splits, int64_t num_groups, 
   compute_group_offsets(splits, num_groups, num_rows, offsets, status);
 }
 
+// Host splits' offsets into device memory through a kernel's parameters: a launch costs the host
+// less than staging a pageable cudaMemcpyAsync, never waits, and a captured graph keeps the
+// values. Two capacities, so that the common few-expert call does not pass 4 KiB of parameters.
+constexpr int kFewOffsets = 32;
+template <int N>
+struct HostOffsets {
+  int64_t v[N];
+};
+template <int N>
+__global__ void write_offsets_kernel(const HostOffsets<N> h, int64_t count, int64_t* dst) {
+  for (int64_t i = threadIdx.x; i < count; i += blockDim.x) dst[i] = h.v[i];
+}
+template <int N>
+void launch_write_offsets(int64_t* dst, const int64_t* values, int64_t count, cudaStream_t stream) {
+  HostOffsets<N> h;
+  std::copy(values, values + count, h.v);
+  write_offsets_kernel<N><<<1, 128, 0, stream>>>(h, count, dst);
+  ST_CUDA_CHECK(cudaGetLastError(), "write_offsets_kernel launch");
+}
+
 GroupedGemmParams base_params(GemmKind kind, const GroupedProblem& pr) {
   GroupedGemmParams p;
   std::memset(&p, 0, sizeof(p));
@@ -101,11 +121,13 @@ class CudaBackend final : public GroupedLinearBackend {
                                                         offsets, status);
     ST_CUDA_CHECK(cudaGetLastError(), "setup_offsets_kernel launch");
   }
-  void copy_from_host(void* dst, const void* src, size_t bytes, Device device, Stream stream) override {
+  void write_host_offsets(int64_t* dst, const int64_t* values, int64_t count, Device device,
+                          Stream stream) override {
     cuda::DeviceGuard guard(device.index);
-    // From pageable memory: returns once the source is staged, so `src` may go away after.
-    ST_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, as_cuda(stream)),
-                  "cudaMemcpyAsync (host splits)");
+    if (count <= kFewOffsets) return launch_write_offsets<kFewOffsets>(dst, values, count, as_cuda(stream));
+    if (count > cuda::kMaxGroups + 1)  // max_groups() bounds G before any call gets here
+      ST_FAIL("write_host_offsets: ", count, " offsets, more than one launch takes");
+    launch_write_offsets<cuda::kMaxGroups + 1>(dst, values, count, as_cuda(stream));
   }
   std::vector<int64_t> read_int64(const TensorView& t, Stream stream) override {
     cuda::DeviceGuard guard(t.device().index);
