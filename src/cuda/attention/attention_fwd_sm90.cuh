@@ -65,7 +65,7 @@ __device__ __forceinline__ FwdItem fwd_item(const FwdArgs& a, const FwdWorkRecor
 
 template <class T>
 __device__ __forceinline__ void fwd_consume(const typename T::Params& p, typename T::SharedStorage& ss,
-                                            typename T::PipelineK& pipe_k, typename T::PipelineV& pipe_v, int tid) {
+                                            typename T::PipelineK& pipe_k, typename T::PipelineV& pipe_v) {
   using Element = typename T::Element;
   const FwdArgs& a = p.args;
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename T::SmemLayoutQs{});
@@ -73,8 +73,12 @@ __device__ __forceinline__ void fwd_consume(const typename T::Params& p, typenam
   Tensor sVt = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutVt{});
   typename T::MmaQK mma_qk;
   typename T::MmaPV mma_pv;
-  auto thr_qk = mma_qk.get_thread_slice(tid);
-  auto thr_pv = mma_pv.get_thread_slice(tid);
+  // The shared-memory operands' descriptors depend only on the warpgroup: sliced for its first
+  // thread through a shuffle ptxas knows is warp-uniform, they live in uniform registers, so an
+  // HGMMA's issue needs no moves from per-thread registers (R2UR).
+  const int wg_thread0 = (cutlass::canonical_warp_group_idx() - 1) * 128;
+  auto thr_qk = mma_qk.get_thread_slice(wg_thread0);
+  auto thr_pv = mma_pv.get_thread_slice(wg_thread0);
   Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // descriptors (MMA, M, K, buffer)
   Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, N, K, stage)
   Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, D, N, stage)
@@ -365,7 +369,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT 
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
-    fwd_consume<T>(p, ss, pipe_k, pipe_v, thread_index() - 128);
+    fwd_consume<T>(p, ss, pipe_k, pipe_v);
   }
 }
 
