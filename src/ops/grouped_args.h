@@ -38,12 +38,12 @@ int64_t check_splits(const Splits& s, int64_t G, int64_t T, Device device, bool 
 
 // The rows a caller output buffer needs: S with host splits, T with device splits (S < 0).
 inline int64_t min_out_rows(int64_t S, int64_t T) { return S < 0 ? T : S; }
+inline const char* min_out_rows_rule(int64_t S) { return S < 0 ? "T: device splits" : "S: host splits"; }
 
 // Whether a library-allocated output of T rows has rows past the splits' sum to zero: unless host
 // splits cover every row (S == T); with device splits (S < 0) the host cannot tell. Skipping the
 // zeroing kernel saves its launch (~3 us of host time a call).
 inline bool has_tail_rows(int64_t S, int64_t T) { return S != T; }
-inline const char* min_out_rows_rule(int64_t S) { return S < 0 ? "T: device splits" : "S: host splits"; }
 
 // Fills offsets[G + 1] on the compute device `device` from validated splits. `status_sink`: where
 // device splits without a caller status word report (one int32 on the device).

@@ -35,9 +35,10 @@ __global__ void setup_offsets_kernel(const int64_t* splits, int64_t num_groups, 
   compute_group_offsets(splits, num_groups, num_rows, offsets, status);
 }
 
-// Host splits' offsets into device memory through a kernel's parameters: a launch costs the host
-// less than staging a pageable cudaMemcpyAsync, never waits, and a captured graph keeps the
-// values. Two capacities, so that the common few-expert call does not pass 4 KiB of parameters.
+// Host splits' offsets into device memory through a kernel's parameters rather than a pageable
+// cudaMemcpyAsync: as fast on the host (measured, docs/PERF.md), nothing staged or waited for, and
+// a captured graph keeps the values. Two capacities, so that the common few-expert call does not
+// pass 4 KiB of parameters.
 constexpr int kFewOffsets = 32;
 template <int N>
 struct HostOffsets {
