@@ -12,7 +12,8 @@ On CUDA also the eager forward of many-expert GroupedLinear shapes against torch
 (`eager_vs_grouped_mm`): per-expert weights (the module's default) and device splits, as a MoE
 router hands them over, against torch._grouped_mm over the same x and a packed copy of the
 weights with int32 offsets; wall time per call of an eager loop (host and GPU work overlapping as
-in a training step), no_grad and grad mode (weights requiring grad, x not).
+in a training step), ours and the peer in alternating rounds (medians of 7), no_grad and grad
+mode (weights requiring grad, x not).
 
     python bench/bench_host.py [--device cpu|cuda] [--calls 1000] [--json out.json]
 """
@@ -40,6 +41,24 @@ def host_us(fn, calls, device):
             torch.cuda.synchronize()
         reps.append((time.perf_counter() - t0) / calls * 1e6)
     return statistics.median(reps)
+
+
+def paired_us(ours, peer, calls, reps=7):
+    """host_us of two CUDA callables measured in alternating rounds (ours, peer, ours, ...), so a
+    drift of the GPU's clock between them cancels: (ours, peer) medians."""
+    for fn in (ours, peer):
+        for _ in range(max(10, calls // 10)):
+            fn()
+    times = ([], [])
+    for _ in range(reps):
+        for fn, out in zip((ours, peer), times):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            out.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def cpp_layer(name, m, args):
@@ -127,7 +146,7 @@ def main():
             r = {"case": name, "calls": calls}
             for mode, grad in (("no_grad", False), ("grad_mode", True)):
                 with torch.set_grad_enabled(grad):
-                    r[f"{mode}_us"], r[f"grouped_mm_{mode}_us"] = host_us(ours, calls, "cuda"), host_us(peer, calls, "cuda")
+                    r[f"{mode}_us"], r[f"grouped_mm_{mode}_us"] = paired_us(ours, peer, calls)
                 r[f"{mode}_speedup_vs_grouped_mm"] = r[f"grouped_mm_{mode}_us"] / r[f"{mode}_us"]
             rows.append(r)
             print(f"{name:34s} no_grad {r['no_grad_us']:8.1f} us ({r['no_grad_speedup_vs_grouped_mm']:.2f}x "
