@@ -35,6 +35,9 @@ const Shape kShapes[] = {
     {st::DType::kBF16, 128, 4099, 4000, 64, 48, {5, 77}, true, false, true}, // G = 128
     {st::DType::kFP16, 5, 97, 89, 13, 37, {0, 3}, false, true, true},        // not multiples of 8
     {st::DType::kBF16, 3, 61, 0, 16, 24, {0, 1, 2}, true, true, false},      // only a padded tail
+    // G > 128 with host splits covering every row: the set-up kernel's largest parameter tables,
+    // the host offsets' large-capacity kernel, no tail launch.
+    {st::DType::kBF16, 300, 1500, 1500, 64, 48, {7, 150}, true, false, false},
 };
 
 std::string shape_name(const Shape& s) {
