@@ -308,15 +308,13 @@ def test_cuda_gradients_match_pure_torch(splits_on_device):
         assert w.grad.is_cuda
 
 
-@cuda
-def test_cuda_graph_capture_replays_with_new_split_values():
-    m = _make(torch.bfloat16, device="cuda")
-    static_x = torch.randn(T, IN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    static_dy = torch.randn(T, OUT, device="cuda", dtype=torch.bfloat16)
-    splits = torch.tensor(SPLITS, device="cuda")
+def _capture_step(m, static_x, static_dy, splits):
+    """(graph, static y) of one forward + backward of m captured in a CUDA graph, after a warm-up
+    on a side stream (as torch.cuda.graph asks); the grads the replays accumulate into are the
+    graph's."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside the graph, as torch.cuda.graph asks
+    with torch.cuda.stream(side):
         for _ in range(2):
             m(static_x, splits).backward(static_dy)
     torch.cuda.current_stream().wait_stream(side)
@@ -327,6 +325,16 @@ def test_cuda_graph_capture_replays_with_new_split_values():
     with torch.cuda.graph(graph):
         static_y = m(static_x, splits)
         static_y.backward(static_dy)
+    return graph, static_y
+
+
+@cuda
+def test_cuda_graph_capture_replays_with_new_split_values():
+    m = _make(torch.bfloat16, device="cuda")
+    static_x = torch.randn(T, IN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    static_dy = torch.randn(T, OUT, device="cuda", dtype=torch.bfloat16)
+    splits = torch.tensor(SPLITS, device="cuda")
+    graph, static_y = _capture_step(m, static_x, static_dy, splits)
     for new in ([10, 10, 10, 7], [0, 37, 0, 0], [20, 0, 0, 12]):
         splits.copy_(torch.tensor(new))
         for p in [static_x, *m.parameters()]:
@@ -349,16 +357,7 @@ def test_cuda_graph_capture_keeps_host_split_values():
     static_x = torch.randn(T, IN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     static_dy = torch.randn(T, OUT, device="cuda", dtype=torch.bfloat16)
     splits = list(SPLITS)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            m(static_x, splits).backward(static_dy)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_y = m(static_x, splits)
-        static_y.backward(static_dy)
+    graph, static_y = _capture_step(m, static_x, static_dy, splits)
     splits[0], splits[1] = splits[1], splits[0]  # not seen by the graph
     for _ in range(2):
         with torch.no_grad():
