@@ -147,7 +147,9 @@ def test_cuda_moe_layer_equals_the_cpu_layer():
     logits = torch.randn(301, 8)
     results = []
     for layer, dev in ((cpu, "cpu"), (gpu, "cuda")):
-        xi, li = x.to(dev).requires_grad_(), logits.to(dev).requires_grad_()
+        # detach: x.to("cpu") is x itself, so without it the CPU pass left x requiring grad and the
+        # CUDA copies were non-leaves (no .grad).
+        xi, li = x.detach().to(dev).requires_grad_(), logits.detach().to(dev).requires_grad_()
         o = layer(xi, li)
         (o.out.float().square().sum() + o.score_sum.sum()).backward()
         results.append([o.out, o.counts, xi.grad, li.grad, layer.experts.fc1.weights()[0].grad])
