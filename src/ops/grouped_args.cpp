@@ -109,17 +109,21 @@ int64_t check_splits(const Splits& s, int64_t G, int64_t T, Device device, bool 
   return -1;
 }
 
-void prepare_offsets(const Splits& s, int64_t T, int64_t* offsets, int32_t* status_sink,
-                     GroupedLinearBackend& be, Device device, Stream stream) {
+const int64_t* prepare_offsets(const Splits& s, int64_t T, int64_t* offsets, int32_t* status_sink,
+                               GroupedLinearBackend& be, Device device, Stream stream, std::vector<int64_t>* fold) {
   if (s.on_device()) {
     int32_t* status = s.status().defined() ? s.status().data_as<int32_t>() : status_sink;
     be.setup_device_splits(s.device_values(), T, offsets, status, stream);
-    return;
+    return nullptr;
   }
   const auto& v = s.host_values();
-  std::vector<int64_t> host_offsets(v.size() + 1);
+  std::vector<int64_t> local;
+  std::vector<int64_t>& host_offsets = fold != nullptr && be.folds_host_offsets() ? *fold : local;
+  host_offsets.resize(v.size() + 1);
   compute_group_offsets(v.data(), int64_t(v.size()), T, host_offsets.data(), nullptr);
+  if (&host_offsets != &local) return host_offsets.data();
   be.write_host_offsets(offsets, host_offsets.data(), int64_t(host_offsets.size()), device, stream);
+  return nullptr;
 }
 
 void check_workspace(size_t required, const Workspace& given) {

@@ -46,9 +46,13 @@ inline const char* min_out_rows_rule(int64_t S) { return S < 0 ? "T: device spli
 inline bool has_tail_rows(int64_t S, int64_t T) { return S != T; }
 
 // Fills offsets[G + 1] on the compute device `device` from validated splits. `status_sink`: where
-// device splits without a caller status word report (one int32 on the device).
-void prepare_offsets(const Splits& s, int64_t T, int64_t* offsets, int32_t* status_sink,
-                     backend::GroupedLinearBackend& be, Device device, Stream stream);
+// device splits without a caller status word report (one int32 on the device). With `fold` and a
+// backend that folds_host_offsets(), host splits' offsets go into *fold instead, and the result
+// points at them, for GroupedProblem::host_offsets (the backend's first kernel writes them);
+// otherwise the result is null.
+const int64_t* prepare_offsets(const Splits& s, int64_t T, int64_t* offsets, int32_t* status_sink,
+                               backend::GroupedLinearBackend& be, Device device, Stream stream,
+                               std::vector<int64_t>* fold = nullptr);
 
 // A caller workspace must hold `required` bytes at a 256-byte aligned address (none given is fine:
 // the op takes one from its allocator).

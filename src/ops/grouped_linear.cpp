@@ -145,8 +145,9 @@ Tensor GroupedLinear::forward(const TensorView& x, const Splits& splits, const T
   Tensor y = out.defined() ? Tensor::borrowed(out)
                            : Tensor::empty(o.dtype, {T, o.out_features}, dev, *allocator_, args.stream);
   CallWorkspace ws(plan, args.workspace, dev, *allocator_, args.stream);
-  ops::prepare_offsets(splits, T, ws.offsets, ws.status, be, dev, args.stream);
-  backend::FpropParams p{{o.dtype, o.num_groups, T, o.in_features, o.out_features, ws.offsets},
+  std::vector<int64_t> host_offsets;
+  const int64_t* fold = ops::prepare_offsets(splits, T, ws.offsets, ws.status, be, dev, args.stream, &host_offsets);
+  backend::FpropParams p{{o.dtype, o.num_groups, T, o.in_features, o.out_features, ws.offsets, fold},
                          x,
                          group_views(params_.weight, o.num_groups),
                          group_views(params_.bias, o.num_groups),
@@ -226,8 +227,9 @@ GroupedLinearGrads GroupedLinear::backward(const TensorView& x, const TensorView
                          ? Tensor::borrowed(grad_input)
                          : Tensor::empty(o.dtype, {T, o.in_features}, dev, *allocator_, args.stream);
   CallWorkspace ws(plan, args.workspace, dev, *allocator_, args.stream);
-  ops::prepare_offsets(splits, T, ws.offsets, ws.status, be, dev, args.stream);
-  backend::DgradParams p{{o.dtype, o.num_groups, T, o.in_features, o.out_features, ws.offsets},
+  std::vector<int64_t> host_offsets;  // dgrad's first kernel writes them; wgrad's then read them
+  const int64_t* fold = ops::prepare_offsets(splits, T, ws.offsets, ws.status, be, dev, args.stream, &host_offsets);
+  backend::DgradParams p{{o.dtype, o.num_groups, T, o.in_features, o.out_features, ws.offsets, fold},
                          dy,
                          group_views(params_.weight, o.num_groups),
                          grads.grad_input.view(),

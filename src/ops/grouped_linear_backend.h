@@ -22,6 +22,9 @@ struct GroupedProblem {
   int64_t in;
   int64_t out;
   const int64_t* offsets;  // [G + 1] on the compute device: group g owns rows [offsets[g], offsets[g+1])
+  // Host splits' offsets [G + 1] not yet in `offsets` (prepare_offsets with folding, on a backend
+  // whose folds_host_offsets()): the call's first kernel writes them there.
+  const int64_t* host_offsets = nullptr;
 };
 
 struct FpropParams {
@@ -72,6 +75,9 @@ class GroupedLinearBackend {
   // host neither stages a pageable copy nor waits, and a captured graph keeps the values.
   virtual void write_host_offsets(int64_t* dst, const int64_t* values, int64_t count, Device device,
                                   Stream stream) = 0;
+  // Whether fprop and dgrad take host splits' offsets in GroupedProblem::host_offsets and write
+  // them with their first kernel (CUDA: the sm90 GEMM's set-up kernel; one launch fewer a call).
+  virtual bool folds_host_offsets() const { return false; }
   // Read a device tensor of int64 back to the host (synchronises: checked mode only).
   virtual std::vector<int64_t> read_int64(const TensorView& t, Stream stream) = 0;
   virtual void fill_zero(const TensorView& t, Stream stream) = 0;

@@ -19,6 +19,9 @@ struct GroupedGemmParams {
   GemmKind kind;
   int64_t num_groups, num_rows, in, out;
   const int64_t* offsets;  // [G + 1], device memory (set-up kernel or host copy)
+  // Host splits' offsets [G + 1] that the sm90 set-up kernel writes into `offsets` (the call's
+  // workspace) as it reads them; null: `offsets` holds them already.
+  const int64_t* host_offsets;
   const void* act;         // fprop: x [T, in]; dgrad and wgrad: dy [T, out]
   int64_t act_ld;
   const void* act2;        // wgrad: x [T, in]

@@ -237,7 +237,9 @@ struct Sm90GroupedGemm {
 template <int Cap>
 struct SetupParams {
   int64_t num_groups, in, out;
-  const int64_t* offsets;
+  int64_t* offsets;  // written from host_offsets when write_offsets (host splits folded in), else read
+  bool write_offsets;
+  int64_t host_offsets[Cap + 1];
   const void* act;
   int64_t act_ld;
   const void* act2;
@@ -252,7 +254,10 @@ struct SetupParams {
 template <int Cap>
 SetupParams<Cap> setup_params(const GroupedGemmParams& p) {
   SetupParams<Cap> s;
-  s.num_groups = p.num_groups, s.in = p.in, s.out = p.out, s.offsets = p.offsets;
+  s.num_groups = p.num_groups, s.in = p.in, s.out = p.out;
+  s.offsets = const_cast<int64_t*>(p.offsets);  // the call's workspace (written only when folding)
+  s.write_offsets = p.host_offsets != nullptr;
+  if (s.write_offsets) std::copy(p.host_offsets, p.host_offsets + p.num_groups + 1, s.host_offsets);
   s.act = p.act, s.act_ld = p.act_ld, s.act2 = p.act2, s.act2_ld = p.act2_ld, s.c = p.c, s.c_ld = p.c_ld;
   std::copy(p.weight, p.weight + p.num_groups, s.weight);
   std::copy(p.bias, p.bias + p.num_groups, s.bias);
@@ -268,7 +273,15 @@ __global__ void sm90_setup_kernel(const SetupParams<Cap> p, typename S::Arrays a
   constexpr Variant V = S::kComputes;
   const int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (g >= p.num_groups) return;
-  const int64_t row = p.offsets[g], rows = p.offsets[g + 1] - row;
+  int64_t row, end;
+  if (p.write_offsets) {  // host splits: this launch also puts their offsets where later kernels read them
+    row = p.host_offsets[g], end = p.host_offsets[g + 1];
+    p.offsets[g] = row;
+    if (g == p.num_groups - 1) p.offsets[g + 1] = end;
+  } else {
+    row = p.offsets[g], end = p.offsets[g + 1];
+  }
+  const int64_t rows = end - row;
   int m, n, k;
   if constexpr (V == Variant::kWgrad || V == Variant::kWgradF32) {
     m = rows > 0 ? int(p.out) : 0;

@@ -65,6 +65,7 @@ GroupedGemmParams base_params(GemmKind kind, const GroupedProblem& pr) {
   p.in = pr.in;
   p.out = pr.out;
   p.offsets = pr.offsets;
+  p.host_offsets = nullptr;  // a caller that folds sets it
   return p;
 }
 
@@ -122,6 +123,7 @@ void run_sm90([[maybe_unused]] Variant v, DType dtype, [[maybe_unused]] const Gr
 class CudaBackend final : public GroupedLinearBackend {
  public:
   int64_t max_groups() const override { return cuda::kMaxGroups; }
+  bool folds_host_offsets() const override { return true; }
   size_t scratch_bytes(DType dtype, int64_t num_groups, int64_t, int64_t, int64_t) const override {
     if (dtype != DType::kBF16 && dtype != DType::kFP16) return 0;  // fp32: the SIMT kernels only
     return sm90_scratch(dtype, num_groups);
@@ -194,6 +196,11 @@ class CudaBackend final : public GroupedLinearBackend {
     const Variant v = kind == GemmKind::kDgrad ? Variant::kDgrad : bias.empty() ? Variant::kFprop : Variant::kFpropBias;
     const std::optional<Variant> sm90 = sm90_kernel(v, pr, {&act}, weight, aligned16(c.data()));
     const bool fast = sm90.has_value();
+    if (pr.host_offsets != nullptr) {  // folded host splits: the set-up kernel writes them, else a kernel of their own
+      if (fast) p.host_offsets = pr.host_offsets;
+      else write_host_offsets(const_cast<int64_t*>(pr.offsets), pr.host_offsets, pr.num_groups + 1,
+                              act.device(), stream);
+    }
     if (fast) run_sm90(*sm90, pr.dtype, p, scratch, stream);
     dispatch_dtype(pr.dtype, "CUDA GroupedLinear", [&](auto e) {
       using E = decltype(e);
