@@ -383,10 +383,18 @@ class AttentionCuda final : public backend::AttentionBackend {
     // every replay of a captured graph).
     ST_CUDA_CHECK(cudaMemsetAsync(ws.semaphores, 0, ws.zeroed_bytes, s), "CUDA attention: cudaMemsetAsync (dQ semaphores)");
     const int64_t total_rows = p.batch * p.heads_q * rows;
-    const int pre_blocks = int(std::min<int64_t>((total_rows + 7) / 8, 65535));
+    // 16-byte loads where every row of o and dout starts on a 16-byte boundary (8 elements).
+    auto rows_aligned = [](const TensorView& t) {
+      return reinterpret_cast<uintptr_t>(t.data()) % 16 == 0 && t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0 &&
+             t.stride(2) % 8 == 0;
+    };
+    const bool vector = p.head_dim % 8 == 0 && p.head_dim <= 128 && rows_aligned(bp.o) && rows_aligned(bp.dout);
+    const int64_t rows_per_block = vector ? 16 : 8;  // 256 threads: a row per 16 or 32
+    const int pre_blocks = int(std::min<int64_t>((total_rows + rows_per_block - 1) / rows_per_block, 65535));
     auto preprocess = [&](auto element) {
       using E = decltype(element);
-      bwd_preprocess_kernel<E><<<pre_blocks, 256, 0, s>>>(
+      auto* kernel = vector ? bwd_preprocess_kernel<E, true> : bwd_preprocess_kernel<E, false>;
+      kernel<<<pre_blocks, 256, 0, s>>>(
           static_cast<const E*>(bp.o.data()), bp.o.stride(0), bp.o.stride(1), bp.o.stride(2),
           static_cast<const E*>(bp.dout.data()), bp.dout.stride(0), bp.dout.stride(1), bp.dout.stride(2),
           static_cast<const float*>(bp.lse.data()), bp.lse.stride(0), bp.lse.stride(1), bp.lse.stride(2),

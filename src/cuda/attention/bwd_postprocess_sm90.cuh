@@ -11,12 +11,22 @@ namespace sparsetrain::cuda::attn {
 using namespace cute;
 
 // dq [B, Sq, Hq, D] (contiguous) = scale * the fp32 accumulator, whose q tiles are in fragment
-// order (dq_fragment_offset): one CTA of kMmaThreads per q tile, each thread converting the values
-// its namesake in the dQ GEMM produced. Also reports a dQ wait the kernel gave up (abandoned).
+// order (dq_fragment_offset): one CTA of kMmaThreads per q tile. Each thread reads the values its
+// namesake in the dQ GEMM produced, four at a time (one 16-byte load: two column pairs of rows r
+// and r + 8), into a [q, D] tile in shared memory in the input dtype; the tile then leaves in
+// 16-byte stores along its rows. (Storing each column pair from the fragment straight to global,
+// 4 bytes a thread and 8 rows a warp instruction, ran at a quarter of the memory's bandwidth:
+// 220 us for 128 MiB of accumulator on an H100, 19 % of a short-row backward; docs/PERF.md.)
+// Also reports a dQ wait the kernel gave up (abandoned).
 template <class T>
 __global__ void __launch_bounds__(T::kMmaThreads) bwd_convert_dq_kernel(const BwdArgs a, void* dq_out) {
   using Element = typename T::Element;
   constexpr int M = T::kBlockM, D = T::kHeadDim;
+  // 16 bytes of padding a row: the 8 rows of a fragment store fall in distinct banks.
+  constexpr int kPitch = D + 16 / int(sizeof(Element));
+  constexpr int kPerChunk = 16 / int(sizeof(Element)), kChunks = D / kPerChunk;  // 16-byte pieces of a row
+  static_assert(D % kPerChunk == 0, "rows leave in 16-byte stores (dq: the library's, 256-byte aligned)");
+  __shared__ alignas(16) Element tile[M * kPitch];
   if (blockIdx.x == 0 && threadIdx.x == 0 && a.abandoned[0] != 0)
     printf("sparsetrain attention backward: a dQ wait timed out (q tile semaphore %d held %d, waiting for turn %d): "
            "the mask's dq_write_order does not match its lists; the deterministic dQ order was given up\n",
@@ -24,24 +34,34 @@ __global__ void __launch_bounds__(T::kMmaThreads) bwd_convert_dq_kernel(const Bw
   typename T::MmaDq mma_dq;
   const int tid = threadIdx.x;
   Tensor coord = mma_dq.get_thread_slice(tid).partition_C(make_identity_tensor(Shape<Int<M>, Int<D>>{}));
+  static_assert(decltype(size(coord))::value % 4 == 0, "fragment values go in fours");
   const int tiles = a.lists.num_q_tiles;
   Element* dq = static_cast<Element*>(dq_out);
-  for (int64_t tile = blockIdx.x; tile < int64_t(a.batch) * a.heads_q * tiles; tile += gridDim.x) {
-    const int q_tile = int(tile % tiles);
-    const int64_t bh = tile / tiles;
+  for (int64_t tile_index = blockIdx.x; tile_index < int64_t(a.batch) * a.heads_q * tiles; tile_index += gridDim.x) {
+    const int q_tile = int(tile_index % tiles);
+    const int64_t bh = tile_index / tiles;
     const int64_t b = bh / a.heads_q, h = bh % a.heads_q;
-    const float* acc = a.dq_accum + tile * (M * D);
+    const float* acc = a.dq_accum + tile_index * (M * D);
     CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size(coord); i += 2) {
-      const int q = q_tile * M + get<0>(coord(i));
-      if (q >= a.seq_q) continue;
-      const float2 v = *reinterpret_cast<const float2*>(acc + dq_fragment_offset<T>(tid, i));
-      cutlass::Array<Element, 2> pair;  // fragment values i, i + 1: adjacent columns
-      pair[0] = Element(v.x * a.scale);
-      pair[1] = Element(v.y * a.scale);
-      *reinterpret_cast<cutlass::Array<Element, 2>*>(dq + ((b * a.seq_q + q) * a.heads_q + h) * D + get<1>(coord(i))) =
-          pair;
+    for (int i = 0; i < size(coord); i += 4) {
+      const float4 v = *reinterpret_cast<const float4*>(acc + dq_fragment_offset<T>(tid, i));
+      cutlass::Array<Element, 2> lo, hi;  // fragment values i, i + 1 and i + 2, i + 3: adjacent columns
+      lo[0] = Element(v.x * a.scale);
+      lo[1] = Element(v.y * a.scale);
+      hi[0] = Element(v.z * a.scale);
+      hi[1] = Element(v.w * a.scale);
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(tile + get<0>(coord(i)) * kPitch + get<1>(coord(i))) = lo;
+      *reinterpret_cast<cutlass::Array<Element, 2>*>(tile + get<0>(coord(i + 2)) * kPitch + get<1>(coord(i + 2))) = hi;
     }
+    __syncthreads();
+    for (int c = tid; c < M * kChunks; c += blockDim.x) {
+      const int row = c / kChunks, chunk = c % kChunks;
+      const int q = q_tile * M + row;
+      if (q < a.seq_q)
+        *reinterpret_cast<uint4*>(dq + ((b * a.seq_q + q) * a.heads_q + h) * D + chunk * kPerChunk) =
+            *reinterpret_cast<const uint4*>(tile + row * kPitch + chunk * kPerChunk);
+    }
+    __syncthreads();  // the tile is read before the next one is written
   }
 }
 
