@@ -450,6 +450,39 @@ TEST_P(AttentionCuda, BackwardMatchesTheOracle) {
 INSTANTIATE_TEST_SUITE_P(Cuda, AttentionCuda, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case>& p) { return p.param.name; });
 
+// o with its rows 4 bytes off a 16-byte boundary: the preprocessing's element-wise form (every
+// aligned o above takes its 16-byte form), both modes against the oracle as above.
+TEST(AttentionCudaBackward, UnalignedOTakesTheElementwisePreprocessing) {
+  REQUIRE_HOPPER();
+  const Case c{"unaligned_o", DType::kBF16, 2, 300, 300, 2, 2, 128, 128, 128, MaskKind::kCausal};
+  REQUIRE_KERNEL(c);
+  Prepared su(c);
+  const st::AttentionForward fwd =
+      st::block_sparse_attention_forward(su.q->dev_view, su.k->dev_view, su.v->dev_view, su.mask);
+  const AttentionOracle::Result ref = su.oracle(c).run();
+  const int64_t B = c.B, S = c.Sq, H = c.Hq, D = c.D, row = H * D, pitch = row + 2;
+  const size_t e = st::dtype_size(c.dtype);
+  DeviceTensor padded(HostTensor(c.dtype, {B * S * pitch}));
+  ASSERT_EQ(cudaMemcpy2D(padded.view().data(), pitch * e, fwd.o.view().data(), row * e, row * e, B * S,
+                         cudaMemcpyDeviceToDevice),
+            cudaSuccess);
+  const int64_t shape[4] = {B, S, H, D}, strides[4] = {S * pitch, pitch, D, 1};
+  const st::TensorView o(padded.view().data(), c.dtype, shape, strides, 4, st::Device::cuda(0));
+  for (const bool deterministic : {true, false}) {
+    st::AttentionOptions options;
+    options.deterministic = deterministic;
+    const Grads g(st::block_sparse_attention_backward(su.q->dev_view, su.k->dev_view, su.v->dev_view, o,
+                                                      fwd.lse.view(), su.dout->dev_view, su.mask, options));
+    for (const auto& [got, want, name] :
+         {std::tuple<const HostTensor&, const st::testing::Bounded&, const char*>{g.dq, ref.dq, "dq"},
+          {g.dk, ref.dk, "dk"},
+          {g.dv, ref.dv, "dv"}}) {
+      const auto r = st::testing::compare_bounded(got, want, c.dtype, name);
+      EXPECT_TRUE(r.ok) << r.first_failure << (deterministic ? " (deterministic)" : " (atomic dQ)");
+    }
+  }
+}
+
 // FlashAttention's packed documents: document ids converted from cu_seqlens on the device (no host
 // sync), a mask built there from them, and the attention through it give bitwise the forward (o,
 // lse) and deterministic backward (dq, dk, dv) of the same documents given as ids in another
