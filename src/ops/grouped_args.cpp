@@ -118,10 +118,11 @@ const int64_t* prepare_offsets(const Splits& s, int64_t T, int64_t* offsets, int
   }
   const auto& v = s.host_values();
   std::vector<int64_t> local;
-  std::vector<int64_t>& host_offsets = fold != nullptr && be.folds_host_offsets() ? *fold : local;
+  const bool folded = fold != nullptr && be.folds_host_offsets();
+  std::vector<int64_t>& host_offsets = folded ? *fold : local;
   host_offsets.resize(v.size() + 1);
   compute_group_offsets(v.data(), int64_t(v.size()), T, host_offsets.data(), nullptr);
-  if (&host_offsets != &local) return host_offsets.data();
+  if (folded) return host_offsets.data();  // the backend's first kernel writes them
   be.write_host_offsets(offsets, host_offsets.data(), int64_t(host_offsets.size()), device, stream);
   return nullptr;
 }

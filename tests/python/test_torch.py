@@ -328,6 +328,20 @@ def _capture_step(m, static_x, static_dy, splits):
     return graph, static_y
 
 
+def _replay_and_check(graph, m, static_x, static_dy, static_y, splits):
+    """One replay of _capture_step's graph (grads zeroed first: its backward accumulates into
+    them), y, dx and every dW checked against the reference over `splits`."""
+    for p in [static_x, *m.parameters()]:
+        p.grad.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    ry, rdx, rdw, _ = _reference(m, static_x, static_dy, splits)
+    _close(static_y.detach(), ry, torch.bfloat16, IN + 1)
+    _close(static_x.grad, rdx, torch.bfloat16, OUT)
+    for g, w in enumerate(m.weights()):
+        _close(w.grad, rdw[g], torch.bfloat16, max(splits[g], 1))
+
+
 @cuda
 def test_cuda_graph_capture_replays_with_new_split_values():
     m = _make(torch.bfloat16, device="cuda")
@@ -337,15 +351,7 @@ def test_cuda_graph_capture_replays_with_new_split_values():
     graph, static_y = _capture_step(m, static_x, static_dy, splits)
     for new in ([10, 10, 10, 7], [0, 37, 0, 0], [20, 0, 0, 12]):
         splits.copy_(torch.tensor(new))
-        for p in [static_x, *m.parameters()]:
-            p.grad.zero_()  # the graph's backward accumulates into these
-        graph.replay()
-        torch.cuda.synchronize()
-        ry, rdx, rdw, _ = _reference(m, static_x, static_dy, new)
-        _close(static_y.detach(), ry, torch.bfloat16, IN + 1)
-        _close(static_x.grad, rdx, torch.bfloat16, OUT)
-        for g, w in enumerate(m.weights()):
-            _close(w.grad, rdw[g], torch.bfloat16, max(new[g], 1))
+        _replay_and_check(graph, m, static_x, static_dy, static_y, new)
 
 
 @cuda
@@ -363,15 +369,7 @@ def test_cuda_graph_capture_keeps_host_split_values():
         with torch.no_grad():
             static_x.copy_(torch.randn(T, IN, device="cuda", dtype=torch.bfloat16))
             static_y.fill_(float("nan"))  # every row rewritten by a replay (rows >= S zeroed)
-        for p in [static_x, *m.parameters()]:
-            p.grad.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        ry, rdx, rdw, _ = _reference(m, static_x, static_dy, SPLITS)
-        _close(static_y.detach(), ry, torch.bfloat16, IN + 1)
-        _close(static_x.grad, rdx, torch.bfloat16, OUT)
-        for g, w in enumerate(m.weights()):
-            _close(w.grad, rdw[g], torch.bfloat16, max(SPLITS[g], 1))
+        _replay_and_check(graph, m, static_x, static_dy, static_y, SPLITS)
 
 
 # -- nanobind reference counts ---------------------------------------------------------------------
