@@ -19,8 +19,8 @@
 //   dQ writer  two threads (one warp each) take the 64 x D fp32 partials from shared memory in
 //              turn and add each to the accumulator with a bulk TMA reduce-add; in the
 //              deterministic mode a writer first waits until the q tile's semaphore equals the
-//              visit's turn, and increments it as soon as its add has landed. The consumers
-//              meanwhile go on
+//              visit's turn (turn 0 stores: that accumulator is never zeroed), and increments it
+//              as soon as its write has landed. The consumers meanwhile go on
 //   epilogue   dK * scale and dV in the input dtype, from registers to global; a second kernel
 //              converts the fp32 dQ accumulator (times scale) to the input dtype
 //

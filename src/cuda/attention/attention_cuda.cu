@@ -1,7 +1,7 @@
 // The CUDA attention backend: what the sm90 kernels support (checked before anything is
 // allocated), the forward's longest-first work order (one small kernel, no host synchronisation),
 // the backward's preprocessing (delta = rowsum(dout * o), lse in base 2, the fp32 dQ accumulator
-// zeroed), and the dispatch to the instantiations for (dtype, head dim), read from the build's
+// zeroed for the non-deterministic mode's atomic adds), and the dispatch to the instantiations for (dtype, head dim), read from the build's
 // generated instance list (sm90/sm90_instances.h). Both passes run on the device of q.
 // Nothing here synchronises the host: a backward can be captured in a CUDA graph.
 #include <cuda_runtime.h>
@@ -399,7 +399,7 @@ class AttentionCuda final : public backend::AttentionBackend {
           static_cast<const E*>(bp.dout.data()), bp.dout.stride(0), bp.dout.stride(1), bp.dout.stride(2),
           static_cast<const float*>(bp.lse.data()), bp.lse.stride(0), bp.lse.stride(1), bp.lse.stride(2),
           int32_t(p.heads_q), int32_t(p.seq_q), rows, int32_t(p.head_dim), total_rows, ws.lse_log2, ws.delta,
-          ws.dq_accum);
+          bp.deterministic ? nullptr : ws.dq_accum);
     };
     dispatch_dtype<bf16_t, fp16_t>(p.dtype, "CUDA attention backward", preprocess);
     ST_CUDA_CHECK(cudaGetLastError(), "CUDA attention: backward preprocessing launch");

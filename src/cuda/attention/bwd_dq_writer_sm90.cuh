@@ -1,7 +1,8 @@
 // The backward's dQ writers (two producer threads, taking the partials in turn): each 64 x D fp32
 // partial from shared memory into the accumulator with a bulk TMA reduce-add; in the deterministic
-// mode after waiting for the q tile's turn on its semaphore, and releasing the next writer once the
-// add has landed; and the primitives they synchronise with other CTAs through.
+// mode after waiting for the q tile's turn on its semaphore (the first turn stores), and releasing
+// the next writer once the write has landed; and the primitives they synchronise with other CTAs
+// through.
 #pragma once
 
 #include <cstdint>
@@ -30,25 +31,32 @@ __device__ __forceinline__ uint64_t global_ns() {
   return t;
 }
 
-// Waits until *sem == turn. A turn that never comes can only mean a corrupt write order (the
-// scheduler guarantees progress otherwise): after spin_limit_ns the wait records what it waited
-// for in abandoned[0..3] (the dQ conversion kernel reports it), marks the run abandoned (later
-// waits return at once) and gives up the order, so the kernel cannot hang. (No printf here: the
-// writers run in the producer warpgroup with 40 registers.)
-__device__ inline void wait_turn(const int32_t* sem, int32_t turn, const BwdArgs& a) {
-  if (load_acquire(sem) == turn) return;
+// Waits until *sem == turn and says whether it came. A turn that never comes can only mean a
+// corrupt write order (the scheduler guarantees progress otherwise): after spin_limit_ns the wait
+// records what it waited for in abandoned[0..3] (the dQ conversion kernel reports it), marks the
+// run abandoned (later waits return at once) and gives up the order, so the kernel cannot hang.
+// (No printf here: the writers run in the producer warpgroup with 40 registers.)
+__device__ inline bool wait_turn(const int32_t* sem, int32_t turn, const BwdArgs& a) {
+  if (load_acquire(sem) == turn) return true;
   const uint64_t start = global_ns();
   while (load_acquire(sem) != turn) {
-    if (*reinterpret_cast<volatile int32_t*>(a.abandoned) != 0) return;
+    if (*reinterpret_cast<volatile int32_t*>(a.abandoned) != 0) return false;
     if (global_ns() - start > uint64_t(a.spin_limit_ns)) {
       if (atomicExch(a.abandoned, 1) == 0) {
         a.abandoned[1] = int32_t(sem - a.semaphores);
         a.abandoned[2] = turn;
         a.abandoned[3] = load_acquire(sem);
       }
-      return;
+      return false;
     }
   }
+  return true;
+}
+
+__device__ __forceinline__ void bulk_store(float* gmem, const float* smem, uint32_t bytes) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(gmem), "r"(s), "r"(bytes)
+               : "memory");
 }
 
 __device__ __forceinline__ void bulk_reduce_add(float* gmem, const float* smem, uint32_t bytes) {
@@ -91,10 +99,19 @@ __device__ void bwd_write_dq(const typename T::Params& p, typename T::SharedStor
       const int buf = n_dq % T::kDqBuffers;
       cutlass::arch::ClusterBarrier::wait(&ss.dq_full[buf], (n_dq / T::kDqBuffers) & 1);
       const int64_t tile = bwd_q_tile_index(b, visit.q_head, a.heads_q, a.lists.num_q_tiles, visit.q_tile);
-      if (a.deterministic)
-        wait_turn(a.semaphores + tile, dq_visit_turn(visit.turn, int32_t(a.sched.handout.sub_tiles), sub_tile), a);
-      bulk_reduce_add(a.dq_accum + tile * (T::kBlockM * T::kHeadDim), ss.dq.data() + buf * (T::kBlockM * T::kHeadDim),
-                      T::kDqBytes);
+      // The deterministic mode's first writer of a q tile stores (the accumulator is never zeroed
+      // there; the conversion kernel writes zeros for a tile nobody wrote). A writer whose wait
+      // gave up stores too: the first write to land on a tile is then always a store, so even a
+      // corrupt order leaves finite (if wrong) numbers, never the scratch's old bytes.
+      bool store = false;
+      if (a.deterministic) {
+        const int32_t turn = dq_visit_turn(visit.turn, int32_t(a.sched.handout.sub_tiles), sub_tile);
+        store = !wait_turn(a.semaphores + tile, turn, a) || turn == 0;
+      }
+      float* dst = a.dq_accum + tile * (T::kBlockM * T::kHeadDim);
+      const float* src = ss.dq.data() + buf * (T::kBlockM * T::kHeadDim);
+      if (store) bulk_store(dst, src, T::kDqBytes);
+      else bulk_reduce_add(dst, src, T::kDqBytes);
       tma_store_arrive();
       tma_store_wait<0>();  // shared memory read: the buffer goes back to the consumers at once
       cutlass::arch::ClusterBarrier::arrive(&ss.dq_empty[buf]);

@@ -42,9 +42,12 @@ __global__ void __launch_bounds__(T::kMmaThreads) bwd_convert_dq_kernel(const Bw
     const int64_t bh = tile_index / tiles;
     const int64_t b = bh / a.heads_q, h = bh % a.heads_q;
     const float* acc = a.dq_accum + tile_index * (M * D);
+    // The deterministic mode's accumulator is not zeroed: a tile that no writer stored to (its
+    // semaphore still 0: no visit) is dQ = 0.
+    const bool written = !a.deterministic || a.semaphores[tile_index] != 0;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(coord); i += 4) {
-      const float4 v = *reinterpret_cast<const float4*>(acc + dq_fragment_offset<T>(tid, i));
+      const float4 v = written ? *reinterpret_cast<const float4*>(acc + dq_fragment_offset<T>(tid, i)) : float4{};
       cutlass::Array<Element, 2> lo, hi;  // fragment values i, i + 1 and i + 2, i + 3: adjacent columns
       lo[0] = Element(v.x * a.scale);
       lo[1] = Element(v.y * a.scale);

@@ -1,5 +1,6 @@
 // The backward's preprocessing, before the kernel (attention_bwd_sm90.cuh): per padded q row,
-// delta = rowsum(dO * o), lse in log2 units, and the row of the fp32 dQ accumulator zeroed.
+// delta = rowsum(dO * o), lse in log2 units, and (for the atomic adds of the non-deterministic
+// mode; the deterministic one's first writer stores) the row of the fp32 dQ accumulator zeroed.
 #pragma once
 
 #include <cmath>
@@ -10,7 +11,8 @@
 namespace sparsetrain::cuda::attn {
 
 // Per padded row (b, h, q): delta = rowsum(dout * o), lse * log2(e) (+inf where the row has no
-// allowed key or lies past Sq: P = 0 there), and the row of the dQ accumulator zeroed. kLanes
+// allowed key or lies past Sq: P = 0 there), and the row of the dQ accumulator zeroed unless
+// dq_accum is null (the deterministic mode: zeroing was half of this kernel's traffic). kLanes
 // threads a row: 16 with 16-byte loads and stores (kVector: rows 16-byte aligned, head_dim a
 // multiple of 8 and at most 128; two rows a warp), else 32 with one element a load. (The scalar
 // form alone took 102 us on an H100 for 64 MiB each of o and dout, 9 % of a short-row backward.)
@@ -48,11 +50,13 @@ __global__ void bwd_preprocess_kernel(const E* o, int64_t o_sb, int64_t o_ss, in
     }
     for (int off = kLanes / 2; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
     if (!row_ok) continue;
-    float* acc = dq_accum + r * head_dim;
-    if constexpr (kVector) {
-      for (int d = lane * 4; d < head_dim; d += kLanes * 4) *reinterpret_cast<float4*>(acc + d) = float4{};
-    } else {
-      for (int d = lane; d < head_dim; d += kLanes) acc[d] = 0.f;
+    if (dq_accum != nullptr) {
+      float* acc = dq_accum + r * head_dim;
+      if constexpr (kVector) {
+        for (int d = lane * 4; d < head_dim; d += kLanes * 4) *reinterpret_cast<float4*>(acc + d) = float4{};
+      } else {
+        for (int d = lane; d < head_dim; d += kLanes) acc[d] = 0.f;
+      }
     }
     if (lane == 0) {
       const float l = q < seq_q ? lse[b * l_sb + h * l_sh + q * l_ss] : -INFINITY;
