@@ -21,7 +21,8 @@
 //              deterministic mode a writer first waits until the q tile's semaphore equals the
 //              visit's turn (turn 0 stores: that accumulator is never zeroed), and increments it
 //              as soon as its write has landed. The consumers meanwhile go on
-//   epilogue   dK * scale and dV in the input dtype, from registers to global; a second kernel
+//   epilogue   dK * scale and dV in the input dtype, staged in the item's K and V tiles in
+//              shared memory and written with one TMA store each; a second kernel
 //              converts the fp32 dQ accumulator (times scale) to the input dtype
 //
 // The parts, one header each: bwd_traits_sm90.cuh (tiles, layouts, shared storage, the ticket
@@ -58,8 +59,10 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     cute::prefetch_tma_descriptor(p.tma_do.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_dk.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_dv.get_tma_descriptor());
     cutlass::arch::ClusterTransactionBarrier::init(&ss.kv_full, 1);
-    cutlass::arch::ClusterBarrier::init(&ss.kv_empty, T::kMmaThreads);
+    cutlass::arch::ClusterBarrier::init(&ss.kv_empty, 1);  // the consumer that stores dK and dV
     for (int i = 0; i < T::kDqBuffers; ++i) {
       cutlass::arch::ClusterBarrier::init(&ss.dq_full[i], T::kMmaThreads);
       cutlass::arch::ClusterBarrier::init(&ss.dq_empty[i], 1);
@@ -101,12 +104,22 @@ void run_bwd_sm90(const BwdArgs& a, void* dq, void* stream) {
   using QTile = Shape<Int<T::kBlockM>, Int<HeadDim>>;
   using KVTile = Shape<Int<T::kBlockN>, Int<HeadDim>>;
   using QStage = decltype(take<0, 2>(typename T::SmemLayoutQ{}));
+  // dk, dv: [B, Skv, Hkv, D] contiguous (the library allocates them).
+  auto out = [&](void* ptr, auto smem_layout) {
+    const int64_t row = int64_t(a.heads_kv) * HeadDim;
+    Tensor g = make_tensor(make_gmem_ptr(static_cast<Element*>(ptr)),
+                           make_shape(a.seq_kv, int32_t(HeadDim), a.heads_kv, a.batch),
+                           make_stride(row, _1{}, int64_t(HeadDim), a.seq_kv * row));
+    return make_tma_copy(SM90_TMA_STORE{}, g, smem_layout, KVTile{}, _1{});
+  };
   typename T::Params p{
       a,
       tma(a.q, a.seq_q, a.heads_q, a.q_stride_b, a.q_stride_s, a.q_stride_h, QStage{}, QTile{}),
       tma(a.dout, a.seq_q, a.heads_q, a.do_stride_b, a.do_stride_s, a.do_stride_h, QStage{}, QTile{}),
       tma(a.k, a.seq_kv, a.heads_kv, a.k_stride_b, a.k_stride_s, a.k_stride_h, typename T::SmemLayoutK{}, KVTile{}),
       tma(a.v, a.seq_kv, a.heads_kv, a.v_stride_b, a.v_stride_s, a.v_stride_h, typename T::SmemLayoutV{}, KVTile{}),
+      out(a.dk, typename T::SmemLayoutK{}),
+      out(a.dv, typename T::SmemLayoutV{}),
       float(a.scale * M_LOG2E)};
   constexpr int smem_bytes = int(sizeof(typename T::SharedStorage));
   opt_in_smem(bwd_kernel<T>, smem_bytes);

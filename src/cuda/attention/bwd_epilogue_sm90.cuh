@@ -1,4 +1,8 @@
-// The backward's epilogue: an item's dK and dV from the consumers' registers to global memory.
+// The backward's epilogue: an item's dK (times scale) and dV in the input dtype, staged in the
+// item's own K and V tiles in shared memory (both consumers' GEMMs are done with them), then one
+// TMA store each. Keys past Skv are clipped by the store. Against 4-byte stores from the registers
+// (8 rows a warp instruction, ~9.7 K cycles an item on an H100, 10 % of a 17-visit item):
+// docs/PERF.md.
 #pragma once
 
 #include <cstdint>
@@ -9,39 +13,42 @@ namespace sparsetrain::cuda::attn {
 
 using namespace cute;
 
-// dK * scale and dV in the input dtype, from the consumers' registers to global, keys past Skv
-// dropped. Each row through one pointer with immediate offsets: a thread's columns are its first
-// one plus the pattern every thread shares (thread 0's: compile-time constants), as the forward's
-// fwd_store_empty (a 64-bit address per store made this epilogue ~11 % of the samples on short
-// columns, ncu).
-template <class T, class TdK, class TdV, class TC, class TC0>
-__device__ __forceinline__ void bwd_store_dkdv(const BwdArgs& a, int b, int hkv, int kv0, TdK& tdKrdK, TdV& tdVrdV,
-                                               TC const& tdKVcdKV, TC0 const& tdKVcdKV0) {
+// dK * scale and dV from consumer thread `tid`'s accumulators into sK and sV with matrix stores
+// (stmatrix). The caller has synchronised the consumers before (the last dQ GEMM reads every key
+// of K) and fences and synchronises after, before bwd_store_dkdv.
+template <class T, class TdK, class TdV, class TsK, class TsV>
+__device__ __forceinline__ void bwd_stage_dkdv(float scale, int tid, TdK const& tdKrdK, TdV const& tdVrdV, TsK& sK,
+                                               TsV& sV) {
   using Element = typename T::Element;
-  constexpr int D = T::kHeadDim;
-  Tensor dK = make_tensor(tdKrdK.data(), acc_rowcol(tdKrdK.layout()));
-  Tensor dV = make_tensor(tdVrdV.data(), acc_rowcol(tdVrdV.layout()));
-  Tensor dKV_coord = make_tensor(tdKVcdKV.data(), acc_rowcol(tdKVcdKV.layout()));
-  Tensor dKV_coord0 = make_tensor(tdKVcdKV0.data(), acc_rowcol(tdKVcdKV0.layout()));
+  Tensor rdK = make_tensor_like<Element>(tdKrdK);
+  Tensor rdV = make_tensor_like<Element>(tdVrdV);
   CUTLASS_PRAGMA_UNROLL
-  for (int i = 0; i < size<0>(dK); ++i) {
-    const int kv = kv0 + get<0>(dKV_coord(i, 0));
-    if (kv >= a.seq_kv) continue;
-    const int64_t off = ((int64_t(b) * a.seq_kv + kv) * a.heads_kv + hkv) * D + get<1>(dKV_coord(i, 0));
-    Element* dk = static_cast<Element*>(a.dk) + off;
-    Element* dv = static_cast<Element*>(a.dv) + off;
-    CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < size<1>(dK); j += 2) {
-      const int d = get<1>(dKV_coord0(i, j)) - get<1>(dKV_coord0(i, 0));
-      cutlass::Array<Element, 2> k2, v2;
-      k2[0] = Element(dK(i, j) * a.scale);
-      k2[1] = Element(dK(i, j + 1) * a.scale);
-      v2[0] = Element(dV(i, j));
-      v2[1] = Element(dV(i, j + 1));
-      *reinterpret_cast<cutlass::Array<Element, 2>*>(dk + d) = k2;
-      *reinterpret_cast<cutlass::Array<Element, 2>*>(dv + d) = v2;
-    }
+  for (int i = 0; i < size(rdK); ++i) {
+    rdK(i) = Element(tdKrdK(i) * scale);
+    rdV(i) = Element(tdVrdV(i));
   }
+  auto copy_c = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, typename T::MmaDkv{});
+  auto thr = copy_c.get_thread_slice(tid);
+  copy(copy_c, thr.retile_S(rdK), thr.partition_D(sK));
+  copy(copy_c, thr.retile_S(rdV), thr.partition_D(sV));
+}
+
+// One thread: the staged tiles to dk and dv ([B, Skv, Hkv, D]) at kv tile `kv_tile`; returns once
+// the stores have read shared memory (the loader may then refill K and V).
+template <class T, class TsK, class TsV>
+__device__ __forceinline__ void bwd_store_dkdv(const typename T::Params& p, int b, int hkv, int kv_tile, TsK const& sK,
+                                               TsV const& sV) {
+  const BwdArgs& a = p.args;
+  using KVTile = Shape<Int<T::kBlockN>, Int<T::kHeadDim>>;
+  auto shape = make_shape(a.seq_kv, int32_t(T::kHeadDim), a.heads_kv, a.batch);
+  Tensor gdK = local_tile(p.tma_dk.get_tma_tensor(shape)(_, _, hkv, b), KVTile{}, make_coord(kv_tile, 0));
+  Tensor gdV = local_tile(p.tma_dv.get_tma_tensor(shape)(_, _, hkv, b), KVTile{}, make_coord(kv_tile, 0));
+  auto [tKgK, tKsK] = tma_partition(p.tma_dk, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gdK));
+  auto [tVgV, tVsV] = tma_partition(p.tma_dv, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gdV));
+  copy(p.tma_dk, tKsK, tKgK);
+  copy(p.tma_dv, tVsV, tVgV);
+  tma_store_arrive();
+  tma_store_wait<0>();
 }
 
 }  // namespace sparsetrain::cuda::attn

@@ -144,8 +144,6 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
   Tensor tdKrQ = thr_dkv.partition_fragment_B(sQt);
   Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<Int<N>, Int<D>>{});
   Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<Int<N>, Int<D>>{});
-  Tensor tdKVcdKV = thr_dkv.partition_C(make_identity_tensor(Shape<Int<N>, Int<D>>{}));
-  Tensor tdKVcdKV0 = mma_dkv.get_thread_slice(0).partition_C(make_identity_tensor(Shape<Int<N>, Int<D>>{}));
   Tensor rP = make_tensor_like<Element>(tSrS);
   Tensor rdS = make_tensor_like<Element>(tSrS);
   Tensor tdVrP = make_tensor(rP.data(), acc_as_a_operand(rP.layout()));
@@ -245,8 +243,16 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
       pipe.consumer_release(read);
       ++read;
     }
-    cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty);  // the last dQ GEMM has read K
-    bwd_store_dkdv<T>(a, b, hkv, kv0, tdKrdK, tdVrdV, tdKVcdKV, tdKVcdKV0);
+    // dK and dV leave through K's and V's shared memory, once both warpgroups' last GEMMs are done
+    // with them (each dQ GEMM reads every key of K); the loader refills them once stored.
+    cutlass::arch::NamedBarrier::sync(T::kMmaThreads, 1);
+    bwd_stage_dkdv<T>(a.scale, tid, tdKrdK, tdVrdV, sK, sV);
+    cutlass::arch::fence_view_async_shared();  // the matrix stores, visible to the TMA unit
+    cutlass::arch::NamedBarrier::sync(T::kMmaThreads, 1);
+    if (tid == 0) {
+      bwd_store_dkdv<T>(p, b, hkv, kv0 / N, sK, sV);
+      cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty);
+    }
   }
 }
 

@@ -73,6 +73,13 @@ struct BwdTraits {
                                       Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
   using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, GmemTensor{}, SmemLayoutV{},
                                       Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  // dK and dV leave through the K and V tiles' shared memory (bwd_epilogue_sm90.cuh).
+  using GmemTensorOut =
+      decltype(make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), GmemShape{}, GmemStride{}));
+  using TmaDk = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensorOut{}, SmemLayoutK{},
+                                       Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  using TmaDv = decltype(make_tma_copy(SM90_TMA_STORE{}, GmemTensorOut{}, SmemLayoutV{},
+                                       Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
   static constexpr uint32_t kQBytes = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
   static constexpr uint32_t kRowBytes = kBlockM * sizeof(float);  // lse or delta of a q tile
@@ -104,7 +111,7 @@ struct BwdTraits {
     alignas(16) float lse[kStages][kBlockM];
     alignas(16) float delta[kStages][kBlockM];
     typename Pipeline::SharedStorage pipe;
-    uint64_t kv_full, kv_empty;  // the item's K and V landed / every consumer is done with them
+    uint64_t kv_full, kv_empty;  // the item's K and V landed / its dK and dV stores have read them
     uint64_t dq_full[kDqBuffers], dq_empty[kDqBuffers];  // a dQ partial written / read by its writer
     uint64_t ticket_full[2], ticket_empty[2];
     int32_t ticket[2];
@@ -116,6 +123,8 @@ struct BwdTraits {
     TmaQ tma_q, tma_do;
     TmaK tma_k;
     TmaV tma_v;
+    TmaDk tma_dk;
+    TmaDv tma_dv;
     float scale_log2;
   };
 };
