@@ -1,0 +1,30 @@
+"""Per-item timing of the backward (a build with docs/experiments/2026-11-26d_bwd_item_clocks.patch applied;
+run from the repository root with that build on PYTHONPATH): one det call after a
+warm-up and one nondet, per case; the dQ conversion kernel prints the PROF line."""
+import sys
+sys.path.insert(0, "bench")
+import torch
+import bench_attention as ba
+
+
+def main():
+    import sparsetrain
+    import sparsetrain.torch as stt
+    for name in sys.argv[1].split(","):
+        c, g, doc_cpu, doc, _, _ = ba.case_masks(name, ba.SEQ, "cuda")
+        B, S, Hq, Hkv, D = g.B, g.S, c.Hq, c.Hkv, c.D
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(B, h, S, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+                   for h in (Hq, Hkv, Hkv))
+        do = torch.randn(B, Hq, S, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        m = sparsetrain.BlockMask.build(c.kind, S, device="cuda", **ba.our_mask_args(c.kind, g, doc))
+        for det in (True, True, False):
+            o = stt.block_sparse_attention(q, k, v, m, deterministic=det)
+            torch.cuda.synchronize()
+            print(f"== {name} det={det}", flush=True)
+            torch.autograd.grad(o, (q, k, v), do)
+            torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
