@@ -1,8 +1,9 @@
 // The CUDA attention backend: what the sm90 kernels support (checked before anything is
 // allocated), the forward's longest-first work order (one small kernel, no host synchronisation),
 // the backward's preprocessing (delta = rowsum(dout * o), lse in base 2, the fp32 dQ accumulator
-// zeroed for the non-deterministic mode's atomic adds), and the dispatch to the instantiations for (dtype, head dim), read from the build's
-// generated instance list (sm90/sm90_instances.h). Both passes run on the device of q.
+// zeroed for the non-deterministic mode's atomic adds), and the dispatch to the instantiations
+// for (dtype, head dim), read from the build's generated instance list (sm90/sm90_instances.h).
+// Both passes run on the device of q.
 // Nothing here synchronises the host: a backward can be captured in a CUDA graph.
 #include <cuda_runtime.h>
 
