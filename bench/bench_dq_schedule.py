@@ -22,17 +22,24 @@ CANDIDATES = [("left_to_right", "descending_heads_inner", True), ("left_to_right
               ("shortest_first", "ascending_heads_outer", True), ("left_to_right", "descending_heads_inner", False)]
 
 
-def bench_case(name, rounds, reps):
-    import sparsetrain
-    import sparsetrain.torch as stt
-    from sparsetrain import _C
-
+def backward_inputs(name):
+    """A bench_attention case's masks and bf16 q, k, v (requiring grad) and dout on the GPU, seed 0."""
     c, g, doc_cpu, doc, _, _ = ba.case_masks(name, ba.SEQ, "cuda")
     B, S, Hq, Hkv, D = g.B, g.S, c.Hq, c.Hkv, c.D
     gen = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(B, h, S, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
                for h in (Hq, Hkv, Hkv))
     do = torch.randn(B, Hq, S, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    return c, g, doc_cpu, doc, q, k, v, do
+
+
+def bench_case(name, rounds, reps):
+    import sparsetrain
+    import sparsetrain.torch as stt
+    from sparsetrain import _C
+
+    c, g, doc_cpu, doc, q, k, v, do = backward_inputs(name)
+    B, S, Hq, Hkv, D = g.B, g.S, c.Hq, c.Hkv, c.D
     args = ba.our_mask_args(c.kind, g, doc)
     outs = [stt.block_sparse_attention(q, k, v, sparsetrain.BlockMask.build(c.kind, S, device="cuda", schedule=s,
                                                                               walk=w, **args), deterministic=det)

@@ -5,19 +5,15 @@ import sys
 sys.path.insert(0, "bench")
 import torch
 import bench_attention as ba
+import bench_dq_schedule as bds
 
 
 def main():
     import sparsetrain
     import sparsetrain.torch as stt
     for name in sys.argv[1].split(","):
-        c, g, doc_cpu, doc, _, _ = ba.case_masks(name, ba.SEQ, "cuda")
-        B, S, Hq, Hkv, D = g.B, g.S, c.Hq, c.Hkv, c.D
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v = (torch.randn(B, h, S, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-                   for h in (Hq, Hkv, Hkv))
-        do = torch.randn(B, Hq, S, D, device="cuda", dtype=torch.bfloat16, generator=gen)
-        m = sparsetrain.BlockMask.build(c.kind, S, device="cuda", **ba.our_mask_args(c.kind, g, doc))
+        c, g, _, doc, q, k, v, do = bds.backward_inputs(name)
+        m = sparsetrain.BlockMask.build(c.kind, g.S, device="cuda", **ba.our_mask_args(c.kind, g, doc))
         for det in (True, True, False):
             o = stt.block_sparse_attention(q, k, v, m, deterministic=det)
             torch.cuda.synchronize()
