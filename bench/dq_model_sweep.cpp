@@ -2,9 +2,12 @@
 // det / nondet critical paths with adds of 4 steps and a hand-off latency of 0..4 steps (a dQ
 // partial landing and its release reaching the next writer), for both walks, with and without L2
 // sections of 8 (batch, kv head) groups, 132 workers. CPU only; what the model says before device
-// time is spent on a hand-out change (docs/PERF.md, 2026-11-25, third session).
+// time is spent on a hand-out change (docs/PERF.md, 2026-11-25, third session). The document cases
+// (lengths drawn uniformly from a range, fixed seed) stand for the bench's packed sequences.
 #include <cstdint>
 #include <cstdio>
+#include <random>
+#include <vector>
 
 #include "common/dq_schedule_model.h"
 #include "ops/block_mask_internal.h"
@@ -18,7 +21,18 @@ struct Case {
   const char* name;
   st::MaskKind kind;
   int64_t seq, batch, q_heads, kv_heads, window;
+  int64_t doc_min = 0, doc_max = 0;  // document-causal: lengths uniform in [doc_min, doc_max]
 };
+
+// Document ids [1, seq] of lengths drawn from [lo, hi] (the model reads batch 0's for every batch).
+std::vector<int32_t> document_ids(int64_t seq, int64_t lo, int64_t hi) {
+  std::mt19937_64 rng(7);
+  std::uniform_int_distribution<int64_t> length(lo, hi);
+  std::vector<int32_t> ids(static_cast<size_t>(seq));
+  for (int64_t s = 0, doc = 0; s < seq; ++doc)
+    for (int64_t end = std::min(seq, s + length(rng)); s < end; ++s) ids[static_cast<size_t>(s)] = int32_t(doc);
+  return ids;
+}
 
 constexpr int64_t kWorkers = 132, kVisitSteps = 4;
 
@@ -33,7 +47,9 @@ int main() {
                         {"causal GQA 32:4 B2 S8192", st::MaskKind::kCausal, 8192, 2, 32, 4, -1},
                         {"causal B8 H16 S2048", st::MaskKind::kCausal, 2048, 8, 16, 16, -1},
                         {"causal B8 H16 S4096", st::MaskKind::kCausal, 4096, 8, 16, 16, -1},
-                        {"window 1024 B2 H16 S8192", st::MaskKind::kSlidingWindow, 8192, 2, 16, 16, 1024}};
+                        {"window 1024 B2 H16 S8192", st::MaskKind::kSlidingWindow, 8192, 2, 16, 16, 1024},
+                        {"docs 1..3000 B2 H16 S16384", st::MaskKind::kDocumentCausal, 16384, 2, 16, 16, -1, 1, 3000},
+                        {"docs 1..8192 GQA 8:2 S128k", st::MaskKind::kDocumentCausal, 131072, 1, 8, 2, -1, 1, 8192}};
   std::printf("%-26s %-5s %-8s %8s   det / nondet at a hand-off of 0, 1, 2, 4 steps (adds of %lld)\n", "case",
               "walk", "sections", "nondet", static_cast<long long>(kVisitSteps));
   for (const Case& c : cases) {
@@ -42,6 +58,11 @@ int main() {
     if (c.window >= 0) {
       spec.window_left = c.window;
       spec.window_right = 0;
+    }
+    std::vector<int32_t> ids;
+    if (c.doc_max > 0) {
+      ids = document_ids(c.seq, c.doc_min, c.doc_max);
+      spec.doc_q = spec.doc_kv = st::TensorView(ids.data(), st::DType::kInt32, {1, c.seq});
     }
     for (const st::WalkOrder walk : {st::WalkOrder::kDescendingHeadsInner, st::WalkOrder::kAscendingHeadsOuter}) {
       st::ColumnSchedule sch;
