@@ -4,6 +4,7 @@
 // sections of 8 (batch, kv head) groups, 132 workers. CPU only; what the model says before device
 // time is spent on a hand-out change (docs/PERF.md, 2026-11-25, third session). The document cases
 // (lengths drawn uniformly from a range, fixed seed) stand for the bench's packed sequences.
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <random>
