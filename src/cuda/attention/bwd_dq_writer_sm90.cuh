@@ -116,8 +116,10 @@ __device__ void bwd_write_dq(const typename T::Params& p, typename T::SharedStor
       tma_store_wait<0>();  // shared memory read: the buffer goes back to the consumers at once
       cutlass::arch::ClusterBarrier::arrive(&ss.dq_empty[buf]);
       if (a.deterministic) {
-        bulk_wait<0>();  // landed in global memory: now the next writer may add to the tile
-        __threadfence();
+        // Landed in global memory: now the next writer may add to the tile. The release orders the
+        // landed add before the semaphore (cumulative: the add is visible to this thread once the
+        // wait returns); a __threadfence before it cost 1.5-4 % on documents (A / B, PERF).
+        bulk_wait<0>();
         add_release(a.semaphores + tile, 1);
       }
     }
