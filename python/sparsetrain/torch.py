@@ -596,6 +596,8 @@ class GroupedLinear(_DelayedWgrad, nn.Module):
                        biases: Optional[List[Tensor]] = None) -> Tuple[List[Tensor], List[bool]]:
         """`_param_tensors` as the C++ torch library takes them (a forward passes the lists it
         has made already: this runs every call)."""
+        if not self.fuse_wgrad_accumulation:
+            return _unfused_native_params(self, weights, biases)
         p = self._param_tensors("", weights, biases)
         return p.tensors(), [p.overwrite, p.has_attr]
 
@@ -673,6 +675,15 @@ class GroupedLinear(_DelayedWgrad, nn.Module):
                 f"bias={self.use_bias}, single_grouped_weight={self.single_grouped_weight}, "
                 f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}, "
                 f"delay_wgrad_compute={self.delay_wgrad_compute}")
+
+
+def _unfused_native_params(layer: "GroupedLinear", weights: Optional[List[Tensor]] = None,
+                           biases: Optional[List[Tensor]] = None) -> Tuple[List[Tensor], List[bool]]:
+    """A layer's `_native_params` without fused wgrad accumulation: no main_grads, and both flags
+    False (overwrite_main_grad and has_grad_added_to_main_grad only matter when fusing: the
+    disposition rule reads them then alone), so the per-call flag and attribute reads are skipped."""
+    weights = layer.weights() if weights is None else weights
+    return weights + (layer.biases() if biases is None else biases), [False, False]
 
 
 class _ParamTensors(NamedTuple):
@@ -939,6 +950,9 @@ class GroupedMLP(_DelayedWgrad, nn.Module):
 
     def _native_params(self) -> Tuple[List[Tensor], List[bool]]:
         fc1, fc2 = self._layers()
+        if not self.fuse_wgrad_accumulation:
+            (t1, _), (t2, _) = _unfused_native_params(fc1), _unfused_native_params(fc2)
+            return t1 + t2, [False, False, False]
         p1, p2 = fc1._param_tensors("fc1."), fc2._param_tensors("fc2.")
         _check_same_overwrite(p1, p2)
         return p1.tensors() + p2.tensors(), [p1.overwrite, p1.has_attr, p2.has_attr]
