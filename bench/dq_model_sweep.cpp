@@ -1,7 +1,8 @@
 // The deterministic backward's scheduler model (common/dq_schedule_model.h) on bench-like masks:
 // det / nondet critical paths with adds of 4 steps and a hand-off latency of 0..4 steps (a dQ
-// partial landing and its release reaching the next writer), for both walks, with and without L2
-// sections of 8 (batch, kv head) groups, 132 workers. CPU only; what the model says before device
+// partial landing and its release reaching the next writer), for both schedules (left to right,
+// shortest first) and both walks, with and without L2 sections of 8 (batch, kv head) groups, 132
+// workers. CPU only; what the model says before device
 // time is spent on a hand-out change (docs/PERF.md, 2026-11-25, third session). The document cases
 // (lengths drawn uniformly from a range, fixed seed) stand for the bench's packed sequences.
 #include <algorithm>
@@ -51,8 +52,8 @@ int main() {
                         {"window 1024 B2 H16 S8192", st::MaskKind::kSlidingWindow, 8192, 2, 16, 16, 1024},
                         {"docs 1..3000 B2 H16 S16384", st::MaskKind::kDocumentCausal, 16384, 2, 16, 16, -1, 1, 3000},
                         {"docs 1..8192 GQA 8:2 S128k", st::MaskKind::kDocumentCausal, 131072, 1, 8, 2, -1, 1, 8192}};
-  std::printf("%-26s %-5s %-8s %8s   det / nondet at a hand-off of 0, 1, 2, 4 steps (adds of %lld)\n", "case",
-              "walk", "sections", "nondet", static_cast<long long>(kVisitSteps));
+  std::printf("%-26s %-3s %-5s %-8s %8s   det / nondet at a hand-off of 0, 1, 2, 4 steps (adds of %lld)\n", "case",
+              "sch", "walk", "sections", "nondet", static_cast<long long>(kVisitSteps));
   for (const Case& c : cases) {
     st::MaskSpec spec;
     spec.kind = c.kind;
@@ -65,9 +66,10 @@ int main() {
       ids = document_ids(c.seq, c.doc_min, c.doc_max);
       spec.doc_q = spec.doc_kv = st::TensorView(ids.data(), st::DType::kInt32, {1, c.seq});
     }
+    for (const st::ScheduleKind kind : {st::ScheduleKind::kLeftToRight, st::ScheduleKind::kShortestFirst})
     for (const st::WalkOrder walk : {st::WalkOrder::kDescendingHeadsInner, st::WalkOrder::kAscendingHeadsOuter}) {
       st::ColumnSchedule sch;
-      sch.kind = st::ScheduleKind::kLeftToRight;
+      sch.kind = kind;
       sch.walk = walk;
       st::BlockMaskOptions o;
       o.auto_schedule = false;
@@ -78,7 +80,8 @@ int main() {
         st::DqColumnHandout h = st::dq_handout(sch, c.batch, c.kv_heads, t.mask.num_kv_blocks(), 1);
         h.section_groups = sections;
         const double nondet = critical_path(pb, h, false, 0);
-        std::printf("%-26s %-5s %-8s %8.0f  ", c.name, walk == st::WalkOrder::kDescendingHeadsInner ? "desc" : "asc",
+        std::printf("%-26s %-3s %-5s %-8s %8.0f  ", c.name, kind == st::ScheduleKind::kLeftToRight ? "ltr" : "sf",
+                    walk == st::WalkOrder::kDescendingHeadsInner ? "desc" : "asc",
                     sections > 0 ? "8 groups" : "none", nondet);
         for (const int64_t handoff : {0, 1, 2, 4}) std::printf(" %6.3f", critical_path(pb, h, true, handoff) / nondet);
         std::printf("\n");
