@@ -2,9 +2,10 @@
 // det / nondet critical paths with adds of 4 steps and a hand-off latency of 0..4 steps (a dQ
 // partial landing and its release reaching the next writer), for both schedules (left to right,
 // shortest first) and both walks, with and without L2 sections of 8 (batch, kv head) groups, 132
-// workers. CPU only; what the model says before device
-// time is spent on a hand-out change (docs/PERF.md, 2026-11-25, third session). The document cases
-// (lengths drawn uniformly from a range, fixed seed) stand for the bench's packed sequences.
+// workers. CPU only; what the model says before device time is spent on a hand-out change
+// (docs/PERF.md, 2026-11-25, third session; its shortest-first + ascending rows on documents were
+// contradicted on the GPU, 2026-11-26, thirteenth session). The document cases (lengths drawn
+// uniformly from a range, fixed seed) stand for the bench's packed sequences.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
