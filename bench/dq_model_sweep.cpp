@@ -43,6 +43,37 @@ double critical_path(const st::DqModelProblem& pb, const st::DqColumnHandout& h,
   return static_cast<double>(st::simulate_dq_backward(pb, h, kWorkers, det, kVisitSteps, handoff).critical_path);
 }
 
+
+// The same documents each padded to a multiple of 128 tokens: on that sequence the 128-aligned
+// tiles are the document-start tiles of the original (issue 15 item 4), so the model prices them.
+std::vector<int32_t> padded_to_tiles(const std::vector<int32_t>& ids) {
+  std::vector<int32_t> out;
+  for (size_t s = 0; s < ids.size();) {
+    size_t e = s;
+    while (e < ids.size() && ids[e] == ids[s]) ++e;
+    const size_t tiles = (e - s + 127) / 128;
+    out.insert(out.end(), tiles * 128, ids[s]);
+    s = e;
+  }
+  return out;
+}
+
+// det and nondet critical paths of left to right, descending (auto's choice on documents), no
+// sections, at a hand-off of `handoff` steps.
+std::pair<double, double> ltr_descending(const Case& c, const std::vector<int32_t>& ids, int64_t handoff) {
+  const int64_t seq = int64_t(ids.size());
+  st::MaskSpec spec;
+  spec.kind = c.kind;
+  spec.doc_q = spec.doc_kv = st::TensorView(const_cast<int32_t*>(ids.data()), st::DType::kInt32, {1, seq});
+  st::ColumnSchedule sch;
+  st::BlockMaskOptions o;
+  o.auto_schedule = false;
+  o.schedule = sch;
+  const st::BlockMaskTensors t = st::build_block_mask(spec, seq, seq, o);
+  const st::DqModelProblem pb = st::dq_model_problem(t.mask, sch, 1, c.batch, c.q_heads, c.kv_heads);
+  const st::DqColumnHandout h = st::dq_handout(sch, c.batch, c.kv_heads, t.mask.num_kv_blocks(), 1);
+  return {critical_path(pb, h, true, handoff), critical_path(pb, h, false, 0)};
+}
 }  // namespace
 
 int main() {
@@ -87,6 +118,16 @@ int main() {
         for (const int64_t handoff : {0, 1, 2, 4}) std::printf(" %6.3f", critical_path(pb, h, true, handoff) / nondet);
         std::printf("\n");
       }
+    }
+    if (!ids.empty()) {
+      // Document-start tiles against today's tiles, both left to right descending: the model's
+      // unit visits (a partial tile's mask costs nothing here, so this is the visit / item count
+      // alone). Steps of today's: nondet, det at a hand-off of 2; then the tiles' over today's.
+      const std::vector<int32_t> padded = padded_to_tiles(ids);
+      const auto [det_a, nondet_a] = ltr_descending(c, ids, 2);
+      const auto [det_d, nondet_d] = ltr_descending(c, padded, 2);
+      std::printf("%-26s document-start tiles / today's: nondet %.0f / %.0f = %.3f, det (hand-off 2) %.0f / %.0f = %.3f\n",
+                  c.name, nondet_d, nondet_a, nondet_d / nondet_a, det_d, det_a, det_d / det_a);
     }
   }
   return 0;
