@@ -102,7 +102,9 @@ def test_returned_tensors_live_in_torch_allocated_storage():
 
 ROWS = [  # delay, fuse, has grad_added_to_main_grad -> weight grad, bias grad now
     (False, False, False, "wgrad", True),
+    (False, False, True, "wgrad", True),  # the attribute only matters when fusing
     (True, False, False, "none", False),
+    (True, False, True, "none", False),
     (False, True, False, "none", True),
     (False, True, True, "dummy", True),
     (True, True, False, "none", False),
@@ -131,6 +133,8 @@ def test_weight_grad_table(single, delay, fuse, attr, kind, bias_now):
             assert w.grad_added_to_main_grad is True
         else:
             assert w.grad is not None
+        if attr and kind != "dummy":
+            assert w.grad_added_to_main_grad is False
     if kind == "wgrad":
         assert any(not bool((w.grad == 0).all()) for w in m.weights())
     for b in m.biases():
