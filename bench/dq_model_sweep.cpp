@@ -44,6 +44,20 @@ double critical_path(const st::DqModelProblem& pb, const st::DqColumnHandout& h,
 }
 
 
+// The model's problem and hand-out for `c` over `spec` (sequence `seq`) under `sch`.
+struct Modelled {
+  st::DqModelProblem problem;
+  st::DqColumnHandout handout;
+};
+Modelled model_of(const Case& c, const st::MaskSpec& spec, int64_t seq, const st::ColumnSchedule& sch) {
+  st::BlockMaskOptions o;
+  o.auto_schedule = false;
+  o.schedule = sch;
+  const st::BlockMaskTensors t = st::build_block_mask(spec, seq, seq, o);
+  return {st::dq_model_problem(t.mask, sch, 1, c.batch, c.q_heads, c.kv_heads),
+          st::dq_handout(sch, c.batch, c.kv_heads, t.mask.num_kv_blocks(), 1)};
+}
+
 // The same documents each padded to a multiple of 128 tokens: on that sequence the 128-aligned
 // tiles are the document-start tiles of the original (issue 15 item 4), so the model prices them.
 std::vector<int32_t> padded_to_tiles(const std::vector<int32_t>& ids) {
@@ -56,23 +70,6 @@ std::vector<int32_t> padded_to_tiles(const std::vector<int32_t>& ids) {
     s = e;
   }
   return out;
-}
-
-// det and nondet critical paths of left to right, descending (auto's choice on documents), no
-// sections, at a hand-off of `handoff` steps.
-std::pair<double, double> ltr_descending(const Case& c, const std::vector<int32_t>& ids, int64_t handoff) {
-  const int64_t seq = int64_t(ids.size());
-  st::MaskSpec spec;
-  spec.kind = c.kind;
-  spec.doc_q = spec.doc_kv = st::TensorView(const_cast<int32_t*>(ids.data()), st::DType::kInt32, {1, seq});
-  st::ColumnSchedule sch;
-  st::BlockMaskOptions o;
-  o.auto_schedule = false;
-  o.schedule = sch;
-  const st::BlockMaskTensors t = st::build_block_mask(spec, seq, seq, o);
-  const st::DqModelProblem pb = st::dq_model_problem(t.mask, sch, 1, c.batch, c.q_heads, c.kv_heads);
-  const st::DqColumnHandout h = st::dq_handout(sch, c.batch, c.kv_heads, t.mask.num_kv_blocks(), 1);
-  return {critical_path(pb, h, true, handoff), critical_path(pb, h, false, 0)};
 }
 }  // namespace
 
@@ -103,13 +100,10 @@ int main() {
       st::ColumnSchedule sch;
       sch.kind = kind;
       sch.walk = walk;
-      st::BlockMaskOptions o;
-      o.auto_schedule = false;
-      o.schedule = sch;
-      const st::BlockMaskTensors t = st::build_block_mask(spec, c.seq, c.seq, o);
-      const st::DqModelProblem pb = st::dq_model_problem(t.mask, sch, 1, c.batch, c.q_heads, c.kv_heads);
+      const Modelled m = model_of(c, spec, c.seq, sch);
+      const st::DqModelProblem& pb = m.problem;
       for (const int64_t sections : {int64_t(0), int64_t(8)}) {
-        st::DqColumnHandout h = st::dq_handout(sch, c.batch, c.kv_heads, t.mask.num_kv_blocks(), 1);
+        st::DqColumnHandout h = m.handout;
         h.section_groups = sections;
         const double nondet = critical_path(pb, h, false, 0);
         std::printf("%-26s %-3s %-5s %-8s %8.0f  ", c.name, kind == st::ScheduleKind::kLeftToRight ? "ltr" : "sf",
@@ -123,9 +117,15 @@ int main() {
       // Document-start tiles against today's tiles, both left to right descending: the model's
       // unit visits (a partial tile's mask costs nothing here, so this is the visit / item count
       // alone). Steps of today's: nondet, det at a hand-off of 2; then the tiles' over today's.
-      const std::vector<int32_t> padded = padded_to_tiles(ids);
-      const auto [det_a, nondet_a] = ltr_descending(c, ids, 2);
-      const auto [det_d, nondet_d] = ltr_descending(c, padded, 2);
+      std::vector<int32_t> padded = padded_to_tiles(ids);
+      const int64_t padded_seq = int64_t(padded.size());
+      st::MaskSpec padded_spec = spec;
+      padded_spec.doc_q = padded_spec.doc_kv = st::TensorView(padded.data(), st::DType::kInt32, {1, padded_seq});
+      const Modelled today = model_of(c, spec, c.seq, {}), tiles = model_of(c, padded_spec, padded_seq, {});
+      const double det_a = critical_path(today.problem, today.handout, true, 2);
+      const double nondet_a = critical_path(today.problem, today.handout, false, 0);
+      const double det_d = critical_path(tiles.problem, tiles.handout, true, 2);
+      const double nondet_d = critical_path(tiles.problem, tiles.handout, false, 0);
       std::printf("%-26s document-start tiles / today's: nondet %.0f / %.0f = %.3f, det (hand-off 2) %.0f / %.0f = %.3f\n",
                   c.name, nondet_d, nondet_a, nondet_d / nondet_a, det_d, det_a, det_d / det_a);
     }

@@ -6,14 +6,15 @@ import os, sys
 
 import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-def ids(B, S, lo, hi, seed=0):
-    rng = np.random.default_rng(seed); out = []
-    for b in range(B):
-        s = 0; L = []
-        while s < S:
-            n = int(rng.integers(lo, hi + 1)); L.append(min(n, S - s)); s += n
-        out.append(L)
-    return out
+import bench_attention as ba  # noqa: E402  (its document generator, so the lengths are the bench's)
+
+
+def ids(B, S, lo, hi):
+    """Per batch row, the document lengths of bench_attention.document_ids (seed 0)."""
+    doc = ba.document_ids(B, S, (lo, hi)).numpy()
+    return [list(np.bincount(row)) for row in doc]
+
+
 def aligned(L, S, blk=128):
     # doc id per token; per (q tile, kv tile) pair: visited if any allowed pair; partial unless all pairs allowed
     doc = np.repeat(np.arange(len(L)), L); pos = np.arange(S)
@@ -40,7 +41,6 @@ def docstart(L, blk=128):
 for name, B, S, lo, hi in (("documents 1..3000 (B2 S16384)", 2, 16384, 1, 3000), ("documents default", 2, 8192, None, None),
                            ("128k documents 1..8192", 1, 131072, 1, 8192)):
     if lo is None:
-        import bench_attention as ba
         lo, hi = ba.DOC_LENGTHS
         name += f" {lo}..{hi}"
     docs = ids(B, S, lo, hi)
