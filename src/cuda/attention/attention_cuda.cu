@@ -39,6 +39,7 @@ namespace {
 using backend::AttentionProblem;
 using cuda::attn::BwdArgs;
 using cuda::attn::bwd_preprocess_kernel;
+using cuda::attn::BwdPreprocessTiling;
 using cuda::attn::FwdArgs;
 using cuda::attn::kBwdTileKv;
 using cuda::attn::kBwdTileQ;
@@ -383,24 +384,31 @@ class AttentionCuda final : public backend::AttentionBackend {
     // Semaphores, the ticket counter and the abandoned flag start at zero in every run (and in
     // every replay of a captured graph).
     ST_CUDA_CHECK(cudaMemsetAsync(ws.semaphores, 0, ws.zeroed_bytes, s), "CUDA attention: cudaMemsetAsync (dQ semaphores)");
-    const int64_t total_rows = p.batch * p.heads_q * rows;
     // 16-byte loads where every row of o and dout starts on a 16-byte boundary (8 elements).
     auto rows_aligned = [](const TensorView& t) {
       return reinterpret_cast<uintptr_t>(t.data()) % 16 == 0 && t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0 &&
              t.stride(2) % 8 == 0;
     };
     const bool vector = p.head_dim % 8 == 0 && p.head_dim <= 128 && rows_aligned(bp.o) && rows_aligned(bp.dout);
-    const int64_t rows_per_block = vector ? 16 : 8;  // 256 threads: a row per 16 or 32
-    const int pre_blocks = int(std::min<int64_t>((total_rows + rows_per_block - 1) / rows_per_block, 65535));
+    // The preprocessing: a block per tile of heads x q rows (BwdPreprocessTiling).
     auto preprocess = [&](auto element) {
       using E = decltype(element);
-      auto* kernel = vector ? bwd_preprocess_kernel<E, true> : bwd_preprocess_kernel<E, false>;
-      kernel<<<pre_blocks, 256, 0, s>>>(
-          static_cast<const E*>(bp.o.data()), bp.o.stride(0), bp.o.stride(1), bp.o.stride(2),
-          static_cast<const E*>(bp.dout.data()), bp.dout.stride(0), bp.dout.stride(1), bp.dout.stride(2),
-          static_cast<const float*>(bp.lse.data()), bp.lse.stride(0), bp.lse.stride(1), bp.lse.stride(2),
-          int32_t(p.heads_q), int32_t(p.seq_q), rows, int32_t(p.head_dim), total_rows, ws.lse_log2, ws.delta,
-          bp.deterministic ? nullptr : ws.dq_accum);
+      auto launch = [&](auto tiling) {
+        using Tiling = decltype(tiling);
+        const int heads_log2 = Tiling::heads_log2_for(int(p.heads_q));
+        const dim3 grid(unsigned(rows / Tiling::tile_rows(heads_log2)),
+                        unsigned((p.heads_q + (1 << heads_log2) - 1) >> heads_log2),
+                        unsigned(std::min<int64_t>(p.batch, 65535)));
+        bwd_preprocess_kernel<E, Tiling><<<grid, Tiling::kThreads, 0, s>>>(
+            static_cast<const E*>(bp.o.data()), bp.o.stride(0), bp.o.stride(1), bp.o.stride(2),
+            static_cast<const E*>(bp.dout.data()), bp.dout.stride(0), bp.dout.stride(1), bp.dout.stride(2),
+            static_cast<const float*>(bp.lse.data()), bp.lse.stride(0), bp.lse.stride(1), bp.lse.stride(2),
+            int32_t(p.batch), int32_t(p.heads_q), int32_t(p.seq_q), rows, int32_t(p.head_dim), heads_log2, ws.lse_log2, ws.delta,
+            bp.deterministic ? nullptr : ws.dq_accum);
+      };
+      if (!vector) launch(BwdPreprocessTiling<32, false>{});
+      else if (p.head_dim <= 64) launch(BwdPreprocessTiling<8, true>{});
+      else launch(BwdPreprocessTiling<16, true>{});
     };
     dispatch_dtype<bf16_t, fp16_t>(p.dtype, "CUDA attention backward", preprocess);
     ST_CUDA_CHECK(cudaGetLastError(), "CUDA attention: backward preprocessing launch");
