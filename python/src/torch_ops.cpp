@@ -172,6 +172,9 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
         options_of(scale, deterministic, sm_limit), call_on(q, &alloc));
     at::Tensor o = alloc.take(f.o).transpose(1, 2), lse = alloc.take(f.lse);
     ctx->mark_non_differentiable({lse});
+    // lse has no gradient: no zero tensor for it (a fill kernel a backward); o's may be undefined
+    // (o unused), then so are q's, k's and v's.
+    ctx->set_materialize_grads(false);
     std::vector<at::Tensor> saved{q, k, v, o, lse};
     for (const auto& t : mask->tensors()) saved.push_back(t.value_or(at::Tensor()));
     ctx->save_for_backward(saved);
@@ -192,6 +195,7 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
         mask_tensors.push_back(s[i].defined() ? std::optional<at::Tensor>(s[i]) : std::nullopt);
       const std::vector<int64_t> sizes = ctx->saved_data["sizes"].toIntVector();
       at::Tensor dout = grads[0];
+      if (!dout.defined()) return variable_list(7);  // as the inputs: q, k, v, then four without gradients
       if (dout.stride(-1) != 1) dout = dout.contiguous();
       const bool deterministic =
           ctx->saved_data["deterministic"].toBool() || at::globalContext().deterministicAlgorithms();

@@ -723,8 +723,8 @@ class ArenaAllocator final : public st::Allocator {
   size_t size_, used_ = 0;
 };
 
-// The backward captured in a CUDA graph (memset, preprocessing, the kernel with its ticket
-// counter and semaphores, the dQ conversion) replays with the eager run's bytes.
+// The backward captured in a CUDA graph (the preprocessing, which zeroes the kernel's ticket
+// counter and semaphores, the kernel, the dQ conversion) replays with the eager run's bytes.
 TEST(AttentionCudaGraph, DeterministicBackwardReplaysBitwise) {
   REQUIRE_HOPPER();
   const Case c{"graph_doccausal", DType::kBF16, 2, 1500, 1500, 4, 2, 128, 128, 128, MaskKind::kDocumentCausal};

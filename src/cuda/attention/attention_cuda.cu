@@ -99,7 +99,7 @@ struct BwdScratch {
   float* dq_accum;
   float* lse_log2;
   float* delta;
-  int32_t* semaphores;  // then the ticket counter and the abandoned report: one memset
+  int32_t* semaphores;  // then the ticket counter and the abandoned report: zeroed together by the preprocessing
   int32_t* counters;
   int32_t* permutation;
   size_t bytes;
@@ -381,16 +381,15 @@ class AttentionCuda final : public backend::AttentionBackend {
     const int32_t q_tiles = int32_t(bwd_q_tiles(p)), rows = q_tiles * kBwdTileQ;
     cudaStream_t s = static_cast<cudaStream_t>(stream.handle);
 
-    // Semaphores, the ticket counter and the abandoned flag start at zero in every run (and in
-    // every replay of a captured graph).
-    ST_CUDA_CHECK(cudaMemsetAsync(ws.semaphores, 0, ws.zeroed_bytes, s), "CUDA attention: cudaMemsetAsync (dQ semaphores)");
     // 16-byte loads where every row of o and dout starts on a 16-byte boundary (8 elements).
     auto rows_aligned = [](const TensorView& t) {
       return reinterpret_cast<uintptr_t>(t.data()) % 16 == 0 && t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0 &&
              t.stride(2) % 8 == 0;
     };
     const bool vector = p.head_dim % 8 == 0 && p.head_dim <= 128 && rows_aligned(bp.o) && rows_aligned(bp.dout);
-    // The preprocessing: a block per tile of heads x q rows (BwdPreprocessTiling).
+    // The preprocessing: a block per tile of heads x q rows (BwdPreprocessTiling). It also zeroes
+    // the semaphores, the ticket counter and the abandoned flag, so that they start at zero in
+    // every run (and in every replay of a captured graph).
     auto preprocess = [&](auto element) {
       using E = decltype(element);
       auto launch = [&](auto tiling) {
@@ -404,7 +403,7 @@ class AttentionCuda final : public backend::AttentionBackend {
             static_cast<const E*>(bp.dout.data()), bp.dout.stride(0), bp.dout.stride(1), bp.dout.stride(2),
             static_cast<const float*>(bp.lse.data()), bp.lse.stride(0), bp.lse.stride(1), bp.lse.stride(2),
             int32_t(p.batch), int32_t(p.heads_q), int32_t(p.seq_q), rows, int32_t(p.head_dim), heads_log2, ws.lse_log2, ws.delta,
-            bp.deterministic ? nullptr : ws.dq_accum);
+            bp.deterministic ? nullptr : ws.dq_accum, ws.semaphores, int64_t(ws.zeroed_bytes / sizeof(int32_t)));
       };
       if (!vector) launch(BwdPreprocessTiling<32, false>{});
       else if (p.head_dim <= 64) launch(BwdPreprocessTiling<8, true>{});

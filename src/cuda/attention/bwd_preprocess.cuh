@@ -1,6 +1,7 @@
 // The backward's preprocessing, before the kernel (attention_bwd_sm90.cuh): per padded q row,
 // delta = rowsum(dO * o), lse in log2 units, and (for the atomic adds of the non-deterministic
-// mode; the deterministic one's first writer stores) the row of the fp32 dQ accumulator zeroed.
+// mode; the deterministic one's first writer stores) the row of the fp32 dQ accumulator zeroed;
+// also the kernel's semaphores and counters zeroed (no memset launch of their own).
 #pragma once
 
 #include <cmath>
@@ -50,11 +51,17 @@ __global__ void __launch_bounds__(Tiling::kThreads, 5)
     bwd_preprocess_kernel(const E* o, int64_t o_sb, int64_t o_ss, int64_t o_sh, const E* dout, int64_t do_sb,
                           int64_t do_ss, int64_t do_sh, const float* lse, int64_t l_sb, int64_t l_sh, int64_t l_ss,
                           int32_t batch, int32_t heads_q, int32_t seq_q, int32_t rows, int32_t head_dim,
-                          int32_t heads_log2, float* lse_log2, float* delta, float* dq_accum) {
+                          int32_t heads_log2, float* lse_log2, float* delta, float* dq_accum, int32_t* zeroed,
+                          int64_t zeroed_words) {
   constexpr int kLanes = Tiling::kLanes, kRows = Tiling::kRows;
   constexpr int kPer = Tiling::kVector ? 16 / int(sizeof(E)) : 1;  // elements a lane loads at once
   const int lane = threadIdx.x % kLanes, group = threadIdx.x / kLanes;
   const int32_t h = int32_t(blockIdx.y << heads_log2) + (group & ((1 << heads_log2) - 1));
+  {  // the semaphores and counters: each word by one thread of the grid
+    const int64_t threads = int64_t(gridDim.x) * gridDim.y * gridDim.z * blockDim.x;
+    const int64_t block = (int64_t(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    for (int64_t i = block * blockDim.x + threadIdx.x; i < zeroed_words; i += threads) zeroed[i] = 0;
+  }
   // The batch along z, in steps of the grid's z (at most 65535).
   for (int32_t b = int32_t(blockIdx.z); b < batch; b += int32_t(gridDim.z)) {
     const int32_t q0 = int32_t(blockIdx.x) * Tiling::tile_rows(heads_log2) + (group >> heads_log2) * kRows;
