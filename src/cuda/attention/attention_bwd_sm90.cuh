@@ -43,6 +43,7 @@
 #include "cuda/attention/bwd_mainloop_sm90.cuh"
 #include "cuda/attention/bwd_postprocess_sm90.cuh"
 #include "cuda/attention/bwd_traits_sm90.cuh"
+#include "cuda/pdl.cuh"
 
 namespace sparsetrain::cuda::attn {
 
@@ -80,6 +81,9 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
   typename T::Pipeline pipe(ss.pipe, pp, Shape<_1, _1, _1>{});
   cutlass::arch::fence_barrier_init();
   __syncthreads();
+  // Launched as a dependent of the preprocessing (cuda/pdl.cuh): set up so far, now its lse,
+  // delta and zeroed semaphores and ticket counter.
+  pdl_wait();
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
@@ -123,12 +127,11 @@ void run_bwd_sm90(const BwdArgs& a, void* dq, void* stream) {
       float(a.scale * M_LOG2E)};
   constexpr int smem_bytes = int(sizeof(typename T::SharedStorage));
   opt_in_smem(bwd_kernel<T>, smem_bytes);
-  bwd_kernel<T><<<a.grid, T::kThreads, smem_bytes, static_cast<cudaStream_t>(stream)>>>(p);
-  check_cuda(cudaGetLastError(), "attention backward launch");
+  const auto s = static_cast<cudaStream_t>(stream);
+  check_cuda(launch_dependent(bwd_kernel<T>, a.grid, T::kThreads, smem_bytes, s, p), "attention backward launch");
   const int64_t tiles = int64_t(a.batch) * a.heads_q * a.lists.num_q_tiles;
-  bwd_convert_dq_kernel<T><<<int(std::min<int64_t>(tiles, 65535)), T::kMmaThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      a, dq);
-  check_cuda(cudaGetLastError(), "dQ conversion launch");
+  check_cuda(launch_dependent(bwd_convert_dq_kernel<T>, int(std::min<int64_t>(tiles, 65535)), T::kMmaThreads, 0, s, a, dq),
+             "dQ conversion launch");
 }
 
 }  // namespace sparsetrain::cuda::attn

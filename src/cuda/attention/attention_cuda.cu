@@ -26,6 +26,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/device_cache.h"
 #include "cuda/element.cuh"
+#include "cuda/pdl.cuh"
 #include "cuda/runtime_cuda.h"
 #include "ops/attention_backend.h"
 #include "ops/block_mask_internal.h"  // mask_walk_shape
@@ -58,6 +59,7 @@ __global__ void __launch_bounds__(kSortThreads) sort_items_kernel(const MaskWalk
                                                                   int32_t q_tiles, int32_t num_items,
                                                                   int32_t heads_per_section, FwdWorkRecord* records,
                                                                   int32_t* ticket, bool natural) {
+  cuda::pdl_launch_dependents();  // the forward kernel may set up while this runs (cuda/pdl.cuh)
   if (blockIdx.x == 0 && threadIdx.x == 0) *ticket = 0;
   const auto [first, last] = fwd_section(int32_t(blockIdx.x), num_items, q_tiles, heads_per_section);
   if (natural) {  // a sweep switch: items in numbered order (the q tiles of one head together)

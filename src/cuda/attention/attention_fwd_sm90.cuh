@@ -30,6 +30,7 @@
 
 #include "cuda/attention/fwd_epilogue_sm90.cuh"
 #include "cuda/attention/fwd_mainloop_sm90_tma_wgmma.cuh"
+#include "cuda/pdl.cuh"
 
 namespace sparsetrain::cuda::attn {
 
@@ -359,6 +360,9 @@ __global__ void __launch_bounds__(T::kThreads, 1) fwd_kernel(CUTE_GRID_CONSTANT 
   typename T::PipelineV pipe_v(ss.pipe_v, pv, Shape<_1, _1, _1>{});
   cutlass::arch::fence_barrier_init();
   __syncthreads();
+  // Launched as a dependent of the work-order sort (cuda/pdl.cuh): set up so far, now its records
+  // and zeroed ticket counter.
+  pdl_wait();
 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
@@ -399,8 +403,8 @@ void launch_fwd_sm90(const FwdArgs& a, void* stream) {
       float(a.scale * M_LOG2E)};
   constexpr int smem_bytes = int(sizeof(typename T::SharedStorage));
   opt_in_smem(fwd_kernel<T>, smem_bytes);
-  fwd_kernel<T><<<a.grid, T::kThreads, smem_bytes, static_cast<cudaStream_t>(stream)>>>(p);
-  check_cuda(cudaGetLastError(), "attention forward launch");
+  check_cuda(launch_dependent(fwd_kernel<T>, a.grid, T::kThreads, smem_bytes, static_cast<cudaStream_t>(stream), p),
+             "attention forward launch");
 }
 
 template <FwdElement E, int HeadDim>

@@ -9,6 +9,7 @@
 #include "cuda/attention/bwd_epilogue_sm90.cuh"
 #include "cuda/attention/bwd_traits_sm90.cuh"
 #include "cuda/attention/mask_tile_sm90.cuh"
+#include "cuda/pdl.cuh"
 
 namespace sparsetrain::cuda::attn {
 
@@ -70,7 +71,10 @@ __device__ void bwd_load(const typename T::Params& p, typename T::SharedStorage&
     if (n_item >= 2) cutlass::arch::ClusterBarrier::wait(&ss.ticket_empty[slot], ((n_item - 2) >> 1) & 1);
     ss.ticket[slot] = ticket;
     cutlass::arch::ClusterBarrier::arrive(&ss.ticket_full[slot]);
-    if (!sched.valid(ticket)) break;
+    if (!sched.valid(ticket)) {
+      pdl_launch_dependents();  // no more items here: the dQ conversion may be scheduled
+      break;
+    }
     const DqWorkItem w = sched.item(ticket);
     const int b = int(w.batch), hkv = int(w.kv_head), column = int(w.column);
     const int kv_tile = column * int(a.sched.handout.sub_tiles) + int(w.sub_tile);

@@ -5,6 +5,7 @@
 #include <cstdio>
 
 #include "cuda/attention/bwd_traits_sm90.cuh"
+#include "cuda/pdl.cuh"
 
 namespace sparsetrain::cuda::attn {
 
@@ -27,6 +28,7 @@ __global__ void __launch_bounds__(T::kMmaThreads) bwd_convert_dq_kernel(const Bw
   constexpr int kPerChunk = 16 / int(sizeof(Element)), kChunks = D / kPerChunk;  // 16-byte pieces of a row
   static_assert(D % kPerChunk == 0, "rows leave in 16-byte stores (dq: the library's, 256-byte aligned)");
   __shared__ alignas(16) Element tile[M * kPitch];
+  pdl_wait();  // launched as a dependent of the backward kernel (cuda/pdl.cuh): its dQ, complete
   if (blockIdx.x == 0 && threadIdx.x == 0 && a.abandoned[0] != 0)
     printf("sparsetrain attention backward: a dQ wait timed out (q tile semaphore %d held %d, waiting for turn %d): "
            "the mask's dq_write_order does not match its lists; the deterministic dQ order was given up\n",

@@ -9,6 +9,7 @@
 
 #include "cuda/attention/attention_bwd_params.h"  // kBwdTileQ
 #include "cuda/element.cuh"                        // load_f32
+#include "cuda/pdl.cuh"
 
 namespace sparsetrain::cuda::attn {
 
@@ -57,6 +58,7 @@ __global__ void __launch_bounds__(Tiling::kThreads, 5)
   constexpr int kPer = Tiling::kVector ? 16 / int(sizeof(E)) : 1;  // elements a lane loads at once
   const int lane = threadIdx.x % kLanes, group = threadIdx.x / kLanes;
   const int32_t h = int32_t(blockIdx.y << heads_log2) + (group & ((1 << heads_log2) - 1));
+  pdl_launch_dependents();  // the backward kernel may set up while the last blocks run (cuda/pdl.cuh)
   {  // the semaphores and counters: each word by one thread of the grid
     const int64_t threads = int64_t(gridDim.x) * gridDim.y * gridDim.z * blockDim.x;
     const int64_t block = (int64_t(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
