@@ -45,9 +45,9 @@ struct BwdPreprocessTiling {
 // 16 lanes and 64-bit index arithmetic per row, issued an instruction on 60 % of the cycles
 // (bound by the issue, not the memory: 1.9 TB/s at D = 128, 1.05 at D = 64 with half its lanes
 // idle) and took 69 us for 64 MiB each of o and dout on an H100, 8 % of a short-row backward.
-template <class E, class Tiling>
 // Five blocks an SM (at most 48 registers; no spills on any built architecture): 80 KiB of loads
 // in flight an SM.
+template <class E, class Tiling>
 __global__ void __launch_bounds__(Tiling::kThreads, 5)
     bwd_preprocess_kernel(const E* o, int64_t o_sb, int64_t o_ss, int64_t o_sh, const E* dout, int64_t do_sb,
                           int64_t do_ss, int64_t do_sh, const float* lse, int64_t l_sb, int64_t l_sh, int64_t l_ss,
