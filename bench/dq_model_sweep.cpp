@@ -5,7 +5,10 @@
 // workers. CPU only; what the model says before device time is spent on a hand-out change
 // (docs/PERF.md, 2026-11-25, third session; its shortest-first + ascending rows on documents were
 // contradicted on the GPU, 2026-11-26, thirteenth session). The document cases (lengths drawn
-// uniformly from a range, fixed seed) stand for the bench's packed sequences.
+// uniformly from a range, fixed seed) stand for the bench's packed sequences; for them also
+// today's tiles against document-start tiles, with partial blocks' visits 1, 2 or 4 steps longer
+// (the in-tile mask: +1 step, 25 %, reproduced the GPU's padded-documents measurement, 2026-11-26,
+// fourteenth session).
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -39,8 +42,10 @@ std::vector<int32_t> document_ids(int64_t seq, int64_t lo, int64_t hi) {
 
 constexpr int64_t kWorkers = 132, kVisitSteps = 4;
 
-double critical_path(const st::DqModelProblem& pb, const st::DqColumnHandout& h, bool det, int64_t handoff) {
-  return static_cast<double>(st::simulate_dq_backward(pb, h, kWorkers, det, kVisitSteps, handoff).critical_path);
+double critical_path(const st::DqModelProblem& pb, const st::DqColumnHandout& h, bool det, int64_t handoff,
+                     int64_t partial = 0) {
+  return static_cast<double>(
+      st::simulate_dq_backward(pb, h, kWorkers, det, kVisitSteps, handoff, partial).critical_path);
 }
 
 
@@ -128,6 +133,17 @@ int main() {
       const double nondet_d = critical_path(tiles.problem, tiles.handout, false, 0);
       std::printf("%-26s document-start tiles / today's: nondet %.0f / %.0f = %.3f, det (hand-off 2) %.0f / %.0f = %.3f\n",
                   c.name, nondet_d, nondet_a, nondet_d / nondet_a, det_d, det_a, det_d / det_a);
+      // With a partial block's visit P steps longer (its in-tile mask; 4 steps a visit): det / nondet
+      // of today's tiles and of the document-start tiles.
+      for (const int64_t p : {1, 2, 4}) {
+        const double na = critical_path(today.problem, today.handout, false, 0, p);
+        const double da = critical_path(today.problem, today.handout, true, 2, p);
+        const double nd = critical_path(tiles.problem, tiles.handout, false, 0, p);
+        const double dd = critical_path(tiles.problem, tiles.handout, true, 2, p);
+        std::printf("%-26s partial visits +%lld steps: today det / nondet %.0f / %.0f = %.3f, document-start tiles "
+                    "%.0f / %.0f = %.3f (det %.3f of today's)\n",
+                    c.name, static_cast<long long>(p), da, na, da / na, dd, nd, dd / nd, dd / da);
+      }
     }
   }
   return 0;

@@ -19,6 +19,7 @@
 // tiles of one block run back to back, so a block's cost scales both modes alike).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <sstream>
 #include <string>
@@ -76,6 +77,8 @@ struct DqModelProblem {
   BwdWalkShape walk;
   std::vector<int64_t> walk_begin;  // [batch * q_heads * num_columns + 1]
   std::vector<int32_t> walk_q_block, walk_turn;
+  // 1 where the visit's block is partial (its mask applied in the tile); may be empty (none known).
+  std::vector<uint8_t> walk_partial;
 
   int64_t walk_index(int64_t b, int64_t h, int64_t n) const { return (b * q_heads + h) * num_columns + n; }
 };
@@ -130,10 +133,11 @@ struct DqModelResult {
 // starvation (everyone waits on an item not handed out). Two writers holding the same turn either
 // race (both starting in one step: counted in `races`) or leave one of them waiting for a value the
 // semaphore has passed (blocked). deterministic = false: no waits (the atomic adds), only the
-// hand-out and the walks. The critical path: the step in which the last add completes.
+// hand-out and the walks. A visit of a partial block (walk_partial) takes partial_steps more (the
+// in-tile mask). The critical path: the step in which the last add completes.
 inline DqModelResult simulate_dq_backward(const DqModelProblem& pb, const DqColumnHandout& handout, int64_t workers,
                                           bool deterministic = true, int64_t visit_steps = 1,
-                                          int64_t handoff_steps = 0) {
+                                          int64_t handoff_steps = 0, int64_t partial_steps = 0) {
   DqModelResult res;
   const int64_t group = pb.q_heads / pb.kv_heads, s = pb.sub_tiles;
   const int64_t num_sems = pb.batch * pb.q_heads * pb.num_q_blocks;
@@ -228,7 +232,8 @@ inline DqModelResult simulate_dq_backward(const DqModelProblem& pb, const DqColu
   // Future events in a ring of time slots (no event lies further ahead than the ring is long):
   // workers whose add completes (free) and semaphore increments that become visible (bump).
   const int64_t V = visit_steps < 1 ? 1 : visit_steps, H = handoff_steps < 0 ? 0 : handoff_steps;
-  const size_t ring = size_t(V + H + 1);
+  const int64_t P = partial_steps < 0 || pb.walk_partial.empty() ? 0 : partial_steps;
+  const size_t ring = size_t(V + P + H + 1);
   std::vector<std::vector<int32_t>> free_at(ring);
   std::vector<std::vector<int64_t>> bump_at(ring);
   int64_t pending = 0, t = 0, last_add = 0;
@@ -264,17 +269,18 @@ inline DqModelResult simulate_dq_backward(const DqModelProblem& pb, const DqColu
       if (deterministic && last_step[size_t(sm)] == t) ++res.races;
       last_step[size_t(sm)] = t;
       ++res.total_work;
-      free_at[size_t((t + V) % int64_t(ring))].push_back(wi);
+      const int64_t steps = V + (P > 0 && pb.walk_partial[size_t(ws[size_t(wi)].pos)] ? P : 0);
+      free_at[size_t((t + steps) % int64_t(ring))].push_back(wi);
       ++pending;
       if (deterministic) {
-        bump_at[size_t((t + V + H) % int64_t(ring))].push_back(sm);
+        bump_at[size_t((t + steps + H) % int64_t(ring))].push_back(sm);
         ++pending;
       } else {
         ++sem[size_t(sm)];
       }
+      last_add = std::max(last_add, t + steps - 1);
     }
     ready.clear();
-    last_add = t + V - 1;
   }
   res.critical_path = last_add;
   res.items_not_handed_out = num_items - next_ticket;

@@ -188,6 +188,7 @@ void append_walk(const IndexRows& q, const IndexRows& fq, int64_t n, DqModelProb
     const int32_t m = take_partial ? q.at(n, i) : fq.at(n, j);
     pb.walk_q_block.push_back(m);
     pb.walk_turn.push_back(turn_of(take_partial, take_partial ? i : j, m));
+    pb.walk_partial.push_back(take_partial ? 1 : 0);
     if (take_partial) ++i;
     else ++j;
   }

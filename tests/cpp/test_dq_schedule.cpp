@@ -648,6 +648,30 @@ TEST(DqModel, VisitAndHandOffStepsByHand) {
   }
 }
 
+TEST(DqModel, PartialVisitStepsByHand) {
+  // The same two columns with a partial block's visit 3 steps longer (the diagonal blocks are
+  // partial, column 0's q block 1 full): adds of 2 steps, 5 for a partial one, hand-off 1.
+  for (const auto& sch : {kLTR, kLTRasc}) {
+    const st::BlockMaskTensors t = spec_mask(st::MaskKind::kCausal, 256, &sch);
+    const st::DqModelProblem pb = st::dq_model_problem(t.mask, 1, 1, 1, 1);
+    ASSERT_EQ(pb.walk_partial, (std::vector<uint8_t>{1, 0, 1}));  // column 0: q blocks 0, 1; column 1: 1
+    const st::DqColumnHandout h = st::dq_handout(sch, 1, 1, 2, 1);
+    const auto det = st::simulate_dq_backward(pb, h, 2, true, 2, 1, 3);
+    ASSERT_TRUE(det.ok) << det.str();
+    // Descending: column 0 adds to q block 1 in steps 1-2 (visible at 4), to q block 0 in 3-7;
+    // column 1's (partial) add to q block 1 runs 4-8. Ascending: column 0's partial add to q
+    // block 0 runs 1-5, to q block 1 6-7 (visible at 9), column 1's 9-13.
+    EXPECT_EQ(det.critical_path, pb.walk.descending ? 8 : 13) << sch.str();
+    EXPECT_EQ(det.total_work, 3);
+    // Without turns: column 0's adds take 7 steps either way, column 1's 5.
+    EXPECT_EQ(st::simulate_dq_backward(pb, h, 2, false, 2, 1, 3).critical_path, 7);
+    // Without partial flags the extra steps do not apply.
+    st::DqModelProblem unflagged = pb;
+    unflagged.walk_partial.clear();
+    EXPECT_EQ(st::simulate_dq_backward(unflagged, h, 2, true, 2, 1, 3).critical_path, pb.walk.descending ? 5 : 7);
+  }
+}
+
 TEST(DqModelNote, LongerVisitsScaleTheCriticalPathWithoutHandOffs) {
   // With no hand-off latency, adds of k steps are the unit model slowed down k times: the same
   // schedule, every critical path times k (deterministic or not).
