@@ -40,7 +40,6 @@ namespace {
 using backend::AttentionProblem;
 using cuda::attn::BwdArgs;
 using cuda::attn::bwd_preprocess_kernel;
-using cuda::attn::BwdPreprocessTiling;
 using cuda::attn::FwdArgs;
 using cuda::attn::kBwdTileKv;
 using cuda::attn::kBwdTileQ;
@@ -396,11 +395,10 @@ class AttentionCuda final : public backend::AttentionBackend {
       using E = decltype(element);
       auto launch = [&](auto tiling) {
         using Tiling = decltype(tiling);
-        const int heads_log2 = Tiling::heads_log2_for(int(p.heads_q));
-        const dim3 grid(unsigned(rows / Tiling::tile_rows(heads_log2)),
-                        unsigned((p.heads_q + (1 << heads_log2) - 1) >> heads_log2),
-                        unsigned(std::min<int64_t>(p.batch, 65535)));
-        bwd_preprocess_kernel<E, Tiling><<<grid, Tiling::kThreads, 0, s>>>(
+        const int heads_log2 = Tiling::heads_log2_for(p.heads_q);
+        int64_t g[3];
+        Tiling::grid(rows, p.heads_q, p.batch, heads_log2, g);
+        bwd_preprocess_kernel<E, Tiling><<<dim3(unsigned(g[0]), unsigned(g[1]), unsigned(g[2])), Tiling::kThreads, 0, s>>>(
             static_cast<const E*>(bp.o.data()), bp.o.stride(0), bp.o.stride(1), bp.o.stride(2),
             static_cast<const E*>(bp.dout.data()), bp.dout.stride(0), bp.dout.stride(1), bp.dout.stride(2),
             static_cast<const float*>(bp.lse.data()), bp.lse.stride(0), bp.lse.stride(1), bp.lse.stride(2),

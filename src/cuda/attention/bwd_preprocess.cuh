@@ -7,34 +7,20 @@
 #include <cmath>
 #include <cstdint>
 
+#include "common/bwd_preprocess_tiling.h"
 #include "cuda/attention/attention_bwd_params.h"  // kBwdTileQ
 #include "cuda/element.cuh"                        // load_f32
 #include "cuda/pdl.cuh"
 
 namespace sparsetrain::cuda::attn {
 
-// How bwd_preprocess_kernel splits the rows. kLanes threads a row: with 16-byte loads (kVector:
-// rows 16-byte aligned, head_dim a multiple of 8 and at most 128) one load of o and one of dout a
-// lane, 16 lanes a row, 8 where head_dim <= 64; else 32 lanes with one element a load. A lane group
-// takes kRows consecutive q rows of one head at once (all their loads before any reduction), and a
-// block's groups take 2^heads_log2 heads side by side (group g: head g % heads, rows (g / heads) *
-// kRows ...): a tile of heads x tile_rows(heads) q rows, block (q tile, head tile, batch).
-template <int kLanes_, bool kVector_>
-struct BwdPreprocessTiling {
-  static constexpr int kLanes = kLanes_;
-  static constexpr bool kVector = kVector_;
-  static constexpr int kThreads = 256;
-  static constexpr int kRows = kVector ? 2 : 1;
-  static constexpr int kGroups = kThreads / kLanes;
-  static constexpr int kMaxHeadsLog2 = 3;
-  static_assert(kBwdTileQ % (kGroups * kRows) == 0, "a head's padded rows split into whole tiles, at any heads");
-  static constexpr int tile_rows(int heads_log2) { return (kGroups >> heads_log2) * kRows; }
-  static int heads_log2_for(int heads_q) {  // the most heads a tile, up to 8, that heads_q has
-    int l = 0;
-    while (l < kMaxHeadsLog2 && (2 << l) <= heads_q) ++l;
-    return l;
-  }
-};
+// How the rows split (common/bwd_preprocess_tiling.h); every head's padded rows (whole 64-row
+// q tiles) into whole tiles.
+using ::sparsetrain::BwdPreprocessTiling;
+static_assert(BwdPreprocessTiling<8, true>::tiles_divide(kBwdTileQ) &&
+                  BwdPreprocessTiling<16, true>::tiles_divide(kBwdTileQ) &&
+                  BwdPreprocessTiling<32, false>::tiles_divide(kBwdTileQ),
+              "a head's padded rows split into whole tiles, at any heads");
 
 // Per padded row (b, h, q): delta = rowsum(dout * o), lse * log2(e) (+inf where the row has no
 // allowed key or lies past Sq: P = 0 there), and the row of the dQ accumulator zeroed unless
@@ -56,8 +42,8 @@ __global__ void __launch_bounds__(Tiling::kThreads, 5)
                           int64_t zeroed_words) {
   constexpr int kLanes = Tiling::kLanes, kRows = Tiling::kRows;
   constexpr int kPer = Tiling::kVector ? 16 / int(sizeof(E)) : 1;  // elements a lane loads at once
-  const int lane = threadIdx.x % kLanes, group = threadIdx.x / kLanes;
-  const int32_t h = int32_t(blockIdx.y << heads_log2) + (group & ((1 << heads_log2) - 1));
+  const int lane = threadIdx.x % kLanes;
+  const auto [h, q0] = Tiling::rows_of(blockIdx.x, blockIdx.y, int(threadIdx.x) / kLanes, heads_log2);
   pdl_launch_dependents();  // the backward kernel may set up while the last blocks run (cuda/pdl.cuh)
   {  // the semaphores and counters: each word by one thread of the grid
     const int64_t threads = int64_t(gridDim.x) * gridDim.y * gridDim.z * blockDim.x;
@@ -66,7 +52,6 @@ __global__ void __launch_bounds__(Tiling::kThreads, 5)
   }
   // The batch along z, in steps of the grid's z (at most 65535).
   for (int32_t b = int32_t(blockIdx.z); b < batch; b += int32_t(gridDim.z)) {
-    const int32_t q0 = int32_t(blockIdx.x) * Tiling::tile_rows(heads_log2) + (group >> heads_log2) * kRows;
     // A head past the last only idles (every lane still takes part in the shuffles).
     const bool head_ok = h < heads_q;
     const E* orow = o + b * o_sb + q0 * o_ss + h * o_sh;
