@@ -1217,7 +1217,7 @@ def _check_attention_inputs(q: Any, k: Any, v: Any, mask: BlockMask, mask_device
     ks = k.shape
     if ks[0] != B or ks[3] != D:
         raise ValueError(f"k: expected shape [{B} (q's B), Hkv, Skv, {D} (q's D)], got {list(ks)}")
-    if Hq % ks[1] != 0:
+    if ks[1] < 1 or Hq % ks[1] != 0:
         raise ValueError(f"k: expected a head count Hkv that divides q's Hq = {Hq} (GQA / MQA), got {ks[1]}")
     if v.shape != ks:
         raise ValueError(f"v: expected shape {list(ks)} (k's shape), got {list(v.shape)}")

@@ -490,6 +490,8 @@ BAD = {
     "k_head_dim": (lambda q, k, v, m: (q, k[..., :8], v, m), r"k: expected shape \[1 \(q's B\), Hkv, Skv, 16"),
     "k_heads_not_dividing": (lambda q, k, v, m: (q, torch.cat([k] * 3, 1), torch.cat([v] * 3, 1), m),
                              "k: expected a head count Hkv that divides q's Hq = 2"),
+    "k_no_heads": (lambda q, k, v, m: (q, k[:, :0], v[:, :0], m),
+                   "k: expected a head count Hkv that divides q's Hq = 2 .GQA / MQA., got 0"),
     "v_shape": (lambda q, k, v, m: (q, k, v[:, :, :30], m), r"v: expected shape \[1, 1, 40, 16\] \(k's shape\)"),
     "q_dtype_float64": (lambda q, k, v, m: (q.double(), k.double(), v.double(), m),
                         "q: expected dtype float32, bfloat16 or float16, got torch.float64"),
