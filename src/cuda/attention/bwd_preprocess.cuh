@@ -27,12 +27,9 @@ static_assert(BwdPreprocessTiling<8, true>::tiles_divide(kBwdTileQ) &&
 // dq_accum is null (the deterministic mode: zeroing was half of this kernel's traffic). Tiles of
 // heads x q rows (BwdPreprocessTiling) read o as the forward wrote it ([B, S, H, D]: the heads of
 // a q row side by side) and dout (from torch, usually [B, H, S, D]: the rows of a head) in runs
-// of several rows; no division: the block's indices are the tile's. The form before it, a row per
-// 16 lanes and 64-bit index arithmetic per row, issued an instruction on 60 % of the cycles
-// (bound by the issue, not the memory: 1.9 TB/s at D = 128, 1.05 at D = 64 with half its lanes
-// idle) and took 69 us for 64 MiB each of o and dout on an H100, 8 % of a short-row backward.
-// Five blocks an SM (at most 48 registers; no spills on any built architecture): 80 KiB of loads
-// in flight an SM.
+// of several rows, at ~75 % of an H100's memory bandwidth (the per-row form before it was bound by
+// its index arithmetic: docs/PERF.md, fourteenth session). Five blocks an SM (at most 48
+// registers; no spills on any built architecture): 80 KiB of loads in flight an SM.
 template <class E, class Tiling>
 __global__ void __launch_bounds__(Tiling::kThreads, 5)
     bwd_preprocess_kernel(const E* o, int64_t o_sb, int64_t o_ss, int64_t o_sh, const E* dout, int64_t do_sb,
