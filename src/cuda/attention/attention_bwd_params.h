@@ -31,6 +31,10 @@ struct BwdArgs {
   // Scratch, rows padded to num_q_tiles * kBwdTileQ per (b, h): written by the preprocessing.
   const float* lse_log2;  // lse * log2(e); +inf for a row with no allowed key or past Sq (P = 0)
   const float* delta;     // rowsum(dout * o)
+  // Document masks: each padded q row's document id ([B, num_q_tiles * 64]; 0 past Sq), loaded with
+  // a visit's lse and delta, so that a partial tile's mask reads its queries' ids from shared
+  // memory; null for other masks.
+  const int32_t* doc_q_rows;
   float* dq_accum;        // [B, Hq, num_q_tiles, 64 * D] fp32 (tiles in fragment order), zeroed first
   int32_t* semaphores;    // [B * Hq * num_q_tiles], zeroed before every backward
   // [4]: set when a dQ wait timed out (a corrupt write order; no more waits), then the q tile's

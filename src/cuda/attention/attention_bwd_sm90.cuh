@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     }
   }
   typename T::Pipeline::Params pp;
-  pp.transaction_bytes = 2 * T::kQBytes + 2 * T::kRowBytes;
+  pp.transaction_bytes = 2 * T::kQBytes + (p.args.doc_q_rows != nullptr ? 3 : 2) * T::kRowBytes;
   pp.role = warpgroup == 0 ? T::Pipeline::ThreadCategory::Producer : T::Pipeline::ThreadCategory::Consumer;
   pp.is_leader = threadIdx.x == 0;
   pp.num_consumers = T::kMmaThreads;

@@ -100,6 +100,7 @@ struct BwdScratch {
   float* dq_accum;
   float* lse_log2;
   float* delta;
+  int32_t* doc_q_rows;  // [B, rows]: document masks' q ids, padded (BwdArgs::doc_q_rows)
   int32_t* semaphores;  // then the ticket counter and the abandoned report: zeroed together by the preprocessing
   int32_t* counters;
   int32_t* permutation;
@@ -118,6 +119,7 @@ struct BwdScratch {
     dq_accum = reinterpret_cast<float*>(take(size_t(bh * rows * p.head_dim) * sizeof(float)));
     lse_log2 = reinterpret_cast<float*>(take(size_t(bh * rows) * sizeof(float)));
     delta = reinterpret_cast<float*>(take(size_t(bh * rows) * sizeof(float)));
+    doc_q_rows = reinterpret_cast<int32_t*>(take(size_t(p.batch * rows) * sizeof(int32_t)));
     const size_t sem_bytes = size_t(bh * tiles) * sizeof(int32_t);
     zeroed_bytes = sem_bytes + 5 * sizeof(int32_t);  // + the ticket and abandoned[4]
     semaphores = reinterpret_cast<int32_t*>(take(zeroed_bytes));
@@ -388,6 +390,10 @@ class AttentionCuda final : public backend::AttentionBackend {
              t.stride(2) % 8 == 0;
     };
     const bool vector = p.head_dim % 8 == 0 && p.head_dim <= 128 && rows_aligned(bp.o) && rows_aligned(bp.dout);
+    // Document masks: the preprocessing also copies each q row's document id into a padded row
+    // array, which the kernel loads with lse and delta.
+    const cuda::attn::KernelMaskSpec spec = mask_spec_args(m);
+    const bool docs = spec.kind == MaskKind::kDocument || spec.kind == MaskKind::kDocumentCausal;
     // The preprocessing: a block per tile of heads x q rows (BwdPreprocessTiling). It also zeroes
     // the semaphores, the ticket counter and the abandoned flag, so that they start at zero in
     // every run (and in every replay of a captured graph).
@@ -403,7 +409,8 @@ class AttentionCuda final : public backend::AttentionBackend {
             static_cast<const E*>(bp.dout.data()), bp.dout.stride(0), bp.dout.stride(1), bp.dout.stride(2),
             static_cast<const float*>(bp.lse.data()), bp.lse.stride(0), bp.lse.stride(1), bp.lse.stride(2),
             int32_t(p.batch), int32_t(p.heads_q), int32_t(p.seq_q), rows, int32_t(p.head_dim), heads_log2, ws.lse_log2, ws.delta,
-            bp.deterministic ? nullptr : ws.dq_accum, ws.semaphores, int64_t(ws.zeroed_bytes / sizeof(int32_t)));
+            bp.deterministic ? nullptr : ws.dq_accum, ws.semaphores, int64_t(ws.zeroed_bytes / sizeof(int32_t)),
+            docs ? spec.doc_q : nullptr, docs ? spec.doc_q_stride_b : 0, docs ? ws.doc_q_rows : nullptr);
       };
       if (!vector) launch(BwdPreprocessTiling<32, false>{});
       else if (p.head_dim <= 64) launch(BwdPreprocessTiling<8, true>{});
@@ -420,6 +427,7 @@ class AttentionCuda final : public backend::AttentionBackend {
     a.do_stride_b = bp.dout.stride(0), a.do_stride_s = bp.dout.stride(1), a.do_stride_h = bp.dout.stride(2);
     a.dk = bp.dk.data(), a.dv = bp.dv.data();
     a.lse_log2 = ws.lse_log2, a.delta = ws.delta, a.dq_accum = ws.dq_accum;
+    a.doc_q_rows = docs ? ws.doc_q_rows : nullptr;
     a.semaphores = ws.semaphores, a.sched.ticket = ws.counters, a.abandoned = ws.counters + 1;
     a.batch = int32_t(p.batch), a.seq_q = int32_t(p.seq_q), a.seq_kv = int32_t(p.seq_kv);
     a.heads_q = int32_t(p.heads_q), a.heads_kv = int32_t(p.heads_kv);
@@ -439,7 +447,7 @@ class AttentionCuda final : public backend::AttentionBackend {
     a.lists.q_tiles_per_block = int32_t(m.block_q / kBwdTileQ);
     a.lists.num_q_tiles = q_tiles;
     a.lists.walk = mask_walk_shape(m, m.schedule.walk);  // in both modes: dK / dV bits follow it
-    a.spec = mask_spec_args(m);
+    a.spec = spec;
     a.block_q = int32_t(m.block_q), a.block_kv = int32_t(m.block_kv);
     DqColumnHandout& handout = a.sched.handout;
     handout.batch = p.batch;

@@ -19,7 +19,7 @@ using namespace cute;
 
 template <class TS, class TC>
 __device__ __forceinline__ void mask_tile_t(TS& s, TC const& coord, int q0, int kv0, const BwdArgs& a, int b, int h,
-                                            int column, const BwdVisit& visit) {
+                                            int column, const BwdVisit& visit, const int32_t* doc_q_tile) {
   const KernelMaskSpec& m = a.spec;
   TileMaskCoords t{q0, kv0, a.seq_q, a.seq_kv};
   if (m.kind == MaskKind::kBitmask) {
@@ -29,13 +29,13 @@ __device__ __forceinline__ void mask_tile_t(TS& s, TC const& coord, int q0, int 
     t.block_col = kv0 - column * a.block_kv;
     t.bits_ok = visit.bit_entry >= 0 && visit.bit_entry < m.bits_width;  // else a corrupt mask
   }
-  // Document ids: the thread's keys (rows) in registers, queries read through L1. Their offsets
-  // in int32 (the backend checks the id tensors fit): a 64-bit row pointer, hoisted out of the
-  // visit loop, was the D = 128 consumers' one spill.
+  // Document ids: the thread's keys (rows) in registers, queries from the visit's row of ids in
+  // shared memory (doc_q_tile: loaded with lse and delta; read through L1 after the S GEMM, they
+  // lengthened every partial visit). Offsets in int32 (the backend checks the id tensors fit): a
+  // 64-bit row pointer, hoisted out of the visit loop, was the D = 128 consumers' one spill.
   constexpr int kKeys = decltype(size<0>(s))::value;
   int32_t dkv[kKeys];
   const bool docs = m.kind == MaskKind::kDocument || m.kind == MaskKind::kDocumentCausal;
-  const int32_t doc_q0 = b * int32_t(m.doc_q_stride_b);
   if (docs) {
     const int32_t doc_kv0 = b * int32_t(m.doc_kv_stride_b);
     CUTLASS_PRAGMA_UNROLL
@@ -45,7 +45,7 @@ __device__ __forceinline__ void mask_tile_t(TS& s, TC const& coord, int q0, int 
     }
   }
   mask_partial_tile<false>(
-      s, coord, m, t, [&](int, int q) { return __ldg(m.doc_q + (doc_q0 + q)); }, [&](int i, int) { return dkv[i]; });
+      s, coord, m, t, [&](int, int q) { return doc_q_tile[q - q0]; }, [&](int i, int) { return dkv[i]; });
 }
 
 template <class T>
@@ -106,6 +106,9 @@ __device__ void bwd_load(const typename T::Params& p, typename T::SharedStorage&
       const int64_t row0 = bwd_q_tile_index(b, h, a.heads_q, a.lists.num_q_tiles, visit.q_tile) * T::kBlockM;
       SM90_BULK_COPY_G2S::copy(a.lse_log2 + row0, bar, ss.lse[st], int32_t(T::kRowBytes));
       SM90_BULK_COPY_G2S::copy(a.delta + row0, bar, ss.delta[st], int32_t(T::kRowBytes));
+      if (a.doc_q_rows != nullptr)
+        SM90_BULK_COPY_G2S::copy(a.doc_q_rows + (int64_t(b) * a.lists.num_q_tiles + visit.q_tile) * T::kBlockM, bar,
+                                 ss.doc_q[st], int32_t(T::kRowBytes));
       ++write;
     }
   }
@@ -208,7 +211,7 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
       warpgroup_wait<1>();
       warpgroup_fence_operand(tSrS);
       if (visit.partial) {
-        mask_tile_t(S, S_coord, q0, kv0, a, b, h, column, visit);
+        mask_tile_t(S, S_coord, q0, kv0, a, b, h, column, visit, ss.doc_q[st]);
       } else if (crosses_end) {
         mask_seq_kv<false>(S, S_coord, kv0, a.seq_kv);
       }

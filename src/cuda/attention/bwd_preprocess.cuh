@@ -1,7 +1,9 @@
 // The backward's preprocessing, before the kernel (attention_bwd_sm90.cuh): per padded q row,
 // delta = rowsum(dO * o), lse in log2 units, and (for the atomic adds of the non-deterministic
 // mode; the deterministic one's first writer stores) the row of the fp32 dQ accumulator zeroed;
-// also the kernel's semaphores and counters zeroed (no memset launch of their own).
+// for document masks each padded q row's document id, once per batch (the kernel's loader stages a
+// visit's ids with its lse and delta); also the kernel's semaphores and counters zeroed (no memset
+// launch of their own).
 #pragma once
 
 #include <cmath>
@@ -36,7 +38,7 @@ __global__ void __launch_bounds__(Tiling::kThreads, 5)
                           int64_t do_ss, int64_t do_sh, const float* lse, int64_t l_sb, int64_t l_sh, int64_t l_ss,
                           int32_t batch, int32_t heads_q, int32_t seq_q, int32_t rows, int32_t head_dim,
                           int32_t heads_log2, float* lse_log2, float* delta, float* dq_accum, int32_t* zeroed,
-                          int64_t zeroed_words) {
+                          int64_t zeroed_words, const int32_t* doc_q, int64_t doc_q_stride_b, int32_t* doc_q_rows) {
   constexpr int kLanes = Tiling::kLanes, kRows = Tiling::kRows;
   constexpr int kPer = Tiling::kVector ? 16 / int(sizeof(E)) : 1;  // elements a lane loads at once
   const int lane = threadIdx.x % kLanes;
@@ -100,6 +102,8 @@ __global__ void __launch_bounds__(Tiling::kThreads, 5)
     if (writes) {
       delta[r0 + lane] = mine;
       lse_log2[r0 + lane] = l == -INFINITY ? INFINITY : l * float(M_LOG2E);
+      if (doc_q_rows != nullptr && h == 0)  // once per (b, q): head 0's groups
+        doc_q_rows[int64_t(b) * rows + q] = q < seq_q ? doc_q[b * doc_q_stride_b + q] : 0;
     }
   }
 }

@@ -110,6 +110,7 @@ struct BwdTraits {
     array_aligned<float, kDqBuffers * kBlockM * kHeadDim, 128> dq;
     alignas(16) float lse[kStages][kBlockM];
     alignas(16) float delta[kStages][kBlockM];
+    alignas(16) int32_t doc_q[kStages][kBlockM];  // document masks' query ids (BwdArgs::doc_q_rows)
     typename Pipeline::SharedStorage pipe;
     uint64_t kv_full, kv_empty;  // the item's K and V landed / its dK and dV stores have read them
     uint64_t dq_full[kDqBuffers], dq_empty[kDqBuffers];  // a dQ partial written / read by its writer
