@@ -39,7 +39,11 @@ __global__ void __launch_bounds__(T::kMmaThreads) bwd_convert_dq_kernel(const Bw
   static_assert(decltype(size(coord))::value % 4 == 0, "fragment values go in fours");
   const int tiles = a.lists.num_q_tiles;
   Element* dq = static_cast<Element*>(dq_out);
-  for (int64_t tile_index = blockIdx.x; tile_index < int64_t(a.batch) * a.heads_q * tiles; tile_index += gridDim.x) {
+  const int64_t total = int64_t(a.batch) * a.heads_q * tiles;
+  // Last tiles first: the hand-out's last L2 sections are the highest (batch, head) groups, whose
+  // accumulator tiles were written last and may still be in L2 (-3 % of this kernel's time, PERF).
+  for (int64_t n = blockIdx.x; n < total; n += gridDim.x) {
+    const int64_t tile_index = total - 1 - n;
     const int q_tile = int(tile_index % tiles);
     const int64_t bh = tile_index / tiles;
     const int64_t b = bh / a.heads_q, h = bh % a.heads_q;
