@@ -63,17 +63,26 @@ Modelled model_of(const Case& c, const st::MaskSpec& spec, int64_t seq, const st
           st::dq_handout(sch, c.batch, c.kv_heads, t.mask.num_kv_blocks(), 1)};
 }
 
-// The same documents each padded to a multiple of 128 tokens: on that sequence the 128-aligned
-// tiles are the document-start tiles of the original (issue 15 item 4), so the model prices them.
-std::vector<int32_t> padded_to_tiles(const std::vector<int32_t>& ids) {
+// The same documents padded so that every document of at least `min_length` tokens starts and
+// ends on a 128-token boundary (min_length 1: every document, the document-start tiles of issue 15
+// item 4; larger: runs of shorter documents stay packed, which bounds the padded length by S alone,
+// docs/PERF.md, fifteenth session). Padding repeats the id before it (as the GPU measurement's
+// padded documents did: it costs work like real tokens).
+std::vector<int32_t> padded_to_tiles(const std::vector<int32_t>& ids, size_t min_length = 1) {
   std::vector<int32_t> out;
+  auto pad = [&out] {
+    if (!out.empty()) out.resize((out.size() + 127) / 128 * 128, out.back());
+  };
   for (size_t s = 0; s < ids.size();) {
     size_t e = s;
     while (e < ids.size() && ids[e] == ids[s]) ++e;
-    const size_t tiles = (e - s + 127) / 128;
-    out.insert(out.end(), tiles * 128, ids[s]);
+    const bool long_doc = e - s >= min_length;
+    if (long_doc) pad();
+    out.insert(out.end(), ids.begin() + std::ptrdiff_t(s), ids.begin() + std::ptrdiff_t(e));
+    if (long_doc) pad();
     s = e;
   }
+  pad();
   return out;
 }
 }  // namespace
@@ -143,6 +152,28 @@ int main() {
         std::printf("%-26s partial visits +%lld steps: today det / nondet %.0f / %.0f = %.3f, document-start tiles "
                     "%.0f / %.0f = %.3f (det %.3f of today's)\n",
                     c.name, static_cast<long long>(p), da, na, da / na, dd, nd, dd / nd, dd / da);
+      }
+      // Only documents of at least L tokens padded (runs of shorter ones packed): how much of the
+      // gain stays (partial visits +1 step, as calibrated on the GPU before the ids moved to shared
+      // memory, and +0).
+      for (const size_t min_length : {size_t(256), size_t(512), size_t(1024), size_t(2048)}) {
+        std::vector<int32_t> some = padded_to_tiles(ids, min_length);
+        st::MaskSpec some_spec = spec;
+        some_spec.doc_q = some_spec.doc_kv = st::TensorView(some.data(), st::DType::kInt32, {1, int64_t(some.size())});
+        const Modelled part = model_of(c, some_spec, int64_t(some.size()), {});
+        std::printf("%-26s documents >= %4zu padded: length %.3f of S (all padded %.3f);", c.name, min_length,
+                    double(some.size()) / double(c.seq), double(padded_seq) / double(c.seq));
+        for (const int64_t p : {0, 1}) {
+          const double na = critical_path(today.problem, today.handout, false, 0, p);
+          const double da = critical_path(today.problem, today.handout, true, 2, p);
+          const double nd = critical_path(part.problem, part.handout, false, 0, p);
+          const double dd = critical_path(part.problem, part.handout, true, 2, p);
+          const double nf = critical_path(tiles.problem, tiles.handout, false, 0, p);
+          const double df = critical_path(tiles.problem, tiles.handout, true, 2, p);
+          std::printf("  +%lld: nondet %.3f det %.3f of today's (all padded %.3f / %.3f)", static_cast<long long>(p),
+                      nd / na, dd / da, nf / na, df / da);
+        }
+        std::printf("\n");
       }
     }
   }
