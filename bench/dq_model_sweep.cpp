@@ -85,6 +85,24 @@ std::vector<int32_t> padded_to_tiles(const std::vector<int32_t>& ids, size_t min
   pad();
   return out;
 }
+// The critical paths of a modelled problem: nondet, det at a hand-off of 2 steps, with partial
+// blocks' visits `partial` steps longer.
+struct Paths {
+  double nondet, det;
+};
+Paths paths(const Modelled& m, int64_t partial) {
+  return {critical_path(m.problem, m.handout, false, 0, partial), critical_path(m.problem, m.handout, true, 2, partial)};
+}
+
+// `spec` over `ids` padded (padded_to_tiles), left to right descending; the padded ids are kept in
+// `storage` (the spec views them).
+Modelled padded_model(const Case& c, const st::MaskSpec& spec, const std::vector<int32_t>& ids, size_t min_length,
+                      std::vector<int32_t>& storage) {
+  storage = padded_to_tiles(ids, min_length);
+  st::MaskSpec padded = spec;
+  padded.doc_q = padded.doc_kv = st::TensorView(storage.data(), st::DType::kInt32, {1, int64_t(storage.size())});
+  return model_of(c, padded, int64_t(storage.size()), {});
+}
 }  // namespace
 
 int main() {
@@ -129,49 +147,35 @@ int main() {
     }
     if (!ids.empty()) {
       // Document-start tiles against today's tiles, both left to right descending: the model's
-      // unit visits (a partial tile's mask costs nothing here, so this is the visit / item count
-      // alone). Steps of today's: nondet, det at a hand-off of 2; then the tiles' over today's.
-      std::vector<int32_t> padded = padded_to_tiles(ids);
-      const int64_t padded_seq = int64_t(padded.size());
-      st::MaskSpec padded_spec = spec;
-      padded_spec.doc_q = padded_spec.doc_kv = st::TensorView(padded.data(), st::DType::kInt32, {1, padded_seq});
-      const Modelled today = model_of(c, spec, c.seq, {}), tiles = model_of(c, padded_spec, padded_seq, {});
-      const double det_a = critical_path(today.problem, today.handout, true, 2);
-      const double nondet_a = critical_path(today.problem, today.handout, false, 0);
-      const double det_d = critical_path(tiles.problem, tiles.handout, true, 2);
-      const double nondet_d = critical_path(tiles.problem, tiles.handout, false, 0);
+      // unit visits (a partial tile's mask costs nothing at +0, so this is the visit / item count
+      // alone); nondet, and det at a hand-off of 2.
+      const Modelled today = model_of(c, spec, c.seq, {});
+      std::vector<int32_t> all_ids;
+      const Modelled tiles = padded_model(c, spec, ids, 1, all_ids);
+      const Paths a0 = paths(today, 0), d0 = paths(tiles, 0);
       std::printf("%-26s document-start tiles / today's: nondet %.0f / %.0f = %.3f, det (hand-off 2) %.0f / %.0f = %.3f\n",
-                  c.name, nondet_d, nondet_a, nondet_d / nondet_a, det_d, det_a, det_d / det_a);
+                  c.name, d0.nondet, a0.nondet, d0.nondet / a0.nondet, d0.det, a0.det, d0.det / a0.det);
       // With a partial block's visit P steps longer (its in-tile mask; 4 steps a visit): det / nondet
       // of today's tiles and of the document-start tiles.
       for (const int64_t p : {1, 2, 4}) {
-        const double na = critical_path(today.problem, today.handout, false, 0, p);
-        const double da = critical_path(today.problem, today.handout, true, 2, p);
-        const double nd = critical_path(tiles.problem, tiles.handout, false, 0, p);
-        const double dd = critical_path(tiles.problem, tiles.handout, true, 2, p);
+        const Paths a = paths(today, p), d = paths(tiles, p);
         std::printf("%-26s partial visits +%lld steps: today det / nondet %.0f / %.0f = %.3f, document-start tiles "
                     "%.0f / %.0f = %.3f (det %.3f of today's)\n",
-                    c.name, static_cast<long long>(p), da, na, da / na, dd, nd, dd / nd, dd / da);
+                    c.name, static_cast<long long>(p), a.det, a.nondet, a.det / a.nondet, d.det, d.nondet,
+                    d.det / d.nondet, d.det / a.det);
       }
       // Only documents of at least L tokens padded (runs of shorter ones packed): how much of the
       // gain stays (partial visits +1 step, as calibrated on the GPU before the ids moved to shared
       // memory, and +0).
       for (const size_t min_length : {size_t(256), size_t(512), size_t(1024), size_t(2048)}) {
-        std::vector<int32_t> some = padded_to_tiles(ids, min_length);
-        st::MaskSpec some_spec = spec;
-        some_spec.doc_q = some_spec.doc_kv = st::TensorView(some.data(), st::DType::kInt32, {1, int64_t(some.size())});
-        const Modelled part = model_of(c, some_spec, int64_t(some.size()), {});
+        std::vector<int32_t> some_ids;
+        const Modelled some = padded_model(c, spec, ids, min_length, some_ids);
         std::printf("%-26s documents >= %4zu padded: length %.3f of S (all padded %.3f);", c.name, min_length,
-                    double(some.size()) / double(c.seq), double(padded_seq) / double(c.seq));
+                    double(some_ids.size()) / double(c.seq), double(all_ids.size()) / double(c.seq));
         for (const int64_t p : {0, 1}) {
-          const double na = critical_path(today.problem, today.handout, false, 0, p);
-          const double da = critical_path(today.problem, today.handout, true, 2, p);
-          const double nd = critical_path(part.problem, part.handout, false, 0, p);
-          const double dd = critical_path(part.problem, part.handout, true, 2, p);
-          const double nf = critical_path(tiles.problem, tiles.handout, false, 0, p);
-          const double df = critical_path(tiles.problem, tiles.handout, true, 2, p);
+          const Paths a = paths(today, p), d = paths(some, p), f = paths(tiles, p);
           std::printf("  +%lld: nondet %.3f det %.3f of today's (all padded %.3f / %.3f)", static_cast<long long>(p),
-                      nd / na, dd / da, nf / na, df / da);
+                      d.nondet / a.nondet, d.det / a.det, f.nondet / a.nondet, f.det / a.det);
         }
         std::printf("\n");
       }
