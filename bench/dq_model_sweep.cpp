@@ -15,6 +15,7 @@
 #include <random>
 #include <vector>
 
+#include "common/doc_padding.h"
 #include "common/dq_schedule_model.h"
 #include "ops/block_mask_internal.h"
 #include "sparsetrain/block_mask.h"
@@ -63,28 +64,20 @@ Modelled model_of(const Case& c, const st::MaskSpec& spec, int64_t seq, const st
           st::dq_handout(sch, c.batch, c.kv_heads, t.mask.num_kv_blocks(), 1)};
 }
 
-// The same documents padded so that every document of at least `min_length` tokens starts and
-// ends on a 128-token boundary (min_length 1: every document, the document-start tiles of issue 15
-// item 4; larger: runs of shorter documents stay packed, which bounds the padded length by S alone,
-// docs/PERF.md, fifteenth session). Padding repeats the id before it (as the GPU measurement's
-// padded documents did: it costs work like real tokens).
+// The same documents in the padded layout (common/doc_padding.h: documents of at least
+// `min_length` tokens start and end on 128-token boundaries; min_length 1, every document: the
+// document-start tiles of issue 15 item 4). The padding repeats the id before it (as the GPU
+// measurement's padded documents did: it costs work like real tokens).
 std::vector<int32_t> padded_to_tiles(const std::vector<int32_t>& ids, size_t min_length = 1) {
-  std::vector<int32_t> out;
-  auto pad = [&out] {
-    if (!out.empty()) out.resize((out.size() + 127) / 128 * 128, out.back());
-  };
-  for (size_t s = 0; s < ids.size();) {
-    size_t e = s;
-    while (e < ids.size() && ids[e] == ids[s]) ++e;
-    const bool long_doc = e - s >= min_length;
-    if (long_doc) pad();
-    out.insert(out.end(), ids.begin() + std::ptrdiff_t(s), ids.begin() + std::ptrdiff_t(e));
-    if (long_doc) pad();
-    s = e;
-  }
-  pad();
+  int64_t length = 0;
+  const std::vector<int64_t> pos = st::doc_padded_positions(ids.data(), int64_t(ids.size()), int64_t(min_length), &length);
+  std::vector<int32_t> out(static_cast<size_t>(length), -1);
+  for (size_t s = 0; s < ids.size(); ++s) out[static_cast<size_t>(pos[s])] = ids[s];
+  for (size_t p = 1; p < out.size(); ++p)
+    if (out[p] < 0) out[p] = out[p - 1];
   return out;
 }
+
 // The critical paths of a modelled problem: nondet, det at a hand-off of 2 steps, with partial
 // blocks' visits `partial` steps longer.
 struct Paths {

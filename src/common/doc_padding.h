@@ -1,0 +1,46 @@
+// The padded layout of packed documents that issue 15's item 4 plans for the backward (documents
+// as ranges, docs/PERF.md, fifteenth session): every document of at least `min_length` tokens
+// starts and ends on a kDocPadAlign-token boundary, and runs of shorter documents stay packed (a
+// run starts on a boundary too, since whatever precedes it ends on one). On that layout no
+// 128-row tile straddles a long document's edge, which is where the deterministic backward's turn
+// chains pay for partial tiles; and because at most seq / min_length documents are long, the padded
+// length has a bound known from seq alone (doc_padded_length_bound), so a layout built on the device
+// needs no synchronisation. Host code for now (the scheduler model prices the layout with it,
+// bench/dq_model_sweep.cpp); tested on the CPU (tests/cpp/test_doc_padding.cpp).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace sparsetrain {
+
+inline constexpr int64_t kDocPadAlign = 128;
+
+// At most 2 paddings per long document (before and after it, each < kDocPadAlign tokens), plus the
+// last one to a whole tile.
+constexpr int64_t doc_padded_length_bound(int64_t seq, int64_t min_length) {
+  const int64_t raw = seq + (2 * (seq / min_length) + 1) * (kDocPadAlign - 1);
+  return (raw + kDocPadAlign - 1) / kDocPadAlign * kDocPadAlign;
+}
+
+// The padded position of each of the seq tokens of one row of document ids (a document: a maximal
+// run of equal ids), and the padded length (a multiple of kDocPadAlign) in *padded_length.
+inline std::vector<int64_t> doc_padded_positions(const int32_t* ids, int64_t seq, int64_t min_length,
+                                                 int64_t* padded_length) {
+  std::vector<int64_t> pos(static_cast<size_t>(seq));
+  auto align = [](int64_t p) { return (p + kDocPadAlign - 1) / kDocPadAlign * kDocPadAlign; };
+  int64_t next = 0;  // the next free padded position
+  for (int64_t s = 0; s < seq;) {
+    int64_t e = s;
+    while (e < seq && ids[e] == ids[s]) ++e;
+    const bool long_doc = e - s >= min_length;
+    if (long_doc) next = align(next);
+    for (int64_t i = s; i < e; ++i) pos[static_cast<size_t>(i)] = next++;
+    if (long_doc) next = align(next);
+    s = e;
+  }
+  *padded_length = align(next);
+  return pos;
+}
+
+}  // namespace sparsetrain

@@ -1,0 +1,82 @@
+// The padded document layout (common/doc_padding.h): long documents start and end on 128-token
+// boundaries, runs of short ones stay packed, positions keep the order, and the padded length stays
+// under the bound computed from the sequence length alone; one layout worked by hand.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/doc_padding.h"
+
+namespace st = sparsetrain;
+
+namespace {
+
+std::vector<int32_t> documents(int64_t seq, int64_t max_length, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<int32_t> ids;
+  for (int32_t doc = 0; int64_t(ids.size()) < seq; ++doc)
+    ids.insert(ids.end(), size_t(1 + rng() % uint64_t(max_length)), doc);
+  ids.resize(size_t(seq));
+  return ids;
+}
+
+TEST(DocPadding, ByHand) {
+  // 130 and 5 tokens (short at 256: packed from 0), then 300 (long: 256..555), padded to 640.
+  std::vector<int32_t> ids(130, 0);
+  ids.insert(ids.end(), 5, 1);
+  ids.insert(ids.end(), 300, 2);
+  int64_t length = 0;
+  const std::vector<int64_t> pos = st::doc_padded_positions(ids.data(), int64_t(ids.size()), 256, &length);
+  EXPECT_EQ(pos[0], 0);
+  EXPECT_EQ(pos[129], 129);
+  EXPECT_EQ(pos[130], 130);
+  EXPECT_EQ(pos[134], 134);
+  EXPECT_EQ(pos[135], 256);
+  EXPECT_EQ(pos[434], 555);
+  EXPECT_EQ(length, 640);
+  EXPECT_EQ(st::doc_padded_length_bound(435, 256), 896);  // 435 + (2 x 1 + 1) x 127 = 816, to whole tiles
+}
+
+TEST(DocPadding, LongDocumentsOnBoundariesShortOnesPacked) {
+  for (const int64_t seq : {1, 127, 128, 1000, 16384})
+    for (const int64_t max_length : {1, 50, 300, 3000})
+      for (const int64_t min_length : {1, 64, 256, 1024}) {
+        SCOPED_TRACE("seq " + std::to_string(seq) + " lengths 1.." + std::to_string(max_length) + " min " +
+                     std::to_string(min_length));
+        const std::vector<int32_t> ids = documents(seq, max_length, uint64_t(seq * 31 + max_length));
+        int64_t length = 0;
+        const std::vector<int64_t> pos = st::doc_padded_positions(ids.data(), seq, min_length, &length);
+        ASSERT_EQ(int64_t(pos.size()), seq);
+        EXPECT_EQ(length % st::kDocPadAlign, 0);
+        EXPECT_GT(length, pos.back());
+        EXPECT_LE(length, st::doc_padded_length_bound(seq, min_length));
+        int64_t rounded = 0;  // every document padded: the sum of the rounded-up lengths
+        bool prev_long = true;
+        for (int64_t s = 0; s < seq;) {
+          int64_t e = s;
+          while (e < seq && ids[size_t(e)] == ids[size_t(s)]) ++e;
+          for (int64_t i = s + 1; i < e; ++i) ASSERT_EQ(pos[size_t(i)], pos[size_t(i - 1)] + 1) << "inside a document";
+          const bool long_doc = e - s >= min_length;
+          if (long_doc || prev_long) {
+            EXPECT_EQ(pos[size_t(s)] % st::kDocPadAlign, 0) << "a long document, or what follows one, starts a tile: " << s;
+          } else {
+            EXPECT_EQ(pos[size_t(s)], pos[size_t(s - 1)] + 1) << "short documents packed: " << s;
+          }
+          if (s > 0) {
+            EXPECT_GT(pos[size_t(s)], pos[size_t(s - 1)]);
+          }
+          rounded += (e - s + st::kDocPadAlign - 1) / st::kDocPadAlign * st::kDocPadAlign;
+          prev_long = long_doc;
+          s = e;
+        }
+        if (min_length == 1) {
+          EXPECT_EQ(length, rounded);
+        }
+      }
+}
+
+}  // namespace
