@@ -5,8 +5,10 @@
 // 128-row tile straddles a long document's edge, which is where the deterministic backward's turn
 // chains pay for partial tiles; and because at most seq / min_length documents are long, the padded
 // length has a bound known from seq alone (doc_padded_length_bound), so a layout built on the device
-// needs no synchronisation. Host code for now (the scheduler model prices the layout with it,
-// bench/dq_model_sweep.cpp); tested on the CPU (tests/cpp/test_doc_padding.cpp).
+// needs no synchronisation. Host code for now: the scheduler model prices the layout with
+// doc_padded_positions (bench/dq_model_sweep.cpp); doc_padded_ids is the mask the backward will
+// run on once item 4 is wired into the kernel (not yet). Tested on the CPU
+// (tests/cpp/test_doc_padding.cpp).
 #pragma once
 
 #include <algorithm>
