@@ -171,6 +171,23 @@ def _direct(*tensors: Optional[Tensor]) -> bool:
             and all(t is None or (type(t) is Tensor and not t.is_meta) for t in tensors))
 
 
+def _fake_check_devices(layer_id: int, x: Tensor, params: Sequence[Tensor], **named: Optional[Tensor]) -> None:
+    """The device rule, in the grouped ops' fake implementations: every tensor argument but splits
+    (host splits stay on the CPU) on x's device, else a ValueError naming it. torch's dispatcher
+    picks an op's kernel from its arguments' devices, so one meta tensor among real ones (a dy, a
+    bias) runs the fake, which would hand back uninitialised outputs, and the C++ checks that refuse
+    it never see the call. Only fakes pay for it: eager calls reach C++ directly."""
+    for name, t in named.items():
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name}: expected a tensor on {x.device} (x's device), got {t.device}")
+    for i, p in enumerate(params):
+        if p.device != x.device:
+            m = _layer(layer_id)
+            layers = [("fc1.", m.fc1), ("fc2.", m.fc2)] if isinstance(m, GroupedMLP) else [("", m)]
+            names = [pre + n for pre, layer in layers for n in (*layer._weight_names, *layer._bias_names)]
+            raise ValueError(f"{names[i]}: expected a tensor on {x.device} (x's device), got {p.device}")
+
+
 def _without_autograd(inputs: Sequence[Tensor], buffers: Sequence[Optional[Tensor]],
                       params: Sequence[Tensor]) -> bool:
     """Whether an eager module call may skip its autograd.Function (~15 us a call with 4 experts,
@@ -220,6 +237,7 @@ def _forward_op(layer_id: int, x: Tensor, splits: Tensor, params: List[Tensor],
 
 @_forward_op.register_fake
 def _(layer_id, x, splits, params, grad_input=None):
+    _fake_check_devices(layer_id, x, params, grad_input=grad_input)
     return x.new_empty((x.shape[0], params[0].shape[-2]))
 
 
@@ -231,6 +249,7 @@ def _forward_into_op(layer_id: int, x: Tensor, splits: Tensor, params: List[Tens
 
 @_forward_into_op.register_fake
 def _(layer_id, x, splits, params, out, grad_input=None):
+    _fake_check_devices(layer_id, x, params, out=out, grad_input=grad_input)
     return None
 
 
@@ -283,6 +302,7 @@ def _backward_op(layer_id: int, x: Tensor, dy: Tensor, splits: Tensor,
 
 @_backward_op.register_fake
 def _(layer_id, x, dy, splits, params):
+    _fake_check_devices(layer_id, x, params, dy=dy)
     return (x.new_empty(x.shape), *_backward_fake(layer_id, x))
 
 
@@ -294,6 +314,7 @@ def _backward_into_op(layer_id: int, x: Tensor, dy: Tensor, splits: Tensor, para
 
 @_backward_into_op.register_fake
 def _(layer_id, x, dy, splits, params, grad_input):
+    _fake_check_devices(layer_id, x, params, dy=dy, grad_input=grad_input)
     return _backward_fake(layer_id, x)
 
 
@@ -758,6 +779,7 @@ def _mlp_forward_op(layer_id: int, x: Tensor, splits: Tensor, probs: Tensor,
 
 @_mlp_forward_op.register_fake
 def _(layer_id, x, splits, probs, params, grad_input=None):
+    _fake_check_devices(layer_id, x, params, probs=probs, grad_input=grad_input)
     m = _layer(layer_id)
     return x.new_empty((x.shape[0], m.out_features)), x.new_empty((x.shape[0], 2 * m.ffn_hidden_size))
 
@@ -770,6 +792,7 @@ def _mlp_forward_into_op(layer_id: int, x: Tensor, splits: Tensor, probs: Tensor
 
 @_mlp_forward_into_op.register_fake
 def _(layer_id, x, splits, probs, params, out, grad_input=None):
+    _fake_check_devices(layer_id, x, params, probs=probs, out=out, grad_input=grad_input)
     return x.new_empty((x.shape[0], 2 * _layer(layer_id).ffn_hidden_size))
 
 
@@ -796,6 +819,7 @@ def _mlp_backward_op(layer_id: int, x: Tensor, fc1_out: Tensor, probs: Tensor, d
 
 @_mlp_backward_op.register_fake
 def _(layer_id, x, fc1_out, probs, dy, splits, params):
+    _fake_check_devices(layer_id, x, params, fc1_out=fc1_out, probs=probs, dy=dy)
     return (x.new_empty(x.shape), *_mlp_backward_fake(layer_id, x, probs))
 
 
@@ -807,6 +831,7 @@ def _mlp_backward_into_op(layer_id: int, x: Tensor, fc1_out: Tensor, probs: Tens
 
 @_mlp_backward_into_op.register_fake
 def _(layer_id, x, fc1_out, probs, dy, splits, params, grad_input):
+    _fake_check_devices(layer_id, x, params, fc1_out=fc1_out, probs=probs, dy=dy, grad_input=grad_input)
     return _mlp_backward_fake(layer_id, x, probs)
 
 

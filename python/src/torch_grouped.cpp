@@ -158,13 +158,15 @@ class ModuleLayer {
   }
 
   // One layer's weight grad and bias grad as tensors, an empty tensor (`like`'s dtype) for none:
-  // the packed wgrad, or the dummy (packed, or the one [out, in] tensor of per-group weights).
+  // the packed wgrad, or the dummy (packed, or the one [out, in] tensor of per-group weights). Two
+  // nones are two tensors: a custom op's outputs may not alias each other (torch checks it on every
+  // call through the dispatcher: torch.compile, dispatch modes; delayed wgrad returns both none).
   std::tuple<at::Tensor, at::Tensor> layer_grads(const st::WeightGrad& w, const st::Tensor& bias_grad,
                                                  const at::Tensor& like) const {
-    const at::Tensor none = at::empty({0}, like.options());
-    at::Tensor dw = none;
-    if (w.kind != st::WeightGradKind::kNone) dw = alloc_.take(w.packed.defined() ? w.packed : w.per_group[0]);
-    return {dw, bias_grad.defined() ? alloc_.take(bias_grad) : none};
+    at::Tensor dw = w.kind == st::WeightGradKind::kNone
+                        ? at::empty({0}, like.options())
+                        : alloc_.take(w.packed.defined() ? w.packed : w.per_group[0]);
+    return {dw, bias_grad.defined() ? alloc_.take(bias_grad) : at::empty({0}, like.options())};
   }
 
   // The device the layer computes on (its first parameter's), for calls without activations.

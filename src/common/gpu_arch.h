@@ -8,7 +8,9 @@
 //            SPARSETRAIN_CUDA_ARCHS, default 80,89,90a,100,120), as SASS for each and as PTX for
 //            the last, so they run on any GPU from the first entry on;
 //   sm_90a   the CUTLASS/CuTe kernels (wgmma, TMA, register reallocation): arch-specific code
-//            that runs on compute capability 9.0 only (not forward on 10.x or 12.x).
+//            that runs on compute capability 9.0 only (not forward on 10.x or 12.x); the grouped
+//            GEMMs fall back to their SIMT kernels elsewhere (grouped_gemm_kernels), attention
+//            refuses (sm90a_refusal).
 #pragma once
 
 #include <algorithm>
@@ -67,6 +69,15 @@ inline bool runs_build(Capability dev, const std::vector<CudaArch>& archs) {
 }
 
 inline bool runs_sm90a(Capability dev) { return dev.major == 9 && dev.minor == 0; }
+
+// The grouped GEMMs' kernels on a device: the sm_90a CUTLASS kernel where the device runs sm_90a
+// and this build compiled that kernel in (SPARSETRAIN_SM90_KERNELS; OFF, or MINIMAL without the
+// variant or dtype: not), else the SIMT kernels. The CUDA backend takes sm90 only when this says
+// so and the call also suits TMA (in and out multiples of 8, aligned inputs with packed rows).
+enum class GemmKernels { kSimt, kSm90 };
+inline GemmKernels grouped_gemm_kernels(Capability dev, bool sm90_compiled) {
+  return sm90_compiled && runs_sm90a(dev) ? GemmKernels::kSm90 : GemmKernels::kSimt;
+}
 
 // What a refusal says the device should be ("" when the device runs the kernels): the expected
 // part of the Error that names the argument and the device.

@@ -4,7 +4,6 @@
 // id outside [0, device_count()) is refused with an Error naming it (tests/cpp/test_device_cache.cpp).
 #pragma once
 
-#include "common/gpu_arch.h"
 
 namespace sparsetrain::cuda {
 
@@ -18,11 +17,6 @@ struct DeviceInfo {
 // An Error ("device: expected a CUDA device index in [0, n), got d") for any other id.
 DeviceInfo device_info(int device);
 inline int sm_count(int device) { return device_info(device).sm_count; }
-// Whether the device runs the sm_90a kernels (common/gpu_arch.h: compute capability 9.0).
-inline bool is_sm90(int device) {
-  const DeviceInfo d = device_info(device);
-  return arch::runs_sm90a({d.cc_major, d.cc_minor});
-}
 
 // The current device (cudaGetDevice, checked).
 int current_device();

@@ -2,6 +2,7 @@
 // the CUDA backend applies to the real device before anything is launched.
 #include <gtest/gtest.h>
 
+#include <ostream>
 #include <string>
 
 #include "common/gpu_arch.h"
@@ -14,6 +15,10 @@ using arch::Capability;
 namespace {
 constexpr const char* kDefault = "80,89,90a,100,120";  // CMake's default SPARSETRAIN_CUDA_ARCHS
 }
+
+namespace sparsetrain::arch {
+void PrintTo(GemmKernels k, std::ostream* os) { *os << (k == GemmKernels::kSm90 ? "sm90" : "SIMT"); }
+}  // namespace sparsetrain::arch
 
 TEST(GpuArch, ParsesTheListCMakeWrites) {
   const auto a = arch::parse_archs("80;89,90a");
@@ -71,4 +76,18 @@ TEST(GpuArch, AttentionNeedsHopperAndSaysWhichGpuItGot) {
     EXPECT_NE(r.find("compute capability 9.0"), std::string::npos) << r;
     EXPECT_NE(r.find("not compute capability " + arch::str(c)), std::string::npos) << r;
   }
+}
+
+TEST(GpuArch, GroupedGemmsTakeSm90OnHopperWhenBuiltAndSimtElsewhere) {
+  using arch::GemmKernels;
+  // A100 8.0, A10 8.6, Orin 8.7, L40 8.9, B200 10.0, GB300 10.3, RTX 50 12.0, 12.1, a later GPU,
+  // and a made-up 9.1: the SIMT kernels, whether or not the sm90 kernels were compiled in.
+  for (Capability c : {Capability{8, 0}, Capability{8, 6}, Capability{8, 7}, Capability{8, 9}, Capability{9, 1},
+                       Capability{10, 0}, Capability{10, 3}, Capability{12, 0}, Capability{12, 1}, Capability{13, 0}})
+    for (bool built : {false, true})
+      EXPECT_EQ(arch::grouped_gemm_kernels(c, built), GemmKernels::kSimt) << arch::str(c) << " built " << built;
+  // H100 / H200 9.0: sm90 where the build has the kernel, else SIMT (an OFF build, or MINIMAL
+  // without the call's variant or dtype).
+  EXPECT_EQ(arch::grouped_gemm_kernels({9, 0}, true), GemmKernels::kSm90);
+  EXPECT_EQ(arch::grouped_gemm_kernels({9, 0}, false), GemmKernels::kSimt);
 }

@@ -3,10 +3,10 @@ layers' weights and biases) against a float64 pure-torch composition (fc1 per ex
 silu(a) * b * probs, fc2, + probs * b2) under autograd, for fp32 and bf16, halves and interleaved
 GLU blocks, empty experts and a padded tail; both layers under the weight-grad table, main_grad
 accumulate / overwrite, delayed wgrad with backward_dw and hooks, caller buffers, bad input, what
-autograd saves, torch.compile(fullgraph=True). CUDA variants skip visibly without a CUDA device or
-while GroupedMLP has no CUDA backend. The C++ suites check the values against a tight oracle bound;
-here the bounds only need to catch wrong wiring (an O(1) error), so they are scaled to each
-tensor's magnitude."""
+autograd saves, torch.compile(fullgraph=True). CUDA variants (src/cuda/grouped_mlp) skip visibly
+without a CUDA device, or where sparsetrain was built without CUDA (SPARSETRAIN_CUDA=OFF) under a
+torch that has it. The C++ suites check the values against a tight oracle bound; here the bounds
+only need to catch wrong wiring (an O(1) error), so they are scaled to each tensor's magnitude."""
 
 import pytest
 
@@ -322,13 +322,14 @@ def test_compiles_without_graph_breaks():
     assert bool((model.router.weight.grad != 0).any())
 
 
-# --- CUDA: skipped visibly without a device, and while GroupedMLP has no CUDA backend ---------
+# --- CUDA: skipped visibly without a device, or in a sparsetrain build without CUDA ------------
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: CUDA GroupedMLP test skipped")
 
 
 def _skip_without_cuda_backend(call):
-    """call(); a 'no CUDA backend' error from the library skips the test with its message."""
+    """call(); the library's 'no CUDA backend' error (a build without CUDA) skips the test with its
+    message."""
     try:
         return call()
     except ValueError as e:

@@ -299,8 +299,8 @@ def test_cuda_invalid_device_splits_set_the_sticky_status_word(make):
 
 @pytest.mark.parametrize("make", MODULES)
 def test_wrong_dtype_or_device_of_out_and_main_grad(make):
-    """Each refused at forward with the argument named, nothing written; dy needs no case of its
-    own here: autograd casts an incoming gradient to the output's dtype before our backward."""
+    """Each refused at forward with the argument named, nothing written. Bias and dy: the tests
+    below."""
     x, probs, _ = _data(8)
     m = make()
     out = torch.full((T, OUT), float("nan"))
@@ -317,6 +317,93 @@ def test_wrong_dtype_or_device_of_out_and_main_grad(make):
                 w.main_grad = bad(w)
         with pytest.raises(ValueError, match=prefix + message):
             _call(fused, x, probs)
+
+
+def _op_params(m):
+    """The `params` argument of m's ops: each layer's weights then biases (fc1's, then fc2's)."""
+    layers = (m.fc1, m.fc2) if isinstance(m, stt.GroupedMLP) else (m,)
+    return [p.detach() for layer in layers for p in (*layer.weights(), *layer.biases())]
+
+
+@pytest.mark.parametrize("make", MODULES)
+@pytest.mark.parametrize("packed", [False, True], ids=["per_expert", "packed"])
+@pytest.mark.parametrize("bad", ["dtype", "device"])
+@pytest.mark.parametrize("via", ["eager", "ops"])
+def test_wrong_dtype_or_device_of_bias(make, packed, bad, via):
+    """A bias of another dtype or on another device ("meta" stands in for a CUDA device here),
+    refused at forward with the parameter named, expected and got, nothing written: eager calls by
+    the C++ checks, calls through torch's dispatcher (torch.compile, dispatch modes: `ops`) by the
+    same checks for a dtype, and for a device by the fake implementation, which a meta argument
+    selects (the C++ never sees such a call)."""
+    m = make(single_grouped_weight=packed)
+    layer, prefix = (m.fc1, "fc1.") if isinstance(m, stt.GroupedMLP) else (m, "")
+    name = "bias" if packed else "bias2"
+    old = getattr(layer, name)
+    new = old.detach().float() if bad == "dtype" else torch.empty(old.shape, dtype=BF16, device="meta")
+    setattr(layer, name, torch.nn.Parameter(new))
+    if bad == "dtype":
+        message = prefix + ("bias" if packed else r"bias\[2\]") + ": expected dtype bf16, got fp32"
+    elif via == "eager":
+        message = rf"{prefix}bias: expected a tensor on the CPU or a CUDA device, got meta"
+    else:
+        message = rf"{prefix}{name}: expected a tensor on cpu \(x's device\), got meta"
+    x, probs, _ = _data(9)
+    out = torch.full((T, OUT), float("nan"), dtype=BF16)
+    mode = _OpLog() if via == "ops" else contextlib.nullcontext()
+    with pytest.raises(ValueError, match=message), mode:
+        _call(m, x, probs, out=out)
+    assert bool(out.isnan().all()), "out written before the bias was refused"
+    if via == "ops":
+        assert mode.names, "the ops ran through the dispatcher"
+
+
+@pytest.mark.parametrize("make", MODULES)
+def test_dy_of_another_dtype_is_cast_and_on_another_device_refused_by_autograd(make):
+    """What autograd hands our backward: an incoming gradient of another dtype is cast to the
+    output's dtype first (same bytes as the bf16 gradient), one on another device is refused by
+    autograd itself, naming the gradient, the expected device and the one it got."""
+    x, probs, dy = _data(10)
+    grads = []
+    for g in (dy, dy.float()):
+        m = make()
+        xr, pr = x.detach().clone().requires_grad_(), probs.detach().clone().requires_grad_()
+        _call(m, xr, pr).backward(g)
+        grads.append([xr.grad, *(p.grad for p in m.parameters())])
+    for i, (a, b) in enumerate(zip(*grads)):
+        assert torch.equal(_bits(a), _bits(b)), i
+    m = make(delay_wgrad_compute=True)
+    y = _call(m, x, probs)
+    with pytest.raises(RuntimeError, match="invalid gradient at index 0 - expected device cpu but got meta"):
+        y.backward(torch.empty(T, OUT, dtype=BF16, device="meta"))
+    assert m.pending_wgrads == 0
+
+
+@pytest.mark.parametrize("make", MODULES)
+@pytest.mark.parametrize("into", [False, True], ids=["functional", "into_grad_input"])
+@pytest.mark.parametrize("bad", ["dtype", "device"])
+def test_dy_of_wrong_dtype_or_device_through_the_backward_ops(make, into, bad):
+    """Autograd makes neither reach our backward (above), but a direct call of a backward op can:
+    refused with dy named, expected and got, before anything is written (grad_input untouched,
+    no delayed wgrad queued). A meta dy selects the fake implementation, which checks devices."""
+    m = make(delay_wgrad_compute=True)
+    x, probs, dy = (t.detach() for t in _data(11))
+    dy = dy.float() if bad == "dtype" else torch.empty(T, OUT, dtype=BF16, device="meta")
+    message = (r"dy: expected dtype bf16 \(the layer's dtype\), got fp32" if bad == "dtype"
+               else r"dy: expected a tensor on cpu \(x's device\), got meta")
+    splits, params = torch.tensor(SPLITS), _op_params(m)
+    gin = torch.full((T, IN), float("nan"), dtype=BF16)
+    ops = torch.ops.sparsetrain
+    if isinstance(m, stt.GroupedMLP):
+        _, fc1_out = ops.grouped_mlp_forward(m._id, x, splits, probs, params)
+        args = (m._id, x, fc1_out, probs, dy, splits, params)
+        op = ops.grouped_mlp_backward_into if into else ops.grouped_mlp_backward
+    else:
+        args = (m._id, x, dy, splits, params)
+        op = ops.grouped_linear_backward_into if into else ops.grouped_linear_backward
+    with pytest.raises(ValueError, match=message):
+        op(*args, *((gin,) if into else ()))
+    assert bool(gin.isnan().all()), "grad_input written before dy was refused"
+    assert m.pending_wgrads == 0, "a delayed wgrad queued before dy was refused"
 
 
 @pytest.mark.parametrize("kind", ["GroupedLinear", "GroupedMLP"])

@@ -12,6 +12,7 @@
 #include <tuple>
 
 #include "common/dispatch_dtype.h"
+#include "common/gpu_arch.h"
 #include "common/group_offsets.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_cache.h"
@@ -160,21 +161,25 @@ class CudaBackend final : public GroupedLinearBackend {
                   "cudaMemsetAsync");
   }
 
-  // Which sm90 kernel runs a GEMM of variant v, if any. TMA loads need the inputs (activation
-  // rows, per-group weights) 16-byte aligned with packed rows, and in and out multiples of 8;
-  // otherwise the SIMT kernels run. A caller output (out, grad_input, main_grad) off a 16-byte
-  // boundary takes the direct-store twin: bit-identical to the TMA store (docs/DESIGN.md section 4).
+  // Which sm90 kernel runs a GEMM of variant v, if any: the device and the build decide first
+  // (arch::grouped_gemm_kernels, CPU-tested with made-up capabilities), then TMA's needs: the
+  // inputs (activation rows, per-group weights) 16-byte aligned with packed rows, in and out
+  // multiples of 8; otherwise the SIMT kernels run. A caller output (out, grad_input, main_grad)
+  // off a 16-byte boundary takes the direct-store twin: bit-identical to the TMA store
+  // (docs/DESIGN.md section 4).
   static std::optional<Variant> sm90_kernel(Variant v, const GroupedProblem& pr,
                                             std::initializer_list<const TensorView*> inputs,
                                             const std::vector<TensorView>& weights, bool outputs_aligned) {
-    if (pr.in % 8 || pr.out % 8 || !cuda::is_sm90(inputs.begin()[0]->device().index)) return std::nullopt;
+    if (pr.in % 8 || pr.out % 8) return std::nullopt;
+    const Variant k = outputs_aligned ? v : cuda::sm90::direct_store(v);
+    const bool built = sm90_built(v, pr.dtype) && sm90_built(k, pr.dtype);  // both or neither
+    const cuda::DeviceInfo d = cuda::device_info(inputs.begin()[0]->device().index);
+    if (arch::grouped_gemm_kernels({d.cc_major, d.cc_minor}, built) != arch::GemmKernels::kSm90) return std::nullopt;
+    if (k == v && !outputs_aligned) return std::nullopt;  // no twin (dW is always the library's)
     for (const TensorView* t : inputs)
       if (t->stride(0) != t->size(1) || !aligned16(t->data())) return std::nullopt;
     for (const TensorView& w : weights)
       if (!aligned16(w.data())) return std::nullopt;
-    const Variant k = outputs_aligned ? v : cuda::sm90::direct_store(v);
-    if (k == v && !outputs_aligned) return std::nullopt;  // no twin (dW is always the library's)
-    if (!sm90_built(v, pr.dtype) || !sm90_built(k, pr.dtype)) return std::nullopt;  // both or neither
     return k;
   }
 
