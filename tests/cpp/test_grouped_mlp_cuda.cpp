@@ -182,6 +182,59 @@ TEST(GroupedMLPCudaContract, MainGradAccumulatesForBothLayers) {
   }
 }
 
+// Caller out and grad_input whose base is one element off a 16-byte boundary, on shapes the TMA
+// path takes (in, F, out multiples of 8): fc2 stores into out through the direct-store twins of
+// the sm90 kernels and the MLP adds the probs-scaled fc2 bias there, fc1's dgrad writes
+// grad_input. GroupedMLP follows GroupedLinear's caller-buffer contract (docs/DESIGN.md section
+// 4): rows < S bit-identical to the library-allocated path, rows >= S untouched (poisoned), and
+// nothing else changed (fc1_out, dprobs, both wgrads). Host and device splits, with and without
+// biases.
+TEST(GroupedMLPCudaContract, MisalignedCallerBuffersAreBitIdenticalToTheAlignedPath) {
+  REQUIRE_GPU();
+  for (st::DType dtype : {st::DType::kBF16, st::DType::kFP16})
+    for (bool bias : {true, false})
+      for (bool device_splits : {false, true}) {
+        SCOPED_TRACE(std::string(st::dtype_name(dtype)) + (bias ? " biases" : " no biases") +
+                     (device_splits ? " device splits" : " host splits"));
+        const GroupedMLPCase c =
+            make_case({dtype, 4, 515, 500, 256, 192, 128, 0, {2}, true, bias, bias, device_splits});
+        const int64_t S = c.rows_used();
+        const size_t es = st::dtype_size(dtype);
+        CudaMLP L(c, c.options());
+        const st::Splits sp = device_splits ? L.device_splits() : st::Splits::host(c.splits);
+        const st::GroupedMLPForward fwd = L.mlp->forward(L.x.view(), sp, L.probs.view());
+        const st::GroupedMLPGrads g = L.mlp->backward(L.x.view(), fwd.fc1_out.view(), L.probs.view(), L.dy.view(), sp);
+        const HostTensor y = to_host(fwd.out.view()), fc1_out = to_host(fwd.fc1_out.view());
+        const HostTensor dx = to_host(g.grad_input.view()), dprobs = to_host(g.dprobs.view());
+        // One element past an aligned allocation: the base is 2 bytes off.
+        auto poisoned = [&](int64_t rows, int64_t cols) {
+          HostTensor h(dtype, {rows * cols + 8});
+          h.poison();
+          return DeviceTensor(h);
+        };
+        auto shifted = [&](const DeviceTensor& d, int64_t rows, int64_t cols) {
+          return st::TensorView(static_cast<char*>(d.view().data()) + es, dtype, {rows, cols}, st::Device::cuda(0));
+        };
+        const DeviceTensor out_mem = poisoned(c.T, c.out), gin_mem = poisoned(c.T, c.in);
+        const st::TensorView out = shifted(out_mem, c.T, c.out), gin = shifted(gin_mem, c.T, c.in);
+        ASSERT_NE(reinterpret_cast<uintptr_t>(out.data()) % 16, 0u);
+        ASSERT_NE(reinterpret_cast<uintptr_t>(gin.data()) % 16, 0u);
+        const st::GroupedMLPForward fwd_off = L.mlp->forward(L.x.view(), sp, L.probs.view(), out);
+        const st::GroupedMLPGrads g_off =
+            L.mlp->backward(L.x.view(), fwd.fc1_out.view(), L.probs.view(), L.dy.view(), sp, gin);
+        const HostTensor outh = to_host(out), ginh = to_host(gin);
+        EXPECT_EQ(std::memcmp(outh.data(), y.data(), size_t(S * c.out) * es), 0) << "misaligned out vs aligned path";
+        EXPECT_EQ(std::memcmp(ginh.data(), dx.data(), size_t(S * c.in) * es), 0) << "misaligned grad_input vs aligned";
+        for (int64_t i = S * c.out; i < outh.numel(); ++i) ASSERT_TRUE(std::isnan(outh.get(i))) << "out tail written";
+        for (int64_t i = S * c.in; i < ginh.numel(); ++i)
+          ASSERT_TRUE(std::isnan(ginh.get(i))) << "grad_input tail written";
+        EXPECT_TRUE(to_host(fwd_off.fc1_out.view()).bytes_equal(fc1_out)) << "fc1_out with a misaligned out";
+        EXPECT_TRUE(to_host(g_off.dprobs.view()).bytes_equal(dprobs)) << "dprobs with a misaligned grad_input";
+        EXPECT_TRUE(to_host(g_off.fc1.weight.packed.view()).bytes_equal(to_host(g.fc1.weight.packed.view()))) << "dW1";
+        EXPECT_TRUE(to_host(g_off.fc2.weight.packed.view()).bytes_equal(to_host(g.fc2.weight.packed.view()))) << "dW2";
+      }
+}
+
 // Forward + backward captured once (caller buffers and workspace, device splits), replayed after
 // new split values with the same T: every replay matches the oracle of its splits.
 TEST(GroupedMLPCudaGraph, ReplaysWithNewSplitValues) {

@@ -1,18 +1,29 @@
 """The array API's `stream=`: everything the library allocates for a call belongs to the stream its
 kernels run on (seed 000's race). Kernels queued on a side stream behind a long sleep, while the
-current stream at once allocates and zero-fills memory of the workspace's size: had the freed
-workspace gone back to the current stream's pool, the fill would land in it before our kernels read
-it (zeroed group offsets: every group empty, outputs zero). Results must be bitwise those of the
-same calls on the current stream. GPU only: skipped visibly without one."""
+current stream at once allocates and zero-fills memory of the sizes the call allocates (the
+workspace's, or every allocation's): had anything the call freed gone back to the current stream's
+pool, the fill would take it and our kernels, running later, would write into it (the filled memory
+must still read zero) or read it after the fill. Results must be bitwise those of the same calls on
+the current stream. GroupedLinear, GroupedMLP, the attention forward and backward over arrays, and
+BlockMask.build on a CUDA device (whose stream is torch's current one). Also the torch module's
+sticky status word of device splits read after CUDA-graph replays. GPU only: skipped visibly
+without one (the attention without a Hopper GPU)."""
+
+import contextlib
 
 import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed: stream tests skipped")
 
 import sparsetrain  # noqa: E402
+import sparsetrain.torch as stt  # noqa: E402
+from sparsetrain._arrays import Framework  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available() or not sparsetrain.built_with_cuda(),
                           reason="no CUDA device (or a CPU-only build): stream tests skipped")
+hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or not sparsetrain.built_with_cuda() or torch.cuda.get_device_capability(0) != (9, 0),
+    reason="no Hopper GPU (compute capability 9.0; or a CPU-only build): attention stream test skipped")
 
 G, T, IN, FFN, OUT = 8, 2048, 256, 128, 256
 SPLITS = [300, 0, 257, 511, 64, 300, 200, 100]  # S = 1732 < T; an empty expert
@@ -33,19 +44,43 @@ def _flatten(result):
     return []
 
 
-def _side_stream_run(workspace_bytes, calls):
+def _side_stream_run(nbytes, calls):
     """Runs `calls(stream)` on a sleeping side stream while the current stream reuses freed
-    memory at once; returns its results after both streams are done."""
+    memory at once (16 blocks of each size in `nbytes`, an int or a list, as the allocator callback
+    asks for them: + 256 bytes); returns its results after both streams are done, once that memory
+    is seen to be untouched by the calls' kernels."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())  # the inputs are ready
     with torch.cuda.stream(side):
         torch.cuda._sleep(SLEEP_CYCLES)
     results = calls(side.cuda_stream)
+    assert not side.query(), "the side stream was done before the calls returned: the host waited, nothing raced"
     # Anything the calls freed and the current stream could take, taken and overwritten now.
-    junk = [torch.zeros(workspace_bytes + 256, dtype=torch.uint8, device="cuda") for _ in range(16)]
+    sizes = [nbytes] if isinstance(nbytes, int) else list(nbytes)
+    junk = [torch.zeros(n + 256, dtype=torch.uint8, device="cuda") for n in sizes for _ in range(16)]
     torch.cuda.synchronize()
+    written = sum(int(j.count_nonzero()) for j in junk)
+    assert written == 0, (f"{written} bytes of memory the current stream took while the calls' kernels were pending "
+                          "were written later: something the calls freed went back to the current stream's pool")
     del junk
     return results
+
+
+def _recording_allocations(calls):
+    """calls() on the current stream, and the sorted distinct sizes of every allocation it asked
+    the library's allocator callback (Framework.allocate) for: results and workspaces alike."""
+    sizes = []
+    allocate = Framework.allocate
+
+    def recording(self, nbytes, *args):
+        sizes.append(int(nbytes))
+        return allocate(self, nbytes, *args)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Framework, "allocate", recording)
+        results = calls()
+    assert sizes, "the calls allocated nothing through Framework.allocate: nothing to race on"
+    return results, sorted(set(sizes))
 
 
 def _check_same(got, want):
@@ -91,3 +126,114 @@ def test_grouped_mlp_on_a_side_stream_keeps_its_memory_from_the_current_stream()
     want = calls()
     torch.cuda.synchronize()
     _check_same(_side_stream_run(mlp.workspace_size(T), calls), want)
+
+
+@hopper
+def test_attention_arrays_on_a_side_stream_keep_their_memory_from_the_current_stream():
+    """block_sparse_attention_forward and the deterministic backward over torch CUDA arrays
+    ([B, S, H, D], GQA 8:2, a document-causal mask built on the device) with stream= a sleeping
+    side stream: o, lse, dq, dk, dv bitwise those of the current stream's run, and no memory the
+    current stream takes at once (every size the calls allocate) written by their kernels."""
+    B, S, HQ, HKV, D = 2, 1000, 8, 2, 128
+    gen = torch.Generator().manual_seed(2)
+    q, k, v, do = (torch.randn(B, S, h, D, generator=gen).to(BF16).cuda() for h in (HQ, HKV, HKV, HQ))
+    lengths = torch.tensor([1, 127, 128, 129, 300, 315])  # S = 1000: around the 128-row tile
+    doc = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), lengths)[None].cuda()
+    mask = sparsetrain.BlockMask.build("document_causal", S, document_ids=doc, device="cuda")
+
+    def calls(stream=None):
+        kw = {} if stream is None else {"stream": stream}
+        o, lse = sparsetrain.block_sparse_attention_forward(q, k, v, mask, **kw)
+        return o, lse, sparsetrain.block_sparse_attention_backward(q, k, v, o, lse, do, mask, **kw)
+
+    want, sizes = _recording_allocations(calls)
+    torch.cuda.synchronize()
+    _check_same(_side_stream_run(sizes, calls), want)
+
+
+@cuda
+def test_block_mask_build_on_a_side_stream_keeps_its_memory_from_the_current_stream():
+    """BlockMask.build(..., device="cuda") with a sleeping side stream as torch's current stream
+    (document_causal over device document ids, shortest-first schedule; a two-sided sliding
+    window, "auto" schedule): every tensor of both masks bitwise those of the same builds on the
+    current stream, and no memory the current stream takes at once written by the build's kernels."""
+    B, S = 2, 3000
+    gen = torch.Generator().manual_seed(3)
+    doc = torch.empty(B, S, dtype=torch.int32)
+    for b in range(B):  # consecutive documents of random odd lengths 1..255
+        s = d = 0
+        while s < S:
+            n = 2 * int(torch.randint(0, 128, (1,), generator=gen)) + 1
+            doc[b, s:s + n] = d
+            s, d = s + n, d + 1
+    doc = doc.cuda()
+
+    def calls(stream=None):
+        current = contextlib.nullcontext() if stream is None else torch.cuda.stream(torch.cuda.ExternalStream(stream))
+        with current:
+            masks = [sparsetrain.BlockMask.build("document_causal", S, document_ids=doc, schedule="shortest_first",
+                                                 device="cuda"),
+                     sparsetrain.BlockMask.build("sliding_window", S, window_left=500, window_right=100, device="cuda")]
+        return [t for m in masks for t in m.tensors().values() if t is not None]
+
+    want, sizes = _recording_allocations(calls)
+    torch.cuda.synchronize()
+    _check_same(_side_stream_run(sizes, calls), want)
+
+
+@cuda
+def test_splits_status_is_read_after_cuda_graph_replays():
+    """The torch GroupedLinear's forward with CUDA m_splits captured in a CUDA graph. Each replay
+    is queued behind a sleep after the new split values were copied (device to device) into the
+    captured splits tensor, and the host must get past it while the GPU still sleeps (nothing
+    synchronises); splits_status is read after. Valid splits: the word stays clear and the output
+    is the eager one bitwise; invalid values: the bits set, the output zero; valid again: the bits
+    stay (sticky) and the output is restored; after zero_(), clear again."""
+    torch.manual_seed(4)
+    m = stt.GroupedLinear(G, IN, OUT, bias=True, params_dtype=BF16, device="cuda")
+    static_x = torch.randn(T, IN, device="cuda").to(BF16)
+    splits = torch.tensor(SPLITS, device="cuda")
+    valid = splits.clone()
+    too_many = torch.tensor([T + 1] + [0] * (G - 1), device="cuda")  # sum T + 1 > T rows
+    negative = torch.tensor([-1, 1] + [0] * (G - 2), device="cuda")
+    status = m.splits_status
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):  # warm-up outside the graph, as torch.cuda.graph asks
+        for _ in range(2):
+            eager = m(static_x, splits)
+    torch.cuda.current_stream().wait_stream(side)
+    assert int(status) == 0
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        static_y = m(static_x, splits)
+    assert m.splits_status.data_ptr() == status.data_ptr(), "the word the graph captured"
+
+    def replay(values):
+        stream = torch.cuda.current_stream()
+        torch.cuda._sleep(SLEEP_CYCLES)
+        splits.copy_(values)
+        static_y.fill_(float("nan"))  # every row rewritten by a replay (rows >= S zeroed)
+        graph.replay()
+        seen = status.clone()  # read in stream order, right after the replay
+        y = static_y.clone()
+        assert not stream.query(), "the host waited for the GPU during the copy or the replay"
+        torch.cuda.synchronize()
+        return int(seen), y
+
+    seen, y = replay(valid)
+    assert seen == 0 and int(status) == 0, "valid splits leave the word clear"
+    assert torch.equal(_bits(y), _bits(eager)), "valid replay vs the eager forward"
+    seen, y = replay(too_many)
+    assert seen == sparsetrain.SPLITS_SUM_EXCEEDS_ROWS, f"status {seen} after a replay of splits summing to T + 1"
+    assert bool((y == 0).all()), "invalid splits empty every group"
+    seen, y = replay(valid)
+    assert seen == sparsetrain.SPLITS_SUM_EXCEEDS_ROWS, "sticky: a valid replay does not clear it"
+    assert torch.equal(_bits(y), _bits(eager)), "valid replay after an invalid one"
+    seen, y = replay(negative)
+    assert seen == sparsetrain.SPLITS_SUM_EXCEEDS_ROWS | sparsetrain.SPLITS_NEGATIVE
+    assert bool((y == 0).all()), "negative splits empty every group"
+    status.zero_()
+    seen, y = replay(valid)
+    assert seen == 0, "cleared by the caller, clear after a valid replay"
+    assert torch.equal(_bits(y), _bits(eager))
