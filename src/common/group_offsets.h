@@ -40,6 +40,23 @@ ST_HOST_DEVICE inline int32_t compute_group_offsets(const int64_t* splits, int64
   return bits;
 }
 
+// Splits are valid (compute_group_offsets returns kSplitsOk, its offsets the prefix sums) exactly
+// when every entry is in [0, num_rows] and their sum is at most num_rows: with no negative entry
+// the running sum only grows, so its last value bounds all the others. A parallel set-up kernel
+// checks this with a scan and leaves every invalid case to compute_group_offsets (which alone
+// decides the status bits); the per-entry bound also keeps that scan's sum from overflowing.
+ST_HOST_DEVICE inline bool split_in_range(int64_t split, int64_t num_rows) {
+  return split >= 0 && split <= num_rows;
+}
+ST_HOST_DEVICE inline bool splits_valid(const int64_t* splits, int64_t num_groups, int64_t num_rows) {
+  int64_t sum = 0;
+  for (int64_t g = 0; g < num_groups; ++g) {
+    if (!split_in_range(splits[g], num_rows)) return false;
+    sum += splits[g];  // at most num_groups x num_rows: no overflow for any real row count
+  }
+  return sum <= num_rows;
+}
+
 // The group owning row t < offsets[G]: the last g with offsets[g] <= t (empty groups, whose
 // offsets equal the next one's, are skipped over). O(log G) by bisection.
 ST_HOST_DEVICE inline int64_t group_of_row(const int64_t* offsets, int64_t num_groups, int64_t t) {

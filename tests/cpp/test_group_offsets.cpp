@@ -52,6 +52,40 @@ TEST(GroupOffsets, SumEqualToRowsIsValid) {
   EXPECT_EQ(off.back(), 10);
 }
 
+// The CUDA set-up kernel's fast path: splits_valid (entries in range, sum within the rows) must say
+// "valid" exactly when the rule does, and then the offsets are the plain prefix sums (what its scan
+// writes). Random splits around the edges: sums just below, at and above the rows, negative and
+// huge entries.
+TEST(GroupOffsets, SplitsValidIsExactlyTheRulesOkAndItsOffsetsArePrefixSums) {
+  std::mt19937_64 rng(20261126);
+  int valid = 0, invalid = 0;
+  for (int trial = 0; trial < 20000; ++trial) {
+    const int64_t G = 1 + int64_t(rng() % 600), R = int64_t(rng() % 5000);
+    std::vector<int64_t> splits(static_cast<size_t>(G));
+    const int64_t mean = R / G + 1;
+    for (int64_t& s : splits) s = int64_t(rng() % uint64_t(2 * mean));  // sums around R
+    switch (rng() % 6) {
+      case 0: splits[rng() % size_t(G)] = -1 - int64_t(rng() % 3); break;
+      case 1: splits[rng() % size_t(G)] = INT64_MAX - int64_t(rng() % 3); break;
+      case 2: splits[rng() % size_t(G)] = R + 1; break;
+      default: break;
+    }
+    std::vector<int64_t> off(static_cast<size_t>(G + 1), -7);
+    const bool ok = st::compute_group_offsets(splits.data(), G, R, off.data(), nullptr) == st::kSplitsOk;
+    ASSERT_EQ(st::splits_valid(splits.data(), G, R), ok) << "trial " << trial << " G " << G << " R " << R;
+    (ok ? valid : invalid)++;
+    if (!ok) continue;
+    int64_t sum = 0;
+    for (int64_t g = 0; g < G; ++g) {
+      ASSERT_EQ(off[size_t(g)], sum);
+      sum += splits[size_t(g)];
+    }
+    ASSERT_EQ(off[size_t(G)], sum);
+  }
+  EXPECT_GT(valid, 2000);  // both sides of the rule drawn often
+  EXPECT_GT(invalid, 2000);
+}
+
 TEST(GroupOffsets, GroupOfRowSkipsEmptyGroups) {
   // Splits {0, 3, 0, 0, 2, 1, 0}: rows 0-2 -> group 1, 3-4 -> group 4, 5 -> group 5.
   const int64_t splits[] = {0, 3, 0, 0, 2, 1, 0};

@@ -169,8 +169,10 @@ void launch_bias_grad(const int64_t* offsets, int64_t num_groups, int64_t out, c
 template <typename E>
 void launch_zero_tail(const int64_t* offsets, int64_t num_groups, void* c, int64_t rows, int64_t cols, void* stream) {
   if (rows * cols == 0) return;
+  // At most 512 blocks (one wave on an H100): the tail is known only on the device and usually
+  // empty, and 4096 blocks that read offsets[G] and leave took 3.7 us a call (torch.profiler).
   const int64_t blocks = (rows * cols + 255) / 256;
-  zero_tail_kernel<E><<<unsigned(blocks < 4096 ? blocks : 4096), 256, 0, static_cast<cudaStream_t>(stream)>>>(
+  zero_tail_kernel<E><<<unsigned(blocks < 512 ? blocks : 512), 256, 0, static_cast<cudaStream_t>(stream)>>>(
       offsets, num_groups, static_cast<E*>(c), rows, cols);
   ST_CUDA_CHECK(cudaGetLastError(), "zero_tail_kernel launch");
 }
