@@ -166,8 +166,8 @@ class CudaBackend final : public GroupedLinearBackend {
     cuda::DeviceGuard guard(splits.device().index);
     if (splits.size(0) > cuda::kMaxGroups)  // max_groups() bounds G before any call gets here
       ST_FAIL("setup_device_splits: ", splits.size(0), " splits, more than one launch takes");
-    setup_offsets_kernel<<<1, kOffsetsThreads, 0, as_cuda(stream)>>>(splits.data_as<const int64_t>(), splits.size(0), num_rows,
-                                                        offsets, status);
+    setup_offsets_kernel<<<1, kOffsetsThreads, 0, as_cuda(stream)>>>(splits.data_as<const int64_t>(), splits.size(0),
+                                                                      num_rows, offsets, status);
     ST_CUDA_CHECK(cudaGetLastError(), "setup_offsets_kernel launch");
   }
   void write_host_offsets(int64_t* dst, const int64_t* values, int64_t count, Device device,
