@@ -7,23 +7,28 @@
 // length has a bound known from seq alone (doc_padded_length_bound), so a layout built on the device
 // needs no synchronisation. Host code for now: the scheduler model prices the layout with
 // doc_padded_positions (bench/dq_model_sweep.cpp); doc_padded_ids is the mask the backward will
-// run on once item 4 is wired into the kernel (not yet). Tested on the CPU
-// (tests/cpp/test_doc_padding.cpp).
+// run on once item 4 is wired into the kernel (not yet); DocPadStep is the layout as a scan, the
+// form a device build takes (not yet built). Tested on the CPU (tests/cpp/test_doc_padding.cpp).
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
+#include "common/group_offsets.h"  // ST_HOST_DEVICE
+
 namespace sparsetrain {
 
 inline constexpr int64_t kDocPadAlign = 128;
 
+ST_HOST_DEVICE constexpr int64_t doc_pad_align(int64_t p) {  // p >= 0 up to a boundary
+  return (p + kDocPadAlign - 1) / kDocPadAlign * kDocPadAlign;
+}
+
 // At most 2 paddings per long document (before and after it, each < kDocPadAlign tokens), plus the
 // last one to a whole tile.
 constexpr int64_t doc_padded_length_bound(int64_t seq, int64_t min_length) {
-  const int64_t raw = seq + (2 * (seq / min_length) + 1) * (kDocPadAlign - 1);
-  return (raw + kDocPadAlign - 1) / kDocPadAlign * kDocPadAlign;
+  return doc_pad_align(seq + (2 * (seq / min_length) + 1) * (kDocPadAlign - 1));
 }
 
 // The padded position of each of the seq tokens of one row of document ids (a document: a maximal
@@ -31,19 +36,46 @@ constexpr int64_t doc_padded_length_bound(int64_t seq, int64_t min_length) {
 inline std::vector<int64_t> doc_padded_positions(const int32_t* ids, int64_t seq, int64_t min_length,
                                                  int64_t* padded_length) {
   std::vector<int64_t> pos(static_cast<size_t>(seq));
-  auto align = [](int64_t p) { return (p + kDocPadAlign - 1) / kDocPadAlign * kDocPadAlign; };
   int64_t next = 0;  // the next free padded position
   for (int64_t s = 0; s < seq;) {
     int64_t e = s;
     while (e < seq && ids[e] == ids[s]) ++e;
     const bool long_doc = e - s >= min_length;
-    if (long_doc) next = align(next);
+    if (long_doc) next = doc_pad_align(next);
     for (int64_t i = s; i < e; ++i) pos[static_cast<size_t>(i)] = next++;
-    if (long_doc) next = align(next);
+    if (long_doc) next = doc_pad_align(next);
     s = e;
   }
-  *padded_length = align(next);
+  *padded_length = doc_pad_align(next);
   return pos;
+}
+
+// The layout as a scan, for a build on the device without a serial walk over the documents. A
+// document maps the next free padded position x to the one after it: a short one of L tokens
+// x -> x + L, a long one x -> align(align(x) + L) = align(x) + align(L). Every composition of such
+// maps is x -> align(x + a) + b or x -> x + b (align(m + y) = m + align(y) for m on a boundary),
+// so the documents' steps form a monoid under doc_pad_then (identity: the default step). An
+// exclusive scan of them gives each document its x, and it starts at align(x) if long, else at x;
+// the whole scan applied to 0, aligned, is the padded length. Tested against doc_padded_positions
+// with the steps combined in random tree orders.
+struct DocPadStep {
+  bool aligns = false;  // x -> align(x + a) + b; else x -> x + b
+  int64_t a = 0, b = 0;
+};
+
+ST_HOST_DEVICE constexpr DocPadStep doc_pad_step(int64_t length, int64_t min_length) {
+  return length >= min_length ? DocPadStep{true, 0, doc_pad_align(length)} : DocPadStep{false, 0, length};
+}
+
+ST_HOST_DEVICE constexpr int64_t doc_pad_apply(const DocPadStep& s, int64_t x) {
+  return s.aligns ? doc_pad_align(x + s.a) + s.b : x + s.b;
+}
+
+// f, then g.
+ST_HOST_DEVICE constexpr DocPadStep doc_pad_then(const DocPadStep& f, const DocPadStep& g) {
+  if (!g.aligns) return DocPadStep{f.aligns, f.a, f.b + g.b};
+  if (!f.aligns) return DocPadStep{true, f.b + g.a, g.b};
+  return DocPadStep{true, f.a, doc_pad_align(f.b + g.a) + g.b};
 }
 
 // The document ids of the padded layout, the query side's and the key side's ([padded_length]):

@@ -113,4 +113,48 @@ TEST(DocPadding, PaddedMaskIsTheOriginal) {
     }
 }
 
+// The combination of steps[lo, hi) as a random binary tree would combine them: associativity is
+// what a parallel scan relies on.
+st::DocPadStep combine(const std::vector<st::DocPadStep>& steps, size_t lo, size_t hi, std::mt19937_64& rng) {
+  if (hi == lo) return st::DocPadStep{};
+  if (hi - lo == 1) return steps[lo];
+  const size_t mid = lo + 1 + size_t(rng() % uint64_t(hi - lo - 1));
+  return st::doc_pad_then(combine(steps, lo, mid, rng), combine(steps, mid, hi, rng));
+}
+
+TEST(DocPadding, TheLayoutAsAScanOfDocumentSteps) {
+  {  // ByHand's documents (130, 5 short; 300 long at min 256): starts 0, 130, 256; length 640
+    const st::DocPadStep a = st::doc_pad_step(130, 256), b = st::doc_pad_step(5, 256), c = st::doc_pad_step(300, 256);
+    EXPECT_EQ(st::doc_pad_apply(st::doc_pad_then(a, b), 0), 135);
+    EXPECT_EQ(st::doc_pad_align(st::doc_pad_apply(st::doc_pad_then(st::doc_pad_then(a, b), c), 0)), 640);
+    EXPECT_EQ(st::doc_pad_apply(st::doc_pad_then(a, st::doc_pad_then(b, c)), 0), 640);
+  }
+  std::mt19937_64 rng(26);
+  for (const int64_t seq : {1, 300, 5000})
+    for (const int64_t max_length : {1, 200, 3000})
+      for (const int64_t min_length : {1, 128, 129, 1024}) {
+        SCOPED_TRACE("seq " + std::to_string(seq) + " lengths 1.." + std::to_string(max_length) + " min " +
+                     std::to_string(min_length));
+        const std::vector<int32_t> ids = documents(seq, max_length, uint64_t(seq + max_length + min_length));
+        int64_t length = 0;
+        const std::vector<int64_t> pos = st::doc_padded_positions(ids.data(), seq, min_length, &length);
+        std::vector<int64_t> starts, lengths;
+        for (int64_t s = 0; s < seq;) {
+          int64_t e = s;
+          while (e < seq && ids[size_t(e)] == ids[size_t(s)]) ++e;
+          starts.push_back(s);
+          lengths.push_back(e - s);
+          s = e;
+        }
+        std::vector<st::DocPadStep> steps;
+        for (const int64_t n : lengths) steps.push_back(st::doc_pad_step(n, min_length));
+        for (size_t d = 0; d < steps.size(); ++d) {
+          const int64_t x = st::doc_pad_apply(combine(steps, 0, d, rng), 0);
+          const int64_t start = lengths[d] >= min_length ? st::doc_pad_align(x) : x;
+          ASSERT_EQ(start, pos[size_t(starts[d])]) << "document " << d;
+        }
+        EXPECT_EQ(st::doc_pad_align(st::doc_pad_apply(combine(steps, 0, steps.size(), rng), 0)), length);
+      }
+}
+
 }  // namespace
