@@ -7,8 +7,9 @@
 // length has a bound known from seq alone (doc_padded_length_bound), so a layout built on the device
 // needs no synchronisation. Host code for now: the scheduler model prices the layout with
 // doc_padded_positions (bench/dq_model_sweep.cpp); doc_padded_ids is the mask the backward will
-// run on once item 4 is wired into the kernel (not yet); DocPadStep is the layout as a scan, the
-// form a device build takes (not yet built). Tested on the CPU (tests/cpp/test_doc_padding.cpp).
+// run on once item 4 is wired into the kernel (not yet); DocPadStep is the layout as a scan and
+// doc_padded_tile_entry the tiles' real rows per token, the forms a device build takes (not yet
+// built). Tested on the CPU (tests/cpp/test_doc_padding.cpp).
 #pragma once
 
 #include <algorithm>
@@ -76,6 +77,32 @@ ST_HOST_DEVICE constexpr DocPadStep doc_pad_then(const DocPadStep& f, const DocP
   if (!g.aligns) return DocPadStep{f.aligns, f.a, f.b + g.b};
   if (!f.aligns) return DocPadStep{true, f.b + g.a, g.b};
   return DocPadStep{true, f.a, doc_pad_align(f.b + g.a) + g.b};
+}
+
+// The padded layout's tiles of tile_rows (a divisor of kDocPadAlign: the backward's 64-row q tiles,
+// 128-key kv tiles) as the backward will address them: each holds real rows [start, start + rows)
+// and then padding, never padding before real rows (a padding run ends on a kDocPadAlign boundary,
+// so at a tile's end or past it). Written per real token, so a device build is one pass over the
+// tokens after the scan: the token at a tile's first position gives the tile its start, the last
+// real token of a tile (the next token elsewhere, or the tile ends) its row count. Tiles no token
+// writes are all padding (rows 0, as initialised).
+struct DocPaddedTile {
+  int32_t start = 0, rows = 0;
+};
+ST_HOST_DEVICE inline void doc_padded_tile_entry(const int64_t* pos, int64_t seq, int64_t token, int64_t tile_rows,
+                                                 DocPaddedTile* tiles) {
+  const int64_t p = pos[token], tile = p / tile_rows;
+  if (p % tile_rows == 0) tiles[tile].start = static_cast<int32_t>(token);
+  const bool last = token + 1 == seq || pos[token + 1] != p + 1 || (p + 1) % tile_rows == 0;
+  if (last) tiles[tile].rows = static_cast<int32_t>(p % tile_rows + 1);
+}
+
+inline std::vector<DocPaddedTile> doc_padded_tiles(const std::vector<int64_t>& pos, int64_t padded_length,
+                                                   int64_t tile_rows) {
+  std::vector<DocPaddedTile> tiles(static_cast<size_t>(padded_length / tile_rows));
+  for (int64_t t = 0; t < int64_t(pos.size()); ++t)
+    doc_padded_tile_entry(pos.data(), int64_t(pos.size()), t, tile_rows, tiles.data());
+  return tiles;
 }
 
 // The document ids of the padded layout, the query side's and the key side's ([padded_length]):

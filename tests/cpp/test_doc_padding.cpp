@@ -157,4 +157,38 @@ TEST(DocPadding, TheLayoutAsAScanOfDocumentSteps) {
       }
 }
 
+// Each tile of the padded layout is real rows from its start, then padding: for 64- and 128-row
+// tiles over random document mixes, row r < rows of a tile is the real row start + r and every
+// later row is padding, checked against the inverse of the position map; the rows add up to seq.
+TEST(DocPadding, TilesAreRealRowsThenPadding) {
+  for (const int64_t tile_rows : {64, 128})
+    for (const int64_t max_length : {1, 70, 200, 3000})
+      for (const int64_t min_length : {1, 64, 300}) {
+        SCOPED_TRACE("tile " + std::to_string(tile_rows) + " lengths 1.." + std::to_string(max_length) + " min " +
+                     std::to_string(min_length));
+        const int64_t seq = 4000;
+        const std::vector<int32_t> ids = documents(seq, max_length, uint64_t(tile_rows + max_length * 7 + min_length));
+        int64_t length = 0;
+        const std::vector<int64_t> pos = st::doc_padded_positions(ids.data(), seq, min_length, &length);
+        std::vector<int64_t> real_at(size_t(length), -1);  // the inverse map; -1: padding
+        for (int64_t t = 0; t < seq; ++t) real_at[size_t(pos[size_t(t)])] = t;
+        const std::vector<st::DocPaddedTile> tiles = st::doc_padded_tiles(pos, length, tile_rows);
+        ASSERT_EQ(int64_t(tiles.size()) * tile_rows, length);
+        int64_t covered = 0;
+        for (size_t t = 0; t < tiles.size(); ++t) {
+          const st::DocPaddedTile& tile = tiles[t];
+          for (int64_t r = 0; r < tile_rows; ++r) {
+            const int64_t real = real_at[t * size_t(tile_rows) + size_t(r)];
+            if (r < tile.rows) {
+              ASSERT_EQ(real, tile.start + r) << "tile " << t << " row " << r;
+            } else {
+              ASSERT_EQ(real, -1) << "tile " << t << " row " << r << ": real rows after padding";
+            }
+          }
+          covered += tile.rows;
+        }
+        EXPECT_EQ(covered, seq);
+      }
+}
+
 }  // namespace
