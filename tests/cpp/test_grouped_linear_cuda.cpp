@@ -17,6 +17,7 @@ namespace st = sparsetrain;
 using st::testing::GroupedLinearCase;
 using st::testing::DeviceTensor;
 using st::testing::HostTensor;
+using st::testing::MisalignedBuffer;
 using st::testing::to_host;
 
 namespace {
@@ -246,17 +247,8 @@ TEST(GroupedLinearCudaContract, MisalignedCallerBuffersAreBitIdenticalToTheAlign
       const HostTensor y = to_host(L.layer->forward(x.view(), sp).view());
       const auto g = L.layer->backward(x.view(), dy.view(), sp);
       const HostTensor dx = to_host(g.grad_input.view());
-      // One element past an aligned allocation: the base is 2 bytes off.
-      auto poisoned = [&](int64_t rows, int64_t cols) {
-        HostTensor h(dtype, {rows * cols + 8});
-        h.poison();
-        return DeviceTensor(h);
-      };
-      auto shifted = [&](const DeviceTensor& d, int64_t rows, int64_t cols) {
-        return st::TensorView(static_cast<char*>(d.view().data()) + es, dtype, {rows, cols}, st::Device::cuda(0));
-      };
-      const DeviceTensor out_mem = poisoned(c.T, c.out), gin_mem = poisoned(c.T, c.in);
-      const st::TensorView out = shifted(out_mem, c.T, c.out), gin = shifted(gin_mem, c.T, c.in);
+      const MisalignedBuffer out_buf(dtype, c.T, c.out), gin_buf(dtype, c.T, c.in);
+      const st::TensorView &out = out_buf.view, &gin = gin_buf.view;
       ASSERT_NE(reinterpret_cast<uintptr_t>(out.data()) % 16, 0u);
       L.layer->forward(x.view(), sp, out);
       L.layer->backward(x.view(), dy.view(), sp, gin);

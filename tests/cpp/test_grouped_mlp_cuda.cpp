@@ -21,6 +21,7 @@ using st::testing::Bounded;
 using st::testing::DeviceTensor;
 using st::testing::GroupedMLPCase;
 using st::testing::HostTensor;
+using st::testing::MisalignedBuffer;
 using st::testing::PoolAllocator;
 using st::testing::to_host;
 
@@ -206,17 +207,8 @@ TEST(GroupedMLPCudaContract, MisalignedCallerBuffersAreBitIdenticalToTheAlignedP
         const st::GroupedMLPGrads g = L.mlp->backward(L.x.view(), fwd.fc1_out.view(), L.probs.view(), L.dy.view(), sp);
         const HostTensor y = to_host(fwd.out.view()), fc1_out = to_host(fwd.fc1_out.view());
         const HostTensor dx = to_host(g.grad_input.view()), dprobs = to_host(g.dprobs.view());
-        // One element past an aligned allocation: the base is 2 bytes off.
-        auto poisoned = [&](int64_t rows, int64_t cols) {
-          HostTensor h(dtype, {rows * cols + 8});
-          h.poison();
-          return DeviceTensor(h);
-        };
-        auto shifted = [&](const DeviceTensor& d, int64_t rows, int64_t cols) {
-          return st::TensorView(static_cast<char*>(d.view().data()) + es, dtype, {rows, cols}, st::Device::cuda(0));
-        };
-        const DeviceTensor out_mem = poisoned(c.T, c.out), gin_mem = poisoned(c.T, c.in);
-        const st::TensorView out = shifted(out_mem, c.T, c.out), gin = shifted(gin_mem, c.T, c.in);
+        const MisalignedBuffer out_buf(dtype, c.T, c.out), gin_buf(dtype, c.T, c.in);
+        const st::TensorView &out = out_buf.view, &gin = gin_buf.view;
         ASSERT_NE(reinterpret_cast<uintptr_t>(out.data()) % 16, 0u);
         ASSERT_NE(reinterpret_cast<uintptr_t>(gin.data()) % 16, 0u);
         const st::GroupedMLPForward fwd_off = L.mlp->forward(L.x.view(), sp, L.probs.view(), out);

@@ -32,6 +32,20 @@ struct DeviceTensor {
   const TensorView& view() const { return t.view(); }
 };
 
+// A NaN-poisoned [rows, cols] device buffer whose view starts one element past an aligned
+// allocation (2 bytes off for bf16 / fp16): a caller buffer off a 16-byte boundary.
+struct MisalignedBuffer {
+  DeviceTensor memory;
+  TensorView view;
+  MisalignedBuffer(DType dtype, int64_t rows, int64_t cols) {
+    HostTensor h(dtype, {rows * cols + 8});
+    h.poison();
+    memory = DeviceTensor(h);
+    view = TensorView(static_cast<char*>(memory.view().data()) + dtype_size(dtype), dtype, {rows, cols},
+                      Device::cuda(0));
+  }
+};
+
 inline HostTensor to_host(const TensorView& v) {
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   // Strided device views (per-group wgrads): copy the whole extent, then gather on the host.
