@@ -75,7 +75,7 @@ using BwdOffset = int32_t;
 struct MaskColumnLists {
   MaskIndexView partial_count, partial_index, full_count, full_index;  // [B, H, Nk(, W)]
   MaskIndexView partial_turn, full_turn;  // parallel to partial_index / full_index; null: turn 0
-  MaskIndexView kv_count, kv_index;       // [B, H, Mq(, W)]: the walk reads them only when find_bit_entry
+  MaskIndexView kv_count, kv_index;       // [B, H, Mq(, W)]: read only when find_bit_entry
   bool find_bit_entry = false;            // bitmask masks: look up each partial block's entry
   int32_t num_q_blocks = 0;               // Mq of the mask
   int32_t q_tiles_per_block = 1;          // block_q / the kernel's q tile

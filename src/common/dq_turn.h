@@ -33,8 +33,4 @@ ST_HOST_DEVICE constexpr int32_t dq_visit_turn(int32_t rank, int32_t sub_tiles, 
   return rank * sub_tiles + sub_tile;
 }
 
-// How many turns q block m has: one per sub-column of each block column touching it (the blocks of
-// its mask row, partial and full), so its last writer waits for turn dq_block_turns(...) - 1.
-ST_HOST_DEVICE constexpr int32_t dq_block_turns(int32_t row_blocks, int32_t sub_tiles) { return row_blocks * sub_tiles; }
-
 }  // namespace sparsetrain

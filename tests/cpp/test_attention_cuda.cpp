@@ -450,57 +450,6 @@ TEST_P(AttentionCuda, BackwardMatchesTheOracle) {
 INSTANTIATE_TEST_SUITE_P(Cuda, AttentionCuda, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case>& p) { return p.param.name; });
 
-// The deterministic backward converts a q tile inside the kernel once the writer of its last turn
-// has added (the last by the mask's row counts, dq_tile_turns); the conversion kernel after it does
-// every tile whose landed turns differ from that count. A device mask's row counts are not checked
-// against its column lists (that would synchronise), so they are only a hint: here rows whose
-// counts say more blocks (never converted inside), none (never), one block fewer (converted one
-// turn early, then redone) and the right count. dq, dk and dv stay the oracle's in both modes,
-// and bitwise those of the right mask when deterministic. Causal, 4 blocks of 128 rows.
-TEST(AttentionCudaBackward, DqConversionTakesTheRowCountsAsAHintOnly) {
-  REQUIRE_HOPPER();
-  const Case c{"count_hint", DType::kBF16, 1, 512, 512, 2, 2, 128, 128, 128, MaskKind::kCausal};
-  REQUIRE_KERNEL(c);
-  Prepared su(c);
-  const st::AttentionForward fwd =
-      st::block_sparse_attention_forward(su.q->dev_view, su.k->dev_view, su.v->dev_view, su.mask);
-  const AttentionOracle::Result ref = su.oracle(c).run();
-  st::BlockMask host = su.host_mask->mask;
-  HostTensor partial = HostTensor::copy_of(host.kv_num_blocks), full = HostTensor::copy_of(host.full_kv_num_blocks);
-  ASSERT_EQ(partial.numel(), 4);  // [1, 1, 4]: broadcast over the heads
-  ASSERT_EQ(partial.get(2), 1.0);
-  ASSERT_EQ(full.get(2), 2.0);
-  ASSERT_EQ(full.get(0), 0.0);
-  full.set(0, 2.0);                       // row 0: two more (1 turn, 3 by the counts)
-  partial.set(1, 0.0), full.set(1, 0.0);  // row 1: no blocks
-  full.set(2, 1.0);                       // row 2: one block fewer; row 3 right
-  host.kv_num_blocks = partial.view();
-  host.full_kv_num_blocks = full.view();
-  DeviceMask hinted(host);
-  auto backward = [&](const st::BlockMask& mask, bool deterministic) {
-    st::AttentionOptions options;
-    options.deterministic = deterministic;
-    DevicePoisonAllocator alloc;
-    st::AttentionCall call;
-    call.allocator = &alloc;
-    return Grads(st::block_sparse_attention_backward(su.q->dev_view, su.k->dev_view, su.v->dev_view, fwd.o.view(),
-                                                     fwd.lse.view(), su.dout->dev_view, mask, options, call));
-  };
-  for (const bool deterministic : {true, false}) {
-    const Grads g = backward(hinted.mask, deterministic);
-    for (const auto& [got, want, name] :
-         {std::tuple<const HostTensor&, const st::testing::Bounded&, const char*>{g.dq, ref.dq, "dq"},
-          {g.dk, ref.dk, "dk"},
-          {g.dv, ref.dv, "dv"}}) {
-      const auto r = st::testing::compare_bounded(got, want, c.dtype, name);
-      EXPECT_TRUE(r.ok) << r.first_failure << (deterministic ? " (deterministic)" : " (atomic dQ)");
-    }
-    if (deterministic) {
-      EXPECT_TRUE(g.same_bytes(backward(su.mask, true)));
-    }
-  }
-}
-
 // o with its rows 4 bytes off a 16-byte boundary: the preprocessing's element-wise form (every
 // aligned o above takes its 16-byte form), both modes against the oracle as above.
 TEST(AttentionCudaBackward, UnalignedOTakesTheElementwisePreprocessing) {

@@ -725,49 +725,4 @@ TEST(DqModelNote, SectionedHandOutsAreDeadlockFree) {
   EXPECT_GT(checked, 2000);
 }
 
-// The kernel's hint for a q block's last turn (dq_block_turns over the row lists: the CUDA
-// backward converts a q tile in the kernel after that turn) is the stored turns' count: for masks
-// the library builds, the turns stored in the column lists at each q block are exactly
-// 0 .. dq_block_turns(row blocks, s) - 1 once expanded to s writers a column.
-TEST(DqTurn, RowCountsGiveEachQBlocksTurnCount) {
-  const HostTensor docs = doc_ids(1100, 30, 500, 5);
-  std::vector<st::MaskSpec> specs(3);
-  specs[0].kind = st::MaskKind::kCausal;
-  specs[1].kind = st::MaskKind::kSlidingWindow;
-  specs[1].window_left = 333;
-  specs[2].kind = st::MaskKind::kDocumentCausal;
-  specs[2].doc_q = specs[2].doc_kv = docs.view();
-  for (const st::MaskSpec& spec : specs)
-    for (const int64_t block_kv : {128, 256}) {
-      st::BlockMaskOptions o;
-      o.block_kv = block_kv;
-      const st::BlockMaskTensors t = st::build_block_mask(spec, 1100, 1100, o);
-      const st::BlockMask& m = t.mask;
-      const int32_t s = st::dq_sub_tiles(block_kv);
-      SCOPED_TRACE(spec.str() + " block_kv " + std::to_string(block_kv));
-      const st::MaskIndexView pc = st::mask_index_view(m.q_num_blocks), pi = st::mask_index_view(m.q_indices);
-      const st::MaskIndexView fc = st::mask_index_view(m.full_q_num_blocks), fi = st::mask_index_view(m.full_q_indices);
-      const st::MaskIndexView pt = st::mask_index_view(m.dq_write_order), ft = st::mask_index_view(m.dq_write_order_full);
-      const st::MaskIndexView rc = st::mask_index_view(m.kv_num_blocks), ri = st::mask_index_view(m.kv_indices);
-      const st::MaskIndexView rfc = st::mask_index_view(m.full_kv_num_blocks), rfi = st::mask_index_view(m.full_kv_indices);
-      for (int64_t b = 0; b < m.kv_num_blocks.size(0); ++b) {
-        std::vector<std::vector<int32_t>> turns(size_t(m.num_q_blocks()));
-        for (int64_t n = 0; n < m.num_kv_blocks(); ++n)
-          for (const auto& [count, index, order] : {std::tuple{pc, pi, pt}, std::tuple{fc, fi, ft}})
-            for (int32_t k = 0; k < st::clamp_count(count, index, b, 0, n); ++k)
-              for (int32_t sub = 0; sub < s; ++sub)
-                turns[size_t(index.at(b, 0, n, k))].push_back(st::dq_visit_turn(order.at(b, 0, n, k), s, sub));
-        for (int64_t q = 0; q < m.num_q_blocks(); ++q) {
-          std::vector<int32_t>& got = turns[size_t(q)];
-          std::sort(got.begin(), got.end());
-          const int32_t n_turns =
-              st::dq_block_turns(st::clamp_count(rc, ri, b, 0, q) + st::clamp_count(rfc, rfi, b, 0, q), s);
-          std::vector<int32_t> want(static_cast<size_t>(n_turns));
-          std::iota(want.begin(), want.end(), 0);
-          EXPECT_EQ(got, want) << "batch " << b << " q block " << q;
-        }
-      }
-    }
-}
-
 }  // namespace

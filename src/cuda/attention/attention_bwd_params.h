@@ -37,10 +37,6 @@ struct BwdArgs {
   const int32_t* doc_q_rows;
   float* dq_accum;        // [B, Hq, num_q_tiles, 64 * D] fp32 (tiles in fragment order), zeroed first
   int32_t* semaphores;    // [B * Hq * num_q_tiles], zeroed before every backward
-  void* dq;               // [B, Sq, Hq, D] contiguous, the input dtype: the result
-  // The mask's row lists, the forward's (partial: lists.kv_count / kv_index): how many turns a q
-  // block has (dq_tile_turns). Deterministic mode only.
-  MaskIndexView row_full_count, row_full_index;
   // [4]: set when a dQ wait timed out (a corrupt write order; no more waits), then the q tile's
   // semaphore index, the turn waited for and the value found, for the report.
   int32_t* abandoned;
@@ -59,19 +55,9 @@ struct BwdArgs {
   int64_t spin_limit_ns;    // a dQ wait longer than this reports and gives up (no hang)
 };
 
-// The deterministic mode's turns at q block m of (b, h): its mask row's blocks (dq_block_turns).
-// Only a hint, for the conversion of finished q tiles inside the kernel: the row lists of a device
-// mask are not checked against its column lists, so both conversions compare it with the turns
-// that actually landed (bwd_postprocess_sm90.cuh).
-ST_HOST_DEVICE inline int32_t dq_tile_turns(const BwdArgs& a, int b, int h, int32_t m) {
-  return dq_block_turns(clamp_count<BwdOffset>(a.lists.kv_count, a.lists.kv_index, b, h, m) +
-                            clamp_count<BwdOffset>(a.row_full_count, a.row_full_index, b, h, m),
-                        int32_t(a.sched.handout.sub_tiles));
-}
-
-// The main kernel, then dq [B, Sq, Hq, D] (args.dq) from the accumulator.
+// The main kernel, then dq [B, Sq, Hq, D] (contiguous, the input dtype) from the accumulator.
 // One explicit instantiation per translation unit (attention_bwd_sm90_instance.cu.in).
 template <FwdElement E, int HeadDim>
-void run_bwd_sm90(const BwdArgs& args, void* stream);
+void run_bwd_sm90(const BwdArgs& args, void* dq, void* stream);
 
 }  // namespace sparsetrain::cuda::attn

@@ -19,13 +19,11 @@
 //   dQ writer  two threads (one warp each) take the 64 x D fp32 partials from shared memory in
 //              turn and add each to the accumulator with a bulk TMA reduce-add; in the
 //              deterministic mode a writer first waits until the q tile's semaphore equals the
-//              visit's turn (turn 0 stores: that accumulator is never zeroed), increments it as
-//              soon as its write has landed, and after a tile's last turn brings the finished
-//              tile back into its buffer for the converter warp, which writes it to dq (times
-//              scale, the input dtype). The consumers meanwhile go on
+//              visit's turn (turn 0 stores: that accumulator is never zeroed), and increments it
+//              as soon as its write has landed. The consumers meanwhile go on
 //   epilogue   dK * scale and dV in the input dtype, staged in the item's K and V tiles in
-//              shared memory and written with one TMA store each; a second kernel converts the
-//              rest of the fp32 dQ accumulator (all of it in the non-deterministic mode)
+//              shared memory and written with one TMA store each; a second kernel
+//              converts the fp32 dQ accumulator (times scale) to the input dtype
 //
 // The parts, one header each: bwd_traits_sm90.cuh (tiles, layouts, shared storage, the ticket
 // ring), bwd_mainloop_sm90.cuh (loader and consumers), bwd_dq_writer_sm90.cuh,
@@ -70,8 +68,6 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
       cutlass::arch::ClusterBarrier::init(&ss.dq_full[i], T::kMmaThreads);
       cutlass::arch::ClusterBarrier::init(&ss.dq_empty[i], 1);
     }
-    for (int i = 0; i < T::kDqBuffers; ++i) cutlass::arch::ClusterTransactionBarrier::init(&ss.dq_loaded[i], 1);
-    ss.dq_jobs = ss.dq_writers_done = 0;
     for (int i = 0; i < 2; ++i) {
       cutlass::arch::ClusterBarrier::init(&ss.ticket_full[i], 1);
       cutlass::arch::ClusterBarrier::init(&ss.ticket_empty[i], T::kMmaThreads + T::kDqWriters);
@@ -93,7 +89,6 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
     if (threadIdx.x == 0) bwd_load<T>(p, ss, pipe);
     else if (threadIdx.x % 32 == 0 && threadIdx.x / 32 <= T::kDqWriters) bwd_write_dq<T>(p, ss, threadIdx.x / 32 - 1);
-    else if (warp == T::kDqWriters + 1 && p.args.deterministic) bwd_convert_finished_tiles<T>(p.args, ss);
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
     bwd_compute<T>(p, ss, pipe, int(threadIdx.x) - 128);
@@ -101,7 +96,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
 }
 
 template <FwdElement E, int HeadDim>
-void run_bwd_sm90(const BwdArgs& a, void* stream) {
+void run_bwd_sm90(const BwdArgs& a, void* dq, void* stream) {
   using Element = std::conditional_t<E == FwdElement::kBF16, cutlass::bfloat16_t, cutlass::half_t>;
   using T = BwdTraits<Element, HeadDim>;
   auto tma = [&](const void* ptr, int32_t seq, int32_t heads, int64_t sb, int64_t ss, int64_t sh, auto smem_layout,
@@ -135,7 +130,7 @@ void run_bwd_sm90(const BwdArgs& a, void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
   check_cuda(launch_dependent(bwd_kernel<T>, a.grid, T::kThreads, smem_bytes, s, p), "attention backward launch");
   const int64_t tiles = int64_t(a.batch) * a.heads_q * a.lists.num_q_tiles;
-  check_cuda(launch_dependent(bwd_convert_dq_kernel<T>, int(std::min<int64_t>(tiles, 65535)), T::kMmaThreads, 0, s, a),
+  check_cuda(launch_dependent(bwd_convert_dq_kernel<T>, int(std::min<int64_t>(tiles, 65535)), T::kMmaThreads, 0, s, a, dq),
              "dQ conversion launch");
 }
 
@@ -143,4 +138,4 @@ void run_bwd_sm90(const BwdArgs& a, void* stream) {
 
 // One instantiation per translation unit (attention_bwd_sm90_instance.cu.in).
 #define SPARSETRAIN_ATTN_BWD_INSTANTIATE(E, D) \
-  template void run_bwd_sm90<E, D>(const BwdArgs& a, void* stream);
+  template void run_bwd_sm90<E, D>(const BwdArgs& a, void* dq, void* stream);

@@ -224,9 +224,9 @@ void dispatch([[maybe_unused]] DType dtype, [[maybe_unused]] int64_t head_dim, [
 }
 
 void dispatch_bwd([[maybe_unused]] DType dtype, [[maybe_unused]] int64_t head_dim, [[maybe_unused]] const BwdArgs& a,
-                  [[maybe_unused]] void* stream) {
+                  [[maybe_unused]] void* dq, [[maybe_unused]] void* stream) {
 #define ST_ATTN_BWD_CASE(E, D) \
-  if (dtype == DType::E && head_dim == D) return cuda::attn::run_bwd_sm90<FwdElement::E, D>(a, stream);
+  if (dtype == DType::E && head_dim == D) return cuda::attn::run_bwd_sm90<FwdElement::E, D>(a, dq, stream);
   SPARSETRAIN_ATTN_INSTANCES(ST_ATTN_BWD_CASE)
 #undef ST_ATTN_BWD_CASE
   ST_FAIL("CUDA attention: no backward kernel for ", dtype_name(dtype), ", D = ", head_dim);
@@ -301,8 +301,7 @@ class AttentionCuda final : public backend::AttentionBackend {
       ST_CHECK_ARG(tickets < (int64_t(1) << 31), "k", "B * Hkv * ceil(Skv / 128) below 2^31 (the backward's work items)",
                    tickets, " items");
       // The backward indexes in int32 the mask's lists its walk reads (common/attention_bwd_walk.h:
-      // write orders in the deterministic mode, the forward lists for bitmasks; their counts in the
-      // deterministic mode too, the dQ turns' hint: dq_tile_turns) and the document ids.
+      // write orders in the deterministic mode, the forward lists for bitmasks) and the document ids.
       const bool det = backward->deterministic, bits = mask.spec.kind == MaskKind::kBitmask;
       const bool docs = mask.spec.kind == MaskKind::kDocument || mask.spec.kind == MaskKind::kDocumentCausal;
       const std::pair<const TensorView*, const char*> lists[] = {
@@ -312,10 +311,8 @@ class AttentionCuda final : public backend::AttentionBackend {
           {&mask.full_q_indices, "mask.full_q_indices"},
           {det ? &mask.dq_write_order : nullptr, "mask.dq_write_order"},
           {det ? &mask.dq_write_order_full : nullptr, "mask.dq_write_order_full"},
-          {bits || det ? &mask.kv_num_blocks : nullptr, "mask.kv_num_blocks"},
-          {bits || det ? &mask.kv_indices : nullptr, "mask.kv_indices"},
-          {det ? &mask.full_kv_num_blocks : nullptr, "mask.full_kv_num_blocks"},
-          {det ? &mask.full_kv_indices : nullptr, "mask.full_kv_indices"},
+          {bits ? &mask.kv_num_blocks : nullptr, "mask.kv_num_blocks"},
+          {bits ? &mask.kv_indices : nullptr, "mask.kv_indices"},
           {docs ? &mask.spec.doc_q : nullptr, "mask.spec.doc_q"},
           {docs ? &mask.spec.doc_kv : nullptr, "mask.spec.doc_kv"}};
       for (const auto& [t, name] : lists) check_int32_offsets(t, name, "backward");
@@ -429,7 +426,7 @@ class AttentionCuda final : public backend::AttentionBackend {
     a.v_stride_b = bp.v.stride(0), a.v_stride_s = bp.v.stride(1), a.v_stride_h = bp.v.stride(2);
     a.do_stride_b = bp.dout.stride(0), a.do_stride_s = bp.dout.stride(1), a.do_stride_h = bp.dout.stride(2);
     a.dk = bp.dk.data(), a.dv = bp.dv.data();
-    a.lse_log2 = ws.lse_log2, a.delta = ws.delta, a.dq_accum = ws.dq_accum, a.dq = bp.dq.data();
+    a.lse_log2 = ws.lse_log2, a.delta = ws.delta, a.dq_accum = ws.dq_accum;
     a.doc_q_rows = docs ? ws.doc_q_rows : nullptr;
     a.semaphores = ws.semaphores, a.sched.ticket = ws.counters, a.abandoned = ws.counters + 1;
     a.batch = int32_t(p.batch), a.seq_q = int32_t(p.seq_q), a.seq_kv = int32_t(p.seq_kv);
@@ -442,8 +439,6 @@ class AttentionCuda final : public backend::AttentionBackend {
     if (bp.deterministic) {
       a.lists.partial_turn = mask_index_view(m.dq_write_order);
       a.lists.full_turn = mask_index_view(m.dq_write_order_full);
-      a.row_full_count = mask_index_view(m.full_kv_num_blocks);  // with lists.kv_*: the turns' hint
-      a.row_full_index = mask_index_view(m.full_kv_indices);
     }
     a.lists.kv_count = mask_index_view(m.kv_num_blocks);
     a.lists.kv_index = mask_index_view(m.kv_indices);
@@ -485,7 +480,7 @@ class AttentionCuda final : public backend::AttentionBackend {
     }
     a.deterministic = bp.deterministic;
     a.spin_limit_ns = spin_limit_ns();
-    dispatch_bwd(p.dtype, p.head_dim, a, stream.handle);
+    dispatch_bwd(p.dtype, p.head_dim, a, bp.dq.data(), stream.handle);
 
   }
 };

@@ -1,8 +1,8 @@
 // The backward's dQ writers (two producer threads, taking the partials in turn): each 64 x D fp32
 // partial from shared memory into the accumulator with a bulk TMA reduce-add; in the deterministic
-// mode after waiting for the q tile's turn on its semaphore (the first turn stores), releasing the
-// next writer once the write has landed, and after a tile's last turn handing it to the converter
-// warp; and the primitives they synchronise with other CTAs through.
+// mode after waiting for the q tile's turn on its semaphore (the first turn stores), and releasing
+// the next writer once the write has landed; and the primitives they synchronise with other CTAs
+// through.
 #pragma once
 
 #include <cstdint>
@@ -72,23 +72,13 @@ __device__ __forceinline__ void bulk_wait() {
   asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
 }
 
-__device__ __forceinline__ void fence_proxy_async_global() {
-  asm volatile("fence.proxy.async.global;" ::: "memory");
-}
-
 // Writer `writer` of T::kDqWriters takes every kDqWriters-th partial (the CTA's visits counted in
 // walk order). Each has one add in flight: it hands the buffer back once the add has read it, and
 // releases the q tile's next writer as soon as the add has landed, not when a later partial
 // arrives (on a long column that hand-off is on the deterministic mode's critical path once per
 // (q tile, column)); meanwhile the other writers take the next partials. A writer never waits for
-// a turn while holding a release back (its own add is retired first): what deadlock freedom needs
-// (the argument, for any number of writers: attention_bwd_walk.h).
-//
-// The deterministic mode's writer of a q tile's last turn (dq_tile_turns, the mask's hint) hands
-// the finished tile to the converter warp (bwd_convert_finished_tiles) instead of handing the
-// buffer back: once its add has landed, the tile comes back from L2 into the same buffer with one
-// bulk copy (a tile of one turn is the partial itself, which is still stored: a wrong hint must
-// leave the accumulator right for the conversion kernel), and the converter returns the buffer.
+// a turn while holding a release back (its own add is retired first): what deadlock freedom
+// needs (the argument, for any number of writers: attention_bwd_walk.h).
 template <class T>
 __device__ void bwd_write_dq(const typename T::Params& p, typename T::SharedStorage& ss, int writer) {
   const BwdArgs& a = p.args;
@@ -109,24 +99,22 @@ __device__ void bwd_write_dq(const typename T::Params& p, typename T::SharedStor
       const int buf = n_dq % T::kDqBuffers;
       cutlass::arch::ClusterBarrier::wait(&ss.dq_full[buf], (n_dq / T::kDqBuffers) & 1);
       const int64_t tile = bwd_q_tile_index(b, visit.q_head, a.heads_q, a.lists.num_q_tiles, visit.q_tile);
-      float* dst = a.dq_accum + tile * (T::kBlockM * T::kHeadDim);
-      float* src = ss.dq.data() + buf * (T::kBlockM * T::kHeadDim);
       // The deterministic mode's first writer of a q tile stores (the accumulator is never zeroed
       // there; the conversion kernel writes zeros for a tile nobody wrote). A writer whose wait
       // gave up stores too: the first write to land on a tile is then always a store, so even a
       // corrupt order leaves finite (if wrong) numbers, never the scratch's old bytes.
-      bool store = false, last = false;
+      bool store = false;
       if (a.deterministic) {
         const int32_t turn = dq_visit_turn(visit.turn, int32_t(a.sched.handout.sub_tiles), sub_tile);
-        const bool in_order = wait_turn(a.semaphores + tile, turn, a);
-        store = !in_order || turn == 0;
-        last = in_order && turn + 1 == dq_tile_turns(a, b, visit.q_head, visit.q_block);
+        store = !wait_turn(a.semaphores + tile, turn, a) || turn == 0;
       }
+      float* dst = a.dq_accum + tile * (T::kBlockM * T::kHeadDim);
+      const float* src = ss.dq.data() + buf * (T::kBlockM * T::kHeadDim);
       if (store) bulk_store(dst, src, T::kDqBytes);
       else bulk_reduce_add(dst, src, T::kDqBytes);
       tma_store_arrive();
       tma_store_wait<0>();  // shared memory read: the buffer goes back to the consumers at once
-      if (!last) cutlass::arch::ClusterBarrier::arrive(&ss.dq_empty[buf]);
+      cutlass::arch::ClusterBarrier::arrive(&ss.dq_empty[buf]);
       if (a.deterministic) {
         // Landed in global memory: now the next writer may add to the tile. The release orders the
         // landed add before the semaphore (cumulative: the add is visible to this thread once the
@@ -134,26 +122,7 @@ __device__ void bwd_write_dq(const typename T::Params& p, typename T::SharedStor
         bulk_wait<0>();
         add_release(a.semaphores + tile, 1);
       }
-      if (last) {
-        // Which tile, in the buffer's slot. (Stored through a constant index: a store at a
-        // computed index into shared storage made ptxas spill 12 bytes in this kernel.)
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < T::kDqBuffers; ++i)
-          if (i == buf) ss.dq_job[i] = int32_t(tile);  // < 2^30 (the backend checks)
-        atomicAdd(&ss.dq_jobs, 1);
-        if (store) {  // one turn: the partial is the tile
-          cutlass::arch::ClusterBarrier::arrive(&ss.dq_loaded[buf]);
-        } else {  // the finished tile, from L2 into the buffer the add has read
-          fence_proxy_async_global();
-          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.dq_loaded[buf], T::kDqBytes);
-          SM90_BULK_COPY_G2S::copy(dst, &ss.dq_loaded[buf], src, int32_t(T::kDqBytes));
-        }
-      }
     }
-  }
-  if (a.deterministic) {
-    __threadfence_block();  // its jobs' count before its "done" (bwd_convert_finished_tiles)
-    atomicAdd(&ss.dq_writers_done, 1);
   }
 }
 

@@ -95,7 +95,7 @@ struct BwdTraits {
   // could not share one without mistaking an earlier phase for its own.
   static constexpr int kDqWriters = 2;
   static_assert(kDqBuffers % kDqWriters == 0, "each dQ writer owns every kDqWriters-th buffer");
-  static_assert(kDqWriters <= 2, "the writers are lane 0 of the producer warpgroup's warps 1, 2; warp 3 converts");
+  static_assert(kDqWriters <= 3, "the writers are lane 0 of the producer warpgroup's warps 1..3");
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
 
@@ -114,11 +114,6 @@ struct BwdTraits {
     typename Pipeline::SharedStorage pipe;
     uint64_t kv_full, kv_empty;  // the item's K and V landed / its dK and dV stores have read them
     uint64_t dq_full[kDqBuffers], dq_empty[kDqBuffers];  // a dQ partial written / read by its writer
-    // A finished q tile in a dQ buffer for the converter warp, and which one (bwd_q_tile_index);
-    // the jobs handed over so far and the writers done (bwd_convert_finished_tiles).
-    uint64_t dq_loaded[kDqBuffers];
-    int32_t dq_job[kDqBuffers];
-    int32_t dq_jobs, dq_writers_done;
     uint64_t ticket_full[2], ticket_empty[2];
     int32_t ticket[2];
   };
