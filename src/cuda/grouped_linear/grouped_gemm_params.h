@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/grouped_linear/sm90_tuning.h"
 
@@ -19,8 +20,8 @@ struct GroupedGemmParams {
   GemmKind kind;
   int64_t num_groups, num_rows, in, out;
   const int64_t* offsets;  // [G + 1], device memory (set-up kernel or host copy)
-  // Host splits' offsets [G + 1] that the sm90 set-up kernel writes into `offsets` (the call's
-  // workspace) as it reads them; null: `offsets` holds them already.
+  // Host splits' offsets [G + 1] that the first kernel (the sm90 set-up kernel, or the SIMT GEMM)
+  // writes into `offsets` (the call's workspace) as it reads them; null: `offsets` holds them already.
   const int64_t* host_offsets;
   const void* act;         // fprop: x [T, in]; dgrad and wgrad: dy [T, out]
   int64_t act_ld;
@@ -32,14 +33,26 @@ struct GroupedGemmParams {
   const void* weight[kMaxGroups];  // [out, in] contiguous
   const void* bias[kMaxGroups];    // fprop: [out] or null
   void* dw[kMaxGroups];            // wgrad: [out, in] contiguous, dtype or fp32 main_grad
-  struct DwTable {
-    void* ptr[kMaxGroups];
-  };
 };
 
-// Launchers, one explicit instantiation per element type and .cu file.
+// A kernel's per-group tables are cut to a capacity before its launch: the parameters go through
+// the driver on the host, and three tables of kMaxGroups pointers (12 KiB) cost a few-group call
+// several microseconds of host time a launch more than a few hundred bytes (docs/PERF.md). Calls
+// f(std::integral_constant<int, Cap>) with the smallest of 16, 128 and kMaxGroups that holds
+// num_groups (the caller bounds it by kMaxGroups).
+template <typename F>
+void with_group_cap(int64_t num_groups, F&& f) {
+  if (num_groups <= 16) f(std::integral_constant<int, 16>{});
+  else if (num_groups <= 128) f(std::integral_constant<int, 128>{});
+  else f(std::integral_constant<int, kMaxGroups>{});
+}
+
+// Launchers, one explicit instantiation per element type and .cu file. launch_grouped_gemm folds
+// p.host_offsets in (the kernel reads them from its parameters and writes them to p.offsets for
+// the kernels after it) and says whether it launched: a problem with no output tiles launches
+// nothing, and then the caller must write host offsets itself.
 template <typename E>
-void launch_grouped_gemm(const GroupedGemmParams& p, void* stream);
+bool launch_grouped_gemm(const GroupedGemmParams& p, void* stream);
 template <typename E>
 void launch_bias_grad(const int64_t* offsets, int64_t num_groups, int64_t out, const void* dy, int64_t dy_ld,
                       void* db, void* stream);  // db: [G, out] contiguous

@@ -3,7 +3,7 @@
 
 namespace sparsetrain::cuda {
 
-template void launch_grouped_gemm<bf16_t>(const GroupedGemmParams&, void*);
+template bool launch_grouped_gemm<bf16_t>(const GroupedGemmParams&, void*);
 template void launch_bias_grad<bf16_t>(const int64_t*, int64_t, int64_t, const void*, int64_t, void*, void*);
 template void launch_zero_tail<bf16_t>(const int64_t*, int64_t, void*, int64_t, int64_t, void*);
 

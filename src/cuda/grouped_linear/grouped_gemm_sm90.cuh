@@ -231,9 +231,8 @@ struct Sm90GroupedGemm {
   }
 };
 
-// What the set-up kernel reads of GroupedGemmParams, its per-group tables cut to `Cap` entries: a
-// launch's parameters go through the driver on the host, and the whole struct's 12 KiB cost a
-// few-group call more host time than all its other work but one launch (docs/PERF.md).
+// What the set-up kernel reads of GroupedGemmParams, its per-group tables cut to `Cap` entries
+// (with_group_cap).
 template <int Cap>
 struct SetupParams {
   int64_t num_groups, in, out;
@@ -312,8 +311,12 @@ __global__ void sm90_setup_kernel(const SetupParams<Cap> p, typename S::Arrays a
 
 // dW_g = 0 for the groups with no rows (a weight grad, or main_grad being overwritten); a main_grad
 // being accumulated is left untouched. Grid (blocks, G); groups with rows return at once.
-template <typename T>
-__global__ void zero_empty_groups_kernel(const int64_t* offsets, GroupedGemmParams::DwTable dw, int64_t numel) {
+template <int Cap>
+struct DwTable {
+  void* ptr[Cap];
+};
+template <typename T, int Cap>
+__global__ void zero_empty_groups_kernel(const int64_t* offsets, const __grid_constant__ DwTable<Cap> dw, int64_t numel) {
   const int64_t g = blockIdx.y;
   if (offsets[g + 1] != offsets[g]) return;
   T* out = static_cast<T*>(dw.ptr[g]);
@@ -343,25 +346,21 @@ void Sm90GroupedGemm<V, E>::run(const GroupedGemmParams& p, const Tuning& t, voi
   // (the problem shapes stay on the device), so it can run before the set-up kernel writes them.
   if (arrays_bytes(p.num_groups) + Gemm::get_workspace_size(args) > bytes) ST_FAIL("sm90 grouped GEMM: workspace too small");
   check_status(Gemm::can_implement(args), "can_implement");
-  auto setup = [&](auto cap) {
+  with_group_cap(p.num_groups, [&](auto cap) {
     constexpr int kCap = decltype(cap)::value;
     sm90_setup_kernel<Sm90GroupedGemm, kCap><<<unsigned((p.num_groups + 127) / 128), 128, 0, s>>>(
         setup_params<kCap>(p), a);
-  };
-  if (p.num_groups <= 16) {
-    setup(std::integral_constant<int, 16>{});
-  } else if (p.num_groups <= 128) {
-    setup(std::integral_constant<int, 128>{});
-  } else {
-    setup(std::integral_constant<int, kMaxGroups>{});
-  }
+  });
   ST_CUDA_CHECK(cudaGetLastError(), "sm90 grouped GEMM: sm90_setup_kernel launch");
   if constexpr (kComputes == Variant::kWgrad || kComputes == Variant::kWgradF32) {
     if (p.wgrad_store != WgradStore::kMainGradAccumulate) {
-      GroupedGemmParams::DwTable t;
-      for (int64_t g = 0; g < p.num_groups; ++g) t.ptr[g] = p.dw[g];
-      const dim3 grid(64, unsigned(p.num_groups));
-      zero_empty_groups_kernel<ElementD><<<grid, 256, 0, s>>>(p.offsets, t, p.out * p.in);
+      with_group_cap(p.num_groups, [&](auto cap) {
+        constexpr int kCap = decltype(cap)::value;
+        DwTable<kCap> t;
+        std::copy(p.dw, p.dw + p.num_groups, t.ptr);
+        const dim3 grid(64, unsigned(p.num_groups));
+        zero_empty_groups_kernel<ElementD, kCap><<<grid, 256, 0, s>>>(p.offsets, t, p.out * p.in);
+      });
       ST_CUDA_CHECK(cudaGetLastError(), "sm90 grouped GEMM: zero_empty_groups_kernel launch");
     }
   }

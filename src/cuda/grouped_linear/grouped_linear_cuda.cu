@@ -234,15 +234,12 @@ class CudaBackend final : public GroupedLinearBackend {
     const Variant v = kind == GemmKind::kDgrad ? Variant::kDgrad : bias.empty() ? Variant::kFprop : Variant::kFpropBias;
     const std::optional<Variant> sm90 = sm90_kernel(v, pr, {&act}, weight, aligned16(c.data()));
     const bool fast = sm90.has_value();
-    if (pr.host_offsets != nullptr) {  // folded host splits: the set-up kernel writes them, else a kernel of their own
-      if (fast) p.host_offsets = pr.host_offsets;
-      else write_host_offsets(const_cast<int64_t*>(pr.offsets), pr.host_offsets, pr.num_groups + 1,
-                              act.device(), stream);
-    }
+    p.host_offsets = pr.host_offsets;  // folded host splits: the first kernel (either GEMM's) writes them
     if (fast) run_sm90(*sm90, pr.dtype, p, scratch, stream);
     dispatch_dtype(pr.dtype, "CUDA GroupedLinear", [&](auto e) {
       using E = decltype(e);
-      if (!fast) cuda::launch_grouped_gemm<E>(p, stream.handle);
+      if (!fast && !cuda::launch_grouped_gemm<E>(p, stream.handle) && p.host_offsets != nullptr)
+        write_host_offsets(const_cast<int64_t*>(pr.offsets), pr.host_offsets, pr.num_groups + 1, act.device(), stream);
       if (zero_tail) cuda::launch_zero_tail<E>(pr.offsets, pr.num_groups, c.data(), c.size(0), c.size(1), stream.handle);
     });
   }
