@@ -14,6 +14,7 @@
 #include <map>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "sparsetrain/allocator.h"
 #include "sparsetrain/error.h"
@@ -102,7 +103,9 @@ class TorchAllocator final : public Allocator {
 
   // A result as a torch tensor over its allocation's storage (not a from_blob wrapper: torch's
   // record_stream and the caching allocator's stream tracking must see the real allocation).
-  at::Tensor take(const Tensor& t) const {
+  // swap_1_2: dims 1 and 2 exchanged, as `.transpose(1, 2)` would, without its dispatcher call (the
+  // core's [B, S, H, D] attention results in FlexAttention's [B, H, S, D] order).
+  at::Tensor take(const Tensor& t, bool swap_1_2 = false) const {
     const TensorView& v = t.view();
     auto it = live_.upper_bound(v.data());
     if (it == live_.begin()) ST_FAIL("internal: no allocation holds address ", v.data());
@@ -116,9 +119,13 @@ class TorchAllocator final : public Allocator {
     // calls less per result than at::empty({0}).set_(storage, ...).
     at::Tensor r = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(owner.storage()), owner.key_set(),
                                                             c10::scalarTypeToTypeMeta(type));
-    r.unsafeGetTensorImpl()->set_sizes_and_strides(at::IntArrayRef(v.shape(), size_t(v.dim())),
-                                                   at::IntArrayRef(v.strides(), size_t(v.dim())),
-                                                   offset / int64_t(v.element_size()));
+    std::vector<int64_t> sizes(v.shape(), v.shape() + v.dim()), strides(v.strides(), v.strides() + v.dim());
+    if (swap_1_2) {
+      if (v.dim() < 3) ST_FAIL("internal: take(swap_1_2) of a ", v.dim(), "-d result");
+      std::swap(sizes[1], sizes[2]);
+      std::swap(strides[1], strides[2]);
+    }
+    r.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides, offset / int64_t(v.element_size()));
     return r;
   }
 

@@ -170,7 +170,7 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     const st::AttentionForward f = st::block_sparse_attention_forward(
         bshd_view_of(q, "q"), bshd_view_of(k, "k"), bshd_view_of(v, "v"), mask->current(scratch),
         options_of(scale, deterministic, sm_limit), call_on(q, &alloc));
-    at::Tensor o = alloc.take(f.o).transpose(1, 2), lse = alloc.take(f.lse);
+    at::Tensor o = alloc.take(f.o, /*swap_1_2=*/true), lse = alloc.take(f.lse);
     ctx->mark_non_differentiable({lse});
     // lse has no gradient: no zero tensor for it (a fill kernel a backward); o's may be undefined
     // (o unused), then so are q's, k's and v's.
@@ -206,8 +206,7 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
           mask_of(mask_tensors, sizes, ctx->saved_data["kinds"].toStringRef()),
           options_of(ctx->saved_data["scale"].toDouble(), deterministic, ctx->saved_data["sm_limit"].toInt()),
           call_on(s[0], &alloc));
-      return variable_list{alloc.take(g.dq).transpose(1, 2), alloc.take(g.dk).transpose(1, 2),
-                           alloc.take(g.dv).transpose(1, 2), {}, {}, {}, {}};
+      return variable_list{alloc.take(g.dq, true), alloc.take(g.dk, true), alloc.take(g.dv, true), {}, {}, {}, {}};
     });
   }
 };
