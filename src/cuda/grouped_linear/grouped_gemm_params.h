@@ -3,6 +3,7 @@
 // copied from the host per launch). Per-group pointers live in the struct, which bounds G.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -45,6 +46,43 @@ void with_group_cap(int64_t num_groups, F&& f) {
   if (num_groups <= 16) f(std::integral_constant<int, 16>{});
   else if (num_groups <= 128) f(std::integral_constant<int, 128>{});
   else f(std::integral_constant<int, kMaxGroups>{});
+}
+
+// GroupedGemmParams as a kernel takes it: the per-group tables cut to Cap entries (with_group_cap),
+// host splits' offsets folded in (the kernel reads them from its parameters and writes them to
+// write_offsets, the call's workspace, for the kernels after it).
+template <int Cap>
+struct CappedGemmParams {
+  GemmKind kind;
+  WgradStore wgrad_store;
+  int64_t num_groups, num_rows, in, out;
+  const int64_t* offsets;  // [G + 1] in device memory, read unless host offsets are folded in
+  int64_t* write_offsets;  // folded host splits: where host_offsets go; else null
+  int64_t host_offsets[Cap + 1];
+  const void* act;
+  int64_t act_ld;
+  const void* act2;
+  int64_t act2_ld;
+  void* c;
+  int64_t c_ld;
+  const void* weight[Cap];
+  const void* bias[Cap];
+  void* dw[Cap];
+};
+
+template <int Cap>
+CappedGemmParams<Cap> capped_params(const GroupedGemmParams& p) {
+  CappedGemmParams<Cap> s;
+  s.kind = p.kind, s.wgrad_store = p.wgrad_store;
+  s.num_groups = p.num_groups, s.num_rows = p.num_rows, s.in = p.in, s.out = p.out;
+  s.offsets = p.offsets;
+  s.write_offsets = p.host_offsets != nullptr ? const_cast<int64_t*>(p.offsets) : nullptr;
+  if (p.host_offsets != nullptr) std::copy(p.host_offsets, p.host_offsets + p.num_groups + 1, s.host_offsets);
+  s.act = p.act, s.act_ld = p.act_ld, s.act2 = p.act2, s.act2_ld = p.act2_ld, s.c = p.c, s.c_ld = p.c_ld;
+  std::copy(p.weight, p.weight + p.num_groups, s.weight);
+  std::copy(p.bias, p.bias + p.num_groups, s.bias);
+  std::copy(p.dw, p.dw + p.num_groups, s.dw);
+  return s;
 }
 
 // Launchers, one explicit instantiation per element type and .cu file. launch_grouped_gemm folds

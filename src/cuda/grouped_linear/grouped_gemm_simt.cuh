@@ -11,8 +11,6 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
-
 #include "common/grouped_tile_scheduler.h"
 #include "cuda/cuda_check.h"
 #include "cuda/element.cuh"
@@ -24,46 +22,10 @@ namespace sparsetrain::cuda {
 
 constexpr int kTileM = 64, kTileN = 64, kTileK = 16, kThreads = 256;
 
-// What the kernel reads of GroupedGemmParams, its per-group tables cut to Cap entries
-// (with_group_cap), host splits' offsets folded in.
-template <int Cap>
-struct SimtParams {
-  GemmKind kind;
-  WgradStore wgrad_store;
-  int64_t num_groups, num_rows, in, out;
-  const int64_t* offsets;       // [G + 1] in device memory, read unless host offsets are folded in
-  int64_t* write_offsets;       // folded host splits: host_offsets go here for the kernels after this one
-  int64_t host_offsets[Cap + 1];
-  const void* act;
-  int64_t act_ld;
-  const void* act2;
-  int64_t act2_ld;
-  void* c;
-  int64_t c_ld;
-  const void* weight[Cap];
-  const void* bias[Cap];
-  void* dw[Cap];
-};
-
-template <int Cap>
-SimtParams<Cap> simt_params(const GroupedGemmParams& p) {
-  SimtParams<Cap> s;
-  s.kind = p.kind, s.wgrad_store = p.wgrad_store;
-  s.num_groups = p.num_groups, s.num_rows = p.num_rows, s.in = p.in, s.out = p.out;
-  s.offsets = p.offsets;
-  s.write_offsets = p.host_offsets != nullptr ? const_cast<int64_t*>(p.offsets) : nullptr;
-  if (p.host_offsets != nullptr) std::copy(p.host_offsets, p.host_offsets + p.num_groups + 1, s.host_offsets);
-  s.act = p.act, s.act_ld = p.act_ld, s.act2 = p.act2, s.act2_ld = p.act2_ld, s.c = p.c, s.c_ld = p.c_ld;
-  std::copy(p.weight, p.weight + p.num_groups, s.weight);
-  std::copy(p.bias, p.bias + p.num_groups, s.bias);
-  std::copy(p.dw, p.dw + p.num_groups, s.dw);
-  return s;
-}
-
 // __grid_constant__: the tables are read where the launch put them (a by-value array indexed at
 // run time would otherwise be copied to local memory first).
 template <typename E, int Cap>
-__global__ void __launch_bounds__(kThreads) grouped_gemm_simt_kernel(const __grid_constant__ SimtParams<Cap> p) {
+__global__ void __launch_bounds__(kThreads) grouped_gemm_simt_kernel(const __grid_constant__ CappedGemmParams<Cap> p) {
   __shared__ float As[kTileK][kTileM];
   __shared__ float Bs[kTileK][kTileN];
   const int tid = int(threadIdx.x), tx = tid % 16, ty = tid / 16;
@@ -198,7 +160,7 @@ bool launch_grouped_gemm(const GroupedGemmParams& p, void* stream) {
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return false;
   with_group_cap(p.num_groups, [&](auto cap) {
     constexpr int kCap = decltype(cap)::value;
-    grouped_gemm_simt_kernel<E, kCap><<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(simt_params<kCap>(p));
+    grouped_gemm_simt_kernel<E, kCap><<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(capped_params<kCap>(p));
   });
   ST_CUDA_CHECK(cudaGetLastError(), "grouped_gemm_simt_kernel launch");
   return true;

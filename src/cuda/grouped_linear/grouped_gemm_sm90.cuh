@@ -231,52 +231,19 @@ struct Sm90GroupedGemm {
   }
 };
 
-// What the set-up kernel reads of GroupedGemmParams, its per-group tables cut to `Cap` entries
-// (with_group_cap).
-template <int Cap>
-struct SetupParams {
-  int64_t num_groups, in, out;
-  int64_t* offsets;  // written from host_offsets when write_offsets (host splits folded in), else read
-  bool write_offsets;
-  int64_t host_offsets[Cap + 1];
-  const void* act;
-  int64_t act_ld;
-  const void* act2;
-  int64_t act2_ld;
-  void* c;
-  int64_t c_ld;
-  const void* weight[Cap];
-  const void* bias[Cap];
-  void* dw[Cap];
-};
-
-template <int Cap>
-SetupParams<Cap> setup_params(const GroupedGemmParams& p) {
-  SetupParams<Cap> s;
-  s.num_groups = p.num_groups, s.in = p.in, s.out = p.out;
-  s.offsets = const_cast<int64_t*>(p.offsets);  // the call's workspace (written only when folding)
-  s.write_offsets = p.host_offsets != nullptr;
-  if (s.write_offsets) std::copy(p.host_offsets, p.host_offsets + p.num_groups + 1, s.host_offsets);
-  s.act = p.act, s.act_ld = p.act_ld, s.act2 = p.act2, s.act2_ld = p.act2_ld, s.c = p.c, s.c_ld = p.c_ld;
-  std::copy(p.weight, p.weight + p.num_groups, s.weight);
-  std::copy(p.bias, p.bias + p.num_groups, s.bias);
-  std::copy(p.dw, p.dw + p.num_groups, s.dw);
-  return s;
-}
-
 // One thread per group: that group's problem, pointers and strides. A wgrad group with no rows
 // gets M = 0; zero_empty_groups_kernel writes its zeros.
 template <typename S, int Cap>
-__global__ void sm90_setup_kernel(const SetupParams<Cap> p, typename S::Arrays a) {
+__global__ void sm90_setup_kernel(const __grid_constant__ CappedGemmParams<Cap> p, typename S::Arrays a) {
   using E = typename S::Element;
   constexpr Variant V = S::kComputes;
   const int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (g >= p.num_groups) return;
   int64_t row, end;
-  if (p.write_offsets) {  // host splits: this launch also puts their offsets where later kernels read them
+  if (p.write_offsets != nullptr) {  // host splits: this launch also puts their offsets where later kernels read them
     row = p.host_offsets[g], end = p.host_offsets[g + 1];
-    p.offsets[g] = row;
-    if (g == p.num_groups - 1) p.offsets[g + 1] = end;
+    p.write_offsets[g] = row;
+    if (g == p.num_groups - 1) p.write_offsets[g + 1] = end;
   } else {
     row = p.offsets[g], end = p.offsets[g + 1];
   }
@@ -349,7 +316,7 @@ void Sm90GroupedGemm<V, E>::run(const GroupedGemmParams& p, const Tuning& t, voi
   with_group_cap(p.num_groups, [&](auto cap) {
     constexpr int kCap = decltype(cap)::value;
     sm90_setup_kernel<Sm90GroupedGemm, kCap><<<unsigned((p.num_groups + 127) / 128), 128, 0, s>>>(
-        setup_params<kCap>(p), a);
+        capped_params<kCap>(p), a);
   });
   ST_CUDA_CHECK(cudaGetLastError(), "sm90 grouped GEMM: sm90_setup_kernel launch");
   if constexpr (kComputes == Variant::kWgrad || kComputes == Variant::kWgradF32) {
