@@ -37,10 +37,10 @@ const Shape kShapes[] = {
     {st::DType::kFP16, 5, 97, 89, 13, 37, {0, 3}, false, true, true},        // not multiples of 8
     {st::DType::kBF16, 3, 61, 0, 16, 24, {0, 1, 2}, true, true, false},      // only a padded tail
     // G > 128 with host splits covering every row: the set-up kernel's largest parameter tables,
-    // the host offsets' large-capacity kernel, no tail launch.
+    // no tail launch.
     {st::DType::kBF16, 300, 1500, 1500, 64, 48, {7, 150}, true, false, false},
     // fp32 runs the SIMT kernel on every GPU, host splits folded into its parameters at each table
-    // capacity (16, 128, 512 groups), with a padded tail (its zeros read the offsets it wrote).
+    // capacity (16, 128, 512 groups), two with padded tails (their zeros read the offsets it wrote).
     {st::DType::kFP32, 4, 70, 70, 24, 40, {1}, false, true, false},
     {st::DType::kFP32, 40, 333, 300, 16, 24, {3, 39}, true, true, false},
     {st::DType::kFP32, 200, 900, 800, 16, 8, {0, 199}, true, false, false},
