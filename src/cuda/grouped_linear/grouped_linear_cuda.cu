@@ -69,9 +69,8 @@ __global__ void __launch_bounds__(kOffsetsThreads)
 
 // Host splits' offsets into device memory through a kernel's parameters rather than a pageable
 // cudaMemcpyAsync: as fast on the host (measured, docs/PERF.md), nothing staged or waited for, and
-// a captured graph keeps the values. Two capacities, so that the common few-expert call does not
-// pass 4 KiB of parameters.
-constexpr int kFewOffsets = 32;
+// a captured graph keeps the values. Only where no GEMM launch carries them (folds them in): a
+// problem with no output tiles.
 template <int N>
 struct HostOffsets {
   int64_t v[N];
@@ -79,13 +78,6 @@ struct HostOffsets {
 template <int N>
 __global__ void write_offsets_kernel(const HostOffsets<N> h, int64_t count, int64_t* dst) {
   for (int64_t i = threadIdx.x; i < count; i += blockDim.x) dst[i] = h.v[i];
-}
-template <int N>
-void launch_write_offsets(int64_t* dst, const int64_t* values, int64_t count, cudaStream_t stream) {
-  HostOffsets<N> h;
-  std::copy(values, values + count, h.v);
-  write_offsets_kernel<N><<<1, 128, 0, stream>>>(h, count, dst);
-  ST_CUDA_CHECK(cudaGetLastError(), "write_offsets_kernel launch");
 }
 
 GroupedGemmParams base_params(GemmKind kind, const GroupedProblem& pr) {
@@ -173,10 +165,14 @@ class CudaBackend final : public GroupedLinearBackend {
   void write_host_offsets(int64_t* dst, const int64_t* values, int64_t count, Device device,
                           Stream stream) override {
     cuda::DeviceGuard guard(device.index);
-    if (count <= kFewOffsets) return launch_write_offsets<kFewOffsets>(dst, values, count, as_cuda(stream));
     if (count > cuda::kMaxGroups + 1)  // max_groups() bounds G before any call gets here
       ST_FAIL("write_host_offsets: ", count, " offsets, more than one launch takes");
-    launch_write_offsets<cuda::kMaxGroups + 1>(dst, values, count, as_cuda(stream));
+    cuda::with_group_cap(count - 1, [&](auto cap) {
+      HostOffsets<decltype(cap)::value + 1> h;
+      std::copy(values, values + count, h.v);
+      write_offsets_kernel<<<1, 128, 0, as_cuda(stream)>>>(h, count, dst);
+    });
+    ST_CUDA_CHECK(cudaGetLastError(), "write_offsets_kernel launch");
   }
   std::vector<int64_t> read_int64(const TensorView& t, Stream stream) override {
     cuda::DeviceGuard guard(t.device().index);
