@@ -172,8 +172,7 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
   int n_dq = 0;  // visits so far: each makes one dQ partial (and takes the next dS buffer)
   // A tile's dQ partial, from registers to shared memory for its writer thread, while the tile's
   // dK GEMM runs. (Deferring it past the next tile's first GEMMs runs out of registers: ptxas
-  // then serialises. So did walking the mask one visit ahead here, as the forward does: ~130
-  // spilled loads and stores per tile.)
+  // then serialises.)
   auto write_dq = [&] {
     const int buf = n_dq % T::kDqBuffers;
     if (n_dq >= T::kDqBuffers)  // the writer has read the buffer's previous partial
@@ -200,14 +199,19 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
     cutlass::arch::ClusterBarrier::wait(&ss.kv_full, n_item & 1);
     // dK and dV sum the visits in walk order: a function of the schedule, never of the grid.
     BwdItemCursor cur = bwd_item_begin(a.lists, b, hkv, group, column);
-    BwdVisit visit;
-    while (bwd_item_next<kVisitBitEntry>(a.lists, b, column, cur, &visit)) {
+    BwdVisit next;
+    bool have = bwd_item_next<kVisitBitEntry>(a.lists, b, column, cur, &next);
+    while (have) {
+      const BwdVisit visit = next;
       const int h = visit.q_head;
       const int st = read.index();
       const int q0 = visit.q_tile * M;
       pipe.consumer_wait(read);
       warpgroup_gemm_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, st), tSrS);
       warpgroup_gemm_issue<true>(mma_sdp, tPrV, tPrdO(_, _, _, st), tPrP);
+      // The next visit's walk (dependent loads of the mask's lists) while this visit's GEMMs run,
+      // where the registers allow it (T::kWalkAhead); otherwise after the visit's last GEMM.
+      if constexpr (T::kWalkAhead) have = bwd_item_next<kVisitBitEntry>(a.lists, b, column, cur, &next);
       warpgroup_wait<1>();
       warpgroup_fence_operand(tSrS);
       if (visit.partial) {
@@ -249,6 +253,7 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
       warpgroup_fence_operand(tdKrdK);
       pipe.consumer_release(read);
       ++read;
+      if constexpr (!T::kWalkAhead) have = bwd_item_next<kVisitBitEntry>(a.lists, b, column, cur, &next);
     }
     // dK and dV leave through K's and V's shared memory, once both warpgroups' last GEMMs are done
     // with them (each dQ GEMM reads every key of K); the loader refills them once stored.

@@ -1,0 +1,55 @@
+"""A / B of the attention backward across two builds: run it once per build, in alternating
+processes, each with its build's package first on PYTHONPATH; every process prints one JSON line
+per case with its tag. Per case of bench_attention.py's CASES (bf16, its B, H, S, D, mask, the
+"auto" schedule built on the host): the backward alone (torch.autograd.grad over a retained
+forward graph), deterministic and not, back to back, the two alternating in each of 5 rounds of
+20 calls (bench_attention.interleaved_ms), medians; and whether two deterministic backwards are
+bitwise the same.
+
+    # base = a checkout of the commit to compare with, built beside this one (scripts/setup)
+    for r in 1 2; do
+      PYTHONPATH=base/python python3 bench/bench_bwd_ab.py base causal_d64,causal_s2048_b8
+      PYTHONPATH=python python3 bench/bench_bwd_ab.py new causal_d64,causal_s2048_b8
+    done
+"""
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch
+
+import bench_attention as ba
+
+
+def main(tag, names):
+    import sparsetrain
+    import sparsetrain.torch as stt
+
+    workers = torch.cuda.get_device_properties(0).multi_processor_count
+    for name in names:
+        c, g, doc_cpu, _, _, _ = ba.case_masks(name, ba.SEQ, "cuda")
+        B, S, Hq, Hkv, D = g.B, g.S, c.Hq, c.Hkv, c.D
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = (torch.randn(B, h, S, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+                   for h in (Hq, Hkv, Hkv))
+        do = torch.randn(B, Hq, S, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        mask = sparsetrain.BlockMask.build(c.kind, S, framework="torch", schedule="auto",
+                                           auto_problem=(B, Hq, Hkv, workers),
+                                           **ba.our_mask_args(c.kind, g, doc_cpu)).to("cuda")
+        outs = [stt.block_sparse_attention(q, k, v, mask, deterministic=d) for d in (True, False)]
+        med, _ = ba.interleaved_ms([lambda o=o: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+                                    for o in outs], 5, 20)
+        g1, g2 = (torch.autograd.grad(outs[0], (q, k, v), do, retain_graph=True) for _ in range(2))
+        print(json.dumps({"tag": tag, "case": name, "device": torch.cuda.get_device_name(), "det_ms": med[0],
+                          "nondet_ms": med[1], "bitwise": all(torch.equal(x, y) for x, y in zip(g1, g2))}),
+              flush=True)
+        del outs, q, k, v, do
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit(__doc__)
+    main(sys.argv[1], sys.argv[2].split(","))
