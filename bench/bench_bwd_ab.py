@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch
 
 import bench_attention as ba
+from bench_dq_schedule import backward_inputs
 
 
 def main(tag, names):
@@ -29,12 +30,8 @@ def main(tag, names):
 
     workers = torch.cuda.get_device_properties(0).multi_processor_count
     for name in names:
-        c, g, doc_cpu, _, _, _ = ba.case_masks(name, ba.SEQ, "cuda")
-        B, S, Hq, Hkv, D = g.B, g.S, c.Hq, c.Hkv, c.D
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v = (torch.randn(B, h, S, D, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
-                   for h in (Hq, Hkv, Hkv))
-        do = torch.randn(B, Hq, S, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        c, g, doc_cpu, _, q, k, v, do = backward_inputs(name)
+        B, S, Hq, Hkv = g.B, g.S, c.Hq, c.Hkv
         mask = sparsetrain.BlockMask.build(c.kind, S, framework="torch", schedule="auto",
                                            auto_problem=(B, Hq, Hkv, workers),
                                            **ba.our_mask_args(c.kind, g, doc_cpu)).to("cuda")
