@@ -11,10 +11,16 @@
 
 namespace sparsetrain::cuda::attn {
 
-// The backward kernel's tiles: 64 query rows (the dQ partial of a visit, the unit of a dQ turn)
+// The backward kernel's tiles: 64 query rows, 128 at D <= 64 (bwd_tile_q: the dQ partial of a
+// visit, the unit of a dQ turn)
 // by kBwdTileKv = 128 keys (one work item's kv sub-column; common/dq_turn.h holds it, since the
 // dQ turn rule and the scheduler model need it on the host).
 constexpr int kBwdTileQ = 64;
+// At D <= 64, 128-row q tiles (FlashAttention-3's 128 x 128 at D = 64): a visit's fixed latency
+// (barriers, waits, the walk) is the same at any D, so the smaller GEMMs need more rows to carry
+// it (-4 to -7 % at D = 64, docs/PERF.md). BwdTraits::kBlockM; the host's scratch rows, lists and
+// sections rule take it from here.
+constexpr int bwd_tile_q(int head_dim) { return head_dim <= 64 ? 2 * kBwdTileQ : kBwdTileQ; }
 using sparsetrain::kBwdTileKv;
 
 struct BwdArgs {
@@ -28,7 +34,7 @@ struct BwdArgs {
   int64_t do_stride_b, do_stride_s, do_stride_h;
   void* dk;  // [B, Skv, Hkv, D] contiguous
   void* dv;
-  // Scratch, rows padded to num_q_tiles * kBwdTileQ per (b, h): written by the preprocessing.
+  // Scratch, rows padded to num_q_tiles * bwd_tile_q(D) per (b, h): written by the preprocessing.
   const float* lse_log2;  // lse * log2(e); +inf for a row with no allowed key or past Sq (P = 0)
   const float* delta;     // rowsum(dout * o)
   // Document masks: each padded q row's document id ([B, num_q_tiles * 64]; 0 past Sq), loaded with
@@ -41,8 +47,11 @@ struct BwdArgs {
   // semaphore index, the turn waited for and the value found, for the report.
   int32_t* abandoned;
   int32_t batch, seq_q, seq_kv, heads_q, heads_kv;
+  // heads_q / heads_kv, divided once here: each role reads it from the parameters at an item's
+  // start instead of holding it in a register (the producer's 24 at 128-row q tiles).
+  int32_t group;
   float scale;
-  MaskColumnLists lists;  // q tiles in units of kBwdTileQ
+  MaskColumnLists lists;  // q tiles in units of bwd_tile_q(D)
   KernelMaskSpec spec;
   int32_t block_q, block_kv;
   // The hand-out (sub_tiles = dq_sub_tiles(block_kv); permutation in device memory) and the work

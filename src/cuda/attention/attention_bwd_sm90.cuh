@@ -10,13 +10,15 @@
 //              query head of the kv head's group: GQA, dK / dV stay on chip, no cross-CTA
 //              reduction) in the schedule's walk order (bwd_item_next, common/attention_bwd_walk.h:
 //              by default q tiles bottom-up with the group's heads innermost): Q, dO, lse and delta
-//              through a 2-stage TMA pipeline. Two consumer warpgroups (64 keys each) compute
+//              through a 2-stage TMA pipeline (q tiles of 64 rows, 128 at D <= 64:
+//              bwd_tile_q). Two consumer warpgroups (64 keys each) compute
 //              S^T = K Q^T and dP^T = V dO^T, P^T and dS^T = P^T (dP^T - delta) in registers;
 //              dS^T to shared memory with matrix stores, then (FlashAttention-3's order) dV +=
 //              P^T dO (A from registers) runs while the warpgroups meet at a barrier, dQ = dS K
-//              (each warpgroup half of D) and dK += dS^T Q, and the dQ partial goes to shared
+//              (each warpgroup half of D, or at 128-row tiles half of the rows) and dK +=
+//              dS^T Q, and the dQ partial goes to shared
 //              memory while dK's GEMM runs
-//   dQ writer  two threads (one warp each) take the 64 x D fp32 partials from shared memory in
+//   dQ writer  two threads (one warp each) take the q tile x D fp32 partials from shared memory in
 //              turn and add each to the accumulator with a bulk TMA reduce-add; in the
 //              deterministic mode a writer first waits until the q tile's semaphore equals the
 //              visit's turn (turn 0 stores: that accumulator is never zeroed), and increments it
@@ -88,7 +90,7 @@ __global__ void __launch_bounds__(T::kThreads, 1) bwd_kernel(CUTE_GRID_CONSTANT 
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegs>();
     if (threadIdx.x == 0) bwd_load<T>(p, ss, pipe);
-    else if (threadIdx.x % 32 == 0 && threadIdx.x / 32 <= T::kDqWriters) bwd_write_dq<T>(p, ss, threadIdx.x / 32 - 1);
+    else if (threadIdx.x % 32 == 0 && threadIdx.x / 32 <= T::kDqWriters) bwd_write_dq_as<T>(p, ss, threadIdx.x / 32 - 1);
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kConsumerRegs>();
     bwd_compute<T>(p, ss, pipe, int(threadIdx.x) - 128);

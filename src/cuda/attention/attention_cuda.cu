@@ -42,7 +42,7 @@ using cuda::attn::BwdArgs;
 using cuda::attn::bwd_preprocess_kernel;
 using cuda::attn::FwdArgs;
 using cuda::attn::kBwdTileKv;
-using cuda::attn::kBwdTileQ;
+using cuda::attn::bwd_tile_q;
 using cuda::attn::FwdElement;
 using cuda::attn::kTileKv;
 using cuda::attn::kTileQ;
@@ -92,8 +92,11 @@ __global__ void __launch_bounds__(kSortThreads) sort_items_kernel(const MaskWalk
 
 // ---- backward: preprocessing and dQ conversion ----------------------------------------------------
 
-// Rows of one (b, h) in the backward's scratch: padded to whole 64-row q tiles.
-int64_t bwd_q_tiles(const AttentionProblem& p) { return (p.seq_q + kBwdTileQ - 1) / kBwdTileQ; }
+// Rows of one (b, h) in the backward's scratch: padded to whole q tiles (bwd_tile_q).
+int64_t bwd_q_tiles(const AttentionProblem& p) {
+  const int64_t t = bwd_tile_q(int(p.head_dim));
+  return (p.seq_q + t - 1) / t;
+}
 
 // The backward's scratch, in order (each region 256-byte aligned).
 struct BwdScratch {
@@ -108,7 +111,7 @@ struct BwdScratch {
   size_t zeroed_bytes;  // semaphores + counters
 
   BwdScratch(const AttentionProblem& p, void* base) {
-    const int64_t bh = p.batch * p.heads_q, tiles = bwd_q_tiles(p), rows = tiles * kBwdTileQ;
+    const int64_t bh = p.batch * p.heads_q, tiles = bwd_q_tiles(p), rows = tiles * bwd_tile_q(int(p.head_dim));
     char* at = static_cast<char*>(base);
     size_t off = 0;
     auto take = [&](size_t n) {
@@ -381,7 +384,7 @@ class AttentionCuda final : public backend::AttentionBackend {
     const AttentionProblem& p = bp.problem;
     const BlockMask& m = *bp.mask;
     const BwdScratch ws(p, scratch);
-    const int32_t q_tiles = int32_t(bwd_q_tiles(p)), rows = q_tiles * kBwdTileQ;
+    const int32_t q_tiles = int32_t(bwd_q_tiles(p)), rows = q_tiles * bwd_tile_q(int(p.head_dim));
     cudaStream_t s = static_cast<cudaStream_t>(stream.handle);
 
     // 16-byte loads where every row of o and dout starts on a 16-byte boundary (8 elements).
@@ -431,6 +434,7 @@ class AttentionCuda final : public backend::AttentionBackend {
     a.semaphores = ws.semaphores, a.sched.ticket = ws.counters, a.abandoned = ws.counters + 1;
     a.batch = int32_t(p.batch), a.seq_q = int32_t(p.seq_q), a.seq_kv = int32_t(p.seq_kv);
     a.heads_q = int32_t(p.heads_q), a.heads_kv = int32_t(p.heads_kv);
+    a.group = a.heads_q / a.heads_kv;
     a.scale = p.scale;
     a.lists.partial_count = mask_index_view(m.q_num_blocks);
     a.lists.partial_index = mask_index_view(m.q_indices);
@@ -444,7 +448,7 @@ class AttentionCuda final : public backend::AttentionBackend {
     a.lists.kv_index = mask_index_view(m.kv_indices);
     a.lists.find_bit_entry = m.spec.kind == MaskKind::kBitmask;
     a.lists.num_q_blocks = int32_t(m.num_q_blocks());
-    a.lists.q_tiles_per_block = int32_t(m.block_q / kBwdTileQ);
+    a.lists.q_tiles_per_block = int32_t(m.block_q / bwd_tile_q(int(p.head_dim)));
     a.lists.num_q_tiles = q_tiles;
     a.lists.walk = mask_walk_shape(m, m.schedule.walk);  // in both modes: dK / dV bits follow it
     a.spec = spec;
@@ -466,7 +470,7 @@ class AttentionCuda final : public backend::AttentionBackend {
       // other whatever their length (common/bwd_sections.h): none, the plain hand-out.
       const bool det = bp.deterministic && order.how == BwdOrder::kAuto;
       const double visits = det && a.lists.walk.descending
-                                ? bwd_mean_column_visits(m.spec, p.seq_q, p.seq_kv, m.block_kv, kBwdTileQ)
+                                ? bwd_mean_column_visits(m.spec, p.seq_q, p.seq_kv, m.block_kv, bwd_tile_q(int(p.head_dim)))
                                 : 0.0;
       handout.section_groups =
           bwd_section_groups(p.batch * p.heads_kv, group_bytes, l2_budget(device), a.grid, visits, group, det);

@@ -1,5 +1,5 @@
-// The backward's dQ writers (two producer threads, taking the partials in turn): each 64 x D fp32
-// partial from shared memory into the accumulator with a bulk TMA reduce-add; in the deterministic
+// The backward's dQ writers (two producer threads, taking the partials in turn): each q tile x D
+// fp32 partial from shared memory into the accumulator with a bulk TMA reduce-add; in the deterministic
 // mode after waiting for the q tile's turn on its semaphore (the first turn stores), and releasing
 // the next writer once the write has landed; and the primitives they synchronise with other CTAs
 // through.
@@ -35,7 +35,7 @@ __device__ __forceinline__ uint64_t global_ns() {
 // corrupt write order (the scheduler guarantees progress otherwise): after spin_limit_ns the wait
 // records what it waited for in abandoned[0..3] (the dQ conversion kernel reports it), marks the
 // run abandoned (later waits return at once) and gives up the order, so the kernel cannot hang.
-// (No printf here: the writers run in the producer warpgroup with 40 registers.)
+// (No printf here: the writers run in the producer warpgroup with 40 or 24 registers.)
 __device__ inline bool wait_turn(const int32_t* sem, int32_t turn, const BwdArgs& a) {
   if (load_acquire(sem) == turn) return true;
   const uint64_t start = global_ns();
@@ -72,17 +72,16 @@ __device__ __forceinline__ void bulk_wait() {
   asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// Writer `writer` of T::kDqWriters takes every kDqWriters-th partial (the CTA's visits counted in
+// Writer kWriter of T::kDqWriters takes every kDqWriters-th partial (the CTA's visits counted in
 // walk order). Each has one add in flight: it hands the buffer back once the add has read it, and
 // releases the q tile's next writer as soon as the add has landed, not when a later partial
 // arrives (on a long column that hand-off is on the deterministic mode's critical path once per
 // (q tile, column)); meanwhile the other writers take the next partials. A writer never waits for
 // a turn while holding a release back (its own add is retired first): what deadlock freedom
 // needs (the argument, for any number of writers: attention_bwd_walk.h).
-template <class T>
-__device__ void bwd_write_dq(const typename T::Params& p, typename T::SharedStorage& ss, int writer) {
+template <class T, int kWriter>
+__device__ void bwd_write_dq(const typename T::Params& p, typename T::SharedStorage& ss) {
   const BwdArgs& a = p.args;
-  const int group = a.heads_q / a.heads_kv;
   const BwdTicketScheduler& sched = a.sched;
   int n_dq = 0;
   for (int n_item = 0;; ++n_item) {
@@ -92,13 +91,16 @@ __device__ void bwd_write_dq(const typename T::Params& p, typename T::SharedStor
     const int b = int(w.batch), column = int(w.column), sub_tile = int(w.sub_tile);
     // The same visits in the same order as the loader and the consumers (the walk is the one rule
     // of bwd_item_next); each waits for its own turn, whatever the order (attention_bwd_walk.h).
-    BwdItemCursor cur = bwd_item_begin(a.lists, b, int(w.kv_head), group, column);
+    BwdItemCursor held;
+    BwdItemCursor& cur = T::kWalkInSmem ? ss.walk[1 + kWriter] : held;
+    cur = bwd_item_begin(a.lists, b, int(w.kv_head), a.group, column);
     BwdVisit visit;
     for (; bwd_item_next<kVisitTurn>(a.lists, b, column, cur, &visit); ++n_dq) {
-      if (n_dq % T::kDqWriters != writer) continue;
+      if (n_dq % T::kDqWriters != kWriter) continue;
       const int buf = n_dq % T::kDqBuffers;
       cutlass::arch::ClusterBarrier::wait(&ss.dq_full[buf], (n_dq / T::kDqBuffers) & 1);
-      const int64_t tile = bwd_q_tile_index(b, visit.q_head, a.heads_q, a.lists.num_q_tiles, visit.q_tile);
+      // int32: B * Hq * q tiles < 2^31 (the backend checks it).
+      const int32_t tile = int32_t(bwd_q_tile_index(b, visit.q_head, a.heads_q, a.lists.num_q_tiles, visit.q_tile));
       // The deterministic mode's first writer of a q tile stores (the accumulator is never zeroed
       // there; the conversion kernel writes zeros for a tile nobody wrote). A writer whose wait
       // gave up stores too: the first write to land on a tile is then always a store, so even a
@@ -108,7 +110,7 @@ __device__ void bwd_write_dq(const typename T::Params& p, typename T::SharedStor
         const int32_t turn = dq_visit_turn(visit.turn, int32_t(a.sched.handout.sub_tiles), sub_tile);
         store = !wait_turn(a.semaphores + tile, turn, a) || turn == 0;
       }
-      float* dst = a.dq_accum + tile * (T::kBlockM * T::kHeadDim);
+      float* dst = a.dq_accum + int64_t(tile) * (T::kBlockM * T::kHeadDim);
       const float* src = ss.dq.data() + buf * (T::kBlockM * T::kHeadDim);
       if (store) bulk_store(dst, src, T::kDqBytes);
       else bulk_reduce_add(dst, src, T::kDqBytes);
@@ -123,6 +125,16 @@ __device__ void bwd_write_dq(const typename T::Params& p, typename T::SharedStor
         add_release(a.semaphores + tile, 1);
       }
     }
+  }
+}
+
+// Writer `writer` (< T::kDqWriters), its index a compile-time constant: one register fewer in
+// the producer warpgroup's 24 at 128-row q tiles.
+template <class T, int kFirst = 0>
+__device__ void bwd_write_dq_as(const typename T::Params& p, typename T::SharedStorage& ss, int writer) {
+  if constexpr (kFirst < T::kDqWriters) {
+    if (writer == kFirst) bwd_write_dq<T, kFirst>(p, ss);
+    else bwd_write_dq_as<T, kFirst + 1>(p, ss, writer);
   }
 }
 

@@ -62,7 +62,6 @@ __device__ void bwd_load(const typename T::Params& p, typename T::SharedStorage&
   Tensor mV = p.tma_v.get_tma_tensor(make_shape(a.seq_kv, int32_t(D), a.heads_kv, a.batch));
   using QTile = Shape<Int<T::kBlockM>, Int<D>>;
   using KVTile = Shape<Int<T::kBlockN>, Int<D>>;
-  const int group = a.heads_q / a.heads_kv;
   const BwdTicketScheduler& sched = a.sched;
   auto write = cutlass::make_producer_start_state<typename T::Pipeline>();
   int32_t ticket = sched.initial_work();
@@ -88,7 +87,9 @@ __device__ void bwd_load(const typename T::Params& p, typename T::SharedStorage&
     copy(p.tma_k.with(ss.kv_full), tKgK, tKsK);
     copy(p.tma_v.with(ss.kv_full), tVgV, tVsV);
 
-    BwdItemCursor cur = bwd_item_begin(a.lists, b, hkv, group, column);
+    BwdItemCursor held;
+    BwdItemCursor& cur = T::kWalkInSmem ? ss.walk[0] : held;
+    cur = bwd_item_begin(a.lists, b, hkv, a.group, column);
     BwdVisit visit;
     while (bwd_item_next</*kFields=*/0>(a.lists, b, column, cur, &visit)) {
       const int h = visit.q_head;
@@ -103,11 +104,13 @@ __device__ void bwd_load(const typename T::Params& p, typename T::SharedStorage&
       const int st = write.index();
       copy(p.tma_q.with(*bar, 0), tQgQ, tQsQ(_, st));
       copy(p.tma_do.with(*bar, 0), tdOgdO, tdOsdO(_, st));
-      const int64_t row0 = bwd_q_tile_index(b, h, a.heads_q, a.lists.num_q_tiles, visit.q_tile) * T::kBlockM;
-      SM90_BULK_COPY_G2S::copy(a.lse_log2 + row0, bar, ss.lse[st], int32_t(T::kRowBytes));
-      SM90_BULK_COPY_G2S::copy(a.delta + row0, bar, ss.delta[st], int32_t(T::kRowBytes));
+      // Tile indices in int32 (B * Hq * q tiles < 2^31: the backend checks it), rows in int64:
+      // 64-bit index math spilled this thread's 24 registers at 128-row q tiles.
+      const int32_t tile = int32_t(bwd_q_tile_index(b, h, a.heads_q, a.lists.num_q_tiles, visit.q_tile));
+      SM90_BULK_COPY_G2S::copy(a.lse_log2 + int64_t(tile) * T::kBlockM, bar, ss.lse[st], int32_t(T::kRowBytes));
+      SM90_BULK_COPY_G2S::copy(a.delta + int64_t(tile) * T::kBlockM, bar, ss.delta[st], int32_t(T::kRowBytes));
       if (a.doc_q_rows != nullptr)
-        SM90_BULK_COPY_G2S::copy(a.doc_q_rows + (int64_t(b) * a.lists.num_q_tiles + visit.q_tile) * T::kBlockM, bar,
+        SM90_BULK_COPY_G2S::copy(a.doc_q_rows + int64_t(b * a.lists.num_q_tiles + visit.q_tile) * T::kBlockM, bar,
                                  ss.doc_q[st], int32_t(T::kRowBytes));
       ++write;
     }
@@ -166,7 +169,6 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
   Tensor tdSrdS = thr_copy_ds.retile_S(rdS);
 
   const float scale_log2 = p.scale_log2;
-  const int group = a.heads_q / a.heads_kv;
   const BwdTicketScheduler& sched = a.sched;
   cutlass::PipelineState<T::kStages> read;
   int n_dq = 0;  // visits so far: each makes one dQ partial (and takes the next dS buffer)
@@ -198,7 +200,7 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
     clear(tdKrdK);
     cutlass::arch::ClusterBarrier::wait(&ss.kv_full, n_item & 1);
     // dK and dV sum the visits in walk order: a function of the schedule, never of the grid.
-    BwdItemCursor cur = bwd_item_begin(a.lists, b, hkv, group, column);
+    BwdItemCursor cur = bwd_item_begin(a.lists, b, hkv, a.group, column);
     BwdVisit next;
     bool have = bwd_item_next<kVisitBitEntry>(a.lists, b, column, cur, &next);
     while (have) {
@@ -238,7 +240,10 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
       convert_p(tPrP, rdS);
       // dS^T -> dS in shared memory (q contiguous): both warpgroups' halves are needed by each
       // one's dQ GEMM. dV += P^T dO runs while the warpgroups meet at the barrier.
-      const int buf = n_dq & 1;
+      const int buf = n_dq % T::kDsBuffers;
+      // One dS buffer: both warpgroups' dQ GEMMs of the last visit (each waited for its own) are
+      // done with it once they meet here.
+      if constexpr (T::kDsBuffers == 1) cutlass::arch::NamedBarrier::sync(T::kMmaThreads, 1);
       copy(copy_ds, tdSrdS, tdSsdS(_, _, _, buf));
       warpgroup_gemm_issue<false>(mma_dkv, tdVrP, tdVrdO(_, _, _, st), tdVrdV);
       cutlass::arch::fence_view_async_shared();

@@ -16,7 +16,7 @@
 
 namespace sparsetrain::cuda::attn {
 
-// How the rows split (common/bwd_preprocess_tiling.h); every head's padded rows (whole 64-row
+// How the rows split (common/bwd_preprocess_tiling.h); every head's padded rows (whole 64- or 128-row
 // q tiles) into whole tiles.
 using ::sparsetrain::BwdPreprocessTiling;
 static_assert(BwdPreprocessTiling<8, true>::tiles_divide(kBwdTileQ) &&

@@ -16,17 +16,27 @@ template <class Element_, int kHeadDim_>
 struct BwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = kBwdTileQ, kBlockN = kBwdTileKv;
+  static constexpr int kBlockM = bwd_tile_q(kHeadDim_), kBlockN = kBwdTileKv;
   static constexpr int kStages = 2;  // of Q, dO, lse, delta
   // The consumers walk the next visit's lists while this visit's S^T and dP^T GEMMs run (-0.5 to
   // -1.6 % at D = 64, docs/PERF.md): at D = 64, where it was measured (D = 96 compiles spill-free
   // with it, not timed; at D = 128 the second visit spills).
-  static constexpr bool kWalkAhead = kHeadDim_ <= 64;
+  static constexpr bool kWalkAhead = kHeadDim_ <= 64 && kBlockM == 64;
   static constexpr int kMmaThreads = 256;
   static constexpr int kThreads = kMmaThreads + 128;
-  // setmaxnreg budgets (2 x 128 x 232 + 128 x 40 = 64 K registers): the loader and the dQ writers
-  // walk the mask's lists and spill at 24; the consumers hold dK, dV, S, dP and dQ.
-  static constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+  // setmaxnreg budgets: the CTA starts with 168 registers a thread (64512 for its 384 threads,
+  // not 65536), so 2 x 128 x 232 + 128 x 40 or 2 x 128 x 240 + 128 x 24; asking for more hangs
+  // the kernel. The consumers hold dK, dV, S, dP and dQ; the loader and the dQ writers walk the
+  // mask's lists, which at 24 registers only fits with the walks' cursors in shared memory
+  // (kWalkInSmem).
+  static constexpr int kProducerRegs = kBlockM == 128 ? 24 : 40, kConsumerRegs = kBlockM == 128 ? 240 : 232;
+  // The loader's and the writers' walk cursors in shared memory instead of registers (each
+  // touched by its one thread) where the producer has 24 registers; elsewhere in registers, as
+  // timed.
+  static constexpr bool kWalkInSmem = kProducerRegs < 32;
+  // dS buffers: two, so a warpgroup may write the next visit's dS while the other still reads this
+  // one's; one at 128-row q tiles (shared memory), the consumers then meet before writing it.
+  static constexpr int kDsBuffers = kBlockM == 128 ? 1 : 2;
 
   // S^T = K Q^T and dP^T = V dO^T: M = keys (two warpgroups x 64), N = q rows, K = D.
   using AlongM = Layout<Shape<_2, _1, _1>>;
@@ -38,33 +48,35 @@ struct BwdTraits {
       GMMA::rs_op_selector<Element, Element, float, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>, GMMA::Major::K,
                            GMMA::Major::MN>(),
       AlongM{}));
-  // dQ = dS K: M = q rows, N = D (each warpgroup one half), K = keys; dS stored q-contiguous, K
-  // stored [keys, D]: both MN-major.
+  // dQ = dS K: M = q rows, N = D, K = keys; dS stored q-contiguous, K stored [keys, D]: both
+  // MN-major. 64-row q tiles: each warpgroup one half of D; 128-row ones: each warpgroup 64 rows
+  // with all of D (wider instructions, and each reads only its own rows of dS).
+  static constexpr bool kDqAlongM = kBlockM == 128;
   using MmaDq = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHeadDim / 2>, Int<kBlockN>>,
+      GMMA::ss_op_selector<Element, Element, float,
+                           Shape<Int<kBlockM / (kDqAlongM ? 2 : 1)>, Int<kHeadDim / (kDqAlongM ? 1 : 2)>, Int<kBlockN>>,
                            GMMA::Major::MN, GMMA::Major::MN>(),
-      Layout<Shape<_1, _2, _1>>{}));
+      std::conditional_t<kDqAlongM, AlongM, Layout<Shape<_1, _2, _1>>>{}));
 
   using AtomQ = decltype(smem_atom_k_major<Element, kHeadDim>());
   using SmemLayoutQ = decltype(tile_to_shape(AtomQ{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));  // Q, dO
   using SmemLayoutQt = decltype(composition(
       SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
-  // K is dQ's B operand split along D between the warpgroups: its swizzle atom must not straddle
-  // the halves, so it is the widest one that fits D / 2.
+  // K is dQ's B operand, at 64-row q tiles split along D between the warpgroups: its swizzle atom
+  // must not straddle the halves, so it is the widest one that fits D / 2.
   using AtomK = decltype(smem_atom_k_major<Element, kHeadDim / 2>());
   using SmemLayoutK = decltype(tile_to_shape(AtomK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   using SmemLayoutKt =
       decltype(composition(SmemLayoutK{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
   using SmemLayoutV = decltype(tile_to_shape(AtomQ{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  // dS [q, keys], q contiguous, two buffers: a warpgroup writes tile j + 1's while the other may
-  // still read tile j's.
+  // dS [q, keys], q contiguous, kDsBuffers buffers.
   using SmemLayoutDs =
-      decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{}, Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
+      decltype(tile_to_shape(GMMA::Layout_MN_SW128_Atom<Element>{}, Shape<Int<kBlockM>, Int<kBlockN>, Int<kDsBuffers>>{}));
   // The same buffers as (keys, q, buffer), the accumulator's orientation: rows of 8 q values are
   // 16 contiguous bytes, so dS^T goes in with matrix stores (stmatrix) instead of one 32-bit store
   // (and its swizzled address) per pair.
   using SmemLayoutDsT = decltype(composition(
-      SmemLayoutDs{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>, _2>{}, Step<_2, _1, _3>{})));
+      SmemLayoutDs{}, make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>, Int<kDsBuffers>>{}, Step<_2, _1, _3>{})));
   using SmemCopyDs = decltype(make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, MmaSdP{}));
 
   using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;  // (S, D, H, B)
@@ -92,12 +104,13 @@ struct BwdTraits {
   // more there are, the further the writers may fall behind (waiting for deterministic turns)
   // before the consumers stall.
   static constexpr int kSmemBesidesDq = int(2 * kStages * kQBytes + 2 * kKVBytes) +
-                                        2 * kBlockM * kBlockN * int(sizeof(Element)) + 2048;
-  static constexpr int kDqBuffers = std::max(1, std::min(4, (227 * 1024 - kSmemBesidesDq) / int(kDqBytes)));
+                                        kDsBuffers * kBlockM * kBlockN * int(sizeof(Element)) + 2048;
   // dQ writer threads (bwd_dq_writer_sm90.cuh: lane 0 of the producer warpgroup's warps 1, 2),
   // each with its own buffers: a writer waits for its buffers' phases in order, so another writer
   // could not share one without mistaking an earlier phase for its own.
   static constexpr int kDqWriters = 2;
+  static constexpr int kDqBuffers =
+      std::max(1, std::min(4, (227 * 1024 - kSmemBesidesDq) / int(kDqBytes))) / kDqWriters * kDqWriters;
   static_assert(kDqBuffers % kDqWriters == 0, "each dQ writer owns every kDqWriters-th buffer");
   static_assert(kDqWriters <= 3, "the writers are lane 0 of the producer warpgroup's warps 1..3");
 
@@ -120,6 +133,7 @@ struct BwdTraits {
     uint64_t dq_full[kDqBuffers], dq_empty[kDqBuffers];  // a dQ partial written / read by its writer
     uint64_t ticket_full[2], ticket_empty[2];
     int32_t ticket[2];
+    BwdItemCursor walk[1 + kDqWriters];  // kWalkInSmem: the loader's, then each writer's
   };
   static_assert(sizeof(SharedStorage) <= 227 * 1024, "sm90 allows 227 KiB of shared memory per CTA");
 
