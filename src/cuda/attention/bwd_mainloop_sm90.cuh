@@ -211,9 +211,6 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
       pipe.consumer_wait(read);
       warpgroup_gemm_issue<true>(mma_sdp, tSrK, tSrQ(_, _, _, st), tSrS);
       warpgroup_gemm_issue<true>(mma_sdp, tPrV, tPrdO(_, _, _, st), tPrP);
-      // The next visit's walk (dependent loads of the mask's lists) while this visit's GEMMs run,
-      // where the registers allow it (T::kWalkAhead); otherwise after the visit's last GEMM.
-      if constexpr (T::kWalkAhead) have = bwd_item_next<kVisitBitEntry>(a.lists, b, column, cur, &next);
       warpgroup_wait<1>();
       warpgroup_fence_operand(tSrS);
       if (visit.partial) {
@@ -258,7 +255,9 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
       warpgroup_fence_operand(tdKrdK);
       pipe.consumer_release(read);
       ++read;
-      if constexpr (!T::kWalkAhead) have = bwd_item_next<kVisitBitEntry>(a.lists, b, column, cur, &next);
+      // The next visit's walk. (Under this visit's S^T / dP^T GEMMs instead it gained 0.5-1.6 % at
+      // D = 64 with 64-row q tiles, docs/PERF.md; no registers for it at 128-row tiles or D = 128.)
+      have = bwd_item_next<kVisitBitEntry>(a.lists, b, column, cur, &next);
     }
     // dK and dV leave through K's and V's shared memory, once both warpgroups' last GEMMs are done
     // with them (each dQ GEMM reads every key of K); the loader refills them once stored.

@@ -18,10 +18,6 @@ struct BwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = bwd_tile_q(kHeadDim_), kBlockN = kBwdTileKv;
   static constexpr int kStages = 2;  // of Q, dO, lse, delta
-  // The consumers walk the next visit's lists while this visit's S^T and dP^T GEMMs run (-0.5 to
-  // -1.6 % at D = 64, docs/PERF.md): at D = 64, where it was measured (D = 96 compiles spill-free
-  // with it, not timed; at D = 128 the second visit spills).
-  static constexpr bool kWalkAhead = kHeadDim_ <= 64 && kBlockM == 64;
   static constexpr int kMmaThreads = 256;
   static constexpr int kThreads = kMmaThreads + 128;
   // setmaxnreg budgets: the CTA starts with 168 registers a thread (64512 for its 384 threads,
