@@ -51,4 +51,12 @@ ST_HOST_DEVICE inline bool mask_row_interval(MaskKind kind, int64_t window_left,
   return false;
 }
 
+// A partial block's bitmask (BlockMask::partial_bitmasks: bit row * block_kv + col of the block,
+// bytes LSB first) read as 32-bit words, as the kernels read it: the word holding (row, col) in a
+// block block_kv wide (a multiple of 32, so a row starts on a word), in int32 (a block's bits are
+// few; a 64-bit address per query spilled the backward's consumers); the bit is col & 31.
+ST_HOST_DEVICE constexpr int32_t bitmask_word(int32_t row, int32_t col, int32_t block_kv) {
+  return row * (block_kv >> 5) + (col >> 5);
+}
+
 }  // namespace sparsetrain

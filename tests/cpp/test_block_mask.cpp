@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <random>
 #include <string>
@@ -12,6 +13,7 @@
 
 #include "block_mask_testing.h"
 #include "common/block_mask_rows.h"
+#include "common/mask_predicate.h"  // bitmask_word
 #include "host_tensor.h"
 #include "sparsetrain/block_mask.h"
 #include "sparsetrain/error.h"
@@ -265,6 +267,42 @@ TEST(BlockMaskBuilders, BitmaskBitOrderIsLsbFirst) {
   EXPECT_EQ(bits[0], 0x02);
   EXPECT_EQ(bits[1], 0x01);
   for (int i = 2; i < 8; ++i) EXPECT_EQ(bits[i], 0);
+}
+
+// The kernels read a partial block's bits as little-endian 32-bit words (bitmask_word): every
+// element of every partial block of a random function's mask, read that way, is the function.
+TEST(BlockMaskBuilders, BitmaskWordsReadAsTheKernelsReadThemAreTheFunction) {
+  const int64_t Sq = 300, Skv = 700, bq = 128, bkv = 256;
+  std::mt19937 rng(29);
+  std::vector<uint8_t> allowed(size_t(Sq * Skv));
+  for (auto& a : allowed) a = uint8_t(rng() % 2);
+  struct Ctx { const std::vector<uint8_t>* a; int64_t skv; } ctx{&allowed, Skv};
+  auto f = [](void* c, int64_t, int64_t, int64_t q, int64_t kv) {
+    const auto* x = static_cast<Ctx*>(c);
+    return (*x->a)[size_t(q * x->skv + kv)] != 0;
+  };
+  st::BlockMaskOptions o;
+  o.block_q = bq, o.block_kv = bkv;
+  const auto t = st::build_block_mask_from_function(+f, &ctx, 1, 1, Sq, Skv, o);
+  const st::BlockMask& m = t.mask;
+  const int64_t width = m.kv_indices.size(3), bytes = m.partial_bitmasks.size(4);
+  int64_t checked = 0;
+  for (int64_t mq = 0; mq < m.num_q_blocks(); ++mq) {
+    for (int64_t w = 0; w < m.kv_num_blocks.data_as<int32_t>()[mq]; ++w) {
+      const int64_t n = m.kv_indices.data_as<int32_t>()[mq * width + w];
+      const uint8_t* block = m.partial_bitmasks.data_as<uint8_t>() + (mq * width + w) * bytes;
+      for (int32_t i = 0; i < bq && mq * bq + i < Sq; ++i) {
+        for (int32_t j = 0; j < bkv && n * bkv + j < Skv; ++j) {
+          uint32_t word;
+          std::memcpy(&word, block + 4 * st::bitmask_word(i, j, int32_t(bkv)), 4);  // little-endian, as the GPU
+          ASSERT_EQ(((word >> (j & 31)) & 1u) != 0, f(&ctx, 0, 0, mq * bq + i, n * bkv + j))
+              << "q block " << mq << " kv block " << n << " row " << i << " col " << j;
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_GT(checked, Sq * Skv / 2);  // nearly every block is partial at p = 1/2
 }
 
 TEST(BlockMaskBuilders, TransposeMatchesAndDropsStaleWriteOrders) {

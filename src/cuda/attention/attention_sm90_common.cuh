@@ -31,6 +31,16 @@ constexpr auto smem_atom_k_major() {
   }
 }
 
+// Whether a warp-specialised CTA's setmaxnreg budgets fit: setmaxnreg only moves registers inside
+// the pool the CTA starts with, the registers a thread of __launch_bounds__(threads, 1) gets (the
+// register file over the threads, in steps of 8: 168 for 384 threads) times its threads (64512,
+// not 65536). A split that asks for more leaves the growing warpgroups waiting forever (a prepared
+// 32 / 240 backward hung so on an H200, docs/PERF.md).
+constexpr bool register_split_fits(int threads, int producer_regs, int consumer_threads, int consumer_regs) {
+  return (threads - consumer_threads) * producer_regs + consumer_threads * consumer_regs <=
+         65536 / threads / 8 * 8 * threads;
+}
+
 // ---- small register-level helpers --------------------------------------------------------------
 
 __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx(-inf) = +0

@@ -30,6 +30,7 @@ struct BwdTraits {
   // touched by its one thread) where the producer has 24 registers; elsewhere in registers, as
   // timed.
   static constexpr bool kWalkInSmem = kProducerRegs < 32;
+  static_assert(register_split_fits(kThreads, kProducerRegs, kMmaThreads, kConsumerRegs), "setmaxnreg budgets");
   // dS buffers: two, so a warpgroup may write the next visit's dS while the other still reads this
   // one's; one at 128-row q tiles (shared memory), the consumers then meet before writing it.
   static constexpr int kDsBuffers = kBlockM == 128 ? 1 : 2;

@@ -42,6 +42,7 @@ struct FwdTraits {
   // the build checks it (CMakeLists.txt).
   static constexpr int kConsumerRegs = 232;
   static constexpr int kProducerRegs = 40;
+  static_assert(register_split_fits(kThreads, kProducerRegs, kMmaThreads, kConsumerRegs), "setmaxnreg budgets");
   // The consumer warpgroups taking turns to issue GEMMs (see fwd_consume): off, it cost registers
   // and lost 8 % (docs/PERF.md).
   static constexpr bool kPingPong = false;

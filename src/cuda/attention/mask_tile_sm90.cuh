@@ -9,7 +9,7 @@
 
 #include <cstdint>
 
-#include "common/mask_predicate.h"  // mask_row_interval
+#include "common/mask_predicate.h"  // mask_row_interval, bitmask_word
 #include "cuda/attention/attention_fwd_params.h"  // KernelMaskSpec
 #include "cuda/attention/attention_sm90_common.cuh"
 
@@ -89,9 +89,9 @@ __device__ __forceinline__ void mask_partial_tile(TS& s, TC const& coord, const 
       for (int qi = 0; qi < kQueries; ++qi) {
         const int q = t.q0 + qpos(qi);
         const bool in = t.bits_ok && q < t.seq_q;
+        const uint32_t* block_words = reinterpret_cast<const uint32_t*>(t.block_bits);
         if constexpr (kQueriesAlongRows) {
-          const uint32_t* words = reinterpret_cast<const uint32_t*>(
-              t.block_bits + (int64_t(q - t.block_row0) * m.block_kv + t.block_col) / 8);
+          const uint32_t* words = block_words + bitmask_word(q - t.block_row0, t.block_col, m.block_kv);
           // Many keys per query: the 4 words once, then selects (no local array).
           const uint32_t w0 = in ? __ldg(words) : 0u, w1 = in ? __ldg(words + 1) : 0u;
           const uint32_t w2 = in ? __ldg(words + 2) : 0u, w3 = in ? __ldg(words + 3) : 0u;
@@ -102,15 +102,12 @@ __device__ __forceinline__ void mask_partial_tile(TS& s, TC const& coord, const 
             if (!((c < key_end) & (((word >> (c & 31)) & 1u) != 0))) at(qi, ki) = -INFINITY;
           }
         } else {
-          // Few keys per query (the backward): one word per key, its index in int32 from the
-          // block's first word (a block is block_q x block_kv bits). A 64-bit address per query
-          // spilled the backward's consumers at 128-row q tiles.
-          const uint32_t* block_words = reinterpret_cast<const uint32_t*>(t.block_bits);
-          const int32_t row_word = (q - t.block_row0) * (m.block_kv >> 5) + (t.block_col >> 5);
+          // Few keys per query (the backward): one word per key.
           CUTLASS_PRAGMA_UNROLL
           for (int ki = 0; ki < kKeys; ++ki) {
             const int c = kpos(ki);
-            const bool ok = in && c < key_end && ((__ldg(block_words + (row_word + (c >> 5))) >> (c & 31)) & 1u);
+            const int32_t word = bitmask_word(q - t.block_row0, t.block_col + c, m.block_kv);
+            const bool ok = in && c < key_end && ((__ldg(block_words + word) >> (c & 31)) & 1u);
             if (!ok) at(qi, ki) = -INFINITY;
           }
         }
