@@ -20,11 +20,10 @@ struct BwdTraits {
   static constexpr int kStages = 2;  // of Q, dO, lse, delta
   static constexpr int kMmaThreads = 256;
   static constexpr int kThreads = kMmaThreads + 128;
-  // setmaxnreg budgets: the CTA starts with 168 registers a thread (64512 for its 384 threads,
-  // not 65536), so 2 x 128 x 232 + 128 x 40 or 2 x 128 x 240 + 128 x 24; asking for more hangs
-  // the kernel. The consumers hold dK, dV, S, dP and dQ; the loader and the dQ writers walk the
-  // mask's lists, which at 24 registers only fits with the walks' cursors in shared memory
-  // (kWalkInSmem).
+  // setmaxnreg budgets inside the CTA's pool (register_split_fits): 40 / 232, or FlashAttention-3's
+  // 24 / 240 at 128-row q tiles. The consumers hold dK, dV, S, dP and dQ; the loader and the dQ
+  // writers walk the mask's lists, which fits 24 registers only with the walks' cursors in shared
+  // memory (kWalkInSmem).
   static constexpr int kProducerRegs = kBlockM == 128 ? 24 : 40, kConsumerRegs = kBlockM == 128 ? 240 : 232;
   // The loader's and the writers' walk cursors in shared memory instead of registers (each
   // touched by its one thread) where the producer has 24 registers; elsewhere in registers, as
