@@ -201,6 +201,8 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
     cutlass::arch::ClusterBarrier::wait(&ss.kv_full, n_item & 1);
     // dK and dV sum the visits in walk order: a function of the schedule, never of the grid.
     BwdItemCursor cur = bwd_item_begin(a.lists, b, hkv, a.group, column);
+    // The visit copied out of the walk's output, the walk at the loop's end: the plain
+    // `while (bwd_item_next(..., &visit))` form spills 144 bytes at 128-row q tiles (ptxas).
     BwdVisit next;
     bool have = bwd_item_next<kVisitBitEntry>(a.lists, b, column, cur, &next);
     while (have) {
