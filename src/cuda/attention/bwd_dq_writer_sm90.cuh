@@ -91,9 +91,7 @@ __device__ void bwd_write_dq(const typename T::Params& p, typename T::SharedStor
     const int b = int(w.batch), column = int(w.column), sub_tile = int(w.sub_tile);
     // The same visits in the same order as the loader and the consumers (the walk is the one rule
     // of bwd_item_next); each waits for its own turn, whatever the order (attention_bwd_walk.h).
-    BwdItemCursor held;
-    BwdItemCursor& cur = T::kWalkInSmem ? ss.walk[1 + kWriter] : held;
-    cur = bwd_item_begin(a.lists, b, int(w.kv_head), a.group, column);
+    BwdItemCursor cur = bwd_item_begin(a.lists, b, int(w.kv_head), a.group, column);
     BwdVisit visit;
     for (; bwd_item_next<kVisitTurn>(a.lists, b, column, cur, &visit); ++n_dq) {
       if (n_dq % T::kDqWriters != kWriter) continue;

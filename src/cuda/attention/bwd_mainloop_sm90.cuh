@@ -87,9 +87,7 @@ __device__ void bwd_load(const typename T::Params& p, typename T::SharedStorage&
     copy(p.tma_k.with(ss.kv_full), tKgK, tKsK);
     copy(p.tma_v.with(ss.kv_full), tVgV, tVsV);
 
-    BwdItemCursor held;
-    BwdItemCursor& cur = T::kWalkInSmem ? ss.walk[0] : held;
-    cur = bwd_item_begin(a.lists, b, hkv, a.group, column);
+    BwdItemCursor cur = bwd_item_begin(a.lists, b, hkv, a.group, column);
     BwdVisit visit;
     while (bwd_item_next</*kFields=*/0>(a.lists, b, column, cur, &visit)) {
       const int h = visit.q_head;

@@ -22,13 +22,10 @@ struct BwdTraits {
   static constexpr int kThreads = kMmaThreads + 128;
   // setmaxnreg budgets inside the CTA's pool (register_split_fits): 40 / 232, or FlashAttention-3's
   // 24 / 240 at 128-row q tiles. The consumers hold dK, dV, S, dP and dQ; the loader and the dQ
-  // writers walk the mask's lists, which fits 24 registers only with the walks' cursors in shared
-  // memory (kWalkInSmem).
+  // writers walk the mask's lists, which at 24 registers spills their walk cursors to local
+  // memory (the one instance family allowed to spill, CMakeLists.txt: the walks' cursors kept in
+  // shared memory instead gave the writers wrong visits on an H200, docs/PERF.md).
   static constexpr int kProducerRegs = kBlockM == 128 ? 24 : 40, kConsumerRegs = kBlockM == 128 ? 240 : 232;
-  // The loader's and the writers' walk cursors in shared memory instead of registers (each
-  // touched by its one thread) where the producer has 24 registers; elsewhere in registers, as
-  // timed.
-  static constexpr bool kWalkInSmem = kProducerRegs < 32;
   static_assert(register_split_fits(kThreads, kProducerRegs, kMmaThreads, kConsumerRegs), "setmaxnreg budgets");
   // dS buffers: two, so a warpgroup may write the next visit's dS while the other still reads this
   // one's; one at 128-row q tiles (shared memory), the consumers then meet before writing it.
@@ -129,7 +126,6 @@ struct BwdTraits {
     uint64_t dq_full[kDqBuffers], dq_empty[kDqBuffers];  // a dQ partial written / read by its writer
     uint64_t ticket_full[2], ticket_empty[2];
     int32_t ticket[2];
-    BwdItemCursor walk[1 + kDqWriters];  // kWalkInSmem: the loader's, then each writer's
   };
   static_assert(sizeof(SharedStorage) <= 227 * 1024, "sm90 allows 227 KiB of shared memory per CTA");
 
