@@ -47,7 +47,8 @@ class DevicePoisonAllocator final : public st::Allocator {
   int allocations = 0;
   void* allocate(size_t bytes, st::Device device, st::Stream stream) override {
     void* p = st::default_allocator().allocate(bytes, device, stream);
-    EXPECT_EQ(cudaMemset(p, 0xff, bytes), cudaSuccess);
+    // On the stream the library then writes it on (a legacy-stream memset could land after).
+    EXPECT_EQ(cudaMemsetAsync(p, 0xff, bytes, static_cast<cudaStream_t>(stream.handle)), cudaSuccess);
     ++allocations;
     return p;
   }
@@ -747,7 +748,9 @@ TEST(AttentionCudaGraph, DeterministicBackwardReplaysBitwise) {
   cudaGraphExec_t exec;
   CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
   for (int replay = 0; replay < 3; ++replay) {
-    CUDA_OK(cudaMemset(g.dq.view().data(), 0xff, size_t(g.dq.view().numel()) * 2));  // poison between replays
+    // Poison between replays, on the replay's stream (a non-blocking stream does not wait for a
+    // cudaMemset on the legacy stream).
+    CUDA_OK(cudaMemsetAsync(g.dq.view().data(), 0xff, size_t(g.dq.view().numel()) * 2, stream));
     CUDA_OK(cudaGraphLaunch(exec, stream));
     CUDA_OK(cudaStreamSynchronize(stream));
     EXPECT_TRUE(eager.same_bytes(Grads(g))) << "replay " << replay;

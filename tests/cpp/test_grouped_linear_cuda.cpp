@@ -324,7 +324,9 @@ TEST_P(GraphCapture, ReplaysWithNewSplitValues) {
                                              std::vector<int64_t>{120, 0, 7, 73, 0, 100}}) {
     HostTensor s(st::DType::kInt64, {c.G});
     for (int64_t g = 0; g < c.G; ++g) s.set(g, double(splits[size_t(g)]));
-    CUDA_OK(cudaMemcpy(L.splits.view().data(), s.data(), size_t(c.G) * 8, cudaMemcpyHostToDevice));
+    // On the replay's stream: a cudaMemcpy from pageable memory may return before its copy lands,
+    // and a non-blocking stream does not wait for it.
+    CUDA_OK(cudaMemcpyAsync(L.splits.view().data(), s.data(), size_t(c.G) * 8, cudaMemcpyHostToDevice, stream));
     CUDA_OK(cudaGraphLaunch(exec, stream));
     CUDA_OK(cudaStreamSynchronize(stream));
     c.splits = splits;

@@ -260,7 +260,9 @@ TEST(GroupedMLPCudaGraph, ReplaysWithNewSplitValues) {
        {std::vector<int64_t>{50, 50, 50, 50}, std::vector<int64_t>{0, 199, 1, 0}, std::vector<int64_t>{120, 0, 7, 73}}) {
     HostTensor s(st::DType::kInt64, {c.G});
     for (int64_t grp = 0; grp < c.G; ++grp) s.set(grp, double(splits[size_t(grp)]));
-    CUDA_OK(cudaMemcpy(L.splits.view().data(), s.data(), size_t(c.G) * 8, cudaMemcpyHostToDevice));
+    // On the replay's stream: a cudaMemcpy from pageable memory may return before its copy lands,
+    // and a non-blocking stream does not wait for it (seen once: a replay with the old splits).
+    CUDA_OK(cudaMemcpyAsync(L.splits.view().data(), s.data(), size_t(c.G) * 8, cudaMemcpyHostToDevice, stream));
     CUDA_OK(cudaGraphLaunch(exec, stream));
     CUDA_OK(cudaStreamSynchronize(stream));
     c.splits = splits;

@@ -177,7 +177,8 @@ TEST(MoELayerCuda, EqualsTheHostLayerRepeatablyAndUnderGraphReplay) {
   cudaGraphExec_t exec;
   CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
   const HostTensor logits2 = random_logits(N, E, 13);
-  CUDA_OK(cudaMemcpy(dlog.view().data(), logits2.data(), size_t(N * E) * 4, cudaMemcpyHostToDevice));
+  // On the replay's stream (a pageable cudaMemcpy may return before it lands; s does not wait).
+  CUDA_OK(cudaMemcpyAsync(dlog.view().data(), logits2.data(), size_t(N * E) * 4, cudaMemcpyHostToDevice, s));
   CUDA_OK(cudaGraphLaunch(exec, s));
   CUDA_OK(cudaStreamSynchronize(s));
   const st::MoEForward eager = dev.forward(dx.view(), dlog.view());

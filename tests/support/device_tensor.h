@@ -28,6 +28,9 @@ struct DeviceTensor {
     } else {
       EXPECT_EQ(cudaMemset(t.view().data(), 0xff, bytes), cudaSuccess);
     }
+    // Landed before any stream uses it: a pageable copy may return before its DMA does, and a
+    // memset or copy on the legacy stream does not order a test's non-blocking streams.
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   }
   const TensorView& view() const { return t.view(); }
 };
