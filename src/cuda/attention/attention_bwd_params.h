@@ -37,7 +37,7 @@ struct BwdArgs {
   // Scratch, rows padded to num_q_tiles * bwd_tile_q(D) per (b, h): written by the preprocessing.
   const float* lse_log2;  // lse * log2(e); +inf for a row with no allowed key or past Sq (P = 0)
   const float* delta;     // rowsum(dout * o)
-  // Document masks: each padded q row's document id ([B, num_q_tiles * 64]; 0 past Sq), loaded with
+  // Document masks: each padded q row's document id ([B, num_q_tiles * bwd_tile_q(D)]; 0 past Sq), loaded with
   // a visit's lse and delta, so that a partial tile's mask reads its queries' ids from shared
   // memory; null for other masks.
   const int32_t* doc_q_rows;

@@ -92,11 +92,11 @@ __global__ void __launch_bounds__(kSortThreads) sort_items_kernel(const MaskWalk
 
 // ---- backward: preprocessing and dQ conversion ----------------------------------------------------
 
-// Rows of one (b, h) in the backward's scratch: padded to whole q tiles (bwd_tile_q).
-int64_t bwd_q_tiles(const AttentionProblem& p) {
-  const int64_t t = bwd_tile_q(int(p.head_dim));
-  return (p.seq_q + t - 1) / t;
-}
+// The backward kernel's q tile rows for this problem's head dim (bwd_tile_q).
+int32_t bwd_tile_rows(const AttentionProblem& p) { return bwd_tile_q(int(p.head_dim)); }
+
+// Rows of one (b, h) in the backward's scratch: padded to whole q tiles.
+int64_t bwd_q_tiles(const AttentionProblem& p) { return (p.seq_q + bwd_tile_rows(p) - 1) / bwd_tile_rows(p); }
 
 // The backward's scratch, in order (each region 256-byte aligned).
 struct BwdScratch {
@@ -111,7 +111,7 @@ struct BwdScratch {
   size_t zeroed_bytes;  // semaphores + counters
 
   BwdScratch(const AttentionProblem& p, void* base) {
-    const int64_t bh = p.batch * p.heads_q, tiles = bwd_q_tiles(p), rows = tiles * bwd_tile_q(int(p.head_dim));
+    const int64_t bh = p.batch * p.heads_q, tiles = bwd_q_tiles(p), rows = tiles * bwd_tile_rows(p);
     char* at = static_cast<char*>(base);
     size_t off = 0;
     auto take = [&](size_t n) {
@@ -384,7 +384,7 @@ class AttentionCuda final : public backend::AttentionBackend {
     const AttentionProblem& p = bp.problem;
     const BlockMask& m = *bp.mask;
     const BwdScratch ws(p, scratch);
-    const int32_t q_tiles = int32_t(bwd_q_tiles(p)), rows = q_tiles * bwd_tile_q(int(p.head_dim));
+    const int32_t q_tiles = int32_t(bwd_q_tiles(p)), rows = q_tiles * bwd_tile_rows(p);
     cudaStream_t s = static_cast<cudaStream_t>(stream.handle);
 
     // 16-byte loads where every row of o and dout starts on a 16-byte boundary (8 elements).
@@ -448,7 +448,7 @@ class AttentionCuda final : public backend::AttentionBackend {
     a.lists.kv_index = mask_index_view(m.kv_indices);
     a.lists.find_bit_entry = m.spec.kind == MaskKind::kBitmask;
     a.lists.num_q_blocks = int32_t(m.num_q_blocks());
-    a.lists.q_tiles_per_block = int32_t(m.block_q / bwd_tile_q(int(p.head_dim)));
+    a.lists.q_tiles_per_block = int32_t(m.block_q / bwd_tile_rows(p));
     a.lists.num_q_tiles = q_tiles;
     a.lists.walk = mask_walk_shape(m, m.schedule.walk);  // in both modes: dK / dV bits follow it
     a.spec = spec;
@@ -470,7 +470,7 @@ class AttentionCuda final : public backend::AttentionBackend {
       // other whatever their length (common/bwd_sections.h): none, the plain hand-out.
       const bool det = bp.deterministic && order.how == BwdOrder::kAuto;
       const double visits = det && a.lists.walk.descending
-                                ? bwd_mean_column_visits(m.spec, p.seq_q, p.seq_kv, m.block_kv, bwd_tile_q(int(p.head_dim)))
+                                ? bwd_mean_column_visits(m.spec, p.seq_q, p.seq_kv, m.block_kv, bwd_tile_rows(p))
                                 : 0.0;
       handout.section_groups =
           bwd_section_groups(p.batch * p.heads_kv, group_bytes, l2_budget(device), a.grid, visits, group, det);
