@@ -51,6 +51,37 @@ ST_HOST_DEVICE inline bool mask_row_interval(MaskKind kind, int64_t window_left,
   return false;
 }
 
+// The specs whose allowed keys for query q are a band along the diagonal, lo <= kv - q < hi
+// (causal, bottom-right causal, sliding windows), or false for the others. The backward's
+// transposed tiles hold 16 queries a thread and few keys: there one bound pair for the tile and one
+// add and compare per element replace an interval per query (int64, a switch on the kind). In
+// int32: kernels bound Sq and Skv below 2^30, so kv - q lies in (-2^30, 2^30), and an open or wider
+// side is clamped to +-2^30, which no kv - q reaches. Intersect with kv < seq_kv for the bound.
+inline constexpr int32_t kMaskBandOpen = int32_t(1) << 30;
+ST_HOST_DEVICE inline bool mask_band(MaskKind kind, int64_t window_left, int64_t window_right, int64_t seq_q,
+                                     int64_t seq_kv, int32_t* lo, int32_t* hi) {
+  auto clamp = [](int64_t v) {
+    return int32_t(v < -kMaskBandOpen ? -kMaskBandOpen : v > kMaskBandOpen ? kMaskBandOpen : v);
+  };
+  *lo = -kMaskBandOpen;
+  *hi = kMaskBandOpen;
+  switch (kind) {
+    case MaskKind::kCausal: *hi = 1; return true;
+    case MaskKind::kCausalBottomRight: *hi = clamp(seq_kv - seq_q + 1); return true;
+    case MaskKind::kSlidingWindow:
+      if (window_left >= 0) *lo = clamp(-window_left);
+      if (window_right >= 0) *hi = clamp(window_right + 1);
+      return true;
+    default: return false;
+  }
+}
+
+// Whether kv - q = d lies in the band [lo, hi), with one unsigned compare (hi - lo <= 2^31 and
+// d - lo wraps to a large value below lo).
+ST_HOST_DEVICE constexpr bool in_mask_band(int32_t d, int32_t lo, int32_t hi) {
+  return uint32_t(d) - uint32_t(lo) < uint32_t(hi) - uint32_t(lo);
+}
+
 // A partial block's bitmask (BlockMask::partial_bitmasks: bit row * block_kv + col of the block,
 // bytes LSB first) read as 32-bit words, as the kernels read it: the word holding (row, col) in a
 // block block_kv wide (a multiple of 32, so a row starts on a word), in int32 (a block's bits are

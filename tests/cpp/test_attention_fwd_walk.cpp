@@ -149,6 +149,47 @@ TEST(AttentionFwdWalk, RowIntervalsAreTheSpecsRows) {
     EXPECT_FALSE(st::mask_row_interval(k, -1, -1, 0, 8, 8, 0, &lo, &hi));
 }
 
+TEST(AttentionFwdWalk, BandsAreTheSpecsRows) {
+  // mask_band (the backward's transposed tiles) against mask_allows (the definition) per element,
+  // with windows wider than the sequences, one-sided and empty-sided ones, Sq != Skv both ways.
+  struct Spec {
+    st::MaskKind kind;
+    int64_t left, right;
+  };
+  const int64_t huge = int64_t(1) << 40;
+  const Spec specs[] = {{st::MaskKind::kCausal, -1, -1},       {st::MaskKind::kCausalBottomRight, -1, -1},
+                        {st::MaskKind::kSlidingWindow, 7, 0},  {st::MaskKind::kSlidingWindow, 5, 3},
+                        {st::MaskKind::kSlidingWindow, -1, 2}, {st::MaskKind::kSlidingWindow, 4, -1},
+                        {st::MaskKind::kSlidingWindow, 0, 0},  {st::MaskKind::kSlidingWindow, huge, huge},
+                        {st::MaskKind::kSlidingWindow, -1, -1}};
+  for (const auto& [sq, skv] : {std::pair<int64_t, int64_t>{23, 23}, {17, 31}, {31, 17}, {1, 40}, {40, 1}})
+    for (const Spec& s : specs) {
+      int32_t lo = -7, hi = -7;
+      ASSERT_TRUE(st::mask_band(s.kind, s.left, s.right, sq, skv, &lo, &hi));
+      for (int64_t q = 0; q < sq; ++q)
+        for (int64_t kv = 0; kv < skv; ++kv)
+          EXPECT_EQ(st::in_mask_band(int32_t(kv - q), lo, hi),
+                    st::mask_allows(s.kind, s.left, s.right, 0, nullptr, nullptr, sq, skv, q, kv))
+              << "kind " << int(s.kind) << " left " << s.left << " right " << s.right << " q " << q << " kv " << kv;
+    }
+  // The extremes of the kernels' bound (Sq, Skv < 2^30): the band's ends and an open side.
+  const int32_t big = (int32_t(1) << 30) - 1;
+  int32_t lo, hi;
+  ASSERT_TRUE(st::mask_band(st::MaskKind::kCausal, -1, -1, big, big, &lo, &hi));
+  EXPECT_TRUE(st::in_mask_band(-big, lo, hi));
+  EXPECT_TRUE(st::in_mask_band(0, lo, hi));
+  EXPECT_FALSE(st::in_mask_band(1, lo, hi));
+  ASSERT_TRUE(st::mask_band(st::MaskKind::kSlidingWindow, huge, -1, big, big, &lo, &hi));
+  EXPECT_TRUE(st::in_mask_band(-big, lo, hi));
+  EXPECT_TRUE(st::in_mask_band(big, lo, hi));
+  ASSERT_TRUE(st::mask_band(st::MaskKind::kCausalBottomRight, -1, -1, 1, big, &lo, &hi));
+  EXPECT_TRUE(st::in_mask_band(big - 1, lo, hi));
+  EXPECT_FALSE(st::in_mask_band(big, lo, hi));
+  for (st::MaskKind k : {st::MaskKind::kFull, st::MaskKind::kPrefixLM, st::MaskKind::kDocument,
+                         st::MaskKind::kDocumentCausal, st::MaskKind::kBitmask})
+    EXPECT_FALSE(st::mask_band(k, -1, -1, 8, 8, &lo, &hi));
+}
+
 TEST(AttentionFwdWalk, L2SectionsHoldWholeGqaGroupsWithinTheBudget) {
   // Heads per section: a multiple of the GQA group, at least one group, at most every head and
   // kFwdMaxKvHeadsPerSection kv heads, and the K/V of its kv heads within the budget unless one kv

@@ -2,14 +2,14 @@
 // the accumulator's rows: S = Q K^T) and the backward (keys along the rows: S^T = K Q^T) share.
 // The kind is a runtime switch outside the element loops, so each kind's loop stays tight:
 // interval specs (causal, bottom-right causal, window, prefix-LM, full) cost two compares per
-// element, documents one id compare (plus causal), bitmasks one bit test (row words read as
-// 32-bit words). Keys at or past Skv are always masked; queries past Sq are masked for documents
+// element (in the backward's transposed tiles the band specs one: mask_band), documents one id
+// compare (plus causal), bitmasks one bit test (row words read as 32-bit words). Keys at or past Skv are always masked; queries past Sq are masked for documents
 // and bitmasks (their ids and bits are never read) and left to the caller otherwise.
 #pragma once
 
 #include <cstdint>
 
-#include "common/mask_predicate.h"  // mask_row_interval, bitmask_word
+#include "common/mask_predicate.h"  // mask_row_interval, mask_band, bitmask_word
 #include "cuda/attention/attention_fwd_params.h"  // KernelMaskSpec
 #include "cuda/attention/attention_sm90_common.cuh"
 
@@ -115,6 +115,20 @@ __device__ __forceinline__ void mask_partial_tile(TS& s, TC const& coord, const 
       break;
     }
     default: {
+      int32_t band_lo, band_hi;
+      if (!kQueriesAlongRows &&
+          mask_band(m.kind, m.window_left, m.window_right, t.seq_q, t.seq_kv, &band_lo, &band_hi)) {
+        // Few keys, many queries (the backward): kv - q per element against one band.
+        const int32_t d0 = t.kv0 - t.q0;
+        CUTLASS_PRAGMA_UNROLL
+        for (int ki = 0; ki < kKeys; ++ki) {
+          const int c = kpos(ki);
+          CUTLASS_PRAGMA_UNROLL
+          for (int qi = 0; qi < kQueries; ++qi)
+            if (!((c < key_end) & in_mask_band(d0 + c - qpos(qi), band_lo, band_hi))) at(qi, ki) = -INFINITY;
+        }
+        break;
+      }
       CUTLASS_PRAGMA_UNROLL
       for (int qi = 0; qi < kQueries; ++qi) {
         const int q = t.q0 + qpos(qi);
