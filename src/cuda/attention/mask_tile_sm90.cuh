@@ -3,8 +3,9 @@
 // The kind is a runtime switch outside the element loops, so each kind's loop stays tight:
 // interval specs (causal, bottom-right causal, window, prefix-LM, full) cost two compares per
 // element (in the backward's transposed tiles the band specs one: mask_band), documents one id
-// compare (plus causal), bitmasks one bit test (row words read as 32-bit words). Keys at or past Skv are always masked; queries past Sq are masked for documents
-// and bitmasks (their ids and bits are never read) and left to the caller otherwise.
+// compare (plus causal), bitmasks one bit test (row words read as 32-bit words). Keys at or past
+// Skv are always masked; queries past Sq are masked for bitmasks and the forward's documents
+// (their ids and bits are never read) and left to the caller otherwise.
 #pragma once
 
 #include <cstdint>
@@ -31,7 +32,8 @@ struct TileMaskCoords {
 // query_doc(index, q): the document id of query q (index: its position along the query mode, a
 // compile-time constant in unrolled loops, so a caller may keep ids in registers); key_doc(index,
 // c): the id of tile key c (index: its position along the key mode). Both are read only for
-// document masks; key_doc must give a value no query id has (INT32_MIN) for keys past Skv.
+// document masks; key_doc must give a value no query id has (INT32_MIN) for keys past Skv. With
+// many queries (the backward) query_doc is read for every query of the tile, past Sq too.
 template <bool kQueriesAlongRows, class TS, class TC, class QueryDoc, class KeyDoc>
 __device__ __forceinline__ void mask_partial_tile(TS& s, TC const& coord, const KernelMaskSpec& m,
                                                   const TileMaskCoords& t, QueryDoc query_doc, KeyDoc key_doc) {
@@ -66,17 +68,17 @@ __device__ __forceinline__ void mask_partial_tile(TS& s, TC const& coord, const 
             if (!((c < hi[qi]) & (dk == dq[qi]))) at(qi, ki) = -INFINITY;
         }
       } else {
-        // Many queries, few keys (the backward): the keys' ids are the caller's registers.
+        // Many queries, few keys (the backward): the keys' ids are the caller's registers, and its
+        // query ids cover the whole tile (rows past Sq: padding the caller's lse masks), so per
+        // element one id compare and, causal, one compare of kv - q (mask_band's, as below).
+        const int32_t d0 = t.kv0 - t.q0, d_max = causal ? 0 : kMaskBandOpen;
         CUTLASS_PRAGMA_UNROLL
         for (int qi = 0; qi < kQueries; ++qi) {
-          const int q = t.q0 + qpos(qi);
-          const bool row_ok = q < t.seq_q;
-          const int32_t dq = row_ok ? query_doc(qi, q) : 0;
-          const int hi = !row_ok ? 0 : causal ? min(q + 1 - t.kv0, key_end) : key_end;
+          const int32_t dq = query_doc(qi, t.q0 + qpos(qi));
           CUTLASS_PRAGMA_UNROLL
           for (int ki = 0; ki < kKeys; ++ki) {
             const int c = kpos(ki);
-            if (!((c < hi) & (key_doc(ki, c) == dq))) at(qi, ki) = -INFINITY;
+            if (!((c < key_end) & (key_doc(ki, c) == dq) & (d0 + c - qpos(qi) <= d_max))) at(qi, ki) = -INFINITY;
           }
         }
       }
