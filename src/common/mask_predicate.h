@@ -27,30 +27,6 @@ ST_HOST_DEVICE inline bool mask_allows(MaskKind kind, int64_t window_left, int64
   return false;
 }
 
-// The specs whose allowed keys for a query form one interval: [lo, hi) for query q, or false
-// for the others (documents, bitmasks). The kernels mask a partial tile with two compares per
-// element instead of evaluating the spec per element. Intersect with [0, seq_kv) for the bound.
-ST_HOST_DEVICE inline bool mask_row_interval(MaskKind kind, int64_t window_left, int64_t window_right,
-                                             int64_t prefix_length, int64_t seq_q, int64_t seq_kv, int64_t q,
-                                             int64_t* lo, int64_t* hi) {
-  *lo = 0;
-  *hi = seq_kv;
-  switch (kind) {
-    case MaskKind::kFull: return true;
-    case MaskKind::kCausal: *hi = q + 1; return true;
-    case MaskKind::kCausalBottomRight: *hi = q + (seq_kv - seq_q) + 1; return true;
-    case MaskKind::kSlidingWindow:
-      if (window_left >= 0) *lo = q - window_left;
-      if (window_right >= 0) *hi = q + window_right + 1;
-      return true;
-    case MaskKind::kPrefixLM: *hi = q + 1 > prefix_length ? q + 1 : prefix_length; return true;
-    case MaskKind::kDocument:
-    case MaskKind::kDocumentCausal:
-    case MaskKind::kBitmask: return false;
-  }
-  return false;
-}
-
 // The specs whose allowed keys for query q are a band along the diagonal, lo <= kv - q < hi
 // (causal, bottom-right causal, sliding windows), or false for the others. The backward's
 // transposed tiles hold 16 queries a thread and few keys: there one bound pair for the tile and one
@@ -80,6 +56,29 @@ ST_HOST_DEVICE inline bool mask_band(MaskKind kind, int64_t window_left, int64_t
 // d - lo wraps to a large value below lo).
 ST_HOST_DEVICE constexpr bool in_mask_band(int32_t d, int32_t lo, int32_t hi) {
   return uint32_t(d) - uint32_t(lo) < uint32_t(hi) - uint32_t(lo);
+}
+
+// The specs whose allowed keys for a query form one interval: [lo, hi) for query q, or false
+// for the others (documents, bitmasks). The kernels mask a partial tile with two compares per
+// element instead of evaluating the spec per element. Intersect with [0, seq_kv) for the bound.
+// The band specs' interval is their band moved to q (an open side then lies outside [0, seq_kv);
+// so, as mask_band, for Sq and Skv below 2^30: the kernels' bound, checked by the backend).
+ST_HOST_DEVICE inline bool mask_row_interval(MaskKind kind, int64_t window_left, int64_t window_right,
+                                             int64_t prefix_length, int64_t seq_q, int64_t seq_kv, int64_t q,
+                                             int64_t* lo, int64_t* hi) {
+  int32_t band_lo, band_hi;
+  if (mask_band(kind, window_left, window_right, seq_q, seq_kv, &band_lo, &band_hi)) {
+    *lo = q + band_lo;
+    *hi = q + band_hi;
+    return true;
+  }
+  *lo = 0;
+  *hi = seq_kv;
+  switch (kind) {
+    case MaskKind::kFull: return true;
+    case MaskKind::kPrefixLM: *hi = q + 1 > prefix_length ? q + 1 : prefix_length; return true;
+    default: return false;  // documents, bitmasks
+  }
 }
 
 // A partial block's bitmask (BlockMask::partial_bitmasks: bit row * block_kv + col of the block,
