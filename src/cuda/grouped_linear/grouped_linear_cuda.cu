@@ -4,7 +4,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 #include <map>
@@ -97,16 +96,6 @@ GroupedGemmParams base_params(GemmKind kind, const GroupedProblem& pr) {
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 using cuda::sm90::Variant;
-
-// Problems of at most this many multiply-adds (T x in x out) take the SIMT kernel: one launch
-// with host splits, against the sm90 path's set-up kernel and GEMM, so tiny eager calls save a
-// launch's host time (issue 16's host-time target; docs/PERF.md, seventeenth session). The
-// threshold is not yet measured: 0 (off) unless SPARSETRAIN_GEMM_SIMT_MAX_MACS says otherwise, a
-// sweep switch read at every call (bench/bench_gemm_paths.py times both paths per shape).
-int64_t simt_max_macs() {
-  const char* e = std::getenv("SPARSETRAIN_GEMM_SIMT_MAX_MACS");
-  return e != nullptr ? std::atoll(e) : 0;
-}
 
 // Which sm90 kernels this build has: the generated instance list (SPARSETRAIN_SM90_KERNELS; MINIMAL:
 // bf16 without bias; ALL: bf16 and fp16, biased fprop included). Every dispatch below reads it.
@@ -202,8 +191,7 @@ class CudaBackend final : public GroupedLinearBackend {
   }
 
   // Which sm90 kernel runs a GEMM of variant v, if any: the device and the build decide first
-  // (arch::grouped_gemm_kernels, CPU-tested with made-up capabilities), then the size (tiny
-  // problems: simt_max_macs) and TMA's needs: the
+  // (arch::grouped_gemm_kernels, CPU-tested with made-up capabilities), then TMA's needs: the
   // inputs (activation rows, per-group weights) 16-byte aligned with packed rows, in and out
   // multiples of 8; otherwise the SIMT kernels run. A caller output (out, grad_input, main_grad)
   // off a 16-byte boundary takes the direct-store twin: bit-identical to the TMA store
@@ -212,9 +200,6 @@ class CudaBackend final : public GroupedLinearBackend {
                                             std::initializer_list<const TensorView*> inputs,
                                             const std::vector<TensorView>& weights, bool outputs_aligned) {
     if (pr.in % 8 || pr.out % 8) return std::nullopt;
-    if (const int64_t max_macs = simt_max_macs();
-        max_macs > 0 && double(pr.num_rows) * double(pr.in) * double(pr.out) <= double(max_macs))
-      return std::nullopt;
     const Variant k = outputs_aligned ? v : cuda::sm90::direct_store(v);
     const bool built = sm90_built(v, pr.dtype) && sm90_built(k, pr.dtype);  // both or neither
     const cuda::DeviceInfo d = cuda::device_info(inputs.begin()[0]->device().index);
