@@ -2,6 +2,7 @@
 // the CUDA backend applies to the real device before anything is launched.
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <ostream>
 #include <string>
 
@@ -90,4 +91,17 @@ TEST(GpuArch, GroupedGemmsTakeSm90OnHopperWhenBuiltAndSimtElsewhere) {
   // without the call's variant or dtype).
   EXPECT_EQ(arch::grouped_gemm_kernels({9, 0}, true), GemmKernels::kSm90);
   EXPECT_EQ(arch::grouped_gemm_kernels({9, 0}, false), GemmKernels::kSimt);
+}
+
+TEST(GpuArch, TinyGemmsTakeSimtUpToTheThresholdAndZeroTurnsTheRuleOff) {
+  EXPECT_TRUE(arch::simt_by_size(16, 64, 64));  // the threshold's own case: 65536 multiply-adds
+  EXPECT_FALSE(arch::simt_by_size(17, 64, 64));
+  EXPECT_FALSE(arch::simt_by_size(16, 256, 256));
+  EXPECT_TRUE(arch::simt_by_size(0, 4096, 4096));  // no rows: nothing to run either way
+  EXPECT_TRUE(arch::simt_by_size(99, 10, 10, 9900));
+  EXPECT_FALSE(arch::simt_by_size(99, 10, 10, 9899));
+  EXPECT_FALSE(arch::simt_by_size(16, 64, 64, 0));
+  EXPECT_FALSE(arch::simt_by_size(0, 64, 64, 0));
+  // No overflow where rows x in x out passes 2^63.
+  EXPECT_FALSE(arch::simt_by_size(int64_t(1) << 40, int64_t(1) << 20, int64_t(1) << 20, INT64_MAX));
 }

@@ -181,6 +181,13 @@ struct TuningOverride {
   }
 };
 
+// Pins the tiny-problem size rule's threshold (arch::simt_by_size) for the scope: "0" lets every
+// size take the sm90 kernels, a huge value sends every size to the SIMT ones.
+struct SimtMaxMacs {
+  explicit SimtMaxMacs(const char* v) { setenv("SPARSETRAIN_GEMM_SIMT_MAX_MACS", v, 1); }
+  ~SimtMaxMacs() { unsetenv("SPARSETRAIN_GEMM_SIMT_MAX_MACS"); }
+};
+
 class GroupedLinearCuda : public ::testing::TestWithParam<Shape> {};
 
 }  // namespace
@@ -205,6 +212,19 @@ TEST(GroupedLinearCudaTuning, EveryTileWalkMatchesTheOracle) {
       }
       check_main_grad(dtype, 613, 520, 264);
     }
+  }
+}
+
+// Tiny problems take the SIMT kernel by default (fewer launches); the same shapes pinned to each
+// path, every pass against the oracle: a padded tail, an empty expert, bias, device splits.
+TEST(GroupedLinearCudaSizeRule, TinyProblemsMatchTheOracleOnBothPaths) {
+  REQUIRE_GPU();
+  for (const char* max_macs : {"0", "1000000000000"}) {
+    SCOPED_TRACE(std::string("SPARSETRAIN_GEMM_SIMT_MAX_MACS=") + max_macs);
+    SimtMaxMacs pin(max_macs);
+    check_against_oracle({st::DType::kBF16, 3, 61, 0, 16, 24, {0, 1, 2}, true, true, false});
+    check_against_oracle({st::DType::kBF16, 4, 16, 16, 64, 64, {}, true, true, false});
+    check_against_oracle({st::DType::kFP16, 4, 50, 41, 16, 8, {1}, false, false, true});
   }
 }
 

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 #include <map>
@@ -96,6 +97,14 @@ GroupedGemmParams base_params(GemmKind kind, const GroupedProblem& pr) {
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 using cuda::sm90::Variant;
+
+// The size rule's threshold (arch::simt_by_size): arch::kSimtMaxMacs, or
+// SPARSETRAIN_GEMM_SIMT_MAX_MACS where set (0: every size may take sm90), read at every call so
+// that bench/bench_gemm_paths.py can time both paths in one process and tests can pin a path.
+int64_t simt_max_macs() {
+  const char* e = std::getenv("SPARSETRAIN_GEMM_SIMT_MAX_MACS");
+  return e != nullptr ? std::atoll(e) : arch::kSimtMaxMacs;
+}
 
 // Which sm90 kernels this build has: the generated instance list (SPARSETRAIN_SM90_KERNELS; MINIMAL:
 // bf16 without bias; ALL: bf16 and fp16, biased fprop included). Every dispatch below reads it.
@@ -191,15 +200,17 @@ class CudaBackend final : public GroupedLinearBackend {
   }
 
   // Which sm90 kernel runs a GEMM of variant v, if any: the device and the build decide first
-  // (arch::grouped_gemm_kernels, CPU-tested with made-up capabilities), then TMA's needs: the
-  // inputs (activation rows, per-group weights) 16-byte aligned with packed rows, in and out
-  // multiples of 8; otherwise the SIMT kernels run. A caller output (out, grad_input, main_grad)
+  // (arch::grouped_gemm_kernels, CPU-tested with made-up capabilities), then the size (tiny
+  // problems: arch::simt_by_size) and TMA's needs: the inputs (activation rows, per-group
+  // weights) 16-byte aligned with packed rows, in and out multiples of 8; otherwise the SIMT
+  // kernels run. A caller output (out, grad_input, main_grad)
   // off a 16-byte boundary takes the direct-store twin: bit-identical to the TMA store
   // (docs/DESIGN.md section 4).
   static std::optional<Variant> sm90_kernel(Variant v, const GroupedProblem& pr,
                                             std::initializer_list<const TensorView*> inputs,
                                             const std::vector<TensorView>& weights, bool outputs_aligned) {
     if (pr.in % 8 || pr.out % 8) return std::nullopt;
+    if (arch::simt_by_size(pr.num_rows, pr.in, pr.out, simt_max_macs())) return std::nullopt;
     const Variant k = outputs_aligned ? v : cuda::sm90::direct_store(v);
     const bool built = sm90_built(v, pr.dtype) && sm90_built(k, pr.dtype);  // both or neither
     const cuda::DeviceInfo d = cuda::device_info(inputs.begin()[0]->device().index);
