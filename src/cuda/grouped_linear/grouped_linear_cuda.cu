@@ -203,9 +203,8 @@ class CudaBackend final : public GroupedLinearBackend {
   // (arch::grouped_gemm_kernels, CPU-tested with made-up capabilities), then the size (tiny
   // problems: arch::simt_by_size) and TMA's needs: the inputs (activation rows, per-group
   // weights) 16-byte aligned with packed rows, in and out multiples of 8; otherwise the SIMT
-  // kernels run. A caller output (out, grad_input, main_grad)
-  // off a 16-byte boundary takes the direct-store twin: bit-identical to the TMA store
-  // (docs/DESIGN.md section 4).
+  // kernels run. A caller output (out, grad_input, main_grad) off a 16-byte boundary takes the
+  // direct-store twin: bit-identical to the TMA store (docs/DESIGN.md section 4).
   static std::optional<Variant> sm90_kernel(Variant v, const GroupedProblem& pr,
                                             std::initializer_list<const TensorView*> inputs,
                                             const std::vector<TensorView>& weights, bool outputs_aligned) {
