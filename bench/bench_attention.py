@@ -4,7 +4,10 @@ masks causal, sliding window 2048 (causal) and document-causal (documents of ran
 classes: document-causal with lengths drawn from 1..3000 on a long packed sequence (B=2,
 S=16384) beside dense causal at the same shape, sliding windows 512 and 1024 (causal), causal
 at S=2048 and S=4096 with B*H = 128 (B=8, H=16: short rows), causal GQA 8:1 at D=64; issue 15's
-128k-token packed row of documents of 1..8192 tokens, GQA 8:2 (B=1). Forward of
+128k-token packed row of documents of 1..8192 tokens, GQA 8:2 (B=1); and two masks a FlexAttention
+user brings as a mask_mod (a prefix LM over the first S / 4 keys; 64 attention sinks with a causal
+window of 1024), ours taken over from flex's BlockMask by BlockMask.from_torch (bitmask partial
+blocks). Forward of
 ours (sparsetrain.torch.block_sparse_attention) against FlexAttention
 (torch.compile(flex_attention, dynamic=False) on the same mask from create_block_mask(...,
 _compile=True)) and, for the dense-causal cases, cuDNN SDPA (sdpa_kernel(CUDNN_ATTENTION),
@@ -102,7 +105,15 @@ CASES = {
     "gqa8_causal_d64": Case("causal", 32, 4, 64),
     # Issue 15's long packed sequence: 128k tokens of documents up to 8k, GQA 4:1.
     "document_causal_128k_gqa4": Case("document_causal", 8, 2, 128, B=1, S=131072, doc_lengths=(1, 8192)),
+    # Masks a FlexAttention user brings as a mask_mod: ours from flex's BlockMask through
+    # BlockMask.from_torch, every partial block a bitmask (FLEX_KINDS).
+    "flexmod_prefix_lm": Case("flex_prefix_lm", 16, 16, 128),
+    "flexmod_sinks_window_1024": Case("flex_sinks_window", 16, 16, 128, window=1024),
 }
+# The mask_mod kinds: a prefix LM (causal, plus the first S / PREFIX_DIV keys for every query) and
+# attention sinks with a causal window (the first SINKS keys, plus keys at most `window` back).
+FLEX_KINDS = ("flex_prefix_lm", "flex_sinks_window")
+PREFIX_DIV, SINKS = 4, 64
 BUILDS = {f"build_{k}": k for k in ("causal", "sliding_window", "document_causal")}
 
 
@@ -147,6 +158,12 @@ def mask_mod_for(kind, g, doc):
         return lambda b, h, q, kv: (q >= kv) & (q - kv <= w)
     if kind == "document_causal":
         return lambda b, h, q, kv: (doc[b, q] == doc[b, kv]) & (q >= kv)
+    if kind == "flex_prefix_lm":
+        p = g.S // PREFIX_DIV
+        return lambda b, h, q, kv: (q >= kv) | (kv < p)
+    if kind == "flex_sinks_window":
+        w = g.window
+        return lambda b, h, q, kv: (q >= kv) & ((q - kv <= w) | (kv < SINKS))
     raise ValueError(kind)
 
 
@@ -172,6 +189,12 @@ def pairs_per_batch(kind, g, doc_cpu):
             _, lengths = torch.unique_consecutive(doc_cpu[b], return_counts=True)
             out.append(sum(int(n) * (int(n) + 1) // 2 for n in lengths))
         return out
+    if kind == "flex_prefix_lm":  # rows q < P see the P prefix keys, the others q + 1
+        p = S // PREFIX_DIV
+        return [p * p + (S * (S + 1) - p * (p + 1)) // 2] * B
+    if kind == "flex_sinks_window":  # the window's min(q, w) + 1 keys, and the sinks below it
+        w = g.window
+        return [sum(min(q, w) + 1 + max(0, min(SINKS, q - w)) for q in range(S))] * B
     raise ValueError(kind)
 
 
@@ -339,22 +362,39 @@ def case_masks(name, seq, device):
     return c, g, doc_cpu, doc, mask_mod, pairs
 
 
+def cuda_workers():
+    """The backward's persistent CTAs: the GPU's SM count (132, an H100 / H200, without a GPU)."""
+    return torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
+
+
 def build_our_mask(kind, S, g, doc, doc_cpu, B, Hq, Hkv, schedule, walk, row):
     """Ours for the case: "auto" on the host for the real problem (copied to the GPU), or an
-    explicit schedule and walk built on the GPU; the choice and the model's candidates in `row`."""
+    explicit schedule and walk built on the GPU; a mask_mod kind (FLEX_KINDS) from flex's own
+    BlockMask through BlockMask.from_torch, as a FlexAttention user takes it over (on the host,
+    then copied). The choice and, for "auto", the model's candidates in `row`."""
     import sparsetrain
     from sparsetrain import _C
 
-    if schedule == "auto":
-        workers = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
+    cuda = torch.cuda.is_available()
+    if kind in FLEX_KINDS:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        fm = create_block_mask(mask_mod_for(kind, g, None), None, None, S, S, device="cuda" if cuda else "cpu")
+        host = sparsetrain.BlockMask.from_torch(fm, device="cpu")
+        if schedule != "auto":
+            host = host.with_schedule(schedule, walk=walk)
+    elif schedule == "auto":
         host = sparsetrain.BlockMask.build(kind, S, framework="torch", schedule="auto",
-                                           auto_problem=(B, Hq, Hkv, workers), **our_mask_args(kind, g, doc_cpu))
-        row["schedule_candidates"] = _C.schedule_candidates(host._core_mask(), [B, Hq, Hkv, workers])
-        row["schedule_model_workers"] = workers
-        mask = host.to("cuda") if torch.cuda.is_available() else host
+                                           auto_problem=(B, Hq, Hkv, cuda_workers()), **our_mask_args(kind, g, doc_cpu))
     else:
+        host = None
         mask = sparsetrain.BlockMask.build(kind, S, device="cuda", schedule=schedule, walk=walk,
                                            **our_mask_args(kind, g, doc))
+    if schedule == "auto":
+        row["schedule_candidates"] = _C.schedule_candidates(host._core_mask(), [B, Hq, Hkv, cuda_workers()])
+        row["schedule_model_workers"] = cuda_workers()
+    if host is not None:
+        mask = host.to("cuda") if cuda else host
     row["ours_schedule"] = mask.schedule
     row["ours_walk"] = mask.walk
     return mask
