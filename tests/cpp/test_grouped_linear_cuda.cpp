@@ -169,23 +169,18 @@ void check_main_grad(st::DType dtype, int64_t T = 77, int64_t in = 40, int64_t o
   }
 }
 
-// Forces the sm90 tile walk for the scope (the heuristic otherwise picks it from the shapes).
-struct TuningOverride {
-  TuningOverride(const char* raster, const char* swizzle) {
-    setenv("SPARSETRAIN_SM90_RASTER", raster, 1);
-    setenv("SPARSETRAIN_SM90_SWIZZLE", swizzle, 1);
-  }
-  ~TuningOverride() {
-    unsetenv("SPARSETRAIN_SM90_RASTER");
-    unsetenv("SPARSETRAIN_SM90_SWIZZLE");
-  }
+// An environment variable set for the scope (the backend reads these switches at every call).
+struct ScopedEnv {
+  ScopedEnv(const char* name, const char* value) : name_(name) { setenv(name, value, 1); }
+  ~ScopedEnv() { unsetenv(name_); }
+  const char* name_;
 };
 
-// Pins the tiny-problem size rule's threshold (arch::simt_by_size) for the scope: "0" lets every
-// size take the sm90 kernels, a huge value sends every size to the SIMT ones.
-struct SimtMaxMacs {
-  explicit SimtMaxMacs(const char* v) { setenv("SPARSETRAIN_GEMM_SIMT_MAX_MACS", v, 1); }
-  ~SimtMaxMacs() { unsetenv("SPARSETRAIN_GEMM_SIMT_MAX_MACS"); }
+// Forces the sm90 tile walk for the scope (the heuristic otherwise picks it from the shapes).
+struct TuningOverride {
+  TuningOverride(const char* raster, const char* swizzle)
+      : raster_("SPARSETRAIN_SM90_RASTER", raster), swizzle_("SPARSETRAIN_SM90_SWIZZLE", swizzle) {}
+  ScopedEnv raster_, swizzle_;
 };
 
 class GroupedLinearCuda : public ::testing::TestWithParam<Shape> {};
@@ -221,7 +216,9 @@ TEST(GroupedLinearCudaSizeRule, TinyProblemsMatchTheOracleOnBothPaths) {
   REQUIRE_GPU();
   for (const char* max_macs : {"0", "1000000000000"}) {
     SCOPED_TRACE(std::string("SPARSETRAIN_GEMM_SIMT_MAX_MACS=") + max_macs);
-    SimtMaxMacs pin(max_macs);
+    // The tiny-problem size rule's threshold (arch::simt_by_size): "0" lets every size take the
+    // sm90 kernels, a huge value sends every size to the SIMT ones.
+    ScopedEnv pin("SPARSETRAIN_GEMM_SIMT_MAX_MACS", max_macs);
     check_against_oracle({st::DType::kBF16, 3, 61, 0, 16, 24, {0, 1, 2}, true, true, false});
     check_against_oracle({st::DType::kBF16, 4, 16, 16, 64, 64, {}, true, true, false});
     check_against_oracle({st::DType::kFP16, 4, 50, 41, 16, 8, {1}, false, false, true});
