@@ -187,8 +187,7 @@ __device__ __forceinline__ void fwd_consume(const typename T::Params& p, typenam
       TileMaskCoords tc{c.q0, kv0, a.seq_q, a.seq_kv};
       if (a.spec.kind == MaskKind::kBitmask) {
         const KernelMaskSpec& m = a.spec;
-        tc.block_bits = m.bits + c.b * m.bits_stride_b + c.h * m.bits_stride_h + c.row * m.bits_stride_m +
-                        tile.entry * m.bits_stride_w;
+        tc.block_bits = bitmask_block(m, c.b, c.h, c.row, tile.entry);
         tc.block_row0 = c.row * a.lists.block_q;
         tc.block_col = kv0 - sub_tile_block(a.lists, tile.tile) * m.block_kv;
         tc.bits_ok = tile.entry < m.bits_width;

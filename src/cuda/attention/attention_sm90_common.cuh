@@ -52,7 +52,7 @@ __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx(-inf) = +0
 // A wgmma accumulator's layout ((2 cols, 2 row halves, N/8), M tiles, N tiles) viewed as
 // (rows, cols) = ((2, M), (2, N/8, N)): the row a thread holds, and the columns along it.
 template <class Layout>
-__device__ __forceinline__ auto acc_rowcol(Layout l) {
+CUTE_HOST_DEVICE auto acc_rowcol(Layout l) {  // host too: tests/cpp/test_bwd_mask_layout.cu
   return make_layout(make_layout(get<0, 1>(l), get<1>(l)), make_layout(get<0, 0>(l), get<0, 2>(l), get<2>(l)));
 }
 

@@ -17,18 +17,42 @@ using namespace cute;
 
 // ---- masking (the tile is transposed: rows are keys, columns q rows; mask_tile_sm90.cuh) ---------
 
-template <class TS, class TC>
+// A bitmask mask on a partial visit of the transposed tile. Read per element from global memory
+// after the S GEMM (16-32 loads a thread, with the registers full so that they went out a few at a
+// time), the bits were a third of a sinks-and-window mask's backward (docs/PERF.md). Here each lane
+// loads whole words, coalesced: the warp's keys are one 16-key half of a 32-key group, so the warp
+// needs that group's word of each q row, and lane l loads those of rows l, l + 32, ...;
+// mask_bits_transposed spreads their bits with ballots. Rows past Sq and a corrupt entry
+// (bit_entry outside the width) get no bits: nothing allowed.
+template <int M, class TS, class TC>
+__device__ __forceinline__ void bwd_mask_bits(TS& s, TC const& coord, int q0, int kv0, const BwdArgs& a, int b, int h,
+                                              int column, const BwdVisit& visit) {
+  const KernelMaskSpec& m = a.spec;
+  constexpr int kGroups = M / 32;  // 32-row groups of the q tile
+  const bool ok = visit.bit_entry >= 0 && visit.bit_entry < m.bits_width;  // else a corrupt mask
+  const uint32_t* block = reinterpret_cast<const uint32_t*>(bitmask_block(m, b, h, visit.q_block, visit.bit_entry));
+  // The warp's 32-key group: its first column in the block.
+  const int col = kv0 - column * a.block_kv + (int(get<0>(coord(0, 0))) & ~31);
+  const int lane = int(threadIdx.x % 32), row0 = q0 - visit.q_block * a.block_q;
+  uint32_t words[kGroups];
+  CUTLASS_PRAGMA_UNROLL
+  for (int g = 0; g < kGroups; ++g) {
+    const int i = 32 * g + lane;  // the q tile's row this lane loads
+    words[g] = ok && q0 + i < a.seq_q ? __ldg(block + bitmask_word(row0 + i, col, m.block_kv)) : 0u;
+  }
+  mask_bits_transposed(s, coord, a.seq_kv - kv0, words,
+                       [](int, int, uint32_t pred) { return __ballot_sync(0xffffffffu, pred); });
+}
+
+template <int M, class TS, class TC>
 __device__ __forceinline__ void mask_tile_t(TS& s, TC const& coord, int q0, int kv0, const BwdArgs& a, int b, int h,
                                             int column, const BwdVisit& visit, const int32_t* doc_q_tile) {
   const KernelMaskSpec& m = a.spec;
-  TileMaskCoords t{q0, kv0, a.seq_q, a.seq_kv};
   if (m.kind == MaskKind::kBitmask) {
-    t.block_bits = m.bits + b * m.bits_stride_b + h * m.bits_stride_h + visit.q_block * m.bits_stride_m +
-                   int64_t(visit.bit_entry) * m.bits_stride_w;
-    t.block_row0 = visit.q_block * a.block_q;
-    t.block_col = kv0 - column * a.block_kv;
-    t.bits_ok = visit.bit_entry >= 0 && visit.bit_entry < m.bits_width;  // else a corrupt mask
+    bwd_mask_bits<M>(s, coord, q0, kv0, a, b, h, column, visit);
+    return;
   }
+  const TileMaskCoords t{q0, kv0, a.seq_q, a.seq_kv};
   // Document ids: the thread's keys (rows) in registers, queries from the visit's row of ids in
   // shared memory (doc_q_tile: loaded with lse and delta; read through L1 after the S GEMM, they
   // lengthened every partial visit). Offsets in int32 (the backend checks the id tensors fit): a
@@ -214,7 +238,7 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
       warpgroup_wait<1>();
       warpgroup_fence_operand(tSrS);
       if (visit.partial) {
-        mask_tile_t(S, S_coord, q0, kv0, a, b, h, column, visit, ss.doc_q[st]);
+        mask_tile_t<M>(S, S_coord, q0, kv0, a, b, h, column, visit, ss.doc_q[st]);
       } else if (crosses_end) {
         mask_seq_kv<false>(S, S_coord, kv0, a.seq_kv);
       }

@@ -8,6 +8,7 @@
 // (their ids and bits are never read) and left to the caller otherwise.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "common/mask_predicate.h"  // mask_row_interval, mask_band, bitmask_word
@@ -16,7 +17,14 @@
 
 namespace sparsetrain::cuda::attn {
 
-// Where the tile sits and where its bits are.
+// A partial block's bits: uint8 [block_q rows, block_kv / 8] of batch b, head h, mask row `row` and
+// entry `entry` of its kv list (KernelMaskSpec::bits; leading dims broadcast by zero strides).
+__device__ __forceinline__ const uint8_t* bitmask_block(const KernelMaskSpec& m, int64_t b, int64_t h, int64_t row,
+                                                        int64_t entry) {
+  return m.bits + b * m.bits_stride_b + h * m.bits_stride_h + row * m.bits_stride_m + entry * m.bits_stride_w;
+}
+
+// Where the tile sits and where its bits are (the forward's; the backward's: mask_bits_transposed).
 struct TileMaskCoords {
   int32_t q0, kv0;      // the first query and key the accumulator's (0, 0) stands for
   int32_t seq_q, seq_kv;
@@ -34,6 +42,8 @@ struct TileMaskCoords {
 // c): the id of tile key c (index: its position along the key mode). Both are read only for
 // document masks; key_doc must give a value no query id has (INT32_MIN) for keys past Skv. With
 // many queries (the backward) query_doc is read for every query of the tile, past Sq too.
+// Bitmasks here are the forward's (few queries, many keys); the backward's transposed tiles take
+// theirs from mask_bits_transposed (below), whose words cross lanes.
 template <bool kQueriesAlongRows, class TS, class TC, class QueryDoc, class KeyDoc>
 __device__ __forceinline__ void mask_partial_tile(TS& s, TC const& coord, const KernelMaskSpec& m,
                                                   const TileMaskCoords& t, QueryDoc query_doc, KeyDoc key_doc) {
@@ -85,16 +95,16 @@ __device__ __forceinline__ void mask_partial_tile(TS& s, TC const& coord, const 
       break;
     }
     case MaskKind::kBitmask: {
-      // Row r of the block is block_kv bits from bit r * block_kv on (block_kv a multiple of 128:
-      // the tile's 128 keys are 4 aligned 32-bit words).
-      CUTLASS_PRAGMA_UNROLL
-      for (int qi = 0; qi < kQueries; ++qi) {
-        const int q = t.q0 + qpos(qi);
-        const bool in = t.bits_ok && q < t.seq_q;
-        const uint32_t* block_words = reinterpret_cast<const uint32_t*>(t.block_bits);
-        if constexpr (kQueriesAlongRows) {
-          const uint32_t* words = block_words + bitmask_word(q - t.block_row0, t.block_col, m.block_kv);
-          // Many keys per query: the 4 words once, then selects (no local array).
+      if constexpr (kQueriesAlongRows) {
+        // Row r of the block is block_kv bits from bit r * block_kv on (block_kv a multiple of
+        // 128: the tile's 128 keys are 4 aligned 32-bit words), read once per query, then selects
+        // (no local array).
+        CUTLASS_PRAGMA_UNROLL
+        for (int qi = 0; qi < kQueries; ++qi) {
+          const int q = t.q0 + qpos(qi);
+          const bool in = t.bits_ok && q < t.seq_q;
+          const uint32_t* words = reinterpret_cast<const uint32_t*>(t.block_bits) +
+                                  bitmask_word(q - t.block_row0, t.block_col, m.block_kv);
           const uint32_t w0 = in ? __ldg(words) : 0u, w1 = in ? __ldg(words + 1) : 0u;
           const uint32_t w2 = in ? __ldg(words + 2) : 0u, w3 = in ? __ldg(words + 3) : 0u;
           CUTLASS_PRAGMA_UNROLL
@@ -102,15 +112,6 @@ __device__ __forceinline__ void mask_partial_tile(TS& s, TC const& coord, const 
             const int c = kpos(ki);
             const uint32_t word = c < 64 ? (c < 32 ? w0 : w1) : (c < 96 ? w2 : w3);
             if (!((c < key_end) & (((word >> (c & 31)) & 1u) != 0))) at(qi, ki) = -INFINITY;
-          }
-        } else {
-          // Few keys per query (the backward): one word per key.
-          CUTLASS_PRAGMA_UNROLL
-          for (int ki = 0; ki < kKeys; ++ki) {
-            const int c = kpos(ki);
-            const int32_t word = bitmask_word(q - t.block_row0, t.block_col + c, m.block_kv);
-            const bool ok = in && c < key_end && ((__ldg(block_words + word) >> (c & 31)) & 1u);
-            if (!ok) at(qi, ki) = -INFINITY;
           }
         }
       }
@@ -145,6 +146,44 @@ __device__ __forceinline__ void mask_partial_tile(TS& s, TC const& coord, const 
       }
       break;
     }
+  }
+}
+
+// The backward's bitmask mask on its transposed tile (rows: keys, columns: queries; S^T of a
+// q tile of 32 x kGroups rows), from whole words: words[g] is the 32-bit word of the warp's key
+// group for q-tile row 32 g + lane (0: nothing allowed), ballot(g, key, pred) the warp's ballot of
+// pred (bit l: lane l's). A warp's keys are one 16-key half of a 32-key group and a thread's query
+// column j lies in 32-row group j / 8, so one ballot per key of the half and group gives every
+// lane that key's bits for 32 queries; each thread keeps those of its own keys (kKeys x kGroups
+// registers) and masks its elements from them. Keys at or past key_end lie beyond Skv. Host and
+// device: tests/cpp/test_bwd_mask_layout.cu runs it over an emulated warp and checks the layout
+// it relies on against CuTe's partition.
+template <int kGroups, class TS, class TC, class Ballot>
+CUTE_HOST_DEVICE void mask_bits_transposed(TS& s, TC const& coord, int key_end, const uint32_t (&words)[kGroups],
+                                           Ballot&& ballot) {
+  constexpr int kKeys = decltype(size<0>(s))::value, kQueries = decltype(size<1>(s))::value;
+  static_assert(kQueries == 8 * kGroups, "a thread's query columns: 8 in each 32-row group");
+  const int half = int(get<0>(coord(0, 0))) & ~15;  // the warp's first key
+  uint32_t mine[kKeys][kGroups];  // bit r: the thread's key ki allowed for row r of group g
+  CUTLASS_PRAGMA_UNROLL
+  for (int g = 0; g < kGroups; ++g) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int ki = 0; ki < kKeys; ++ki) mine[ki][g] = 0u;
+    CUTLASS_PRAGMA_UNROLL
+    for (int k = 0; k < 16; ++k) {
+      const int key = half + k;
+      const uint32_t bits = ballot(g, key, (words[g] >> (key & 31)) & 1u);
+      CUTLASS_PRAGMA_UNROLL
+      for (int ki = 0; ki < kKeys; ++ki)
+        if (int(get<0>(coord(ki, 0))) == key) mine[ki][g] = bits;
+    }
+  }
+  CUTLASS_PRAGMA_UNROLL
+  for (int j = 0; j < kQueries; ++j) {
+    const int r = int(get<1>(coord(0, j))) & 31;  // the query's row in its group j / 8
+    CUTLASS_PRAGMA_UNROLL
+    for (int ki = 0; ki < kKeys; ++ki)
+      if (!((int(get<0>(coord(ki, 0))) < key_end) & (((mine[ki][j / 8] >> r) & 1u) != 0))) s(ki, j) = -INFINITY;
   }
 }
 
