@@ -380,7 +380,7 @@ def build_our_mask(kind, S, g, doc, doc_cpu, B, Hq, Hkv, schedule, walk, row):
         from torch.nn.attention.flex_attention import create_block_mask
 
         fm = create_block_mask(mask_mod_for(kind, g, None), None, None, S, S, device="cuda" if cuda else "cpu")
-        host = sparsetrain.BlockMask.from_torch(fm, device="cpu")
+        host = sparsetrain.BlockMask.from_torch(fm, device="cpu", auto_problem=(B, Hq, Hkv, cuda_workers()))
         if schedule != "auto":
             host = host.with_schedule(schedule, walk=walk)
     elif schedule == "auto":

@@ -1,7 +1,7 @@
 """A / B of the attention backward across two builds: run it once per build, in alternating
 processes, each with its build's package first on PYTHONPATH; every process prints one JSON line
 per case with its tag. Per case of bench_attention.py's CASES (bf16, its B, H, S, D, mask, the
-"auto" schedule built on the host): the backward alone (torch.autograd.grad over a retained
+"auto" schedule built on the host, or AB_SCHEDULE / AB_WALK): the backward alone (torch.autograd.grad over a retained
 forward graph), deterministic and not, back to back, the two alternating in each of 5 rounds of
 20 calls (bench_attention.interleaved_ms), medians; and whether two deterministic backwards are
 bitwise the same.
@@ -24,22 +24,25 @@ import bench_attention as ba
 from bench_dq_schedule import backward_inputs
 
 
+# The schedule under test: "auto" (the default, built on the host for the real problem) or a fixed
+# one through AB_SCHEDULE / AB_WALK (built on the GPU; a mask_mod kind from flex's BlockMask).
+SCHEDULE = os.environ.get("AB_SCHEDULE", "auto")
+WALK = os.environ.get("AB_WALK") or None
+
+
 def main(tag, names):
-    import sparsetrain
     import sparsetrain.torch as stt
 
-    workers = torch.cuda.get_device_properties(0).multi_processor_count
     for name in names:
-        c, g, doc_cpu, _, q, k, v, do = backward_inputs(name)
+        c, g, doc_cpu, doc, q, k, v, do = backward_inputs(name)
         B, S, Hq, Hkv = g.B, g.S, c.Hq, c.Hkv
-        mask = sparsetrain.BlockMask.build(c.kind, S, framework="torch", schedule="auto",
-                                           auto_problem=(B, Hq, Hkv, workers),
-                                           **ba.our_mask_args(c.kind, g, doc_cpu)).to("cuda")
+        mask = ba.build_our_mask(c.kind, S, g, doc, doc_cpu, B, Hq, Hkv, SCHEDULE, WALK, {})
         outs = [stt.block_sparse_attention(q, k, v, mask, deterministic=d) for d in (True, False)]
         med, _ = ba.interleaved_ms([lambda o=o: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
                                     for o in outs], 5, 20)
         g1, g2 = (torch.autograd.grad(outs[0], (q, k, v), do, retain_graph=True) for _ in range(2))
-        print(json.dumps({"tag": tag, "case": name, "device": torch.cuda.get_device_name(), "det_ms": med[0],
+        print(json.dumps({"tag": tag, "case": name, "device": torch.cuda.get_device_name(),
+                          "schedule": mask.schedule, "walk": mask.walk, "det_ms": med[0],
                           "nondet_ms": med[1], "bitwise": all(torch.equal(x, y) for x, y in zip(g1, g2))}),
               flush=True)
         del outs, q, k, v, do

@@ -252,7 +252,7 @@ class BlockMask:
         (document_ids [B or 1, S] or [S] for both sides, or doc_q and doc_kv; int32 or int64);
         "prefix_lm" (kv <= q or kv < prefix_length). block_size: 128 or (block_q, block_kv).
         schedule: "auto" (the default: what measured fastest, left to right with the descending
-        walk; block_mask.h choose_schedule), "left_to_right", "shortest_first", or a permutation
+        walk; masks given by blocks may take the ascending one, block_mask.h choose_schedule), "left_to_right", "shortest_first", or a permutation
         of the kv block columns. walk (with an explicit schedule): "descending_heads_inner" (the
         default) or "ascending_heads_outer". auto_problem: (batch, heads_q, heads_kv, workers) of
         the attention and the GPU (workers: its SM count, or the sm_limit used), 0 for the
@@ -350,10 +350,11 @@ class BlockMask:
     @classmethod
     def from_blocks(cls, blocks: Any, seq_q: int, seq_kv: int, *, block_size: Union[int, Sequence[int]] = 128,
                     schedule: Any = "auto", spec: Optional[MaskSpec] = None,
-                    framework: Optional[str] = None) -> "BlockMask":
+                    framework: Optional[str] = None, auto_problem: Optional[Sequence[int]] = None) -> "BlockMask":
         """A mask from a dense block matrix, uint8 (or bool) [B, H, Mq, Nk]: 0 skipped, 1 partial,
         2 full (bool: True = full). `spec` is what applies inside partial blocks (default
-        MaskSpec("full"): nothing; partial then computes like full)."""
+        MaskSpec("full"): nothing; partial then computes like full). schedule and auto_problem
+        as in build: "auto" runs the scheduler model on auto_problem to pick the walk."""
         fw = _framework(framework, blocks)
         blocks = _uint8_blocks(blocks, fw)
         bq, bkv = _block_size(block_size)
@@ -364,12 +365,13 @@ class BlockMask:
             spec = spec._replace(doc_q=_doc_ids(spec.doc_q, fw, "spec.doc_q"),
                                  doc_kv=_doc_ids(spec.doc_kv, fw, "spec.doc_kv"))
         d = _C.build_block_mask_from_blocks(to_core(blocks, "blocks"), int(seq_q), int(seq_kv), bq, bkv,
-                                            _schedule_arg(schedule), fw.allocate)
+                                            _schedule_arg(schedule), fw.allocate, problem=_problem_arg(auto_problem))
         return cls._from_core(d, fw, spec)
 
     @classmethod
     def from_torch(cls, block_mask: Any, *, batch: Optional[int] = None, heads: Optional[int] = None,
-                   schedule: Any = "auto", device: Any = None) -> "BlockMask":
+                   schedule: Any = "auto", device: Any = None,
+                   auto_problem: Optional[Sequence[int]] = None) -> "BlockMask":
         """torch.nn.attention.flex_attention.BlockMask as it is: its partial and full blocks
         (full_kv_* may be None: every listed block is then partial), BLOCK_SIZE and seq_lengths,
         and its mask_mod evaluated once per partial block into bitmasks (vectorised with torch.vmap
@@ -379,10 +381,14 @@ class BlockMask:
         then broadcasts it) needs `batch` / `heads` here to be evaluated per batch row / head.
         The result holds torch tensors on `device`: by default the flex mask's own device (the
         lists, transposes and write orders are built on the host and copied there; mask_mod always
-        runs on the flex mask's device, where the tensors it captures live)."""
+        runs on the flex mask's device, where the tensors it captures live). schedule and
+        auto_problem as in build: "auto" runs the scheduler model on auto_problem (batch, heads_q,
+        heads_kv, workers of the attention this mask serves; by default the mask's own leading
+        dims, often 1 x 1 for a flex mask) to pick the walk, so pass it for the backward's best
+        deterministic order."""
         import torch  # noqa: PLC0415
 
-        return _from_flex(cls, torch, block_mask, batch, heads, schedule, device)
+        return _from_flex(cls, torch, block_mask, batch, heads, schedule, device, auto_problem)
 
     def with_schedule(self, schedule: Any = "auto", *, walk: Optional[str] = None,
                       auto_problem: Optional[Sequence[int]] = None) -> "BlockMask":
@@ -614,7 +620,7 @@ def _flex_dense(torch, counts: Any, indices: Any, name: str, shape: Tuple[int, i
 
 
 def _from_flex(cls, torch, m: Any, batch: Optional[int], heads: Optional[int], schedule: Any,
-               device: Any) -> BlockMask:
+               device: Any, auto_problem: Optional[Sequence[int]]) -> BlockMask:
     needed = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "BLOCK_SIZE", "seq_lengths",
               "mask_mod")
     if not all(hasattr(m, a) for a in needed):
@@ -651,7 +657,7 @@ def _from_flex(cls, torch, m: Any, batch: Optional[int], heads: Optional[int], s
     target = torch.device("cpu") if target is None else target
     fw = Framework(torch)
     d = _C.build_block_mask_from_blocks(to_core(blocks.contiguous()), sq, skv, bq, bkv, _schedule_arg(schedule),
-                                        fw.allocate)
+                                        fw.allocate, problem=_problem_arg(auto_problem))
     mask = cls._from_core(d, fw, MaskSpec("bitmask"))
     mask.partial_bitmasks = _evaluate_bitmasks(torch, m.mask_mod, mask.kv_num_blocks, mask.kv_indices, bq, bkv, sq,
                                                skv, m.kv_indices.device, target)

@@ -666,17 +666,50 @@ void check_problem(const ScheduleProblem& problem) {
                "ScheduleProblem", "sizes >= 0 (0: from the mask / the default)", "batch ", problem.batch,
                ", heads_q ", problem.heads_q, ", heads_kv ", problem.heads_kv, ", workers ", problem.workers);
 }
+
+// The problem's zeros filled in: the mask's leading dims, heads_kv = heads_q, and one persistent
+// CTA per SM of an H100 SXM or an H200 (132).
+ScheduleProblem resolved_problem(const BlockMask& mask, const ScheduleProblem& problem) {
+  int64_t B = 1, H = 1;
+  mask_leading_dims(mask, &B, &H);
+  ScheduleProblem p;
+  p.batch = problem.batch > 0 ? problem.batch : B;
+  p.heads_q = problem.heads_q > 0 ? problem.heads_q : H;
+  p.heads_kv = problem.heads_kv > 0 ? problem.heads_kv : p.heads_q;
+  p.workers = problem.workers > 0 ? problem.workers : 132;
+  return p;
+}
+
+// Masks given block by block with partial blocks (from blocks, a function or a flex BlockMask:
+// spec kFull or kBitmask) and their lists on the host: their columns need not nest as causal
+// ones do (block_mask.h, choose_schedule). Their partial blocks were evaluated per element, which
+// costs more than the model (1-3 ms a candidate at B2 H16 S8192). Built-in band and document
+// masks nest, and so does a mask of full blocks alone: no model run (on a dense 32k mask it costs
+// ~70 ms a walk).
+bool walk_needs_the_model(const BlockMask& mask) {
+  if (mask.spec.kind != MaskKind::kBitmask && mask.spec.kind != MaskKind::kFull) return false;
+  const TensorView& counts = mask.kv_num_blocks;  // int32 [B, H, Mq]: partial blocks a row
+  if (!counts.defined() || !counts.device().is_cpu() || !mask.q_num_blocks.defined()) return false;
+  const MaskIndexView v = mask_index_view(counts);
+  for (int64_t b = 0; b < counts.size(0); ++b)
+    for (int64_t h = 0; h < counts.size(1); ++h)
+      for (int64_t m = 0; m < counts.size(2); ++m)
+        if (v.at(b, h, m) > 0) return true;
+  return false;
+}
+
+// The ascending walk's modelled deterministic critical path must be at most this fraction of the
+// descending walk's. The model has no per-item, hand-off or L2 cost, and those favour the
+// descending walk (it won by 1-23 % where the model ranked the walks within 3 %; docs/PERF.md);
+// where the model put the ascending walk 19 % ahead (attention sinks + a 1024 window, B2 H16
+// S8192) it ran 30 % faster on an H100.
+constexpr double kAscendingWalkGain = 0.9;
 }  // namespace
 
 std::vector<ScheduleCandidate> schedule_candidates(const BlockMask& mask, const ScheduleProblem& problem) {
   check_problem(problem);
-  int64_t B = 1, H = 1;
-  mask_leading_dims(mask, &B, &H);
-  const int64_t batch = problem.batch > 0 ? problem.batch : B;
-  const int64_t heads_q = problem.heads_q > 0 ? problem.heads_q : H;
-  const int64_t heads_kv = problem.heads_kv > 0 ? problem.heads_kv : heads_q;
-  // One persistent CTA per SM: 132 on an H100 SXM or an H200.
-  const int64_t workers = problem.workers > 0 ? problem.workers : 132;
+  const ScheduleProblem p = resolved_problem(mask, problem);
+  const int64_t batch = p.batch, heads_q = p.heads_q, heads_kv = p.heads_kv, workers = p.workers;
   // The kernel splits block columns into writers of its own kv tile: model them so.
   const int64_t s = dq_sub_tiles(mask.block_kv), Nk = mask.num_kv_blocks();
   // Every hand-out x walk the kernel runs.
@@ -698,13 +731,26 @@ std::vector<ScheduleCandidate> schedule_candidates(const BlockMask& mask, const 
 }
 
 ColumnSchedule choose_schedule(const BlockMask& mask, const ScheduleProblem& problem) {
-  // Measured, not modelled (block_mask.h): the model has no per-item, hand-off or L2 cost, and
-  // with the backward's L2 sections those decide.
-  (void)mask;
   check_problem(problem);
   ColumnSchedule s;
   s.kind = ScheduleKind::kLeftToRight;
   s.walk = WalkOrder::kDescendingHeadsInner;
+  if (!walk_needs_the_model(mask)) return s;
+  // Both walks modelled on the real problem (block_mask.h says when and why); the ascending one
+  // only where the model puts it clearly ahead, since the model lacks the per-item and L2 costs
+  // that favour the descending walk.
+  const ScheduleProblem p = resolved_problem(mask, problem);
+  const int64_t s_tiles = dq_sub_tiles(mask.block_kv), Nk = mask.num_kv_blocks();
+  auto det_path = [&](WalkOrder walk) {
+    ColumnSchedule c = s;
+    c.walk = walk;
+    return simulate_dq_backward(dq_model_problem(mask, c, s_tiles, p.batch, p.heads_q, p.heads_kv),
+                                dq_handout(c, p.batch, p.heads_kv, Nk, s_tiles), p.workers)
+        .critical_path;
+  };
+  const int64_t descending = det_path(WalkOrder::kDescendingHeadsInner);
+  const int64_t ascending = det_path(WalkOrder::kAscendingHeadsOuter);
+  if (double(ascending) <= kAscendingWalkGain * double(descending)) s.walk = WalkOrder::kAscendingHeadsOuter;
   return s;
 }
 

@@ -395,6 +395,27 @@ def test_from_torch_broadcast_mask_evaluated_per_head():
                                 heads=2)
 
 
+def test_from_torch_auto_walk_follows_the_problem():
+    """Attention sinks (64 keys) beside a causal 1024-key window, S = 8192: "auto" runs the
+    scheduler model on auto_problem; for B2 H16 it takes the ascending walk (kv column 0 reaches
+    every q block, and walking bottom-up it would reach the window columns' blocks last), for the
+    mask's own 1 x 1 the descending one (block_mask.h choose_schedule). Bad problems are refused."""
+    S = 8192
+
+    def sinks_window(b, h, q, kv):
+        return (q >= kv) & ((q - kv <= 1024) | (kv < 64))
+
+    fm = flex.create_block_mask(sinks_window, None, None, S, S, device="cpu")
+    big = st.BlockMask.from_torch(fm, auto_problem=(2, 16, 16, 132))
+    assert (big.schedule, big.walk) == ("left_to_right", "ascending_heads_outer")
+    assert big.check_write_order() == ""
+    assert st.BlockMask.from_torch(fm).walk == "descending_heads_inner"
+    fixed = st.BlockMask.from_torch(fm, schedule="left_to_right", auto_problem=(2, 16, 16, 132))
+    assert fixed.walk == "descending_heads_inner"  # auto_problem matters for "auto" alone
+    with pytest.raises(ValueError, match="auto_problem"):
+        st.BlockMask.from_torch(fm, auto_problem=(2, 16, 16))
+
+
 def test_from_torch_rejects_bad_lists():
     kv_num = torch.tensor([[[1, 3]]], dtype=torch.int32)
     kv_idx = torch.tensor([[[[0, 0], [0, 1]]]], dtype=torch.int32)
