@@ -706,12 +706,22 @@ bool walk_needs_the_model(const BlockMask& mask) {
 constexpr double kAscendingWalkGain = 0.9;
 }  // namespace
 
+namespace {
+// The model's critical path of `schedule` on the resolved problem, deterministic or not. The
+// kernel splits block columns into writers of its own kv tile: modelled so.
+int64_t modelled_critical_path(const BlockMask& mask, const ColumnSchedule& schedule, const ScheduleProblem& p,
+                               bool deterministic) {
+  const int64_t s = dq_sub_tiles(mask.block_kv);
+  return simulate_dq_backward(dq_model_problem(mask, schedule, s, p.batch, p.heads_q, p.heads_kv),
+                              dq_handout(schedule, p.batch, p.heads_kv, mask.num_kv_blocks(), s), p.workers,
+                              deterministic)
+      .critical_path;
+}
+}  // namespace
+
 std::vector<ScheduleCandidate> schedule_candidates(const BlockMask& mask, const ScheduleProblem& problem) {
   check_problem(problem);
   const ScheduleProblem p = resolved_problem(mask, problem);
-  const int64_t batch = p.batch, heads_q = p.heads_q, heads_kv = p.heads_kv, workers = p.workers;
-  // The kernel splits block columns into writers of its own kv tile: model them so.
-  const int64_t s = dq_sub_tiles(mask.block_kv), Nk = mask.num_kv_blocks();
   // Every hand-out x walk the kernel runs.
   std::vector<ScheduleCandidate> out;
   for (const auto& [kind, walk] : {std::make_pair(ScheduleKind::kLeftToRight, WalkOrder::kDescendingHeadsInner),
@@ -721,10 +731,8 @@ std::vector<ScheduleCandidate> schedule_candidates(const BlockMask& mask, const 
     ScheduleCandidate c;
     c.schedule.kind = kind;
     c.schedule.walk = walk;
-    const DqModelProblem pb = dq_model_problem(mask, c.schedule, s, batch, heads_q, heads_kv);
-    const DqColumnHandout handout = dq_handout(c.schedule, batch, heads_kv, Nk, s);
-    c.critical_path = simulate_dq_backward(pb, handout, workers).critical_path;
-    c.nondeterministic_critical_path = simulate_dq_backward(pb, handout, workers, false).critical_path;
+    c.critical_path = modelled_critical_path(mask, c.schedule, p, true);
+    c.nondeterministic_critical_path = modelled_critical_path(mask, c.schedule, p, false);
     out.push_back(std::move(c));
   }
   return out;
@@ -740,17 +748,11 @@ ColumnSchedule choose_schedule(const BlockMask& mask, const ScheduleProblem& pro
   // only where the model puts it clearly ahead, since the model lacks the per-item and L2 costs
   // that favour the descending walk.
   const ScheduleProblem p = resolved_problem(mask, problem);
-  const int64_t s_tiles = dq_sub_tiles(mask.block_kv), Nk = mask.num_kv_blocks();
-  auto det_path = [&](WalkOrder walk) {
-    ColumnSchedule c = s;
-    c.walk = walk;
-    return simulate_dq_backward(dq_model_problem(mask, c, s_tiles, p.batch, p.heads_q, p.heads_kv),
-                                dq_handout(c, p.batch, p.heads_kv, Nk, s_tiles), p.workers)
-        .critical_path;
-  };
-  const int64_t descending = det_path(WalkOrder::kDescendingHeadsInner);
-  const int64_t ascending = det_path(WalkOrder::kAscendingHeadsOuter);
-  if (double(ascending) <= kAscendingWalkGain * double(descending)) s.walk = WalkOrder::kAscendingHeadsOuter;
+  ColumnSchedule ascending = s;
+  ascending.walk = WalkOrder::kAscendingHeadsOuter;
+  if (double(modelled_critical_path(mask, ascending, p, true)) <=
+      kAscendingWalkGain * double(modelled_critical_path(mask, s, p, true)))
+    return ascending;
   return s;
 }
 
