@@ -42,7 +42,7 @@ scheduler model's choice for the case's batch, heads and the GPU's SM count (--s
 is not a bench option: the kernel runs on every SM), then copies it to the GPU; the row records
 the choice ("ours_schedule", "ours_walk") and every candidate's modelled critical paths
 ("schedule_candidates": det and nondet steps). "left_to_right" / "shortest_first" build on the
-GPU with --walk ("descending_heads_inner", the default, or "ascending_heads_outer").
+GPU with --walk ("descending_heads_inner", the default, "ascending_heads_outer" or "ascending_heads_inner").
 
     python bench/bench_attention.py [--only causal,build_causal|attention|build] [--quick]
                                     [--backward] [--reps 100] [--json out.json] [--self-check]
@@ -109,6 +109,7 @@ CASES = {
     # BlockMask.from_torch, every partial block a bitmask (FLEX_KINDS).
     "flexmod_prefix_lm": Case("flex_prefix_lm", 16, 16, 128),
     "flexmod_sinks_window_1024": Case("flex_sinks_window", 16, 16, 128, window=1024),
+    "flexmod_sinks_window_1024_gqa8": Case("flex_sinks_window", 32, 4, 128, window=1024),
 }
 # The mask_mod kinds: a prefix LM (causal, plus the first S / PREFIX_DIV keys for every query) and
 # attention sinks with a causal window (the first SINKS keys, plus keys at most `window` back).
@@ -866,7 +867,8 @@ def main():
     ap.add_argument("--json", default=None, metavar="PATH", help="write the environment and every row as JSON")
     ap.add_argument("--schedule", default="auto", choices=("auto", "left_to_right", "shortest_first"),
                     help="ours' dQ schedule (default auto: the scheduler model's choice for the case, recorded)")
-    ap.add_argument("--walk", default=None, choices=("descending_heads_inner", "ascending_heads_outer"),
+    ap.add_argument("--walk", default=None, choices=("descending_heads_inner", "ascending_heads_outer",
+                                                     "ascending_heads_inner"),
                     help="with an explicit --schedule: the backward's walk (default descending_heads_inner)")
     ap.add_argument("--self-check", action="store_true",
                     help="run the host-side parts on the CPU (no GPU): geometry, document ids, closed-form pair "

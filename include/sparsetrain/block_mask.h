@@ -50,7 +50,12 @@ enum class ScheduleKind { kLeftToRight, kShortestFirst, kPermutation };
 //                          other, each bottom-up). The default: the columns of a left-to-right
 //                          chain then run in lock step (docs/PERF.md, "Deterministic backward: the walk").
 //   kAscendingHeadsOuter   per query head in turn, q tiles top-down (the order before 2026-11).
-enum class WalkOrder { kDescendingHeadsInner, kAscendingHeadsOuter };
+//   kAscendingHeadsInner   q tiles top-down, at each tile every query head of the group in turn
+//                          (H > 1: as kAscendingHeadsOuter). Behind a long first column (sinks,
+//                          global or strided tokens: columns that do not nest), walking top-down
+//                          lets the later columns follow it, and with the heads innermost a GQA
+//                          group follows it once, not once per head ("auto", choose_schedule).
+enum class WalkOrder { kDescendingHeadsInner, kAscendingHeadsOuter, kAscendingHeadsInner };
 
 struct ColumnSchedule {
   ScheduleKind kind = ScheduleKind::kLeftToRight;
@@ -167,15 +172,17 @@ std::string check_write_order(const BlockMask& mask);
 // (spec kFull or kBitmask, transposes on the host) need not nest: a long early column followed by
 // short ones (attention sinks or global tokens beside a window) reaches the short columns' tiles
 // last when walking bottom-up, and they wait for it. For those the model runs both walks on
-// `problem` and the ascending walk is taken where its deterministic critical path is at most 0.9x
-// the descending one's (sinks + a 1024 window, B2 H16 S8192: 30 % faster on an H100). A mask
-// built on a device keeps the descending walk (its lists are not on the host). docs/PERF.md,
+// `problem` and the ascending walk (heads innermost) is taken where its deterministic critical
+// path is at most 0.9x the descending one's (sinks + a 1024 window, B2 H16 S8192: 30 % faster on
+// an H100). A mask built on a device keeps the descending walk (its lists are not on the host). docs/PERF.md,
 // "Deterministic backward: the walk" and "L2 sections", has the measurements; schedule_candidates
 // reports the model's view of every candidate.
 ColumnSchedule choose_schedule(const BlockMask& mask, const ScheduleProblem& problem = {});
 
 // Every hand-out x walk the kernel runs, with its modelled critical paths (deterministic and not):
-// left to right with each walk first (what "auto" weighs), then shortest first with each walk.
+// left to right with the descending and the ascending-heads-outer walks, shortest first with
+// those two walks, then left to right with the ascending-heads-inner walk ("auto" weighs the
+// first and the last).
 // What the bench reports next to the choice.
 struct ScheduleCandidate {
   ColumnSchedule schedule;

@@ -208,8 +208,8 @@ class BlockMask:
     transposes q_* for backward, and dq_write_order(_full), the deterministic backward's dQ turns
     for `schedule` ("left_to_right", "shortest_first" or "permutation" with `schedule_permutation`;
     a column's turns in the mask's own block units), and `walk`, the order in which the backward
-    visits one kv column's q tiles and query heads ("descending_heads_inner", the default, or
-    "ascending_heads_outer"; block_mask.h WalkOrder): the schedule and walk fix the backward's
+    visits one kv column's q tiles and query heads ("descending_heads_inner", the default,
+    "ascending_heads_outer" or "ascending_heads_inner"; block_mask.h WalkOrder): the schedule and walk fix the backward's
     bits. Leading dims broadcast over the batch and the query heads.
 
     Build one with `BlockMask.build(kind, seq_q, seq_kv, ...)` (on the host or, with device=, on
@@ -254,7 +254,7 @@ class BlockMask:
         schedule: "auto" (the default: what measured fastest, left to right with the descending
         walk; masks given by blocks may take the ascending one, block_mask.h choose_schedule), "left_to_right", "shortest_first", or a permutation
         of the kv block columns. walk (with an explicit schedule): "descending_heads_inner" (the
-        default) or "ascending_heads_outer". auto_problem: (batch, heads_q, heads_kv, workers) of
+        default), "ascending_heads_outer" or "ascending_heads_inner". auto_problem: (batch, heads_q, heads_kv, workers) of
         the attention and the GPU (workers: its SM count, or the sm_limit used), 0 for the
         defaults (the mask's leading dims, 132 workers); checked, and what the scheduler model's
         candidates (_C.schedule_candidates) are computed for. framework: "numpy", "torch", or None (torch when the document ids are

@@ -34,6 +34,10 @@ namespace sparsetrain {
 //                          group's heads share one list (a mask with H = 1, broadcast over heads):
 //                          a per-head mask (H > 1) walks descending, one head after the other.
 //   kAscendingHeadsOuter   the old order: per query head, q blocks and tiles ascending.
+//   kAscendingHeadsInner   q blocks and tiles ascending, heads innermost as above (per-head masks:
+//                          one head after the other). For columns that do not nest (a long first
+//                          column beside short ones), where the later columns must follow the
+//                          first one down (block_mask.h choose_schedule).
 // Why descending (docs/PERF.md, "Deterministic backward: the walk"): under a left-to-right hand-out, of two columns sharing
 // a q block the one with the earlier turn (further left) reaches at least as far down (causal and
 // document-causal masks), so walking from the bottom both reach each (tile, head) at the same
@@ -64,7 +68,7 @@ struct BwdWalkShape {
 };
 ST_HOST_DEVICE inline BwdWalkShape bwd_walk_shape(WalkOrder walk, bool per_head_mask) {
   if (walk == WalkOrder::kAscendingHeadsOuter) return {false, false};
-  return {true, !per_head_mask};
+  return {walk == WalkOrder::kDescendingHeadsInner, !per_head_mask};
 }
 
 // The transposed lists of a mask (q_* and full_q_*), their dQ write orders, and the forward's

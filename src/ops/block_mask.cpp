@@ -46,13 +46,18 @@ TensorView& block_mask_tensor(BlockMask& m, int i) {
 }
 
 const char* walk_order_name(WalkOrder w) {
-  return w == WalkOrder::kAscendingHeadsOuter ? "ascending_heads_outer" : "descending_heads_inner";
+  switch (w) {
+    case WalkOrder::kAscendingHeadsOuter: return "ascending_heads_outer";
+    case WalkOrder::kAscendingHeadsInner: return "ascending_heads_inner";
+    default: return "descending_heads_inner";
+  }
 }
 
 WalkOrder parse_walk_order(const std::string& name) {
-  for (WalkOrder w : {WalkOrder::kDescendingHeadsInner, WalkOrder::kAscendingHeadsOuter})
+  for (WalkOrder w : {WalkOrder::kDescendingHeadsInner, WalkOrder::kAscendingHeadsOuter, WalkOrder::kAscendingHeadsInner})
     if (name == walk_order_name(w)) return w;
-  detail::throw_arg_error("walk", "\"descending_heads_inner\" or \"ascending_heads_outer\"", name);
+  detail::throw_arg_error("walk", "\"descending_heads_inner\", \"ascending_heads_outer\" or \"ascending_heads_inner\"",
+                          name);
 }
 
 const char* schedule_kind_name(ScheduleKind k) {
@@ -95,7 +100,9 @@ MaskKind parse_mask_kind(const std::string& name) {
 }
 
 std::string ColumnSchedule::str() const {
-  const std::string walk_text = walk == WalkOrder::kDescendingHeadsInner ? "" : " + ascending heads outer";
+  const std::string walk_text = walk == WalkOrder::kDescendingHeadsInner   ? ""
+                                : walk == WalkOrder::kAscendingHeadsOuter ? " + ascending heads outer"
+                                                                          : " + ascending heads inner";
   switch (kind) {
     case ScheduleKind::kLeftToRight: return "left-to-right" + walk_text;
     case ScheduleKind::kShortestFirst: return "shortest-first" + walk_text;
@@ -698,8 +705,9 @@ bool walk_needs_the_model(const BlockMask& mask) {
   return false;
 }
 
-// The ascending walk's modelled deterministic critical path must be at most this fraction of the
-// descending walk's. The model has no per-item, hand-off or L2 cost, and those favour the
+// The ascending walk's (heads innermost: with one query head a kv head, the same visits as
+// kAscendingHeadsOuter; with GQA groups the model puts it at or ahead of the heads-outer one)
+// modelled deterministic critical path must be at most this fraction of the descending walk's. The model has no per-item, hand-off or L2 cost, and those favour the
 // descending walk (it won by 1-23 % where the model ranked the walks within 3 %; docs/PERF.md);
 // where the model put the ascending walk 19 % ahead (attention sinks + a 1024 window, B2 H16
 // S8192) it ran 30 % faster on an H100.
@@ -727,7 +735,8 @@ std::vector<ScheduleCandidate> schedule_candidates(const BlockMask& mask, const 
   for (const auto& [kind, walk] : {std::make_pair(ScheduleKind::kLeftToRight, WalkOrder::kDescendingHeadsInner),
                                    std::make_pair(ScheduleKind::kLeftToRight, WalkOrder::kAscendingHeadsOuter),
                                    std::make_pair(ScheduleKind::kShortestFirst, WalkOrder::kAscendingHeadsOuter),
-                                   std::make_pair(ScheduleKind::kShortestFirst, WalkOrder::kDescendingHeadsInner)}) {
+                                   std::make_pair(ScheduleKind::kShortestFirst, WalkOrder::kDescendingHeadsInner),
+                                   std::make_pair(ScheduleKind::kLeftToRight, WalkOrder::kAscendingHeadsInner)}) {
     ScheduleCandidate c;
     c.schedule.kind = kind;
     c.schedule.walk = walk;
@@ -749,7 +758,7 @@ ColumnSchedule choose_schedule(const BlockMask& mask, const ScheduleProblem& pro
   // that favour the descending walk.
   const ScheduleProblem p = resolved_problem(mask, problem);
   ColumnSchedule ascending = s;
-  ascending.walk = WalkOrder::kAscendingHeadsOuter;
+  ascending.walk = WalkOrder::kAscendingHeadsInner;
   if (double(modelled_critical_path(mask, ascending, p, true)) <=
       kAscendingWalkGain * double(modelled_critical_path(mask, s, p, true)))
     return ascending;

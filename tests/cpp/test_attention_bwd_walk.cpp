@@ -686,8 +686,11 @@ TEST(AttentionBwdWalk, ItemWalksVisitTheSameSetAscendingOrDescendingWithHeadsInn
     const bool per_head = c.mh > 1;
     const st::MaskColumnLists old_l = column_lists(m, st::bwd_walk_shape(st::WalkOrder::kAscendingHeadsOuter, per_head));
     const st::MaskColumnLists new_l = column_lists(m, st::bwd_walk_shape(st::WalkOrder::kDescendingHeadsInner, per_head));
+    const st::MaskColumnLists asc_l = column_lists(m, st::bwd_walk_shape(st::WalkOrder::kAscendingHeadsInner, per_head));
     ASSERT_EQ(new_l.walk.heads_inner, !per_head);
     ASSERT_TRUE(new_l.walk.descending);
+    ASSERT_EQ(asc_l.walk.heads_inner, !per_head);
+    ASSERT_FALSE(asc_l.walk.descending);
     (per_head ? per_head_cases : heads_inner_cases) += 1;
     const std::vector<int64_t> pos = positions_of(m.schedule, Nk);
     for (int64_t b = 0; b < c.B; ++b)
@@ -698,20 +701,25 @@ TEST(AttentionBwdWalk, ItemWalksVisitTheSameSetAscendingOrDescendingWithHeadsInn
           for (int32_t g = 0; g < group; ++g)
             per.push_back(oracle_walk(classes_at(c.blocks, c.mb, c.mh, Mq, Nk, b, hkv * group + g), Mq, Nk, n, pos,
                                       new_l.q_tiles_per_block, new_l.num_q_tiles, false));
-          std::vector<HeadVisit> want_old, want_new;
+          std::vector<HeadVisit> want_old, want_new, want_asc;
           for (int32_t g = 0; g < group; ++g)
             for (const Visit& v : per[size_t(g)]) want_old.push_back({int32_t(hkv * group + g), v});
           if (!per_head) {
             for (size_t k = per[0].size(); k-- > 0;)
               for (int32_t g = 0; g < group; ++g) want_new.push_back({int32_t(hkv * group + g), per[size_t(g)][k]});
+            for (size_t k = 0; k < per[0].size(); ++k)
+              for (int32_t g = 0; g < group; ++g) want_asc.push_back({int32_t(hkv * group + g), per[size_t(g)][k]});
           } else {
             for (int32_t g = 0; g < group; ++g)
               for (size_t k = per[size_t(g)].size(); k-- > 0;) want_new.push_back({int32_t(hkv * group + g), per[size_t(g)][k]});
+            want_asc = want_old;  // a per-head mask: one head after the other
           }
           const std::vector<HeadVisit> got_old = item_walk(old_l, b, hkv, int32_t(group), n);
           const std::vector<HeadVisit> got_new = item_walk(new_l, b, hkv, int32_t(group), n);
+          const std::vector<HeadVisit> got_asc = item_walk(asc_l, b, hkv, int32_t(group), n);
           ASSERT_EQ(got_old, want_old) << "b " << b << " kv head " << hkv << " column " << n;
           ASSERT_EQ(got_new, want_new) << "b " << b << " kv head " << hkv << " column " << n;
+          ASSERT_EQ(got_asc, want_asc) << "b " << b << " kv head " << hkv << " column " << n;
           std::vector<HeadVisit> a = got_old, d = got_new;  // the same set of (tile, head) visits
           std::sort(a.begin(), a.end());
           std::sort(d.begin(), d.end());
@@ -821,8 +829,9 @@ TEST(AttentionBwdWalk, TileSemaphoresFollowTheWriteOrderWithoutDeadlockOrRace) {
     const int64_t Hkv = Hq / 4;
     const st::MaskColumnLists l = column_lists(m);
     const st::DqColumnHandout h = handout_of(m, B, Hkv);
-    // Both walks (the mask's own, and the other), each as the kernel shapes it for this mask.
-    for (const st::WalkOrder wo : {st::WalkOrder::kDescendingHeadsInner, st::WalkOrder::kAscendingHeadsOuter}) {
+    // Every walk (the mask's own, and the others), each as the kernel shapes it for this mask.
+    for (const st::WalkOrder wo : {st::WalkOrder::kDescendingHeadsInner, st::WalkOrder::kAscendingHeadsOuter,
+                                   st::WalkOrder::kAscendingHeadsInner}) {
       const st::DqModelProblem pb = tile_problem(l, B, Hq, Hkv, m.num_kv_blocks(), sub_tiles,
                                                  st::bwd_walk_shape(wo, m.q_indices.size(1) > 1));
       const int64_t tile_visits = int64_t(pb.walk_q_block.size());

@@ -181,14 +181,16 @@ TEST(DqModel, AutoWeighsEveryHandOutAndWalkAndTiesGoToTheDefault) {
   EXPECT_EQ(causal.mask.schedule.walk, st::WalkOrder::kDescendingHeadsInner);
   EXPECT_EQ(run_model(causal.mask, 132).critical_path, 8);
   const auto cands = st::schedule_candidates(causal.mask);
-  ASSERT_EQ(cands.size(), 4u);
+  ASSERT_EQ(cands.size(), 5u);
   EXPECT_EQ(cands[0].schedule.str(), "left-to-right");
   EXPECT_EQ(cands[1].schedule.str(), "left-to-right + ascending heads outer");
   EXPECT_EQ(cands[2].schedule.str(), "shortest-first + ascending heads outer");
   EXPECT_EQ(cands[3].schedule.str(), "shortest-first");
+  EXPECT_EQ(cands[4].schedule.str(), "left-to-right + ascending heads inner");
   EXPECT_EQ(cands[0].critical_path, 8);
   EXPECT_EQ(cands[1].critical_path, 15);
   EXPECT_EQ(cands[2].critical_path, 8);
+  EXPECT_EQ(cands[4].critical_path, 15);  // one head: the heads-outer walk's visits
   for (const auto& c : cands) EXPECT_EQ(c.nondeterministic_critical_path, 8) << c.schedule.str();
 
   const auto full = spec_mask(st::MaskKind::kFull, 8 * 128, nullptr);
@@ -231,17 +233,26 @@ TEST(DqModel, AutoWalksAscendingBehindALongFirstColumn) {
   const HostTensor with = blocks_of(true), without = blocks_of(false);
   const auto sinks = st::build_block_mask_from_blocks(with.view(), S, S);
   const auto window = st::build_block_mask_from_blocks(without.view(), S, S);
-  const auto cands = st::schedule_candidates(sinks.mask, big);
-  ASSERT_LE(10 * cands[1].critical_path, 9 * cands[0].critical_path)
-      << "the model: ascending " << cands[1].critical_path << " vs descending " << cands[0].critical_path;
-  EXPECT_EQ(st::choose_schedule(sinks.mask, big).walk, st::WalkOrder::kAscendingHeadsOuter);
+  const auto cands = st::schedule_candidates(sinks.mask, big);  // [0] descending, [4] ascending heads inner
+  ASSERT_LE(10 * cands[4].critical_path, 9 * cands[0].critical_path)
+      << "the model: ascending " << cands[4].critical_path << " vs descending " << cands[0].critical_path;
+  ASSERT_EQ(cands[4].critical_path, cands[1].critical_path) << "one query head a kv head: heads inner = outer";
+  EXPECT_EQ(st::choose_schedule(sinks.mask, big).walk, st::WalkOrder::kAscendingHeadsInner);
+  // GQA 8:1: walking every head of the group at each tile follows the long column once, not once
+  // per head; the heads-outer ascending walk models behind the descending one there.
+  st::ScheduleProblem gqa;
+  gqa.batch = 2, gqa.heads_q = 32, gqa.heads_kv = 4, gqa.workers = 132;
+  const auto g = st::schedule_candidates(sinks.mask, gqa);
+  EXPECT_GT(g[1].critical_path, g[0].critical_path) << "ascending heads outer";
+  EXPECT_LE(10 * g[4].critical_path, 9 * g[0].critical_path) << "ascending heads inner";
+  EXPECT_EQ(st::choose_schedule(sinks.mask, gqa).walk, st::WalkOrder::kAscendingHeadsInner);
   EXPECT_EQ(st::choose_schedule(sinks.mask, one).walk, st::WalkOrder::kDescendingHeadsInner);
   EXPECT_EQ(st::choose_schedule(window.mask, big).walk, st::WalkOrder::kDescendingHeadsInner);
   // Through the builder: "auto" with the problem in the options writes the ascending walk's order.
   st::BlockMaskOptions o;
   o.problem = big;
   const auto built = st::build_block_mask_from_blocks(with.view(), S, S, o);
-  EXPECT_EQ(built.mask.schedule.walk, st::WalkOrder::kAscendingHeadsOuter);
+  EXPECT_EQ(built.mask.schedule.walk, st::WalkOrder::kAscendingHeadsInner);
   EXPECT_EQ(st::check_write_order(built.mask), "");
   const auto causal = spec_mask(st::MaskKind::kCausal, S, nullptr);
   EXPECT_EQ(st::choose_schedule(causal.mask, big).walk, st::WalkOrder::kDescendingHeadsInner);
@@ -487,14 +498,14 @@ TEST(DqScheduleProperty, BuiltOrdersPassCheckerAndModelInconsistentOnesAreCaught
       ASSERT_EQ(chosen.kind, st::ScheduleKind::kLeftToRight) << chosen.str();
       // The descending walk, unless the mask came by blocks with partial ones and the model puts
       // the ascending walk at <= 0.9x its deterministic critical path.
-      const auto cands = st::schedule_candidates(m, p);  // [0]: LTR descending, [1]: LTR ascending
+      const auto cands = st::schedule_candidates(m, p);  // [0]: LTR descending, [4]: LTR ascending heads inner
       const bool by_blocks = (m.spec.kind == st::MaskKind::kFull || m.spec.kind == st::MaskKind::kBitmask) &&
                              has_partial_blocks(m);
-      const bool ascending_wins = 10 * cands[1].critical_path <= 9 * cands[0].critical_path;
-      ASSERT_EQ(chosen.walk, by_blocks && ascending_wins ? st::WalkOrder::kAscendingHeadsOuter
+      const bool ascending_wins = 10 * cands[4].critical_path <= 9 * cands[0].critical_path;
+      ASSERT_EQ(chosen.walk, by_blocks && ascending_wins ? st::WalkOrder::kAscendingHeadsInner
                                                          : st::WalkOrder::kDescendingHeadsInner)
           << chosen.str() << ", modelled " << cands[0].critical_path << " / " << cands[1].critical_path;
-      ascending_chosen += chosen.walk == st::WalkOrder::kAscendingHeadsOuter;
+      ascending_chosen += chosen.walk == st::WalkOrder::kAscendingHeadsInner;
       const auto r = st::simulate_dq_backward(st::dq_model_problem(m, chosen, s, c.batch, c.q_heads, c.kv_heads),
                                               st::dq_handout(chosen, c.batch, c.kv_heads, Nk, s), workers);
       EXPECT_TRUE(r.ok) << chosen.str() << ": " << r.str();

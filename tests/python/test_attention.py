@@ -397,7 +397,7 @@ def test_from_torch_broadcast_mask_evaluated_per_head():
 
 def test_from_torch_auto_walk_follows_the_problem():
     """Attention sinks (64 keys) beside a causal 1024-key window, S = 8192: "auto" runs the
-    scheduler model on auto_problem; for B2 H16 it takes the ascending walk (kv column 0 reaches
+    scheduler model on auto_problem; for B2 H16 it takes the ascending walk, heads innermost (kv column 0 reaches
     every q block, and walking bottom-up it would reach the window columns' blocks last), for the
     mask's own 1 x 1 the descending one (block_mask.h choose_schedule). Bad problems are refused."""
     S = 8192
@@ -407,7 +407,7 @@ def test_from_torch_auto_walk_follows_the_problem():
 
     fm = flex.create_block_mask(sinks_window, None, None, S, S, device="cpu")
     big = st.BlockMask.from_torch(fm, auto_problem=(2, 16, 16, 132))
-    assert (big.schedule, big.walk) == ("left_to_right", "ascending_heads_outer")
+    assert (big.schedule, big.walk) == ("left_to_right", "ascending_heads_inner")
     assert big.check_write_order() == ""
     assert st.BlockMask.from_torch(fm).walk == "descending_heads_inner"
     fixed = st.BlockMask.from_torch(fm, schedule="left_to_right", auto_problem=(2, 16, 16, 132))

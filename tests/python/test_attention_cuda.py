@@ -13,7 +13,8 @@ documents, documents from cu_seqlens), a random bitmask mask from a flex mask_mo
 without keys; GQA
 8:2, MQA, D = 64 / 96 / 128, bf16 / fp16, S = 1000; deterministic and not), bitwise reproducible
 deterministic gradients (5 runs; any sm_limit, in a child process with a time limit against
-deadlocks; strided layouts; the array API), torch.use_deterministic_algorithms(True) forcing the
+deadlocks; strided layouts; the array API), every walk of the deterministic backward on sinks
+beside a window (GQA; against flex, bitwise over sm_limit), torch.use_deterministic_algorithms(True) forcing the
 deterministic backward, torch.compile(fullgraph=True) of forward + backward; bad sm_limit and a
 mask on the wrong device."""
 
@@ -770,6 +771,35 @@ def test_deterministic_backward_is_bitwise_reproducible(name):
         again = _grads(q, k, v, do, mask, deterministic=True)
         for what, a, b in zip(("o", "dq", "dk", "dv"), again, first):
             assert torch.equal(a, b), f"run {run + 2}: {what} differs from run 1"
+
+
+@pytest.mark.parametrize("walk", ["descending_heads_inner", "ascending_heads_outer", "ascending_heads_inner"])
+def test_every_walk_matches_flex_and_is_independent_of_the_grid(walk):
+    """Each walk the deterministic backward runs ("auto" takes the ascending one, heads innermost,
+    behind a long first column: block_mask.h choose_schedule), on attention sinks (64 keys) beside
+    a causal 300-key window from a flex mask_mod (partial blocks as bitmasks), GQA 8:2, bf16,
+    D = 128, S = 1500: o, dq, dk, dv against flex_attention's in fp32 per element, and bitwise
+    equal over sm_limit 0, 1, 7 and a repeat (the walk fixes the order of dK / dV's sums, the
+    write order that of dQ's; neither depends on the grid)."""
+    _require_kernel(torch.bfloat16, 128)
+    B, Hq, Hkv, S = 2, 8, 2, 1500
+
+    def mod(b, h, q, kv):
+        return (q >= kv) & ((q - kv <= 300) | (kv < 64))
+
+    mask = st.BlockMask.from_torch(flex.create_block_mask(mod, None, None, S, S, device=DEV, BLOCK_SIZE=128))
+    mask = mask.with_schedule("left_to_right", walk=walk)
+    assert mask.walk == walk and mask.check_write_order() == ""
+    q, k, v, do = _grad_inputs(B, Hq, Hkv, S, S, 128, torch.bfloat16, seed=7)
+    first = _grads(q, k, v, do, mask, deterministic=True)
+    ref = _flex_reference(q, k, v, do, mod, None, None, S, S)
+    sums, counts = _abs_sums(q, k, v, do, mod, None, None, S, S)
+    for what, g, r, a, c in zip(("o", "dq", "dk", "dv"), first, ref, sums, counts):
+        _close_per_element(g, r, a, c, torch.bfloat16, what)
+    for sm_limit in (1, 7, 0):
+        again = _grads(q, k, v, do, mask, deterministic=True, sm_limit=sm_limit)
+        for what, a, b in zip(("o", "dq", "dk", "dv"), again, first):
+            assert torch.equal(a, b), f"walk {walk}, sm_limit {sm_limit}: {what} differs bitwise"
 
 
 @pytest.mark.parametrize("name", ["causal", "document_causal"])
