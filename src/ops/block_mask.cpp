@@ -687,22 +687,73 @@ ScheduleProblem resolved_problem(const BlockMask& mask, const ScheduleProblem& p
   return p;
 }
 
-// Masks given block by block with partial blocks (from blocks, a function or a flex BlockMask:
-// spec kFull or kBitmask) and their lists on the host: their columns need not nest as causal
-// ones do (block_mask.h, choose_schedule). Their partial blocks were evaluated per element, which
-// costs more than the model (1-3 ms a candidate at B2 H16 S8192). Built-in band and document
-// masks nest, and so does a mask of full blocks alone: no model run (on a dense 32k mask it costs
-// ~70 ms a walk).
-bool walk_needs_the_model(const BlockMask& mask) {
+// Whether the columns nest for the descending walk under the left-to-right hand-out: no column
+// shares a q block with an earlier column that reaches further down (its last q block, the
+// first its walk visits, is lower). Then every column's turns come as soon as it reaches them,
+// one hand-off behind the earlier column; an earlier, longer column instead reaches the later
+// columns' blocks only at the end of its walk, and they wait (attention sinks, global or strided
+// tokens). Host lists; out-of-range ids are skipped, counts clamped.
+bool columns_nest(const BlockMask& mask) {
+  int64_t B = 1, H = 1;
+  mask_leading_dims(mask, &B, &H);
+  const int64_t Mq = mask.num_q_blocks(), Nk = mask.num_kv_blocks();
+  const MaskIndexView qn = mask_index_view(mask.q_num_blocks), qi = mask_index_view(mask.q_indices);
+  const MaskIndexView fqn = mask_index_view(mask.full_q_num_blocks), fqi = mask_index_view(mask.full_q_indices);
+  const MaskIndexView kn = mask_index_view(mask.kv_num_blocks), ki = mask_index_view(mask.kv_indices);
+  const MaskIndexView fkn = mask_index_view(mask.full_kv_num_blocks), fki = mask_index_view(mask.full_kv_indices);
+  std::vector<int32_t> last(static_cast<size_t>(Nk)), row;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      for (int64_t n = 0; n < Nk; ++n) {  // the transposes are sorted ascending: the last entry
+        const int32_t cp = clamp_count(qn, qi, b, h, n), cf = clamp_count(fqn, fqi, b, h, n);
+        last[size_t(n)] = std::max(cp > 0 ? qi.at(b, h, n, cp - 1) : -1, cf > 0 ? fqi.at(b, h, n, cf - 1) : -1);
+      }
+      for (int64_t m = 0; m < Mq; ++m) {  // row m's columns, left to right
+        row.clear();
+        for (int32_t i = 0, c = clamp_count(kn, ki, b, h, m); i < c; ++i) row.push_back(ki.at(b, h, m, i));
+        for (int32_t i = 0, c = clamp_count(fkn, fki, b, h, m); i < c; ++i) row.push_back(fki.at(b, h, m, i));
+        std::sort(row.begin(), row.end());
+        int32_t reach = -1;  // the lowest q block an earlier column of this row reaches
+        for (const int32_t n : row) {
+          if (n < 0 || n >= Nk) continue;
+          if (reach > last[size_t(n)]) return false;
+          reach = std::max(reach, last[size_t(n)]);
+        }
+      }
+    }
+  return true;
+}
+
+// The model's size for `problem`: visits of every (batch, query head) walk, kernel sub-columns
+// included. It simulates ~10^7 visits a second on this project's CPU.
+int64_t modelled_visits(const BlockMask& mask, const ScheduleProblem& p) {
+  int64_t B = 1, H = 1;
+  mask_leading_dims(mask, &B, &H);
+  int64_t blocks = 0;
+  for (const auto& [counts, index] : {std::make_pair(&mask.q_num_blocks, &mask.q_indices),
+                                      std::make_pair(&mask.full_q_num_blocks, &mask.full_q_indices)}) {
+    const MaskIndexView c = mask_index_view(*counts), i = mask_index_view(*index);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t n = 0; n < mask.num_kv_blocks(); ++n) blocks += clamp_count(c, i, b, h, n);
+  }
+  return blocks * (p.batch * p.heads_q) / (B * H) * dq_sub_tiles(mask.block_kv);
+}
+
+// Beyond this many modelled visits a walk "auto" keeps the descending walk rather than spend
+// over ~0.2 s of host time on two simulations (a sinks + window mask at B2 H32 S8192 models
+// ~4 * 10^4; a causal one of 256 x 256 blocks at B8 H64 ~1.7 * 10^7, 2.5 s).
+constexpr int64_t kModelMaxVisits = int64_t(1) << 21;
+
+// "auto" runs the model for masks given block by block (from blocks, a function or a flex
+// BlockMask: spec kFull or kBitmask) with their lists on the host whose columns do not nest, at
+// a bounded size. Built-in band and document masks nest, and the kernel hands them out in L2
+// sections under the descending walk only, which the model does not see.
+bool walk_needs_the_model(const BlockMask& mask, const ScheduleProblem& p) {
   if (mask.spec.kind != MaskKind::kBitmask && mask.spec.kind != MaskKind::kFull) return false;
-  const TensorView& counts = mask.kv_num_blocks;  // int32 [B, H, Mq]: partial blocks a row
-  if (!counts.defined() || !counts.device().is_cpu() || !mask.q_num_blocks.defined()) return false;
-  const MaskIndexView v = mask_index_view(counts);
-  for (int64_t b = 0; b < counts.size(0); ++b)
-    for (int64_t h = 0; h < counts.size(1); ++h)
-      for (int64_t m = 0; m < counts.size(2); ++m)
-        if (v.at(b, h, m) > 0) return true;
-  return false;
+  for (const TensorView* t : {&mask.kv_num_blocks, &mask.q_num_blocks})
+    if (!t->defined() || !t->device().is_cpu()) return false;
+  return !columns_nest(mask) && modelled_visits(mask, p) <= kModelMaxVisits;
 }
 
 // The ascending walk's (heads innermost: with one query head a kv head, the same visits as
@@ -752,11 +803,11 @@ ColumnSchedule choose_schedule(const BlockMask& mask, const ScheduleProblem& pro
   ColumnSchedule s;
   s.kind = ScheduleKind::kLeftToRight;
   s.walk = WalkOrder::kDescendingHeadsInner;
-  if (!walk_needs_the_model(mask)) return s;
   // Both walks modelled on the real problem (block_mask.h says when and why); the ascending one
   // only where the model puts it clearly ahead, since the model lacks the per-item and L2 costs
   // that favour the descending walk.
   const ScheduleProblem p = resolved_problem(mask, problem);
+  if (!walk_needs_the_model(mask, p)) return s;
   ColumnSchedule ascending = s;
   ascending.walk = WalkOrder::kAscendingHeadsInner;
   if (double(modelled_critical_path(mask, ascending, p, true)) <=

@@ -217,12 +217,12 @@ TEST(DqModel, AutoWeighsEveryHandOutAndWalkAndTiesGoToTheDefault) {
 // descending walk 2x ahead), and on a built-in causal mask.
 TEST(DqModel, AutoWalksAscendingBehindALongFirstColumn) {
   const int64_t S = 8192, M = S / 128;
-  auto blocks_of = [&](bool sinks) {
+  auto blocks_of = [&](bool sinks, uint8_t edge_class = 1) {
     HostTensor blocks(st::DType::kUInt8, {1, 1, M, M});
     for (int64_t m = 0; m < M; ++m)
       for (int64_t n = 0; n < M; ++n) {
         const bool edge = n == m || n == m - 8, inside = n < m && n > m - 8;
-        blocks.set(m * M + n, inside ? 2 : edge || (sinks && n == 0) ? 1 : 0);
+        blocks.set(m * M + n, inside ? 2 : edge || (sinks && n == 0) ? edge_class : 0);
       }
     return blocks;
   };
@@ -256,6 +256,10 @@ TEST(DqModel, AutoWalksAscendingBehindALongFirstColumn) {
   EXPECT_EQ(st::check_write_order(built.mask), "");
   const auto causal = spec_mask(st::MaskKind::kCausal, S, nullptr);
   EXPECT_EQ(st::choose_schedule(causal.mask, big).walk, st::WalkOrder::kDescendingHeadsInner);
+  // What decides is how the columns nest, not whether blocks are partial: the same blocks all full.
+  const HostTensor full_only = blocks_of(true, 2);
+  const auto sinks_full = st::build_block_mask_from_blocks(full_only.view(), S, S);
+  EXPECT_EQ(st::choose_schedule(sinks_full.mask, big).walk, st::WalkOrder::kAscendingHeadsInner);
 }
 
 TEST(DqModel, OrdersAgainstTheHandOutStarve) {
@@ -402,16 +406,27 @@ Case random_case(std::mt19937& rng) {
   return c;
 }
 
-// Whether some row of the mask lists a partial block (a host mask; its counts read element by
-// element, whatever their strides).
-bool has_partial_blocks(const st::BlockMask& m) {
-  const st::TensorView& c = m.kv_num_blocks;
-  for (int64_t b = 0; b < c.size(0); ++b)
-    for (int64_t h = 0; h < c.size(1); ++h)
-      for (int64_t r = 0; r < c.size(2); ++r)
-        if (*reinterpret_cast<const int32_t*>(c.byte_ptr(b * c.stride(0) + h * c.stride(1) + r * c.stride(2))) > 0)
-          return true;
-  return false;
+// Whether the mask's columns nest for the descending walk (block_mask.h choose_schedule), from the
+// dense block classes: in no (b, h) and q block row does a column sit right of a column that
+// reaches a lower q block than it does.
+bool columns_nest_dense(const st::BlockMask& m) {
+  int64_t B = 1, H = 1;
+  st::mask_leading_dims(m, &B, &H);
+  const int64_t Mq = m.num_q_blocks(), Nk = m.num_kv_blocks();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      const auto cls = st::testing::classes_of(m, b, h, false);
+      std::vector<int64_t> lowest(static_cast<size_t>(Nk), -1);
+      for (int64_t r = 0; r < Mq; ++r)
+        for (int64_t n = 0; n < Nk; ++n)
+          if (cls[size_t(r * Nk + n)] != 0) lowest[size_t(n)] = r;
+      for (int64_t r = 0; r < Mq; ++r)
+        for (int64_t n = 0; n < Nk; ++n)
+          for (int64_t e = 0; e < n; ++e)
+            if (cls[size_t(r * Nk + n)] != 0 && cls[size_t(r * Nk + e)] != 0 && lowest[size_t(e)] > lowest[size_t(n)])
+              return false;
+    }
+  return true;
 }
 
 // Whether writers of some q block come in a different order under schedule a than under b.
@@ -496,11 +511,12 @@ TEST(DqScheduleProperty, BuiltOrdersPassCheckerAndModelInconsistentOnesAreCaught
       const st::ColumnSchedule chosen = st::choose_schedule(m, p);
       const int64_t s = st::dq_sub_tiles(m.block_kv);  // the CUDA kernel's split
       ASSERT_EQ(chosen.kind, st::ScheduleKind::kLeftToRight) << chosen.str();
-      // The descending walk, unless the mask came by blocks with partial ones and the model puts
-      // the ascending walk at <= 0.9x its deterministic critical path.
+      // The descending walk, unless the mask came by blocks, its columns do not nest, and the model
+      // puts the ascending walk at <= 0.9x its deterministic critical path (these masks are far
+      // below the model's size bound).
       const auto cands = st::schedule_candidates(m, p);  // [0]: LTR descending, [4]: LTR ascending heads inner
       const bool by_blocks = (m.spec.kind == st::MaskKind::kFull || m.spec.kind == st::MaskKind::kBitmask) &&
-                             has_partial_blocks(m);
+                             !columns_nest_dense(m);
       const bool ascending_wins = 10 * cands[4].critical_path <= 9 * cands[0].critical_path;
       ASSERT_EQ(chosen.walk, by_blocks && ascending_wins ? st::WalkOrder::kAscendingHeadsInner
                                                          : st::WalkOrder::kDescendingHeadsInner)
