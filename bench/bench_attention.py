@@ -110,11 +110,15 @@ CASES = {
     "flexmod_prefix_lm": Case("flex_prefix_lm", 16, 16, 128),
     "flexmod_sinks_window_1024": Case("flex_sinks_window", 16, 16, 128, window=1024),
     "flexmod_sinks_window_1024_gqa8": Case("flex_sinks_window", 32, 4, 128, window=1024),
+    "flexmod_landmarks_window_1024": Case("flex_landmarks_window", 16, 16, 128, window=1024),
 }
 # The mask_mod kinds: a prefix LM (causal, plus the first S / PREFIX_DIV keys for every query) and
-# attention sinks with a causal window (the first SINKS keys, plus keys at most `window` back).
-FLEX_KINDS = ("flex_prefix_lm", "flex_sinks_window")
+# attention sinks with a causal window (the first SINKS keys, plus keys at most `window` back),
+# and landmarks with a causal window (the first LANDMARKS keys of every LANDMARK_PERIOD, plus the
+# window: a long kv column every 8 blocks, as in strided or global-token attention).
+FLEX_KINDS = ("flex_prefix_lm", "flex_sinks_window", "flex_landmarks_window")
 PREFIX_DIV, SINKS = 4, 64
+LANDMARK_PERIOD, LANDMARKS = 1024, 64
 BUILDS = {f"build_{k}": k for k in ("causal", "sliding_window", "document_causal")}
 
 
@@ -165,6 +169,9 @@ def mask_mod_for(kind, g, doc):
     if kind == "flex_sinks_window":
         w = g.window
         return lambda b, h, q, kv: (q >= kv) & ((q - kv <= w) | (kv < SINKS))
+    if kind == "flex_landmarks_window":
+        w = g.window
+        return lambda b, h, q, kv: (q >= kv) & ((q - kv <= w) | (kv % LANDMARK_PERIOD < LANDMARKS))
     raise ValueError(kind)
 
 
@@ -196,6 +203,12 @@ def pairs_per_batch(kind, g, doc_cpu):
     if kind == "flex_sinks_window":  # the window's min(q, w) + 1 keys, and the sinks below it
         w = g.window
         return [sum(min(q, w) + 1 + max(0, min(SINKS, q - w)) for q in range(S))] * B
+    if kind == "flex_landmarks_window":  # the window's keys, and the landmarks among keys [0, q - w)
+
+        def landmarks_below(x):
+            return (x // LANDMARK_PERIOD) * LANDMARKS + min(x % LANDMARK_PERIOD, LANDMARKS)
+        w = g.window
+        return [sum(min(q, w) + 1 + landmarks_below(max(0, q - w)) for q in range(S))] * B
     raise ValueError(kind)
 
 
@@ -808,9 +821,15 @@ def self_check(names, seq):
         mask = build_our_mask(c.kind, g.S, g, None, doc_cpu, g.B, c.Hq, c.Hkv, "auto", None, choice)
         chosen = [x for x in choice["schedule_candidates"]
                   if (x["schedule"], x["walk"]) == (choice["ours_schedule"], choice["ours_walk"])]
-        # auto's rule (block_mask.h choose_schedule): left to right, the descending walk (measured).
-        want = ("left_to_right", "descending_heads_inner")
-        assert chosen and (choice["ours_schedule"], choice["ours_walk"]) == want, (name, choice)
+        # auto's rule (block_mask.h choose_schedule): left to right, the descending walk (measured),
+        # or, only on a mask given by blocks (a mask_mod kind), the ascending walk with the heads
+        # innermost where the model puts it at <= 0.9x the descending one's deterministic path.
+        paths = {x["walk"]: x["critical_path"] for x in choice["schedule_candidates"] if x["schedule"] == "left_to_right"}
+        ascending = choice["ours_walk"] == "ascending_heads_inner"
+        assert chosen and choice["ours_schedule"] == "left_to_right", (name, choice)
+        assert choice["ours_walk"] == "descending_heads_inner" or (
+            ascending and c.kind in FLEX_KINDS
+            and paths["ascending_heads_inner"] <= 0.9 * paths["descending_heads_inner"]), (name, choice)
         print(f"self-check {name:24} auto: {choice['ours_schedule']} {choice['ours_walk']} (model steps: " +
               ", ".join(f"{x['schedule']}/{x['walk']} {x['critical_path']} det {x['nondeterministic_critical_path']} "
                         "nondet" for x in choice["schedule_candidates"]) + ")", flush=True)
