@@ -173,7 +173,7 @@ std::string check_write_order(const BlockMask& mask);
 // short ones (attention sinks, global or strided tokens beside a window) reaches the short
 // columns' tiles last when walking bottom-up, and they wait for it. Where a mask's columns do not
 // nest (checked on its lists) and the model's size stays within 2^21 visits (its host time within
-// ~0.2 s), the model runs both walks on `problem` and the ascending walk (heads innermost) is
+// ~0.3 s), the model runs both walks on `problem` and the ascending walk (heads innermost) is
 // taken where its deterministic critical path is at most 0.9x the descending one's (sinks + a
 // 1024 window, B2 H16 S8192: 30 % faster on an H100; at GQA 8:1, 33 %). A mask built on a device
 // keeps the descending walk (its lists are not on the host). docs/PERF.md,

@@ -713,7 +713,7 @@ bool columns_nest(const BlockMask& mask) {
         for (int32_t i = 0, c = clamp_count(kn, ki, b, h, m); i < c; ++i) row.push_back(ki.at(b, h, m, i));
         for (int32_t i = 0, c = clamp_count(fkn, fki, b, h, m); i < c; ++i) row.push_back(fki.at(b, h, m, i));
         std::sort(row.begin(), row.end());
-        int32_t reach = -1;  // the lowest q block an earlier column of this row reaches
+        int32_t reach = -1;  // the furthest-down q block (largest id) an earlier column reaches
         for (const int32_t n : row) {
           if (n < 0 || n >= Nk) continue;
           if (reach > last[size_t(n)]) return false;
@@ -725,7 +725,7 @@ bool columns_nest(const BlockMask& mask) {
 }
 
 // The model's size for `problem`: visits of every (batch, query head) walk, kernel sub-columns
-// included. It simulates ~10^7 visits a second on this project's CPU.
+// included. It simulates ~1.3 * 10^7 visits a second on this project's CPU.
 int64_t modelled_visits(const BlockMask& mask, const ScheduleProblem& p) {
   int64_t B = 1, H = 1;
   mask_leading_dims(mask, &B, &H);
@@ -741,7 +741,7 @@ int64_t modelled_visits(const BlockMask& mask, const ScheduleProblem& p) {
 }
 
 // Beyond this many modelled visits a walk "auto" keeps the descending walk rather than spend
-// over ~0.2 s of host time on two simulations (a sinks + window mask at B2 H32 S8192 models
+// over ~0.3 s of host time on two simulations (a sinks + window mask at B2 H32 S8192 models
 // ~4 * 10^4; a causal one of 256 x 256 blocks at B8 H64 ~1.7 * 10^7, 2.5 s).
 constexpr int64_t kModelMaxVisits = int64_t(1) << 21;
 
@@ -758,14 +758,13 @@ bool walk_needs_the_model(const BlockMask& mask, const ScheduleProblem& p) {
 
 // The ascending walk's (heads innermost: with one query head a kv head, the same visits as
 // kAscendingHeadsOuter; with GQA groups the model puts it at or ahead of the heads-outer one)
-// modelled deterministic critical path must be at most this fraction of the descending walk's. The model has no per-item, hand-off or L2 cost, and those favour the
-// descending walk (it won by 1-23 % where the model ranked the walks within 3 %; docs/PERF.md);
-// where the model put the ascending walk 19 % ahead (attention sinks + a 1024 window, B2 H16
-// S8192) it ran 30 % faster on an H100.
+// modelled deterministic critical path must be at most this fraction of the descending walk's.
+// The model has no per-item, hand-off or L2 cost, and those favour the descending walk (it won by
+// 1-23 % where the model ranked the walks within 3 %; docs/PERF.md); where the model put the
+// ascending walk 19 % ahead (attention sinks + a 1024 window, B2 H16 S8192) it ran 30 % faster on
+// an H100.
 constexpr double kAscendingWalkGain = 0.9;
-}  // namespace
 
-namespace {
 // The model's critical path of `schedule` on the resolved problem, deterministic or not. The
 // kernel splits block columns into writers of its own kv tile: modelled so.
 int64_t modelled_critical_path(const BlockMask& mask, const ColumnSchedule& schedule, const ScheduleProblem& p,
