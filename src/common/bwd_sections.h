@@ -27,9 +27,9 @@
 #pragma once
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 
+#include "common/attention_bwd_walk.h"  // MaskColumnLists
 #include "common/attention_fwd_walk.h"  // fwd_heads_per_section: the forward's L2 budget rule
 #include "sparsetrain/mask_spec.h"
 
@@ -65,15 +65,30 @@ inline double bwd_mean_column_visits(const MaskSpec& spec, int64_t seq_q, int64_
 // Groups a section: as many as fill l2_budget with group_bytes each (the forward's rule, at most
 // kFwdMaxKvHeadsPerSection); deterministic: at least workers / walk groups, where walk = mean
 // visits x query heads a group (0: unknown, then the plain hand-out). 0 when it is one section.
-inline int64_t bwd_section_groups(int64_t groups, int64_t group_bytes, int64_t l2_budget, int64_t workers,
-                                  double mean_visits, int64_t heads_per_group, bool deterministic) {
+// On the host from bwd_mean_column_visits, on the device (the preprocessing) from the mask's
+// column counts where the host cannot know the walk (bwd_column_tiles).
+ST_HOST_DEVICE inline int64_t bwd_section_groups(int64_t groups, int64_t group_bytes, int64_t l2_budget,
+                                                 int64_t workers, double mean_visits, int64_t heads_per_group,
+                                                 bool deterministic) {
   int64_t section = fwd_heads_per_section(group_bytes, l2_budget, 1, groups);
   if (deterministic) {
     const double walk = mean_visits * double(heads_per_group);
     if (walk <= 0) return 0;
-    section = std::max(section, int64_t(std::ceil(double(workers) / walk)));
+    const double q = double(workers) / walk;
+    const int64_t least = int64_t(q) + (double(int64_t(q)) < q ? 1 : 0);  // ceil
+    if (least > section) section = least;
   }
   return section >= groups ? 0 : section;
+}
+
+// The q tiles column n of batch b visits (its first query head's walk: clamped counts x q tiles a
+// block), from the mask's column lists: what bwd_mean_column_visits gives in closed form, for the
+// masks whose lists only the device holds (documents, bitmasks), averaged over batch x columns by
+// the preprocessing (bwd_preprocess.cuh).
+ST_HOST_DEVICE inline int64_t bwd_column_tiles(const MaskColumnLists& l, int64_t b, int64_t n) {
+  return int64_t(clamp_count(l.partial_count, l.partial_index, b, 0, n) +
+                 clamp_count(l.full_count, l.full_index, b, 0, n)) *
+         l.q_tiles_per_block;
 }
 
 }  // namespace sparsetrain

@@ -57,14 +57,25 @@ struct DqColumnHandout {
   // the 40-register loader and dQ writer.
   template <class I>
   ST_HOST_DEVICE DqWorkItem item_in(I ticket) const {
-    const I groups = I(batch * kv_heads), per_group = I(num_columns * sub_tiles), subs = I(sub_tiles);
-    const I section = section_groups > 0 && section_groups < groups ? I(section_groups) : groups;
+    const I groups = I(batch * kv_heads), subs = I(sub_tiles);
+    const I plain = plain_position<I>(ticket, I(section_groups));
+    const I sub_position = plain / groups, g = plain % groups;
+    const I column = I(schedule_column(kind, permutation, sub_position / subs, num_columns));
+    return {g / I(kv_heads), g % I(kv_heads), column, sub_position % subs};
+  }
+  // Ticket `ticket` of the hand-out in sections of `section` groups (0 or >= all: one section) as
+  // a position of the one-section hand-out (sub-column position x groups + group): the item both
+  // name. A bijection of [0, num_items) (tickets past it are returned as they are), so a kernel
+  // whose section size is decided on the device maps each drawn ticket once and lets every other
+  // role read the result with section_groups = 0 (BwdTicketScheduler::device_sections).
+  template <class I>
+  ST_HOST_DEVICE I plain_position(I ticket, I section) const {
+    const I groups = I(batch * kv_heads), per_group = I(num_columns * sub_tiles);
+    if (section <= 0 || section >= groups || ticket >= groups * per_group) return ticket;
     const I first = ticket / (section * per_group) * section;  // every earlier section is full
     const I size = groups - first < section ? groups - first : section;
     const I r = ticket - first * per_group;
-    const I sub_position = r / size, g = first + r % size;
-    const I column = I(schedule_column(kind, permutation, sub_position / subs, num_columns));
-    return {g / I(kv_heads), g % I(kv_heads), column, sub_position % subs};
+    return r / size * groups + first + r % size;
   }
 };
 

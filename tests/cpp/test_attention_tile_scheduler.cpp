@@ -54,3 +54,31 @@ TEST(AttentionTileScheduler, BackwardTicketsMapToTheHandOutsItemsAndEndAtItsCoun
       EXPECT_FALSE(s.valid(int32_t(n)));    // the first ticket past the end stops every role
     }
 }
+
+TEST(AttentionTileScheduler, SectionsDecidedOnTheDeviceReachTheRolesAsPlainPositions) {
+  // A draw under device-decided sections (BwdTicketScheduler::drawn) maps ticket t to the position
+  // of the one-section hand-out whose item is the sectioned hand-out's item t: every role then
+  // reads the same item with section_groups = 0. A bijection of [0, n); past n, tickets stay.
+  for (const int32_t sections : {0, 1, 2, 4, 5, 6, 7})
+    for (const int64_t sub : {int64_t(1), int64_t(2)}) {
+      attn::BwdTicketScheduler plain, sectioned;
+      for (auto* s : {&plain, &sectioned}) {
+        s->handout.batch = 2, s->handout.kv_heads = 3, s->handout.num_columns = 5, s->handout.sub_tiles = sub;
+        s->handout.kind = sparsetrain::ScheduleKind::kLeftToRight;
+      }
+      sectioned.handout.section_groups = sections;
+      const int32_t n = int32_t(plain.handout.num_items());
+      std::set<int32_t> positions;
+      for (int32_t t = 0; t < n; ++t) {
+        const int32_t p = plain.drawn(t, sections);
+        ASSERT_TRUE(plain.valid(p)) << t;
+        positions.insert(p);
+        const sparsetrain::DqWorkItem want = sectioned.item(t), got = plain.item(p);
+        EXPECT_EQ(std::tie(got.batch, got.kv_head, got.column, got.sub_tile),
+                  std::tie(want.batch, want.kv_head, want.column, want.sub_tile))
+            << "sections " << sections << " sub " << sub << " ticket " << t;
+      }
+      EXPECT_EQ(int32_t(positions.size()), n);
+      for (int32_t t = n; t < n + 3; ++t) EXPECT_EQ(plain.drawn(t, sections), t);
+    }
+}

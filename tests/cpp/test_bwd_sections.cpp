@@ -7,6 +7,8 @@
 
 #include "common/bwd_sections.h"
 #include "common/mask_predicate.h"
+#include "ops/block_mask_internal.h"
+#include "sparsetrain/block_mask.h"
 
 namespace st = sparsetrain;
 
@@ -74,4 +76,38 @@ TEST(BwdSections, SectionsFillTheL2BudgetAndTheDeterministicModeKeepsAWalkPerCol
   EXPECT_EQ(st::bwd_section_groups(32, 4 * mb, budget, workers, 4.0, 1, true), 0);    // 33 >= 32 groups
   EXPECT_EQ(st::bwd_section_groups(32, 8 * mb, budget, workers, 0.0, 1, true), 0);    // unknown: plain hand-out
   EXPECT_EQ(st::bwd_section_groups(8, 64 * mb, budget, workers, 65.0, 8, true), 1);   // GQA 8:1 walks 520
+}
+
+TEST(BwdSections, ColumnTilesFromTheListsAverageToTheClosedForm) {
+  // What the preprocessing sums on the device where the host cannot know the walk (documents,
+  // bitmasks): per (batch, column) the column lists' blocks x q tiles a block. On masks built on
+  // the host from specs with a closed form, its mean over batch x columns is the closed form's
+  // (sequences of whole blocks, where a block's q tiles are all real), at 64- and 128-row tiles.
+  struct Case {
+    st::MaskKind kind;
+    int64_t seq, window, prefix;
+  };
+  for (const Case c : {Case{st::MaskKind::kCausal, 2048, 0, 0}, Case{st::MaskKind::kSlidingWindow, 4096, 1000, 0},
+                       Case{st::MaskKind::kPrefixLM, 2048, 0, 512}, Case{st::MaskKind::kFull, 1024, 0, 0}})
+    for (const int64_t tile_q : {int64_t(64), int64_t(128)}) {
+      st::MaskSpec spec;
+      spec.kind = c.kind;
+      spec.window_left = c.kind == st::MaskKind::kSlidingWindow ? c.window : -1;
+      spec.window_right = c.kind == st::MaskKind::kSlidingWindow ? 0 : -1;
+      spec.prefix_length = c.prefix;
+      const st::BlockMaskTensors built = st::build_block_mask(spec, c.seq, c.seq);  // B = 1, read as 3
+      const st::BlockMask& m = built.mask;
+      st::MaskColumnLists l;
+      l.partial_count = st::mask_index_view(m.q_num_blocks);
+      l.partial_index = st::mask_index_view(m.q_indices);
+      l.full_count = st::mask_index_view(m.full_q_num_blocks);
+      l.full_index = st::mask_index_view(m.full_q_indices);
+      l.q_tiles_per_block = int32_t(m.block_q / tile_q);
+      int64_t tiles = 0;
+      for (int64_t b = 0; b < 3; ++b)
+        for (int64_t n = 0; n < m.num_kv_blocks(); ++n) tiles += st::bwd_column_tiles(l, b, n);
+      EXPECT_DOUBLE_EQ(double(tiles) / double(3 * m.num_kv_blocks()),
+                       st::bwd_mean_column_visits(spec, c.seq, c.seq, m.block_kv, tile_q))
+          << spec.str() << " tile_q " << tile_q;
+    }
 }

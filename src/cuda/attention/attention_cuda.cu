@@ -107,6 +107,7 @@ struct BwdScratch {
   int32_t* semaphores;  // then the ticket counter and the abandoned report: zeroed together by the preprocessing
   int32_t* counters;
   int32_t* permutation;
+  int32_t* sections;  // the hand-out's section size where the preprocessing decides it (BwdSectionsOnDevice)
   size_t bytes;
   size_t zeroed_bytes;  // semaphores + counters
 
@@ -129,6 +130,7 @@ struct BwdScratch {
     counters = semaphores == nullptr ? nullptr : semaphores + bh * tiles;
     // Mask columns are at least one kernel kv tile wide: ceil(Skv / 128) bounds Nk.
     permutation = reinterpret_cast<int32_t*>(take(size_t((p.seq_kv + kBwdTileKv - 1) / kBwdTileKv) * sizeof(int32_t)));
+    sections = reinterpret_cast<int32_t*>(take(sizeof(int32_t)));
     bytes = off;
   }
 };
@@ -397,31 +399,6 @@ class AttentionCuda final : public backend::AttentionBackend {
     // array, which the kernel loads with lse and delta.
     const cuda::attn::KernelMaskSpec spec = mask_spec_args(m);
     const bool docs = spec.kind == MaskKind::kDocument || spec.kind == MaskKind::kDocumentCausal;
-    // The preprocessing: a block per tile of heads x q rows (BwdPreprocessTiling). It also zeroes
-    // the semaphores, the ticket counter and the abandoned flag, so that they start at zero in
-    // every run (and in every replay of a captured graph).
-    auto preprocess = [&](auto element) {
-      using E = decltype(element);
-      auto launch = [&](auto tiling) {
-        using Tiling = decltype(tiling);
-        const int heads_log2 = Tiling::heads_log2_for(p.heads_q);
-        int64_t g[3];
-        Tiling::grid(rows, p.heads_q, p.batch, heads_log2, g);
-        bwd_preprocess_kernel<E, Tiling><<<dim3(unsigned(g[0]), unsigned(g[1]), unsigned(g[2])), Tiling::kThreads, 0, s>>>(
-            static_cast<const E*>(bp.o.data()), bp.o.stride(0), bp.o.stride(1), bp.o.stride(2),
-            static_cast<const E*>(bp.dout.data()), bp.dout.stride(0), bp.dout.stride(1), bp.dout.stride(2),
-            static_cast<const float*>(bp.lse.data()), bp.lse.stride(0), bp.lse.stride(1), bp.lse.stride(2),
-            int32_t(p.batch), int32_t(p.heads_q), int32_t(p.seq_q), rows, int32_t(p.head_dim), heads_log2, ws.lse_log2, ws.delta,
-            bp.deterministic ? nullptr : ws.dq_accum, ws.semaphores, int64_t(ws.zeroed_bytes / sizeof(int32_t)),
-            docs ? spec.doc_q : nullptr, docs ? spec.doc_q_stride_b : 0, docs ? ws.doc_q_rows : nullptr);
-      };
-      if (!vector) launch(BwdPreprocessTiling<32, false>{});
-      else if (p.head_dim <= 64) launch(BwdPreprocessTiling<8, true>{});
-      else launch(BwdPreprocessTiling<16, true>{});
-    };
-    dispatch_dtype<bf16_t, fp16_t>(p.dtype, "CUDA attention backward", preprocess);
-    ST_CUDA_CHECK(cudaGetLastError(), "CUDA attention: backward preprocessing launch");
-
     BwdArgs a{};
     a.q = bp.q.data(), a.k = bp.k.data(), a.v = bp.v.data(), a.dout = bp.dout.data();
     a.q_stride_b = bp.q.stride(0), a.q_stride_s = bp.q.stride(1), a.q_stride_h = bp.q.stride(2);
@@ -461,6 +438,7 @@ class AttentionCuda final : public backend::AttentionBackend {
     handout.kind = m.schedule.kind;
     const int device = bp.q.device().index;
     a.grid = cuda::attn::BwdTicketScheduler::grid_shape(handout.num_items(), cuda::sm_count(device), bp.sm_limit);
+    cuda::attn::BwdSectionsOnDevice on_device;  // out = null: the sections are decided here
     if (const BwdOrder order = bwd_order(); order.how == BwdOrder::kFixed) {
       handout.section_groups = order.groups;
     } else if (order.how != BwdOrder::kColumns) {
@@ -474,7 +452,40 @@ class AttentionCuda final : public backend::AttentionBackend {
                                 : 0.0;
       handout.section_groups =
           bwd_section_groups(p.batch * p.heads_kv, group_bytes, l2_budget(device), a.grid, visits, group, det);
+      if (det && a.lists.walk.descending && visits <= 0) {
+        // Documents, bitmasks: the walk's length from the column lists, on the device (the
+        // plain hand-out ran them 5-8 % slower than sections of the rule's size; docs/PERF.md).
+        on_device = {a.lists, a.batch, int32_t(handout.num_columns), p.batch * p.heads_kv, group_bytes,
+                     l2_budget(device), a.grid, int32_t(group), ws.sections};
+        handout.section_groups = 0;
+        a.sched.device_sections = ws.sections;
+      }
     }
+    // The preprocessing: a block per tile of heads x q rows (BwdPreprocessTiling). It also zeroes
+    // the semaphores, the ticket counter and the abandoned flag, so that they start at zero in
+    // every run (and in every replay of a captured graph).
+    auto preprocess = [&](auto element) {
+      using E = decltype(element);
+      auto launch = [&](auto tiling) {
+        using Tiling = decltype(tiling);
+        const int heads_log2 = Tiling::heads_log2_for(p.heads_q);
+        int64_t g[3];
+        Tiling::grid(rows, p.heads_q, p.batch, heads_log2, g);
+        bwd_preprocess_kernel<E, Tiling><<<dim3(unsigned(g[0]), unsigned(g[1]), unsigned(g[2])), Tiling::kThreads, 0, s>>>(
+            static_cast<const E*>(bp.o.data()), bp.o.stride(0), bp.o.stride(1), bp.o.stride(2),
+            static_cast<const E*>(bp.dout.data()), bp.dout.stride(0), bp.dout.stride(1), bp.dout.stride(2),
+            static_cast<const float*>(bp.lse.data()), bp.lse.stride(0), bp.lse.stride(1), bp.lse.stride(2),
+            int32_t(p.batch), int32_t(p.heads_q), int32_t(p.seq_q), rows, int32_t(p.head_dim), heads_log2, ws.lse_log2, ws.delta,
+            bp.deterministic ? nullptr : ws.dq_accum, ws.semaphores, int64_t(ws.zeroed_bytes / sizeof(int32_t)),
+            docs ? spec.doc_q : nullptr, docs ? spec.doc_q_stride_b : 0, docs ? ws.doc_q_rows : nullptr, on_device);
+      };
+      if (!vector) launch(BwdPreprocessTiling<32, false>{});
+      else if (p.head_dim <= 64) launch(BwdPreprocessTiling<8, true>{});
+      else launch(BwdPreprocessTiling<16, true>{});
+    };
+    dispatch_dtype<bf16_t, fp16_t>(p.dtype, "CUDA attention backward", preprocess);
+    ST_CUDA_CHECK(cudaGetLastError(), "CUDA attention: backward preprocessing launch");
+
     if (m.schedule.kind == ScheduleKind::kPermutation) {
       // From the mask's host vector: a capture must keep the mask alive for the graph's life.
       ST_CUDA_CHECK(cudaMemcpyAsync(ws.permutation, m.schedule.permutation.data(),

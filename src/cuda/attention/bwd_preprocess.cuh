@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "common/bwd_preprocess_tiling.h"
+#include "common/bwd_sections.h"
 #include "cuda/attention/attention_bwd_params.h"  // kBwdTileQ
 #include "cuda/element.cuh"                        // load_f32
 #include "cuda/pdl.cuh"
@@ -23,6 +24,19 @@ static_assert(BwdPreprocessTiling<8, true>::tiles_divide(kBwdTileQ) &&
                   BwdPreprocessTiling<16, true>::tiles_divide(kBwdTileQ) &&
                   BwdPreprocessTiling<32, false>::tiles_divide(kBwdTileQ),
               "a head's padded rows split into whole tiles, at any heads");
+
+// The deterministic hand-out's section size where only the device knows the walk's length (a
+// document or bitmask mask walked descending; common/bwd_sections.h): block 0 of the
+// preprocessing averages the column lists' visits over batch x columns and applies the rule, and
+// the kernel's ticket draws read it (BwdTicketScheduler::device_sections). out = null: decided on
+// the host.
+struct BwdSectionsOnDevice {
+  MaskColumnLists lists;
+  int32_t batch = 0, columns = 0;
+  int64_t groups = 0, group_bytes = 0, l2_budget = 0;
+  int32_t workers = 0, heads_per_group = 1;
+  int32_t* out = nullptr;
+};
 
 // Per padded row (b, h, q): delta = rowsum(dout * o), lse * log2(e) (+inf where the row has no
 // allowed key or lies past Sq: P = 0 there), and the row of the dQ accumulator zeroed unless
@@ -38,7 +52,8 @@ __global__ void __launch_bounds__(Tiling::kThreads, 5)
                           int64_t do_ss, int64_t do_sh, const float* lse, int64_t l_sb, int64_t l_sh, int64_t l_ss,
                           int32_t batch, int32_t heads_q, int32_t seq_q, int32_t rows, int32_t head_dim,
                           int32_t heads_log2, float* lse_log2, float* delta, float* dq_accum, int32_t* zeroed,
-                          int64_t zeroed_words, const int32_t* doc_q, int64_t doc_q_stride_b, int32_t* doc_q_rows) {
+                          int64_t zeroed_words, const int32_t* doc_q, int64_t doc_q_stride_b, int32_t* doc_q_rows,
+                          const BwdSectionsOnDevice sections) {
   constexpr int kLanes = Tiling::kLanes, kRows = Tiling::kRows;
   constexpr int kPer = Tiling::kVector ? 16 / int(sizeof(E)) : 1;  // elements a lane loads at once
   const int lane = threadIdx.x % kLanes;
@@ -48,6 +63,20 @@ __global__ void __launch_bounds__(Tiling::kThreads, 5)
     const int64_t threads = int64_t(gridDim.x) * gridDim.y * gridDim.z * blockDim.x;
     const int64_t block = (int64_t(blockIdx.z) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
     for (int64_t i = block * blockDim.x + threadIdx.x; i < zeroed_words; i += threads) zeroed[i] = 0;
+  }
+  if (sections.out != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) {
+    __shared__ unsigned long long tiles;
+    if (threadIdx.x == 0) tiles = 0;
+    __syncthreads();
+    unsigned long long mine = 0;
+    const int64_t columns = sections.columns, n = int64_t(sections.batch) * columns;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) mine += bwd_column_tiles(sections.lists, i / columns, i % columns);
+    atomicAdd(&tiles, mine);
+    __syncthreads();
+    if (threadIdx.x == 0)
+      *sections.out = int32_t(bwd_section_groups(sections.groups, sections.group_bytes, sections.l2_budget,
+                                                 sections.workers, n > 0 ? double(tiles) / double(n) : 0.0,
+                                                 sections.heads_per_group, true));
   }
   // The batch along z, in steps of the grid's z (at most 65535).
   for (int32_t b = int32_t(blockIdx.z); b < batch; b += int32_t(gridDim.z)) {

@@ -54,16 +54,29 @@ struct FwdTicketScheduler {
 struct BwdTicketScheduler {
   DqColumnHandout handout;   // sub_tiles = dq_sub_tiles(block_kv)
   int32_t* ticket = nullptr;  // the counter, zeroed before every launch
+  // Set where the section size is decided on the device (written by the preprocessing before the
+  // kernel starts; common/bwd_sections.h): a draw maps its ticket to the one-section hand-out's
+  // position (DqColumnHandout::plain_position), which is what every role reads, so handout's own
+  // section_groups is 0 then.
+  const int32_t* device_sections = nullptr;
 
   static int32_t grid_shape(int64_t items, int32_t sms, int32_t sm_limit) {
     return persistent_grid(items, sms, sm_limit);
   }
   ST_HOST_DEVICE bool valid(int32_t index) const { return index < handout.num_items(); }
   ST_HOST_DEVICE DqWorkItem item(int32_t index) const { return handout.item_in<int32_t>(index); }
+  // A drawn ticket as the roles read it.
+  ST_HOST_DEVICE int32_t drawn(int32_t t, int32_t sections) const {
+    return handout.plain_position<int32_t>(t, sections);
+  }
 #if defined(__CUDACC__)
   // Every call draws the next ticket: one thread of a CTA draws and passes it on to the others.
-  __device__ int32_t initial_work() const { return atomicAdd(ticket, 1); }
-  __device__ int32_t next_work(int32_t /*current*/) const { return atomicAdd(ticket, 1); }
+  __device__ int32_t initial_work() const { return draw(); }
+  __device__ int32_t next_work(int32_t /*current*/) const { return draw(); }
+  __device__ int32_t draw() const {
+    const int32_t t = atomicAdd(ticket, 1);
+    return device_sections == nullptr ? t : drawn(t, __ldg(device_sections));
+  }
 #endif
 };
 
