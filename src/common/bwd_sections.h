@@ -1,6 +1,7 @@
 // How many (batch, kv head) groups one L2 section of the backward's hand-out holds
 // (DqColumnHandout::section_groups in common/dq_schedule_model.h; 0: one section, the plain
-// column hand-out). Host code, tested on the CPU (tests/cpp/test_bwd_sections.cpp).
+// column hand-out). Host and device code (the preprocessing applies the rule where only the
+// device knows the walk), tested on the CPU (tests/cpp/test_bwd_sections.cpp).
 //
 // Why sections: the plain hand-out gives every group's column c before any group's column c + 1,
 // so with many groups (B x H = 128 at S = 2048) the CTAs in flight each read another head's Q and
@@ -15,9 +16,13 @@
 // small while m is at most one column's walk length (its visits: q tiles x query heads of the
 // group); on documents of up to 3000 tokens (~12 visits a column) sections of 4 groups (m = 33)
 // ran 10 % slower than the plain hand-out, 8-16 groups (m <= 16) as fast. So the deterministic
-// mode takes at least workers / visits groups a section, and where the walk length is not known
-// on the host (document ids and bitmasks live on the device) it keeps the plain hand-out, whose
-// deterministic runs measured as fast as the best section size on those masks. That bound holds
+// mode takes at least workers / visits groups a section. Where the walk length is not known on
+// the host (document ids and bitmasks live on the device) the backward's preprocessing averages
+// it from the mask's column lists (bwd_column_tiles) and applies the same rule on the device: the
+// plain hand-out that such masks kept until then ran their deterministic backward 5-6 % slower
+// (documents 1..3000, a prefix LM from a mask_mod; 2026-11-28 on an H100: the kernels had changed
+// since the runs that had found it as fast; at 128k with GQA 4:1, 2 groups, the rule's one-group
+// sections ran 2-3 % slower than the plain hand-out, docs/PERF.md). That bound holds
 // for the descending walk only, where the columns in flight run one hand-off apart
 // (common/attention_bwd_walk.h); walking ascending, each column reaches every tile before the
 // column whose turn comes first, so the queue grows with every column in flight: the L2-budget

@@ -450,15 +450,15 @@ class AttentionCuda final : public backend::AttentionBackend {
       const double visits = det && a.lists.walk.descending
                                 ? bwd_mean_column_visits(m.spec, p.seq_q, p.seq_kv, m.block_kv, bwd_tile_rows(p))
                                 : 0.0;
-      handout.section_groups =
-          bwd_section_groups(p.batch * p.heads_kv, group_bytes, l2_budget(device), a.grid, visits, group, det);
       if (det && a.lists.walk.descending && visits <= 0) {
-        // Documents, bitmasks: the walk's length from the column lists, on the device (the
-        // plain hand-out ran them 5-8 % slower than sections of the rule's size; docs/PERF.md).
+        // Documents, bitmasks: the same rule with the walk's length from the column lists, on the
+        // device (the plain hand-out ran them 5-7 % slower; common/bwd_sections.h).
         on_device = {a.lists, a.batch, int32_t(handout.num_columns), p.batch * p.heads_kv, group_bytes,
                      l2_budget(device), a.grid, int32_t(group), ws.sections};
-        handout.section_groups = 0;
-        a.sched.device_sections = ws.sections;
+        a.sched.device_sections = ws.sections;  // handout.section_groups stays 0: the draws map
+      } else {
+        handout.section_groups =
+            bwd_section_groups(p.batch * p.heads_kv, group_bytes, l2_budget(device), a.grid, visits, group, det);
       }
     }
     // The preprocessing: a block per tile of heads x q rows (BwdPreprocessTiling). It also zeroes
