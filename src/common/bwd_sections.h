@@ -19,7 +19,7 @@
 // mode takes at least workers / visits groups a section. Where the walk length is not known on
 // the host (document ids and bitmasks live on the device) the backward's preprocessing averages
 // it from the mask's column lists (bwd_column_tiles) and applies the same rule on the device: the
-// plain hand-out that such masks kept until then ran their deterministic backward 5-6 % slower
+// plain hand-out that such masks kept until then ran their deterministic backward 5-7 % slower
 // (documents 1..3000, a prefix LM from a mask_mod; 2026-11-28 on an H100: the kernels had changed
 // since the runs that had found it as fast; at 128k with GQA 4:1, 2 groups, the rule's one-group
 // sections ran 2-3 % slower than the plain hand-out, docs/PERF.md). That bound holds
