@@ -447,10 +447,10 @@ class AttentionCuda final : public backend::AttentionBackend {
       // The deterministic rule's walk length; an ascending walk queues its columns behind each
       // other whatever their length (common/bwd_sections.h): none, the plain hand-out.
       const bool det = bp.deterministic && order.how == BwdOrder::kAuto;
-      const double visits = det && a.lists.walk.descending
-                                ? bwd_mean_column_visits(m.spec, p.seq_q, p.seq_kv, m.block_kv, bwd_tile_rows(p))
-                                : 0.0;
-      if (det && a.lists.walk.descending && visits <= 0) {
+      const bool walk_bound = det && a.lists.walk.descending;  // the rule's walk length applies
+      const double visits =
+          walk_bound ? bwd_mean_column_visits(m.spec, p.seq_q, p.seq_kv, m.block_kv, bwd_tile_rows(p)) : 0.0;
+      if (walk_bound && visits <= 0) {
         // Documents, bitmasks: the same rule with the walk's length from the column lists, on the
         // device (the plain hand-out ran them 5-7 % slower; common/bwd_sections.h).
         on_device = {a.lists, a.batch, int32_t(handout.num_columns), p.batch * p.heads_kv, group_bytes,
