@@ -40,18 +40,43 @@
 
 namespace sparsetrain {
 
-// The mean number of q tiles of `tile_q` rows a kv block column of the mask visits (per query
-// head), from a built-in spec's closed form; 0 where the host cannot know (documents, bitmasks).
-inline double bwd_mean_column_visits(const MaskSpec& spec, int64_t seq_q, int64_t seq_kv, int64_t block_kv,
-                                     int64_t tile_q) {
-  if (seq_q <= 0 || seq_kv <= 0 || block_kv <= 0 || tile_q <= 0) return 0;
+// The walk lengths of a mask's kv block columns, per query head, in q tiles: what the section rule
+// reads (their mean, longest and the mean rest of one in flight), summed column by column (add)
+// from a spec's closed form on the host or from the column lists on the device.
+struct BwdColumnWalks {
+  int64_t columns = 0;                // columns added (x batch where the lists give them)
+  int64_t tiles = 0, tiles_sq = 0;    // sums of the walks and of their squares
+  int64_t longest = 0;
+
+  ST_HOST_DEVICE void add(int64_t t) {
+    ++columns;
+    tiles += t;
+    tiles_sq += t * t;
+    longest = t > longest ? t : longest;
+  }
+  ST_HOST_DEVICE bool known() const { return columns > 0 && tiles > 0; }
+  ST_HOST_DEVICE double mean() const { return known() ? double(tiles) / double(columns) : 0.0; }
+  // The expected rest of the column a worker is on at a random moment, E[L^2] / (2 E[L]) (a
+  // renewal process's residual life, columns weighted by their length).
+  ST_HOST_DEVICE double residual() const { return known() ? double(tiles_sq) / (2.0 * double(tiles)) : 0.0; }
+};
+
+// The walks of the mask's kv block columns from a built-in spec's closed form (q tiles of `tile_q`
+// rows a column visits); none (columns = 0) where the host cannot know (documents, bitmasks).
+inline BwdColumnWalks bwd_column_walks(const MaskSpec& spec, int64_t seq_q, int64_t seq_kv, int64_t block_kv,
+                                       int64_t tile_q) {
+  BwdColumnWalks w;
+  if (seq_q <= 0 || seq_kv <= 0 || block_kv <= 0 || tile_q <= 0) return w;
+  switch (spec.kind) {
+    case MaskKind::kFull: case MaskKind::kCausal: case MaskKind::kCausalBottomRight: case MaskKind::kPrefixLM:
+    case MaskKind::kSlidingWindow: break;
+    default: return w;  // documents, bitmasks: on the device
+  }
   const int64_t columns = (seq_kv + block_kv - 1) / block_kv;
-  int64_t tiles = 0;
   for (int64_t n = 0; n < columns; ++n) {
     const int64_t x0 = n * block_kv, x1 = std::min(seq_kv, x0 + block_kv) - 1;  // the column's keys
     int64_t lo = 0, hi = seq_q - 1;  // the rows any of them sees
     switch (spec.kind) {
-      case MaskKind::kFull: break;
       case MaskKind::kCausal: lo = x0; break;
       case MaskKind::kCausalBottomRight: lo = x0 - (seq_kv - seq_q); break;
       case MaskKind::kPrefixLM: lo = x0 < spec.prefix_length ? 0 : x0; break;
@@ -59,36 +84,58 @@ inline double bwd_mean_column_visits(const MaskSpec& spec, int64_t seq_q, int64_
         if (spec.window_right >= 0) lo = x0 - spec.window_right;
         if (spec.window_left >= 0) hi = std::min(hi, x1 + spec.window_left);
         break;
-      default: return 0;  // documents, bitmasks: on the device
+      default: break;  // full
     }
     lo = std::max<int64_t>(lo, 0);
-    if (lo <= hi) tiles += hi / tile_q - lo / tile_q + 1;
+    w.add(lo <= hi ? hi / tile_q - lo / tile_q + 1 : 0);
   }
-  return double(tiles) / double(columns);
+  return w;
+}
+
+// ceil(x) for x >= 0, host and device.
+ST_HOST_DEVICE inline int64_t bwd_ceil(double x) {
+  const int64_t i = int64_t(x);
+  return double(i) < x ? i + 1 : i;
+}
+
+// The fewest groups a section holds so that the last one's longest column does not run on alone
+// (the header says why): workers x (longest - residual) / a group's work, where a group's work is
+// its items (columns x sub-columns) x the mean walk (the query heads of a group scale both alike),
+// rounded: an estimate, which for even columns comes to about workers / (2 x items) and must not
+// move their budget-sized sections by a rounding up. 0 when the walks are unknown.
+ST_HOST_DEVICE inline int64_t bwd_tail_groups(int64_t workers, const BwdColumnWalks& walks, int64_t items_per_group) {
+  if (!walks.known() || items_per_group <= 0) return 0;
+  const double need = double(walks.longest) - walks.residual();
+  if (need <= 0) return 0;
+  return int64_t(double(workers) * need / (walks.mean() * double(items_per_group)) + 0.5);
 }
 
 // Groups a section: as many as fill l2_budget with group_bytes each (the forward's rule, at most
 // kFwdMaxKvHeadsPerSection); deterministic: at least workers / walk groups, where walk = mean
-// visits x query heads a group (0: unknown, then the plain hand-out). 0 when it is one section.
-// On the host from bwd_mean_column_visits, on the device (the preprocessing) from the mask's
-// column counts where the host cannot know the walk (bwd_column_tiles).
+// visits x query heads a group (unknown walks: the plain hand-out); and at least bwd_tail_groups,
+// the last section as many (the section grows until it divides the groups or leaves that many).
+// 0 when it is one section. On the host from bwd_column_walks, on the device (the preprocessing)
+// from the mask's column lists where the host cannot know the walks (bwd_column_tiles).
 ST_HOST_DEVICE inline int64_t bwd_section_groups(int64_t groups, int64_t group_bytes, int64_t l2_budget,
-                                                 int64_t workers, double mean_visits, int64_t heads_per_group,
+                                                 int64_t workers, const BwdColumnWalks& walks,
+                                                 int64_t items_per_group, int64_t heads_per_group,
                                                  bool deterministic) {
   int64_t section = fwd_heads_per_section(group_bytes, l2_budget, 1, groups);
   if (deterministic) {
-    const double walk = mean_visits * double(heads_per_group);
+    const double walk = walks.mean() * double(heads_per_group);
     if (walk <= 0) return 0;
-    const double q = double(workers) / walk;
-    const int64_t least = int64_t(q) + (double(int64_t(q)) < q ? 1 : 0);  // ceil
+    const int64_t least = bwd_ceil(double(workers) / walk);
     if (least > section) section = least;
   }
+  const int64_t tail = bwd_tail_groups(workers, walks, items_per_group);
+  if (tail > section) section = tail;
+  while (section < groups && groups % section != 0 && groups % section < tail) ++section;
   return section >= groups ? 0 : section;
 }
 
 // The q tiles column n of batch b visits (its first query head's walk: clamped counts x q tiles a
-// block), from the mask's column lists: what bwd_mean_column_visits gives in closed form, for the
-// masks whose lists only the device holds (documents, bitmasks), averaged over batch x columns by
+// block), from the mask's column lists: what bwd_column_walks gives in closed form, for the
+// masks whose lists only the device holds (documents, bitmasks), summed over batch x columns by
 // the preprocessing (bwd_preprocess.cuh).
 ST_HOST_DEVICE inline int64_t bwd_column_tiles(const MaskColumnLists& l, int64_t b, int64_t n) {
   return int64_t(clamp_count(l.partial_count, l.partial_index, b, 0, n) +

@@ -1,9 +1,11 @@
-// The backward hand-out's L2 section size (src/common/bwd_sections.h) on the CPU: the mean walk of
-// a block column against a brute-force count over the element mask, and the section rule's cases.
+// The backward hand-out's L2 section size (src/common/bwd_sections.h) on the CPU: the walks of the
+// block columns against a brute-force count over the element mask, and the section rule's cases.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <random>
+#include <string>
 
 #include "common/bwd_sections.h"
 #include "common/mask_predicate.h"
@@ -14,11 +16,12 @@ namespace st = sparsetrain;
 
 namespace {
 
-// The oracle: q tiles holding at least one allowed (q, kv) pair of the column, by mask_allows.
-double brute_mean_visits(const st::MaskSpec& s, int64_t sq, int64_t skv, int64_t block_kv, int64_t tile_q) {
+// The oracle: per column, the q tiles holding at least one allowed (q, kv) pair, by mask_allows.
+st::BwdColumnWalks brute_walks(const st::MaskSpec& s, int64_t sq, int64_t skv, int64_t block_kv, int64_t tile_q) {
+  st::BwdColumnWalks w;
   const int64_t columns = (skv + block_kv - 1) / block_kv;
-  int64_t tiles = 0;
-  for (int64_t n = 0; n < columns; ++n)
+  for (int64_t n = 0; n < columns; ++n) {
+    int64_t tiles = 0;
     for (int64_t t = 0; t * tile_q < sq; ++t) {
       bool any = false;
       for (int64_t q = t * tile_q; q < std::min(sq, (t + 1) * tile_q) && !any; ++q)
@@ -26,12 +29,29 @@ double brute_mean_visits(const st::MaskSpec& s, int64_t sq, int64_t skv, int64_t
           any = st::mask_allows(s.kind, s.window_left, s.window_right, s.prefix_length, nullptr, nullptr, sq, skv, q, kv);
       tiles += any;
     }
-  return double(tiles) / double(columns);
+    w.add(tiles);
+  }
+  return w;
+}
+
+// `columns` columns of `t` tiles each, then `long_columns` of `long_t`.
+st::BwdColumnWalks walks_of(int64_t columns, int64_t t, int64_t long_columns = 0, int64_t long_t = 0) {
+  st::BwdColumnWalks w;
+  for (int64_t i = 0; i < columns; ++i) w.add(t);
+  for (int64_t i = 0; i < long_columns; ++i) w.add(long_t);
+  return w;
+}
+
+void expect_same_walks(const st::BwdColumnWalks& a, const st::BwdColumnWalks& b) {
+  EXPECT_EQ(a.columns, b.columns);
+  EXPECT_EQ(a.tiles, b.tiles);
+  EXPECT_EQ(a.tiles_sq, b.tiles_sq);
+  EXPECT_EQ(a.longest, b.longest);
 }
 
 }  // namespace
 
-TEST(BwdSections, MeanColumnVisitsMatchTheElementMaskOnRandomSpecsAndSizes) {
+TEST(BwdSections, ColumnWalksMatchTheElementMaskOnRandomSpecsAndSizes) {
   std::mt19937 rng(20261125);
   const st::MaskKind kinds[] = {st::MaskKind::kFull, st::MaskKind::kCausal, st::MaskKind::kCausalBottomRight,
                                 st::MaskKind::kSlidingWindow, st::MaskKind::kPrefixLM};
@@ -43,45 +63,111 @@ TEST(BwdSections, MeanColumnVisitsMatchTheElementMaskOnRandomSpecsAndSizes) {
     s.window_left = int64_t(rng() % 300) - 40;  // some negative: unbounded
     s.window_right = int64_t(rng() % 120) - 30;
     s.prefix_length = rng() % 400;
-    EXPECT_DOUBLE_EQ(st::bwd_mean_column_visits(s, sq, skv, block_kv, tile_q),
-                     brute_mean_visits(s, sq, skv, block_kv, tile_q))
-        << s.str() << " sq " << sq << " skv " << skv << " block_kv " << block_kv << " tile_q " << tile_q;
+    SCOPED_TRACE(s.str() + " sq " + std::to_string(sq) + " skv " + std::to_string(skv) + " block_kv " +
+                 std::to_string(block_kv) + " tile_q " + std::to_string(tile_q));
+    expect_same_walks(st::bwd_column_walks(s, sq, skv, block_kv, tile_q), brute_walks(s, sq, skv, block_kv, tile_q));
   }
 }
 
-TEST(BwdSections, MeanColumnVisitsAreUnknownForDocumentsAndBitmasks) {
+TEST(BwdSections, ColumnWalksAreUnknownForDocumentsAndBitmasks) {
   for (st::MaskKind k : {st::MaskKind::kDocument, st::MaskKind::kDocumentCausal, st::MaskKind::kBitmask}) {
     st::MaskSpec s;
     s.kind = k;
-    EXPECT_EQ(st::bwd_mean_column_visits(s, 4096, 4096, 128, 64), 0.0) << st::mask_kind_name(k);
+    EXPECT_FALSE(st::bwd_column_walks(s, 4096, 4096, 128, 64).known()) << st::mask_kind_name(k);
   }
   st::MaskSpec causal;
   causal.kind = st::MaskKind::kCausal;
-  EXPECT_EQ(st::bwd_mean_column_visits(causal, 0, 4096, 128, 64), 0.0);  // nothing to walk
-  EXPECT_DOUBLE_EQ(st::bwd_mean_column_visits(causal, 8192, 8192, 128, 64), 65.0);  // (128 + 2) / 2 by hand
+  EXPECT_FALSE(st::bwd_column_walks(causal, 0, 4096, 128, 64).known());  // nothing to walk
+  const st::BwdColumnWalks w = st::bwd_column_walks(causal, 8192, 8192, 128, 64);
+  EXPECT_DOUBLE_EQ(w.mean(), 65.0);  // (128 + 2) / 2 by hand
+  EXPECT_EQ(w.longest, 128);
+  EXPECT_DOUBLE_EQ(w.residual(), 4.0 * (64 * 65 * 129 / 6) / (2.0 * 4160));  // sum (2k)^2 / (2 sum 2k), k = 1..64
 }
 
 TEST(BwdSections, SectionsFillTheL2BudgetAndTheDeterministicModeKeepsAWalkPerColumnInFlight) {
   const int64_t mb = int64_t(1) << 20, budget = 32 * mb, workers = 132;
+  // Even columns (a window's): the tail bound, about workers / (2 x 64 items), stays below the others.
+  const auto even = [](double t) { return walks_of(64, int64_t(t)); };
   // Atomic mode: as many groups as fill the budget, at most the forward's cap; all of them: 0.
-  EXPECT_EQ(st::bwd_section_groups(128, 1 * mb, budget, workers, 16.0, 1, false), st::kFwdMaxKvHeadsPerSection);
-  EXPECT_EQ(st::bwd_section_groups(32, 4 * mb, budget, workers, 65.0, 1, false), 8);
-  EXPECT_EQ(st::bwd_section_groups(8, 64 * mb, budget, workers, 65.0, 8, false), 1);  // a group over budget: 1
-  EXPECT_EQ(st::bwd_section_groups(8, 4 * mb, budget, workers, 65.0, 1, false), 0);   // all fit: one section
-  EXPECT_EQ(st::bwd_section_groups(32, 8 * mb, budget, workers, 0.0, 1, false), 4);   // walk unknown: budget
-  // Deterministic: at least workers / walk groups (causal S = 8192, walk 65: 3 < budget's 8).
-  EXPECT_EQ(st::bwd_section_groups(32, 4 * mb, budget, workers, 65.0, 1, true), 8);
-  EXPECT_EQ(st::bwd_section_groups(64, 4 * mb, budget, workers, 10.0, 1, true), 14);  // ceil(132 / 10)
-  EXPECT_EQ(st::bwd_section_groups(64, 4 * mb, budget, workers, 2.5, 4, true), 14);   // the group's heads walk too
-  EXPECT_EQ(st::bwd_section_groups(32, 4 * mb, budget, workers, 4.0, 1, true), 0);    // 33 >= 32 groups
-  EXPECT_EQ(st::bwd_section_groups(32, 8 * mb, budget, workers, 0.0, 1, true), 0);    // unknown: plain hand-out
-  EXPECT_EQ(st::bwd_section_groups(8, 64 * mb, budget, workers, 65.0, 8, true), 1);   // GQA 8:1 walks 520
+  EXPECT_EQ(st::bwd_section_groups(128, 1 * mb, budget, workers, even(16), 64, 1, false), st::kFwdMaxKvHeadsPerSection);
+  EXPECT_EQ(st::bwd_section_groups(32, 4 * mb, budget, workers, even(64), 64, 1, false), 8);
+  EXPECT_EQ(st::bwd_section_groups(8, 64 * mb, budget, workers, even(64), 64, 8, false), 1);  // a group over budget: 1
+  EXPECT_EQ(st::bwd_section_groups(8, 4 * mb, budget, workers, even(64), 64, 1, false), 0);   // all fit: one section
+  EXPECT_EQ(st::bwd_section_groups(32, 8 * mb, budget, workers, {}, 64, 1, false), 4);        // walks unknown: budget
+  // Deterministic: at least workers / walk groups (walk 64: 3 < budget's 8).
+  EXPECT_EQ(st::bwd_section_groups(32, 4 * mb, budget, workers, even(64), 64, 1, true), 8);
+  EXPECT_EQ(st::bwd_section_groups(64, 4 * mb, budget, workers, even(10), 64, 1, true), 14);  // ceil(132 / 10)
+  EXPECT_EQ(st::bwd_section_groups(64, 4 * mb, budget, workers, walks_of(64, 5, 64, 0), 128, 4, true),
+            14);  // the group's heads walk too (mean 2.5 x 4 heads)
+  EXPECT_EQ(st::bwd_section_groups(32, 4 * mb, budget, workers, even(4), 64, 1, true), 0);   // 33 >= 32 groups
+  EXPECT_EQ(st::bwd_section_groups(32, 8 * mb, budget, workers, {}, 64, 1, true), 0);        // unknown: plain hand-out
+  EXPECT_EQ(st::bwd_section_groups(8, 64 * mb, budget, workers, even(65), 64, 8, true), 1);  // GQA 8:1 walks 520
 }
 
-TEST(BwdSections, ColumnTilesFromTheListsAverageToTheClosedForm) {
-  // What the preprocessing sums on the device where the host cannot know the walk (documents,
+// A mask's column walks as the preprocessing sums them (bwd_column_tiles over its column lists).
+st::BwdColumnWalks walks_from_lists(const st::BlockMask& m, int64_t tile_q) {
+  st::MaskColumnLists l;
+  l.partial_count = st::mask_index_view(m.q_num_blocks);
+  l.partial_index = st::mask_index_view(m.q_indices);
+  l.full_count = st::mask_index_view(m.full_q_num_blocks);
+  l.full_index = st::mask_index_view(m.full_q_indices);
+  l.q_tiles_per_block = int32_t(m.block_q / tile_q);
+  st::BwdColumnWalks w;
+  for (int64_t n = 0; n < m.num_kv_blocks(); ++n) w.add(st::bwd_column_tiles(l, 0, n));
+  return w;
+}
+
+// Causal 1024-token windows, plus the first 64 keys (sinks) or the first 64 of every 1024
+// (landmarks), as a FlexAttention user's mask_mod gives them (bitmasks).
+bool sinks_window(void*, int64_t, int64_t, int64_t q, int64_t kv) { return kv <= q && (q - kv <= 1024 || kv < 64); }
+bool landmarks_window(void*, int64_t, int64_t, int64_t q, int64_t kv) {
+  return kv <= q && (q - kv <= 1024 || kv % 1024 < 64);
+}
+
+TEST(BwdSections, AFewLongColumnsGetSectionsLongEnoughForThemAndAWholeLastSection) {
+  const int64_t mb = int64_t(1) << 20, budget = 32 * mb, workers = 132;
+  // S = 8192 (64 columns, 64-row q tiles), B = 2, H = 16: 32 groups of 4 MB, the budget's 8 a
+  // section. Sinks: one column of 128 tiles, the rest up to 18; the tail bound 132 x (128 - 14.7) /
+  // (64 x 18.6) = 12.6, then 16, since a last section of 8 would leave the sink column alone at
+  // the end: 16 ran the atomic backward 18 % faster than 8 (H100).
+  const st::BwdColumnWalks sinks = walks_from_lists(
+      st::build_block_mask_from_function(sinks_window, nullptr, 1, 1, 8192, 8192, {}).mask, 64);
+  EXPECT_EQ(sinks.longest, 128);
+  EXPECT_EQ(st::bwd_tail_groups(workers, sinks, 64), 13);
+  for (bool det : {false, true}) EXPECT_EQ(st::bwd_section_groups(32, 4 * mb, budget, workers, sinks, 64, 1, det), 16);
+  // At GQA 8:1 (8 groups of 32 MB: the budget's 1) the bound exceeds the groups: one section (the
+  // atomic backward 20 % faster than one-group sections).
+  EXPECT_EQ(st::bwd_section_groups(8, 32 * mb, budget, workers, sinks, 64, 8, false), 0);
+  // Landmarks: 8 long columns of 128, 112, ..., 16 tiles: 9.2, then 11 (11, 11, 10); 12 (12, 12,
+  // 8) ran as slowly as 8, 16 12 % faster (H100).
+  const st::BwdColumnWalks landmarks = walks_from_lists(
+      st::build_block_mask_from_function(landmarks_window, nullptr, 1, 1, 8192, 8192, {}).mask, 64);
+  EXPECT_EQ(st::bwd_tail_groups(workers, landmarks, 64), 9);
+  EXPECT_EQ(st::bwd_section_groups(32, 4 * mb, budget, workers, landmarks, 64, 1, false), 11);
+  // Causal: 132 x (128 - 43) / (64 x 65) = 2.7, 3; with GQA 8:1 at D = 64 (16 MB groups: the
+  // budget's 2) the last of three-group sections would hold 2: 4 (3 % faster than 2 in the
+  // deterministic mode, 1 % in the atomic one, H100); at 32 groups the budget's 8 stands.
+  st::MaskSpec causal_spec;
+  causal_spec.kind = st::MaskKind::kCausal;
+  const st::BwdColumnWalks causal = st::bwd_column_walks(causal_spec, 8192, 8192, 128, 64);
+  EXPECT_EQ(st::bwd_tail_groups(workers, causal, 64), 3);
+  EXPECT_EQ(st::bwd_section_groups(8, 16 * mb, budget, workers, causal, 64, 8, false), 4);
+  EXPECT_EQ(st::bwd_section_groups(32, 4 * mb, budget, workers, causal, 64, 1, false), 8);
+  // Even columns (a window's: 1.03): one group, never above the budget.
+  EXPECT_EQ(st::bwd_tail_groups(workers, walks_of(64, 18), 64), 1);
+  // Sub-columns share a group's work: twice the items, half the bound (6.3).
+  EXPECT_EQ(st::bwd_tail_groups(workers, sinks, 128), 6);
+  // The last section holds the bound too: 30 groups at least 13 a section take 15 (two of 15).
+  EXPECT_EQ(st::bwd_section_groups(30, 64 * mb, budget, workers, sinks, 64, 1, false), 15);
+  // Nothing known, or nothing to walk: no bound.
+  EXPECT_EQ(st::bwd_tail_groups(workers, {}, 64), 0);
+  EXPECT_EQ(st::bwd_tail_groups(workers, walks_of(64, 0), 64), 0);
+}
+
+TEST(BwdSections, ColumnTilesFromTheListsSumToTheClosedForm) {
+  // What the preprocessing sums on the device where the host cannot know the walks (documents,
   // bitmasks): per (batch, column) the column lists' blocks x q tiles a block. On masks built on
-  // the host from specs with a closed form, its mean over batch x columns is the closed form's
+  // the host from specs with a closed form, its walks over batch x columns are the closed form's
   // (sequences of whole blocks, where a block's q tiles are all real), at 64- and 128-row tiles.
   struct Case {
     st::MaskKind kind;
@@ -103,11 +189,14 @@ TEST(BwdSections, ColumnTilesFromTheListsAverageToTheClosedForm) {
       l.full_count = st::mask_index_view(m.full_q_num_blocks);
       l.full_index = st::mask_index_view(m.full_q_indices);
       l.q_tiles_per_block = int32_t(m.block_q / tile_q);
-      int64_t tiles = 0;
-      for (int64_t b = 0; b < 3; ++b)
-        for (int64_t n = 0; n < m.num_kv_blocks(); ++n) tiles += st::bwd_column_tiles(l, b, n);
-      EXPECT_DOUBLE_EQ(double(tiles) / double(3 * m.num_kv_blocks()),
-                       st::bwd_mean_column_visits(spec, c.seq, c.seq, m.block_kv, tile_q))
-          << spec.str() << " tile_q " << tile_q;
+      st::BwdColumnWalks lists, closed;
+      for (int64_t b = 0; b < 3; ++b) {
+        for (int64_t n = 0; n < m.num_kv_blocks(); ++n) lists.add(st::bwd_column_tiles(l, b, n));
+        const st::BwdColumnWalks one = st::bwd_column_walks(spec, c.seq, c.seq, m.block_kv, tile_q);
+        closed.columns += one.columns, closed.tiles += one.tiles, closed.tiles_sq += one.tiles_sq;
+        closed.longest = std::max(closed.longest, one.longest);
+      }
+      SCOPED_TRACE(spec.str() + " tile_q " + std::to_string(tile_q));
+      expect_same_walks(lists, closed);
     }
 }

@@ -439,26 +439,33 @@ class AttentionCuda final : public backend::AttentionBackend {
     const int device = bp.q.device().index;
     a.grid = cuda::attn::BwdTicketScheduler::grid_shape(handout.num_items(), cuda::sm_count(device), bp.sm_limit);
     cuda::attn::BwdSectionsOnDevice on_device;  // out = null: the sections are decided here
-    if (const BwdOrder order = bwd_order(); order.how == BwdOrder::kFixed) {
-      handout.section_groups = order.groups;
-    } else if (order.how != BwdOrder::kColumns) {
-      const int64_t group = p.heads_q / p.heads_kv;  // a group shares its query heads' Q and dO
-      const int64_t group_bytes = group * 2 * p.seq_q * p.head_dim * int64_t(dtype_size(p.dtype));
-      // The deterministic rule's walk length; an ascending walk queues its columns behind each
-      // other whatever their length (common/bwd_sections.h): none, the plain hand-out.
-      const bool det = bp.deterministic && order.how == BwdOrder::kAuto;
-      const bool walk_bound = det && a.lists.walk.descending;  // the rule's walk length applies
-      const double visits =
-          walk_bound ? bwd_mean_column_visits(m.spec, p.seq_q, p.seq_kv, m.block_kv, bwd_tile_rows(p)) : 0.0;
-      if (walk_bound && visits <= 0) {
-        // Documents, bitmasks: the same rule with the walk's length from the column lists, on the
-        // device (the plain hand-out ran them 5-7 % slower; common/bwd_sections.h).
-        on_device = {a.lists, a.batch, int32_t(handout.num_columns), p.batch * p.heads_kv, group_bytes,
-                     l2_budget(device), a.grid, int32_t(group), ws.sections};
-        a.sched.device_sections = ws.sections;  // handout.section_groups stays 0: the draws map
-      } else {
+    const int64_t groups = p.batch * p.heads_kv, group = p.heads_q / p.heads_kv;  // a group shares Q and dO
+    const int64_t group_bytes = group * 2 * p.seq_q * p.head_dim * int64_t(dtype_size(p.dtype));
+    const int64_t items_per_group = handout.num_columns * handout.sub_tiles;
+    switch (const BwdOrder order = bwd_order(); order.how) {
+      case BwdOrder::kFixed: handout.section_groups = order.groups; break;
+      case BwdOrder::kColumns: break;
+      case BwdOrder::kBudget:  // the L2 budget alone
         handout.section_groups =
-            bwd_section_groups(p.batch * p.heads_kv, group_bytes, l2_budget(device), a.grid, visits, group, det);
+            bwd_section_groups(groups, group_bytes, l2_budget(device), a.grid, {}, items_per_group, group, false);
+        break;
+      case BwdOrder::kAuto: {
+        // The deterministic mode walking ascending queues its columns behind each other whatever
+        // their length (common/bwd_sections.h): the plain hand-out.
+        if (bp.deterministic && !a.lists.walk.descending) break;
+        const BwdColumnWalks walks = bwd_column_walks(m.spec, p.seq_q, p.seq_kv, m.block_kv, bwd_tile_rows(p));
+        if (walks.known()) {
+          handout.section_groups = bwd_section_groups(groups, group_bytes, l2_budget(device), a.grid, walks,
+                                                      items_per_group, group, bp.deterministic);
+        } else {
+          // Documents, bitmasks: the same rule with the walks from the column lists, on the device
+          // (the deterministic plain hand-out ran them 5-7 % slower, the atomic mode's L2 sections
+          // 9-20 % slower on sinks and landmarks; common/bwd_sections.h).
+          on_device = {a.lists, a.batch, int32_t(handout.num_columns), groups, group_bytes, l2_budget(device),
+                       a.grid, int32_t(group), int32_t(handout.sub_tiles), bp.deterministic, ws.sections};
+          a.sched.device_sections = ws.sections;  // handout.section_groups stays 0: the draws map
+        }
+        break;
       }
     }
     // The preprocessing: a block per tile of heads x q rows (BwdPreprocessTiling). It also zeroes

@@ -25,16 +25,16 @@ static_assert(BwdPreprocessTiling<8, true>::tiles_divide(kBwdTileQ) &&
                   BwdPreprocessTiling<32, false>::tiles_divide(kBwdTileQ),
               "a head's padded rows split into whole tiles, at any heads");
 
-// The deterministic hand-out's section size where only the device knows the walk's length (a
-// document or bitmask mask walked descending; common/bwd_sections.h): block 0 of the
-// preprocessing averages the column lists' visits over batch x columns and applies the rule, and
-// the kernel's ticket draws read it (BwdTicketScheduler::device_sections). out = null: decided on
-// the host.
+// The hand-out's section size where only the device knows the walks (document and bitmask masks;
+// common/bwd_sections.h): block 0 of the preprocessing sums the column lists' walks over batch x
+// columns (BwdColumnWalks) and applies the rule, and the kernel's ticket draws read it
+// (BwdTicketScheduler::device_sections). out = null: decided on the host.
 struct BwdSectionsOnDevice {
   MaskColumnLists lists;
   int32_t batch = 0, columns = 0;
   int64_t groups = 0, group_bytes = 0, l2_budget = 0;
-  int32_t workers = 0, heads_per_group = 1;
+  int32_t workers = 0, heads_per_group = 1, sub_tiles = 1;
+  bool deterministic = false;  // the rule's walk-length bound (common/bwd_sections.h)
   int32_t* out = nullptr;
 };
 
@@ -65,18 +65,31 @@ __global__ void __launch_bounds__(Tiling::kThreads, 5)
     for (int64_t i = block * blockDim.x + threadIdx.x; i < zeroed_words; i += threads) zeroed[i] = 0;
   }
   if (sections.out != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) {
-    __shared__ unsigned long long tiles;
-    if (threadIdx.x == 0) tiles = 0;
+    __shared__ unsigned long long tiles, tiles_sq;
+    __shared__ unsigned int longest;
+    if (threadIdx.x == 0) tiles = tiles_sq = longest = 0;
     __syncthreads();
-    unsigned long long mine = 0;
-    const int64_t columns = sections.columns, n = int64_t(sections.batch) * columns;
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) mine += bwd_column_tiles(sections.lists, i / columns, i % columns);
-    atomicAdd(&tiles, mine);
+    // Every (batch, column), a thread's in steps of the block (no 64-bit division: 48 registers).
+    BwdColumnWalks mine;
+    for (int32_t b = 0, n = int32_t(threadIdx.x); b < sections.batch;) {
+      if (n >= sections.columns) {
+        n -= sections.columns, ++b;
+        continue;
+      }
+      mine.add(bwd_column_tiles(sections.lists, b, n));
+      n += int32_t(blockDim.x);
+    }
+    atomicAdd(&tiles, (unsigned long long)mine.tiles);
+    atomicAdd(&tiles_sq, (unsigned long long)mine.tiles_sq);
+    atomicMax(&longest, (unsigned int)mine.longest);
     __syncthreads();
-    if (threadIdx.x == 0)
+    if (threadIdx.x == 0) {
+      const BwdColumnWalks all{int64_t(sections.batch) * sections.columns, int64_t(tiles), int64_t(tiles_sq),
+                               int64_t(longest)};
       *sections.out = int32_t(bwd_section_groups(sections.groups, sections.group_bytes, sections.l2_budget,
-                                                 sections.workers, n > 0 ? double(tiles) / double(n) : 0.0,
-                                                 sections.heads_per_group, true));
+                                                 sections.workers, all, int64_t(sections.columns) * sections.sub_tiles,
+                                                 sections.heads_per_group, sections.deterministic));
+    }
   }
   // The batch along z, in steps of the grid's z (at most 65535).
   for (int32_t b = int32_t(blockIdx.z); b < batch; b += int32_t(gridDim.z)) {
