@@ -41,24 +41,20 @@
 namespace sparsetrain {
 
 // The walk lengths of a mask's kv block columns, per query head, in q tiles: what the section rule
-// reads (their mean, longest and the mean rest of one in flight), summed column by column (add)
-// from a spec's closed form on the host or from the column lists on the device.
+// reads (their mean and the longest), summed column by column (add) from a spec's closed form on
+// the host or from the column lists on the device.
 struct BwdColumnWalks {
-  int64_t columns = 0;                // columns added (x batch where the lists give them)
-  int64_t tiles = 0, tiles_sq = 0;    // sums of the walks and of their squares
+  int64_t columns = 0;  // columns added (x batch where the lists give them)
+  int64_t tiles = 0;    // the sum of their walks
   int64_t longest = 0;
 
   ST_HOST_DEVICE void add(int64_t t) {
     ++columns;
     tiles += t;
-    tiles_sq += t * t;
     longest = t > longest ? t : longest;
   }
   ST_HOST_DEVICE bool known() const { return columns > 0 && tiles > 0; }
   ST_HOST_DEVICE double mean() const { return known() ? double(tiles) / double(columns) : 0.0; }
-  // The expected rest of the column a worker is on at a random moment, E[L^2] / (2 E[L]) (a
-  // renewal process's residual life, columns weighted by their length).
-  ST_HOST_DEVICE double residual() const { return known() ? double(tiles_sq) / (2.0 * double(tiles)) : 0.0; }
 };
 
 // The walks of the mask's kv block columns from a built-in spec's closed form (q tiles of `tile_q`
@@ -99,15 +95,13 @@ ST_HOST_DEVICE inline int64_t bwd_ceil(double x) {
 }
 
 // The fewest groups a section holds so that the last one's longest column does not run on alone
-// (the header says why): workers x (longest - residual) / a group's work, where a group's work is
-// its items (columns x sub-columns) x the mean walk (the query heads of a group scale both alike),
-// rounded: an estimate, which for even columns comes to about workers / (2 x items) and must not
-// move their budget-sized sections by a rounding up. 0 when the walks are unknown.
+// (the header says why): workers x the longest walk / a group's work, where a group's work is its
+// items (columns x sub-columns) x the mean walk (the query heads of a group scale both alike),
+// rounded to the nearest: an estimate (even columns give workers / items, which must not grow the
+// budget's sections for a fraction). 0 when the walks are unknown.
 ST_HOST_DEVICE inline int64_t bwd_tail_groups(int64_t workers, const BwdColumnWalks& walks, int64_t items_per_group) {
   if (!walks.known() || items_per_group <= 0) return 0;
-  const double need = double(walks.longest) - walks.residual();
-  if (need <= 0) return 0;
-  return int64_t(double(workers) * need / (walks.mean() * double(items_per_group)) + 0.5);
+  return int64_t(double(workers) * double(walks.longest) / (walks.mean() * double(items_per_group)) + 0.5);
 }
 
 // Groups a section: as many as fill l2_budget with group_bytes each (the forward's rule, at most

@@ -65,9 +65,9 @@ __global__ void __launch_bounds__(Tiling::kThreads, 5)
     for (int64_t i = block * blockDim.x + threadIdx.x; i < zeroed_words; i += threads) zeroed[i] = 0;
   }
   if (sections.out != nullptr && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) {
-    __shared__ unsigned long long tiles, tiles_sq;
+    __shared__ unsigned long long tiles;
     __shared__ unsigned int longest;
-    if (threadIdx.x == 0) tiles = tiles_sq = longest = 0;
+    if (threadIdx.x == 0) tiles = longest = 0;
     __syncthreads();
     // Every (batch, column), a thread's in steps of the block (no 64-bit division: 48 registers).
     BwdColumnWalks mine;
@@ -80,12 +80,10 @@ __global__ void __launch_bounds__(Tiling::kThreads, 5)
       n += int32_t(blockDim.x);
     }
     atomicAdd(&tiles, (unsigned long long)mine.tiles);
-    atomicAdd(&tiles_sq, (unsigned long long)mine.tiles_sq);
     atomicMax(&longest, (unsigned int)mine.longest);
     __syncthreads();
     if (threadIdx.x == 0) {
-      const BwdColumnWalks all{int64_t(sections.batch) * sections.columns, int64_t(tiles), int64_t(tiles_sq),
-                               int64_t(longest)};
+      const BwdColumnWalks all{int64_t(sections.batch) * sections.columns, int64_t(tiles), int64_t(longest)};
       *sections.out = int32_t(bwd_section_groups(sections.groups, sections.group_bytes, sections.l2_budget,
                                                  sections.workers, all, int64_t(sections.columns) * sections.sub_tiles,
                                                  sections.heads_per_group, sections.deterministic));
