@@ -459,8 +459,8 @@ class AttentionCuda final : public backend::AttentionBackend {
                                                       items_per_group, group, bp.deterministic);
         } else {
           // Documents, bitmasks: the same rule with the walks from the column lists, on the device
-          // (the deterministic plain hand-out ran them 5-7 % slower, the atomic mode's L2 sections
-          // 9-20 % slower on sinks and landmarks; common/bwd_sections.h).
+          // (the deterministic plain hand-out ran them 5-7 % slower; the atomic mode's budget-sized
+          // sections 9-26 % slower on sinks and landmarks; common/bwd_sections.h).
           on_device = {a.lists, a.batch, int32_t(handout.num_columns), groups, group_bytes, l2_budget(device),
                        a.grid, int32_t(group), int32_t(handout.sub_tiles), bp.deterministic, ws.sections};
           a.sched.device_sections = ws.sections;  // handout.section_groups stays 0: the draws map
