@@ -32,6 +32,16 @@
 // mask, which "auto" walks ascending, ran its deterministic backward 12 % faster in sections of 16
 // groups on an H100 (1 % on an H200), but nesting masks walked ascending lose 1.5-4x in sections,
 // and the rule cannot yet tell the two apart (docs/PERF.md, twenty-fifth session).
+//
+// Why masks with a few long columns want bigger sections, in both modes: a section's columns go
+// out in column order, so the last section's longest column starts only when the hand-out reaches
+// that section, about its work / workers before the end, and a column longer than that runs on
+// alone at the end. A sink or landmark column (64 of every 1024 keys visible to every later query)
+// beside 1024-token windows ran the atomic backward 9-26 % slower in the budget's sections of 8
+// groups than in 16 (H100, H200; 12 groups, whose last section holds 8, as slow as 8; 11, 11 and
+// 10 groups 7 % slower than 16), at GQA 8:1 one-group sections 20-24 % slower than the plain
+// hand-out. So a section holds at least workers x the longest walk / a group's work, and the last
+// section as many (bwd_tail_groups).
 #pragma once
 
 #include <algorithm>
