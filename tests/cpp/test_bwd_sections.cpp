@@ -102,8 +102,11 @@ TEST(BwdSections, SectionsFillTheL2BudgetAndTheDeterministicModeKeepsAWalkPerCol
   EXPECT_EQ(st::bwd_section_groups(8, 64 * mb, budget, workers, even(65), 128, 8, true), 1);  // GQA 8:1 walks 520
 }
 
-// A mask's column walks as the preprocessing sums them (bwd_column_tiles over its column lists).
-st::BwdColumnWalks walks_from_lists(const st::BlockMask& m, int64_t tile_q) {
+namespace {
+
+// A mask's column walks as the preprocessing sums them (bwd_column_tiles over its column lists),
+// over `batches` batches (a mask built for B = 1 reads its lists for every batch).
+st::BwdColumnWalks walks_from_lists(const st::BlockMask& m, int64_t tile_q, int64_t batches = 1) {
   st::MaskColumnLists l;
   l.partial_count = st::mask_index_view(m.q_num_blocks);
   l.partial_index = st::mask_index_view(m.q_indices);
@@ -111,7 +114,8 @@ st::BwdColumnWalks walks_from_lists(const st::BlockMask& m, int64_t tile_q) {
   l.full_index = st::mask_index_view(m.full_q_indices);
   l.q_tiles_per_block = int32_t(m.block_q / tile_q);
   st::BwdColumnWalks w;
-  for (int64_t n = 0; n < m.num_kv_blocks(); ++n) w.add(st::bwd_column_tiles(l, 0, n));
+  for (int64_t b = 0; b < batches; ++b)
+    for (int64_t n = 0; n < m.num_kv_blocks(); ++n) w.add(st::bwd_column_tiles(l, b, n));
   return w;
 }
 
@@ -121,6 +125,8 @@ bool sinks_window(void*, int64_t, int64_t, int64_t q, int64_t kv) { return kv <=
 bool landmarks_window(void*, int64_t, int64_t, int64_t q, int64_t kv) {
   return kv <= q && (q - kv <= 1024 || kv % 1024 < 64);
 }
+
+}  // namespace
 
 TEST(BwdSections, AFewLongColumnsGetSectionsLongEnoughForThemAndAWholeLastSection) {
   const int64_t mb = int64_t(1) << 20, budget = 32 * mb, workers = 132;
@@ -182,15 +188,9 @@ TEST(BwdSections, ColumnTilesFromTheListsSumToTheClosedForm) {
       spec.prefix_length = c.prefix;
       const st::BlockMaskTensors built = st::build_block_mask(spec, c.seq, c.seq);  // B = 1, read as 3
       const st::BlockMask& m = built.mask;
-      st::MaskColumnLists l;
-      l.partial_count = st::mask_index_view(m.q_num_blocks);
-      l.partial_index = st::mask_index_view(m.q_indices);
-      l.full_count = st::mask_index_view(m.full_q_num_blocks);
-      l.full_index = st::mask_index_view(m.full_q_indices);
-      l.q_tiles_per_block = int32_t(m.block_q / tile_q);
-      st::BwdColumnWalks lists, closed;
+      const st::BwdColumnWalks lists = walks_from_lists(m, tile_q, 3);
+      st::BwdColumnWalks closed;
       for (int64_t b = 0; b < 3; ++b) {
-        for (int64_t n = 0; n < m.num_kv_blocks(); ++n) lists.add(st::bwd_column_tiles(l, b, n));
         const st::BwdColumnWalks one = st::bwd_column_walks(spec, c.seq, c.seq, m.block_kv, tile_q);
         closed.columns += one.columns, closed.tiles += one.tiles;
         closed.longest = std::max(closed.longest, one.longest);
