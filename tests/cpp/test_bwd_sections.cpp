@@ -169,6 +169,26 @@ TEST(BwdSections, AFewLongColumnsGetSectionsLongEnoughForThemAndAWholeLastSectio
   EXPECT_EQ(st::bwd_tail_groups(workers, walks_of(64, 0), 64), 0);
 }
 
+TEST(BwdSections, TheDeterministicAscendingWalkTakesSectionsOnlyForAFewLongColumns) {
+  const int64_t mb = int64_t(1) << 20, budget = 32 * mb, workers = 132;
+  const st::BwdColumnWalks landmarks = walks_from_lists(
+      st::build_block_mask_from_function(landmarks_window, nullptr, 1, 1, 8192, 8192, {}).mask, 64);
+  EXPECT_EQ(st::bwd_ascending_section_groups(32, 4 * mb, budget, workers, landmarks, 64), 16);
+  // Sinks at GQA 8:1: more than the groups; causal and windows: the plain hand-out.
+  const st::BwdColumnWalks sinks = walks_from_lists(
+      st::build_block_mask_from_function(sinks_window, nullptr, 1, 1, 8192, 8192, {}).mask, 64);
+  EXPECT_EQ(st::bwd_ascending_section_groups(8, 32 * mb, budget, workers, sinks, 64), 0);
+  st::MaskSpec causal;
+  causal.kind = st::MaskKind::kCausal;
+  EXPECT_EQ(st::bwd_ascending_section_groups(8, 16 * mb, budget, workers, st::bwd_column_walks(causal, 8192, 8192, 128, 64),
+                                             64),
+            0);
+  EXPECT_EQ(st::bwd_ascending_section_groups(32, 4 * mb, budget, workers, walks_of(64, 18), 64), 0);
+  // A long column that the budget's sections hold already (132 x 45 / (128 x 10.3) = 4.5 < 8): plain.
+  EXPECT_EQ(st::bwd_ascending_section_groups(32, 4 * mb, budget, workers, walks_of(127, 10, 1, 45), 128), 0);
+  EXPECT_EQ(st::bwd_ascending_section_groups(32, 4 * mb, budget, workers, {}, 64), 0);
+}
+
 TEST(BwdSections, ColumnTilesFromTheListsSumToTheClosedForm) {
   // What the preprocessing sums on the device where the host cannot know the walks (documents,
   // bitmasks): per (batch, column) the column lists' blocks x q tiles a block. On masks built on

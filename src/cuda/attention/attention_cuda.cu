@@ -451,18 +451,21 @@ class AttentionCuda final : public backend::AttentionBackend {
         break;
       case BwdOrder::kAuto: {
         // The deterministic mode walking ascending queues its columns behind each other whatever
-        // their length (common/bwd_sections.h): the plain hand-out.
-        if (bp.deterministic && !a.lists.walk.descending) break;
+        // their length: the plain hand-out but for a few long columns (common/bwd_sections.h).
+        const bool ascending = bp.deterministic && !a.lists.walk.descending;
         const BwdColumnWalks walks = bwd_column_walks(m.spec, p.seq_q, p.seq_kv, m.block_kv, bwd_tile_rows(p));
         if (walks.known()) {
-          handout.section_groups = bwd_section_groups(groups, group_bytes, l2_budget(device), a.grid, walks,
-                                                      items_per_group, group, bp.deterministic);
+          handout.section_groups =
+              ascending ? bwd_ascending_section_groups(groups, group_bytes, l2_budget(device), a.grid, walks,
+                                                       items_per_group)
+                        : bwd_section_groups(groups, group_bytes, l2_budget(device), a.grid, walks, items_per_group,
+                                             group, bp.deterministic);
         } else {
           // Documents, bitmasks: the same rule with the walks from the column lists, on the device
           // (the deterministic plain hand-out ran them 5-7 % slower; the atomic mode's budget-sized
           // sections 9-26 % slower on sinks and landmarks; common/bwd_sections.h).
           on_device = {a.lists, a.batch, int32_t(handout.num_columns), groups, group_bytes, l2_budget(device),
-                       a.grid, int32_t(group), int32_t(handout.sub_tiles), bp.deterministic, ws.sections};
+                       a.grid, int32_t(group), int32_t(handout.sub_tiles), bp.deterministic, ascending, ws.sections};
           a.sched.device_sections = ws.sections;  // handout.section_groups stays 0: the draws map
         }
         break;
