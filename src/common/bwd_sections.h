@@ -27,11 +27,12 @@
 // (common/attention_bwd_walk.h); walking ascending, each column reaches every tile before the
 // column whose turn comes first, so the queue grows with every column in flight: the L2-budget
 // sections ran the deterministic backward 1.5-4x slower there on windows, documents and GQA (H100;
-// faster only on short sequences with B = 8). The deterministic mode walking ascending takes the
-// plain hand-out (attention_cuda.cu), even where a long column would want sections: a landmark
-// mask, which "auto" walks ascending, ran its deterministic backward 12 % faster in sections of 16
-// groups on an H100 (1 % on an H200), but nesting masks walked ascending lose 1.5-4x in sections,
-// and the rule cannot yet tell the two apart (docs/PERF.md, twenty-fifth session).
+// faster only on short sequences with B = 8). So the deterministic mode walking ascending takes the
+// plain hand-out, except for a few long columns that want sections larger than the budget's anyway
+// (bwd_ascending_section_groups): a landmark mask, which "auto" walks ascending, ran its
+// deterministic backward 12 % faster in its 16-group sections on an H100 (docs/PERF.md, twenty-fifth
+// and twenty-sixth sessions), while the nesting masks, whose longest column is at most 2x the mean
+// walk, keep the plain hand-out.
 //
 // Why masks with a few long columns want bigger sections, in both modes: a section's columns go
 // out in column order, so the last section's longest column starts only when the hand-out reaches
