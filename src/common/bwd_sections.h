@@ -160,6 +160,18 @@ ST_HOST_DEVICE inline int64_t bwd_ascending_section_groups(int64_t groups, int64
   return bwd_whole_last_section(groups, tail, tail);
 }
 
+// "auto"'s section size, on the host and in the preprocessing alike: the deterministic mode walking
+// ascending by bwd_ascending_section_groups, everything else by bwd_section_groups.
+ST_HOST_DEVICE inline int64_t bwd_auto_section_groups(bool deterministic, bool ascending, int64_t groups,
+                                                      int64_t group_bytes, int64_t l2_budget, int64_t workers,
+                                                      const BwdColumnWalks& walks, int64_t items_per_group,
+                                                      int64_t heads_per_group) {
+  return deterministic && ascending
+             ? bwd_ascending_section_groups(groups, group_bytes, l2_budget, workers, walks, items_per_group)
+             : bwd_section_groups(groups, group_bytes, l2_budget, workers, walks, items_per_group, heads_per_group,
+                                  deterministic);
+}
+
 // The q tiles column n of batch b visits (its first query head's walk: clamped counts x q tiles a
 // block), from the mask's column lists: what bwd_column_walks gives in closed form, for the
 // masks whose lists only the device holds (documents, bitmasks), summed over batch x columns by

@@ -452,14 +452,11 @@ class AttentionCuda final : public backend::AttentionBackend {
       case BwdOrder::kAuto: {
         // The deterministic mode walking ascending queues its columns behind each other whatever
         // their length: the plain hand-out but for a few long columns (common/bwd_sections.h).
-        const bool ascending = bp.deterministic && !a.lists.walk.descending;
+        const bool ascending = !a.lists.walk.descending;
         const BwdColumnWalks walks = bwd_column_walks(m.spec, p.seq_q, p.seq_kv, m.block_kv, bwd_tile_rows(p));
         if (walks.known()) {
-          handout.section_groups =
-              ascending ? bwd_ascending_section_groups(groups, group_bytes, l2_budget(device), a.grid, walks,
-                                                       items_per_group)
-                        : bwd_section_groups(groups, group_bytes, l2_budget(device), a.grid, walks, items_per_group,
-                                             group, bp.deterministic);
+          handout.section_groups = bwd_auto_section_groups(bp.deterministic, ascending, groups, group_bytes,
+                                                           l2_budget(device), a.grid, walks, items_per_group, group);
         } else {
           // Documents, bitmasks: the same rule with the walks from the column lists, on the device
           // (the deterministic plain hand-out ran them 5-7 % slower; the atomic mode's budget-sized

@@ -35,7 +35,7 @@ struct BwdSectionsOnDevice {
   int64_t groups = 0, group_bytes = 0, l2_budget = 0;
   int32_t workers = 0, heads_per_group = 1, sub_tiles = 1;
   bool deterministic = false;  // the rule's walk-length bound (common/bwd_sections.h)
-  bool ascending = false;      // deterministic, walked ascending: bwd_ascending_section_groups
+  bool ascending = false;      // the walk (bwd_auto_section_groups)
   int32_t* out = nullptr;
 };
 
@@ -85,13 +85,9 @@ __global__ void __launch_bounds__(Tiling::kThreads, 5)
     __syncthreads();
     if (threadIdx.x == 0) {
       const BwdColumnWalks all{int64_t(sections.batch) * sections.columns, int64_t(tiles), int64_t(longest)};
-      const int64_t items = int64_t(sections.columns) * sections.sub_tiles;
-      *sections.out = int32_t(
-          sections.ascending
-              ? bwd_ascending_section_groups(sections.groups, sections.group_bytes, sections.l2_budget, sections.workers,
-                                             all, items)
-              : bwd_section_groups(sections.groups, sections.group_bytes, sections.l2_budget, sections.workers, all,
-                                   items, sections.heads_per_group, sections.deterministic));
+      *sections.out = int32_t(bwd_auto_section_groups(
+          sections.deterministic, sections.ascending, sections.groups, sections.group_bytes, sections.l2_budget,
+          sections.workers, all, int64_t(sections.columns) * sections.sub_tiles, sections.heads_per_group));
     }
   }
   // The batch along z, in steps of the grid's z (at most 65535).
