@@ -4,11 +4,13 @@
 // tensors are full width (Nk / Mq), sized by shapes alone — except the function builder's
 // bitmasks, whose width is the largest partial count (a host-only builder: the function is host code).
 #include <algorithm>
+#include <climits>
 #include <tuple>
 #include <sstream>
 #include <vector>
 
 #include "common/block_mask_rows.h"
+#include "common/doc_padding.h"
 #include "common/dq_schedule_model.h"
 #include "ops/block_mask_internal.h"
 #include "ops/checks.h"
@@ -453,6 +455,62 @@ BlockMaskTensors build_block_mask(const MaskSpec& spec, int64_t seq_q, int64_t s
                       row_ptr(t.full_kv_num_blocks, b, 0, m));
   }
   finish(t, options);
+  return t;
+}
+
+BlockMaskTensors build_doc_padded_mask(const MaskSpec& spec, int64_t seq, int64_t min_length,
+                                       const BlockMaskOptions& options) {
+  ST_CHECK_ARG(spec.kind == MaskKind::kDocument || spec.kind == MaskKind::kDocumentCausal, "spec.kind",
+               "document or document_causal", spec.str());
+  ST_CHECK_ARG(seq >= 1, "seq", ">= 1", seq);
+  ST_CHECK_ARG(min_length >= kDocPadAlign, "min_length", ">= " + std::to_string(kDocPadAlign), min_length);
+  ST_CHECK_ARG(options.device.is_cpu(), "BlockMaskOptions device", "cpu (the padded mask is built on the host)",
+               options.device.str());
+  for (const auto& [t, name] : {std::make_pair(&spec.doc_q, "spec.doc_q"), std::make_pair(&spec.doc_kv, "spec.doc_kv")}) {
+    checks::defined(*t, name, "int32 document ids [B or 1, seq]");
+    checks::dtype(*t, name, DType::kInt32);
+    checks::device(*t, name, Device::cpu());
+    checks::shape(*t, name, {-1, seq}, "[B or 1, " + std::to_string(seq) + "]");
+    checks::non_null(*t, name);
+    ST_CHECK_ARG(t->stride(1) == 1 || seq == 1, name, "a unit stride in the last dimension", t->stride(1));
+  }
+  const int64_t B = std::max(spec.doc_q.size(0), spec.doc_kv.size(0));
+  auto ids_of = [&](const TensorView& t, int64_t b) {
+    return reinterpret_cast<const int32_t*>(t.byte_ptr(b * t.broadcast_stride(0)));
+  };
+  // One layout serves queries and keys: the same documents on both sides.
+  std::vector<std::vector<int64_t>> pos(static_cast<size_t>(B));
+  int64_t padded = kDocPadAlign;
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t *q = ids_of(spec.doc_q, b), *kv = ids_of(spec.doc_kv, b);
+    for (int64_t s = 0; s < seq; ++s)
+      ST_CHECK_ARG(q[s] == kv[s] && q[s] < INT32_MAX - 1, "spec.doc_kv",
+                   "the ids of doc_q (one layout for both sides), each below 2^31 - 2 (padding takes the next two)", "batch ", b, " position ", s,
+                   ": doc_q ", q[s], ", doc_kv ", kv[s]);
+    int64_t length = 0;
+    pos[size_t(b)] = doc_padded_positions(q, seq, min_length, &length);
+    padded = std::max(padded, length);
+  }
+  Allocator& a = alloc_or_default(options.allocator);
+  Tensor doc_q = new_tensor(DType::kInt32, {B, padded}, a), doc_kv = new_tensor(DType::kInt32, {B, padded}, a);
+  Tensor real_rows = new_tensor(DType::kInt32, {B, padded}, a);
+  for (int64_t b = 0; b < B; ++b) {
+    std::vector<int32_t> q_ids, kv_ids;
+    doc_padded_ids(ids_of(spec.doc_q, b), seq, pos[size_t(b)], padded, &q_ids, &kv_ids);
+    std::copy(q_ids.begin(), q_ids.end(), doc_q.view().data_as<int32_t>() + b * padded);
+    std::copy(kv_ids.begin(), kv_ids.end(), doc_kv.view().data_as<int32_t>() + b * padded);
+    int32_t* rows = real_rows.view().data_as<int32_t>() + b * padded;
+    std::fill_n(rows, padded, -1);
+    for (int64_t s = 0; s < seq; ++s) rows[pos[size_t(b)][size_t(s)]] = int32_t(s);
+  }
+  MaskSpec padded_spec = spec;
+  padded_spec.doc_q = doc_q.view();
+  padded_spec.doc_kv = doc_kv.view();
+  BlockMaskTensors t = build_block_mask(padded_spec, padded, padded, options);
+  t.doc_q = std::move(doc_q);
+  t.doc_kv = std::move(doc_kv);
+  t.real_rows = std::move(real_rows);
+  t.mask.real_rows = t.real_rows.view();
   return t;
 }
 

@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <memory>
@@ -89,7 +90,7 @@ struct DeviceMask {
     for (st::TensorView* v : {&mask.kv_num_blocks, &mask.kv_indices, &mask.full_kv_num_blocks, &mask.full_kv_indices,
                               &mask.q_num_blocks, &mask.q_indices, &mask.full_q_num_blocks, &mask.full_q_indices,
                               &mask.dq_write_order, &mask.dq_write_order_full, &mask.partial_bitmasks,
-                              &mask.spec.doc_q, &mask.spec.doc_kv})
+                              &mask.spec.doc_q, &mask.spec.doc_kv, &mask.real_rows})
       move(*v);
   }
 };
@@ -408,14 +409,11 @@ struct Grads {
 
 // The backward in both modes against the oracle (outputs poisoned first); the deterministic mode
 // bitwise equal over 20 runs and whatever the number of workers (every SM, 61, 7, 1); the atomic
-// mode within the same rounding bounds on every run.
-TEST_P(AttentionCuda, BackwardMatchesTheOracle) {
-  REQUIRE_HOPPER();
-  const Case c = GetParam();
-  REQUIRE_KERNEL(c);
-  Prepared su(c);
+// mode within the same rounding bounds on every run. `mask`: the case's mask, or it with a padded
+// backward mask attached (BlockMask::backward_padded).
+void expect_backward_matches(const Case& c, const Prepared& su, const st::BlockMask& mask) {
   const st::AttentionForward fwd =
-      st::block_sparse_attention_forward(su.q->dev_view, su.k->dev_view, su.v->dev_view, su.mask);
+      st::block_sparse_attention_forward(su.q->dev_view, su.k->dev_view, su.v->dev_view, mask);
   const AttentionOracle::Result ref = su.oracle(c).run();
   ASSERT_GT(ref.allowed_pairs, 0);
   auto backward = [&](bool deterministic, int sm_limit, st::Allocator* alloc) {
@@ -425,7 +423,7 @@ TEST_P(AttentionCuda, BackwardMatchesTheOracle) {
     st::AttentionCall call;
     call.allocator = alloc;
     return Grads(st::block_sparse_attention_backward(su.q->dev_view, su.k->dev_view, su.v->dev_view, fwd.o.view(),
-                                                     fwd.lse.view(), su.dout->dev_view, su.mask, options, call));
+                                                     fwd.lse.view(), su.dout->dev_view, mask, options, call));
   };
   for (const bool deterministic : {true, false}) {
     for (int run = 0; run < 2; ++run) {
@@ -446,6 +444,57 @@ TEST_P(AttentionCuda, BackwardMatchesTheOracle) {
   for (int run = 0; run < 20; ++run) EXPECT_TRUE(first.same_bytes(backward(true, 0, nullptr))) << "run " << run;
   for (const int workers : {61, 7, 1})
     EXPECT_TRUE(first.same_bytes(backward(true, workers, nullptr))) << workers << " SMs' worth of workers";
+}
+
+TEST_P(AttentionCuda, BackwardMatchesTheOracle) {
+  REQUIRE_HOPPER();
+  const Case c = GetParam();
+  REQUIRE_KERNEL(c);
+  Prepared su(c);
+  expect_backward_matches(c, su, su.mask);
+}
+
+// Documents as ranges (issue 15 item 4): the backward on the padded mask (documents of 128 tokens
+// or more on 128-token boundaries; host-built, copied over) against the same oracle, both modes,
+// D = 128 and 64, GQA, random and listed lengths (1 to 3000), blocks of 128 x 256.
+TEST(AttentionCudaPadded, BackwardMatchesTheOracle) {
+  REQUIRE_HOPPER();
+  using K = MaskKind;
+  std::vector<int64_t> lengths = {1, 2, 63, 64, 3000, 65, 127, 128, 129};
+  const std::vector<Case> padded_cases = {
+      {"doccausal_bf16_S1031_B2", DType::kBF16, 2, 1031, 1031, 2, 1, 128, 128, 128, K::kDocumentCausal},
+      {"document_fp16_S611_D64_blk128x256", DType::kFP16, 2, 611, 611, 2, 2, 64, 128, 256, K::kDocument},
+      documents_case("doccausal_bf16_lens1to3000_B2_S3700", DType::kBF16, 2, 3700, 3700, 2, 1, 128, K::kDocumentCausal,
+                     lengths),
+      documents_case("doccausal_bf16_lens_B2_S1700_h8_gqa", DType::kBF16, 2, 1700, 1700, 8, 2, 128, K::kDocumentCausal,
+                     {129, 1, 300, 64, 128, 65, 700}),
+      documents_case("doccausal_fp16_lens_B3_S1500_D64_bhsd", DType::kFP16, 3, 1500, 1500, 4, 2, 64,
+                     K::kDocumentCausal, {129, 1, 300, 64, 128, 65}, {}, false, true),
+  };
+  for (const Case& c : padded_cases) {
+    SCOPED_TRACE(c.name);
+    if (!st::backend::attention_cuda_has_kernel(c.dtype, c.D)) {
+      std::printf("[ SKIPPED  ] %s: %s D = %lld has no CUDA kernel in this build\n", c.name.c_str(),
+                  st::dtype_name(c.dtype), static_cast<long long>(c.D));
+      continue;
+    }
+    Prepared su(c);
+    st::MaskSpec spec;
+    spec.kind = c.kind;
+    spec.doc_q = spec.doc_kv = su.doc.view();
+    st::BlockMaskOptions opts;
+    opts.block_q = c.block_q;
+    opts.block_kv = c.block_kv;
+    const st::BlockMaskTensors padded = st::build_doc_padded_mask(spec, c.Sq, 128, opts);
+    const HostTensor rows = HostTensor::copy_of(padded.mask.real_rows);
+    bool moved = false;  // the layout differs from the tokens' (else the case tests nothing new)
+    for (int64_t p = 0; p < rows.numel() && !moved; ++p) moved = rows.get(p) >= 0 && rows.get(p) != double(p % padded.mask.seq_q);
+    ASSERT_TRUE(moved);
+    DeviceMask dpad(padded.mask);
+    st::BlockMask m = su.mask;
+    m.backward_padded = &dpad.mask;
+    expect_backward_matches(c, su, m);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Cuda, AttentionCuda, ::testing::ValuesIn(cases()),
