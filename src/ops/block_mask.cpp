@@ -414,6 +414,49 @@ BlockMaskTensors build_on_device(const MaskSpec& spec, int64_t B, int64_t seq_q,
 #endif
 }
 
+// The padded mask over its layout (ids and real_rows [B, padded], which it keeps): spec's kind
+// over the padded ids at the padded length, built where options say.
+BlockMaskTensors padded_mask_over(const MaskSpec& spec, Tensor doc_q, Tensor doc_kv, Tensor real_rows,
+                                  const BlockMaskOptions& options) {
+  const int64_t padded = doc_q.view().size(1);
+  MaskSpec padded_spec = spec;
+  padded_spec.doc_q = doc_q.view();
+  padded_spec.doc_kv = doc_kv.view();
+  BlockMaskTensors t = build_block_mask(padded_spec, padded, padded, options);
+  t.doc_q = std::move(doc_q);
+  t.doc_kv = std::move(doc_kv);
+  t.real_rows = std::move(real_rows);
+  t.mask.real_rows = t.real_rows.view();
+  return t;
+}
+
+// build_doc_padded_mask on a CUDA device: the layout at the length bound (known on the host, so
+// nothing waits for the device), built by doc_padded_layout_cuda, then the padded mask's lists
+// by build_on_device; all on options.stream. The ids are not read on the host: doc_kv must be
+// doc_q itself (one layout for both sides).
+BlockMaskTensors build_doc_padded_on_device(const MaskSpec& spec, int64_t B, int64_t seq, int64_t min_length,
+                                            const BlockMaskOptions& o) {
+#if SPARSETRAIN_WITH_CUDA
+  const TensorView &q = spec.doc_q, &kv = spec.doc_kv;
+  ST_CHECK_ARG(q.data() == kv.data() && q.size(0) == kv.size(0) && q.stride(0) == kv.stride(0), "spec.doc_kv",
+               "doc_q itself on a device (one layout for both sides; device ids are not compared)",
+               "another tensor (", kv.shape_str(), " at ", kv.data(), " against doc_q's ", q.shape_str(), " at ",
+               q.data(), ")");
+  checks::device_runs(o.device, checks::Kernels::kGeneric, "BlockMaskOptions device");
+  const int64_t padded = doc_padded_length_bound(seq, min_length);
+  Allocator& a = alloc_or_default(o.allocator);
+  auto dev = [&] { return Tensor::empty(DType::kInt32, {B, padded}, o.device, a, o.stream); };
+  Tensor doc_q = dev(), doc_kv = dev(), real_rows = dev();
+  doc_padded_layout_cuda(q.data_as<const int32_t>(), q.broadcast_stride(0), B, seq, min_length, padded,
+                         doc_q.view().data_as<int32_t>(), doc_kv.view().data_as<int32_t>(),
+                         real_rows.view().data_as<int32_t>(), o.device.index, o.stream);
+  return padded_mask_over(spec, std::move(doc_q), std::move(doc_kv), std::move(real_rows), o);
+#else
+  (void)spec, (void)B, (void)seq, (void)min_length;
+  detail::throw_arg_error("BlockMaskOptions device", "cpu (this build has no CUDA backend)", o.device.str());
+#endif
+}
+
 }  // namespace
 
 BlockMaskTensors build_block_mask(const MaskSpec& spec, int64_t seq_q, int64_t seq_kv,
@@ -464,17 +507,17 @@ BlockMaskTensors build_doc_padded_mask(const MaskSpec& spec, int64_t seq, int64_
                "document or document_causal", spec.str());
   ST_CHECK_ARG(seq >= 1, "seq", ">= 1", seq);
   ST_CHECK_ARG(min_length >= kDocPadAlign, "min_length", ">= " + std::to_string(kDocPadAlign), min_length);
-  ST_CHECK_ARG(options.device.is_cpu(), "BlockMaskOptions device", "cpu (the padded mask is built on the host)",
-               options.device.str());
   for (const auto& [t, name] : {std::make_pair(&spec.doc_q, "spec.doc_q"), std::make_pair(&spec.doc_kv, "spec.doc_kv")}) {
     checks::defined(*t, name, "int32 document ids [B or 1, seq]");
     checks::dtype(*t, name, DType::kInt32);
-    checks::device(*t, name, Device::cpu());
+    checks::device(*t, name, options.device);
     checks::shape(*t, name, {-1, seq}, "[B or 1, " + std::to_string(seq) + "]");
     checks::non_null(*t, name);
     ST_CHECK_ARG(t->stride(1) == 1 || seq == 1, name, "a unit stride in the last dimension", t->stride(1));
   }
   const int64_t B = std::max(spec.doc_q.size(0), spec.doc_kv.size(0));
+  if (options.device.is_cuda()) return build_doc_padded_on_device(spec, B, seq, min_length, options);
+  ST_CHECK_ARG(options.device.is_cpu(), "BlockMaskOptions device", "cpu or cuda", options.device.str());
   auto ids_of = [&](const TensorView& t, int64_t b) {
     return reinterpret_cast<const int32_t*>(t.byte_ptr(b * t.broadcast_stride(0)));
   };
@@ -503,15 +546,7 @@ BlockMaskTensors build_doc_padded_mask(const MaskSpec& spec, int64_t seq, int64_
     std::fill_n(rows, padded, -1);
     for (int64_t s = 0; s < seq; ++s) rows[pos[size_t(b)][size_t(s)]] = int32_t(s);
   }
-  MaskSpec padded_spec = spec;
-  padded_spec.doc_q = doc_q.view();
-  padded_spec.doc_kv = doc_kv.view();
-  BlockMaskTensors t = build_block_mask(padded_spec, padded, padded, options);
-  t.doc_q = std::move(doc_q);
-  t.doc_kv = std::move(doc_kv);
-  t.real_rows = std::move(real_rows);
-  t.mask.real_rows = t.real_rows.view();
-  return t;
+  return padded_mask_over(spec, std::move(doc_q), std::move(doc_kv), std::move(real_rows), options);
 }
 
 BlockMaskTensors build_block_mask_from_blocks(const TensorView& blocks, int64_t seq_q, int64_t seq_kv,

@@ -456,7 +456,8 @@ TEST_P(AttentionCuda, BackwardMatchesTheOracle) {
 
 // Documents as ranges (issue 15 item 4): the backward on the padded mask (documents of 128 tokens
 // or more on 128-token boundaries; host-built, copied over) against the same oracle, both modes,
-// D = 128 and 64, GQA, random and listed lengths (1 to 3000), blocks of 128 x 256.
+// D = 128 and 64, GQA, random and listed lengths (1 to 3000), blocks of 128 x 256; the first case
+// also with its padded mask built on the device.
 TEST(AttentionCudaPadded, BackwardMatchesTheOracle) {
   REQUIRE_HOPPER();
   using K = MaskKind;
@@ -494,6 +495,15 @@ TEST(AttentionCudaPadded, BackwardMatchesTheOracle) {
     st::BlockMask m = su.mask;
     m.backward_padded = &dpad.mask;
     expect_backward_matches(c, su, m);
+    if (&c == &padded_cases.front()) {  // the padded mask built on the device (at the length bound)
+      const DeviceTensor dids(su.doc);
+      st::MaskSpec dspec = spec;
+      dspec.doc_q = dspec.doc_kv = dids.view();
+      opts.device = st::Device::cuda(0);
+      const st::BlockMaskTensors built = st::build_doc_padded_mask(dspec, c.Sq, 128, opts);
+      m.backward_padded = &built.mask;
+      expect_backward_matches(c, su, m);
+    }
   }
 }
 

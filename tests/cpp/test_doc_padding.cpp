@@ -157,6 +157,39 @@ TEST(DocPadding, TheLayoutAsAScanOfDocumentSteps) {
       }
 }
 
+// The per-token form (the device build's): each token's step from whether it starts or ends a long
+// document, combined in random tree orders, places every token where doc_padded_positions does.
+TEST(DocPadding, TheLayoutAsAScanOfTokenSteps) {
+  std::mt19937_64 rng(28);
+  for (const int64_t seq : {1, 300, 3000})
+    for (const int64_t max_length : {1, 200, 2000})
+      for (const int64_t min_length : {1, 128, 129, 1024}) {
+        SCOPED_TRACE("seq " + std::to_string(seq) + " lengths 1.." + std::to_string(max_length) + " min " +
+                     std::to_string(min_length));
+        const std::vector<int32_t> ids = documents(seq, max_length, uint64_t(seq * 3 + max_length + min_length));
+        int64_t length = 0;
+        const std::vector<int64_t> pos = st::doc_padded_positions(ids.data(), seq, min_length, &length);
+        std::vector<st::DocPadStep> steps(static_cast<size_t>(seq));
+        std::vector<bool> starts_long(static_cast<size_t>(seq));
+        for (int64_t s = 0; s < seq;) {
+          int64_t e = s;
+          while (e < seq && ids[size_t(e)] == ids[size_t(s)]) ++e;
+          for (int64_t t = s; t < e; ++t) {
+            starts_long[size_t(t)] = t == s && e - s >= min_length;
+            steps[size_t(t)] = st::doc_pad_token_step(starts_long[size_t(t)], t == e - 1 && e - s >= min_length);
+          }
+          s = e;
+        }
+        // Every token for the short sequences, a sample of 200 for the long one (each a fresh tree).
+        for (int64_t i = 0; i < std::min<int64_t>(seq, 200); ++i) {
+          const int64_t t = seq <= 200 ? i : int64_t(rng() % uint64_t(seq));
+          const int64_t x = st::doc_pad_apply(combine(steps, 0, size_t(t), rng), 0);
+          ASSERT_EQ(st::doc_pad_token_position(x, starts_long[size_t(t)]), pos[size_t(t)]) << "token " << t;
+        }
+        EXPECT_EQ(st::doc_pad_align(st::doc_pad_apply(combine(steps, 0, steps.size(), rng), 0)), length);
+      }
+}
+
 // Each tile of the padded layout is real rows from its start, then padding: for 64- and 128-row
 // tiles over random document mixes, row r < rows of a tile is the real row start + r and every
 // later row is padding, checked against the inverse of the position map; the rows add up to seq.
