@@ -1,6 +1,6 @@
 // Documents as ranges in the backward (issue 15 item 4), measured: the attention backward on a
 // document-causal mask alone against the same mask with its padded form attached
-// (BlockMask::backward_padded: documents of >= 128 tokens on 128-token boundaries), deterministic
+// (BlockMask::backward_padded: documents of >= 128 or >= 1024 tokens on 128-token boundaries), deterministic
 // and not, on bench_attention.py's two long packed-document cases (this bench's own lengths:
 // uniform in [1, 3000] and [1, 8192], seed 0). Back to back (20 calls between two CUDA events),
 // plain and padded alternating over 7 rounds, medians; plus the bitwise repeatability of each
@@ -85,7 +85,7 @@ float bf16(uint16_t x) {
   return f;
 }
 
-void run_case(const char* name, int64_t B, int64_t S, int64_t Hq, int64_t Hkv, int64_t hi) {
+void run_case(const char* name, int64_t B, int64_t S, int64_t Hq, int64_t Hkv, int64_t hi, int64_t min_length) {
   const int64_t D = 128;
   std::mt19937_64 rng(0);
   std::vector<int32_t> ids(size_t(B * S));
@@ -98,7 +98,7 @@ void run_case(const char* name, int64_t B, int64_t S, int64_t Hq, int64_t Hkv, i
   st::BlockMaskOptions opts;
   opts.problem = {B, Hq, Hkv, 0};
   const st::BlockMaskTensors host = st::build_block_mask(spec, S, S, opts);
-  const st::BlockMaskTensors host_padded = st::build_doc_padded_mask(spec, S, 128, opts);
+  const st::BlockMaskTensors host_padded = st::build_doc_padded_mask(spec, S, min_length, opts);
   DeviceMaskCopy plain(host.mask), padded(host_padded.mask);
   st::BlockMask with = plain.mask;
   with.backward_padded = &padded.mask;
@@ -133,9 +133,10 @@ void run_case(const char* name, int64_t B, int64_t S, int64_t Hq, int64_t Hkv, i
     }
     std::sort(a.begin(), a.end());
     std::sort(b.begin(), b.end());
-    std::printf("%s B=%lld S=%lld Hq=%lld Hkv=%lld P=%lld %s: plain %.3f ms, padded %.3f ms, padded / plain %.3f\n",
-                name, (long long)B, (long long)S, (long long)Hq, (long long)Hkv, (long long)padded.mask.seq_q,
-                det ? "det" : "nondet", a[3], b[3], b[3] / a[3]);
+    std::printf("%s B=%lld S=%lld Hq=%lld Hkv=%lld min_length=%lld P=%lld %s: plain %.3f ms, padded %.3f ms, "
+                "padded / plain %.3f\n",
+                name, (long long)B, (long long)S, (long long)Hq, (long long)Hkv, (long long)min_length,
+                (long long)padded.mask.seq_q, det ? "det" : "nondet", a[3], b[3], b[3] / a[3]);
   }
   // Repeatability and agreement (dq, dk, dv of the deterministic backwards).
   const st::AttentionGrads g1 = backward(with, true), g2 = backward(with, true), g0 = backward(plain.mask, true);
@@ -165,8 +166,10 @@ int main() {
       return 0;
     }
     std::printf("%s\n", st::best_backend_description().c_str());
-    run_case("document_causal_1to3000", 2, 16384, 16, 16, 3000);
-    run_case("document_causal_128k_gqa4", 1, 131072, 8, 2, 8192);
+    for (const int64_t min_length : {128, 1024}) {
+      run_case("document_causal_1to3000", 2, 16384, 16, 16, 3000, min_length);
+      run_case("document_causal_128k_gqa4", 1, 131072, 8, 2, 8192, min_length);
+    }
   } catch (const st::Error& e) {
     std::fprintf(stderr, "bench_bwd_doc_padded: %s\n", e.what());
     return 1;
