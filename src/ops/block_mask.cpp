@@ -414,6 +414,24 @@ BlockMaskTensors build_on_device(const MaskSpec& spec, int64_t B, int64_t seq_q,
 #endif
 }
 
+// A document spec's ids: int32 [B or 1, S] on `device` with a unit last stride, the two batches
+// broadcastable; returns the batch.
+int64_t checked_doc_batch(const MaskSpec& spec, int64_t seq_q, int64_t seq_kv, Device device) {
+  for (const auto& [t, name, len] : {std::make_tuple(&spec.doc_q, "spec.doc_q", seq_q),
+                                     std::make_tuple(&spec.doc_kv, "spec.doc_kv", seq_kv)}) {
+    checks::defined(*t, name, "int32 document ids [B or 1, S]");
+    checks::dtype(*t, name, DType::kInt32);
+    checks::device(*t, name, device);
+    checks::shape(*t, name, {-1, len}, "[B or 1, " + std::to_string(len) + "]");
+    checks::non_null(*t, name);
+    ST_CHECK_ARG(t->stride(1) == 1 || len == 1, name, "a unit stride in the last dimension", t->stride(1));
+  }
+  const int64_t bq = spec.doc_q.size(0), bk = spec.doc_kv.size(0);
+  ST_CHECK_ARG(bq == bk || bq == 1 || bk == 1, "spec.doc_kv", "a batch broadcastable with doc_q's " + std::to_string(bq),
+               bk);
+  return std::max(bq, bk);
+}
+
 // The padded mask over its layout (ids and real_rows [B, padded], which it keeps): spec's kind
 // over the padded ids at the padded length, built where options say.
 BlockMaskTensors padded_mask_over(const MaskSpec& spec, Tensor doc_q, Tensor doc_kv, Tensor real_rows,
@@ -464,23 +482,8 @@ BlockMaskTensors build_block_mask(const MaskSpec& spec, int64_t seq_q, int64_t s
   check_options(options, seq_q, seq_kv);
   ST_CHECK_ARG(spec.kind != MaskKind::kBitmask, "spec.kind", "a built-in mask kind (build_block_mask_from_function "
                "makes bitmasks)", spec.str());
-  int64_t B = 1;
   const bool doc = spec.kind == MaskKind::kDocument || spec.kind == MaskKind::kDocumentCausal;
-  if (doc) {
-    for (const auto& [t, name, len] : {std::make_tuple(&spec.doc_q, "spec.doc_q", seq_q),
-                                       std::make_tuple(&spec.doc_kv, "spec.doc_kv", seq_kv)}) {
-      checks::defined(*t, name, "int32 document ids [B or 1, S]");
-      checks::dtype(*t, name, DType::kInt32);
-      checks::device(*t, name, options.device);
-      checks::shape(*t, name, {-1, len}, "[B or 1, " + std::to_string(len) + "]");
-      checks::non_null(*t, name);
-      ST_CHECK_ARG(t->stride(1) == 1 || len == 1, name, "a unit stride in the last dimension", t->stride(1));
-    }
-    const int64_t bq = spec.doc_q.size(0), bk = spec.doc_kv.size(0);
-    ST_CHECK_ARG(bq == bk || bq == 1 || bk == 1, "spec.doc_kv", "a batch broadcastable with doc_q's " + std::to_string(bq),
-                 bk);
-    B = std::max(bq, bk);
-  }
+  const int64_t B = doc ? checked_doc_batch(spec, seq_q, seq_kv, options.device) : 1;
   if (options.device.is_cuda()) return build_on_device(spec, B, seq_q, seq_kv, options);
   ST_CHECK_ARG(options.device.is_cpu(), "BlockMaskOptions device", "cpu or cuda", options.device.str());
   BlockMaskTensors t = new_forward(B, 1, seq_q, seq_kv, options);
@@ -507,15 +510,7 @@ BlockMaskTensors build_doc_padded_mask(const MaskSpec& spec, int64_t seq, int64_
                "document or document_causal", spec.str());
   ST_CHECK_ARG(seq >= 1, "seq", ">= 1", seq);
   ST_CHECK_ARG(min_length >= kDocPadAlign, "min_length", ">= " + std::to_string(kDocPadAlign), min_length);
-  for (const auto& [t, name] : {std::make_pair(&spec.doc_q, "spec.doc_q"), std::make_pair(&spec.doc_kv, "spec.doc_kv")}) {
-    checks::defined(*t, name, "int32 document ids [B or 1, seq]");
-    checks::dtype(*t, name, DType::kInt32);
-    checks::device(*t, name, options.device);
-    checks::shape(*t, name, {-1, seq}, "[B or 1, " + std::to_string(seq) + "]");
-    checks::non_null(*t, name);
-    ST_CHECK_ARG(t->stride(1) == 1 || seq == 1, name, "a unit stride in the last dimension", t->stride(1));
-  }
-  const int64_t B = std::max(spec.doc_q.size(0), spec.doc_kv.size(0));
+  const int64_t B = checked_doc_batch(spec, seq, seq, options.device);
   if (options.device.is_cuda()) return build_doc_padded_on_device(spec, B, seq, min_length, options);
   ST_CHECK_ARG(options.device.is_cpu(), "BlockMaskOptions device", "cpu or cuda", options.device.str());
   auto ids_of = [&](const TensorView& t, int64_t b) {
