@@ -14,7 +14,6 @@
 
 #include <chrono>
 #include <cmath>
-#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <memory>
@@ -458,54 +457,56 @@ TEST_P(AttentionCuda, BackwardMatchesTheOracle) {
 // or more on 128-token boundaries; host-built, copied over) against the same oracle, both modes,
 // D = 128 and 64, GQA, random and listed lengths (1 to 3000), blocks of 128 x 256; the first case
 // also with its padded mask built on the device.
-TEST(AttentionCudaPadded, BackwardMatchesTheOracle) {
-  REQUIRE_HOPPER();
+std::vector<Case> padded_cases() {
   using K = MaskKind;
-  std::vector<int64_t> lengths = {1, 2, 63, 64, 3000, 65, 127, 128, 129};
-  const std::vector<Case> padded_cases = {
+  return {
       {"doccausal_bf16_S1031_B2", DType::kBF16, 2, 1031, 1031, 2, 1, 128, 128, 128, K::kDocumentCausal},
       {"document_fp16_S611_D64_blk128x256", DType::kFP16, 2, 611, 611, 2, 2, 64, 128, 256, K::kDocument},
       documents_case("doccausal_bf16_lens1to3000_B2_S3700", DType::kBF16, 2, 3700, 3700, 2, 1, 128, K::kDocumentCausal,
-                     lengths),
+                     {1, 2, 63, 64, 3000, 65, 127, 128, 129}),
       documents_case("doccausal_bf16_lens_B2_S1700_h8_gqa", DType::kBF16, 2, 1700, 1700, 8, 2, 128, K::kDocumentCausal,
                      {129, 1, 300, 64, 128, 65, 700}),
       documents_case("doccausal_fp16_lens_B3_S1500_D64_bhsd", DType::kFP16, 3, 1500, 1500, 4, 2, 64,
                      K::kDocumentCausal, {129, 1, 300, 64, 128, 65}, {}, false, true),
   };
-  for (const Case& c : padded_cases) {
-    SCOPED_TRACE(c.name);
-    if (!st::backend::attention_cuda_has_kernel(c.dtype, c.D)) {
-      std::printf("[ SKIPPED  ] %s: %s D = %lld has no CUDA kernel in this build\n", c.name.c_str(),
-                  st::dtype_name(c.dtype), static_cast<long long>(c.D));
-      continue;
-    }
-    Prepared su(c);
-    st::MaskSpec spec;
-    spec.kind = c.kind;
-    spec.doc_q = spec.doc_kv = su.doc.view();
-    st::BlockMaskOptions opts;
-    opts.block_q = c.block_q;
-    opts.block_kv = c.block_kv;
-    const st::BlockMaskTensors padded = st::build_doc_padded_mask(spec, c.Sq, 128, opts);
-    const HostTensor rows = HostTensor::copy_of(padded.mask.real_rows);
-    bool moved = false;  // the layout differs from the tokens' (else the case tests nothing new)
-    for (int64_t p = 0; p < rows.numel() && !moved; ++p) moved = rows.get(p) >= 0 && rows.get(p) != double(p % padded.mask.seq_q);
-    ASSERT_TRUE(moved);
-    DeviceMask dpad(padded.mask);
-    st::BlockMask m = su.mask;
-    m.backward_padded = &dpad.mask;
+}
+
+class AttentionCudaPadded : public ::testing::TestWithParam<Case> {};
+
+TEST_P(AttentionCudaPadded, BackwardMatchesTheOracle) {
+  REQUIRE_HOPPER();
+  const Case c = GetParam();
+  REQUIRE_KERNEL(c);
+  Prepared su(c);
+  st::MaskSpec spec;
+  spec.kind = c.kind;
+  spec.doc_q = spec.doc_kv = su.doc.view();
+  st::BlockMaskOptions opts;
+  opts.block_q = c.block_q;
+  opts.block_kv = c.block_kv;
+  const st::BlockMaskTensors padded = st::build_doc_padded_mask(spec, c.Sq, 128, opts);
+  const HostTensor rows = HostTensor::copy_of(padded.mask.real_rows);
+  bool moved = false;  // the layout differs from the tokens' (else the case tests nothing new)
+  for (int64_t p = 0; p < rows.numel() && !moved; ++p)
+    moved = rows.get(p) >= 0 && rows.get(p) != double(p % padded.mask.seq_q);
+  ASSERT_TRUE(moved);
+  DeviceMask dpad(padded.mask);
+  st::BlockMask m = su.mask;
+  m.backward_padded = &dpad.mask;
+  expect_backward_matches(c, su, m);
+  if (c.name == padded_cases().front().name) {  // the padded mask built on the device (at the length bound)
+    const DeviceTensor dids(su.doc);
+    st::MaskSpec dspec = spec;
+    dspec.doc_q = dspec.doc_kv = dids.view();
+    opts.device = st::Device::cuda(0);
+    const st::BlockMaskTensors built = st::build_doc_padded_mask(dspec, c.Sq, 128, opts);
+    m.backward_padded = &built.mask;
     expect_backward_matches(c, su, m);
-    if (&c == &padded_cases.front()) {  // the padded mask built on the device (at the length bound)
-      const DeviceTensor dids(su.doc);
-      st::MaskSpec dspec = spec;
-      dspec.doc_q = dspec.doc_kv = dids.view();
-      opts.device = st::Device::cuda(0);
-      const st::BlockMaskTensors built = st::build_doc_padded_mask(dspec, c.Sq, 128, opts);
-      m.backward_padded = &built.mask;
-      expect_backward_matches(c, su, m);
-    }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Padded, AttentionCudaPadded, ::testing::ValuesIn(padded_cases()),
+                         [](const ::testing::TestParamInfo<Case>& p) { return p.param.name; });
 
 INSTANTIATE_TEST_SUITE_P(Cuda, AttentionCuda, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case>& p) { return p.param.name; });
