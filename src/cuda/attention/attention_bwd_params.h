@@ -73,10 +73,16 @@ struct BwdArgs {
   int64_t spin_limit_ns;    // a dQ wait longer than this reports and gives up (no hang)
 };
 
-// The token at mask position `pos` of batch b (pos below mask_seq_q): the identity without padding;
-// -1 for a padding position.
+// The token at mask position `pos` of batch b: -1 for a padding position or one at or past
+// mask_seq; the identity without padding (real_rows null). The one rule for the kernel, the
+// preprocessing and the dQ conversion.
+ST_HOST_DEVICE inline int32_t bwd_token_at(const int32_t* real_rows, int32_t real_rows_stride_b, int32_t mask_seq,
+                                           int32_t b, int32_t pos) {
+  if (pos >= mask_seq) return -1;
+  return real_rows == nullptr ? pos : real_rows[b * real_rows_stride_b + pos];
+}
 ST_HOST_DEVICE inline int32_t bwd_real_row(const BwdArgs& a, int32_t b, int32_t pos) {
-  return a.real_rows == nullptr ? pos : a.real_rows[b * a.real_rows_stride_b + pos];
+  return bwd_token_at(a.real_rows, a.real_rows_stride_b, a.mask_seq_q, b, pos);
 }
 
 // The main kernel, then dq [B, Sq, Hq, D] (contiguous, the input dtype) from the accumulator.

@@ -41,8 +41,8 @@ struct BwdSectionsOnDevice {
 
 // Per padded row (b, h, q): delta = rowsum(dout * o), lse * log2(e) (+inf where the row has no
 // allowed key or holds no token: past Sq, or a padding position of a padded document mask, whose
-// rows are mask positions and real_rows their tokens (BwdArgs::real_rows); P = 0 there), and the row of the dQ accumulator zeroed unless
-// dq_accum is null (the deterministic mode: zeroing was half of this kernel's traffic). Tiles of
+// rows are mask positions with tokens from real_rows, bwd_token_at; P = 0 there), and the row of
+// the dQ accumulator zeroed unless dq_accum is null (the deterministic mode: zeroing was half of this kernel's traffic). Tiles of
 // heads x q rows (BwdPreprocessTiling) read o as the forward wrote it ([B, S, H, D]: the heads of
 // a q row side by side) and dout (from torch, usually [B, H, S, D]: the rows of a head) in runs
 // of several rows, at ~75 % of an H100's memory bandwidth (the per-row form before it was bound by
@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(Tiling::kThreads, 5)
     const bool head_ok = h < heads_q;
     // The token of mask row q (-1: none): the identity but for padded document masks.
     auto token = [&](int32_t q) -> int32_t {
-      const int32_t t = q >= mask_seq_q ? -1 : real_rows == nullptr ? q : real_rows[b * real_rows_stride_b + q];
+      const int32_t t = bwd_token_at(real_rows, real_rows_stride_b, mask_seq_q, b, q);
       return t < seq_q ? t : -1;
     };
     const E* orow = o + b * o_sb + h * o_sh;
