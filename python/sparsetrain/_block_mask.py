@@ -284,6 +284,9 @@ class BlockMask:
         seq_kv = seq_q if seq_kv is None else seq_kv
         if kind not in MASK_KINDS:
             raise ValueError(f"kind: expected one of {', '.join(MASK_KINDS)}, got {kind!r}")
+        if doc_padding and (kind not in _DOC_KINDS or seq_q != seq_kv):
+            raise ValueError(f"doc_padding: expected 0 for kind {kind!r} with seq_q {seq_q}, seq_kv {seq_kv} (a "
+                             f"document kind with seq_q == seq_kv takes it), got {doc_padding}")
         _max_seqlen_arg(max_seqlen_q, "max_seqlen_q")
         _max_seqlen_arg(max_seqlen_k, "max_seqlen_k")
         if cu_seqlens_q is None and cu_seqlens_k is not None:
@@ -327,9 +330,6 @@ class BlockMask:
                                     fw.allocate, "cuda", dev.index, stream, walk=walk)
         mask = cls._from_core(d, fw, spec)
         if doc_padding:
-            if kind not in _DOC_KINDS:
-                raise ValueError(f"doc_padding: expected 0 for kind {kind!r} (only document kinds take it), "
-                                 f"got {doc_padding}")
             mask.backward_padded = mask._padded_form(int(doc_padding), dev)
         return mask
 
@@ -338,9 +338,6 @@ class BlockMask:
         if self.schedule == "permutation":
             raise ValueError("doc_padding: expected the left_to_right or shortest_first schedule (a permutation "
                              "names the unpadded mask's columns), got a permutation")
-        if self.seq_q != self.seq_kv:
-            raise ValueError(f"doc_padding: expected seq_q == seq_kv (one layout for both sides), got "
-                             f"{self.seq_q} and {self.seq_kv}")
         args = (self.spec._core(), self.seq_q, min_length, self.block_q, self.block_kv, self.schedule,
                 self._fw.allocate)
         if dev is None:
