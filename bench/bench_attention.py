@@ -824,6 +824,9 @@ def self_check(names, seq):
         c, g, doc_cpu, _, mask_mod, pairs = case_masks(name, seq, "cpu")
         choice = {}
         mask = build_our_mask(c.kind, g.S, g, None, doc_cpu, g.B, c.Hq, c.Hkv, "auto", None, choice)
+        if DOC_PADDING and c.kind == "document_causal":  # --doc-padding: the padded form, every token placed
+            placed = mask.backward_padded.real_rows
+            assert int((placed >= 0).sum()) == g.B * g.S and mask.backward_padded.walk == mask.walk, name
         chosen = [x for x in choice["schedule_candidates"]
                   if (x["schedule"], x["walk"]) == (choice["ours_schedule"], choice["ours_walk"])]
         # auto's rule (block_mask.h choose_schedule): left to right, the descending walk (measured),
