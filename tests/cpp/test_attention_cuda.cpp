@@ -137,6 +137,8 @@ struct Case {
   // Document kinds: the last positions of both sides in no document (query and key padding with
   // ids that match nothing): whole q tiles without a key, which the forward's scheduler sorts last.
   int64_t padded_tail = 0;
+  // Document kinds with lengths: one row of ids ([1, S]) broadcast over the batch.
+  bool broadcast_docs = false;
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
@@ -284,8 +286,9 @@ struct Prepared {
       doc = document_ids(c.B, std::max(c.Sq, c.Skv), rng);
       doc_kv = doc;
     } else {
-      doc = document_ids(c.B, c.Sq, c.doc_q_lengths, c.padded_tail, -1);
-      doc_kv = document_ids(c.B, c.Skv, c.doc_kv_lengths.empty() ? c.doc_q_lengths : c.doc_kv_lengths,
+      const int64_t rows = c.broadcast_docs ? 1 : c.B;
+      doc = document_ids(rows, c.Sq, c.doc_q_lengths, c.padded_tail, -1);
+      doc_kv = document_ids(rows, c.Skv, c.doc_kv_lengths.empty() ? c.doc_q_lengths : c.doc_kv_lengths,
                             c.padded_tail, -2);
     }
     if (is_doc) spec.doc_q = doc.view(), spec.doc_kv = doc_kv.view();
@@ -455,11 +458,15 @@ TEST_P(AttentionCuda, BackwardMatchesTheOracle) {
 
 // Documents as ranges (issue 15 item 4): the backward on the padded mask (documents of 128 tokens
 // or more on 128-token boundaries; host-built, copied over) against the same oracle, both modes,
-// D = 128 and 64, GQA, random and listed lengths (1 to 3000), blocks of 128 x 256; the first case
-// also with its padded mask built on the device.
+// D = 128 and 64, GQA, random and listed lengths (1 to 3000), blocks of 128 x 256, ids broadcast
+// over the batch; the case named first in padded_cases() also with its padded mask built on the
+// device.
 std::vector<Case> padded_cases() {
   using K = MaskKind;
-  return {
+  Case broadcast = documents_case("doccausal_bf16_lens_B2_S900_broadcast_ids", DType::kBF16, 2, 900, 900, 2, 1, 128,
+                                  K::kDocumentCausal, {129, 1, 300, 64, 128, 65, 213});
+  broadcast.broadcast_docs = true;  // ids [1, S]: the padded form's lists and real_rows broadcast too
+  return {broadcast,
       {"doccausal_bf16_S1031_B2", DType::kBF16, 2, 1031, 1031, 2, 1, 128, 128, 128, K::kDocumentCausal},
       {"document_fp16_S611_D64_blk128x256", DType::kFP16, 2, 611, 611, 2, 2, 64, 128, 256, K::kDocument},
       documents_case("doccausal_bf16_lens1to3000_B2_S3700", DType::kBF16, 2, 3700, 3700, 2, 1, 128, K::kDocumentCausal,
