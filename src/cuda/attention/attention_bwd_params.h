@@ -81,8 +81,13 @@ ST_HOST_DEVICE inline int32_t bwd_token_at(const int32_t* real_rows, int32_t rea
   if (pos >= mask_seq) return -1;
   return real_rows == nullptr ? pos : real_rows[b * real_rows_stride_b + pos];
 }
+// A query position's token and a key position's: one layout when padded (mask_seq_q ==
+// mask_seq_kv), each bounded by its own length when not (seq_kv may exceed seq_q).
 ST_HOST_DEVICE inline int32_t bwd_real_row(const BwdArgs& a, int32_t b, int32_t pos) {
   return bwd_token_at(a.real_rows, a.real_rows_stride_b, a.mask_seq_q, b, pos);
+}
+ST_HOST_DEVICE inline int32_t bwd_real_key(const BwdArgs& a, int32_t b, int32_t pos) {
+  return bwd_token_at(a.real_rows, a.real_rows_stride_b, a.mask_seq_kv, b, pos);
 }
 
 // The main kernel, then dq [B, Sq, Hq, D] (contiguous, the input dtype) from the accumulator.

@@ -54,7 +54,7 @@ __device__ __forceinline__ void bwd_store_dkdv(const typename T::Params& p, int 
 }
 
 // All consumer threads: the staged rows of a padded document's kv tile that hold tokens
-// (bwd_real_row, the tile at mask position kv0), 16 bytes a thread at a time; the caller meets
+// (bwd_real_key, the tile at mask position kv0), 16 bytes a thread at a time; the caller meets
 // the consumers after, before the loader may refill K and V.
 template <class T, class TsK, class TsV>
 __device__ __forceinline__ void bwd_store_dkdv_rows(const BwdArgs& a, int b, int hkv, int kv0, int tid, TsK const& sK,
@@ -65,7 +65,7 @@ __device__ __forceinline__ void bwd_store_dkdv_rows(const BwdArgs& a, int b, int
   const int64_t row_elems = int64_t(a.heads_kv) * T::kHeadDim;
   for (int c = tid; c < T::kBlockN * kChunks; c += T::kMmaThreads) {
     const int row = c / kChunks, col = c % kChunks * kPer;
-    const int32_t r = bwd_real_row(a, b, kv0 + row);
+    const int32_t r = bwd_real_key(a, b, kv0 + row);
     if (r < 0 || r >= a.seq_kv) continue;
     const int64_t at = (int64_t(b) * a.seq_kv + r) * row_elems + int64_t(hkv) * T::kHeadDim + col;
     // A 16-byte piece of a row stays whole under the tiles' swizzles (they permute 16-byte units).

@@ -107,7 +107,7 @@ __device__ void bwd_load(const typename T::Params& p, typename T::SharedStorage&
     // The boxes start at the tile's first token (padded documents: its first real row; a tile of
     // padding only has no visits and loads from row 0). Rows past the tile's real ones are other
     // tokens, which the padded ids mask.
-    const int32_t kv_start = max(bwd_real_row(a, b, kv_tile * T::kBlockN), 0);
+    const int32_t kv_start = max(bwd_real_key(a, b, kv_tile * T::kBlockN), 0);
     Tensor gK = local_tile(domain_offset(make_coord(kv_start, 0), mK(_, _, hkv, b)), KVTile{}, make_coord(0, 0));
     Tensor gV = local_tile(domain_offset(make_coord(kv_start, 0), mV(_, _, hkv, b)), KVTile{}, make_coord(0, 0));
     auto [tKgK, tKsK] = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
@@ -296,8 +296,9 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
     cutlass::arch::NamedBarrier::sync(T::kMmaThreads, 1);
     // Padded documents: a kv tile's real keys come first. All real: one TMA store at the first;
     // some: row by row (a box would overwrite the next document's rows); none: nothing.
-    const int32_t first = bwd_real_row(a, b, kv0), last = bwd_real_row(a, b, kv0 + N - 1);
-    if (last >= 0) {
+    // (Unpadded, the box of the sequence's last tile is clipped at seq_kv by the TMA unit.)
+    const int32_t first = bwd_real_key(a, b, kv0), last = bwd_real_key(a, b, kv0 + N - 1);
+    if (last >= 0 || a.real_rows == nullptr) {
       if (tid == 0) {
         bwd_store_dkdv<T>(p, b, hkv, first, sK, sV);
         cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty);
