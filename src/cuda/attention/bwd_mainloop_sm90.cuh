@@ -294,11 +294,11 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
     bwd_stage_dkdv<T>(a.scale, tid, tdKrdK, tdVrdV, sK, sV);
     cutlass::arch::fence_view_async_shared();  // the matrix stores, visible to the TMA unit
     cutlass::arch::NamedBarrier::sync(T::kMmaThreads, 1);
-    // Padded documents: a kv tile's real keys come first. All real: one TMA store at the first;
-    // some: row by row (a box would overwrite the next document's rows); none: nothing.
-    // (Unpadded, the box of the sequence's last tile is clipped at seq_kv by the TMA unit.)
+    // A kv tile's real keys come first. All real: one TMA store at the first; some: padded, row by
+    // row (a box would overwrite the next document's rows), unpadded, the box (the TMA unit clips
+    // it at seq_kv); none (padding, or a sub-tile past seq_kv): nothing.
     const int32_t first = bwd_real_key(a, b, kv0), last = bwd_real_key(a, b, kv0 + N - 1);
-    if (last >= 0 || a.real_rows == nullptr) {
+    if (last >= 0 || (a.real_rows == nullptr && first >= 0)) {
       if (tid == 0) {
         bwd_store_dkdv<T>(p, b, hkv, first, sK, sV);
         cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty);
