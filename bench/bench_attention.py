@@ -175,11 +175,16 @@ def mask_mod_for(kind, g, doc):
     raise ValueError(kind)
 
 
+# --doc-padding: document masks also carry their padded backward form (BlockMask.build's
+# doc_padding; issue 15 item 4), 0: none.
+DOC_PADDING = 0
+
+
 def our_mask_args(kind, g, doc):
     if kind == "sliding_window":
         return {"window_left": g.window, "window_right": 0}
     if kind == "document_causal":
-        return {"document_ids": doc}
+        return {"document_ids": doc, **({"doc_padding": DOC_PADDING} if DOC_PADDING else {})}
     return {}
 
 
@@ -819,6 +824,9 @@ def self_check(names, seq):
         c, g, doc_cpu, _, mask_mod, pairs = case_masks(name, seq, "cpu")
         choice = {}
         mask = build_our_mask(c.kind, g.S, g, None, doc_cpu, g.B, c.Hq, c.Hkv, "auto", None, choice)
+        if DOC_PADDING and c.kind == "document_causal":  # --doc-padding: the padded form, every token placed
+            placed = mask.backward_padded.real_rows
+            assert int((placed >= 0).sum()) == g.B * g.S and mask.backward_padded.walk == mask.walk, name
         chosen = [x for x in choice["schedule_candidates"]
                   if (x["schedule"], x["walk"]) == (choice["ours_schedule"], choice["ours_walk"])]
         # auto's rule (block_mask.h choose_schedule): left to right, the descending walk (measured),
@@ -889,10 +897,15 @@ def main():
     ap.add_argument("--walk", default=None, choices=("descending_heads_inner", "ascending_heads_outer",
                                                      "ascending_heads_inner"),
                     help="with an explicit --schedule: the backward's walk (default descending_heads_inner)")
+    ap.add_argument("--doc-padding", type=int, default=0, metavar="N",
+                    help="document masks with their padded backward form: documents of >= N tokens (>= 128) on "
+                         "128-token boundaries in the backward (default 0: none)")
     ap.add_argument("--self-check", action="store_true",
                     help="run the host-side parts on the CPU (no GPU): geometry, document ids, closed-form pair "
                          "counts against dense counts, our host mask builds, the tables; then exit")
     args = ap.parse_args()
+    global DOC_PADDING
+    DOC_PADDING = args.doc_padding
     names = selected(args.only)
     S = args.seq or (2048 if args.quick else SEQ)
     reps = args.reps or (10 if args.quick else 100)

@@ -87,6 +87,16 @@ struct BlockMask {
   // bit (i * block_kv + j) of a block = query row i, key column j of the block allowed (LSB first).
   MaskSpec spec;
   TensorView partial_bitmasks;
+  // Documents as ranges in the backward (optional; document masks on CUDA): the same mask over a
+  // padded layout of its tokens, where every document of at least a minimum length starts and
+  // ends on a 128-token boundary (build_doc_padded_mask; common/doc_padding.h), so that no kv or
+  // q tile of the backward straddles a long document's edge. The CUDA backward runs its lists,
+  // ids and scratch rows on that mask and loads and stores the tokens at their real rows; the
+  // forward and the CPU reference read this mask only. Non-owning; null: none.
+  const BlockMask* backward_padded = nullptr;
+  // In a padded mask only: int32 [B or 1, seq_q] (= seq_kv), the token at each padded position,
+  // -1 for padding; a position's tokens stay in order and a tile's real rows come first.
+  TensorView real_rows;
 
   int64_t num_q_blocks() const { return (seq_q + block_q - 1) / block_q; }
   int64_t num_kv_blocks() const { return (seq_kv + block_kv - 1) / block_kv; }
@@ -106,6 +116,7 @@ struct BlockMaskTensors {
   Tensor q_num_blocks, q_indices, full_q_num_blocks, full_q_indices;
   Tensor dq_write_order, dq_write_order_full, partial_bitmasks;
   std::vector<int32_t> schedule_permutation;
+  Tensor doc_q, doc_kv, real_rows;  // build_doc_padded_mask: the padded ids and real_rows
 };
 
 // Checks shapes, dtypes, broadcastable leading dims (against batch / heads when > 0), index
@@ -143,6 +154,16 @@ struct BlockMaskOptions {
 // ids may differ per batch row; everything else broadcasts with B = H = 1).
 BlockMaskTensors build_block_mask(const MaskSpec& spec, int64_t seq_q, int64_t seq_kv,
                                   const BlockMaskOptions& options = {});
+// The padded backward mask of a document mask (spec kDocument / kDocumentCausal, doc_q == doc_kv
+// on the host, seq_q == seq_kv == seq): every document of at least min_length tokens (>= 128)
+// starts and ends on a 128-token boundary, runs of shorter ones stay packed
+// (doc_padded_positions), padding positions get ids no token has, and the mask is built over the
+// padded ids at the longest row's padded length (a multiple of 128) with `options`, plus
+// real_rows. Attach it with `mask.backward_padded = &padded.mask` (kept alive as long as mask).
+// Host memory; a device build (without a synchronisation: the length bound of
+// doc_padded_length_bound) is not written yet.
+BlockMaskTensors build_doc_padded_mask(const MaskSpec& spec, int64_t seq, int64_t min_length,
+                                       const BlockMaskOptions& options = {});
 // From a dense boolean (uint8) block matrix [B, H, Mq, Nk]: 0 = skipped, 1 = partial, 2 = full.
 // The mask's spec is kFull (nothing masked inside partial blocks): set mask.spec for another.
 BlockMaskTensors build_block_mask_from_blocks(const TensorView& blocks, int64_t seq_q, int64_t seq_kv,

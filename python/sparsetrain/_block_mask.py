@@ -222,7 +222,8 @@ class BlockMask:
 
     def __init__(self, *, seq_q: int, seq_kv: int, block_q: int, block_kv: int, tensors: Dict[str, Any],
                  spec: MaskSpec, schedule: str, schedule_permutation: Any, framework: Framework,
-                 walk: str = "descending_heads_inner"):
+                 walk: str = "descending_heads_inner", real_rows: Any = None,
+                 backward_padded: Optional["BlockMask"] = None):
         self.seq_q, self.seq_kv = int(seq_q), int(seq_kv)
         self.block_q, self.block_kv = int(block_q), int(block_kv)
         for name in TENSOR_NAMES:
@@ -231,6 +232,11 @@ class BlockMask:
         self.schedule = schedule
         self.schedule_permutation = schedule_permutation
         self.walk = walk
+        # Documents as ranges in the backward (block_mask.h BlockMask::backward_padded): the padded
+        # form of a document mask (build(..., doc_padding=)), and in that form each position's
+        # token (real_rows, -1 for padding).
+        self.real_rows = real_rows
+        self.backward_padded = backward_padded
         self._fw = framework
         self._other: Optional[BlockMask] = None  # the cached to_torch() / to_numpy() twin
         self._core_cache: Optional[tuple] = None  # _core_mask()'s
@@ -244,7 +250,7 @@ class BlockMask:
               framework: Optional[str] = None, device: Any = None, cu_seqlens_q: Any = None,
               cu_seqlens_k: Any = None, max_seqlen_q: Optional[int] = None,
               max_seqlen_k: Optional[int] = None, walk: Optional[str] = None,
-              auto_problem: Optional[Sequence[int]] = None) -> "BlockMask":
+              auto_problem: Optional[Sequence[int]] = None, doc_padding: int = 0) -> "BlockMask":
         """A mask from a built-in kind (mask_spec.h), seq_kv = seq_q by default:
         "full"; "causal" (kv <= q, FlexAttention's top-left convention); "causal_bottom_right"
         (kv <= q + seq_kv - seq_q, FlashAttention's); "sliding_window" (q - window_left <= kv <=
@@ -269,10 +275,18 @@ class BlockMask:
         "document_causal" is kv <= q in packed positions within a document: FlashAttention's varlen
         causal (bottom-right per document) when cu_seqlens_q == cu_seqlens_k, not otherwise;
         "document" is FlashAttention's non-causal varlen for any lengths. max_seqlen_q /
-        max_seqlen_k are accepted as FlashAttention takes them, and not needed."""
+        max_seqlen_k are accepted as FlashAttention takes them, and not needed.
+        doc_padding (document kinds, seq_q == seq_kv, one layout for both sides: the same ids, or
+        on a device the same tensor): also build the mask's padded backward form
+        (`backward_padded`; block_mask.h build_doc_padded_mask): documents of at least doc_padding
+        tokens (>= 128) start and end on 128-token boundaries there, and the CUDA backward runs on
+        it (its tiles never straddle those documents' edges); 0 (the default): none."""
         seq_kv = seq_q if seq_kv is None else seq_kv
         if kind not in MASK_KINDS:
             raise ValueError(f"kind: expected one of {', '.join(MASK_KINDS)}, got {kind!r}")
+        if doc_padding and (kind not in _DOC_KINDS or seq_q != seq_kv):
+            raise ValueError(f"doc_padding: expected 0 for kind {kind!r} with seq_q {seq_q}, seq_kv {seq_kv} (a "
+                             f"document kind with seq_q == seq_kv takes it), got {doc_padding}")
         _max_seqlen_arg(max_seqlen_q, "max_seqlen_q")
         _max_seqlen_arg(max_seqlen_k, "max_seqlen_k")
         if cu_seqlens_q is None and cu_seqlens_k is not None:
@@ -300,7 +314,9 @@ class BlockMask:
         if kind in _DOC_KINDS:
             if doc_q is None or doc_kv is None:
                 raise ValueError(f"document_ids: expected document ids [B or 1, S] for kind {kind!r}, got none")
-            doc_q, doc_kv = _doc_ids(doc_q, fw, "doc_q", dev), _doc_ids(doc_kv, fw, "doc_kv", dev)
+            same = doc_kv is doc_q  # converted once: one tensor for both sides (a device padded form needs it)
+            doc_q = _doc_ids(doc_q, fw, "doc_q", dev)
+            doc_kv = doc_q if same else _doc_ids(doc_kv, fw, "doc_kv", dev)
         elif doc_q is not None or doc_kv is not None:
             raise ValueError(f"document_ids: expected none for kind {kind!r} (only document kinds take them)")
         spec = MaskSpec(kind, int(window_left), int(window_right), int(prefix_length), doc_q, doc_kv)
@@ -312,7 +328,27 @@ class BlockMask:
             stream = fw.torch.cuda.current_stream(dev).cuda_stream
             d = _C.build_block_mask(spec._core(), int(seq_q), int(seq_kv), bq, bkv, _schedule_arg(schedule),
                                     fw.allocate, "cuda", dev.index, stream, walk=walk)
-        return cls._from_core(d, fw, spec)
+        mask = cls._from_core(d, fw, spec)
+        if doc_padding:
+            mask.backward_padded = mask._padded_form(int(doc_padding), dev)
+        return mask
+
+    def _padded_form(self, min_length: int, dev: Any) -> "BlockMask":
+        """The padded backward form of this document mask, for its resolved schedule and walk."""
+        if self.schedule == "permutation":
+            raise ValueError("doc_padding: expected the left_to_right or shortest_first schedule (a permutation "
+                             "names the unpadded mask's columns), got a permutation")
+        args = (self.spec._core(), self.seq_q, min_length, self.block_q, self.block_kv, self.schedule,
+                self._fw.allocate)
+        if dev is None:
+            d = _C.build_doc_padded_mask(*args, walk=self.walk)
+        else:
+            stream = self._fw.torch.cuda.current_stream(dev).cuda_stream
+            d = _C.build_doc_padded_mask(*args, "cuda", dev.index, stream, walk=self.walk)
+        spec = self.spec._replace(doc_q=self._fw.view(d["doc_q"]), doc_kv=self._fw.view(d["doc_kv"]))
+        padded = BlockMask._from_core(d, self._fw, spec)
+        padded.real_rows = self._fw.view(d["real_rows"])
+        return padded
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens_q: Any, cu_seqlens_k: Any = None, max_seqlen_q: Optional[int] = None,
@@ -404,10 +440,16 @@ class BlockMask:
         for n in ("q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices", "dq_write_order",
                   "dq_write_order_full"):
             tensors[n] = self._fw.view(d[n])
-        return BlockMask(seq_q=self.seq_q, seq_kv=self.seq_kv, block_q=self.block_q, block_kv=self.block_kv,
-                         tensors=tensors, spec=self.spec, schedule=d["schedule"],
-                         schedule_permutation=self._permutation(d["schedule_permutation"], self._fw),
-                         framework=self._fw, walk=d["schedule_walk"])
+        m = BlockMask(seq_q=self.seq_q, seq_kv=self.seq_kv, block_q=self.block_q, block_kv=self.block_kv,
+                      tensors=tensors, spec=self.spec, schedule=d["schedule"],
+                      schedule_permutation=self._permutation(d["schedule_permutation"], self._fw),
+                      framework=self._fw, walk=d["schedule_walk"], real_rows=self.real_rows)
+        if self.backward_padded is not None:  # the padded form follows (the same schedule and walk)
+            if m.schedule == "permutation":
+                raise ValueError("schedule: expected left_to_right or shortest_first for a mask with a padded "
+                                 "backward form (a permutation names the unpadded mask's columns), got a permutation")
+            m.backward_padded = self.backward_padded.with_schedule(m.schedule, walk=m.walk)
+        return m
 
     @classmethod
     def _from_core(cls, d: dict, fw: Framework, spec: MaskSpec) -> "BlockMask":
@@ -461,10 +503,15 @@ class BlockMask:
         return self._fw.torch is not None and self.kv_num_blocks.device.type != "cpu"
 
     def tensors(self) -> Dict[str, Any]:
-        """Every array of the mask by name (TENSOR_NAMES, then spec.doc_q / spec.doc_kv); None
+        """Every array of the mask by name (TENSOR_NAMES, then spec.doc_q / spec.doc_kv, then
+        real_rows and its padded backward form's as "backward_padded.<name>" where present); None
         where absent. The schedule permutation stays a host array on every device."""
         d = {n: getattr(self, n) for n in TENSOR_NAMES}
         d["doc_q"], d["doc_kv"] = self.spec.doc_q, self.spec.doc_kv
+        if self.real_rows is not None:
+            d["real_rows"] = self.real_rows
+        if self.backward_padded is not None:
+            d.update({f"backward_padded.{n}": t for n, t in self.backward_padded.tensors().items()})
         return d
 
     def to(self, device: Any) -> "BlockMask":
@@ -520,10 +567,12 @@ class BlockMask:
 
         spec = self.spec._replace(doc_q=c(self.spec.doc_q), doc_kv=c(self.spec.doc_kv))
         perm = c(self.schedule_permutation) if convert_permutation else self.schedule_permutation
+        padded = self.backward_padded
         return BlockMask(seq_q=self.seq_q, seq_kv=self.seq_kv, block_q=self.block_q, block_kv=self.block_kv,
                          tensors={n: c(getattr(self, n)) for n in TENSOR_NAMES}, spec=spec,
                          schedule=self.schedule, schedule_permutation=perm,
-                         framework=fw, walk=self.walk)
+                         framework=fw, walk=self.walk, real_rows=c(self.real_rows),
+                         backward_padded=None if padded is None else padded._convert(fw, conv, convert_permutation))
 
     def _for(self, fw: Framework) -> "BlockMask":
         return self.to_numpy() if fw.torch is None else self.to_torch()
@@ -534,7 +583,7 @@ class BlockMask:
         cache keeps those tensors, so their addresses cannot be reused by others meanwhile)."""
         parts = (*(getattr(self, n) for n in TENSOR_NAMES), self.spec, self.spec.doc_q, self.spec.doc_kv,
                  self.schedule_permutation, self.seq_q, self.seq_kv, self.block_q, self.block_kv,
-                 self.schedule, self.walk)
+                 self.schedule, self.walk, self.real_rows, self.backward_padded)
         ptrs = tuple(p.data_ptr() if hasattr(p, "data_ptr") else None for p in parts)
         cached = self._core_cache
         if cached is not None and cached[1] == ptrs and all(a is b for a, b in zip(cached[0], parts)):
@@ -551,6 +600,9 @@ class BlockMask:
              "spec": self.spec._core()}
         for n in TENSOR_NAMES:
             d[n] = to_core(getattr(self, n), n)
+        if self.real_rows is not None:
+            d["real_rows"] = to_core(self.real_rows, "real_rows")
+        d["backward_padded"] = None if self.backward_padded is None else self.backward_padded._core_mask()
         return d
 
     def __repr__(self) -> str:

@@ -1034,22 +1034,28 @@ class GroupedMLP(_DelayedWgrad, nn.Module):
 # FlexAttention's layout [B, H, S, D] outside; the core takes [B, S, H, D], so the ops pass
 # transpose(1, 2) views (no copies) and return views of the core's [B, S, H, D] outputs. A
 # BlockMask crosses the op boundary as its tensors (in TENSOR_NAMES order, then doc_q, doc_kv and
-# the schedule permutation; None where absent), its sizes and its kind names, so that the compiler
-# sees every tensor the op reads.
+# the schedule permutation, then its padded backward form's 10 list tensors, doc_q, doc_kv and
+# real_rows; None where absent), its sizes (the padded length last, 0 without one) and its kind
+# names, so that the compiler sees every tensor the op reads.
+_PADDED_LISTS = _TENSOR_NAMES[:10]  # a padded form is a document mask: no bitmasks
+_PERMUTATION_ARG = len(_TENSOR_NAMES) + 2  # a host array on every device
 
 
 def _mask_args(mask: BlockMask) -> Tuple[List[Optional[Tensor]], List[int], str]:
     tensors = [getattr(mask, n) for n in _TENSOR_NAMES]
     tensors += [mask.spec.doc_q, mask.spec.doc_kv, mask.schedule_permutation]
+    p = mask.backward_padded
+    tensors += [None] * 13 if p is None else [*(getattr(p, n) for n in _PADDED_LISTS), p.spec.doc_q, p.spec.doc_kv,
+                                              p.real_rows]
     sizes = [mask.seq_q, mask.seq_kv, mask.block_q, mask.block_kv, mask.spec.window_left, mask.spec.window_right,
-             mask.spec.prefix_length]
+             mask.spec.prefix_length, 0 if p is None else p.seq_q]
     return tensors, sizes, f"{mask.spec.kind},{mask.schedule},{mask.walk}"
 
 
 # What the mask arguments are read from, in one C call: the cache below is valid while a mask still
 # holds these same objects.
 _MASK_PARTS = attrgetter(*_TENSOR_NAMES, "spec", "schedule_permutation", "seq_q", "seq_kv", "block_q", "block_kv",
-                         "schedule", "walk")
+                         "schedule", "walk", "backward_padded")
 
 
 class _MaskArgs:
@@ -1062,7 +1068,7 @@ class _MaskArgs:
 
     def __init__(self, mask: BlockMask):
         self.tensors, self.sizes, self.kinds = _mask_args(mask)
-        on_device = [t for t in self.tensors[:-1] if t is not None]
+        on_device = [t for i, t in enumerate(self.tensors) if t is not None and i != _PERMUTATION_ARG]
         self.devices = tuple({t.device for t in on_device})
         self.plain = all(type(t) is Tensor and not t.is_meta for t in self.tensors if t is not None)
         self._native: Any = None
@@ -1089,14 +1095,21 @@ def _mask_args_of(mask: BlockMask) -> _MaskArgs:
 
 
 def _mask_from_args(tensors: Sequence[Optional[Tensor]], sizes: Sequence[int], kinds: str) -> BlockMask:
-    seq_q, seq_kv, block_q, block_kv, window_left, window_right, prefix_length = sizes
+    seq_q, seq_kv, block_q, block_kv, window_left, window_right, prefix_length, padded_seq = sizes
     kind, schedule, walk = kinds.split(",")
     n = len(_TENSOR_NAMES)
     spec = _MaskSpec(kind, window_left, window_right, prefix_length, tensors[n], tensors[n + 1])
+    padded = None
+    if padded_seq > 0:
+        lists, (doc_q, doc_kv, real_rows) = tensors[n + 3:n + 13], tensors[n + 13:n + 16]
+        padded = BlockMask(seq_q=padded_seq, seq_kv=padded_seq, block_q=block_q, block_kv=block_kv,
+                           tensors=dict(zip(_PADDED_LISTS, lists)), spec=spec._replace(doc_q=doc_q, doc_kv=doc_kv),
+                           schedule=schedule, schedule_permutation=None, framework=_Framework(torch), walk=walk,
+                           real_rows=real_rows)
     return BlockMask(seq_q=seq_q, seq_kv=seq_kv, block_q=block_q, block_kv=block_kv,
                      tensors=dict(zip(_TENSOR_NAMES, tensors[:n])), spec=spec, schedule=schedule,
                      schedule_permutation=tensors[n + 2], framework=_Framework(torch),
-                     walk=walk)
+                     walk=walk, backward_padded=padded)
 
 
 def _bshd(t: Tensor) -> Tensor:

@@ -435,7 +435,10 @@ st::MaskSpec spec_of(const nb::dict& d) {
   return spec;
 }
 
-st::BlockMask mask_of(const nb::dict& d) {
+// The mask of a dict (_block_mask.py's _core_mask). Its padded backward form (d["backward_padded"],
+// a dict of the same kind with "real_rows") goes into *padded, which the mask then points at, when
+// the caller keeps one (the backward); other callers read the mask alone.
+st::BlockMask mask_of(const nb::dict& d, std::unique_ptr<st::BlockMask>* padded = nullptr) {
   st::BlockMask m;
   m.seq_q = nb::cast<int64_t>(d["seq_q"]);
   m.seq_kv = nb::cast<int64_t>(d["seq_kv"]);
@@ -447,6 +450,11 @@ st::BlockMask mask_of(const nb::dict& d) {
   m.schedule = parse_schedule(perm.is_none() ? nb::handle(d["schedule"]) : perm,
                               d.contains("schedule_walk") ? nb::handle(d["schedule_walk"]) : nb::none());
   m.spec = spec_of(nb::cast<nb::dict>(d["spec"]));
+  if (d.contains("real_rows")) m.real_rows = optional_view(d["real_rows"], "real_rows");
+  if (padded != nullptr && d.contains("backward_padded") && !d["backward_padded"].is_none()) {
+    *padded = std::make_unique<st::BlockMask>(mask_of(nb::cast<nb::dict>(d["backward_padded"])));
+    m.backward_padded = padded->get();
+  }
   return m;
 }
 
@@ -509,6 +517,25 @@ nb::dict build_mask(nb::dict spec, int64_t seq_q, int64_t seq_kv, int64_t block_
   }
   st::BlockMaskTensors t = st::build_block_mask(spec_of(spec), seq_q, seq_kv, o);
   return export_mask(t, alloc);
+}
+
+// build_doc_padded_mask (block_mask.h): export_mask's dict plus the padded ids and real_rows.
+nb::dict build_padded_mask(nb::dict spec, int64_t seq, int64_t min_length, int64_t block_q, int64_t block_kv,
+                           nb::handle schedule, nb::callable allocator, const std::string& device, int device_index,
+                           uintptr_t stream, nb::handle walk) {
+  PyAllocator alloc(std::move(allocator));
+  st::BlockMaskOptions o = mask_options(block_q, block_kv, schedule, &alloc, walk);
+  ST_CHECK_ARG(device == "cpu" || device == "cuda", "device", "cpu or cuda", device);
+  if (device == "cuda") {
+    o.device = st::Device::cuda(device_index);
+    o.stream.handle = reinterpret_cast<void*>(stream);
+  }
+  st::BlockMaskTensors t = st::build_doc_padded_mask(spec_of(spec), seq, min_length, o);
+  nb::dict d = export_mask(t, alloc);
+  d["doc_q"] = export_tensor(t.doc_q, alloc);
+  d["doc_kv"] = export_tensor(t.doc_kv, alloc);
+  d["real_rows"] = export_tensor(t.real_rows, alloc);
+  return d;
 }
 
 nb::dict build_mask_from_blocks(nb::handle blocks, int64_t seq_q, int64_t seq_kv, int64_t block_q, int64_t block_kv,
@@ -575,9 +602,10 @@ nb::tuple attention_backward(nb::handle q, nb::handle k, nb::handle v, nb::handl
   st::AttentionCall call;
   call.stream.handle = reinterpret_cast<void*>(stream);
   call.allocator = &alloc;
+  std::unique_ptr<st::BlockMask> padded;
   const st::AttentionGrads g = st::block_sparse_attention_backward(
       view_of(q, "q"), view_of(k, "k"), view_of(v, "v"), view_of(o, "o"), view_of(lse, "lse"),
-      view_of(dout, "dout"), mask_of(mask), attention_options(scale, deterministic, sm_limit), call);
+      view_of(dout, "dout"), mask_of(mask, &padded), attention_options(scale, deterministic, sm_limit), call);
   return nb::make_tuple(export_tensor(g.dq, alloc), export_tensor(g.dk, alloc), export_tensor(g.dv, alloc));
 }
 
@@ -689,6 +717,9 @@ NB_MODULE(_C, m) {
         nb::arg("block_kv"), nb::arg("schedule"), nb::arg("allocator"),
         nb::arg("device") = "cpu", nb::arg("device_index") = 0, nb::arg("stream") = 0, nb::arg("walk").none() = nb::none(),
         nb::arg("problem").none() = nb::none());
+  m.def("build_doc_padded_mask", &build_padded_mask, nb::arg("spec"), nb::arg("seq"), nb::arg("min_length"),
+        nb::arg("block_q"), nb::arg("block_kv"), nb::arg("schedule"), nb::arg("allocator"), nb::arg("device") = "cpu",
+        nb::arg("device_index") = 0, nb::arg("stream") = 0, nb::arg("walk").none() = nb::none());
   m.def("document_ids_from_cu_seqlens", &document_ids_from_cu_seqlens, nb::arg("cu_seqlens_q"),
         nb::arg("cu_seqlens_k"), nb::arg("seq_q"), nb::arg("seq_kv"), nb::arg("allocator"), nb::arg("stream") = 0);
   m.def("build_block_mask_from_blocks", &build_mask_from_blocks, nb::arg("blocks"), nb::arg("seq_q"),

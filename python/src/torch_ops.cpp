@@ -22,6 +22,7 @@
 #include <torch/library.h>
 #include <torch/python.h>
 
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -40,13 +41,27 @@ using st::torch_ops::TorchAllocator;
 using st::torch_ops::translated;
 using st::torch_ops::view_of;
 
-st::BlockMask mask_of(const std::vector<std::optional<at::Tensor>>& tensors, at::IntArrayRef sizes,
-                      const std::string& kinds) {
-  ST_CHECK_ARG(tensors.size() == 14, "mask tensors", "14 (the index tensors, doc_q, doc_kv, the permutation)",
+// A mask as the ops pass it, and its padded backward form (BlockMask::backward_padded) beside it:
+// mask.backward_padded points into `padded`, which a move keeps where it is.
+struct ParsedMask {
+  st::BlockMask mask;
+  std::unique_ptr<st::BlockMask> padded;
+};
+
+// The ops' mask arguments: tensors = the 11 index tensors (kBlockMaskTensors order), doc_q, doc_kv,
+// the schedule permutation, then the padded form's 10 list tensors, doc_q, doc_kv and real_rows
+// (None without one); sizes = seq_q, seq_kv, block_q, block_kv, window_left, window_right,
+// prefix_length, the padded length (0: none); kinds = "kind,schedule,walk" (the padded form takes
+// the mask's kind, schedule and walk).
+ParsedMask mask_of(const std::vector<std::optional<at::Tensor>>& tensors, at::IntArrayRef sizes,
+                   const std::string& kinds) {
+  ST_CHECK_ARG(tensors.size() == 27, "mask tensors",
+               "27 (the index tensors, doc_q, doc_kv, the permutation; the padded form's lists, ids and real_rows)",
                tensors.size());
-  ST_CHECK_ARG(sizes.size() == 7, "mask sizes", "7", sizes.size());
+  ST_CHECK_ARG(sizes.size() == 8, "mask sizes", "8", sizes.size());
   auto at_ = [&](size_t i) { return tensors[i].has_value() ? *tensors[i] : at::Tensor(); };
-  st::BlockMask m;
+  ParsedMask parsed;
+  st::BlockMask& m = parsed.mask;
   m.seq_q = sizes[0], m.seq_kv = sizes[1], m.block_q = sizes[2], m.block_kv = sizes[3];
   for (int i = 0; i < st::kBlockMaskTensors; ++i)
     st::block_mask_tensor(m, i) = view_of(at_(size_t(i)), st::block_mask_tensor_name(i));
@@ -65,7 +80,25 @@ st::BlockMask mask_of(const std::vector<std::optional<at::Tensor>>& tensors, at:
     const at::Tensor p32 = perm.to(at::kInt).contiguous();
     m.schedule.permutation.assign(p32.data_ptr<int32_t>(), p32.data_ptr<int32_t>() + p32.numel());
   }
-  return m;
+  if (sizes[7] > 0) {
+    ST_CHECK_ARG(m.schedule.kind != st::ScheduleKind::kPermutation, "mask schedule",
+                 "left_to_right or shortest_first with a padded backward form (a permutation names the mask's columns)",
+                 "permutation");
+    parsed.padded = std::make_unique<st::BlockMask>();
+    st::BlockMask& pm = *parsed.padded;
+    pm.seq_q = pm.seq_kv = sizes[7];
+    pm.block_q = m.block_q, pm.block_kv = m.block_kv;
+    for (int i = 0; i < 10; ++i)  // the lists (no bitmasks: a document kind)
+      st::block_mask_tensor(pm, i) = view_of(at_(size_t(14 + i)), st::block_mask_tensor_name(i));
+    pm.spec = m.spec;
+    pm.spec.doc_q = view_of(at_(24), "backward_padded doc_q");
+    pm.spec.doc_kv = view_of(at_(25), "backward_padded doc_kv");
+    pm.real_rows = view_of(at_(26), "backward_padded real_rows");
+    pm.schedule.kind = m.schedule.kind;
+    pm.schedule.walk = m.schedule.walk;
+    m.backward_padded = &pm;
+  }
+  return parsed;
 }
 
 // q, k or v in FlexAttention's [B, H, S, D] layout as the core's [B, S, H, D] view (the transpose
@@ -101,7 +134,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const 
     TorchAllocator alloc;
     const st::AttentionForward f =
         st::block_sparse_attention_forward(view_of(q, "q"), view_of(k, "k"), view_of(v, "v"),
-                                           mask_of(mask_tensors, mask_sizes, mask_kinds),
+                                           mask_of(mask_tensors, mask_sizes, mask_kinds).mask,
                                            options_of(scale, deterministic, sm_limit), call_on(q, &alloc));
     return std::make_tuple(alloc.take(f.o), alloc.take(f.lse));
   });
@@ -115,7 +148,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     TorchAllocator alloc;
     const st::AttentionGrads g = st::block_sparse_attention_backward(
         view_of(q, "q"), view_of(k, "k"), view_of(v, "v"), view_of(o, "o"), view_of(lse, "lse"),
-        view_of(dout, "dout"), mask_of(mask_tensors, mask_sizes, mask_kinds),
+        view_of(dout, "dout"), mask_of(mask_tensors, mask_sizes, mask_kinds).mask,
         options_of(scale, deterministic, sm_limit), call_on(q, &alloc));
     return std::make_tuple(alloc.take(g.dq), alloc.take(g.dk), alloc.take(g.dv));
   });
@@ -133,10 +166,10 @@ class AttentionMask {
   }
 
   // The parsed mask, or `scratch` parsed anew where a tensor moved.
-  const st::BlockMask& current(st::BlockMask& scratch) const {
+  const st::BlockMask& current(ParsedMask& scratch) const {
     for (size_t i = 0; i < tensors_.size(); ++i)
-      if (data_of(tensors_[i]) != data_[i]) return scratch = mask_of(tensors_, sizes_, kinds_);
-    return mask_;
+      if (data_of(tensors_[i]) != data_[i]) return (scratch = mask_of(tensors_, sizes_, kinds_)).mask;
+    return mask_.mask;
   }
 
   const std::vector<std::optional<at::Tensor>>& tensors() const { return tensors_; }
@@ -151,7 +184,7 @@ class AttentionMask {
   std::vector<std::optional<at::Tensor>> tensors_;
   std::vector<int64_t> sizes_;
   std::string kinds_;
-  st::BlockMask mask_;
+  ParsedMask mask_;
   std::vector<const void*> data_;
 };
 
@@ -165,7 +198,7 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const AttentionMask* mask, double scale, bool deterministic, int64_t sm_limit) {
     const c10::DeviceGuard guard(q.device());  // q's device current, as the `_C` path's torch.cuda.device
-    st::BlockMask scratch;
+    ParsedMask scratch;
     TorchAllocator alloc;
     const st::AttentionForward f = st::block_sparse_attention_forward(
         bshd_view_of(q, "q"), bshd_view_of(k, "k"), bshd_view_of(v, "v"), mask->current(scratch),
@@ -203,7 +236,7 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
       const st::AttentionGrads g = st::block_sparse_attention_backward(
           bshd_view_of(s[0], "q"), bshd_view_of(s[1], "k"), bshd_view_of(s[2], "v"), bshd_view_of(s[3], "o"),
           view_of(s[4], "lse"), bshd_view_of(dout, "dout"),
-          mask_of(mask_tensors, sizes, ctx->saved_data["kinds"].toStringRef()),
+          mask_of(mask_tensors, sizes, ctx->saved_data["kinds"].toStringRef()).mask,
           options_of(ctx->saved_data["scale"].toDouble(), deterministic, ctx->saved_data["sm_limit"].toInt()),
           call_on(s[0], &alloc));
       return variable_list{alloc.take(g.dq, true), alloc.take(g.dk, true), alloc.take(g.dv, true), {}, {}, {}, {}};

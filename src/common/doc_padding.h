@@ -5,11 +5,11 @@
 // 128-row tile straddles a long document's edge, which is where the deterministic backward's turn
 // chains pay for partial tiles; and because at most seq / min_length documents are long, the padded
 // length has a bound known from seq alone (doc_padded_length_bound), so a layout built on the device
-// needs no synchronisation. Host code for now: the scheduler model prices the layout with
-// doc_padded_positions (bench/dq_model_sweep.cpp); doc_padded_ids is the mask the backward will
-// run on once item 4 is wired into the kernel (not yet); DocPadStep is the layout as a scan and
-// doc_padded_tile_entry the tiles' real rows per token, the forms a device build takes (not yet
-// built). Tested on the CPU (tests/cpp/test_doc_padding.cpp).
+// needs no synchronisation. The scheduler model prices the layout with doc_padded_positions
+// (bench/dq_model_sweep.cpp); build_doc_padded_mask builds the backward's padded mask with it
+// (doc_padded_positions and doc_padded_ids on the host; on a device, the per-token scan
+// doc_pad_token_step); DocPadStep is the layout as a scan of documents and doc_padded_tile_entry
+// the tiles' real rows per token. Tested on the CPU (tests/cpp/test_doc_padding.cpp).
 #pragma once
 
 #include <algorithm>
@@ -77,6 +77,21 @@ ST_HOST_DEVICE constexpr DocPadStep doc_pad_then(const DocPadStep& f, const DocP
   if (!g.aligns) return DocPadStep{f.aligns, f.a, f.b + g.b};
   if (!f.aligns) return DocPadStep{true, f.b + g.a, g.b};
   return DocPadStep{true, f.a, doc_pad_align(f.b + g.a) + g.b};
+}
+
+// The same layout as a scan over tokens, the device build's form (no document lengths needed up
+// front: a token knows whether it starts or ends a long document by looking up to min_length ids
+// away). Token t is the step x -> x + 1, preceded by an alignment where it starts a long
+// document and followed by one where it ends it (a long document of one token, at min_length 1:
+// both, x -> align(x) + kDocPadAlign, its document step). The exclusive scan of the steps applied
+// to 0 is x; the token sits at doc_pad_token_position(x, starts_long). Tested against
+// doc_padded_positions with the steps combined in random tree orders.
+ST_HOST_DEVICE constexpr DocPadStep doc_pad_token_step(bool starts_long, bool ends_long) {
+  constexpr DocPadStep kAlign{true, 0, 0}, kIdentity{}, kOne{false, 0, 1};
+  return doc_pad_then(doc_pad_then(starts_long ? kAlign : kIdentity, kOne), ends_long ? kAlign : kIdentity);
+}
+ST_HOST_DEVICE constexpr int64_t doc_pad_token_position(int64_t x, bool starts_long) {
+  return starts_long ? doc_pad_align(x) : x;
 }
 
 // The padded layout's tiles of tile_rows (a divisor of kDocPadAlign: the backward's 64-row q tiles,

@@ -89,20 +89,72 @@ AttentionProblem check_inputs(const TensorView& q, const TensorView& k, const Te
 // (validate_block_mask, with leading dims broadcastable to [B, Hq]); errors are named "mask.*".
 // A mask on the device gets the structural checks only (shapes, dtypes, its tensors on q's
 // device): reading its contents would synchronise the host, and the kernels clamp what they read.
-void check_mask(const BlockMask& mask, const AttentionProblem& p, bool backward, Device device) {
-  ST_CHECK_ARG(mask.seq_q == p.seq_q, "mask.seq_q", num(p.seq_q) + " (q's Sq)", mask.seq_q);
-  ST_CHECK_ARG(mask.seq_kv == p.seq_kv, "mask.seq_kv", num(p.seq_kv) + " (k's Skv)", mask.seq_kv);
-  if (backward)
-    ST_CHECK_ARG(mask.q_num_blocks.defined() && mask.q_indices.defined(), "mask.q_indices",
-                 "the transposes q_num_blocks / q_indices for backward (transpose_block_mask)", "none");
+void check_mask_structure(const BlockMask& mask, const AttentionProblem& p, Device device, const char* prefix) {
   try {
     if (device.is_cpu())
       validate_block_mask(mask, p.batch, p.heads_q);
     else
       check_block_mask_structure(mask, p.batch, p.heads_q, device);
   } catch (const Error& e) {
-    throw Error(e.kind(), std::string("mask.") + e.what());
+    throw Error(e.kind(), std::string(prefix) + e.what());
   }
+}
+
+// The backward's padded document mask (BlockMask::backward_padded): the mask's kind over a padded
+// length (a multiple of 128, at least S) with its transposes, and real_rows [B or 1, P] whose
+// tokens (host masks: checked) each appear once, in order, every value in [-1, S).
+void check_padded_mask(const BlockMask& mask, const AttentionProblem& p, Device device) {
+  const BlockMask& pm = *mask.backward_padded;
+  const bool docs = mask.spec.kind == MaskKind::kDocument || mask.spec.kind == MaskKind::kDocumentCausal;
+  ST_CHECK_ARG(docs && pm.spec.kind == mask.spec.kind, "mask.backward_padded",
+               "the padded form of a document mask (build_doc_padded_mask), of the mask's kind",
+               mask_kind_name(pm.spec.kind), " for a ", mask_kind_name(mask.spec.kind), " mask");
+  ST_CHECK_ARG(p.seq_q == p.seq_kv, "mask.backward_padded", "self-attention (Sq == Skv: one layout for both sides)",
+               "Sq = ", p.seq_q, ", Skv = ", p.seq_kv);
+  const int64_t P = pm.seq_q;
+  ST_CHECK_ARG(P == pm.seq_kv && P % 128 == 0 && P >= p.seq_q && P < (int64_t(1) << 30), "mask.backward_padded.seq_q",
+               "a multiple of 128, at least Sq = " + num(p.seq_q) + " and below 2^30, equal to its seq_kv",
+               "seq_q = ", P, ", seq_kv = ", pm.seq_kv);
+  ST_CHECK_ARG(pm.backward_padded == nullptr && !mask.real_rows.defined(), "mask.backward_padded",
+               "one level of padding (a mask with real_rows, itself without backward_padded)", "nested padding");
+  ST_CHECK_ARG(pm.q_num_blocks.defined() && pm.q_indices.defined(), "mask.backward_padded.q_indices",
+               "the transposes q_num_blocks / q_indices for backward (transpose_block_mask)", "none");
+  const TensorView& rr = pm.real_rows;
+  checks::defined(rr, "mask.backward_padded.real_rows", "int32 [B or 1, " + num(P) + "]");
+  checks::dtype(rr, "mask.backward_padded.real_rows", DType::kInt32);
+  ST_CHECK_ARG(rr.device() == device, "mask.backward_padded.real_rows", "a tensor on " + device.str() + " (q's device)",
+               rr.device().str());
+  ST_CHECK_ARG(rr.dim() == 2 && (rr.size(0) == 1 || rr.size(0) == p.batch) && rr.size(1) == P && rr.stride(1) == 1,
+               "mask.backward_padded.real_rows", "shape [1 or " + num(p.batch) + ", " + num(P) + "], unit last stride",
+               rr.shape_str());
+  checks::non_null(rr, "mask.backward_padded.real_rows");
+  check_mask_structure(pm, p, device, "mask.backward_padded.");
+  if (!device.is_cpu()) return;
+  for (int64_t b = 0; b < rr.size(0); ++b) {
+    const int32_t* row = reinterpret_cast<const int32_t*>(rr.byte_ptr(b * rr.stride(0)));
+    int64_t next = 0;  // the next token: every one, once, in order
+    for (int64_t i = 0; i < P; ++i) {
+      if (row[i] == -1) continue;
+      ST_CHECK_ARG(row[i] == next, "mask.backward_padded.real_rows",
+                   "the tokens 0.." + num(p.seq_q - 1) + " in order, -1 between them", "batch ", b, " position ", i,
+                   ": ", row[i], " where ", next, " comes next");
+      ++next;
+    }
+    ST_CHECK_ARG(next == p.seq_q, "mask.backward_padded.real_rows", "every token of " + num(p.seq_q),
+                 "batch ", b, ": ", next, " tokens");
+  }
+}
+
+void check_mask(const BlockMask& mask, const AttentionProblem& p, bool backward, Device device) {
+  ST_CHECK_ARG(mask.seq_q == p.seq_q, "mask.seq_q", num(p.seq_q) + " (q's Sq)", mask.seq_q);
+  ST_CHECK_ARG(mask.seq_kv == p.seq_kv, "mask.seq_kv", num(p.seq_kv) + " (k's Skv)", mask.seq_kv);
+  ST_CHECK_ARG(!mask.real_rows.defined(), "mask.real_rows",
+               "none (a padded mask is passed as another mask's backward_padded)", "a tensor");
+  if (backward)
+    ST_CHECK_ARG(mask.q_num_blocks.defined() && mask.q_indices.defined(), "mask.q_indices",
+                 "the transposes q_num_blocks / q_indices for backward (transpose_block_mask)", "none");
+  check_mask_structure(mask, p, device, "mask.");
+  if (backward && mask.backward_padded != nullptr) check_padded_mask(mask, p, device);
 }
 
 // o and dout: q's shape, dtype and device, last dim contiguous; lse: fp32 [B, Hq, Sq].
@@ -162,7 +214,7 @@ AttentionGrads block_sparse_attention_backward(const TensorView& q, const Tensor
   g.dq = Tensor::empty(p.dtype, {p.batch, p.seq_q, p.heads_q, p.head_dim}, dev, alloc, call.stream);
   g.dk = Tensor::empty(p.dtype, {p.batch, p.seq_kv, p.heads_kv, p.head_dim}, dev, alloc, call.stream);
   g.dv = Tensor::empty(p.dtype, {p.batch, p.seq_kv, p.heads_kv, p.head_dim}, dev, alloc, call.stream);
-  ops::WorkspaceMemory scratch(be.backward_scratch_bytes(p), {}, dev, alloc, call.stream);
+  ops::WorkspaceMemory scratch(be.backward_scratch_bytes(p, mask), {}, dev, alloc, call.stream);
   be.backward({p, q, k, v, o, lse, dout, &mask, options.deterministic, g.dq.view(), g.dk.view(), g.dv.view(),
                options.sm_limit},
               scratch.at(0), call.stream);

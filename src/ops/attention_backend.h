@@ -60,9 +60,10 @@ class AttentionBackend {
   virtual void check_supported(const AttentionProblem& /*p*/, const TensorView& /*q*/, const TensorView& /*k*/,
                                const TensorView& /*v*/, const BlockMask& /*mask*/,
                                const BackwardInputs* /*backward*/) const {}
-  // Scratch each pass needs; a function of the shapes only.
+  // Scratch each pass needs; a function of the shapes (and the backward's of the mask's length:
+  // a padded mask's, BlockMask::backward_padded) only.
   virtual size_t forward_scratch_bytes(const AttentionProblem& p) const = 0;
-  virtual size_t backward_scratch_bytes(const AttentionProblem& p) const = 0;
+  virtual size_t backward_scratch_bytes(const AttentionProblem& p, const BlockMask& mask) const = 0;
   virtual void forward(const AttentionForwardParams& p, void* scratch, Stream stream) = 0;
   virtual void backward(const AttentionBackwardParams& p, void* scratch, Stream stream) = 0;
 };

@@ -4,11 +4,13 @@
 // tensors are full width (Nk / Mq), sized by shapes alone — except the function builder's
 // bitmasks, whose width is the largest partial count (a host-only builder: the function is host code).
 #include <algorithm>
+#include <climits>
 #include <tuple>
 #include <sstream>
 #include <vector>
 
 #include "common/block_mask_rows.h"
+#include "common/doc_padding.h"
 #include "common/dq_schedule_model.h"
 #include "ops/block_mask_internal.h"
 #include "ops/checks.h"
@@ -412,6 +414,67 @@ BlockMaskTensors build_on_device(const MaskSpec& spec, int64_t B, int64_t seq_q,
 #endif
 }
 
+// A document spec's ids: int32 [B or 1, S] on `device` with a unit last stride, the two batches
+// broadcastable; returns the batch.
+int64_t checked_doc_batch(const MaskSpec& spec, int64_t seq_q, int64_t seq_kv, Device device) {
+  for (const auto& [t, name, len] : {std::make_tuple(&spec.doc_q, "spec.doc_q", seq_q),
+                                     std::make_tuple(&spec.doc_kv, "spec.doc_kv", seq_kv)}) {
+    checks::defined(*t, name, "int32 document ids [B or 1, S]");
+    checks::dtype(*t, name, DType::kInt32);
+    checks::device(*t, name, device);
+    checks::shape(*t, name, {-1, len}, "[B or 1, " + std::to_string(len) + "]");
+    checks::non_null(*t, name);
+    ST_CHECK_ARG(t->stride(1) == 1 || len == 1, name, "a unit stride in the last dimension", t->stride(1));
+  }
+  const int64_t bq = spec.doc_q.size(0), bk = spec.doc_kv.size(0);
+  ST_CHECK_ARG(bq == bk || bq == 1 || bk == 1, "spec.doc_kv", "a batch broadcastable with doc_q's " + std::to_string(bq),
+               bk);
+  return std::max(bq, bk);
+}
+
+// The padded mask over its layout (ids and real_rows [B, padded], which it keeps): spec's kind
+// over the padded ids at the padded length, built where options say.
+BlockMaskTensors padded_mask_over(const MaskSpec& spec, Tensor doc_q, Tensor doc_kv, Tensor real_rows,
+                                  const BlockMaskOptions& options) {
+  const int64_t padded = doc_q.view().size(1);
+  MaskSpec padded_spec = spec;
+  padded_spec.doc_q = doc_q.view();
+  padded_spec.doc_kv = doc_kv.view();
+  BlockMaskTensors t = build_block_mask(padded_spec, padded, padded, options);
+  t.doc_q = std::move(doc_q);
+  t.doc_kv = std::move(doc_kv);
+  t.real_rows = std::move(real_rows);
+  t.mask.real_rows = t.real_rows.view();
+  return t;
+}
+
+// build_doc_padded_mask on a CUDA device: the layout at the length bound (known on the host, so
+// nothing waits for the device), built by doc_padded_layout_cuda, then the padded mask's lists
+// by build_on_device; all on options.stream. The ids are not read on the host: doc_kv must be
+// doc_q itself (one layout for both sides).
+BlockMaskTensors build_doc_padded_on_device(const MaskSpec& spec, int64_t B, int64_t seq, int64_t min_length,
+                                            const BlockMaskOptions& o) {
+#if SPARSETRAIN_WITH_CUDA
+  const TensorView &q = spec.doc_q, &kv = spec.doc_kv;
+  ST_CHECK_ARG(q.data() == kv.data() && q.size(0) == kv.size(0) && q.stride(0) == kv.stride(0), "spec.doc_kv",
+               "doc_q itself on a device (one layout for both sides; device ids are not compared)",
+               "another tensor (", kv.shape_str(), " at ", kv.data(), " against doc_q's ", q.shape_str(), " at ",
+               q.data(), ")");
+  checks::device_runs(o.device, checks::Kernels::kGeneric, "BlockMaskOptions device");
+  const int64_t padded = doc_padded_length_bound(seq, min_length);
+  Allocator& a = alloc_or_default(o.allocator);
+  auto dev = [&] { return Tensor::empty(DType::kInt32, {B, padded}, o.device, a, o.stream); };
+  Tensor doc_q = dev(), doc_kv = dev(), real_rows = dev();
+  doc_padded_layout_cuda(q.data_as<const int32_t>(), q.broadcast_stride(0), B, seq, min_length, padded,
+                         doc_q.view().data_as<int32_t>(), doc_kv.view().data_as<int32_t>(),
+                         real_rows.view().data_as<int32_t>(), o.device.index, o.stream);
+  return padded_mask_over(spec, std::move(doc_q), std::move(doc_kv), std::move(real_rows), o);
+#else
+  (void)spec, (void)B, (void)seq, (void)min_length;
+  detail::throw_arg_error("BlockMaskOptions device", "cpu (this build has no CUDA backend)", o.device.str());
+#endif
+}
+
 }  // namespace
 
 BlockMaskTensors build_block_mask(const MaskSpec& spec, int64_t seq_q, int64_t seq_kv,
@@ -419,23 +482,8 @@ BlockMaskTensors build_block_mask(const MaskSpec& spec, int64_t seq_q, int64_t s
   check_options(options, seq_q, seq_kv);
   ST_CHECK_ARG(spec.kind != MaskKind::kBitmask, "spec.kind", "a built-in mask kind (build_block_mask_from_function "
                "makes bitmasks)", spec.str());
-  int64_t B = 1;
   const bool doc = spec.kind == MaskKind::kDocument || spec.kind == MaskKind::kDocumentCausal;
-  if (doc) {
-    for (const auto& [t, name, len] : {std::make_tuple(&spec.doc_q, "spec.doc_q", seq_q),
-                                       std::make_tuple(&spec.doc_kv, "spec.doc_kv", seq_kv)}) {
-      checks::defined(*t, name, "int32 document ids [B or 1, S]");
-      checks::dtype(*t, name, DType::kInt32);
-      checks::device(*t, name, options.device);
-      checks::shape(*t, name, {-1, len}, "[B or 1, " + std::to_string(len) + "]");
-      checks::non_null(*t, name);
-      ST_CHECK_ARG(t->stride(1) == 1 || len == 1, name, "a unit stride in the last dimension", t->stride(1));
-    }
-    const int64_t bq = spec.doc_q.size(0), bk = spec.doc_kv.size(0);
-    ST_CHECK_ARG(bq == bk || bq == 1 || bk == 1, "spec.doc_kv", "a batch broadcastable with doc_q's " + std::to_string(bq),
-                 bk);
-    B = std::max(bq, bk);
-  }
+  const int64_t B = doc ? checked_doc_batch(spec, seq_q, seq_kv, options.device) : 1;
   if (options.device.is_cuda()) return build_on_device(spec, B, seq_q, seq_kv, options);
   ST_CHECK_ARG(options.device.is_cpu(), "BlockMaskOptions device", "cpu or cuda", options.device.str());
   BlockMaskTensors t = new_forward(B, 1, seq_q, seq_kv, options);
@@ -454,6 +502,46 @@ BlockMaskTensors build_block_mask(const MaskSpec& spec, int64_t seq_q, int64_t s
   }
   finish(t, options);
   return t;
+}
+
+BlockMaskTensors build_doc_padded_mask(const MaskSpec& spec, int64_t seq, int64_t min_length,
+                                       const BlockMaskOptions& options) {
+  ST_CHECK_ARG(spec.kind == MaskKind::kDocument || spec.kind == MaskKind::kDocumentCausal, "spec.kind",
+               "document or document_causal", spec.str());
+  ST_CHECK_ARG(seq >= 1, "seq", ">= 1", seq);
+  ST_CHECK_ARG(min_length >= kDocPadAlign, "min_length", ">= " + std::to_string(kDocPadAlign), min_length);
+  const int64_t B = checked_doc_batch(spec, seq, seq, options.device);
+  if (options.device.is_cuda()) return build_doc_padded_on_device(spec, B, seq, min_length, options);
+  ST_CHECK_ARG(options.device.is_cpu(), "BlockMaskOptions device", "cpu or cuda", options.device.str());
+  auto ids_of = [&](const TensorView& t, int64_t b) {
+    return reinterpret_cast<const int32_t*>(t.byte_ptr(b * t.broadcast_stride(0)));
+  };
+  // One layout serves queries and keys: the same documents on both sides.
+  std::vector<std::vector<int64_t>> pos(static_cast<size_t>(B));
+  int64_t padded = kDocPadAlign;
+  for (int64_t b = 0; b < B; ++b) {
+    const int32_t *q = ids_of(spec.doc_q, b), *kv = ids_of(spec.doc_kv, b);
+    for (int64_t s = 0; s < seq; ++s)
+      ST_CHECK_ARG(q[s] == kv[s] && q[s] < INT32_MAX - 1, "spec.doc_kv",
+                   "the ids of doc_q (one layout for both sides), each below 2^31 - 2 (padding takes the next two)", "batch ", b, " position ", s,
+                   ": doc_q ", q[s], ", doc_kv ", kv[s]);
+    int64_t length = 0;
+    pos[size_t(b)] = doc_padded_positions(q, seq, min_length, &length);
+    padded = std::max(padded, length);
+  }
+  Allocator& a = alloc_or_default(options.allocator);
+  Tensor doc_q = new_tensor(DType::kInt32, {B, padded}, a), doc_kv = new_tensor(DType::kInt32, {B, padded}, a);
+  Tensor real_rows = new_tensor(DType::kInt32, {B, padded}, a);
+  for (int64_t b = 0; b < B; ++b) {
+    std::vector<int32_t> q_ids, kv_ids;
+    doc_padded_ids(ids_of(spec.doc_q, b), seq, pos[size_t(b)], padded, &q_ids, &kv_ids);
+    std::copy(q_ids.begin(), q_ids.end(), doc_q.view().data_as<int32_t>() + b * padded);
+    std::copy(kv_ids.begin(), kv_ids.end(), doc_kv.view().data_as<int32_t>() + b * padded);
+    int32_t* rows = real_rows.view().data_as<int32_t>() + b * padded;
+    std::fill_n(rows, padded, -1);
+    for (int64_t s = 0; s < seq; ++s) rows[pos[size_t(b)][size_t(s)]] = int32_t(s);
+  }
+  return padded_mask_over(spec, std::move(doc_q), std::move(doc_kv), std::move(real_rows), options);
 }
 
 BlockMaskTensors build_block_mask_from_blocks(const TensorView& blocks, int64_t seq_q, int64_t seq_kv,

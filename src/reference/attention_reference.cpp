@@ -93,7 +93,7 @@ class ReferenceAttentionBackend final : public AttentionBackend {
     return size_t(floats) * 4;
   }
 
-  size_t backward_scratch_bytes(const AttentionProblem& p) const override {
+  size_t backward_scratch_bytes(const AttentionProblem& p, const BlockMask&) const override {
     const int64_t D = p.head_dim;
     const int64_t floats = p.batch * p.seq_q * p.heads_q * D  // dq accumulators
                            + p.seq_q                            // delta of one (b, hq)

@@ -89,7 +89,7 @@ struct DeviceMask {
     for (st::TensorView* v : {&mask.kv_num_blocks, &mask.kv_indices, &mask.full_kv_num_blocks, &mask.full_kv_indices,
                               &mask.q_num_blocks, &mask.q_indices, &mask.full_q_num_blocks, &mask.full_q_indices,
                               &mask.dq_write_order, &mask.dq_write_order_full, &mask.partial_bitmasks,
-                              &mask.spec.doc_q, &mask.spec.doc_kv})
+                              &mask.spec.doc_q, &mask.spec.doc_kv, &mask.real_rows})
       move(*v);
   }
 };
@@ -137,6 +137,8 @@ struct Case {
   // Document kinds: the last positions of both sides in no document (query and key padding with
   // ids that match nothing): whole q tiles without a key, which the forward's scheduler sorts last.
   int64_t padded_tail = 0;
+  // Document kinds with lengths: one row of ids ([1, S]) broadcast over the batch.
+  bool broadcast_docs = false;
 };
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
@@ -284,8 +286,9 @@ struct Prepared {
       doc = document_ids(c.B, std::max(c.Sq, c.Skv), rng);
       doc_kv = doc;
     } else {
-      doc = document_ids(c.B, c.Sq, c.doc_q_lengths, c.padded_tail, -1);
-      doc_kv = document_ids(c.B, c.Skv, c.doc_kv_lengths.empty() ? c.doc_q_lengths : c.doc_kv_lengths,
+      const int64_t rows = c.broadcast_docs ? 1 : c.B;
+      doc = document_ids(rows, c.Sq, c.doc_q_lengths, c.padded_tail, -1);
+      doc_kv = document_ids(rows, c.Skv, c.doc_kv_lengths.empty() ? c.doc_q_lengths : c.doc_kv_lengths,
                             c.padded_tail, -2);
     }
     if (is_doc) spec.doc_q = doc.view(), spec.doc_kv = doc_kv.view();
@@ -408,14 +411,11 @@ struct Grads {
 
 // The backward in both modes against the oracle (outputs poisoned first); the deterministic mode
 // bitwise equal over 20 runs and whatever the number of workers (every SM, 61, 7, 1); the atomic
-// mode within the same rounding bounds on every run.
-TEST_P(AttentionCuda, BackwardMatchesTheOracle) {
-  REQUIRE_HOPPER();
-  const Case c = GetParam();
-  REQUIRE_KERNEL(c);
-  Prepared su(c);
+// mode within the same rounding bounds on every run. `mask`: the case's mask, or it with a padded
+// backward mask attached (BlockMask::backward_padded).
+void expect_backward_matches(const Case& c, const Prepared& su, const st::BlockMask& mask) {
   const st::AttentionForward fwd =
-      st::block_sparse_attention_forward(su.q->dev_view, su.k->dev_view, su.v->dev_view, su.mask);
+      st::block_sparse_attention_forward(su.q->dev_view, su.k->dev_view, su.v->dev_view, mask);
   const AttentionOracle::Result ref = su.oracle(c).run();
   ASSERT_GT(ref.allowed_pairs, 0);
   auto backward = [&](bool deterministic, int sm_limit, st::Allocator* alloc) {
@@ -425,7 +425,7 @@ TEST_P(AttentionCuda, BackwardMatchesTheOracle) {
     st::AttentionCall call;
     call.allocator = alloc;
     return Grads(st::block_sparse_attention_backward(su.q->dev_view, su.k->dev_view, su.v->dev_view, fwd.o.view(),
-                                                     fwd.lse.view(), su.dout->dev_view, su.mask, options, call));
+                                                     fwd.lse.view(), su.dout->dev_view, mask, options, call));
   };
   for (const bool deterministic : {true, false}) {
     for (int run = 0; run < 2; ++run) {
@@ -447,6 +447,73 @@ TEST_P(AttentionCuda, BackwardMatchesTheOracle) {
   for (const int workers : {61, 7, 1})
     EXPECT_TRUE(first.same_bytes(backward(true, workers, nullptr))) << workers << " SMs' worth of workers";
 }
+
+TEST_P(AttentionCuda, BackwardMatchesTheOracle) {
+  REQUIRE_HOPPER();
+  const Case c = GetParam();
+  REQUIRE_KERNEL(c);
+  Prepared su(c);
+  expect_backward_matches(c, su, su.mask);
+}
+
+// Documents as ranges (issue 15 item 4): the backward on the padded mask (documents of 128 tokens
+// or more on 128-token boundaries; host-built, copied over) against the same oracle, both modes,
+// D = 128 and 64, GQA, random and listed lengths (1 to 3000), blocks of 128 x 256, ids broadcast
+// over the batch; the case named first in padded_cases() also with its padded mask built on the
+// device.
+std::vector<Case> padded_cases() {
+  using K = MaskKind;
+  Case broadcast = documents_case("doccausal_bf16_lens_B2_S900_broadcast_ids", DType::kBF16, 2, 900, 900, 2, 1, 128,
+                                  K::kDocumentCausal, {129, 1, 300, 64, 128, 65, 213});
+  broadcast.broadcast_docs = true;  // ids [1, S]: the padded form's lists and real_rows broadcast too
+  return {broadcast,
+      {"doccausal_bf16_S1031_B2", DType::kBF16, 2, 1031, 1031, 2, 1, 128, 128, 128, K::kDocumentCausal},
+      {"document_fp16_S611_D64_blk128x256", DType::kFP16, 2, 611, 611, 2, 2, 64, 128, 256, K::kDocument},
+      documents_case("doccausal_bf16_lens1to3000_B2_S3700", DType::kBF16, 2, 3700, 3700, 2, 1, 128, K::kDocumentCausal,
+                     {1, 2, 63, 64, 3000, 65, 127, 128, 129}),
+      documents_case("doccausal_bf16_lens_B2_S1700_h8_gqa", DType::kBF16, 2, 1700, 1700, 8, 2, 128, K::kDocumentCausal,
+                     {129, 1, 300, 64, 128, 65, 700}),
+      documents_case("doccausal_fp16_lens_B3_S1500_D64_bhsd", DType::kFP16, 3, 1500, 1500, 4, 2, 64,
+                     K::kDocumentCausal, {129, 1, 300, 64, 128, 65}, {}, false, true),
+  };
+}
+
+class AttentionCudaPadded : public ::testing::TestWithParam<Case> {};
+
+TEST_P(AttentionCudaPadded, BackwardMatchesTheOracle) {
+  REQUIRE_HOPPER();
+  const Case c = GetParam();
+  REQUIRE_KERNEL(c);
+  Prepared su(c);
+  st::MaskSpec spec;
+  spec.kind = c.kind;
+  spec.doc_q = spec.doc_kv = su.doc.view();
+  st::BlockMaskOptions opts;
+  opts.block_q = c.block_q;
+  opts.block_kv = c.block_kv;
+  const st::BlockMaskTensors padded = st::build_doc_padded_mask(spec, c.Sq, 128, opts);
+  const HostTensor rows = HostTensor::copy_of(padded.mask.real_rows);
+  bool moved = false;  // the layout differs from the tokens' (else the case tests nothing new)
+  for (int64_t p = 0; p < rows.numel() && !moved; ++p)
+    moved = rows.get(p) >= 0 && rows.get(p) != double(p % padded.mask.seq_q);
+  ASSERT_TRUE(moved);
+  DeviceMask dpad(padded.mask);
+  st::BlockMask m = su.mask;
+  m.backward_padded = &dpad.mask;
+  expect_backward_matches(c, su, m);
+  if (c.name == padded_cases().front().name) {  // the padded mask built on the device (at the length bound)
+    const DeviceTensor dids(su.doc);
+    st::MaskSpec dspec = spec;
+    dspec.doc_q = dspec.doc_kv = dids.view();
+    opts.device = st::Device::cuda(0);
+    const st::BlockMaskTensors built = st::build_doc_padded_mask(dspec, c.Sq, 128, opts);
+    m.backward_padded = &built.mask;
+    expect_backward_matches(c, su, m);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Padded, AttentionCudaPadded, ::testing::ValuesIn(padded_cases()),
+                         [](const ::testing::TestParamInfo<Case>& p) { return p.param.name; });
 
 INSTANTIATE_TEST_SUITE_P(Cuda, AttentionCuda, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<Case>& p) { return p.param.name; });

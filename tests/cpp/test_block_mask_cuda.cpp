@@ -12,10 +12,12 @@
 #include <cstdio>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "device_tensor.h"
 #include "common/cu_seqlens.h"
+#include "common/doc_padding.h"
 #include "sparsetrain/block_mask.h"
 #include "sparsetrain/cu_seqlens.h"
 
@@ -130,6 +132,70 @@ TEST(BlockMaskCuda, DeviceBuildEqualsTheHostBuildForEveryKindAndSchedule) {
         expect_device_build_equals_host(spec, c.seq_q, c.seq_kv, o, doc ? &doc_q : nullptr, doc ? &doc_kv : nullptr,
                                         doc ? &ddoc_q : nullptr, doc ? &ddoc_kv : nullptr);
       }
+  }
+}
+
+// The backward's padded document mask built on the device (build_doc_padded_mask: the layout at
+// the length bound, doc_pad_token_step scanned per batch row, then the device lists) against the
+// host build: the same ids and real rows up to the host's padded length (the longest row's) and
+// padding after it, and lists equal bit for bit to the host builder's over the copied-back padded
+// ids; rows longer than the layout kernel's 1024 threads, documents of 1 to 3000 tokens, min
+// lengths 128 and 1024.
+TEST(BlockMaskCuda, DocPaddedMaskOnTheDeviceEqualsTheHostOne) {
+  REQUIRE_GPU();
+  std::mt19937 rng(28);
+  for (const auto& [batch, seq, min_length] : {std::tuple<int64_t, int64_t, int64_t>{2, 1031, 128},
+                                              {3, 9000, 128},
+                                              {1, 20000, 1024},
+                                              {1, 5000, 128}}) {
+    SCOPED_TRACE("B " + std::to_string(batch) + " S " + std::to_string(seq) + " min " + std::to_string(min_length));
+    HostTensor ids(st::DType::kInt32, {batch, seq});
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t s = 0, id = 0; s < seq; ++id)
+        for (int64_t n = 1 + int64_t(rng() % 3000); n > 0 && s < seq; --n) ids.set(b * seq + s++, double(id));
+    const DeviceTensor dids(ids);
+    st::MaskSpec spec;
+    spec.kind = st::MaskKind::kDocumentCausal;
+    spec.doc_q = spec.doc_kv = ids.view();
+    st::BlockMaskOptions o;
+    o.auto_schedule = false;
+    const st::BlockMaskTensors host = st::build_doc_padded_mask(spec, seq, min_length, o);
+    st::MaskSpec dspec = spec;
+    dspec.doc_q = dspec.doc_kv = dids.view();
+    o.device = st::Device::cuda(0);
+    const st::BlockMaskTensors dev = st::build_doc_padded_mask(dspec, seq, min_length, o);
+    const int64_t P = dev.mask.seq_q, Ph = host.mask.seq_q;
+    EXPECT_EQ(P, st::doc_padded_length_bound(seq, min_length));
+    ASSERT_LE(Ph, P);
+    const HostTensor rows = to_host(dev.real_rows.view()), q = to_host(dev.doc_q.view()), kv = to_host(dev.doc_kv.view());
+    const HostTensor hrows = HostTensor::copy_of(host.real_rows.view()), hq = HostTensor::copy_of(host.doc_q.view());
+    const HostTensor hkv = HostTensor::copy_of(host.doc_kv.view());
+    for (int64_t b = 0; b < batch; ++b) {
+      double max_id = 0;
+      for (int64_t s = 0; s < seq; ++s) max_id = std::max(max_id, ids.get(b * seq + s));
+      for (int64_t p = 0; p < P; ++p) {
+        const int64_t i = b * P + p, h = b * Ph + p;
+        if (p < Ph) {
+          ASSERT_EQ(rows.get(i), hrows.get(h)) << "real row, batch " << b << " position " << p;
+          ASSERT_EQ(q.get(i), hq.get(h)) << "query id, batch " << b << " position " << p;
+          ASSERT_EQ(kv.get(i), hkv.get(h)) << "key id, batch " << b << " position " << p;
+        } else {
+          ASSERT_EQ(rows.get(i), -1) << "past the host's length, batch " << b << " position " << p;
+          ASSERT_EQ(q.get(i), max_id + 1) << "padding query id, batch " << b << " position " << p;
+          ASSERT_EQ(kv.get(i), max_id + 2) << "padding key id, batch " << b << " position " << p;
+        }
+      }
+    }
+    // The device lists against the host builder over the same padded ids.
+    st::MaskSpec back = spec;
+    back.doc_q = q.view();
+    back.doc_kv = kv.view();
+    o.device = st::Device::cpu();
+    const st::BlockMaskTensors want = st::build_block_mask(back, P, P, o);
+    st::BlockMask expected = want.mask, got = dev.mask;
+    const auto w = tensors(expected), g = tensors(got);
+    for (size_t t = 0; t < w.size(); ++t)
+      EXPECT_TRUE(to_host(*g[t].second).bytes_equal(HostTensor::copy_of(*w[t].second))) << g[t].first;
   }
 }
 

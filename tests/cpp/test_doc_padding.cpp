@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/doc_padding.h"
@@ -23,6 +24,19 @@ std::vector<int32_t> documents(int64_t seq, int64_t max_length, uint64_t seed) {
     ids.insert(ids.end(), size_t(1 + rng() % uint64_t(max_length)), doc);
   ids.resize(size_t(seq));
   return ids;
+}
+
+// The documents of a row of ids: [start, end) of each maximal run of equal ids.
+std::vector<std::pair<int64_t, int64_t>> document_runs(const std::vector<int32_t>& ids) {
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  const int64_t seq = int64_t(ids.size());
+  for (int64_t s = 0; s < seq;) {
+    int64_t e = s;
+    while (e < seq && ids[size_t(e)] == ids[size_t(s)]) ++e;
+    runs.emplace_back(s, e);
+    s = e;
+  }
+  return runs;
 }
 
 TEST(DocPadding, ByHand) {
@@ -57,9 +71,7 @@ TEST(DocPadding, LongDocumentsOnBoundariesShortOnesPacked) {
         EXPECT_LE(length, st::doc_padded_length_bound(seq, min_length));
         int64_t rounded = 0;  // every document padded: the sum of the rounded-up lengths
         bool prev_long = true;
-        for (int64_t s = 0; s < seq;) {
-          int64_t e = s;
-          while (e < seq && ids[size_t(e)] == ids[size_t(s)]) ++e;
+        for (const auto& [s, e] : document_runs(ids)) {
           for (int64_t i = s + 1; i < e; ++i) ASSERT_EQ(pos[size_t(i)], pos[size_t(i - 1)] + 1) << "inside a document";
           const bool long_doc = e - s >= min_length;
           if (long_doc || prev_long) {
@@ -72,7 +84,6 @@ TEST(DocPadding, LongDocumentsOnBoundariesShortOnesPacked) {
           }
           rounded += (e - s + st::kDocPadAlign - 1) / st::kDocPadAlign * st::kDocPadAlign;
           prev_long = long_doc;
-          s = e;
         }
         if (min_length == 1) {
           EXPECT_EQ(length, rounded);
@@ -139,12 +150,9 @@ TEST(DocPadding, TheLayoutAsAScanOfDocumentSteps) {
         int64_t length = 0;
         const std::vector<int64_t> pos = st::doc_padded_positions(ids.data(), seq, min_length, &length);
         std::vector<int64_t> starts, lengths;
-        for (int64_t s = 0; s < seq;) {
-          int64_t e = s;
-          while (e < seq && ids[size_t(e)] == ids[size_t(s)]) ++e;
+        for (const auto& [s, e] : document_runs(ids)) {
           starts.push_back(s);
           lengths.push_back(e - s);
-          s = e;
         }
         std::vector<st::DocPadStep> steps;
         for (const int64_t n : lengths) steps.push_back(st::doc_pad_step(n, min_length));
@@ -152,6 +160,35 @@ TEST(DocPadding, TheLayoutAsAScanOfDocumentSteps) {
           const int64_t x = st::doc_pad_apply(combine(steps, 0, d, rng), 0);
           const int64_t start = lengths[d] >= min_length ? st::doc_pad_align(x) : x;
           ASSERT_EQ(start, pos[size_t(starts[d])]) << "document " << d;
+        }
+        EXPECT_EQ(st::doc_pad_align(st::doc_pad_apply(combine(steps, 0, steps.size(), rng), 0)), length);
+      }
+}
+
+// The per-token form (the device build's): each token's step from whether it starts or ends a long
+// document, combined in random tree orders, places every token where doc_padded_positions does.
+TEST(DocPadding, TheLayoutAsAScanOfTokenSteps) {
+  std::mt19937_64 rng(28);
+  for (const int64_t seq : {1, 300, 3000})
+    for (const int64_t max_length : {1, 200, 2000})
+      for (const int64_t min_length : {1, 128, 129, 1024}) {
+        SCOPED_TRACE("seq " + std::to_string(seq) + " lengths 1.." + std::to_string(max_length) + " min " +
+                     std::to_string(min_length));
+        const std::vector<int32_t> ids = documents(seq, max_length, uint64_t(seq * 3 + max_length + min_length));
+        int64_t length = 0;
+        const std::vector<int64_t> pos = st::doc_padded_positions(ids.data(), seq, min_length, &length);
+        std::vector<st::DocPadStep> steps(static_cast<size_t>(seq));
+        std::vector<bool> starts_long(static_cast<size_t>(seq));
+        for (const auto& [s, e] : document_runs(ids))
+          for (int64_t t = s; t < e; ++t) {
+            starts_long[size_t(t)] = t == s && e - s >= min_length;
+            steps[size_t(t)] = st::doc_pad_token_step(starts_long[size_t(t)], t == e - 1 && e - s >= min_length);
+          }
+        // Every token for the short sequences, a sample of 200 for the long one (each a fresh tree).
+        for (int64_t i = 0; i < std::min<int64_t>(seq, 200); ++i) {
+          const int64_t t = seq <= 200 ? i : int64_t(rng() % uint64_t(seq));
+          const int64_t x = st::doc_pad_apply(combine(steps, 0, size_t(t), rng), 0);
+          ASSERT_EQ(st::doc_pad_token_position(x, starts_long[size_t(t)]), pos[size_t(t)]) << "token " << t;
         }
         EXPECT_EQ(st::doc_pad_align(st::doc_pad_apply(combine(steps, 0, steps.size(), rng), 0)), length);
       }

@@ -787,3 +787,65 @@ def test_eager_native_attention_path(monkeypatch):
             m.kv_num_blocks.add_(0)
             with pytest.raises(RuntimeError, match="modified by an inplace operation"):
                 o.backward(do)
+
+
+def test_padded_backward_form_of_a_document_mask(monkeypatch):
+    """BlockMask.build(..., doc_padding=128) adds the mask's padded backward form (block_mask.h
+    backward_padded: documents of >= 128 tokens on 128-token boundaries, which the CUDA backward
+    runs on): its real_rows place every token once and in order; it moves and converts with the
+    mask; on the CPU (whose reference reads the mask itself) forward and gradients are bitwise those
+    of the mask without it, through the C++ torch operators, the extension path and the numpy front;
+    the library checks the padded form on every path (a token placed twice is refused naming
+    mask.backward_padded.real_rows, so it did cross); bad doc_padding arguments raise naming it."""
+    rng = np.random.default_rng(15)
+    B, S = 2, 700
+    ids = np.concatenate([np.repeat(np.arange(S), rng.integers(1, 300, size=S))[:S] for _ in range(B)]).reshape(B, S)
+    ids = torch.as_tensor(ids, dtype=torch.int32)
+    plain = st.BlockMask.build("document_causal", S, document_ids=ids, framework="torch")
+    mask = st.BlockMask.build("document_causal", S, document_ids=ids, framework="torch", doc_padding=128)
+    p = mask.backward_padded
+    assert plain.backward_padded is None and p is not None and p.backward_padded is None
+    assert p.seq_q == p.seq_kv and p.seq_q % 128 == 0 and p.seq_q >= S and (p.schedule, p.walk) == (mask.schedule, mask.walk)
+    for b in range(B):
+        rows = p.real_rows[b]
+        assert torch.equal(rows[rows >= 0], torch.arange(S, dtype=torch.int32))
+        assert torch.equal(p.spec.doc_q[b][rows >= 0], ids[b])
+    assert (p.real_rows >= 0).sum() == B * S and (p.real_rows < 0).any(), "no document was padded: nothing tested"
+    p.validate()
+    assert set(mask.to_numpy().tensors()) == set(mask.tensors()) and "backward_padded.real_rows" in mask.tensors()
+
+    def run(m, native=True):
+        with monkeypatch.context() as mp:
+            if not native:
+                mp.setattr(stt, "_NATIVE", None)
+            q, k, v, do = _inputs(B, 4, 2, S, S, 16, seed=3)
+            o, lse = stt.block_sparse_attention(q, k, v, m, return_lse=True)
+            o.backward(do)
+            return [o.detach(), lse, q.grad, k.grad, v.grad]
+
+    want = run(plain)
+    for native in (True, False):
+        for a, b in zip(run(mask, native), want):
+            assert _bitwise(a, b), f"native {native}"
+    q, k, v, do = (t.detach().transpose(1, 2).contiguous().numpy() for t in _inputs(B, 4, 2, S, S, 16, seed=3))
+    o, lse = st.block_sparse_attention_forward(q, k, v, mask.to_numpy())
+    grads = st.block_sparse_attention_backward(q, k, v, o, lse, do, mask.to_numpy())
+    want_np = st.block_sparse_attention_backward(q, k, v, o, lse, do, plain.to_numpy())
+    for a, b in zip(grads, want_np):
+        assert np.array_equal(a, b)
+    # A padded form that places a token twice crosses every front and is refused there.
+    bad = st.BlockMask.build("document_causal", S, document_ids=ids, framework="torch", doc_padding=128)
+    rows = bad.backward_padded.real_rows
+    first = int(torch.nonzero(rows[0] > 0)[0])
+    rows[0, first] = rows[0, first] - 1
+    for native in (True, False):
+        with monkeypatch.context() as mp:
+            if not native:
+                mp.setattr(stt, "_NATIVE", None)
+            q, k, v, do = _inputs(B, 4, 2, S, S, 16)
+            with pytest.raises((ValueError, RuntimeError), match=r"mask.backward_padded.real_rows"):
+                stt.block_sparse_attention(q, k, v, bad).backward(do)
+    with pytest.raises(ValueError, match=r"min_length"):
+        st.BlockMask.build("document_causal", S, document_ids=ids, doc_padding=64)
+    with pytest.raises(ValueError, match=r"doc_padding"):
+        st.BlockMask.build("causal", S, doc_padding=128)

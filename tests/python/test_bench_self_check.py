@@ -19,6 +19,13 @@ def test_bench_attention_self_check_passes():
     assert r.returncode == 0 and "self-check passed" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
 
 
+def test_bench_attention_self_check_with_padded_documents():
+    """--doc-padding: the document cases' masks built with their padded backward form."""
+    r = subprocess.run([sys.executable, BENCH, "--self-check", "--quick", "--doc-padding", "1024", "--only",
+                        "document_causal,document_causal_1to3000"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "self-check passed" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+
+
 def test_bench_moe_runs_on_the_cpu(tmp_path):
     """The MoE benchmark end to end at --quick on the CPU: both sides run, agree, and the JSON is
     written (its timings are not the point here)."""

@@ -47,6 +47,15 @@ struct BwdArgs {
   // semaphore index, the turn waited for and the value found, for the report.
   int32_t* abandoned;
   int32_t batch, seq_q, seq_kv, heads_q, heads_kv;
+  // Documents as ranges (BlockMask::backward_padded): the lists, the document ids, the in-tile
+  // mask and the scratch rows (lse, delta, doc_q_rows, the dQ accumulator, semaphores) are over
+  // mask_seq_q = mask_seq_kv padded positions per batch row, and real_rows ([B or 1, mask_seq_q],
+  // batch stride real_rows_stride_b, 0 to broadcast) gives each position's token (-1: padding):
+  // where the loader's boxes start and the dK, dV and dQ rows go (bwd_real_row). Null: positions
+  // are tokens, mask_seq_q / _kv = seq_q / seq_kv.
+  const int32_t* real_rows;
+  int32_t real_rows_stride_b;
+  int32_t mask_seq_q, mask_seq_kv;
   // heads_q / heads_kv, divided once here: each role reads it from the parameters at an item's
   // start instead of holding it in a register (the producer's 24 at 128-row q tiles).
   int32_t group;
@@ -63,6 +72,23 @@ struct BwdArgs {
   bool deterministic;
   int64_t spin_limit_ns;    // a dQ wait longer than this reports and gives up (no hang)
 };
+
+// The token at mask position `pos` of batch b: -1 for a padding position or one at or past
+// mask_seq; the identity without padding (real_rows null). The one rule for the kernel, the
+// preprocessing and the dQ conversion.
+ST_HOST_DEVICE inline int32_t bwd_token_at(const int32_t* real_rows, int32_t real_rows_stride_b, int32_t mask_seq,
+                                           int32_t b, int32_t pos) {
+  if (pos >= mask_seq) return -1;
+  return real_rows == nullptr ? pos : real_rows[b * real_rows_stride_b + pos];
+}
+// A query position's token and a key position's: one layout when padded (mask_seq_q ==
+// mask_seq_kv), each bounded by its own length when not (seq_kv may exceed seq_q).
+ST_HOST_DEVICE inline int32_t bwd_real_row(const BwdArgs& a, int32_t b, int32_t pos) {
+  return bwd_token_at(a.real_rows, a.real_rows_stride_b, a.mask_seq_q, b, pos);
+}
+ST_HOST_DEVICE inline int32_t bwd_real_key(const BwdArgs& a, int32_t b, int32_t pos) {
+  return bwd_token_at(a.real_rows, a.real_rows_stride_b, a.mask_seq_kv, b, pos);
+}
 
 // The main kernel, then dq [B, Sq, Hq, D] (contiguous, the input dtype) from the accumulator.
 // One explicit instantiation per translation unit (attention_bwd_sm90_instance.cu.in).

@@ -95,8 +95,15 @@ __global__ void __launch_bounds__(kSortThreads) sort_items_kernel(const MaskWalk
 // The backward kernel's q tile rows for this problem's head dim (bwd_tile_q).
 int32_t bwd_tile_rows(const AttentionProblem& p) { return bwd_tile_q(int(p.head_dim)); }
 
-// Rows of one (b, h) in the backward's scratch: padded to whole q tiles.
-int64_t bwd_q_tiles(const AttentionProblem& p) { return (p.seq_q + bwd_tile_rows(p) - 1) / bwd_tile_rows(p); }
+// The mask the backward runs on: a document mask's padded form where it has one
+// (BlockMask::backward_padded: lists, ids and scratch rows over its positions).
+const BlockMask& bwd_mask(const BlockMask& m) { return m.backward_padded != nullptr ? *m.backward_padded : m; }
+
+// Rows of one (b, h) in the backward's scratch: the backward mask's positions, padded to whole q
+// tiles.
+int64_t bwd_q_tiles(const AttentionProblem& p, const BlockMask& bm) {
+  return (bm.seq_q + bwd_tile_rows(p) - 1) / bwd_tile_rows(p);
+}
 
 // The backward's scratch, in order (each region 256-byte aligned).
 struct BwdScratch {
@@ -111,8 +118,8 @@ struct BwdScratch {
   size_t bytes;
   size_t zeroed_bytes;  // semaphores + counters
 
-  BwdScratch(const AttentionProblem& p, void* base) {
-    const int64_t bh = p.batch * p.heads_q, tiles = bwd_q_tiles(p), rows = tiles * bwd_tile_rows(p);
+  BwdScratch(const AttentionProblem& p, const BlockMask& bm, void* base) {
+    const int64_t bh = p.batch * p.heads_q, tiles = bwd_q_tiles(p, bm), rows = tiles * bwd_tile_rows(p);
     char* at = static_cast<char*>(base);
     size_t off = 0;
     auto take = [&](size_t n) {
@@ -129,7 +136,7 @@ struct BwdScratch {
     semaphores = reinterpret_cast<int32_t*>(take(zeroed_bytes));
     counters = semaphores == nullptr ? nullptr : semaphores + bh * tiles;
     // Mask columns are at least one kernel kv tile wide: ceil(Skv / 128) bounds Nk.
-    permutation = reinterpret_cast<int32_t*>(take(size_t((p.seq_kv + kBwdTileKv - 1) / kBwdTileKv) * sizeof(int32_t)));
+    permutation = reinterpret_cast<int32_t*>(take(size_t((bm.seq_kv + kBwdTileKv - 1) / kBwdTileKv) * sizeof(int32_t)));
     sections = reinterpret_cast<int32_t*>(take(sizeof(int32_t)));
     bytes = off;
   }
@@ -246,6 +253,26 @@ void check_tma_operand(const TensorView& t, const char* name, DType dtype) {
                "strides [", t.stride(0), ", ", t.stride(1), ", ", t.stride(2), ", 1] at ", t.data());
 }
 
+// The mask's blocks against the kernels' tiles, and a bitmask's words (`name`: the mask's name in
+// the message).
+void check_mask_kernels(const BlockMask& mask, const std::string& name) {
+  ST_CHECK_ARG(mask.block_q % kTileQ == 0, (name + "block_q").c_str(),
+               "a multiple of the CUDA kernel's q tile (" + std::to_string(kTileQ) + ")", mask.block_q);
+  static_assert(kBwdTileKv == kTileKv, "the block_kv check below covers both kernels' kv tiles: if they differ, check each");
+  ST_CHECK_ARG(mask.block_kv % kTileKv == 0, (name + "block_kv").c_str(),
+               "a multiple of the CUDA kernel's kv tile (" + std::to_string(kTileKv) + ")", mask.block_kv);
+  if (mask.spec.kind == MaskKind::kBitmask) {
+    // The kernel reads a row's bits as 32-bit words.
+    const TensorView& bits = mask.partial_bitmasks;
+    const bool words = reinterpret_cast<uintptr_t>(bits.data()) % 4 == 0 && bits.stride(0) % 4 == 0 &&
+                       bits.stride(1) % 4 == 0 && bits.stride(2) % 4 == 0 && bits.stride(3) % 4 == 0;
+    ST_CHECK_ARG(bits.stride(4) == 1 && words, (name + "partial_bitmasks").c_str(),
+                 "a contiguous last dim, a 4-byte aligned base and strides that are multiples of 4 bytes",
+                 "strides [", bits.stride(0), ", ", bits.stride(1), ", ", bits.stride(2), ", ", bits.stride(3), ", ",
+                 bits.stride(4), "] at ", bits.data());
+  }
+}
+
 class AttentionCuda final : public backend::AttentionBackend {
  public:
   void check_supported(const AttentionProblem& p, const TensorView& q, const TensorView& k, const TensorView& v,
@@ -256,40 +283,37 @@ class AttentionCuda final : public backend::AttentionBackend {
     check_tma_operand(k, "k", p.dtype);
     check_tma_operand(v, "v", p.dtype);
     if (backward != nullptr) check_tma_operand(backward->dout, "dout", p.dtype);
-    ST_CHECK_ARG(mask.block_q % kTileQ == 0, "mask.block_q",
-                 "a multiple of the CUDA kernel's q tile (" + std::to_string(kTileQ) + ")", mask.block_q);
-    static_assert(kBwdTileKv == kTileKv, "the block_kv check below covers both kernels' kv tiles: if they differ, check each");
-    ST_CHECK_ARG(mask.block_kv % kTileKv == 0, "mask.block_kv",
-                 "a multiple of the CUDA kernel's kv tile (" + std::to_string(kTileKv) + ")", mask.block_kv);
-    if (mask.spec.kind == MaskKind::kBitmask) {
-      // The kernel reads a row's bits as 32-bit words.
-      const TensorView& bits = mask.partial_bitmasks;
-      const bool words = reinterpret_cast<uintptr_t>(bits.data()) % 4 == 0 && bits.stride(0) % 4 == 0 &&
-                         bits.stride(1) % 4 == 0 && bits.stride(2) % 4 == 0 && bits.stride(3) % 4 == 0;
-      ST_CHECK_ARG(bits.stride(4) == 1 && words, "mask.partial_bitmasks",
-                   "a contiguous last dim, a 4-byte aligned base and strides that are multiples of 4 bytes",
-                   "strides [", bits.stride(0), ", ", bits.stride(1), ", ", bits.stride(2), ", ", bits.stride(3), ", ",
-                   bits.stride(4), "] at ", bits.data());
+    // The backward's own checks read the mask it runs on (its padded form, if any: bwd_mask),
+    // under that mask's name.
+    if (backward != nullptr && mask.backward_padded != nullptr) {
+      check_mask_kernels(*mask.backward_padded, "mask.backward_padded.");
+      const TensorView& rr = mask.backward_padded->real_rows;
+      ST_CHECK_ARG(offsets_fit_int32(rr), "mask.backward_padded.real_rows",
+                   "every element offset below 2^31 (the backward indexes it in int32)", "the largest offset ",
+                   max_element_offset(rr));
     }
+    check_mask_kernels(mask, "mask.");
+    const BlockMask& bm = backward != nullptr ? bwd_mask(mask) : mask;
+    const std::string bname = backward != nullptr && mask.backward_padded != nullptr ? "mask.backward_padded." : "mask.";
     if (backward != nullptr && backward->deterministic) {
       // Turns are stored in block units; the kernel expands them to its kv tiles (dq_visit_turn).
-      ST_CHECK_ARG(mask.dq_write_order.defined() && (!mask.full_q_indices.defined() || mask.dq_write_order_full.defined()),
-                   "mask.dq_write_order", "the dQ write orders for the deterministic backward (compute_dq_write_order)",
+      ST_CHECK_ARG(bm.dq_write_order.defined() && (!bm.full_q_indices.defined() || bm.dq_write_order_full.defined()),
+                   (bname + "dq_write_order").c_str(), "the dQ write orders for the deterministic backward (compute_dq_write_order)",
                    "none");
     }
-    if (backward != nullptr && mask.schedule.kind == ScheduleKind::kPermutation)
-      ST_CHECK_ARG(int64_t(mask.schedule.permutation.size()) == mask.num_kv_blocks(), "mask.schedule",
-                   "a permutation of the " + std::to_string(mask.num_kv_blocks()) + " kv block columns",
-                   mask.schedule.permutation.size(), " entries");
+    if (backward != nullptr && bm.schedule.kind == ScheduleKind::kPermutation)
+      ST_CHECK_ARG(int64_t(bm.schedule.permutation.size()) == bm.num_kv_blocks(), (bname + "schedule").c_str(),
+                   "a permutation of the " + std::to_string(bm.num_kv_blocks()) + " kv block columns",
+                   bm.schedule.permutation.size(), " entries");
     ST_CHECK_ARG(backend::attention_cuda_has_kernel(p.dtype, p.head_dim), "q",
                  "a head dim with a CUDA kernel in this build (" + backend::attention_cuda_kernels() + ")",
                  "D = ", p.head_dim, " (", dtype_name(p.dtype), ")");
     const int64_t limit = int64_t(1) << 30;
-    const int64_t items = p.batch * p.heads_q * q_tiles_of(p);
+    const int64_t items = p.batch * p.heads_q * std::max(q_tiles_of(p), backward != nullptr ? bwd_q_tiles(p, bm) : 0);
     // The kernels index the mask's lists their walks read, and the document ids, in int32.
-    auto check_int32_offsets = [](const TensorView* t, const char* name, const char* reader) {
+    auto check_int32_offsets = [](const TensorView* t, const std::string& name, const char* reader) {
       if (t != nullptr)
-        ST_CHECK_ARG(offsets_fit_int32(*t), name,
+        ST_CHECK_ARG(offsets_fit_int32(*t), name.c_str(),
                      std::string("every element offset below 2^31 (the ") + reader +
                          " indexes it in int32; broadcast the mask over batch or heads)",
                      "the largest offset ", max_element_offset(*t));
@@ -302,25 +326,25 @@ class AttentionCuda final : public backend::AttentionBackend {
         check_int32_offsets(t, name, "forward");
     } else {
       // The backward's tickets are int32 (BwdTicketScheduler, its index math 32-bit).
-      const int64_t tickets = p.batch * p.heads_kv * mask.num_kv_blocks() * dq_sub_tiles(mask.block_kv);
+      const int64_t tickets = p.batch * p.heads_kv * bm.num_kv_blocks() * dq_sub_tiles(bm.block_kv);
       ST_CHECK_ARG(tickets < (int64_t(1) << 31), "k", "B * Hkv * ceil(Skv / 128) below 2^31 (the backward's work items)",
                    tickets, " items");
       // The backward indexes in int32 the mask's lists its walk reads (common/attention_bwd_walk.h:
       // write orders in the deterministic mode, the forward lists for bitmasks) and the document ids.
-      const bool det = backward->deterministic, bits = mask.spec.kind == MaskKind::kBitmask;
-      const bool docs = mask.spec.kind == MaskKind::kDocument || mask.spec.kind == MaskKind::kDocumentCausal;
+      const bool det = backward->deterministic, bits = bm.spec.kind == MaskKind::kBitmask;
+      const bool docs = bm.spec.kind == MaskKind::kDocument || bm.spec.kind == MaskKind::kDocumentCausal;
       const std::pair<const TensorView*, const char*> lists[] = {
-          {&mask.q_num_blocks, "mask.q_num_blocks"},
-          {&mask.q_indices, "mask.q_indices"},
-          {&mask.full_q_num_blocks, "mask.full_q_num_blocks"},
-          {&mask.full_q_indices, "mask.full_q_indices"},
-          {det ? &mask.dq_write_order : nullptr, "mask.dq_write_order"},
-          {det ? &mask.dq_write_order_full : nullptr, "mask.dq_write_order_full"},
-          {bits ? &mask.kv_num_blocks : nullptr, "mask.kv_num_blocks"},
-          {bits ? &mask.kv_indices : nullptr, "mask.kv_indices"},
-          {docs ? &mask.spec.doc_q : nullptr, "mask.spec.doc_q"},
-          {docs ? &mask.spec.doc_kv : nullptr, "mask.spec.doc_kv"}};
-      for (const auto& [t, name] : lists) check_int32_offsets(t, name, "backward");
+          {&bm.q_num_blocks, "q_num_blocks"},
+          {&bm.q_indices, "q_indices"},
+          {&bm.full_q_num_blocks, "full_q_num_blocks"},
+          {&bm.full_q_indices, "full_q_indices"},
+          {det ? &bm.dq_write_order : nullptr, "dq_write_order"},
+          {det ? &bm.dq_write_order_full : nullptr, "dq_write_order_full"},
+          {bits ? &bm.kv_num_blocks : nullptr, "kv_num_blocks"},
+          {bits ? &bm.kv_indices : nullptr, "kv_indices"},
+          {docs ? &bm.spec.doc_q : nullptr, "spec.doc_q"},
+          {docs ? &bm.spec.doc_kv : nullptr, "spec.doc_kv"}};
+      for (const auto& [t, name] : lists) check_int32_offsets(t, (bname + name).c_str(), "backward");
     }
     ST_CHECK_ARG(p.seq_q < limit && p.seq_kv < limit && items < limit, "q",
                  "Sq, Skv and B * Hq * ceil(Sq / 128) below 2^30 (32-bit indexing)", "Sq = ", p.seq_q,
@@ -331,7 +355,9 @@ class AttentionCuda final : public backend::AttentionBackend {
   size_t forward_scratch_bytes(const AttentionProblem& p) const override {
     return size_t(p.batch * p.heads_q * q_tiles_of(p)) * sizeof(FwdWorkRecord) + sizeof(FwdWorkRecord);
   }
-  size_t backward_scratch_bytes(const AttentionProblem& p) const override { return BwdScratch(p, nullptr).bytes; }
+  size_t backward_scratch_bytes(const AttentionProblem& p, const BlockMask& mask) const override {
+    return BwdScratch(p, bwd_mask(mask), nullptr).bytes;
+  }
 
   void forward(const backend::AttentionForwardParams& fp, void* scratch, Stream stream) override {
     const cuda::DeviceGuard guard(fp.q.device().index);
@@ -384,9 +410,9 @@ class AttentionCuda final : public backend::AttentionBackend {
   void backward(const backend::AttentionBackwardParams& bp, void* scratch, Stream stream) override {
     const cuda::DeviceGuard guard(bp.q.device().index);
     const AttentionProblem& p = bp.problem;
-    const BlockMask& m = *bp.mask;
-    const BwdScratch ws(p, scratch);
-    const int32_t q_tiles = int32_t(bwd_q_tiles(p)), rows = q_tiles * bwd_tile_rows(p);
+    const BlockMask& m = bwd_mask(*bp.mask);
+    const BwdScratch ws(p, m, scratch);
+    const int32_t q_tiles = int32_t(bwd_q_tiles(p, m)), rows = q_tiles * bwd_tile_rows(p);
     cudaStream_t s = static_cast<cudaStream_t>(stream.handle);
 
     // 16-byte loads where every row of o and dout starts on a 16-byte boundary (8 elements).
@@ -412,6 +438,11 @@ class AttentionCuda final : public backend::AttentionBackend {
     a.batch = int32_t(p.batch), a.seq_q = int32_t(p.seq_q), a.seq_kv = int32_t(p.seq_kv);
     a.heads_q = int32_t(p.heads_q), a.heads_kv = int32_t(p.heads_kv);
     a.group = a.heads_q / a.heads_kv;
+    a.mask_seq_q = int32_t(m.seq_q), a.mask_seq_kv = int32_t(m.seq_kv);
+    if (m.real_rows.defined()) {
+      a.real_rows = static_cast<const int32_t*>(m.real_rows.data());
+      a.real_rows_stride_b = int32_t(m.real_rows.broadcast_stride(0));
+    }
     a.scale = p.scale;
     a.lists.partial_count = mask_index_view(m.q_num_blocks);
     a.lists.partial_index = mask_index_view(m.q_indices);
@@ -453,7 +484,7 @@ class AttentionCuda final : public backend::AttentionBackend {
         // The deterministic mode walking ascending queues its columns behind each other whatever
         // their length: the plain hand-out but for a few long columns (common/bwd_sections.h).
         const bool ascending = !a.lists.walk.descending;
-        const BwdColumnWalks walks = bwd_column_walks(m.spec, p.seq_q, p.seq_kv, m.block_kv, bwd_tile_rows(p));
+        const BwdColumnWalks walks = bwd_column_walks(m.spec, m.seq_q, m.seq_kv, m.block_kv, bwd_tile_rows(p));
         if (walks.known()) {
           handout.section_groups = bwd_auto_section_groups(bp.deterministic, ascending, groups, group_bytes,
                                                            l2_budget(device), a.grid, walks, items_per_group, group);
@@ -482,7 +513,8 @@ class AttentionCuda final : public backend::AttentionBackend {
             static_cast<const E*>(bp.o.data()), bp.o.stride(0), bp.o.stride(1), bp.o.stride(2),
             static_cast<const E*>(bp.dout.data()), bp.dout.stride(0), bp.dout.stride(1), bp.dout.stride(2),
             static_cast<const float*>(bp.lse.data()), bp.lse.stride(0), bp.lse.stride(1), bp.lse.stride(2),
-            int32_t(p.batch), int32_t(p.heads_q), int32_t(p.seq_q), rows, int32_t(p.head_dim), heads_log2, ws.lse_log2, ws.delta,
+            int32_t(p.batch), int32_t(p.heads_q), int32_t(p.seq_q), a.mask_seq_q, a.real_rows, a.real_rows_stride_b, rows,
+            int32_t(p.head_dim), heads_log2, ws.lse_log2, ws.delta,
             bp.deterministic ? nullptr : ws.dq_accum, ws.semaphores, int64_t(ws.zeroed_bytes / sizeof(int32_t)),
             docs ? spec.doc_q : nullptr, docs ? spec.doc_q_stride_b : 0, docs ? ws.doc_q_rows : nullptr, on_device);
       };

@@ -19,8 +19,11 @@
 #include <cuda_runtime.h>
 
 #include <climits>
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
 
 #include "common/block_mask_rows.h"
+#include "common/doc_padding.h"
 #include "cuda/cuda_check.h"
 #include "cuda/runtime_cuda.h"
 #include "ops/block_mask_internal.h"
@@ -206,6 +209,75 @@ __global__ void cols_kernel(const DeviceMaskBuild p, int32_t* q_num, int32_t* q_
   }
 }
 
+// build_doc_padded_mask on a device: batch row blockIdx.x's padded layout (common/doc_padding.h).
+// The row's largest id first (padding positions get max + 1 as a query, max + 2 as a key, as
+// doc_padded_ids), every position padding; then the tokens in chunks of the CTA: a token looks up
+// to min_length ids each way to learn whether it starts or ends a long document, its step
+// (doc_pad_token_step) goes through a CTA-wide exclusive scan carried from chunk to chunk, and the
+// token's id and real row are written at its position.
+constexpr int kPadThreads = 1024;
+struct DocPadThen {
+  __device__ DocPadStep operator()(const DocPadStep& f, const DocPadStep& g) const { return doc_pad_then(f, g); }
+};
+struct DocPadCarry {  // the scan's running prefix over the chunks so far (read by the first warp)
+  DocPadStep running;
+  __device__ DocPadStep operator()(const DocPadStep& chunk) {
+    const DocPadStep before = running;
+    running = doc_pad_then(running, chunk);
+    return before;
+  }
+};
+
+__global__ void __launch_bounds__(kPadThreads) doc_pad_layout_kernel(const int32_t* ids_all, int64_t ids_stride_b,
+                                                                     int64_t seq, int64_t min_length, int64_t padded,
+                                                                     int32_t* doc_q, int32_t* doc_kv,
+                                                                     int32_t* real_rows) {
+  const int64_t b = blockIdx.x;
+  const int32_t* ids = ids_all + b * ids_stride_b;
+  int32_t* q = doc_q + b * padded;
+  int32_t* kv = doc_kv + b * padded;
+  int32_t* rows = real_rows + b * padded;
+  using Reduce = cub::BlockReduce<int32_t, kPadThreads>;
+  using Scan = cub::BlockScan<DocPadStep, kPadThreads>;
+  __shared__ union {
+    typename Reduce::TempStorage reduce;
+    typename Scan::TempStorage scan;
+  } tmp;
+  __shared__ int32_t max_id;
+  int32_t mine = INT_MIN;
+  for (int64_t t = threadIdx.x; t < seq; t += blockDim.x) mine = max(mine, ids[t]);
+  const int32_t m = Reduce(tmp.reduce).Reduce(mine, [](int32_t x, int32_t y) { return max(x, y); });
+  if (threadIdx.x == 0) max_id = m;
+  __syncthreads();
+  // Ids below INT32_MAX - 1 (the host builder checks it; here the pads saturate instead of wrapping).
+  const int32_t pad_q = max_id < INT_MAX ? max_id + 1 : INT_MAX, pad_kv = max_id < INT_MAX - 1 ? max_id + 2 : INT_MAX;
+  for (int64_t p = threadIdx.x; p < padded; p += blockDim.x) q[p] = pad_q, kv[p] = pad_kv, rows[p] = -1;
+  __syncthreads();
+  DocPadCarry carry{};
+  for (int64_t base = 0; base < seq; base += blockDim.x) {
+    const int64_t t = base + threadIdx.x;
+    const bool real = t < seq;
+    const int32_t id = real ? ids[t] : 0;
+    bool starts_long = false, ends_long = false;
+    if (real && (t == 0 || ids[t - 1] != id)) {  // a document's first token: long if min_length more match
+      starts_long = t + min_length <= seq;
+      for (int64_t j = 1; starts_long && j < min_length; ++j) starts_long = ids[t + j] == id;
+    }
+    if (real && (t + 1 == seq || ids[t + 1] != id)) {  // its last token: long if min_length before match
+      ends_long = t + 1 >= min_length;
+      for (int64_t j = 1; ends_long && j < min_length; ++j) ends_long = ids[t - j] == id;
+    }
+    const DocPadStep step = real ? doc_pad_token_step(starts_long, ends_long) : DocPadStep{};
+    DocPadStep before;
+    Scan(tmp.scan).ExclusiveScan(step, before, DocPadThen{}, carry);
+    __syncthreads();  // tmp.scan is reused by the next chunk
+    if (real) {
+      const int64_t p = doc_pad_token_position(doc_pad_apply(before, 0), starts_long);
+      if (p < padded) q[p] = id, kv[p] = id, rows[p] = int32_t(t);  // p < padded by the bound; checked anyway
+    }
+  }
+}
+
 // Threads for a CTA over `len` entries: a multiple of 32, at most kMaxThreads.
 unsigned threads_for(int64_t len) {
   const int64_t t = (len + 31) / 32 * 32;
@@ -214,6 +286,16 @@ unsigned threads_for(int64_t len) {
 int32_t* ptr(const Tensor& t) { return t.view().data_as<int32_t>(); }
 
 }  // namespace
+
+void doc_padded_layout_cuda(const int32_t* ids, int64_t ids_stride_b, int64_t batch, int64_t seq, int64_t min_length,
+                            int64_t padded, int32_t* doc_q, int32_t* doc_kv, int32_t* real_rows, int device,
+                            Stream stream) {
+  if (batch > INT_MAX) ST_FAIL("build_doc_padded_mask on a CUDA device: batch ", batch, " above 2^31 - 1");
+  cuda::DeviceGuard guard(device);
+  doc_pad_layout_kernel<<<unsigned(batch), kPadThreads, 0, static_cast<cudaStream_t>(stream.handle)>>>(
+      ids, ids_stride_b, seq, min_length, padded, doc_q, doc_kv, real_rows);
+  ST_CUDA_CHECK(cudaGetLastError(), "doc_pad_layout_kernel launch");
+}
 
 void build_block_mask_cuda(const DeviceMaskBuild& p, BlockMaskTensors& t, Stream stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream.handle);

@@ -38,9 +38,9 @@ __device__ __forceinline__ void bwd_mask_bits(TS& s, TC const& coord, int q0, in
   CUTLASS_PRAGMA_UNROLL
   for (int g = 0; g < kGroups; ++g) {
     const int i = 32 * g + lane;  // the q tile's row this lane loads
-    words[g] = ok && q0 + i < a.seq_q ? __ldg(block + bitmask_word(row0 + i, col, m.block_kv)) : 0u;
+    words[g] = ok && q0 + i < a.mask_seq_q ? __ldg(block + bitmask_word(row0 + i, col, m.block_kv)) : 0u;
   }
-  mask_bits_transposed(s, coord, a.seq_kv - kv0, words,
+  mask_bits_transposed(s, coord, a.mask_seq_kv - kv0, words,
                        [](int, int, uint32_t pred) { return __ballot_sync(0xffffffffu, pred); });
 }
 
@@ -52,7 +52,7 @@ __device__ __forceinline__ void mask_tile_t(TS& s, TC const& coord, int q0, int 
     bwd_mask_bits<M>(s, coord, q0, kv0, a, b, h, column, visit);
     return;
   }
-  const TileMaskCoords t{q0, kv0, a.seq_q, a.seq_kv};
+  const TileMaskCoords t{q0, kv0, a.mask_seq_q, a.mask_seq_kv};  // mask positions
   // Document ids: the thread's keys (rows) in registers, queries from the visit's row of ids in
   // shared memory (doc_q_tile: loaded with lse and delta; read through L1 after the S GEMM, they
   // lengthened every partial visit). Offsets in int32 (the backend checks the id tensors fit): a
@@ -65,7 +65,7 @@ __device__ __forceinline__ void mask_tile_t(TS& s, TC const& coord, int q0, int 
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kKeys; ++i) {
       const int kv = kv0 + get<0>(coord(i, 0));
-      dkv[i] = kv < a.seq_kv ? __ldg(m.doc_kv + (doc_kv0 + kv)) : INT32_MIN;
+      dkv[i] = kv < a.mask_seq_kv ? __ldg(m.doc_kv + (doc_kv0 + kv)) : INT32_MIN;
     }
   }
   mask_partial_tile<false>(
@@ -104,8 +104,12 @@ __device__ void bwd_load(const typename T::Params& p, typename T::SharedStorage&
 
     if (n_item >= 1) cutlass::arch::ClusterBarrier::wait(&ss.kv_empty, (n_item - 1) & 1);
     cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&ss.kv_full, 2 * T::kKVBytes);
-    Tensor gK = local_tile(mK(_, _, hkv, b), KVTile{}, make_coord(kv_tile, 0));
-    Tensor gV = local_tile(mV(_, _, hkv, b), KVTile{}, make_coord(kv_tile, 0));
+    // The boxes start at the tile's first token (padded documents: its first real row; a tile of
+    // padding only has no visits and loads from row 0). Rows past the tile's real ones are other
+    // tokens, which the padded ids mask.
+    const int32_t kv_start = max(bwd_real_key(a, b, kv_tile * T::kBlockN), 0);
+    Tensor gK = local_tile(domain_offset(make_coord(kv_start, 0), mK(_, _, hkv, b)), KVTile{}, make_coord(0, 0));
+    Tensor gV = local_tile(domain_offset(make_coord(kv_start, 0), mV(_, _, hkv, b)), KVTile{}, make_coord(0, 0));
     auto [tKgK, tKsK] = tma_partition(p.tma_k, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     auto [tVgV, tVsV] = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
     copy(p.tma_k.with(ss.kv_full), tKgK, tKsK);
@@ -115,8 +119,9 @@ __device__ void bwd_load(const typename T::Params& p, typename T::SharedStorage&
     BwdVisit visit;
     while (bwd_item_next</*kFields=*/0>(a.lists, b, column, cur, &visit)) {
       const int h = visit.q_head;
-      Tensor gQ = local_tile(mQ(_, _, h, b), QTile{}, make_coord(visit.q_tile, 0));  // (64, D)
-      Tensor gdO = local_tile(mdO(_, _, h, b), QTile{}, make_coord(visit.q_tile, 0));
+      const int32_t q_start = max(bwd_real_row(a, b, visit.q_tile * T::kBlockM), 0);
+      Tensor gQ = local_tile(domain_offset(make_coord(q_start, 0), mQ(_, _, h, b)), QTile{}, make_coord(0, 0));  // (64, D)
+      Tensor gdO = local_tile(domain_offset(make_coord(q_start, 0), mdO(_, _, h, b)), QTile{}, make_coord(0, 0));
       auto [tQgQ, tQsQ] =
           tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
       auto [tdOgdO, tdOsdO] =
@@ -217,7 +222,7 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
     const DqWorkItem w = sched.item(ticket);
     const int b = int(w.batch), hkv = int(w.kv_head), column = int(w.column);
     const int kv0 = (column * int(a.sched.handout.sub_tiles) + int(w.sub_tile)) * N;
-    const bool crosses_end = kv0 + N > a.seq_kv;
+    const bool crosses_end = kv0 + N > a.mask_seq_kv;
     clear(tdVrdV);
     clear(tdKrdK);
     cutlass::arch::ClusterBarrier::wait(&ss.kv_full, n_item & 1);
@@ -289,9 +294,19 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
     bwd_stage_dkdv<T>(a.scale, tid, tdKrdK, tdVrdV, sK, sV);
     cutlass::arch::fence_view_async_shared();  // the matrix stores, visible to the TMA unit
     cutlass::arch::NamedBarrier::sync(T::kMmaThreads, 1);
-    if (tid == 0) {
-      bwd_store_dkdv<T>(p, b, hkv, kv0 / N, sK, sV);
-      cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty);
+    // A kv tile's real keys come first. All real: one TMA store at the first; some: padded, row by
+    // row (a box would overwrite the next document's rows), unpadded, the box (the TMA unit clips
+    // it at seq_kv); none (padding, or a sub-tile past seq_kv): nothing.
+    const int32_t first = bwd_real_key(a, b, kv0), last = bwd_real_key(a, b, kv0 + N - 1);
+    if (last >= 0 || (a.real_rows == nullptr && first >= 0)) {
+      if (tid == 0) {
+        bwd_store_dkdv<T>(p, b, hkv, first, sK, sV);
+        cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty);
+      }
+    } else {
+      if (first >= 0) bwd_store_dkdv_rows<T>(a, b, hkv, kv0, tid, sK, sV);
+      cutlass::arch::NamedBarrier::sync(T::kMmaThreads, 1);  // every row has read shared memory
+      if (tid == 0) cutlass::arch::ClusterBarrier::arrive(&ss.kv_empty);
     }
   }
 }

@@ -65,8 +65,9 @@ __global__ void __launch_bounds__(T::kMmaThreads) bwd_convert_dq_kernel(const Bw
     __syncthreads();
     for (int c = tid; c < M * kChunks; c += blockDim.x) {
       const int row = c / kChunks, chunk = c % kChunks;
-      const int q = q_tile * M + row;
-      if (q < a.seq_q)
+      const int pos = q_tile * M + row;  // a mask position; its token (padded documents: -1 for padding)
+      const int q = bwd_real_row(a, int32_t(b), pos);
+      if (q >= 0 && q < a.seq_q)
         *reinterpret_cast<uint4*>(dq + ((b * a.seq_q + q) * a.heads_q + h) * D + chunk * kPerChunk) =
             *reinterpret_cast<const uint4*>(tile + row * kPitch + chunk * kPerChunk);
     }

@@ -40,8 +40,9 @@ struct BwdSectionsOnDevice {
 };
 
 // Per padded row (b, h, q): delta = rowsum(dout * o), lse * log2(e) (+inf where the row has no
-// allowed key or lies past Sq: P = 0 there), and the row of the dQ accumulator zeroed unless
-// dq_accum is null (the deterministic mode: zeroing was half of this kernel's traffic). Tiles of
+// allowed key or holds no token: past Sq, or a padding position of a padded document mask, whose
+// rows are mask positions with tokens from real_rows, bwd_token_at; P = 0 there), and the row of
+// the dQ accumulator zeroed unless dq_accum is null (the deterministic mode: zeroing was half of this kernel's traffic). Tiles of
 // heads x q rows (BwdPreprocessTiling) read o as the forward wrote it ([B, S, H, D]: the heads of
 // a q row side by side) and dout (from torch, usually [B, H, S, D]: the rows of a head) in runs
 // of several rows, at ~75 % of an H100's memory bandwidth (the per-row form before it was bound by
@@ -51,7 +52,8 @@ template <class E, class Tiling>
 __global__ void __launch_bounds__(Tiling::kThreads, 5)
     bwd_preprocess_kernel(const E* o, int64_t o_sb, int64_t o_ss, int64_t o_sh, const E* dout, int64_t do_sb,
                           int64_t do_ss, int64_t do_sh, const float* lse, int64_t l_sb, int64_t l_sh, int64_t l_ss,
-                          int32_t batch, int32_t heads_q, int32_t seq_q, int32_t rows, int32_t head_dim,
+                          int32_t batch, int32_t heads_q, int32_t seq_q, int32_t mask_seq_q, const int32_t* real_rows,
+                          int32_t real_rows_stride_b, int32_t rows, int32_t head_dim,
                           int32_t heads_log2, float* lse_log2, float* delta, float* dq_accum, int32_t* zeroed,
                           int64_t zeroed_words, const int32_t* doc_q, int64_t doc_q_stride_b, int32_t* doc_q_rows,
                           const BwdSectionsOnDevice sections) {
@@ -94,17 +96,23 @@ __global__ void __launch_bounds__(Tiling::kThreads, 5)
   for (int32_t b = int32_t(blockIdx.z); b < batch; b += int32_t(gridDim.z)) {
     // A head past the last only idles (every lane still takes part in the shuffles).
     const bool head_ok = h < heads_q;
-    const E* orow = o + b * o_sb + q0 * o_ss + h * o_sh;
-    const E* drow = dout + b * do_sb + q0 * do_ss + h * do_sh;
+    // The token of mask row q (-1: none): the identity but for padded document masks.
+    auto token = [&](int32_t q) -> int32_t {
+      const int32_t t = bwd_token_at(real_rows, real_rows_stride_b, mask_seq_q, b, q);
+      return t < seq_q ? t : -1;
+    };
+    const E* orow = o + b * o_sb + h * o_sh;
+    const E* drow = dout + b * do_sb + h * do_sh;
     float sum[kRows];
     if constexpr (Tiling::kVector) {
       cuda::Pack<E, kPer> x[kRows], y[kRows];
       const int d = lane * kPer;
 #pragma unroll
       for (int i = 0; i < kRows; ++i) {
-        if (head_ok && q0 + i < seq_q && d < head_dim) {
-          x[i].load(orow + i * o_ss + d);
-          y[i].load(drow + i * do_ss + d);
+        const int32_t t = token(q0 + i);
+        if (head_ok && t >= 0 && d < head_dim) {
+          x[i].load(orow + t * o_ss + d);
+          y[i].load(drow + t * do_ss + d);
         } else {
           for (int e = 0; e < kPer; ++e) x[i].v[e] = y[i].v[e] = 0.f;
         }
@@ -116,13 +124,14 @@ __global__ void __launch_bounds__(Tiling::kThreads, 5)
       }
     } else {
       sum[0] = 0.f;
-      if (head_ok && q0 < seq_q)
-        for (int d = lane; d < head_dim; d += kLanes) sum[0] += load_f32(orow, d) * load_f32(drow, d);
+      const int32_t t = token(q0);
+      if (head_ok && t >= 0)
+        for (int d = lane; d < head_dim; d += kLanes) sum[0] += load_f32(orow + t * o_ss, d) * load_f32(drow + t * do_ss, d);
     }
     // Lane i of the group writes row i's delta and lse (consecutive floats); its lse read first.
     const bool writes = head_ok && lane < kRows;
-    const int32_t q = q0 + (lane < kRows ? lane : 0);
-    const float l = writes && q < seq_q ? lse[b * l_sb + h * l_sh + q * l_ss] : -INFINITY;
+    const int32_t q = q0 + (lane < kRows ? lane : 0), t = token(q);
+    const float l = writes && t >= 0 ? lse[b * l_sb + h * l_sh + t * l_ss] : -INFINITY;
     float mine = 0.f;
 #pragma unroll
     for (int i = 0; i < kRows; ++i) {
@@ -144,7 +153,7 @@ __global__ void __launch_bounds__(Tiling::kThreads, 5)
       delta[r0 + lane] = mine;
       lse_log2[r0 + lane] = l == -INFINITY ? INFINITY : l * float(M_LOG2E);
       if (doc_q_rows != nullptr && h == 0)  // once per (b, q): head 0's groups
-        doc_q_rows[int64_t(b) * rows + q] = q < seq_q ? doc_q[b * doc_q_stride_b + q] : 0;
+        doc_q_rows[int64_t(b) * rows + q] = q < mask_seq_q ? doc_q[b * doc_q_stride_b + q] : 0;
     }
   }
 }
