@@ -154,14 +154,14 @@ struct BlockMaskOptions {
 // ids may differ per batch row; everything else broadcasts with B = H = 1).
 BlockMaskTensors build_block_mask(const MaskSpec& spec, int64_t seq_q, int64_t seq_kv,
                                   const BlockMaskOptions& options = {});
-// The padded backward mask of a document mask (spec kDocument / kDocumentCausal, doc_q == doc_kv
-// on the host, seq_q == seq_kv == seq): every document of at least min_length tokens (>= 128)
-// starts and ends on a 128-token boundary, runs of shorter ones stay packed
-// (doc_padded_positions), padding positions get ids no token has, and the mask is built over the
-// padded ids at the longest row's padded length (a multiple of 128) with `options`, plus
-// real_rows. Attach it with `mask.backward_padded = &padded.mask` (kept alive as long as mask).
-// Host memory; a device build (without a synchronisation: the length bound of
-// doc_padded_length_bound) is not written yet.
+// The padded backward mask of a document mask (spec kDocument / kDocumentCausal, seq_q == seq_kv
+// == seq): every document (of doc_q) of at least min_length tokens (>= 128) starts and ends on a
+// 128-token boundary, runs of shorter ones stay packed (doc_padded_positions), one layout for both
+// sides (doc_kv's ids move with their tokens: they may differ from doc_q's, as cu_seqlens' past
+// the last document), padding positions get ids no token has, and the mask is built over the
+// padded ids with `options`, plus real_rows. Attach it with `mask.backward_padded = &padded.mask`
+// (kept alive as long as mask). On the host: at the longest row's padded length (a multiple of
+// 128); on a device (options.device): without a synchronisation, at doc_padded_length_bound.
 BlockMaskTensors build_doc_padded_mask(const MaskSpec& spec, int64_t seq, int64_t min_length,
                                        const BlockMaskOptions& options = {});
 // From a dense boolean (uint8) block matrix [B, H, Mq, Nk]: 0 = skipped, 1 = partial, 2 = full.

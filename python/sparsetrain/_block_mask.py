@@ -276,11 +276,11 @@ class BlockMask:
         causal (bottom-right per document) when cu_seqlens_q == cu_seqlens_k, not otherwise;
         "document" is FlashAttention's non-causal varlen for any lengths. max_seqlen_q /
         max_seqlen_k are accepted as FlashAttention takes them, and not needed.
-        doc_padding (document kinds, seq_q == seq_kv, one layout for both sides: the same ids, or
-        on a device the same tensor): also build the mask's padded backward form
-        (`backward_padded`; block_mask.h build_doc_padded_mask): documents of at least doc_padding
-        tokens (>= 128) start and end on 128-token boundaries there, and the CUDA backward runs on
-        it (its tiles never straddle those documents' edges); 0 (the default): none."""
+        doc_padding (document kinds, seq_q == seq_kv; cu_seqlens too): also build the mask's padded
+        backward form (`backward_padded`; block_mask.h build_doc_padded_mask): documents (of the
+        query side's ids) of at least doc_padding tokens (>= 128) start and end on 128-token
+        boundaries there, and the CUDA backward runs on it (its tiles never straddle those
+        documents' edges; the results are the same); 0 (the default): none."""
         seq_kv = seq_q if seq_kv is None else seq_kv
         if kind not in MASK_KINDS:
             raise ValueError(f"kind: expected one of {', '.join(MASK_KINDS)}, got {kind!r}")
@@ -314,7 +314,7 @@ class BlockMask:
         if kind in _DOC_KINDS:
             if doc_q is None or doc_kv is None:
                 raise ValueError(f"document_ids: expected document ids [B or 1, S] for kind {kind!r}, got none")
-            same = doc_kv is doc_q  # converted once: one tensor for both sides (a device padded form needs it)
+            same = doc_kv is doc_q  # converted once: one tensor for both sides
             doc_q = _doc_ids(doc_q, fw, "doc_q", dev)
             doc_kv = doc_q if same else _doc_ids(doc_kv, fw, "doc_kv", dev)
         elif doc_q is not None or doc_kv is not None:
@@ -355,7 +355,7 @@ class BlockMask:
                         max_seqlen_k: Optional[int] = None, *, seq_q: Optional[int] = None,
                         seq_kv: Optional[int] = None, causal: bool = False,
                         block_size: Union[int, Sequence[int]] = 128, schedule: Any = None,
-                        framework: Optional[str] = None, device: Any = None) -> "BlockMask":
+                        framework: Optional[str] = None, device: Any = None, doc_padding: int = 0) -> "BlockMask":
         """A document mask from FlashAttention's packed form, with the arguments
         flash_attn_varlen_func takes (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         causal): "document_causal" if causal else "document", over one packed batch row (q
@@ -364,7 +364,7 @@ class BlockMask:
         default where cu_seqlens_q is, so that CUDA offsets give a CUDA mask built without a host
         synchronisation ("cpu" builds on the host). Causal semantics: kv <= q in packed positions
         within a document, which is FlashAttention's (bottom-right per document) exactly when
-        cu_seqlens_q == cu_seqlens_k; see build()."""
+        cu_seqlens_q == cu_seqlens_k; see build() (also for doc_padding, seq_q == seq_kv)."""
         if device is None and _is_torch(cu_seqlens_q) and cu_seqlens_q.device.type != "cpu":
             device = cu_seqlens_q.device
         same = cu_seqlens_k is None or cu_seqlens_k is cu_seqlens_q
@@ -381,7 +381,7 @@ class BlockMask:
         return cls.build("document_causal" if causal else "document", int(seq_q), int(seq_kv),
                          cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                          max_seqlen_k=max_seqlen_k, block_size=block_size, schedule=schedule,
-                         framework=framework, device=device)
+                         framework=framework, device=device, doc_padding=doc_padding)
 
     @classmethod
     def from_blocks(cls, blocks: Any, seq_q: int, seq_kv: int, *, block_size: Union[int, Sequence[int]] = 128,

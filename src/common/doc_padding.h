@@ -120,22 +120,23 @@ inline std::vector<DocPaddedTile> doc_padded_tiles(const std::vector<int64_t>& p
   return tiles;
 }
 
-// The document ids of the padded layout, the query side's and the key side's ([padded_length]):
-// a token keeps its id at its padded position; a padding row gets max id + 1 as a query and
-// max id + 2 as a key, so it allows nothing and nothing allows it (as cu_seqlens' positions past
-// the last document, common/cu_seqlens.h; ids below INT32_MAX - 1, as documents are counted). A
-// document mask over these ids at the padded length, with positions mapped by
-// doc_padded_positions, is the original mask (tested).
-inline void doc_padded_ids(const int32_t* ids, int64_t seq, const std::vector<int64_t>& pos, int64_t padded_length,
-                           std::vector<int32_t>* q_ids, std::vector<int32_t>* kv_ids) {
+// The document ids of the padded layout, the query side's and the key side's ([padded_length]),
+// from the two sides' ids of the seq tokens (one position map `pos` for both, so they may differ:
+// cu_seqlens gives each side its own id past the last document): a token keeps its ids at its
+// padded position; a padding row gets the largest id of either side + 1 as a query and + 2 as a
+// key, so it allows nothing and nothing allows it (ids below INT32_MAX - 1, as documents are
+// counted). A document mask over these ids at the padded length, with positions mapped by pos
+// (monotone, so kv <= q is kept), is the original mask (tested).
+inline void doc_padded_ids(const int32_t* ids_q, const int32_t* ids_kv, int64_t seq, const std::vector<int64_t>& pos,
+                           int64_t padded_length, std::vector<int32_t>* q_ids, std::vector<int32_t>* kv_ids) {
   int32_t max_id = -1;
-  for (int64_t s = 0; s < seq; ++s) max_id = std::max(max_id, ids[s]);
+  for (int64_t s = 0; s < seq; ++s) max_id = std::max({max_id, ids_q[s], ids_kv[s]});
   const int32_t pad_q = max_id + 1, pad_kv = max_id + 2;
   q_ids->assign(static_cast<size_t>(padded_length), pad_q);
   kv_ids->assign(static_cast<size_t>(padded_length), pad_kv);
   for (int64_t s = 0; s < seq; ++s) {
-    (*q_ids)[static_cast<size_t>(pos[static_cast<size_t>(s)])] = ids[s];
-    (*kv_ids)[static_cast<size_t>(pos[static_cast<size_t>(s)])] = ids[s];
+    (*q_ids)[static_cast<size_t>(pos[static_cast<size_t>(s)])] = ids_q[s];
+    (*kv_ids)[static_cast<size_t>(pos[static_cast<size_t>(s)])] = ids_kv[s];
   }
 }
 

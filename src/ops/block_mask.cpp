@@ -450,22 +450,18 @@ BlockMaskTensors padded_mask_over(const MaskSpec& spec, Tensor doc_q, Tensor doc
 
 // build_doc_padded_mask on a CUDA device: the layout at the length bound (known on the host, so
 // nothing waits for the device), built by doc_padded_layout_cuda, then the padded mask's lists
-// by build_on_device; all on options.stream. The ids are not read on the host: doc_kv must be
-// doc_q itself (one layout for both sides).
+// by build_on_device; all on options.stream. The ids are not read on the host.
 BlockMaskTensors build_doc_padded_on_device(const MaskSpec& spec, int64_t B, int64_t seq, int64_t min_length,
                                             const BlockMaskOptions& o) {
 #if SPARSETRAIN_WITH_CUDA
   const TensorView &q = spec.doc_q, &kv = spec.doc_kv;
-  ST_CHECK_ARG(q.data() == kv.data() && q.size(0) == kv.size(0) && q.stride(0) == kv.stride(0), "spec.doc_kv",
-               "doc_q itself on a device (one layout for both sides; device ids are not compared)",
-               "another tensor (", kv.shape_str(), " at ", kv.data(), " against doc_q's ", q.shape_str(), " at ",
-               q.data(), ")");
   checks::device_runs(o.device, checks::Kernels::kGeneric, "BlockMaskOptions device");
   const int64_t padded = doc_padded_length_bound(seq, min_length);
   Allocator& a = alloc_or_default(o.allocator);
   auto dev = [&] { return Tensor::empty(DType::kInt32, {B, padded}, o.device, a, o.stream); };
   Tensor doc_q = dev(), doc_kv = dev(), real_rows = dev();
-  doc_padded_layout_cuda(q.data_as<const int32_t>(), q.broadcast_stride(0), B, seq, min_length, padded,
+  doc_padded_layout_cuda(q.data_as<const int32_t>(), q.broadcast_stride(0), kv.data_as<const int32_t>(),
+                         kv.broadcast_stride(0), B, seq, min_length, padded,
                          doc_q.view().data_as<int32_t>(), doc_kv.view().data_as<int32_t>(),
                          real_rows.view().data_as<int32_t>(), o.device.index, o.stream);
   return padded_mask_over(spec, std::move(doc_q), std::move(doc_kv), std::move(real_rows), o);
@@ -516,15 +512,16 @@ BlockMaskTensors build_doc_padded_mask(const MaskSpec& spec, int64_t seq, int64_
   auto ids_of = [&](const TensorView& t, int64_t b) {
     return reinterpret_cast<const int32_t*>(t.byte_ptr(b * t.broadcast_stride(0)));
   };
-  // One layout serves queries and keys: the same documents on both sides.
+  // One layout, from the query side's documents, serves both sides (any key ids keep their meaning
+  // under it: doc_padded_ids).
   std::vector<std::vector<int64_t>> pos(static_cast<size_t>(B));
   int64_t padded = kDocPadAlign;
   for (int64_t b = 0; b < B; ++b) {
     const int32_t *q = ids_of(spec.doc_q, b), *kv = ids_of(spec.doc_kv, b);
     for (int64_t s = 0; s < seq; ++s)
-      ST_CHECK_ARG(q[s] == kv[s] && q[s] < INT32_MAX - 1, "spec.doc_kv",
-                   "the ids of doc_q (one layout for both sides), each below 2^31 - 2 (padding takes the next two)", "batch ", b, " position ", s,
-                   ": doc_q ", q[s], ", doc_kv ", kv[s]);
+      ST_CHECK_ARG(q[s] < INT32_MAX - 1 && kv[s] < INT32_MAX - 1, "spec.doc_q / spec.doc_kv",
+                   "ids below 2^31 - 2 (padding takes the next two)", "batch ", b, " position ", s, ": doc_q ", q[s],
+                   ", doc_kv ", kv[s]);
     int64_t length = 0;
     pos[size_t(b)] = doc_padded_positions(q, seq, min_length, &length);
     padded = std::max(padded, length);
@@ -534,7 +531,7 @@ BlockMaskTensors build_doc_padded_mask(const MaskSpec& spec, int64_t seq, int64_
   Tensor real_rows = new_tensor(DType::kInt32, {B, padded}, a);
   for (int64_t b = 0; b < B; ++b) {
     std::vector<int32_t> q_ids, kv_ids;
-    doc_padded_ids(ids_of(spec.doc_q, b), seq, pos[size_t(b)], padded, &q_ids, &kv_ids);
+    doc_padded_ids(ids_of(spec.doc_q, b), ids_of(spec.doc_kv, b), seq, pos[size_t(b)], padded, &q_ids, &kv_ids);
     std::copy(q_ids.begin(), q_ids.end(), doc_q.view().data_as<int32_t>() + b * padded);
     std::copy(kv_ids.begin(), kv_ids.end(), doc_kv.view().data_as<int32_t>() + b * padded);
     int32_t* rows = real_rows.view().data_as<int32_t>() + b * padded;

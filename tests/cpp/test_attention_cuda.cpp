@@ -459,13 +459,17 @@ TEST_P(AttentionCuda, BackwardMatchesTheOracle) {
 // Documents as ranges (issue 15 item 4): the backward on the padded mask (documents of 128 tokens
 // or more on 128-token boundaries; host-built, copied over) against the same oracle, both modes,
 // D = 128 and 64, GQA, random and listed lengths (1 to 3000), blocks of 128 x 256, ids broadcast
-// over the batch; the case named first in padded_cases() also with its padded mask built on the
-// device.
+// over the batch, a tail in no document (each side's own id, as cu_seqlens past the last
+// document); the cases named first and last in padded_cases() also with their padded masks built
+// on the device.
 std::vector<Case> padded_cases() {
   using K = MaskKind;
   Case broadcast = documents_case("doccausal_bf16_lens_B2_S900_broadcast_ids", DType::kBF16, 2, 900, 900, 2, 1, 128,
                                   K::kDocumentCausal, {129, 1, 300, 64, 128, 65, 213});
   broadcast.broadcast_docs = true;  // ids [1, S]: the padded form's lists and real_rows broadcast too
+  Case tail = documents_case("doccausal_bf16_lens_B2_S1300_tail250", DType::kBF16, 2, 1300, 1300, 4, 2, 128,
+                             K::kDocumentCausal, {129, 300, 1, 64, 200});
+  tail.padded_tail = 250;  // query ids -1, key ids -2 there
   return {broadcast,
       {"doccausal_bf16_S1031_B2", DType::kBF16, 2, 1031, 1031, 2, 1, 128, 128, 128, K::kDocumentCausal},
       {"document_fp16_S611_D64_blk128x256", DType::kFP16, 2, 611, 611, 2, 2, 64, 128, 256, K::kDocument},
@@ -475,6 +479,7 @@ std::vector<Case> padded_cases() {
                      {129, 1, 300, 64, 128, 65, 700}),
       documents_case("doccausal_fp16_lens_B3_S1500_D64_bhsd", DType::kFP16, 3, 1500, 1500, 4, 2, 64,
                      K::kDocumentCausal, {129, 1, 300, 64, 128, 65}, {}, false, true),
+      tail,
   };
 }
 
@@ -487,7 +492,8 @@ TEST_P(AttentionCudaPadded, BackwardMatchesTheOracle) {
   Prepared su(c);
   st::MaskSpec spec;
   spec.kind = c.kind;
-  spec.doc_q = spec.doc_kv = su.doc.view();
+  spec.doc_q = su.doc.view();
+  spec.doc_kv = su.doc_kv.view();
   st::BlockMaskOptions opts;
   opts.block_q = c.block_q;
   opts.block_kv = c.block_kv;
@@ -501,10 +507,12 @@ TEST_P(AttentionCudaPadded, BackwardMatchesTheOracle) {
   st::BlockMask m = su.mask;
   m.backward_padded = &dpad.mask;
   expect_backward_matches(c, su, m);
-  if (c.name == padded_cases().front().name) {  // the padded mask built on the device (at the length bound)
-    const DeviceTensor dids(su.doc);
+  const std::vector<Case> all = padded_cases();
+  if (c.name == all.front().name || c.name == all.back().name) {  // the padded mask built on the device
+    const DeviceTensor dids(su.doc), dkv_ids(su.doc_kv);
     st::MaskSpec dspec = spec;
-    dspec.doc_q = dspec.doc_kv = dids.view();
+    dspec.doc_q = dids.view();
+    dspec.doc_kv = dkv_ids.view();
     opts.device = st::Device::cuda(0);
     const st::BlockMaskTensors built = st::build_doc_padded_mask(dspec, c.Sq, 128, opts);
     m.backward_padded = &built.mask;

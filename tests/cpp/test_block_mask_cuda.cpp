@@ -140,28 +140,36 @@ TEST(BlockMaskCuda, DeviceBuildEqualsTheHostBuildForEveryKindAndSchedule) {
 // host build: the same ids and real rows up to the host's padded length (the longest row's) and
 // padding after it, and lists equal bit for bit to the host builder's over the copied-back padded
 // ids; rows longer than the layout kernel's 1024 threads, documents of 1 to 3000 tokens, min
-// lengths 128 and 1024.
+// lengths 128 and 1024; key ids the query ids or (the last case) other ones (every third
+// document's moved past the query ids, as cu_seqlens' own ids past the last document).
 TEST(BlockMaskCuda, DocPaddedMaskOnTheDeviceEqualsTheHostOne) {
   REQUIRE_GPU();
   std::mt19937 rng(28);
-  for (const auto& [batch, seq, min_length] : {std::tuple<int64_t, int64_t, int64_t>{2, 1031, 128},
-                                              {3, 9000, 128},
-                                              {1, 20000, 1024},
-                                              {1, 5000, 128}}) {
-    SCOPED_TRACE("B " + std::to_string(batch) + " S " + std::to_string(seq) + " min " + std::to_string(min_length));
-    HostTensor ids(st::DType::kInt32, {batch, seq});
+  for (const auto& [batch, seq, min_length, same_ids] : {std::tuple<int64_t, int64_t, int64_t, bool>{2, 1031, 128, true},
+                                                        {3, 9000, 128, true},
+                                                        {1, 20000, 1024, true},
+                                                        {1, 5000, 128, true},
+                                                        {2, 4000, 128, false}}) {
+    SCOPED_TRACE("B " + std::to_string(batch) + " S " + std::to_string(seq) + " min " + std::to_string(min_length) +
+                 (same_ids ? "" : ", other key ids"));
+    HostTensor ids(st::DType::kInt32, {batch, seq}), kv_ids(st::DType::kInt32, {batch, seq});
     for (int64_t b = 0; b < batch; ++b)
       for (int64_t s = 0, id = 0; s < seq; ++id)
-        for (int64_t n = 1 + int64_t(rng() % 3000); n > 0 && s < seq; --n) ids.set(b * seq + s++, double(id));
-    const DeviceTensor dids(ids);
+        for (int64_t n = 1 + int64_t(rng() % 3000); n > 0 && s < seq; --n, ++s) {
+          ids.set(b * seq + s, double(id));
+          kv_ids.set(b * seq + s, double(id + (!same_ids && id % 3 == 2 ? 10000 : 0)));
+        }
+    const DeviceTensor dids(ids), dkv_ids(kv_ids);
     st::MaskSpec spec;
     spec.kind = st::MaskKind::kDocumentCausal;
-    spec.doc_q = spec.doc_kv = ids.view();
+    spec.doc_q = ids.view();
+    spec.doc_kv = same_ids ? ids.view() : kv_ids.view();
     st::BlockMaskOptions o;
     o.auto_schedule = false;
     const st::BlockMaskTensors host = st::build_doc_padded_mask(spec, seq, min_length, o);
     st::MaskSpec dspec = spec;
-    dspec.doc_q = dspec.doc_kv = dids.view();
+    dspec.doc_q = dids.view();
+    dspec.doc_kv = same_ids ? dids.view() : dkv_ids.view();
     o.device = st::Device::cuda(0);
     const st::BlockMaskTensors dev = st::build_doc_padded_mask(dspec, seq, min_length, o);
     const int64_t P = dev.mask.seq_q, Ph = host.mask.seq_q;
@@ -172,7 +180,7 @@ TEST(BlockMaskCuda, DocPaddedMaskOnTheDeviceEqualsTheHostOne) {
     const HostTensor hkv = HostTensor::copy_of(host.doc_kv.view());
     for (int64_t b = 0; b < batch; ++b) {
       double max_id = 0;
-      for (int64_t s = 0; s < seq; ++s) max_id = std::max(max_id, ids.get(b * seq + s));
+      for (int64_t s = 0; s < seq; ++s) max_id = std::max({max_id, ids.get(b * seq + s), kv_ids.get(b * seq + s)});
       for (int64_t p = 0; p < P; ++p) {
         const int64_t i = b * P + p, h = b * Ph + p;
         if (p < Ph) {

@@ -92,36 +92,42 @@ TEST(DocPadding, LongDocumentsOnBoundariesShortOnesPacked) {
 }
 
 // The point of the layout: a document mask over the padded ids at the padded length is the
-// original mask under the position map, and padding rows and columns allow nothing.
+// original mask under the position map, and padding rows and columns allow nothing; also when the
+// key side's ids differ from the layout's (query) ids (every third document's key id moved past
+// the query ids, as cu_seqlens gives each side its own id past the last document).
 TEST(DocPadding, PaddedMaskIsTheOriginal) {
   for (const st::MaskKind kind : {st::MaskKind::kDocumentCausal, st::MaskKind::kDocument})
-    for (const int64_t min_length : {1, 100, 400}) {
-      SCOPED_TRACE("min " + std::to_string(min_length));
-      const int64_t seq = 900;
-      const std::vector<int32_t> ids = documents(seq, 500, uint64_t(min_length));
-      int64_t length = 0;
-      const std::vector<int64_t> pos = st::doc_padded_positions(ids.data(), seq, min_length, &length);
-      std::vector<int32_t> q_ids, kv_ids;
-      st::doc_padded_ids(ids.data(), seq, pos, length, &q_ids, &kv_ids);
-      ASSERT_EQ(int64_t(q_ids.size()), length);
-      std::vector<bool> real(size_t(length), false);
-      for (const int64_t p : pos) real[size_t(p)] = true;
-      auto padded = [&](int64_t q, int64_t kv) {
-        return st::mask_allows(kind, -1, -1, 0, q_ids.data(), kv_ids.data(), length, length, q, kv);
-      };
-      for (int64_t q = 0; q < seq; ++q)
-        for (int64_t kv = 0; kv < seq; ++kv)
-          ASSERT_EQ(padded(pos[size_t(q)], pos[size_t(kv)]),
-                    st::mask_allows(kind, -1, -1, 0, ids.data(), ids.data(), seq, seq, q, kv))
-              << q << ", " << kv;
-      for (int64_t p = 0; p < length; ++p) {
-        if (real[size_t(p)]) continue;
-        for (int64_t x = 0; x < length; ++x) {
-          ASSERT_FALSE(padded(p, x)) << "padding row " << p;
-          ASSERT_FALSE(padded(x, p)) << "padding column " << p;
+    for (const int64_t min_length : {1, 100, 400})
+      for (const bool same_ids : {true, false}) {
+        SCOPED_TRACE("min " + std::to_string(min_length) + (same_ids ? " same ids" : " other key ids"));
+        const int64_t seq = 900;
+        const std::vector<int32_t> ids = documents(seq, 500, uint64_t(min_length));
+        std::vector<int32_t> kids = ids;
+        if (!same_ids)
+          for (int32_t& id : kids) id += id % 3 == 2 ? 10000 : 0;
+        int64_t length = 0;
+        const std::vector<int64_t> pos = st::doc_padded_positions(ids.data(), seq, min_length, &length);
+        std::vector<int32_t> q_ids, kv_ids;
+        st::doc_padded_ids(ids.data(), kids.data(), seq, pos, length, &q_ids, &kv_ids);
+        ASSERT_EQ(int64_t(q_ids.size()), length);
+        std::vector<bool> real(size_t(length), false);
+        for (const int64_t p : pos) real[size_t(p)] = true;
+        auto padded = [&](int64_t q, int64_t kv) {
+          return st::mask_allows(kind, -1, -1, 0, q_ids.data(), kv_ids.data(), length, length, q, kv);
+        };
+        for (int64_t q = 0; q < seq; ++q)
+          for (int64_t kv = 0; kv < seq; ++kv)
+            ASSERT_EQ(padded(pos[size_t(q)], pos[size_t(kv)]),
+                      st::mask_allows(kind, -1, -1, 0, ids.data(), kids.data(), seq, seq, q, kv))
+                << q << ", " << kv;
+        for (int64_t p = 0; p < length; ++p) {
+          if (real[size_t(p)]) continue;
+          for (int64_t x = 0; x < length; ++x) {
+            ASSERT_FALSE(padded(p, x)) << "padding row " << p;
+            ASSERT_FALSE(padded(x, p)) << "padding column " << p;
+          }
         }
       }
-    }
 }
 
 // The combination of steps[lo, hi) as a random binary tree would combine them: associativity is

@@ -849,3 +849,35 @@ def test_padded_backward_form_of_a_document_mask(monkeypatch):
         st.BlockMask.build("document_causal", S, document_ids=ids, doc_padding=64)
     with pytest.raises(ValueError, match=r"doc_padding"):
         st.BlockMask.build("causal", S, doc_padding=128)
+
+
+def test_padded_backward_form_from_cu_seqlens():
+    """from_cu_seqlens(..., doc_padding=128): FlashAttention's packed documents with positions
+    past the last offset (each side's own padding id there, so the query and key ids differ) get
+    a padded form laid out by the query side's documents with each side's ids moved with its
+    tokens; it validates, and on the CPU the results are bitwise those without it."""
+    S = 900
+    cu = torch.tensor([0, 130, 131, 400, 700], dtype=torch.int32)  # positions 700..899: no document
+    plain = st.BlockMask.from_cu_seqlens(cu, cu, seq_q=S, causal=True)
+    mask = st.BlockMask.from_cu_seqlens(cu, cu, seq_q=S, causal=True, doc_padding=128)
+    p = mask.backward_padded
+    assert not torch.equal(plain.spec.doc_q, plain.spec.doc_kv), "the sides' ids should differ past the last offset"
+    rows = p.real_rows[0]
+    assert torch.equal(rows[rows >= 0], torch.arange(S, dtype=torch.int32)) and (rows < 0).any()
+    assert torch.equal(p.spec.doc_q[0][rows >= 0], plain.spec.doc_q[0])
+    assert torch.equal(p.spec.doc_kv[0][rows >= 0], plain.spec.doc_kv[0])
+    pos = torch.nonzero(rows >= 0).flatten()  # each token's padded position
+    assert all(int(pos[t]) % 128 == 0 for t in (0, 131, 400, 700)), "documents of >= 128 tokens (and the tail) start tiles"
+    p.validate()
+    q, k, v, do = _inputs(1, 4, 2, S, S, 16, seed=5)
+    results = []
+    for m in (plain, mask):
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        o = stt.block_sparse_attention(qq, kk, vv, m)
+        o.backward(do)
+        results.append([o.detach(), qq.grad, kk.grad, vv.grad])
+    for a, b in zip(*results):
+        assert _bitwise(a, b)
+    with pytest.raises(ValueError, match=r"doc_padding"):
+        st.BlockMask.from_cu_seqlens(cu, torch.tensor([0, 500, 800], dtype=torch.int32), seq_q=S, seq_kv=800,
+                                     doc_padding=128)

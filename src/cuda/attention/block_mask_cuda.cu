@@ -210,11 +210,11 @@ __global__ void cols_kernel(const DeviceMaskBuild p, int32_t* q_num, int32_t* q_
 }
 
 // build_doc_padded_mask on a device: batch row blockIdx.x's padded layout (common/doc_padding.h).
-// The row's largest id first (padding positions get max + 1 as a query, max + 2 as a key, as
-// doc_padded_ids), every position padding; then the tokens in chunks of the CTA: a token looks up
-// to min_length ids each way to learn whether it starts or ends a long document, its step
-// (doc_pad_token_step) goes through a CTA-wide exclusive scan carried from chunk to chunk, and the
-// token's id and real row are written at its position.
+// The row's largest id of either side first (padding positions get max + 1 as a query, max + 2
+// as a key, as doc_padded_ids), every position padding; then the tokens in chunks of the CTA: a
+// token looks up to min_length query ids each way to learn whether it starts or ends a long
+// document, its step (doc_pad_token_step) goes through a CTA-wide exclusive scan carried from
+// chunk to chunk, and the token's two ids and real row are written at its position.
 constexpr int kPadThreads = 1024;
 struct DocPadThen {
   __device__ DocPadStep operator()(const DocPadStep& f, const DocPadStep& g) const { return doc_pad_then(f, g); }
@@ -228,12 +228,13 @@ struct DocPadCarry {  // the scan's running prefix over the chunks so far (read 
   }
 };
 
-__global__ void __launch_bounds__(kPadThreads) doc_pad_layout_kernel(const int32_t* ids_all, int64_t ids_stride_b,
-                                                                     int64_t seq, int64_t min_length, int64_t padded,
-                                                                     int32_t* doc_q, int32_t* doc_kv,
-                                                                     int32_t* real_rows) {
+__global__ void __launch_bounds__(kPadThreads)
+    doc_pad_layout_kernel(const int32_t* ids_q, int64_t ids_q_stride_b, const int32_t* ids_kv, int64_t ids_kv_stride_b,
+                          int64_t seq, int64_t min_length, int64_t padded, int32_t* doc_q, int32_t* doc_kv,
+                          int32_t* real_rows) {
   const int64_t b = blockIdx.x;
-  const int32_t* ids = ids_all + b * ids_stride_b;
+  const int32_t* ids = ids_q + b * ids_q_stride_b;  // the layout's
+  const int32_t* kv_ids = ids_kv + b * ids_kv_stride_b;
   int32_t* q = doc_q + b * padded;
   int32_t* kv = doc_kv + b * padded;
   int32_t* rows = real_rows + b * padded;
@@ -245,7 +246,7 @@ __global__ void __launch_bounds__(kPadThreads) doc_pad_layout_kernel(const int32
   } tmp;
   __shared__ int32_t max_id;
   int32_t mine = INT_MIN;
-  for (int64_t t = threadIdx.x; t < seq; t += blockDim.x) mine = max(mine, ids[t]);
+  for (int64_t t = threadIdx.x; t < seq; t += blockDim.x) mine = max(mine, max(ids[t], kv_ids[t]));
   const int32_t m = Reduce(tmp.reduce).Reduce(mine, [](int32_t x, int32_t y) { return max(x, y); });
   if (threadIdx.x == 0) max_id = m;
   __syncthreads();
@@ -273,7 +274,7 @@ __global__ void __launch_bounds__(kPadThreads) doc_pad_layout_kernel(const int32
     __syncthreads();  // tmp.scan is reused by the next chunk
     if (real) {
       const int64_t p = doc_pad_token_position(doc_pad_apply(before, 0), starts_long);
-      if (p < padded) q[p] = id, kv[p] = id, rows[p] = int32_t(t);  // p < padded by the bound; checked anyway
+      if (p < padded) q[p] = id, kv[p] = kv_ids[t], rows[p] = int32_t(t);  // p < padded by the bound; checked anyway
     }
   }
 }
@@ -287,13 +288,13 @@ int32_t* ptr(const Tensor& t) { return t.view().data_as<int32_t>(); }
 
 }  // namespace
 
-void doc_padded_layout_cuda(const int32_t* ids, int64_t ids_stride_b, int64_t batch, int64_t seq, int64_t min_length,
-                            int64_t padded, int32_t* doc_q, int32_t* doc_kv, int32_t* real_rows, int device,
-                            Stream stream) {
+void doc_padded_layout_cuda(const int32_t* ids_q, int64_t ids_q_stride_b, const int32_t* ids_kv,
+                            int64_t ids_kv_stride_b, int64_t batch, int64_t seq, int64_t min_length, int64_t padded,
+                            int32_t* doc_q, int32_t* doc_kv, int32_t* real_rows, int device, Stream stream) {
   if (batch > INT_MAX) ST_FAIL("build_doc_padded_mask on a CUDA device: batch ", batch, " above 2^31 - 1");
   cuda::DeviceGuard guard(device);
   doc_pad_layout_kernel<<<unsigned(batch), kPadThreads, 0, static_cast<cudaStream_t>(stream.handle)>>>(
-      ids, ids_stride_b, seq, min_length, padded, doc_q, doc_kv, real_rows);
+      ids_q, ids_q_stride_b, ids_kv, ids_kv_stride_b, seq, min_length, padded, doc_q, doc_kv, real_rows);
   ST_CUDA_CHECK(cudaGetLastError(), "doc_pad_layout_kernel launch");
 }
 
