@@ -119,6 +119,13 @@ def _device_arg(device: Any, framework: Optional[str]) -> Any:
     return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
 
 
+def _cuda_device_of(*arrays: Any) -> Any:
+    """The device of the first given array when it is a torch tensor on a CUDA device, else None
+    (a build's default device: ids on a GPU are built on, never copied to the host)."""
+    first = next((a for a in arrays if a is not None), None)
+    return first.device if _is_torch(first) and first.device.type != "cpu" else None
+
+
 def _doc_ids(a: Any, fw: Framework, arg: str, device: Any = None) -> Any:
     """Document ids as int32 [B or 1, S] arrays of the framework (int64 ids are converted), on
     the host or, for a build on a CUDA device, on that device."""
@@ -264,10 +271,12 @@ class BlockMask:
         the attention and the GPU (workers: its SM count, or the sm_limit used), 0 for the
         defaults (the mask's leading dims, 132 workers); checked, and what the scheduler model's
         candidates (_C.schedule_candidates) are computed for. framework: "numpy", "torch", or None (torch when the document ids are
-        torch tensors or the device is CUDA). device: None or "cpu" builds on the host; a CUDA
-        device ("cuda", "cuda:1", a torch.device) builds the same tensors there, on torch's current
+        torch tensors or the device is CUDA). device: "cpu" builds on the host; a CUDA device
+        ("cuda", "cuda:1", a torch.device) builds the same tensors there, on torch's current
         stream, without a host synchronisation (torch tensors from torch's allocator; document ids
-        are moved there first).
+        are moved there first); None (the default): where the document ids (or cu_seqlens_q) are
+        when they are CUDA tensors, so that ids on a GPU never take a copy to the host and a sync,
+        else the host (and always the host for framework "numpy").
         cu_seqlens_q / cu_seqlens_k (document kinds, instead of document ids): FlashAttention's
         packed documents, int32 [n + 1] cumulative offsets of one packed batch row (cu_seqlens_k
         defaults to cu_seqlens_q); moved to the build's device like document ids, then turned into
@@ -289,6 +298,8 @@ class BlockMask:
                              f"document kind with seq_q == seq_kv takes it), got {doc_padding}")
         _max_seqlen_arg(max_seqlen_q, "max_seqlen_q")
         _max_seqlen_arg(max_seqlen_k, "max_seqlen_k")
+        if device is None and framework != "numpy":
+            device = _cuda_device_of(document_ids, doc_q, cu_seqlens_q)
         if cu_seqlens_q is None and cu_seqlens_k is not None:
             raise ValueError("cu_seqlens_q: expected the query offsets with cu_seqlens_k, got None")
         if cu_seqlens_q is not None:
@@ -365,8 +376,6 @@ class BlockMask:
         synchronisation ("cpu" builds on the host). Causal semantics: kv <= q in packed positions
         within a document, which is FlashAttention's (bottom-right per document) exactly when
         cu_seqlens_q == cu_seqlens_k; see build() (also for doc_padding, seq_q == seq_kv)."""
-        if device is None and _is_torch(cu_seqlens_q) and cu_seqlens_q.device.type != "cpu":
-            device = cu_seqlens_q.device
         same = cu_seqlens_k is None or cu_seqlens_k is cu_seqlens_q
         if seq_q is None:
             seq_q = _host_last(cu_seqlens_q)

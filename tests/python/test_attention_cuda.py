@@ -351,6 +351,16 @@ def test_device_build_defaults_and_arguments():
         m = st.BlockMask.build("document_causal", S, document_ids=ids, schedule="shortest_first", device=DEV)
         assert m.spec.doc_q.device == DEV and m.spec.doc_q.dtype == torch.int32
         _assert_same_mask(m, ref)
+    # Without device=, ids on the GPU are built on there (no copy to the host), host ids on the host;
+    # framework="numpy" always builds on the host.
+    for ids, where in ((doc.to(DEV), DEV), (doc, torch.device("cpu"))):
+        m = st.BlockMask.build("document_causal", S, document_ids=ids, schedule="shortest_first")
+        assert m.device == where and m.spec.doc_q.device == where
+        _assert_same_mask(m, ref)
+    m = st.BlockMask.build("document_causal", S, doc_q=doc.to(DEV), doc_kv=doc.to(DEV), doc_padding=128)
+    assert m.device == DEV and m.backward_padded.device == DEV
+    m = st.BlockMask.build("document_causal", S, document_ids=doc.to(DEV), framework="numpy")
+    assert m.device == "cpu" and not torch.is_tensor(m.kv_indices)
 
 
 def test_device_build_is_capturable_in_a_cuda_graph():
