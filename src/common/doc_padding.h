@@ -79,9 +79,9 @@ ST_HOST_DEVICE constexpr DocPadStep doc_pad_then(const DocPadStep& f, const DocP
   return DocPadStep{true, f.a, doc_pad_align(f.b + g.a) + g.b};
 }
 
-// The same layout as a scan over tokens, the device build's form (no document lengths needed up
-// front: a token knows whether it starts or ends a long document by looking up to min_length ids
-// away). Token t is the step x -> x + 1, preceded by an alignment where it starts a long
+// The same layout as a scan over tokens, the device build's form (a document's first and last
+// token need only know whether it is long; the device build finds document lengths with a scan
+// of their starts). Token t is the step x -> x + 1, preceded by an alignment where it starts a long
 // document and followed by one where it ends it (a long document of one token, at min_length 1:
 // both, x -> align(x) + kDocPadAlign, its document step). The exclusive scan of the steps applied
 // to 0 is x; the token sits at doc_pad_token_position(x, starts_long). Tested against

@@ -460,10 +460,12 @@ BlockMaskTensors build_doc_padded_on_device(const MaskSpec& spec, int64_t B, int
   Allocator& a = alloc_or_default(o.allocator);
   auto dev = [&] { return Tensor::empty(DType::kInt32, {B, padded}, o.device, a, o.stream); };
   Tensor doc_q = dev(), doc_kv = dev(), real_rows = dev();
+  const Tensor run_length = Tensor::empty(DType::kInt32, {B, seq}, o.device, a, o.stream);  // the kernel's scratch
   doc_padded_layout_cuda(q.data_as<const int32_t>(), q.broadcast_stride(0), kv.data_as<const int32_t>(),
                          kv.broadcast_stride(0), B, seq, min_length, padded,
                          doc_q.view().data_as<int32_t>(), doc_kv.view().data_as<int32_t>(),
-                         real_rows.view().data_as<int32_t>(), o.device.index, o.stream);
+                         real_rows.view().data_as<int32_t>(), run_length.view().data_as<int32_t>(), o.device.index,
+                         o.stream);
   return padded_mask_over(spec, std::move(doc_q), std::move(doc_kv), std::move(real_rows), o);
 #else
   (void)spec, (void)B, (void)seq, (void)min_length;

@@ -73,10 +73,12 @@ void build_block_mask_cuda(const DeviceMaskBuild& b, BlockMaskTensors& t, Stream
 // build_doc_padded_mask's device path (src/cuda/attention/block_mask_cuda.cu): per batch row of
 // the two sides' ids ([B, seq], batch strides ids_*_stride_b, 0 to broadcast; the layout from
 // the query side's), the padded layout's ids and real rows ([B, padded] each, padded >= every
-// row's padded length: doc_padded_length_bound), one CTA a row, on `stream` of `device`.
+// row's padded length: doc_padded_length_bound), one CTA a row, on `stream` of `device`;
+// run_length: [B, seq] int32 scratch.
 void doc_padded_layout_cuda(const int32_t* ids_q, int64_t ids_q_stride_b, const int32_t* ids_kv,
                             int64_t ids_kv_stride_b, int64_t batch, int64_t seq, int64_t min_length, int64_t padded,
-                            int32_t* doc_q, int32_t* doc_kv, int32_t* real_rows, int device, Stream stream);
+                            int32_t* doc_q, int32_t* doc_kv, int32_t* real_rows, int32_t* run_length, int device,
+                            Stream stream);
 // document_ids_from_cu_seqlens's device path (src/cuda/attention/cu_seqlens_cuda.cu): ids[p] =
 // document_of_position(cu, num_docs, p, padding_id) for p in [0, seq), one thread per position,
 // on `stream` of `device`.

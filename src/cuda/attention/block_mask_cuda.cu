@@ -209,21 +209,31 @@ __global__ void cols_kernel(const DeviceMaskBuild p, int32_t* q_num, int32_t* q_
   }
 }
 
-// build_doc_padded_mask on a device: batch row blockIdx.x's padded layout (common/doc_padding.h).
-// The row's largest id of either side first (padding positions get max + 1 as a query, max + 2
-// as a key, as doc_padded_ids), every position padding; then the tokens in chunks of the CTA: a
-// token looks up to min_length query ids each way to learn whether it starts or ends a long
-// document, its step (doc_pad_token_step) goes through a CTA-wide exclusive scan carried from
-// chunk to chunk, and the token's two ids and real row are written at its position.
-constexpr int kPadThreads = 1024;
+// build_doc_padded_mask on a device: batch row blockIdx.x's padded layout (common/doc_padding.h),
+// in rounds of kPadThreads x kPadItems tokens (kPadItems consecutive tokens a thread), each round's
+// scan carried to the next. The row's largest id of either side first (padding positions get
+// max + 1 as a query, max + 2 as a key, as doc_padded_ids), every position padding. Pass 1: each
+// document's length (a max-scan of the documents' first tokens gives every token its document's
+// start), written by its last token at its first and last token in `run_length` ([B, seq]
+// scratch). Pass 2: a first or last token learns from it whether its document is long (no
+// per-token search: a search of min_length ids serialised the CTA for every long document), its
+// step (doc_pad_token_step) goes through the exclusive scan, and the token's two ids and real row
+// are written at its position.
+constexpr int kPadThreads = 256, kPadItems = 8;
 struct DocPadThen {
   __device__ DocPadStep operator()(const DocPadStep& f, const DocPadStep& g) const { return doc_pad_then(f, g); }
 };
-struct DocPadCarry {  // the scan's running prefix over the chunks so far (read by the first warp)
-  DocPadStep running;
-  __device__ DocPadStep operator()(const DocPadStep& chunk) {
-    const DocPadStep before = running;
-    running = doc_pad_then(running, chunk);
+struct Max {
+  __device__ int32_t operator()(int32_t x, int32_t y) const { return max(x, y); }
+};
+// A scan's running prefix over the rounds so far (cub's block prefix callback: the first warp
+// passes each round's aggregate and gets the prefix of the rounds before).
+template <class T, class Op>
+struct RoundCarry {
+  T running;
+  __device__ T operator()(const T& round) {
+    const T before = running;
+    running = Op{}(running, round);
     return before;
   }
 };
@@ -231,50 +241,72 @@ struct DocPadCarry {  // the scan's running prefix over the chunks so far (read 
 __global__ void __launch_bounds__(kPadThreads)
     doc_pad_layout_kernel(const int32_t* ids_q, int64_t ids_q_stride_b, const int32_t* ids_kv, int64_t ids_kv_stride_b,
                           int64_t seq, int64_t min_length, int64_t padded, int32_t* doc_q, int32_t* doc_kv,
-                          int32_t* real_rows) {
+                          int32_t* real_rows, int32_t* run_length) {
   const int64_t b = blockIdx.x;
   const int32_t* ids = ids_q + b * ids_q_stride_b;  // the layout's
   const int32_t* kv_ids = ids_kv + b * ids_kv_stride_b;
   int32_t* q = doc_q + b * padded;
   int32_t* kv = doc_kv + b * padded;
   int32_t* rows = real_rows + b * padded;
+  int32_t* len = run_length + b * seq;
   using Reduce = cub::BlockReduce<int32_t, kPadThreads>;
+  using StartScan = cub::BlockScan<int32_t, kPadThreads>;
   using Scan = cub::BlockScan<DocPadStep, kPadThreads>;
   __shared__ union {
     typename Reduce::TempStorage reduce;
+    typename StartScan::TempStorage start_scan;
     typename Scan::TempStorage scan;
   } tmp;
   __shared__ int32_t max_id;
   int32_t mine = INT_MIN;
   for (int64_t t = threadIdx.x; t < seq; t += blockDim.x) mine = max(mine, max(ids[t], kv_ids[t]));
-  const int32_t m = Reduce(tmp.reduce).Reduce(mine, [](int32_t x, int32_t y) { return max(x, y); });
+  const int32_t m = Reduce(tmp.reduce).Reduce(mine, Max{});
   if (threadIdx.x == 0) max_id = m;
   __syncthreads();
   // Ids below INT32_MAX - 1 (the host builder checks it; here the pads saturate instead of wrapping).
   const int32_t pad_q = max_id < INT_MAX ? max_id + 1 : INT_MAX, pad_kv = max_id < INT_MAX - 1 ? max_id + 2 : INT_MAX;
   for (int64_t p = threadIdx.x; p < padded; p += blockDim.x) q[p] = pad_q, kv[p] = pad_kv, rows[p] = -1;
-  __syncthreads();
-  DocPadCarry carry{};
-  for (int64_t base = 0; base < seq; base += blockDim.x) {
-    const int64_t t = base + threadIdx.x;
-    const bool real = t < seq;
-    const int32_t id = real ? ids[t] : 0;
-    bool starts_long = false, ends_long = false;
-    if (real && (t == 0 || ids[t - 1] != id)) {  // a document's first token: long if min_length more match
-      starts_long = t + min_length <= seq;
-      for (int64_t j = 1; starts_long && j < min_length; ++j) starts_long = ids[t + j] == id;
+  const int64_t round = int64_t(kPadThreads) * kPadItems;
+  auto first_of_doc = [&](int64_t t) { return t == 0 || ids[t - 1] != ids[t]; };
+  auto last_of_doc = [&](int64_t t) { return t + 1 == seq || ids[t + 1] != ids[t]; };
+  // Pass 1: document lengths (seq < 2^31: the builder's positions are int32).
+  RoundCarry<int32_t, Max> start_carry{-1};
+  for (int64_t base = 0; base < seq; base += round) {
+    const int64_t t0 = base + int64_t(threadIdx.x) * kPadItems;
+    int32_t start[kPadItems];
+#pragma unroll
+    for (int i = 0; i < kPadItems; ++i) start[i] = t0 + i < seq && first_of_doc(t0 + i) ? int32_t(t0 + i) : -1;
+    StartScan(tmp.start_scan).InclusiveScan(start, start, Max{}, start_carry);
+    __syncthreads();  // tmp is reused by the next round
+#pragma unroll
+    for (int i = 0; i < kPadItems; ++i) {
+      const int64_t t = t0 + i;
+      if (t < seq && last_of_doc(t)) len[start[i]] = len[t] = int32_t(t - start[i] + 1);
     }
-    if (real && (t + 1 == seq || ids[t + 1] != id)) {  // its last token: long if min_length before match
-      ends_long = t + 1 >= min_length;
-      for (int64_t j = 1; ends_long && j < min_length; ++j) ends_long = ids[t - j] == id;
+  }
+  __syncthreads();  // the lengths, visible to the whole CTA
+  // Pass 2: the layout.
+  RoundCarry<DocPadStep, DocPadThen> carry{};
+  for (int64_t base = 0; base < seq; base += round) {
+    const int64_t t0 = base + int64_t(threadIdx.x) * kPadItems;
+    DocPadStep step[kPadItems];
+    bool starts_long[kPadItems];
+#pragma unroll
+    for (int i = 0; i < kPadItems; ++i) {
+      const int64_t t = t0 + i;
+      const bool real = t < seq;
+      starts_long[i] = real && first_of_doc(t) && len[t] >= min_length;
+      const bool ends_long = real && last_of_doc(t) && len[t] >= min_length;
+      step[i] = real ? doc_pad_token_step(starts_long[i], ends_long) : DocPadStep{};
     }
-    const DocPadStep step = real ? doc_pad_token_step(starts_long, ends_long) : DocPadStep{};
-    DocPadStep before;
-    Scan(tmp.scan).ExclusiveScan(step, before, DocPadThen{}, carry);
-    __syncthreads();  // tmp.scan is reused by the next chunk
-    if (real) {
-      const int64_t p = doc_pad_token_position(doc_pad_apply(before, 0), starts_long);
-      if (p < padded) q[p] = id, kv[p] = kv_ids[t], rows[p] = int32_t(t);  // p < padded by the bound; checked anyway
+    Scan(tmp.scan).ExclusiveScan(step, step, DocPadThen{}, carry);
+    __syncthreads();  // tmp is reused by the next round
+#pragma unroll
+    for (int i = 0; i < kPadItems; ++i) {
+      const int64_t t = t0 + i;
+      if (t >= seq) continue;
+      const int64_t p = doc_pad_token_position(doc_pad_apply(step[i], 0), starts_long[i]);
+      if (p < padded) q[p] = ids[t], kv[p] = kv_ids[t], rows[p] = int32_t(t);  // p < padded by the bound; checked anyway
     }
   }
 }
@@ -290,11 +322,13 @@ int32_t* ptr(const Tensor& t) { return t.view().data_as<int32_t>(); }
 
 void doc_padded_layout_cuda(const int32_t* ids_q, int64_t ids_q_stride_b, const int32_t* ids_kv,
                             int64_t ids_kv_stride_b, int64_t batch, int64_t seq, int64_t min_length, int64_t padded,
-                            int32_t* doc_q, int32_t* doc_kv, int32_t* real_rows, int device, Stream stream) {
+                            int32_t* doc_q, int32_t* doc_kv, int32_t* real_rows, int32_t* run_length, int device,
+                            Stream stream) {
   if (batch > INT_MAX) ST_FAIL("build_doc_padded_mask on a CUDA device: batch ", batch, " above 2^31 - 1");
+  if (seq > INT_MAX) ST_FAIL("build_doc_padded_mask on a CUDA device: seq ", seq, " above 2^31 - 1");
   cuda::DeviceGuard guard(device);
   doc_pad_layout_kernel<<<unsigned(batch), kPadThreads, 0, static_cast<cudaStream_t>(stream.handle)>>>(
-      ids_q, ids_q_stride_b, ids_kv, ids_kv_stride_b, seq, min_length, padded, doc_q, doc_kv, real_rows);
+      ids_q, ids_q_stride_b, ids_kv, ids_kv_stride_b, seq, min_length, padded, doc_q, doc_kv, real_rows, run_length);
   ST_CUDA_CHECK(cudaGetLastError(), "doc_pad_layout_kernel launch");
 }
 
