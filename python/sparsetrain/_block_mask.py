@@ -27,6 +27,9 @@ __all__ = ["BlockMask", "MaskSpec", "MASK_KINDS", "document_ids_from_cu_seqlens"
 MASK_KINDS = ("full", "causal", "causal_bottom_right", "sliding_window", "document", "document_causal",
               "prefix_lm")
 _DOC_KINDS = ("document", "document_causal")
+# build()'s doc_padding for document masks built on a CUDA device (measured: docs/PERF.md,
+# twenty-ninth and thirtieth sessions).
+_AUTO_DOC_PADDING = 1024
 # The index tensors of a mask, in block_mask.h's order (None where absent).
 TENSOR_NAMES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
                 "q_indices", "full_q_num_blocks", "full_q_indices", "dq_write_order", "dq_write_order_full",
@@ -257,7 +260,7 @@ class BlockMask:
               framework: Optional[str] = None, device: Any = None, cu_seqlens_q: Any = None,
               cu_seqlens_k: Any = None, max_seqlen_q: Optional[int] = None,
               max_seqlen_k: Optional[int] = None, walk: Optional[str] = None,
-              auto_problem: Optional[Sequence[int]] = None, doc_padding: int = 0) -> "BlockMask":
+              auto_problem: Optional[Sequence[int]] = None, doc_padding: Optional[int] = None) -> "BlockMask":
         """A mask from a built-in kind (mask_spec.h), seq_kv = seq_q by default:
         "full"; "causal" (kv <= q, FlexAttention's top-left convention); "causal_bottom_right"
         (kv <= q + seq_kv - seq_q, FlashAttention's); "sliding_window" (q - window_left <= kv <=
@@ -289,10 +292,15 @@ class BlockMask:
         backward form (`backward_padded`; block_mask.h build_doc_padded_mask): documents (of the
         query side's ids) of at least doc_padding tokens (>= 128) start and end on 128-token
         boundaries there, and the CUDA backward runs on it (its tiles never straddle those
-        documents' edges; the results are the same); 0 (the default): none."""
+        documents' edges; the results are the same up to rounding, and as repeatable); 0: none;
+        None (the default): 1024 for a document mask built on a CUDA device with seq_q == seq_kv >=
+        1024 and a schedule that is not a permutation (the padded form's device build costs 0.1 ms
+        or less at 128k tokens, a step's backward saves more per layer), else none (the host build
+        of the form takes about as long again as the mask's own)."""
         seq_kv = seq_q if seq_kv is None else seq_kv
         if kind not in MASK_KINDS:
             raise ValueError(f"kind: expected one of {', '.join(MASK_KINDS)}, got {kind!r}")
+        explicit_padding = doc_padding is not None
         if doc_padding and (kind not in _DOC_KINDS or seq_q != seq_kv):
             raise ValueError(f"doc_padding: expected 0 for kind {kind!r} with seq_q {seq_q}, seq_kv {seq_kv} (a "
                              f"document kind with seq_q == seq_kv takes it), got {doc_padding}")
@@ -340,6 +348,9 @@ class BlockMask:
             d = _C.build_block_mask(spec._core(), int(seq_q), int(seq_kv), bq, bkv, _schedule_arg(schedule),
                                     fw.allocate, "cuda", dev.index, stream, walk=walk)
         mask = cls._from_core(d, fw, spec)
+        if not explicit_padding:
+            doc_padding = (_AUTO_DOC_PADDING if dev is not None and kind in _DOC_KINDS and seq_q == seq_kv
+                           and seq_q >= _AUTO_DOC_PADDING and mask.schedule != "permutation" else 0)
         if doc_padding:
             mask.backward_padded = mask._padded_form(int(doc_padding), dev)
         return mask
@@ -366,7 +377,8 @@ class BlockMask:
                         max_seqlen_k: Optional[int] = None, *, seq_q: Optional[int] = None,
                         seq_kv: Optional[int] = None, causal: bool = False,
                         block_size: Union[int, Sequence[int]] = 128, schedule: Any = None,
-                        framework: Optional[str] = None, device: Any = None, doc_padding: int = 0) -> "BlockMask":
+                        framework: Optional[str] = None, device: Any = None,
+                        doc_padding: Optional[int] = None) -> "BlockMask":
         """A document mask from FlashAttention's packed form, with the arguments
         flash_attn_varlen_func takes (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         causal): "document_causal" if causal else "document", over one packed batch row (q

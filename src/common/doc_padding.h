@@ -94,6 +94,24 @@ ST_HOST_DEVICE constexpr int64_t doc_pad_token_position(int64_t x, bool starts_l
   return starts_long ? doc_pad_align(x) : x;
 }
 
+// Which tokens start and end a long document, for the token steps, without measuring documents:
+// with starts[t] = the number of document starts at or before token t (an inclusive sum scan of
+// doc_first_token), a document is long iff no other one starts within min_length tokens of its
+// first token, i.e. starts[t + min_length - 1] == starts[t] (its last token: starts[t - min_length
+// + 1] == starts[t]). A document is a maximal run of equal ids, so an id may come back later.
+ST_HOST_DEVICE inline bool doc_first_token(const int32_t* ids, int64_t t) { return t == 0 || ids[t - 1] != ids[t]; }
+ST_HOST_DEVICE inline bool doc_last_token(const int32_t* ids, int64_t seq, int64_t t) {
+  return t + 1 == seq || ids[t + 1] != ids[t];
+}
+ST_HOST_DEVICE inline bool doc_token_starts_long(const int32_t* ids, const int32_t* starts, int64_t seq, int64_t t,
+                                                 int64_t min_length) {
+  return doc_first_token(ids, t) && t + min_length - 1 < seq && starts[t + min_length - 1] == starts[t];
+}
+ST_HOST_DEVICE inline bool doc_token_ends_long(const int32_t* ids, const int32_t* starts, int64_t seq, int64_t t,
+                                               int64_t min_length) {
+  return doc_last_token(ids, seq, t) && t - min_length + 1 >= 0 && starts[t - min_length + 1] == starts[t];
+}
+
 // The padded layout's tiles of tile_rows (a divisor of kDocPadAlign: the backward's 64-row q tiles,
 // 128-key kv tiles) as the backward will address them: each holds real rows [start, start + rows)
 // and then padding, never padding before real rows (a padding run ends on a kDocPadAlign boundary,

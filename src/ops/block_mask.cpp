@@ -460,12 +460,15 @@ BlockMaskTensors build_doc_padded_on_device(const MaskSpec& spec, int64_t B, int
   Allocator& a = alloc_or_default(o.allocator);
   auto dev = [&] { return Tensor::empty(DType::kInt32, {B, padded}, o.device, a, o.stream); };
   Tensor doc_q = dev(), doc_kv = dev(), real_rows = dev();
-  const Tensor run_length = Tensor::empty(DType::kInt32, {B, seq}, o.device, a, o.stream);  // the kernel's scratch
-  doc_padded_layout_cuda(q.data_as<const int32_t>(), q.broadcast_stride(0), kv.data_as<const int32_t>(),
-                         kv.broadcast_stride(0), B, seq, min_length, padded,
-                         doc_q.view().data_as<int32_t>(), doc_kv.view().data_as<int32_t>(),
-                         real_rows.view().data_as<int32_t>(), run_length.view().data_as<int32_t>(), o.device.index,
-                         o.stream);
+  const Tensor scratch = Tensor::empty(DType::kInt64, {doc_pad_layout_scratch_words(B, seq)}, o.device, a, o.stream);
+  DocPadLayoutArgs args{};
+  args.ids_q = q.data_as<const int32_t>(), args.ids_kv = kv.data_as<const int32_t>();
+  args.ids_q_stride_b = q.broadcast_stride(0), args.ids_kv_stride_b = kv.broadcast_stride(0);
+  args.batch = B, args.seq = seq, args.min_length = min_length, args.padded = padded;
+  args.doc_q = doc_q.view().data_as<int32_t>(), args.doc_kv = doc_kv.view().data_as<int32_t>();
+  args.real_rows = real_rows.view().data_as<int32_t>();
+  doc_pad_layout_scratch(scratch.view().data_as<int64_t>(), &args);
+  doc_padded_layout_cuda(args, o.device.index, o.stream);
   return padded_mask_over(spec, std::move(doc_q), std::move(doc_kv), std::move(real_rows), o);
 #else
   (void)spec, (void)B, (void)seq, (void)min_length;

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "common/block_mask_rows.h"
+#include "common/doc_padding.h"
 #include "common/dq_schedule_model.h"
 #include "sparsetrain/block_mask.h"
 
@@ -73,12 +74,33 @@ void build_block_mask_cuda(const DeviceMaskBuild& b, BlockMaskTensors& t, Stream
 // build_doc_padded_mask's device path (src/cuda/attention/block_mask_cuda.cu): per batch row of
 // the two sides' ids ([B, seq], batch strides ids_*_stride_b, 0 to broadcast; the layout from
 // the query side's), the padded layout's ids and real rows ([B, padded] each, padded >= every
-// row's padded length: doc_padded_length_bound), one CTA a row, on `stream` of `device`;
-// run_length: [B, seq] int32 scratch.
-void doc_padded_layout_cuda(const int32_t* ids_q, int64_t ids_q_stride_b, const int32_t* ids_kv,
-                            int64_t ids_kv_stride_b, int64_t batch, int64_t seq, int64_t min_length, int64_t padded,
-                            int32_t* doc_q, int32_t* doc_kv, int32_t* real_rows, int32_t* run_length, int device,
-                            Stream stream);
+// row's padded length: doc_padded_length_bound), in chunks of kDocPadChunk tokens, on `stream` of
+// `device`. The scratch arrays come from the caller (doc_pad_layout_scratch_words: one int64
+// tensor, split by doc_pad_layout_args).
+inline constexpr int64_t kDocPadChunk = 2048;
+struct DocPadLayoutArgs {
+  const int32_t *ids_q, *ids_kv;
+  int64_t ids_q_stride_b, ids_kv_stride_b, batch, seq, chunks, min_length, padded;
+  int32_t *doc_q, *doc_kv, *real_rows;           // [batch, padded] outputs
+  DocPadStep* chunk_step;                          // scratch [batch, chunks]
+  int32_t *starts, *chunk_starts, *chunk_max;     // scratch [batch, seq], [batch, chunks] x 2
+};
+inline int64_t doc_pad_chunks(int64_t seq) { return (seq + kDocPadChunk - 1) / kDocPadChunk; }
+inline int64_t doc_pad_layout_scratch_words(int64_t batch, int64_t seq) {
+  static_assert(sizeof(DocPadStep) % 8 == 0 && alignof(DocPadStep) <= 8, "DocPadStep in int64 words");
+  const int64_t n = batch * doc_pad_chunks(seq);
+  return n * int64_t(sizeof(DocPadStep) / 8) + (batch * seq + 2 * n + 1) / 2;
+}
+// The scratch's arrays in `scratch` (doc_pad_layout_scratch_words int64 words), chunks set.
+inline void doc_pad_layout_scratch(int64_t* scratch, DocPadLayoutArgs* a) {
+  a->chunks = doc_pad_chunks(a->seq);
+  const int64_t n = a->batch * a->chunks;
+  a->chunk_step = reinterpret_cast<DocPadStep*>(scratch);
+  a->starts = reinterpret_cast<int32_t*>(scratch + n * int64_t(sizeof(DocPadStep) / 8));
+  a->chunk_starts = a->starts + a->batch * a->seq;
+  a->chunk_max = a->chunk_starts + n;
+}
+void doc_padded_layout_cuda(DocPadLayoutArgs a, int device, Stream stream);
 // document_ids_from_cu_seqlens's device path (src/cuda/attention/cu_seqlens_cuda.cu): ids[p] =
 // document_of_position(cu, num_docs, p, padding_id) for p in [0, seq), one thread per position,
 // on `stream` of `device`.

@@ -200,6 +200,31 @@ TEST(DocPadding, TheLayoutAsAScanOfTokenSteps) {
       }
 }
 
+// The device build's long flags from a sum scan of document starts (doc_token_starts_long /
+// _ends_long) are the documents' own, token by token, ids coming back included (a run of id 0,
+// then 1, then 0 again is three documents).
+TEST(DocPadding, LongFlagsFromTheCountOfDocumentStarts) {
+  for (const int64_t seq : {1, 2, 300, 3000})
+    for (const int64_t max_length : {1, 129, 2000})
+      for (const int64_t min_length : {1, 2, 128, 129, 1024})
+        for (const int32_t recur : {0, 2}) {
+          SCOPED_TRACE("seq " + std::to_string(seq) + " lengths 1.." + std::to_string(max_length) + " min " +
+                       std::to_string(min_length) + " ids modulo " + std::to_string(recur));
+          std::vector<int32_t> ids = documents(seq, max_length, uint64_t(seq * 5 + max_length + min_length));
+          if (recur) for (int32_t& id : ids) id %= recur;  // 0 1 0 1 ...: every id comes back
+          std::vector<int32_t> starts(static_cast<size_t>(seq), 0);
+          for (int64_t t = 0, n = 0; t < seq; ++t) starts[size_t(t)] = int32_t(n += st::doc_first_token(ids.data(), t));
+          for (const auto& [s, e] : document_runs(ids))
+            for (int64_t t = s; t < e; ++t) {
+              const bool is_long = e - s >= min_length;
+              ASSERT_EQ(st::doc_token_starts_long(ids.data(), starts.data(), seq, t, min_length), t == s && is_long)
+                  << "token " << t << " of [" << s << ", " << e << ")";
+              ASSERT_EQ(st::doc_token_ends_long(ids.data(), starts.data(), seq, t, min_length), t == e - 1 && is_long)
+                  << "token " << t << " of [" << s << ", " << e << ")";
+            }
+        }
+}
+
 // Each tile of the padded layout is real rows from its start, then padding: for 64- and 128-row
 // tiles over random document mixes, row r < rows of a tile is the real row start + r and every
 // later row is padding, checked against the inverse of the position map; the rows add up to seq.

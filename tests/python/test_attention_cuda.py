@@ -363,6 +363,32 @@ def test_device_build_defaults_and_arguments():
     assert m.device == "cpu" and not torch.is_tensor(m.kv_indices)
 
 
+def test_device_built_document_masks_carry_the_padded_form_by_default():
+    """doc_padding's default (None): a document mask built on the GPU with seq_q == seq_kv >= 1024
+    and a left-to-right / shortest-first schedule carries its padded backward form at 1024, the
+    same tensors as doc_padding=1024 asks for; 0 turns it off; host builds, shorter or unequal
+    lengths and permutation schedules carry none."""
+    S = 2500
+    doc = _odd_documents(2, S, 9).to(DEV)
+    for kind in ("document_causal", "document"):
+        m = st.BlockMask.build(kind, S, document_ids=doc)
+        want = st.BlockMask.build(kind, S, document_ids=doc, doc_padding=1024)
+        assert m.backward_padded is not None and m.backward_padded.device == DEV
+        got, exp = m.backward_padded.tensors(), want.backward_padded.tensors()
+        assert set(got) == set(exp)
+        for name in exp:
+            if exp[name] is not None:
+                assert torch.equal(got[name], exp[name]), name
+        assert int((m.backward_padded.real_rows >= 0).sum()) == 2 * S
+    assert st.BlockMask.build("document_causal", S, document_ids=doc, doc_padding=0).backward_padded is None
+    assert st.BlockMask.build("document_causal", S, document_ids=doc.cpu()).backward_padded is None
+    assert st.BlockMask.build("document_causal", 1000, document_ids=doc[:, :1000]).backward_padded is None
+    assert st.BlockMask.build("document_causal", S, S + 1, doc_q=doc, doc_kv=torch.cat(
+        [doc, doc[:, -1:]], 1)).backward_padded is None
+    perm = torch.randperm(-(-S // 128)).tolist()
+    assert st.BlockMask.build("document_causal", S, document_ids=doc, schedule=perm).backward_padded is None
+
+
 def test_device_build_is_capturable_in_a_cuda_graph():
     """No host synchronisation: the build (explicit schedule) captures into a CUDA graph; a replay
     with other document ids in the same buffer rebuilds the mask for them."""

@@ -209,17 +209,23 @@ __global__ void cols_kernel(const DeviceMaskBuild p, int32_t* q_num, int32_t* q_
   }
 }
 
-// build_doc_padded_mask on a device: batch row blockIdx.x's padded layout (common/doc_padding.h),
-// in rounds of kPadThreads x kPadItems tokens (kPadItems consecutive tokens a thread), each round's
-// scan carried to the next. The row's largest id of either side first (padding positions get
-// max + 1 as a query, max + 2 as a key, as doc_padded_ids), every position padding. Pass 1: each
-// document's length (a max-scan of the documents' first tokens gives every token its document's
-// start), written by its last token at its first and last token in `run_length` ([B, seq]
-// scratch). Pass 2: a first or last token learns from it whether its document is long (no
-// per-token search: a search of min_length ids serialised the CTA for every long document), its
-// step (doc_pad_token_step) goes through the exclusive scan, and the token's two ids and real row
-// are written at its position.
+// build_doc_padded_mask on a device: the padded layout (common/doc_padding.h) of every batch row,
+// in chunks of kDocPadChunk tokens (kPadItems consecutive tokens a thread), one CTA a (row, chunk) in
+// each of four launches, so a long row is spread over the GPU (one CTA a row serialised 128k
+// tokens: 1.1 ms on an H200). Long documents are found from `starts`, the document starts at or
+// before each token (doc_token_starts_long: no search, no length walk). Then the layout is the
+// exclusive scan of the tokens' steps (doc_pad_token_step), carried across chunks as in a
+// reduce-then-scan:
+//   pad_chunk_stats_kernel: each chunk's count of document starts and largest id of either side;
+//   pad_starts_kernel:      `starts` (the chunk's local scan plus the counts of the chunks before);
+//   pad_chunk_steps_kernel: each chunk's composed step (the long flags from `starts`);
+//   pad_layout_kernel:      the steps of the chunks before, composed in order, then the chunk's own
+//     scan; a chunk owns the padded positions [x_c, x_(c+1)) between the next free position before
+//     it and after it (the last chunk to `padded`), so it writes the padding there, then its tokens'
+//     ids and real rows; no two CTAs write one position.
+// Padding positions get the row's largest id + 1 as a query and + 2 as a key, as doc_padded_ids.
 constexpr int kPadThreads = 256, kPadItems = 8;
+static_assert(kPadThreads * kPadItems == kDocPadChunk, "a chunk is a CTA's tokens");
 struct DocPadThen {
   __device__ DocPadStep operator()(const DocPadStep& f, const DocPadStep& g) const { return doc_pad_then(f, g); }
 };
@@ -238,76 +244,130 @@ struct RoundCarry {
   }
 };
 
-__global__ void __launch_bounds__(kPadThreads)
-    doc_pad_layout_kernel(const int32_t* ids_q, int64_t ids_q_stride_b, const int32_t* ids_kv, int64_t ids_kv_stride_b,
-                          int64_t seq, int64_t min_length, int64_t padded, int32_t* doc_q, int32_t* doc_kv,
-                          int32_t* real_rows, int32_t* run_length) {
-  const int64_t b = blockIdx.x;
-  const int32_t* ids = ids_q + b * ids_q_stride_b;  // the layout's
-  const int32_t* kv_ids = ids_kv + b * ids_kv_stride_b;
-  int32_t* q = doc_q + b * padded;
-  int32_t* kv = doc_kv + b * padded;
-  int32_t* rows = real_rows + b * padded;
-  int32_t* len = run_length + b * seq;
+// The four kernels' view of one row: its ids, its chunk, and the scratch (DocPadLayoutScratch).
+struct PadRow {
+  const int32_t *ids, *kv_ids;  // the layout's (query side's) and the key side's
+  int64_t seq, chunks, b, c;     // row b, chunk c of `chunks`
+  int32_t* starts;               // [seq] of the row
+  int32_t *chunk_starts, *chunk_max;  // [chunks] of the row
+  DocPadStep* chunk_step;             // [chunks] of the row
+  __device__ PadRow(const DocPadLayoutArgs& a)
+      : ids(a.ids_q + int64_t(blockIdx.x / a.chunks) * a.ids_q_stride_b),
+        kv_ids(a.ids_kv + int64_t(blockIdx.x / a.chunks) * a.ids_kv_stride_b), seq(a.seq), chunks(a.chunks),
+        b(blockIdx.x / a.chunks), c(blockIdx.x % a.chunks), starts(a.starts + b * a.seq),
+        chunk_starts(a.chunk_starts + b * a.chunks), chunk_max(a.chunk_max + b * a.chunks),
+        chunk_step(a.chunk_step + b * a.chunks) {}
+  __device__ int64_t t0() const { return c * kDocPadChunk + int64_t(threadIdx.x) * kPadItems; }  // this thread's first
+  __device__ bool first_of_doc(int64_t t) const { return doc_first_token(ids, t); }
+  __device__ bool starts_long(int64_t t, int64_t min_length) const {  // t < seq; needs `starts`
+    return doc_token_starts_long(ids, starts, seq, t, min_length);
+  }
+  __device__ bool ends_long(int64_t t, int64_t min_length) const {
+    return doc_token_ends_long(ids, starts, seq, t, min_length);
+  }
+  __device__ DocPadStep step(int64_t t, int64_t min_length) const {
+    return t < seq ? doc_pad_token_step(starts_long(t, min_length), ends_long(t, min_length)) : DocPadStep{};
+  }
+};
+
+__global__ void __launch_bounds__(kPadThreads) pad_chunk_stats_kernel(DocPadLayoutArgs a) {
+  const PadRow r(a);
   using Reduce = cub::BlockReduce<int32_t, kPadThreads>;
-  using StartScan = cub::BlockScan<int32_t, kPadThreads>;
+  __shared__ typename Reduce::TempStorage tmp;
+  int32_t n = 0, m = INT_MIN;
+  for (int64_t t = r.t0(); t < min(r.t0() + kPadItems, r.seq); ++t) n += r.first_of_doc(t), m = max(m, max(r.ids[t], r.kv_ids[t]));
+  n = Reduce(tmp).Sum(n);
+  __syncthreads();
+  m = Reduce(tmp).Reduce(m, Max{});
+  if (threadIdx.x == 0) r.chunk_starts[r.c] = n, r.chunk_max[r.c] = m;
+}
+
+__global__ void __launch_bounds__(kPadThreads) pad_starts_kernel(DocPadLayoutArgs a) {
+  const PadRow r(a);
+  using Reduce = cub::BlockReduce<int32_t, kPadThreads>;
+  using Scan = cub::BlockScan<int32_t, kPadThreads>;
+  __shared__ union {
+    typename Reduce::TempStorage reduce;
+    typename Scan::TempStorage scan;
+  } tmp;
+  __shared__ int32_t before;
+  int32_t n = 0;
+  for (int64_t k = threadIdx.x; k < r.c; k += kPadThreads) n += r.chunk_starts[k];
+  n = Reduce(tmp.reduce).Sum(n);
+  if (threadIdx.x == 0) before = n;
+  __syncthreads();
+  int32_t v[kPadItems];
+#pragma unroll
+  for (int i = 0; i < kPadItems; ++i) v[i] = r.t0() + i < r.seq && r.first_of_doc(r.t0() + i);
+  Scan(tmp.scan).InclusiveSum(v, v);
+#pragma unroll
+  for (int i = 0; i < kPadItems; ++i)
+    if (r.t0() + i < r.seq) r.starts[r.t0() + i] = before + v[i];
+}
+
+__global__ void __launch_bounds__(kPadThreads) pad_chunk_steps_kernel(DocPadLayoutArgs a) {
+  const PadRow r(a);
+  using Scan = cub::BlockScan<DocPadStep, kPadThreads>;
+  __shared__ typename Scan::TempStorage tmp;
+  // One thread's tokens composed in order, then the threads' in order (a scan's aggregate: the
+  // composition is associative, not commutative).
+  DocPadStep mine{};
+  for (int64_t t = r.t0(); t < min(r.t0() + kPadItems, r.seq); ++t) mine = doc_pad_then(mine, r.step(t, a.min_length));
+  DocPadStep chunk;
+  Scan(tmp).InclusiveScan(mine, mine, DocPadThen{}, chunk);
+  if (threadIdx.x == 0) r.chunk_step[r.c] = chunk;
+}
+
+__global__ void __launch_bounds__(kPadThreads) pad_layout_kernel(DocPadLayoutArgs a) {
+  const PadRow r(a);
+  using Reduce = cub::BlockReduce<int32_t, kPadThreads>;
   using Scan = cub::BlockScan<DocPadStep, kPadThreads>;
   __shared__ union {
     typename Reduce::TempStorage reduce;
-    typename StartScan::TempStorage start_scan;
     typename Scan::TempStorage scan;
   } tmp;
   __shared__ int32_t max_id;
-  int32_t mine = INT_MIN;
-  for (int64_t t = threadIdx.x; t < seq; t += blockDim.x) mine = max(mine, max(ids[t], kv_ids[t]));
-  const int32_t m = Reduce(tmp.reduce).Reduce(mine, Max{});
+  __shared__ DocPadStep before;
+  // The row's largest id, and the chunks before this one composed in order (in rounds of a thread each).
+  int32_t m = INT_MIN;
+  for (int64_t k = threadIdx.x; k < r.chunks; k += kPadThreads) m = max(m, r.chunk_max[k]);
+  m = Reduce(tmp.reduce).Reduce(m, Max{});
   if (threadIdx.x == 0) max_id = m;
+  __syncthreads();
+  RoundCarry<DocPadStep, DocPadThen> carry{};
+  for (int64_t k0 = 0; k0 < r.c; k0 += kPadThreads) {
+    const DocPadStep s = k0 + threadIdx.x < r.c ? r.chunk_step[k0 + threadIdx.x] : DocPadStep{};
+    DocPadStep ignored;
+    Scan(tmp.scan).ExclusiveScan(s, ignored, DocPadThen{}, carry);
+    __syncthreads();  // tmp is reused by the next round
+  }
+  if (threadIdx.x == 0) before = carry.running;  // the first warp's copy is the one the scans updated
   __syncthreads();
   // Ids below INT32_MAX - 1 (the host builder checks it; here the pads saturate instead of wrapping).
   const int32_t pad_q = max_id < INT_MAX ? max_id + 1 : INT_MAX, pad_kv = max_id < INT_MAX - 1 ? max_id + 2 : INT_MAX;
-  for (int64_t p = threadIdx.x; p < padded; p += blockDim.x) q[p] = pad_q, kv[p] = pad_kv, rows[p] = -1;
-  const int64_t round = int64_t(kPadThreads) * kPadItems;
-  auto first_of_doc = [&](int64_t t) { return t == 0 || ids[t - 1] != ids[t]; };
-  auto last_of_doc = [&](int64_t t) { return t + 1 == seq || ids[t + 1] != ids[t]; };
-  // Pass 1: document lengths (seq < 2^31: the builder's positions are int32).
-  RoundCarry<int32_t, Max> start_carry{-1};
-  for (int64_t base = 0; base < seq; base += round) {
-    const int64_t t0 = base + int64_t(threadIdx.x) * kPadItems;
-    int32_t start[kPadItems];
+  const int64_t x_begin = doc_pad_apply(before, 0);
+  const int64_t x_end = r.c + 1 == r.chunks ? a.padded : doc_pad_apply(doc_pad_then(before, r.chunk_step[r.c]), 0);
+  int32_t* q = a.doc_q + r.b * a.padded;
+  int32_t* kv = a.doc_kv + r.b * a.padded;
+  int32_t* rows = a.real_rows + r.b * a.padded;
+  for (int64_t p = x_begin + threadIdx.x; p < min(x_end, a.padded); p += kPadThreads) q[p] = pad_q, kv[p] = pad_kv, rows[p] = -1;
+  __syncthreads();  // this chunk's tokens overwrite some of that padding
+  DocPadStep step[kPadItems];
+  bool starts_long[kPadItems];
 #pragma unroll
-    for (int i = 0; i < kPadItems; ++i) start[i] = t0 + i < seq && first_of_doc(t0 + i) ? int32_t(t0 + i) : -1;
-    StartScan(tmp.start_scan).InclusiveScan(start, start, Max{}, start_carry);
-    __syncthreads();  // tmp is reused by the next round
-#pragma unroll
-    for (int i = 0; i < kPadItems; ++i) {
-      const int64_t t = t0 + i;
-      if (t < seq && last_of_doc(t)) len[start[i]] = len[t] = int32_t(t - start[i] + 1);
-    }
+  for (int i = 0; i < kPadItems; ++i) {
+    const int64_t t = r.t0() + i;
+    starts_long[i] = t < r.seq && r.starts_long(t, a.min_length);
+    step[i] = r.step(t, a.min_length);
   }
-  __syncthreads();  // the lengths, visible to the whole CTA
-  // Pass 2: the layout.
-  RoundCarry<DocPadStep, DocPadThen> carry{};
-  for (int64_t base = 0; base < seq; base += round) {
-    const int64_t t0 = base + int64_t(threadIdx.x) * kPadItems;
-    DocPadStep step[kPadItems];
-    bool starts_long[kPadItems];
+  RoundCarry<DocPadStep, DocPadThen> chunk_carry{before};
+  Scan(tmp.scan).ExclusiveScan(step, step, DocPadThen{}, chunk_carry);
 #pragma unroll
-    for (int i = 0; i < kPadItems; ++i) {
-      const int64_t t = t0 + i;
-      const bool real = t < seq;
-      starts_long[i] = real && first_of_doc(t) && len[t] >= min_length;
-      const bool ends_long = real && last_of_doc(t) && len[t] >= min_length;
-      step[i] = real ? doc_pad_token_step(starts_long[i], ends_long) : DocPadStep{};
-    }
-    Scan(tmp.scan).ExclusiveScan(step, step, DocPadThen{}, carry);
-    __syncthreads();  // tmp is reused by the next round
-#pragma unroll
-    for (int i = 0; i < kPadItems; ++i) {
-      const int64_t t = t0 + i;
-      if (t >= seq) continue;
-      const int64_t p = doc_pad_token_position(doc_pad_apply(step[i], 0), starts_long[i]);
-      if (p < padded) q[p] = ids[t], kv[p] = kv_ids[t], rows[p] = int32_t(t);  // p < padded by the bound; checked anyway
-    }
+  for (int i = 0; i < kPadItems; ++i) {
+    const int64_t t = r.t0() + i;
+    if (t >= r.seq) continue;
+    const int64_t p = doc_pad_token_position(doc_pad_apply(step[i], 0), starts_long[i]);
+    if (p < a.padded) q[p] = r.ids[t], kv[p] = r.kv_ids[t], rows[p] = int32_t(t);  // p < padded by the bound; checked anyway
   }
 }
 
@@ -320,16 +380,19 @@ int32_t* ptr(const Tensor& t) { return t.view().data_as<int32_t>(); }
 
 }  // namespace
 
-void doc_padded_layout_cuda(const int32_t* ids_q, int64_t ids_q_stride_b, const int32_t* ids_kv,
-                            int64_t ids_kv_stride_b, int64_t batch, int64_t seq, int64_t min_length, int64_t padded,
-                            int32_t* doc_q, int32_t* doc_kv, int32_t* real_rows, int32_t* run_length, int device,
-                            Stream stream) {
-  if (batch > INT_MAX) ST_FAIL("build_doc_padded_mask on a CUDA device: batch ", batch, " above 2^31 - 1");
-  if (seq > INT_MAX) ST_FAIL("build_doc_padded_mask on a CUDA device: seq ", seq, " above 2^31 - 1");
+void doc_padded_layout_cuda(DocPadLayoutArgs a, int device, Stream stream) {
+  if (a.seq > INT_MAX) ST_FAIL("build_doc_padded_mask on a CUDA device: seq ", a.seq, " above 2^31 - 1");
+  if (a.batch * a.chunks > INT_MAX)
+    ST_FAIL("build_doc_padded_mask on a CUDA device: batch x chunks of ", kDocPadChunk, " tokens = ", a.batch * a.chunks,
+            " above 2^31 - 1");
   cuda::DeviceGuard guard(device);
-  doc_pad_layout_kernel<<<unsigned(batch), kPadThreads, 0, static_cast<cudaStream_t>(stream.handle)>>>(
-      ids_q, ids_q_stride_b, ids_kv, ids_kv_stride_b, seq, min_length, padded, doc_q, doc_kv, real_rows, run_length);
-  ST_CUDA_CHECK(cudaGetLastError(), "doc_pad_layout_kernel launch");
+  const cudaStream_t s = static_cast<cudaStream_t>(stream.handle);
+  const unsigned grid = unsigned(a.batch * a.chunks);
+  pad_chunk_stats_kernel<<<grid, kPadThreads, 0, s>>>(a);
+  pad_starts_kernel<<<grid, kPadThreads, 0, s>>>(a);
+  pad_chunk_steps_kernel<<<grid, kPadThreads, 0, s>>>(a);
+  pad_layout_kernel<<<grid, kPadThreads, 0, s>>>(a);
+  ST_CUDA_CHECK(cudaGetLastError(), "build_doc_padded_mask's layout kernels launch");
 }
 
 void build_block_mask_cuda(const DeviceMaskBuild& p, BlockMaskTensors& t, Stream stream) {
