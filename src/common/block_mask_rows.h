@@ -52,25 +52,31 @@ ST_HOST_DEVICE inline int32_t classify_diagonal_band(int64_t dmin, int64_t dmax,
 }
 
 // The document ids of one side of a block, positions [begin, end) (begin < end): their least and
-// greatest id, and whether they never decrease (ids[i] >= ids[i - 1] for every begin < i < end).
+// greatest id, whether they never decrease (ids[i] >= ids[i - 1] for every begin < i < end), and
+// whether every id is the least or the greatest (at most two ids: a block across one document
+// edge, or a document's end and its padding in the backward's padded form, whose padding ids lie
+// above every real id and so widen the range over many documents).
 struct DocIdSpan {
   int32_t min, max;
-  int32_t sorted;  // 0 or 1
+  int32_t sorted;   // 0 or 1
+  int32_t two_ids;  // 0 or 1
 };
 ST_HOST_DEVICE inline DocIdSpan doc_id_span(const int32_t* ids, int64_t begin, int64_t end) {
-  DocIdSpan s{ids[begin], ids[begin], 1};
+  DocIdSpan s{ids[begin], ids[begin], 1, 1};
   for (int64_t i = begin + 1; i < end; ++i) {
     const int32_t d = ids[i];
     s.sorted = s.sorted && d >= ids[i - 1];
     s.min = d < s.min ? d : s.min;
     s.max = d > s.max ? d : s.max;
   }
+  for (int64_t i = begin; i < end && s.two_ids; ++i) s.two_ids = ids[i] == s.min || ids[i] == s.max;
   return s;
 }
 
 // Document ids: full when both sides hold one and the same id, skipped when the id sets are
-// disjoint. Ranges decide most blocks; sorted runs (the usual packed documents) are intersected
-// exactly by a merge; anything else falls back to the elements. q_span / kv_span: the blocks'
+// disjoint. Ranges decide most blocks, the id sets blocks of at most two ids a side; sorted runs
+// (the usual packed documents) are intersected exactly by a merge; anything else falls back to the
+// elements. q_span / kv_span: the blocks'
 // doc_id_span when the caller has them already (a CUDA build computes them once per block), else
 // null.
 ST_HOST_DEVICE inline int32_t classify_document_block(const MaskRowParams& p, int64_t q0, int64_t q1, int64_t kv0,
@@ -80,6 +86,9 @@ ST_HOST_DEVICE inline int32_t classify_document_block(const MaskRowParams& p, in
   const DocIdSpan ks = kv_span != nullptr ? *kv_span : doc_id_span(p.doc_kv, kv0, kv1);
   if (qs.min == qs.max && ks.min == ks.max && qs.min == ks.min) return kBlockFull;
   if (qs.max < ks.min || ks.max < qs.min) return kBlockSkipped;
+  // At most two ids a side (not one shared id): the id sets decide.
+  if (qs.two_ids && ks.two_ids)
+    return qs.min == ks.min || qs.min == ks.max || qs.max == ks.min || qs.max == ks.max ? kBlockPartial : kBlockSkipped;
   if (!qs.sorted || !ks.sorted) {
     const MaskRowParams doc_only = {MaskKind::kDocument, 0, 0, 0, p.seq_q, p.seq_kv, p.doc_q, p.doc_kv};
     return classify_block_by_elements(doc_only, q0, q1, kv0, kv1);

@@ -322,41 +322,66 @@ TEST(BlockMaskBuilders, TransposeMatchesAndDropsStaleWriteOrders) {
 // The device builder (src/cuda/attention/block_mask_cuda.cu) computes every block's document-id
 // spans once, as a reduction over the lanes of a warp (lane l takes positions begin + l, + 32, ...),
 // and hands them to classify_block: the same spans, the same classes as computing them in place.
+// Id patterns: random small ids (unsorted: the element fallback), packed documents (sorted: the
+// merge), two ids at random (unsorted, at most two a block: the id sets), and packed documents with
+// padding as the backward's padded form has it (a long document's end, then the largest id + 1 as a
+// query, + 2 as a key, up to a boundary: two ids a block over a range of many documents). Every
+// class also against the elements themselves.
 TEST(BlockMaskBuilders, DocumentSpansGivenOrComputedClassifyAlike) {
   std::mt19937 rng(13);
   const int64_t Sq = 777, Skv = 901, bq = 64, bkv = 128;
-  for (int sorted = 0; sorted < 2; ++sorted) {
-    const HostTensor dq = sorted ? packed_docs(1, Sq, rng, 1, 300) : HostTensor(st::DType::kInt32, {1, Sq});
-    const HostTensor dk = sorted ? packed_docs(1, Skv, rng, 1, 300) : HostTensor(st::DType::kInt32, {1, Skv});
+  for (int pattern = 0; pattern < 4; ++pattern) {
+    const bool packed = pattern == 1 || pattern == 3;
+    HostTensor dq = packed ? packed_docs(1, Sq, rng, 1, 300) : HostTensor(st::DType::kInt32, {1, Sq});
+    HostTensor dk = packed ? packed_docs(1, Skv, rng, 1, 300) : HostTensor(st::DType::kInt32, {1, Skv});
     auto* q = static_cast<int32_t*>(dq.data());
     auto* kv = static_cast<int32_t*>(dk.data());
-    if (!sorted) {
+    if (pattern == 0) {
       for (int64_t i = 0; i < Sq; ++i) q[i] = int32_t(rng() % 5);
       for (int64_t i = 0; i < Skv; ++i) kv[i] = int32_t(rng() % 5);
+    } else if (pattern == 2) {
+      for (int64_t i = 0; i < Sq; ++i) q[i] = rng() % 2 ? 3 : 7;
+      for (int64_t i = 0; i < Skv; ++i) kv[i] = rng() % 3 ? 3 : 9;
+    } else if (pattern == 3) {  // the last 1..40 positions of every 128 padded, as after a long document
+      const int32_t top = std::max(*std::max_element(q, q + Sq), *std::max_element(kv, kv + Skv));
+      for (int64_t b0 = 0; b0 < Sq; b0 += 128)
+        for (int64_t i = std::min(Sq, b0 + 128) - 1 - int64_t(rng() % 40); i < std::min(Sq, b0 + 128); ++i) q[i] = top + 1;
+      for (int64_t b0 = 0; b0 < Skv; b0 += 128)
+        for (int64_t i = std::min(Skv, b0 + 128) - 1 - int64_t(rng() % 40); i < std::min(Skv, b0 + 128); ++i) kv[i] = top + 2;
     }
     const auto lane_reduced = [](const int32_t* ids, int64_t begin, int64_t end) {
-      st::DocIdSpan s{INT32_MAX, INT32_MIN, 1};
+      st::DocIdSpan s{INT32_MAX, INT32_MIN, 1, 1};
       for (int64_t lane = 0; lane < 32; ++lane)
         for (int64_t k = begin + lane; k < end; k += 32) {
           s.min = std::min(s.min, ids[k]);
           s.max = std::max(s.max, ids[k]);
           if (k > begin && ids[k] < ids[k - 1]) s.sorted = 0;
         }
+      for (int64_t lane = 0; lane < 32; ++lane)
+        for (int64_t k = begin + lane; k < end; k += 32) s.two_ids = s.two_ids && (ids[k] == s.min || ids[k] == s.max);
       return s;
     };
+    int64_t two_id_pairs = 0;
     for (st::MaskKind kind : {st::MaskKind::kDocument, st::MaskKind::kDocumentCausal}) {
       const st::MaskRowParams p{kind, 0, 0, 0, Sq, Skv, q, kv};
       for (int64_t m = 0; m * bq < Sq; ++m)
         for (int64_t n = 0; n * bkv < Skv; ++n) {
-          const st::DocIdSpan qs = st::doc_id_span(q, m * bq, std::min(Sq, (m + 1) * bq));
-          const st::DocIdSpan ks = st::doc_id_span(kv, n * bkv, std::min(Skv, (n + 1) * bkv));
-          const st::DocIdSpan lq = lane_reduced(q, m * bq, std::min(Sq, (m + 1) * bq));
-          const st::DocIdSpan lk = lane_reduced(kv, n * bkv, std::min(Skv, (n + 1) * bkv));
-          ASSERT_TRUE(qs.min == lq.min && qs.max == lq.max && qs.sorted == lq.sorted) << "q block " << m;
-          ASSERT_TRUE(ks.min == lk.min && ks.max == lk.max && ks.sorted == lk.sorted) << "kv block " << n;
-          ASSERT_EQ(st::classify_block(p, bq, bkv, m, n, &lq, &lk), st::classify_block(p, bq, bkv, m, n))
-              << "block (" << m << ", " << n << ") sorted " << sorted;
+          const int64_t q0 = m * bq, q1 = std::min(Sq, (m + 1) * bq), kv0 = n * bkv, kv1 = std::min(Skv, (n + 1) * bkv);
+          const st::DocIdSpan qs = st::doc_id_span(q, q0, q1), ks = st::doc_id_span(kv, kv0, kv1);
+          const st::DocIdSpan lq = lane_reduced(q, q0, q1), lk = lane_reduced(kv, kv0, kv1);
+          ASSERT_TRUE(qs.min == lq.min && qs.max == lq.max && qs.sorted == lq.sorted && qs.two_ids == lq.two_ids)
+              << "q block " << m;
+          ASSERT_TRUE(ks.min == lk.min && ks.max == lk.max && ks.sorted == lk.sorted && ks.two_ids == lk.two_ids)
+              << "kv block " << n;
+          two_id_pairs += qs.two_ids && ks.two_ids && qs.min != qs.max;
+          const int32_t c = st::classify_block(p, bq, bkv, m, n);
+          ASSERT_EQ(st::classify_block(p, bq, bkv, m, n, &lq, &lk), c) << "block (" << m << ", " << n << ") pattern " << pattern;
+          ASSERT_EQ(c, st::classify_block_by_elements(p, q0, q1, kv0, kv1))
+              << "block (" << m << ", " << n << ") pattern " << pattern;
         }
+    }
+    if (pattern >= 2) {
+      EXPECT_GT(two_id_pairs, 20) << "pattern " << pattern << " reaches the id sets";
     }
   }
 }

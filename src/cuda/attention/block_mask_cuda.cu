@@ -3,7 +3,7 @@
 // one bit for bit; the lists, transposes and write orders are order-preserving compactions of the
 // [B, Mq, Nk] class matrix, each row / column by one CTA with its threads side by side:
 //   spans_kernel (document kinds only): doc_id_span of every q block and kv block, one warp each
-//     (min, max and "never decreases" are reductions over the block's ids), so that classifying a
+//     (min, max, "never decreases" and "min or max" are reductions over the block's ids), so that classifying a
 //     block no longer scans its ids.
 //   rows_kernel: one CTA per (b, q block m), one thread per kv block n (in chunks of blockDim): the
 //     class, then a CTA-wide exclusive prefix count of the partial / full blocks before n gives n's
@@ -110,7 +110,10 @@ __global__ void spans_kernel(const DeviceMaskBuild p, int64_t Mq, int64_t Nk) {
   lo = __reduce_min_sync(0xffffffffu, lo);
   hi = __reduce_max_sync(0xffffffffu, hi);
   sorted = __all_sync(0xffffffffu, sorted) ? 1 : 0;
-  if (lane == 0) p.doc_spans[s] = DocIdSpan{lo, hi, sorted};
+  int32_t two = 1;
+  for (int64_t k = begin + lane; k < end; k += 32) two = two && (ids[k] == lo || ids[k] == hi);
+  two = __all_sync(0xffffffffu, two) ? 1 : 0;
+  if (lane == 0) p.doc_spans[s] = DocIdSpan{lo, hi, sorted, two};
 }
 
 // One CTA per (b, q block m): the forward lists of row m and the row's records.
