@@ -344,10 +344,14 @@ TEST(BlockMaskBuilders, DocumentSpansGivenOrComputedClassifyAlike) {
       for (int64_t i = 0; i < Skv; ++i) kv[i] = rng() % 3 ? 3 : 9;
     } else if (pattern == 3) {  // the last 1..40 positions of every 128 padded, as after a long document
       const int32_t top = std::max(*std::max_element(q, q + Sq), *std::max_element(kv, kv + Skv));
-      for (int64_t b0 = 0; b0 < Sq; b0 += 128)
-        for (int64_t i = std::min(Sq, b0 + 128) - 1 - int64_t(rng() % 40); i < std::min(Sq, b0 + 128); ++i) q[i] = top + 1;
-      for (int64_t b0 = 0; b0 < Skv; b0 += 128)
-        for (int64_t i = std::min(Skv, b0 + 128) - 1 - int64_t(rng() % 40); i < std::min(Skv, b0 + 128); ++i) kv[i] = top + 2;
+      const auto pad_ends = [&](int32_t* ids, int64_t seq, int32_t pad) {
+        for (int64_t b0 = 0; b0 < seq; b0 += 128) {
+          const int64_t end = std::min(seq, b0 + 128);
+          for (int64_t i = end - 1 - int64_t(rng() % 40); i < end; ++i) ids[i] = pad;
+        }
+      };
+      pad_ends(q, Sq, top + 1);
+      pad_ends(kv, Skv, top + 2);
     }
     const auto lane_reduced = [](const int32_t* ids, int64_t begin, int64_t end) {
       st::DocIdSpan s{INT32_MAX, INT32_MIN, 1, 1};
@@ -375,7 +379,8 @@ TEST(BlockMaskBuilders, DocumentSpansGivenOrComputedClassifyAlike) {
               << "kv block " << n;
           two_id_pairs += qs.two_ids && ks.two_ids && qs.min != qs.max;
           const int32_t c = st::classify_block(p, bq, bkv, m, n);
-          ASSERT_EQ(st::classify_block(p, bq, bkv, m, n, &lq, &lk), c) << "block (" << m << ", " << n << ") pattern " << pattern;
+          ASSERT_EQ(st::classify_block(p, bq, bkv, m, n, &lq, &lk), c)
+              << "block (" << m << ", " << n << ") pattern " << pattern;
           ASSERT_EQ(c, st::classify_block_by_elements(p, q0, q1, kv0, kv1))
               << "block (" << m << ", " << n << ") pattern " << pattern;
         }

@@ -247,7 +247,7 @@ struct RoundCarry {
   }
 };
 
-// The four kernels' view of one row: its ids, its chunk, and the scratch (DocPadLayoutScratch).
+// The four kernels' view of one (row, chunk): its ids and its parts of the scratch (doc_pad_layout_scratch).
 struct PadRow {
   const int32_t *ids, *kv_ids;  // the layout's (query side's) and the key side's
   int64_t seq, chunks, b, c;     // row b, chunk c of `chunks`
@@ -278,7 +278,10 @@ __global__ void __launch_bounds__(kPadThreads) pad_chunk_stats_kernel(DocPadLayo
   using Reduce = cub::BlockReduce<int32_t, kPadThreads>;
   __shared__ typename Reduce::TempStorage tmp;
   int32_t n = 0, m = INT_MIN;
-  for (int64_t t = r.t0(); t < min(r.t0() + kPadItems, r.seq); ++t) n += r.first_of_doc(t), m = max(m, max(r.ids[t], r.kv_ids[t]));
+  for (int64_t t = r.t0(); t < min(r.t0() + kPadItems, r.seq); ++t) {
+    n += r.first_of_doc(t);
+    m = max(m, max(r.ids[t], r.kv_ids[t]));
+  }
   n = Reduce(tmp).Sum(n);
   __syncthreads();
   m = Reduce(tmp).Reduce(m, Max{});
@@ -353,7 +356,8 @@ __global__ void __launch_bounds__(kPadThreads) pad_layout_kernel(DocPadLayoutArg
   int32_t* q = a.doc_q + r.b * a.padded;
   int32_t* kv = a.doc_kv + r.b * a.padded;
   int32_t* rows = a.real_rows + r.b * a.padded;
-  for (int64_t p = x_begin + threadIdx.x; p < min(x_end, a.padded); p += kPadThreads) q[p] = pad_q, kv[p] = pad_kv, rows[p] = -1;
+  for (int64_t p = x_begin + threadIdx.x; p < min(x_end, a.padded); p += kPadThreads)
+    q[p] = pad_q, kv[p] = pad_kv, rows[p] = -1;
   __syncthreads();  // this chunk's tokens overwrite some of that padding
   DocPadStep step[kPadItems];
   bool starts_long[kPadItems];
@@ -370,7 +374,8 @@ __global__ void __launch_bounds__(kPadThreads) pad_layout_kernel(DocPadLayoutArg
     const int64_t t = r.t0() + i;
     if (t >= r.seq) continue;
     const int64_t p = doc_pad_token_position(doc_pad_apply(step[i], 0), starts_long[i]);
-    if (p < a.padded) q[p] = r.ids[t], kv[p] = r.kv_ids[t], rows[p] = int32_t(t);  // p < padded by the bound; checked anyway
+    if (p < a.padded)  // by the bound; checked anyway
+      q[p] = r.ids[t], kv[p] = r.kv_ids[t], rows[p] = int32_t(t);
   }
 }
 
@@ -386,8 +391,8 @@ int32_t* ptr(const Tensor& t) { return t.view().data_as<int32_t>(); }
 void doc_padded_layout_cuda(DocPadLayoutArgs a, int device, Stream stream) {
   if (a.seq > INT_MAX) ST_FAIL("build_doc_padded_mask on a CUDA device: seq ", a.seq, " above 2^31 - 1");
   if (a.batch * a.chunks > INT_MAX)
-    ST_FAIL("build_doc_padded_mask on a CUDA device: batch x chunks of ", kDocPadChunk, " tokens = ", a.batch * a.chunks,
-            " above 2^31 - 1");
+    ST_FAIL("build_doc_padded_mask on a CUDA device: batch x chunks of ", kDocPadChunk, " tokens = ",
+            a.batch * a.chunks, " above 2^31 - 1");
   cuda::DeviceGuard guard(device);
   const cudaStream_t s = static_cast<cudaStream_t>(stream.handle);
   const unsigned grid = unsigned(a.batch * a.chunks);
