@@ -146,13 +146,15 @@ ST_HOST_DEVICE inline int32_t classify_block(const MaskRowParams& p, int64_t blo
 }
 
 // Row m of a built-in spec's block mask: the partial and full kv blocks in ascending order (each
-// list has room for num_kv_blocks entries), and their counts.
+// list has room for num_kv_blocks entries), and their counts. q_span / kv_spans (document kinds,
+// optional): row m's doc_id_span and every kv block's, computed once for all rows.
 ST_HOST_DEVICE inline void build_block_row(const MaskRowParams& p, int64_t block_q, int64_t block_kv, int64_t m,
                                            int64_t num_kv_blocks, int32_t* partial, int32_t* num_partial,
-                                           int32_t* full, int32_t* num_full) {
+                                           int32_t* full, int32_t* num_full, const DocIdSpan* q_span = nullptr,
+                                           const DocIdSpan* kv_spans = nullptr) {
   int32_t np = 0, nf = 0;
   for (int64_t n = 0; n < num_kv_blocks; ++n) {
-    const int32_t c = classify_block(p, block_q, block_kv, m, n);
+    const int32_t c = classify_block(p, block_q, block_kv, m, n, q_span, kv_spans != nullptr ? kv_spans + n : nullptr);
     if (c == kBlockPartial) partial[np++] = int32_t(n);
     else if (c == kBlockFull) full[nf++] = int32_t(n);
   }

@@ -490,16 +490,26 @@ BlockMaskTensors build_block_mask(const MaskSpec& spec, int64_t seq_q, int64_t s
   BlockMaskTensors t = new_forward(B, 1, seq_q, seq_kv, options);
   t.mask.spec = spec;
   const int64_t Mq = t.mask.num_q_blocks(), Nk = t.mask.num_kv_blocks();
+  // Document kinds: every block's id span once (as the device build's spans_kernel), not once per
+  // block pair.
+  std::vector<DocIdSpan> q_spans(doc ? size_t(Mq) : 0), kv_spans(doc ? size_t(Nk) : 0);
+  auto spans = [](const int32_t* ids, int64_t seq, int64_t block, std::vector<DocIdSpan>& out) {
+    for (size_t i = 0; i < out.size(); ++i)
+      out[i] = doc_id_span(ids, int64_t(i) * block, std::min(seq, int64_t(i + 1) * block));
+  };
   for (int64_t b = 0; b < B; ++b) {
     MaskRowParams p{spec.kind, spec.window_left, spec.window_right, spec.prefix_length, seq_q, seq_kv, nullptr, nullptr};
     if (doc) {
       p.doc_q = reinterpret_cast<const int32_t*>(spec.doc_q.byte_ptr(b * spec.doc_q.broadcast_stride(0)));
       p.doc_kv = reinterpret_cast<const int32_t*>(spec.doc_kv.byte_ptr(b * spec.doc_kv.broadcast_stride(0)));
+      spans(p.doc_q, seq_q, options.block_q, q_spans);
+      spans(p.doc_kv, seq_kv, options.block_kv, kv_spans);
     }
     for (int64_t m = 0; m < Mq; ++m)
       build_block_row(p, options.block_q, options.block_kv, m, Nk, row_ptr(t.kv_indices, b, 0, m),
                       row_ptr(t.kv_num_blocks, b, 0, m), row_ptr(t.full_kv_indices, b, 0, m),
-                      row_ptr(t.full_kv_num_blocks, b, 0, m));
+                      row_ptr(t.full_kv_num_blocks, b, 0, m), doc ? &q_spans[size_t(m)] : nullptr,
+                      doc ? kv_spans.data() : nullptr);
   }
   finish(t, options);
   return t;
