@@ -295,8 +295,8 @@ class BlockMask:
         documents' edges; the results are the same up to rounding, and as repeatable); 0: none;
         None (the default): 1024 for a document mask built on a CUDA device with seq_q == seq_kv >=
         1024 and a schedule that is not a permutation (its device build took 57 us at B2 S8192 and
-        103 us at 128k tokens on an H200, less than one layer's backward saves), else none (the host
-        build of the form takes about as long again as the mask's own)."""
+        103 us at 128k tokens on an H200, less than one layer's backward saves), else none (on the
+        CPU the form is unused; its host build takes about as long again as the mask's own)."""
         seq_kv = seq_q if seq_kv is None else seq_kv
         if kind not in MASK_KINDS:
             raise ValueError(f"kind: expected one of {', '.join(MASK_KINDS)}, got {kind!r}")
