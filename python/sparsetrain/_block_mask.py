@@ -452,7 +452,8 @@ class BlockMask:
         """The same mask with the transposes and dQ write orders rebuilt for another schedule
         (or walk; "auto" for auto_problem as in build); the forward lists and
         bitmasks are shared. On a CUDA mask they are rebuilt on a host copy and copied back (a
-        synchronising debug/setup path)."""
+        synchronising debug/setup path). The padded backward form (doc_padding) follows a
+        left-to-right or shortest-first schedule and is dropped for a permutation."""
         if self._on_device():
             return self.cpu().with_schedule(schedule, walk=walk, auto_problem=auto_problem).to(self.device)
         d = _C.complete_block_mask(self._core_mask(), _schedule_arg(schedule), self._fw.allocate,
@@ -465,10 +466,10 @@ class BlockMask:
                       tensors=tensors, spec=self.spec, schedule=d["schedule"],
                       schedule_permutation=self._permutation(d["schedule_permutation"], self._fw),
                       framework=self._fw, walk=d["schedule_walk"], real_rows=self.real_rows)
-        if self.backward_padded is not None:  # the padded form follows (the same schedule and walk)
-            if m.schedule == "permutation":
-                raise ValueError("schedule: expected left_to_right or shortest_first for a mask with a padded "
-                                 "backward form (a permutation names the unpadded mask's columns), got a permutation")
+        # The padded form follows (the same schedule and walk); a permutation names the unpadded
+        # mask's columns, so under one the backward runs on the mask itself (build refuses
+        # doc_padding with a permutation; here the form may have come by default).
+        if self.backward_padded is not None and m.schedule != "permutation":
             m.backward_padded = self.backward_padded.with_schedule(m.schedule, walk=m.walk)
         return m
 

@@ -813,6 +813,15 @@ def test_padded_backward_form_of_a_document_mask(monkeypatch):
     assert (p.real_rows >= 0).sum() == B * S and (p.real_rows < 0).any(), "no document was padded: nothing tested"
     p.validate()
     assert set(mask.to_numpy().tensors()) == set(mask.tensors()) and "backward_padded.real_rows" in mask.tensors()
+    # Another schedule: the form follows it (its own transposes and write orders rebuilt), and a
+    # permutation, which names the unpadded mask's columns, drops it.
+    sf = mask.with_schedule("shortest_first")
+    assert (sf.backward_padded.schedule, sf.backward_padded.walk) == (sf.schedule, sf.walk) == ("shortest_first",
+                                                                                               mask.walk)
+    assert torch.equal(sf.backward_padded.real_rows, p.real_rows)
+    sf.backward_padded.validate()
+    nk = -(-S // 128)
+    assert mask.with_schedule(list(range(nk))[::-1]).backward_padded is None
 
     def run(m, native=True):
         with monkeypatch.context() as mp:

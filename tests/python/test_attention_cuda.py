@@ -387,6 +387,11 @@ def test_device_built_document_masks_carry_the_padded_form_by_default():
         [doc, doc[:, -1:]], 1)).backward_padded is None
     perm = torch.randperm(-(-S // 128)).tolist()
     assert st.BlockMask.build("document_causal", S, document_ids=doc, schedule=perm).backward_padded is None
+    # Another schedule later: the form follows it, or is dropped for a permutation (no error).
+    m = st.BlockMask.build("document_causal", S, document_ids=doc)
+    sf = m.with_schedule("shortest_first")
+    assert sf.backward_padded.schedule == "shortest_first" and sf.backward_padded.device == DEV
+    assert m.with_schedule(perm).backward_padded is None
 
 
 def test_device_build_is_capturable_in_a_cuda_graph():
