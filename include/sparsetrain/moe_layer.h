@@ -15,8 +15,9 @@
 //
 // Runs where the experts' parameters are: the CPU (the reference) or a CUDA device (the router,
 // gather and combine kernels of ops/moe_cuda.h and the GroupedMLP's, the counts as device
-// splits: no host synchronisation, graph-capturable). The rows are gathered into a copy for fc1;
-// folding the gather into fc1's loads is the next step.
+// splits: no host synchronisation, graph-capturable). The rows are gathered into a copy for fc1
+// (kept for backward, or gathered again there: recompute_expert_input); folding the gather into
+// fc1's loads is the next step.
 #pragma once
 
 #include <cstdint>
@@ -32,13 +33,19 @@ struct MoELayerOptions {
   RouterOptions router;
   // The experts: num_groups == router.num_experts, in_features == out_features (the hidden size).
   GroupedMLPOptions mlp;
+  // false: x's rows gathered for fc1 are kept in MoEForward::rows until backward; true: forward
+  // drops them after fc1 and backward gathers them again from x (N x top_k x hidden elements less
+  // held between forward and backward, for one more gather pass in backward; the results are
+  // bitwise the same).
+  bool recompute_expert_input = false;
 };
 
 struct MoEForward {
   Tensor out;          // [N, hidden] in mlp.dtype
   RouterOutput route;  // the routing (its score_sum is the aux-loss statistic)
   // Saved for backward (keep this whole struct until backward, and with delayed wgrad until
-  // the matching backward_dw): x's rows in the expert-major layout, their probs, fc1's output.
+  // the matching backward_dw): x's rows in the expert-major layout (undefined with
+  // recompute_expert_input), their probs, fc1's output.
   Tensor rows, row_probs, fc1_out;
 };
 

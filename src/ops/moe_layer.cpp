@@ -125,6 +125,7 @@ MoEForward MoELayer::forward(const TensorView& x, const TensorView& logits, cons
       mlp_.forward(f.rows.view(), Splits::device(f.route.counts.view()), f.row_probs.view(), {}, args);
   f.fc1_out = std::move(m.fc1_out);
   f.out = combine_rows(m.out.view(), f.route.row_of, N, *allocator_, args.stream);
+  if (options_.recompute_expert_input) f.rows = Tensor();  // gathered again by backward
   return f;
 }
 
@@ -133,20 +134,24 @@ MoEGrads MoELayer::backward(const TensorView& x, const TensorView& logits, const
   check_tokens(x, "x", options_.mlp, -1, mlp_.device());
   const int64_t N = x.size(0);
   check_tokens(dout, "dout", options_.mlp, N, mlp_.device());
-  ST_CHECK_ARG(saved.route.row_of.defined() && saved.route.row_of.view().size(0) == N && saved.rows.defined(),
+  ST_CHECK_ARG(saved.route.row_of.defined() && saved.route.row_of.view().size(0) == N &&
+                   saved.route.token_of_row.defined() && (saved.rows.defined() || options_.recompute_expert_input),
                "saved", "forward()'s result for these " + std::to_string(N) + " tokens",
                saved.route.row_of.defined() ? saved.route.row_of.view().shape_str() : std::string("no routing"));
   ops::check_route_backward_inputs(options_.router, logits, dscore_sum);
   ST_CHECK_ARG(logits.size(0) == N, "logits", "N = " + std::to_string(N) + " rows (x's tokens)", logits.shape_str());
   // Everything is valid: from here on outputs may be written.
-  // dout's rows in the layout: row row_of[n, i] gets dout[n] (each row exactly once).
+  // dout's rows in the layout: row row_of[n, i] gets dout[n] (each row exactly once); x's rows
+  // again if forward dropped them.
   Tensor drows = gather_rows(dout, saved.route.token_of_row, *allocator_, args.stream);
+  const Tensor rows =
+      saved.rows.defined() ? saved.rows : gather_rows(x, saved.route.token_of_row, *allocator_, args.stream);
   // The MLP's delayed wgrad keeps references to its inputs and splits: they stay alive with the
   // pending entry.
   CallArgs mlp_args = args;
   mlp_args.keep_alive = std::make_shared<std::tuple<Tensor, Tensor, Tensor, Tensor, std::shared_ptr<const void>>>(
-      saved.rows, saved.row_probs, saved.route.counts, drows, args.keep_alive);
-  GroupedMLPGrads m = mlp_.backward(saved.rows.view(), saved.fc1_out.view(), saved.row_probs.view(), drows.view(),
+      rows, saved.row_probs, saved.route.counts, drows, args.keep_alive);
+  GroupedMLPGrads m = mlp_.backward(rows.view(), saved.fc1_out.view(), saved.row_probs.view(), drows.view(),
                                     Splits::device(saved.route.counts.view()), {}, mlp_args);
   MoEGrads g;
   g.grad_input = combine_rows(m.grad_input.view(), saved.route.row_of, N, *allocator_, args.stream);

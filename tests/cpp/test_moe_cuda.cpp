@@ -156,6 +156,16 @@ TEST(MoELayerCuda, EqualsTheHostLayerRepeatablyAndUnderGraphReplay) {
   EXPECT_TRUE(to_host(df2.out.view()).bytes_equal(to_host(df.out.view())));
   EXPECT_TRUE(to_host(dg2.grad_input.view()).bytes_equal(to_host(dg.grad_input.view())));
   EXPECT_TRUE(to_host(dg2.dlogits.view()).bytes_equal(to_host(dg.dlogits.view())));
+  // recompute_expert_input: no rows kept, gathered again in backward by the kernel: the same bits.
+  st::MoELayerOptions ro = o;
+  ro.recompute_expert_input = true;
+  st::MoELayer rdev(ro, dp);
+  const st::MoEForward rf = rdev.forward(dx.view(), dlog.view());
+  EXPECT_FALSE(rf.rows.defined());
+  const st::MoEGrads rg = rdev.backward(dx.view(), dlog.view(), rf, ddout.view());
+  EXPECT_TRUE(to_host(rg.grad_input.view()).bytes_equal(to_host(dg.grad_input.view())));
+  EXPECT_TRUE(to_host(rg.dlogits.view()).bytes_equal(to_host(dg.dlogits.view())));
+  EXPECT_TRUE(to_host(rg.fc1.weight.packed.view()).bytes_equal(to_host(dg.fc1.weight.packed.view())));
 
   // A CUDA graph of the forward, replayed with new logits (new routing), equals an eager call.
   // The graph's memory comes from a pool allocated before the capture (fixed addresses).

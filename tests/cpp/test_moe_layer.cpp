@@ -10,6 +10,7 @@
 #include <cmath>
 #include <functional>
 #include <ostream>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -196,6 +197,18 @@ INSTANTIATE_TEST_SUITE_P(
 
 HostTensor copy(const st::Tensor& t) { return HostTensor::copy_of(t.view()); }
 
+// Host memory overwritten when freed: a read after the free sees garbage, not the old values.
+class PoisonOnFree final : public st::Allocator {
+ public:
+  void* allocate(size_t bytes, st::Device device, st::Stream stream) override {
+    return st::default_allocator().allocate(bytes, device, stream);
+  }
+  void deallocate(void* p, size_t bytes, st::Device device, st::Stream stream) override {
+    std::memset(p, 0xff, bytes);
+    st::default_allocator().deallocate(p, bytes, device, stream);
+  }
+};
+
 TEST(MoELayer, BitwiseRepeatableAndDelayedWgradEqualsImmediate) {
   const Case c{41, 8, 2, 16, 8, RouterScore::kSoftmax, true, true, true, DType::kBF16};
   Problem p(c, 2);
@@ -226,6 +239,37 @@ TEST(MoELayer, BitwiseRepeatableAndDelayedWgradEqualsImmediate) {
   EXPECT_TRUE(copy(w.fc1.weight.packed).bytes_equal(copy(ga.fc1.weight.packed)));
   EXPECT_TRUE(copy(w.fc2.weight.packed).bytes_equal(copy(ga.fc2.weight.packed)));
   EXPECT_TRUE(copy(w.fc2.bias_grad).bytes_equal(copy(ga.fc2.bias_grad)));
+
+  // recompute_expert_input: forward keeps no rows, backward gathers them again from x: the same
+  // bits, immediate and delayed (the pending wgrad keeps the gathered rows alive), and x changed
+  // after the backward (the rows were not read from it later).
+  for (const bool delay : {false, true}) {
+    SCOPED_TRACE(delay ? "delayed wgrad" : "immediate wgrad");
+    st::MoELayerOptions o = p.options();
+    o.recompute_expert_input = true;
+    o.mlp.delay_wgrad_compute = delay;
+    PoisonOnFree freed;
+    st::MoELayer r(o, p.mlp.params(), &freed);
+    HostTensor x = HostTensor::copy_of(p.x.view());
+    st::MoEGrads gr;
+    {
+      const st::MoEForward fr = r.forward(x.view(), p.logits.view(), p.bias_view());
+      EXPECT_FALSE(fr.rows.defined());
+      EXPECT_TRUE(copy(fr.out).bytes_equal(copy(fa.out)));
+      gr = r.backward(x.view(), p.logits.view(), fr, p.dout.view(), p.dsum.view());
+    }
+    std::mt19937_64 rng(99);
+    x.fill_random(rng);
+    EXPECT_TRUE(copy(gr.grad_input).bytes_equal(copy(ga.grad_input)));
+    EXPECT_TRUE(copy(gr.dlogits).bytes_equal(copy(ga.dlogits)));
+    st::GroupedMLPLayerGrads fc1 = gr.fc1, fc2 = gr.fc2;
+    if (delay) {
+      const st::GroupedMLPGrads dw = r.backward_dw();
+      fc1 = dw.fc1, fc2 = dw.fc2;
+    }
+    EXPECT_TRUE(copy(fc1.weight.packed).bytes_equal(copy(ga.fc1.weight.packed)));
+    EXPECT_TRUE(copy(fc2.weight.packed).bytes_equal(copy(ga.fc2.weight.packed)));
+  }
 }
 
 TEST(MoELayer, NoTokens) {
