@@ -2,7 +2,8 @@
 same experts (torch.softmax + torch.topk + argsort + index_select + our GroupedMLP + index_add),
 forward and forward + backward, bf16, in this process on this GPU: CUDA events after warm-up,
 medians, back to back (the GPU work) and one call at a time (host work included); each one's peak
-memory beyond its inputs; TFLOP/s of the expert GEMMs (forward 6 * rows * hidden * ffn, backward
+memory beyond its inputs and the memory its autograd graph holds between forward and backward
+(what adds up over a model's layers); TFLOP/s of the expert GEMMs (forward 6 * rows * hidden * ffn, backward
 twice that; rows = tokens * top_k). Shapes: SonicMoE's headline (T 32768, hidden 4096, ffn 2048,
 64 experts, top-4), Mixtral-like (8 experts top-2, hidden 4096, ffn 14336), DeepSeek-V3-like (32
 experts top-8 at hidden 7168, ffn 2048: the routing of 256 experts top-8 as one GPU of an
@@ -12,9 +13,11 @@ compared (max abs difference recorded). On CUDA: CUDA events (bench_attention's 
 queued_ms); on the CPU wall times.
 
 --quick: small shapes; --device cpu with --quick runs the whole script on the CPU (a smoke test of
-the script, no timings worth reading).
+the script, no timings worth reading). --recompute-expert-input: our layer with that option (x's
+gathered rows gathered again in backward instead of held).
 
     python bench/bench_moe.py [--only sonic,mixtral] [--quick] [--device cuda|cpu] [--reps 20] [--json out.json]
+                              [--recompute-expert-input]
 """
 
 import argparse
@@ -87,12 +90,27 @@ def peak_mib(fn, device):
     return peak_extra_mb(fn)
 
 
-def bench_case(name, shape, reps, device):
+def held_mib(fn, dy, device):
+    """MiB allocated after fn's forward and freed by its backward: what the autograd graph holds
+    between the passes (its output included), the memory that adds up over a model's layers."""
+    if device != "cuda":
+        return None
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    y = fn()
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    torch.autograd.backward(y, dy)
+    return held / 2**20
+
+
+def bench_case(name, shape, reps, device, recompute=False):
     import sparsetrain.torch as stt
 
     T, H, F, E, K = shape
     gen = torch.Generator(device="cpu").manual_seed(0)
-    layer = stt.MoELayer(E, H, F, K, normalize=True, params_dtype=torch.bfloat16, device=device)
+    layer = stt.MoELayer(E, H, F, K, normalize=True, params_dtype=torch.bfloat16, device=device,
+                         recompute_expert_input=recompute)
     x = torch.randn(T, H, generator=gen).to(device=device, dtype=torch.bfloat16).requires_grad_()
     logits = torch.randn(T, E, generator=gen).to(device).requires_grad_()
     dy = torch.randn(T, H, generator=gen).to(device=device, dtype=torch.bfloat16)
@@ -105,7 +123,8 @@ def bench_case(name, shape, reps, device):
 
     rows = T * K
     flops_fwd = 6.0 * rows * H * F
-    row = {"case": name, "tokens": T, "hidden": H, "ffn": F, "experts": E, "top_k": K, "device": device}
+    row = {"case": name, "tokens": T, "hidden": H, "ffn": F, "experts": E, "top_k": K, "device": device,
+           "recompute_expert_input": recompute}
     with torch.no_grad():
         row["max_abs_diff_vs_torch"] = float((ours().float() - peer().float()).abs().max())
     for label, fn in (("ours", ours), ("torch", peer)):
@@ -118,7 +137,8 @@ def bench_case(name, shape, reps, device):
         row.update({f"{label}_fwd_ms": one, f"{label}_fwd_b2b_ms": b2b, f"{label}_fwdbwd_ms": one_fb,
                     f"{label}_fwdbwd_b2b_ms": b2b_fb, f"{label}_fwd_tflops": flops_fwd / b2b * 1e-9,
                     f"{label}_bwd_tflops": 2 * flops_fwd / max(b2b_fb - b2b, 1e-9) * 1e-9,
-                    f"{label}_fwdbwd_peak_mib": peak_mib(fwd_bwd, device)})
+                    f"{label}_fwdbwd_peak_mib": peak_mib(fwd_bwd, device),
+                    f"{label}_held_mib": held_mib(fn, dy, device)})
         x.grad = logits.grad = None
         for p in layer.parameters():
             p.grad = None
@@ -133,19 +153,22 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--recompute-expert-input", action="store_true",
+                    help="our layer gathers x's rows again in backward instead of keeping them")
     a = ap.parse_args()
     shapes = QUICK if a.quick else CASES
     rows = []
     print(f"{'case':20s} {'ours fwd+bwd ms':>16s} {'torch fwd+bwd ms':>17s} {'speedup':>8s} "
-          f"{'ours fwd/bwd TFLOP/s':>21s} {'peak MiB ours/torch':>20s}")
+          f"{'ours fwd/bwd TFLOP/s':>21s} {'peak MiB ours/torch':>20s} {'held MiB ours/torch':>20s}")
     for name in a.only.split(","):
-        r = bench_case(name, shapes[name], a.reps, a.device)
+        r = bench_case(name, shapes[name], a.reps, a.device, a.recompute_expert_input)
         rows.append(r)
         peak = (f"{r['ours_fwdbwd_peak_mib']:.0f}/{r['torch_fwdbwd_peak_mib']:.0f}"
                 if r["ours_fwdbwd_peak_mib"] is not None else "-")
+        held = f"{r['ours_held_mib']:.0f}/{r['torch_held_mib']:.0f}" if r["ours_held_mib"] is not None else "-"
         print(f"{name:20s} {r['ours_fwdbwd_b2b_ms']:16.3f} {r['torch_fwdbwd_b2b_ms']:17.3f} "
               f"{r['fwdbwd_speedup_b2b']:7.2f}x {r['ours_fwd_tflops']:10.1f}/{r['ours_bwd_tflops']:<10.1f} "
-              f"{peak:>20s}", flush=True)
+              f"{peak:>20s} {held:>20s}", flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"python": sys.version.split()[0], "torch": torch.__version__, "rows": rows}, f, indent=1)

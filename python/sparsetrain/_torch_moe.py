@@ -141,6 +141,33 @@ def _expert_rows(x: Tensor, r: RoutedTokens) -> _ExpertRows:
                        _Rows.apply(r.probs.reshape(-1), m.flat_of_row, m.flat_row), m.row_of, m.token_of_row)
 
 
+class _Regather(NamedTuple):
+    """A saved tensor replaced by how to gather it again: x's rows at index."""
+    x: Tensor
+    index: Tensor
+
+
+def _regathered_in_backward(rows: _ExpertRows, x: Tensor):
+    """Saved-tensor hooks under which a tensor saved for backward that is rows.x (the same memory,
+    shape and strides) is saved as (x, token_of_row) and gathered again when backward unpacks it;
+    the hooks hold no reference to rows.x itself, so it is freed after the forward."""
+    ptr, shape, stride, dtype = rows.x.data_ptr(), rows.x.shape, rows.x.stride(), rows.x.dtype
+    source, index = x.detach(), rows.token_of_row
+
+    def pack(t: Tensor):
+        if t.data_ptr() == ptr and t.shape == shape and t.stride() == stride and t.dtype == dtype:
+            return _Regather(source, index)
+        return t
+
+    def unpack(saved):
+        if isinstance(saved, _Regather):
+            with torch.no_grad():
+                return saved.x.index_select(0, saved.index)
+        return saved
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
 def _combine(y: Tensor, rows: _ExpertRows) -> Tensor:
     """Each token's top_k expert rows of y (expert-major, as _expert_rows laid them out) summed in
     slot order: [N, out]."""
@@ -163,13 +190,19 @@ class MoELayer(nn.Module):
     sparsetrain.torch.GroupedMLP: its options, main_grad and delayed wgrad with backward_dw), each
     row scaled by its probability, and each token's top_k rows summed (in slot order, by gathers:
     deterministic). Gradients reach x, the logits (through the probs and, if used, score_sum) and
-    the experts' parameters. The same as sparsetrain's C++ MoELayer (moe_layer.h)."""
+    the experts' parameters. The same as sparsetrain's C++ MoELayer (moe_layer.h).
+    recompute_expert_input: the experts save x's gathered rows for backward as x and the row
+    map, and backward gathers them again (N x top_k x hidden elements less held between forward
+    and backward, for one more gather; the same results, bitwise). Eager mode (saved-tensor
+    hooks): under torch.compile, and with delay_wgrad_compute (the pending wgrad keeps its own
+    reference), the rows are kept as without it."""
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, top_k: int, *,
                  score: str = "softmax", normalize: bool = False, bias: bool = False,
                  params_dtype: Optional[torch.dtype] = None, device: Union[torch.device, str, None] = None,
                  glu_interleave_size: int = 0, single_grouped_weight: bool = False,
-                 fuse_wgrad_accumulation: bool = False, delay_wgrad_compute: bool = False):
+                 fuse_wgrad_accumulation: bool = False, delay_wgrad_compute: bool = False,
+                 recompute_expert_input: bool = False):
         super().__init__()
         from .torch import GroupedMLP  # noqa: PLC0415  (sparsetrain.torch imports this module)
 
@@ -179,6 +212,7 @@ class MoELayer(nn.Module):
             raise ValueError(f"top_k: expected 1 <= top_k <= num_experts = {num_experts}, got {top_k}")
         self.num_experts, self.hidden_size, self.top_k = num_experts, hidden_size, top_k
         self.score, self.normalize = score, normalize
+        self.recompute_expert_input = bool(recompute_expert_input)
         self.experts = GroupedMLP(num_experts, hidden_size, ffn_hidden_size, hidden_size, bias=bias,
                                   params_dtype=params_dtype, device=device, glu_interleave_size=glu_interleave_size,
                                   single_grouped_weight=single_grouped_weight,
@@ -190,7 +224,11 @@ class MoELayer(nn.Module):
         _check_layer_inputs(self, x, logits)
         r = moe_route(logits, self.top_k, score=self.score, normalize=self.normalize, expert_bias=expert_bias)
         rows = _expert_rows(x, r)
-        y = self.experts(rows.x, r.counts, rows.probs)
+        if self.recompute_expert_input and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            with _regathered_in_backward(rows, x):
+                y = self.experts(rows.x, r.counts, rows.probs)
+        else:
+            y = self.experts(rows.x, r.counts, rows.probs)
         return MoEOutput(_combine(y, rows), r.score_sum, r.counts)
 
     def backward_dw(self) -> None:

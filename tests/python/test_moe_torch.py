@@ -103,6 +103,57 @@ def test_moe_layer_is_bitwise_repeatable():
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device: the CUDA case skipped"))])
+def test_recompute_expert_input_frees_the_rows_and_gives_the_same_bits(device, monkeypatch):
+    """recompute_expert_input=True: x's gathered rows are not held after the forward (a weak
+    reference to them dies; without the option it lives), backward gathers them again, and out and
+    every gradient are bitwise those of the layer that keeps them; with delayed wgrad too (the
+    pending wgrad then keeps the rows)."""
+    import gc  # noqa: PLC0415
+    import weakref  # noqa: PLC0415
+
+    import sparsetrain._torch_moe as tm  # noqa: PLC0415
+
+    torch.manual_seed(4)
+    base = stt.MoELayer(8, 32, 16, 2, normalize=True, params_dtype=BF16, device=device)
+    x = torch.randn(37, 32, dtype=BF16, device=device)
+    logits = torch.randn(37, 8, device=device)
+    gathered = []
+    real = tm._expert_rows
+
+    def spy(xx, r):
+        rows = real(xx, r)
+        gathered.append(weakref.ref(rows.x))
+        return rows
+
+    monkeypatch.setattr(tm, "_expert_rows", spy)
+    results = []
+    for recompute in (False, True):
+        layer = stt.MoELayer(8, 32, 16, 2, normalize=True, params_dtype=BF16, device=device,
+                             recompute_expert_input=recompute)
+        layer.load_state_dict(base.state_dict())
+        xi, li = x.clone().requires_grad_(), logits.clone().requires_grad_()
+        o = layer(xi, li)
+        gc.collect()
+        assert (gathered[-1]() is None) == recompute, f"recompute {recompute}: rows held {gathered[-1]() is not None}"
+        (o.out.float().square().sum() + o.score_sum.sum()).backward()
+        results.append([o.out, xi.grad, li.grad, layer.experts.fc1.weights()[0].grad,
+                        layer.experts.fc2.weights()[-1].grad])
+    delayed = stt.MoELayer(8, 32, 16, 2, normalize=True, params_dtype=BF16, device=device,
+                           recompute_expert_input=True, delay_wgrad_compute=True)
+    delayed.load_state_dict(base.state_dict())
+    xi, li = x.clone().requires_grad_(), logits.clone().requires_grad_()
+    o = delayed(xi, li)
+    (o.out.float().square().sum() + o.score_sum.sum()).backward()
+    delayed.backward_dw()
+    results.append([o.out, xi.grad, li.grad, delayed.experts.fc1.weights()[0].grad,
+                    delayed.experts.fc2.weights()[-1].grad])
+    for later in results[1:]:
+        for a, b in zip(results[0], later):
+            assert torch.equal(a, b)
+
+
 def test_moe_route_under_compile_fullgraph():
     torch.manual_seed(2)
     logits = torch.randn(11, 6, requires_grad=True)
