@@ -76,7 +76,7 @@ void build_block_mask_cuda(const DeviceMaskBuild& b, BlockMaskTensors& t, Stream
 // the query side's), the padded layout's ids and real rows ([B, padded] each, padded >= every
 // row's padded length: doc_padded_length_bound), in chunks of kDocPadChunk tokens, on `stream` of
 // `device`. The scratch arrays come from the caller (doc_pad_layout_scratch_words: one int64
-// tensor, split by doc_pad_layout_args).
+// tensor, split by doc_pad_layout_scratch).
 inline constexpr int64_t kDocPadChunk = 2048;
 struct DocPadLayoutArgs {
   const int32_t *ids_q, *ids_kv;
