@@ -176,15 +176,25 @@ def mask_mod_for(kind, g, doc):
 
 
 # --doc-padding: document masks also carry their padded backward form (BlockMask.build's
-# doc_padding; issue 15 item 4), 0: none.
-DOC_PADDING = 0
+# doc_padding; issue 15 item 4), 0: none; None (the default): what a mask built on the GPU carries
+# by default (the library's rule), also for the masks this bench builds on the host.
+DOC_PADDING = None
+
+
+def doc_padding_for(S):
+    if DOC_PADDING is not None:
+        return DOC_PADDING
+    from sparsetrain._block_mask import _AUTO_DOC_PADDING
+
+    return _AUTO_DOC_PADDING if S >= _AUTO_DOC_PADDING else 0
 
 
 def our_mask_args(kind, g, doc):
     if kind == "sliding_window":
         return {"window_left": g.window, "window_right": 0}
     if kind == "document_causal":
-        return {"document_ids": doc, **({"doc_padding": DOC_PADDING} if DOC_PADDING else {})}
+        pad = doc_padding_for(g.S)
+        return {"document_ids": doc, **({"doc_padding": pad} if pad else {})}
     return {}
 
 
@@ -416,6 +426,7 @@ def build_our_mask(kind, S, g, doc, doc_cpu, B, Hq, Hkv, schedule, walk, row):
         mask = host.to("cuda") if cuda else host
     row["ours_schedule"] = mask.schedule
     row["ours_walk"] = mask.walk
+    row["ours_doc_padded"] = mask.backward_padded is not None
     return mask
 
 
@@ -824,7 +835,7 @@ def self_check(names, seq):
         c, g, doc_cpu, _, mask_mod, pairs = case_masks(name, seq, "cpu")
         choice = {}
         mask = build_our_mask(c.kind, g.S, g, None, doc_cpu, g.B, c.Hq, c.Hkv, "auto", None, choice)
-        if DOC_PADDING and c.kind == "document_causal":  # --doc-padding: the padded form, every token placed
+        if doc_padding_for(g.S) and c.kind == "document_causal":  # --doc-padding: the padded form, every token placed
             placed = mask.backward_padded.real_rows
             assert int((placed >= 0).sum()) == g.B * g.S and mask.backward_padded.walk == mask.walk, name
         chosen = [x for x in choice["schedule_candidates"]
@@ -897,9 +908,10 @@ def main():
     ap.add_argument("--walk", default=None, choices=("descending_heads_inner", "ascending_heads_outer",
                                                      "ascending_heads_inner"),
                     help="with an explicit --schedule: the backward's walk (default descending_heads_inner)")
-    ap.add_argument("--doc-padding", type=int, default=0, metavar="N",
+    ap.add_argument("--doc-padding", type=int, default=None, metavar="N",
                     help="document masks with their padded backward form: documents of >= N tokens (>= 128) on "
-                         "128-token boundaries in the backward (default 0: none)")
+                         "128-token boundaries in the backward; 0: none (default: the library's default for "
+                         "masks built on the GPU, 1024 at S >= 1024, also for this bench's host builds)")
     ap.add_argument("--self-check", action="store_true",
                     help="run the host-side parts on the CPU (no GPU): geometry, document ids, closed-form pair "
                          "counts against dense counts, our host mask builds, the tables; then exit")

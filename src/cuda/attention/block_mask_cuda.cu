@@ -247,6 +247,23 @@ struct RoundCarry {
   }
 };
 
+struct Sum {
+  __device__ int32_t operator()(int32_t x, int32_t y) const { return x + y; }
+};
+using PadReduce = cub::BlockReduce<int32_t, kPadThreads>;
+// v[0, n) reduced by op, returned to every thread of the CTA (a chunk's summary over the chunks
+// before it, or over the whole row).
+template <class Op>
+__device__ int32_t reduce_to_all(const int32_t* v, int64_t n, int32_t init, Op op, PadReduce::TempStorage& tmp) {
+  __shared__ int32_t all;
+  int32_t x = init;
+  for (int64_t k = threadIdx.x; k < n; k += kPadThreads) x = op(x, v[k]);
+  x = PadReduce(tmp).Reduce(x, op);
+  if (threadIdx.x == 0) all = x;
+  __syncthreads();
+  return all;
+}
+
 // The four kernels' view of one (row, chunk): its ids and its parts of the scratch (doc_pad_layout_scratch).
 struct PadRow {
   const int32_t *ids, *kv_ids;  // the layout's (query side's) and the key side's
@@ -275,33 +292,26 @@ struct PadRow {
 
 __global__ void __launch_bounds__(kPadThreads) pad_chunk_stats_kernel(DocPadLayoutArgs a) {
   const PadRow r(a);
-  using Reduce = cub::BlockReduce<int32_t, kPadThreads>;
-  __shared__ typename Reduce::TempStorage tmp;
+  __shared__ PadReduce::TempStorage tmp;
   int32_t n = 0, m = INT_MIN;
   for (int64_t t = r.t0(); t < min(r.t0() + kPadItems, r.seq); ++t) {
     n += r.first_of_doc(t);
     m = max(m, max(r.ids[t], r.kv_ids[t]));
   }
-  n = Reduce(tmp).Sum(n);
+  n = PadReduce(tmp).Sum(n);
   __syncthreads();
-  m = Reduce(tmp).Reduce(m, Max{});
+  m = PadReduce(tmp).Reduce(m, Max{});
   if (threadIdx.x == 0) r.chunk_starts[r.c] = n, r.chunk_max[r.c] = m;
 }
 
 __global__ void __launch_bounds__(kPadThreads) pad_starts_kernel(DocPadLayoutArgs a) {
   const PadRow r(a);
-  using Reduce = cub::BlockReduce<int32_t, kPadThreads>;
   using Scan = cub::BlockScan<int32_t, kPadThreads>;
   __shared__ union {
-    typename Reduce::TempStorage reduce;
+    PadReduce::TempStorage reduce;
     typename Scan::TempStorage scan;
   } tmp;
-  __shared__ int32_t before;
-  int32_t n = 0;
-  for (int64_t k = threadIdx.x; k < r.c; k += kPadThreads) n += r.chunk_starts[k];
-  n = Reduce(tmp.reduce).Sum(n);
-  if (threadIdx.x == 0) before = n;
-  __syncthreads();
+  const int32_t before = reduce_to_all(r.chunk_starts, r.c, 0, Sum{}, tmp.reduce);
   int32_t v[kPadItems];
 #pragma unroll
   for (int i = 0; i < kPadItems; ++i) v[i] = r.t0() + i < r.seq && r.first_of_doc(r.t0() + i);
@@ -326,20 +336,14 @@ __global__ void __launch_bounds__(kPadThreads) pad_chunk_steps_kernel(DocPadLayo
 
 __global__ void __launch_bounds__(kPadThreads) pad_layout_kernel(DocPadLayoutArgs a) {
   const PadRow r(a);
-  using Reduce = cub::BlockReduce<int32_t, kPadThreads>;
   using Scan = cub::BlockScan<DocPadStep, kPadThreads>;
   __shared__ union {
-    typename Reduce::TempStorage reduce;
+    PadReduce::TempStorage reduce;
     typename Scan::TempStorage scan;
   } tmp;
-  __shared__ int32_t max_id;
   __shared__ DocPadStep before;
   // The row's largest id, and the chunks before this one composed in order (in rounds of a thread each).
-  int32_t m = INT_MIN;
-  for (int64_t k = threadIdx.x; k < r.chunks; k += kPadThreads) m = max(m, r.chunk_max[k]);
-  m = Reduce(tmp.reduce).Reduce(m, Max{});
-  if (threadIdx.x == 0) max_id = m;
-  __syncthreads();
+  const int32_t max_id = reduce_to_all(r.chunk_max, r.chunks, INT_MIN, Max{}, tmp.reduce);
   RoundCarry<DocPadStep, DocPadThen> carry{};
   for (int64_t k0 = 0; k0 < r.c; k0 += kPadThreads) {
     const DocPadStep s = k0 + threadIdx.x < r.c ? r.chunk_step[k0 + threadIdx.x] : DocPadStep{};
