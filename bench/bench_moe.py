@@ -13,11 +13,11 @@ compared (max abs difference recorded). On CUDA: CUDA events (bench_attention's 
 queued_ms); on the CPU wall times.
 
 --quick: small shapes; --device cpu with --quick runs the whole script on the CPU (a smoke test of
-the script, no timings worth reading). --recompute-expert-input: our layer with that option (x's
-gathered rows gathered again in backward instead of held).
+the script, no timings worth reading). --keep-expert-input: our layer with recompute_expert_input=False
+(x's gathered rows held for backward, as the composition does, instead of gathered again: the default).
 
     python bench/bench_moe.py [--only sonic,mixtral] [--quick] [--device cuda|cpu] [--reps 20] [--json out.json]
-                              [--recompute-expert-input]
+                              [--keep-expert-input]
 """
 
 import argparse
@@ -104,7 +104,7 @@ def held_mib(fn, dy, device):
     return held / 2**20
 
 
-def bench_case(name, shape, reps, device, recompute=False):
+def bench_case(name, shape, reps, device, recompute=True):
     import sparsetrain.torch as stt
 
     T, H, F, E, K = shape
@@ -153,15 +153,16 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--recompute-expert-input", action="store_true",
-                    help="our layer gathers x's rows again in backward instead of keeping them")
+    ap.add_argument("--keep-expert-input", action="store_true",
+                    help="our layer keeps x's gathered rows for backward (recompute_expert_input=False) instead of "
+                         "gathering them again (the default)")
     a = ap.parse_args()
     shapes = QUICK if a.quick else CASES
     rows = []
     print(f"{'case':20s} {'ours fwd+bwd ms':>16s} {'torch fwd+bwd ms':>17s} {'speedup':>8s} "
           f"{'ours fwd/bwd TFLOP/s':>21s} {'peak MiB ours/torch':>20s} {'held MiB ours/torch':>20s}")
     for name in a.only.split(","):
-        r = bench_case(name, shapes[name], a.reps, a.device, a.recompute_expert_input)
+        r = bench_case(name, shapes[name], a.reps, a.device, not a.keep_expert_input)
         rows.append(r)
         peak = (f"{r['ours_fwdbwd_peak_mib']:.0f}/{r['torch_fwdbwd_peak_mib']:.0f}"
                 if r["ours_fwdbwd_peak_mib"] is not None else "-")

@@ -33,11 +33,11 @@ struct MoELayerOptions {
   RouterOptions router;
   // The experts: num_groups == router.num_experts, in_features == out_features (the hidden size).
   GroupedMLPOptions mlp;
-  // false: x's rows gathered for fc1 are kept in MoEForward::rows until backward; true: forward
-  // drops them after fc1 and backward gathers them again from x (N x top_k x hidden elements less
-  // held between forward and backward, for one more gather pass in backward; the results are
-  // bitwise the same).
-  bool recompute_expert_input = false;
+  // true (the default): forward drops x's rows gathered for fc1 after fc1 and backward gathers
+  // them again from x (N x top_k x hidden elements less held between forward and backward, for
+  // one more gather pass in backward, 0.1-1.3 % of a layer's fwd + bwd on an H200, docs/PERF.md;
+  // the results are bitwise the same); false: they are kept in MoEForward::rows until backward.
+  bool recompute_expert_input = true;
 };
 
 struct MoEForward {

@@ -97,6 +97,7 @@ struct Problem {
     st::MoELayerOptions o;
     o.router = {c.E, c.K, c.score, c.normalize};
     o.mlp = mlp.options();
+    o.recompute_expert_input = false;  // the rows kept: what the recompute cases are compared with
     return o;
   }
   st::TensorView bias_view() const { return c.bias ? bias.view() : st::TensorView{}; }
@@ -243,6 +244,7 @@ TEST(MoELayer, BitwiseRepeatableAndDelayedWgradEqualsImmediate) {
   // recompute_expert_input: forward keeps no rows, backward gathers them again from x: the same
   // bits, immediate and delayed (the pending wgrad keeps the gathered rows alive), and x changed
   // after the backward (the rows were not read from it later).
+  EXPECT_TRUE(st::MoELayerOptions{}.recompute_expert_input) << "the default";
   for (const bool delay : {false, true}) {
     SCOPED_TRACE(delay ? "delayed wgrad" : "immediate wgrad");
     st::MoELayerOptions o = p.options();

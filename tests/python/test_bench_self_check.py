@@ -33,14 +33,14 @@ def test_bench_moe_runs_on_the_cpu(tmp_path):
 
     out = tmp_path / "moe.json"
     bench = os.path.join(os.path.dirname(BENCH), "bench_moe.py")
-    for extra in ([], ["--recompute-expert-input"]):
+    for extra in ([], ["--keep-expert-input"]):
         r = subprocess.run([sys.executable, bench, "--quick", "--device", "cpu", "--reps", "1", "--only",
                             "mixtral,qwen3", "--json", str(out), *extra], capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
         rows = json.loads(out.read_text())["rows"]
         assert [row["case"] for row in rows] == ["mixtral", "qwen3"]
         for row in rows:
-            assert row["recompute_expert_input"] == bool(extra)
+            assert row["recompute_expert_input"] == (not extra)
             assert row["max_abs_diff_vs_torch"] < 0.05, row  # bf16 experts, the same weights on both sides
 
 
