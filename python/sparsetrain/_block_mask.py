@@ -165,6 +165,19 @@ def _host_last(a: Any) -> Optional[int]:
     return int(a[-1]) if len(a) > 0 else None
 
 
+def _packed_length(seq: Optional[int], cu: Any, arg: str) -> int:
+    """A packed length (seq_q or seq_kv) as given, else cu[-1] of host offsets; for CUDA offsets
+    an error naming the argument (reading the last offset would synchronise)."""
+    if seq is not None:
+        return int(seq)
+    last = _host_last(cu)
+    if last is None:
+        side, t = ("query", "q") if arg == "seq_q" else ("key", "k")
+        raise ValueError(f"{arg}: expected the packed {side} length ({t}'s sequence size) for offsets on "
+                         f"{cu.device} (reading cu_seqlens_{t}[-1] would synchronise), got None")
+    return last
+
+
 def _max_seqlen_arg(value: Any, arg: str) -> None:
     """FlashAttention's max_seqlen_q / max_seqlen_k: accepted (so a flash_attn_varlen_func call
     passes its arguments unchanged) and checked, not needed."""
@@ -195,16 +208,8 @@ def document_ids_from_cu_seqlens(cu_seqlens_q: Any, cu_seqlens_k: Any = None, se
     cu_seqlens_k = cu_seqlens_q if cu_seqlens_k is None else cu_seqlens_k
     fw = _framework(framework, cu_seqlens_q, cu_seqlens_k)
     cu_q, cu_k = _cu_seqlens_arg(cu_seqlens_q, fw), _cu_seqlens_arg(cu_seqlens_k, fw)
-    if seq_q is None:
-        seq_q = _host_last(cu_q)
-        if seq_q is None:
-            raise ValueError("seq_q: expected the packed query length (q's sequence size) for offsets on "
-                             f"{cu_q.device} (reading cu_seqlens_q[-1] would synchronise), got None")
-    if seq_kv is None:
-        seq_kv = seq_q if same else _host_last(cu_k)
-        if seq_kv is None:
-            raise ValueError("seq_kv: expected the packed key length (k's sequence size) for offsets on "
-                             f"{cu_k.device} (reading cu_seqlens_k[-1] would synchronise), got None")
+    seq_q = _packed_length(seq_q, cu_q, "seq_q")
+    seq_kv = seq_q if seq_kv is None and same else _packed_length(seq_kv, cu_k, "seq_kv")
     stream = fw.stream_of(cu_q) if fw.torch is not None else 0
     dq, dkv = _C.document_ids_from_cu_seqlens(to_core(cu_q, "cu_seqlens_q"), to_core(cu_k, "cu_seqlens_k"),
                                               int(seq_q), int(seq_kv), fw.allocate, stream)
@@ -389,17 +394,9 @@ class BlockMask:
         within a document, which is FlashAttention's (bottom-right per document) exactly when
         cu_seqlens_q == cu_seqlens_k; see build() (also for doc_padding, seq_q == seq_kv)."""
         same = cu_seqlens_k is None or cu_seqlens_k is cu_seqlens_q
-        if seq_q is None:
-            seq_q = _host_last(cu_seqlens_q)
-            if seq_q is None:
-                raise ValueError("seq_q: expected the packed query length (q's sequence size) for offsets on "
-                                 f"{cu_seqlens_q.device} (reading cu_seqlens_q[-1] would synchronise), got None")
-        if seq_kv is None:
-            seq_kv = seq_q if same else _host_last(cu_seqlens_k)
-            if seq_kv is None:
-                raise ValueError("seq_kv: expected the packed key length (k's sequence size) for offsets on "
-                                 f"{cu_seqlens_k.device} (reading cu_seqlens_k[-1] would synchronise), got None")
-        return cls.build("document_causal" if causal else "document", int(seq_q), int(seq_kv),
+        seq_q = _packed_length(seq_q, cu_seqlens_q, "seq_q")
+        seq_kv = seq_q if seq_kv is None and same else _packed_length(seq_kv, cu_seqlens_k, "seq_kv")
+        return cls.build("document_causal" if causal else "document", seq_q, seq_kv,
                          cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                          max_seqlen_k=max_seqlen_k, block_size=block_size, schedule=schedule,
                          framework=framework, device=device, doc_padding=doc_padding)
