@@ -19,11 +19,59 @@ def test_bench_attention_self_check_passes():
     assert r.returncode == 0 and "self-check passed" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
 
 
-def test_bench_attention_self_check_with_padded_documents():
-    """--doc-padding: the document cases' masks built with their padded backward form."""
-    r = subprocess.run([sys.executable, BENCH, "--self-check", "--quick", "--doc-padding", "1024", "--only",
+def test_bench_attention_self_check_without_padded_documents():
+    """--doc-padding 0: the document cases' masks without their padded backward form (which the
+    default gives them at the --quick size, S = 2048, as a mask built on the GPU has it)."""
+    r = subprocess.run([sys.executable, BENCH, "--self-check", "--quick", "--doc-padding", "0", "--only",
                         "document_causal,document_causal_1to3000"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "self-check passed" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def test_bench_attention_backward_times_the_peers_back_to_back_in_alternating_rounds(monkeypatch):
+    """bench_backward on the CPU reference with its timers replaced: every peer that runs gets its
+    back-to-back fwd + bwd and bwd times from rounds that alternate the peers (so the board's drift
+    hits all alike), a failing peer (cuDNN SDPA has no CPU backend) is recorded as such, and the
+    ratios and gradient comparisons are filled in."""
+    import math
+
+    import torch
+
+    sys.path.insert(0, os.path.dirname(BENCH))
+    import bench_attention as ba
+    import sparsetrain
+
+    order = []
+
+    def queued(fn, reps, warmup=3):
+        order.append(fn)
+        fn()
+        return 1.0 + 0.01 * len(order)
+
+    monkeypatch.setattr(ba, "time_ms", lambda fn, reps, warmup=3: (fn() and 2.0, 2.0))
+    monkeypatch.setattr(ba, "queued_ms", queued)
+    for name, value in (("synchronize", None), ("memory_allocated", 0), ("reset_peak_memory_stats", None),
+                        ("max_memory_allocated", 0)):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, v=value: v)
+    torch.manual_seed(0)
+    B, H, S, D = 1, 2, 256, 32
+    mask = sparsetrain.BlockMask.build("causal", S, framework="torch")
+    row = {"fwd_flops": 1e9}
+    ba.bench_backward(row, mask, None, [tuple(torch.randn(B, H, S, D) for _ in range(3))], 10, None, 1, "causal")
+
+    assert row["fwdbwd_cudnn_error"].startswith("RuntimeError") and math.isnan(row["fwdbwd_cudnn_b2b_ms"])
+    assert math.isnan(row["bwd_cudnn_b2b_ms"])
+    for what in ("fwdbwd", "bwd"):
+        for peer in ("ours", "ours_nondet"):
+            assert math.isfinite(row[f"{what}_{peer}_b2b_ms"]) and row[f"{what}_{peer}_b2b_tflops"] > 0
+        assert math.isfinite(row[f"{what}_b2b_det_over_nondet"])
+    # 2 passes (fwd + bwd, bwd) x B2B_ROUNDS rounds x 2 peers, the peers in turn within each round.
+    assert len(order) == 2 * ba.B2B_ROUNDS * 2
+    for p in range(2):
+        calls = order[p * 2 * ba.B2B_ROUNDS:(p + 1) * 2 * ba.B2B_ROUNDS]
+        assert calls[0] is not calls[1] and calls[::2] == [calls[0]] * ba.B2B_ROUNDS
+        assert calls[1::2] == [calls[1]] * ba.B2B_ROUNDS
+    assert row["ours_bwd_bitwise_repeatable"] is True
+    assert row["max_abs_diff_dq_ours_nondet_vs_ours"] < 1e-3
 
 
 def test_bench_moe_runs_on_the_cpu(tmp_path):
