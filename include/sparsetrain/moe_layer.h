@@ -55,6 +55,16 @@ struct MoEGrads {
   GroupedMLPLayerGrads fc1, fc2;
 };
 
+// The layer's combine on its own: out [N, H] with out[n] = the sum over slots i = 0..K-1 of
+// rows[row_of[n, i]], in fp32 from 0 in slot order, rounded once to rows' dtype. It is also the
+// gradient of gathering rows by the layout's token_of_row (each token's rows' gradients summed)
+// and, unlike a scatter-add, the same bits on every call. rows: [R, H] bf16, fp16 or fp32, rows
+// contiguous; row_of: int32 [N, K] contiguous on rows' device with entries in [0, R) (route()'s
+// row_of; checked on the host, trusted on a device, where reading them would synchronise). out
+// from `allocator` (default_allocator() if null) on `stream`.
+Tensor combine_rows(const TensorView& rows, const TensorView& row_of, Allocator* allocator = nullptr,
+                    Stream stream = {});
+
 class MoELayer {
  public:
   // `allocator`: where every output and intermediate comes from (default_allocator() if null);

@@ -56,27 +56,6 @@ Tensor gather_rows(const TensorView& x, const Tensor& token_of_row, Allocator& a
   return rows;
 }
 
-// out[n] = sum over slots i of rows[row_of[n, i]], in slot order, in fp32, rounded once.
-Tensor combine_rows(const TensorView& rows, const Tensor& row_of, int64_t N, Allocator& alloc, Stream stream) {
-  const int64_t K = row_of.view().size(1), H = rows.size(1);
-  Tensor out = Tensor::empty(rows.dtype(), {N, H}, rows.device(), alloc, stream);
-  const int32_t* row = row_of.view().data_as<const int32_t>();
-#if SPARSETRAIN_WITH_CUDA
-  if (rows.device().is_cuda()) {
-    combine_rows_cuda(rows.dtype(), rows.data(), rows.stride(0), row, N, int32_t(K), H, out.view().data(),
-                      rows.device().index, stream);
-    return out;
-  }
-#endif
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t h = 0; h < H; ++h) {
-      float acc = 0.f;
-      for (int64_t i = 0; i < K; ++i) acc += load_float(rows.data(), rows.dtype(), row[n * K + i] * rows.stride(0) + h);
-      store_float(out.view().data(), rows.dtype(), n * H + h, acc);
-    }
-  return out;
-}
-
 // fp32 values between the (token, slot) order and the layout's rows: dst[row_of[i]] = src[i]
 // (to_rows: [N * K]) or dst[i] = src[row_of[i]] ([N, K], row_of's shape).
 Tensor permute_probs(const TensorView& src, const Tensor& row_of, bool to_rows, Allocator& alloc, Stream stream) {
@@ -105,6 +84,46 @@ Tensor permute_probs(const TensorView& src, const Tensor& row_of, bool to_rows, 
 
 }  // namespace
 
+Tensor combine_rows(const TensorView& rows, const TensorView& row_of, Allocator* allocator, Stream stream) {
+  checks::defined(rows, "rows", "bf16, fp16 or fp32 [R, H]");
+  ST_CHECK_ARG(rows.dtype() == DType::kBF16 || rows.dtype() == DType::kFP16 || rows.dtype() == DType::kFP32, "rows",
+               "bf16, fp16 or fp32", dtype_name(rows.dtype()));
+  checks::shape(rows, "rows", {-1, -1}, "[R, H]");
+  checks::rows_contiguous(rows, "rows");
+  checks::non_null(rows, "rows");
+  checks::defined(row_of, "row_of", "int32 [N, K]");
+  checks::dtype(row_of, "row_of", DType::kInt32);
+  checks::shape(row_of, "row_of", {-1, -1}, "[N, K]");
+  checks::contiguous(row_of, "row_of");
+  checks::non_null(row_of, "row_of");
+  checks::device(row_of, "row_of", rows.device());
+  const Device dev = rows.device();
+  checks::device_runs(dev, checks::Kernels::kGeneric, "rows");
+  const int64_t N = row_of.size(0), K = row_of.size(1), R = rows.size(0), H = rows.size(1);
+  ST_CHECK_ARG(K <= INT32_MAX, "row_of", "at most 2^31 - 1 slots a token", K);
+  const int32_t* row = row_of.data_as<const int32_t>();
+  if (dev.is_cpu())
+    for (int64_t i = 0; i < N * K; ++i)
+      ST_CHECK_ARG(row[i] >= 0 && row[i] < R, "row_of", "entries in [0, R = " + std::to_string(R) + ")",
+                   row[i], " at flat index ", i);
+  Allocator& alloc = allocator != nullptr ? *allocator : default_allocator();
+  Tensor out = Tensor::empty(rows.dtype(), {N, H}, dev, alloc, stream);
+#if SPARSETRAIN_WITH_CUDA
+  if (dev.is_cuda()) {
+    combine_rows_cuda(rows.dtype(), rows.data(), rows.stride(0), row, N, int32_t(K), H, out.view().data(), dev.index,
+                      stream);
+    return out;
+  }
+#endif
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t h = 0; h < H; ++h) {
+      float acc = 0.f;
+      for (int64_t i = 0; i < K; ++i) acc += load_float(rows.data(), rows.dtype(), row[n * K + i] * rows.stride(0) + h);
+      store_float(out.view().data(), rows.dtype(), n * H + h, acc);
+    }
+  return out;
+}
+
 MoELayer::MoELayer(const MoELayerOptions& options, const GroupedMLPParams& params, Allocator* allocator)
     : options_(checked(options)),
       allocator_(allocator != nullptr ? allocator : &default_allocator()),
@@ -118,13 +137,12 @@ MoEForward MoELayer::forward(const TensorView& x, const TensorView& logits, cons
                "N = " + std::to_string(x.size(0)) + " rows (x's tokens)", logits.shape_str());
   MoEForward f;
   f.route = route(options_.router, logits, expert_bias, allocator_, args.stream);  // checks logits, bias
-  const int64_t N = x.size(0);
   f.rows = gather_rows(x, f.route.token_of_row, *allocator_, args.stream);
   f.row_probs = permute_probs(f.route.probs.view(), f.route.row_of, true, *allocator_, args.stream);
   GroupedMLPForward m =
       mlp_.forward(f.rows.view(), Splits::device(f.route.counts.view()), f.row_probs.view(), {}, args);
   f.fc1_out = std::move(m.fc1_out);
-  f.out = combine_rows(m.out.view(), f.route.row_of, N, *allocator_, args.stream);
+  f.out = combine_rows(m.out.view(), f.route.row_of.view(), allocator_, args.stream);
   if (options_.recompute_expert_input) f.rows = Tensor();  // gathered again by backward
   return f;
 }
@@ -154,7 +172,7 @@ MoEGrads MoELayer::backward(const TensorView& x, const TensorView& logits, const
   GroupedMLPGrads m = mlp_.backward(rows.view(), saved.fc1_out.view(), saved.row_probs.view(), drows.view(),
                                     Splits::device(saved.route.counts.view()), {}, mlp_args);
   MoEGrads g;
-  g.grad_input = combine_rows(m.grad_input.view(), saved.route.row_of, N, *allocator_, args.stream);
+  g.grad_input = combine_rows(m.grad_input.view(), saved.route.row_of.view(), allocator_, args.stream);
   const Tensor dprobs = permute_probs(m.dprobs.view(), saved.route.row_of, false, *allocator_, args.stream);
   g.dlogits = route_backward(options_.router, logits, saved.route.experts.view(), dprobs.view(), dscore_sum,
                              allocator_, args.stream);

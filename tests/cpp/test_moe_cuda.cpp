@@ -110,6 +110,34 @@ TEST(MoERouterCudaErrors, InvalidDeviceExpertIdsGiveNanNeverAnOutOfBoundsRead) {
     for (int e = 0; e < 6; ++e) EXPECT_TRUE(std::isnan(g.get(n * 6 + e))) << "token " << n;
 }
 
+// combine_rows on the device equals the host's bit for bit (the same fp32 sums in slot order), on
+// both of its kernel paths: 16-byte vectors (row lengths and strides multiples of 16 bytes) and
+// element by element (odd row lengths, or a row stride off 16 bytes); the output poisoned first.
+TEST(MoECombineRowsCuda, EqualsTheHost) {
+  REQUIRE_GPU();
+  for (const DType dt : {DType::kBF16, DType::kFP16, DType::kFP32})
+    for (const int64_t H : {64, 40, 13})
+      for (const int64_t pad : {0, 1})
+        for (const int64_t K : {1, 3, 8}) {
+          SCOPED_TRACE(std::string(st::dtype_name(dt)) + " H " + std::to_string(H) + " pad " + std::to_string(pad) +
+                       " K " + std::to_string(K));
+          const int64_t N = 1031, R = 2 * N + 5, stride = H + pad;
+          std::mt19937_64 rng(uint64_t(H * 131 + pad * 17 + K));
+          HostTensor rows(dt, {R, stride});
+          rows.fill_random(rng, 2.0);
+          HostTensor row_of(DType::kInt32, {N, K});
+          for (int64_t i = 0; i < N * K; ++i) row_of.set(i, double(rng() % uint64_t(R)));
+          const int64_t shape[2] = {R, H}, strides[2] = {stride, 1};
+          const st::TensorView hv(rows.data(), dt, shape, strides, 2, st::Device::cpu());
+          const HostTensor want = HostTensor::copy_of(st::combine_rows(hv, row_of.view()).view());
+          const DeviceTensor drows(rows), drow_of(row_of);
+          const st::TensorView dv(drows.view().data(), dt, shape, strides, 2, st::Device::cuda(0));
+          st::testing::PoolAllocator poisoned(size_t(N * H) * 4 + 4096);  // its memory NaN-filled (0xFF)
+          const st::Tensor got = st::combine_rows(dv, drow_of.view(), &poisoned);
+          EXPECT_TRUE(to_host(got.view()).bytes_equal(want));
+        }
+}
+
 TEST(MoELayerCuda, EqualsTheHostLayerRepeatablyAndUnderGraphReplay) {
   REQUIRE_GPU();
   const int64_t N = 301, H = 64, F = 32;
@@ -167,6 +195,18 @@ TEST(MoELayerCuda, EqualsTheHostLayerRepeatablyAndUnderGraphReplay) {
   EXPECT_TRUE(to_host(rg.grad_input.view()).bytes_equal(to_host(dg.grad_input.view())));
   EXPECT_TRUE(to_host(rg.dlogits.view()).bytes_equal(to_host(dg.dlogits.view())));
   EXPECT_TRUE(to_host(rg.fc1.weight.packed.view()).bytes_equal(to_host(dg.fc1.weight.packed.view())));
+  // x with a row stride of H + 1 elements (its rows off 16-byte boundaries: the gather's
+  // element-wise path, the contiguous x took the 16-byte one): the same bits.
+  {
+    HostTensor wide(DType::kBF16, {N, H + 1});
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t h = 0; h <= H; ++h) wide.set(n * (H + 1) + h, h < H ? x.get(n * H + h) : 1e30);
+    const DeviceTensor dwide(wide);
+    const int64_t shape[2] = {N, H}, strides[2] = {H + 1, 1};
+    const st::TensorView xs(dwide.view().data(), DType::kBF16, shape, strides, 2, st::Device::cuda(0));
+    const st::MoEForward sf = dev.forward(xs, dlog.view());
+    EXPECT_TRUE(to_host(sf.out.view()).bytes_equal(to_host(df.out.view()))) << "strided x";
+  }
 
   // A CUDA graph of the forward, replayed with new logits (new routing), equals an eager call.
   // The graph's memory comes from a pool allocated before the capture (fixed addresses).

@@ -289,6 +289,53 @@ TEST(MoELayer, NoTokens) {
   }
 }
 
+// combine_rows against a sum written here: each token's rows read as doubles from their bits,
+// added in slot order in float from 0, rounded once to the dtype (the contract's order), for
+// every dtype, slots 1..5, rows used by several tokens or none; the output poisoned first.
+TEST(MoECombineRows, SumsEachTokensRowsInSlotOrder) {
+  for (const DType dt : {DType::kBF16, DType::kFP16, DType::kFP32})
+    for (const int64_t K : {1, 2, 5}) {
+      SCOPED_TRACE(std::string(st::dtype_name(dt)) + " K " + std::to_string(K));
+      const int64_t N = 23, R = 31, H = 13;
+      std::mt19937_64 rng(uint64_t(K) * 7 + uint64_t(dt));
+      HostTensor rows(dt, {R, H});
+      rows.fill_random(rng, 3.0);
+      HostTensor row_of(DType::kInt32, {N, K});
+      for (int64_t i = 0; i < N * K; ++i) row_of.set(i, double(rng() % uint64_t(R)));
+      st::testing::PoisonAllocator poison;
+      const st::Tensor out = st::combine_rows(rows.view(), row_of.view(), &poison);
+      ASSERT_EQ(out.view().dtype(), dt);
+      ASSERT_EQ(out.view().size(0), N);
+      ASSERT_EQ(out.view().size(1), H);
+      const HostTensor got = HostTensor::copy_of(out.view());
+      HostTensor want(dt, {N, H});
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t h = 0; h < H; ++h) {
+          float acc = 0.f;
+          for (int64_t i = 0; i < K; ++i) acc += float(rows.get(int64_t(row_of.get(n * K + i)) * H + h));
+          want.set(n * H + h, double(acc));  // set() rounds to the dtype (nearest even)
+        }
+      EXPECT_TRUE(got.bytes_equal(want));
+    }
+}
+
+TEST(MoECombineRows, BadArgumentsAreNamed) {
+  HostTensor rows(DType::kBF16, {4, 8}), row_of(DType::kInt32, {3, 2});
+  for (int64_t i = 0; i < 6; ++i) row_of.set(i, double(i % 4));
+  const HostTensor rows_i32(DType::kInt32, {4, 8}), row_of_i64(DType::kInt64, {3, 2}), row_of_1d(DType::kInt32, {6});
+  expect_error([&] { st::combine_rows(rows_i32.view(), row_of.view()); }, {"rows", "bf16, fp16 or fp32", "int32"});
+  expect_error([&] { st::combine_rows(rows.view(), row_of_i64.view()); }, {"row_of", "int32"});
+  expect_error([&] { st::combine_rows(rows.view(), row_of_1d.view()); }, {"row_of", "[N, K]"});
+  expect_error([&] { st::combine_rows(rows.view(), st::TensorView{}); }, {"row_of", "int32 [N, K]"});
+  const int64_t shape[2] = {3, 1}, strides[2] = {2, 1};
+  const st::TensorView strided(row_of.data(), DType::kInt32, shape, strides, 2, st::Device::cpu());
+  expect_error([&] { st::combine_rows(rows.view(), strided); }, {"row_of", "contiguous"});
+  row_of.set(5, 4.0);
+  expect_error([&] { st::combine_rows(rows.view(), row_of.view()); }, {"row_of", "[0, R = 4)", "4", "flat index 5"});
+  row_of.set(5, -1.0);
+  expect_error([&] { st::combine_rows(rows.view(), row_of.view()); }, {"row_of", "[0, R = 4)", "-1"});
+}
+
 TEST(MoELayerErrors, BadArgumentsAreNamedBeforeAnythingIsWritten) {
   const Case c{11, 4, 2, 8, 8, RouterScore::kSoftmax, false, false, false, DType::kBF16};
   Problem p(c, 3);
