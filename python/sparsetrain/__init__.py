@@ -16,13 +16,13 @@ from . import _C
 from ._arrays import DeviceSplits, Framework, dtype_name, to_core, to_core_splits, workspace_to_core
 from ._block_mask import (MASK_KINDS, BlockMask, MaskSpec, block_sparse_attention_backward,
                           block_sparse_attention_forward, document_ids_from_cu_seqlens)
-from ._moe import ROUTER_SCORES, RoutedTokens, route, route_backward
+from ._moe import ROUTER_SCORES, RoutedTokens, combine_rows, route, route_backward
 
 __all__ = ["GroupedLinear", "GroupedLinearGrads", "GroupedMLP", "GroupedMLPGrads", "LayerGrads",
            "DeviceSplits", "weight_grad_disposition", "BlockMask", "MaskSpec", "MASK_KINDS",
            "document_ids_from_cu_seqlens",
            "block_sparse_attention_forward", "block_sparse_attention_backward",
-           "route", "route_backward", "RoutedTokens", "ROUTER_SCORES",
+           "route", "route_backward", "combine_rows", "RoutedTokens", "ROUTER_SCORES",
            "SPLITS_NEGATIVE", "SPLITS_SUM_EXCEEDS_ROWS", "version", "built_with_cuda",
            "cuda_device_count", "build_info"]
 

@@ -60,3 +60,13 @@ def route_backward(logits: Any, experts: Any, dprobs: Any, top_k: int, *, score:
                                 int(top_k), score, bool(normalize),
                                 fw.stream_of(logits) if stream is None else int(stream), fw.allocate)
     return fw.view(out)
+
+
+def combine_rows(rows: Any, row_of: Any, *, stream: Optional[int] = None) -> Any:
+    """The MoE layer's combine: out [N, H] with out[n] = the sum over slots i of rows[row_of[n, i]]
+    (rows [R, H] bf16, fp16 or fp32; row_of int32 [N, K], route()'s), in fp32 from 0 in slot order,
+    rounded once: also the gradient of gathering rows by token_of_row, without atomics (the same
+    bits on every call). Entries of row_of must lie in [0, R) (checked for host arrays)."""
+    fw = Framework.of(rows)
+    return fw.view(_C.moe_combine_rows(to_core(rows, "rows"), to_core(row_of, "row_of"),
+                                       fw.stream_of(rows) if stream is None else int(stream), fw.allocate))

@@ -11,7 +11,7 @@ from typing import NamedTuple, Optional, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from ._moe import ROUTER_SCORES, route, route_backward
+from ._moe import ROUTER_SCORES, combine_rows, route, route_backward
 
 
 @torch.library.custom_op("sparsetrain::moe_route", mutates_args=())
@@ -77,10 +77,27 @@ def moe_route(logits: Tensor, top_k: int, *, score: str = "softmax", normalize: 
     return RoutedTokens(*_route_op(logits, expert_bias, int(top_k), score, bool(normalize)))
 
 
+@torch.library.custom_op("sparsetrain::moe_combine_rows", mutates_args=())
+def _combine_rows_op(x: Tensor, index: Tensor) -> Tensor:
+    return combine_rows(x, index)
+
+
+@_combine_rows_op.register_fake
+def _(x, index):
+    return x.new_empty((index.shape[0], x.shape[1]))
+
+
+_COMBINED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 def _take(x: Tensor, index: Tensor) -> Tensor:
-    """x's rows at `index`: [M] -> [M, ...]; [M, k] -> the k rows summed, [M, ...]."""
-    rows = x.index_select(0, index.reshape(-1))
-    return rows if index.dim() == 1 else rows.view(*index.shape, *x.shape[1:]).sum(1)
+    """x's rows at `index`: [M] -> [M, ...]; [M, k] -> the k rows summed in fp32 in slot order,
+    rounded once, [M, ...] (combine_rows for 2-d x: no [M * k, ...] copy in between)."""
+    if index.dim() == 1:
+        return x.index_select(0, index)
+    if x.dim() == 2 and x.dtype in _COMBINED_DTYPES:
+        return _combine_rows_op(x if x.stride(-1) == 1 else x.contiguous(), index.to(torch.int32).contiguous())
+    return x.index_select(0, index.reshape(-1)).view(*index.shape, *x.shape[1:]).sum(1)
 
 
 class _Rows(torch.autograd.Function):

@@ -20,6 +20,7 @@
 #include "sparsetrain/error.h"
 #include "sparsetrain/grouped_linear.h"
 #include "sparsetrain/grouped_mlp.h"
+#include "sparsetrain/moe_layer.h"
 #include "sparsetrain/moe_router.h"
 #include "sparsetrain/runtime.h"
 
@@ -639,6 +640,14 @@ nb::object moe_route_backward(nb::handle logits, nb::handle experts, nb::handle 
                        alloc);
 }
 
+// The layer's combine (moe_layer.h combine_rows): out [N, H], exported.
+nb::object moe_combine_rows(nb::handle rows, nb::handle row_of, uintptr_t stream, nb::callable allocator) {
+  PyAllocator alloc(std::move(allocator));
+  st::Stream s;
+  s.handle = reinterpret_cast<void*>(stream);
+  return export_tensor(st::combine_rows(view_of(rows, "rows"), view_of(row_of, "row_of"), &alloc, s), alloc);
+}
+
 }  // namespace
 
 NB_MODULE(_C, m) {
@@ -710,6 +719,8 @@ NB_MODULE(_C, m) {
   // Block masks (block_mask.h): each builder returns a dict of exported tensors (see export_mask).
   m.def("moe_route", &moe_route, nb::arg("logits"), nb::arg("expert_bias").none(), nb::arg("num_experts"),
         nb::arg("top_k"), nb::arg("score"), nb::arg("normalize"), nb::arg("stream"), nb::arg("allocator"));
+  m.def("moe_combine_rows", &moe_combine_rows, nb::arg("rows"), nb::arg("row_of"), nb::arg("stream"),
+        nb::arg("allocator"));
   m.def("moe_route_backward", &moe_route_backward, nb::arg("logits"), nb::arg("experts"), nb::arg("dprobs"),
         nb::arg("dscore_sum").none(), nb::arg("num_experts"), nb::arg("top_k"), nb::arg("score"), nb::arg("normalize"),
         nb::arg("stream"), nb::arg("allocator"));

@@ -102,3 +102,30 @@ def test_route_errors_name_the_argument():
     r = st.route(logits, 2)
     with pytest.raises(ValueError, match=r"dprobs: expected shape \[N = 4, top_k = 2\]"):
         st.route_backward(logits, r.experts, np.zeros((4, 3), np.float32), 2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_combine_rows_sums_each_tokens_rows_in_slot_order(dtype):
+    """sparsetrain.combine_rows: out[n] = rows[row_of[n, 0]] + ... in float32 from 0, slot by
+    slot, rounded once (written here as that loop); rows used by several tokens or by none."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    N, R, H, K = 29, 41, 11, 3
+    rows = (rng.standard_normal((R, H)) * 3).astype(dtype)
+    row_of = rng.integers(0, R, (N, K)).astype(np.int32)
+    acc = np.zeros((N, H), np.float32)
+    for i in range(K):
+        acc = acc + rows[row_of[:, i]].astype(np.float32)
+    got = st.combine_rows(rows, row_of)
+    assert got.dtype == rows.dtype and got.shape == (N, H)
+    assert np.array_equal(got, acc.astype(dtype)), f"seed {seed}"
+
+
+def test_combine_rows_errors_name_the_argument():
+    rows = np.ones((4, 3), np.float32)
+    with pytest.raises(ValueError, match="row_of.*int32"):
+        st.combine_rows(rows, np.zeros((2, 2), np.int64))
+    with pytest.raises(ValueError, match=r"row_of.*\[0, R = 4\)"):
+        st.combine_rows(rows, np.array([[0, 4]], np.int32))
+    with pytest.raises(ValueError, match="rows.*bf16, fp16 or fp32"):
+        st.combine_rows(np.ones((4, 3), np.int32), np.zeros((2, 2), np.int32))

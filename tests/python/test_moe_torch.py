@@ -188,6 +188,38 @@ def test_bad_arguments_are_named():
         layer(x, torch.randn(5, 4, dtype=BF16))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device: the CUDA case skipped"))])
+def test_the_combine_sums_in_slot_order_without_a_copy_of_the_rows(device, monkeypatch):
+    """The layer's combine (and the rows' gather's adjoint) goes through
+    sparsetrain::moe_combine_rows, not index_select into an [N * top_k, hidden] copy then sum:
+    each token's rows summed in fp32 in slot order, rounded once (written here as that loop),
+    bitwise, in the forward and for dx."""
+    import sparsetrain._torch_moe as tm  # noqa: PLC0415
+
+    calls = []
+    real = tm._combine_rows_op
+
+    def spy(x, index):
+        calls.append((tuple(x.shape), tuple(index.shape)))
+        return real(x, index)
+
+    monkeypatch.setattr(tm, "_combine_rows_op", spy)
+    torch.manual_seed(5)
+    N, H, K = 37, 32, 3
+    y = torch.randn(N * K, H, dtype=BF16, device=device)
+    row_of = torch.stack([torch.randperm(N * K)[:K] for _ in range(N)]).to(device)
+    want = torch.zeros(N, H, device=device)
+    for i in range(K):
+        want = want + y[row_of[:, i]].float()
+    assert torch.equal(tm._take(y, row_of), want.to(BF16))
+    assert calls == [((N * K, H), (N, K))]
+    layer = stt.MoELayer(8, H, 16, K, params_dtype=BF16, device=device)
+    x = torch.randn(N, H, dtype=BF16, device=device, requires_grad=True)
+    layer(x, torch.randn(N, 8, device=device)).out.float().sum().backward()
+    assert [c[1] for c in calls[1:]] == [(N, K), (N, K)], calls  # out, then dx
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the CUDA MoE layer test skipped")
 def test_cuda_moe_layer_equals_the_cpu_layer():
     torch.manual_seed(3)
