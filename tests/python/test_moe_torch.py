@@ -26,6 +26,7 @@ def leaves(layer):
     (23, 6, 1, "softmax", False, True),
     (17, 8, 4, "sigmoid", True, True),
     (7, 1, 1, "sigmoid", False, False),
+    (13, 256, 8, "sigmoid", True, True),  # DeepSeek-V3's experts and top_k: most experts get no token
 ])
 def test_moe_layer_matches_a_float64_composition(N, E, K, score, normalize, with_bias):
     seed = int(np.random.SeedSequence().entropy % 2**31)
@@ -85,13 +86,16 @@ def reference(x, logits, bias, layer, top_k, score, normalize, leaf_doubles):
     return torch.stack(rows), s.sum(0), experts
 
 
-def test_moe_layer_is_bitwise_repeatable():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device: the CUDA case skipped"))])
+def test_moe_layer_is_bitwise_repeatable(device):
+    """20 forward + backward runs of one layer on the same data: the same bits every time."""
     torch.manual_seed(1)
-    layer = stt.MoELayer(8, 16, 8, 2, normalize=True, params_dtype=BF16)
-    x = torch.randn(29, 16, dtype=BF16)
-    logits = torch.randn(29, 8)
+    layer = stt.MoELayer(8, 16, 8, 2, normalize=True, params_dtype=BF16, device=device)
+    x = torch.randn(29, 16, dtype=BF16, device=device)
+    logits = torch.randn(29, 8, device=device)
     runs = []
-    for _ in range(3):
+    for _ in range(20):
         xi, li = x.clone().requires_grad_(), logits.clone().requires_grad_()
         for w in layer.parameters():
             w.grad = None
