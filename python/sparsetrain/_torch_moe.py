@@ -118,8 +118,8 @@ class _Rows(torch.autograd.Function):
 
 class _ExpertRows(NamedTuple):
     """A batch's rows in expert-major order (token order inside an expert): x [N * k, hidden] and
-    probs fp32 [N * k], both differentiable; row_of [N, k] and token_of_row [N * k] (int64) map
-    between tokens and rows for the combine."""
+    probs fp32 [N * k], both differentiable; row_of [N, k] (int32, as combine_rows takes it) and
+    token_of_row [N * k] (int64) map between tokens and rows for the combine."""
     x: Tensor
     probs: Tensor
     row_of: Tensor
@@ -135,8 +135,8 @@ def _check_layer_inputs(layer: nn.Module, x: Tensor, logits: Tensor) -> None:
 
 
 class _RowMaps(NamedTuple):
-    """r's layout as int64 index maps: row_of [N, k], token_of_row [N * k], flat_row [N * k]
-    ((token, slot) -> row) and flat_of_row, its inverse (row -> (token, slot))."""
+    """r's layout as index maps: row_of [N, k] (int32: the combine's), token_of_row [N * k], flat_row
+    [N * k] ((token, slot) -> row) and flat_of_row, its inverse (row -> (token, slot)), int64."""
     row_of: Tensor
     token_of_row: Tensor
     flat_row: Tensor
@@ -144,8 +144,8 @@ class _RowMaps(NamedTuple):
 
 
 def _row_maps(r: RoutedTokens) -> _RowMaps:
-    row_of = r.row_of.long()
-    flat_row = row_of.reshape(-1)
+    row_of = r.row_of.to(torch.int32)
+    flat_row = row_of.reshape(-1).long()
     flat_of_row = torch.empty_like(flat_row)
     flat_of_row[flat_row] = torch.arange(flat_row.numel(), device=flat_row.device)
     return _RowMaps(row_of, r.token_of_row.long(), flat_row, flat_of_row)
