@@ -211,9 +211,9 @@ class MoELayer(nn.Module):
     recompute_expert_input (default True): the experts save x's gathered rows for backward as x and
     the row map, and backward gathers them again (N x top_k x hidden elements less held between
     forward and backward, for one more gather: 0.1-1.3 % of the layer's fwd + bwd on an H200; the
-    same results, bitwise); False keeps the rows. Eager mode (saved-tensor
-    hooks): under torch.compile, and with delay_wgrad_compute (the pending wgrad keeps its own
-    reference), the rows are kept as without it."""
+    same results, bitwise); False keeps the rows. Eager mode (saved-tensor hooks): under
+    torch.compile, and with delay_wgrad_compute (the pending wgrad keeps its own reference), the
+    rows are kept as without it."""
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, top_k: int, *,
                  score: str = "softmax", normalize: bool = False, bias: bool = False,

@@ -130,8 +130,7 @@ __global__ void route_backward_kernel(RouterRule r, const float* __restrict__ lo
 
 // The row kernels: a warp a row (kRowWarps rows a CTA, grid-stride over the rows), its lanes over
 // the row in 16-byte units where the rows' bases and strides allow it (vec16), else element by
-// element. No division per element, one index load per row (the scalar form before moved 2 bytes a
-// thread behind a 64-bit division).
+// element: no division per element, one index load per row, so the row moves at the memory's speed.
 constexpr int kRowWarps = kThreads / 32;
 
 bool vec16(const void* p, int64_t stride_bytes, int64_t row_bytes) {
