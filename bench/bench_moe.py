@@ -15,9 +15,11 @@ queued_ms); on the CPU wall times.
 --quick: small shapes; --device cpu with --quick runs the whole script on the CPU (a smoke test of
 the script, no timings worth reading). --keep-expert-input: our layer with recompute_expert_input=False
 (x's gathered rows held for backward, as the composition does, instead of gathered again: the default).
+Each timed fwd + bwd is one step after zero_grad(set_to_none=True): the gradients are set to None before
+its backward (--accumulate-grads: added into the last step's, both sides then also timing that add).
 
     python bench/bench_moe.py [--only sonic,mixtral] [--quick] [--device cuda|cpu] [--reps 20] [--json out.json]
-                              [--keep-expert-input]
+                              [--keep-expert-input] [--accumulate-grads]
 """
 
 import argparse
@@ -104,7 +106,7 @@ def held_mib(fn, dy, device):
     return held / 2**20
 
 
-def bench_case(name, shape, reps, device, recompute=True):
+def bench_case(name, shape, reps, device, recompute=True, accumulate=False):
     import sparsetrain.torch as stt
 
     T, H, F, E, K = shape
@@ -124,12 +126,20 @@ def bench_case(name, shape, reps, device, recompute=True):
     rows = T * K
     flops_fwd = 6.0 * rows * H * F
     row = {"case": name, "tokens": T, "hidden": H, "ffn": F, "experts": E, "top_k": K, "device": device,
-           "recompute_expert_input": recompute}
+           "recompute_expert_input": recompute, "accumulate_grads": accumulate}
     with torch.no_grad():
         row["max_abs_diff_vs_torch"] = float((ours().float() - peer().float()).abs().max())
+    leaves = [x, logits, *layer.parameters()]
+
+    def no_grads():
+        for t in leaves:
+            t.grad = None
+
     for label, fn in (("ours", ours), ("torch", peer)):
         def fwd_bwd(f=fn):
             y = f()
+            if not accumulate:
+                no_grads()  # a step after zero_grad(set_to_none=True): no add of each weight's gradient
             torch.autograd.backward(y, dy)
 
         one, b2b = timed(fn, reps, device)
@@ -139,9 +149,7 @@ def bench_case(name, shape, reps, device, recompute=True):
                     f"{label}_bwd_tflops": 2 * flops_fwd / max(b2b_fb - b2b, 1e-9) * 1e-9,
                     f"{label}_fwdbwd_peak_mib": peak_mib(fwd_bwd, device),
                     f"{label}_held_mib": held_mib(fn, dy, device)})
-        x.grad = logits.grad = None
-        for p in layer.parameters():
-            p.grad = None
+        no_grads()
     row["fwdbwd_speedup_b2b"] = row["torch_fwdbwd_b2b_ms"] / row["ours_fwdbwd_b2b_ms"]
     return row
 
@@ -156,13 +164,17 @@ def main():
     ap.add_argument("--keep-expert-input", action="store_true",
                     help="our layer keeps x's gathered rows for backward (recompute_expert_input=False) instead of "
                          "gathering them again (the default)")
+    ap.add_argument("--accumulate-grads", action="store_true",
+                    help="backward adds into the gradients of the steps before (a loop without zero_grad: both "
+                         "sides then also time an add over every weight's gradient, 2.6-3.9 ms at sonic / qwen3 "
+                         "on an H200) instead of a step after zero_grad(set_to_none=True) (the default)")
     a = ap.parse_args()
     shapes = QUICK if a.quick else CASES
     rows = []
     print(f"{'case':20s} {'ours fwd+bwd ms':>16s} {'torch fwd+bwd ms':>17s} {'speedup':>8s} "
           f"{'ours fwd/bwd TFLOP/s':>21s} {'peak MiB ours/torch':>20s} {'held MiB ours/torch':>20s}")
     for name in a.only.split(","):
-        r = bench_case(name, shapes[name], a.reps, a.device, not a.keep_expert_input)
+        r = bench_case(name, shapes[name], a.reps, a.device, not a.keep_expert_input, a.accumulate_grads)
         rows.append(r)
         peak = (f"{r['ours_fwdbwd_peak_mib']:.0f}/{r['torch_fwdbwd_peak_mib']:.0f}"
                 if r["ours_fwdbwd_peak_mib"] is not None else "-")
