@@ -128,24 +128,58 @@ __global__ void route_backward_kernel(RouterRule r, const float* __restrict__ lo
   }
 }
 
-template <typename E>
-__global__ void gather_rows_kernel(const E* __restrict__ x, int64_t x_stride, const int32_t* __restrict__ index,
-                                   int64_t R, int64_t H, E* __restrict__ rows) {
-  for (int64_t k = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; k < R * H; k += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = k / H, h = k - r * H;
-    rows[k] = x[int64_t(index[r]) * x_stride + h];
+// The row kernels: a warp a row (kRowWarps rows a CTA, grid-stride over the rows), its lanes over
+// the row in 16-byte units where the rows' bases and strides allow it (vec16), else element by
+// element: no division per element, one index load per row, so the row moves at the memory's speed.
+constexpr int kRowWarps = kThreads / 32;
+
+bool vec16(const void* p, int64_t stride_bytes, int64_t row_bytes) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0 && stride_bytes % 16 == 0 && row_bytes % 16 == 0;
+}
+unsigned row_blocks(int64_t rows) { return blocks_for(rows, kRowWarps); }
+
+// rows[r] = x[index[r]], in units U (uint4, or the element's bits): W units a row, x_stride in units.
+template <typename U>
+__global__ void gather_rows_kernel(const U* __restrict__ x, int64_t x_stride, const int32_t* __restrict__ index,
+                                   int64_t R, int64_t W, U* __restrict__ rows) {
+  for (int64_t r = int64_t(blockIdx.x) * kRowWarps + threadIdx.x / 32; r < R; r += int64_t(gridDim.x) * kRowWarps) {
+    const U* src = x + int64_t(index[r]) * x_stride;
+    U* dst = rows + r * W;
+    for (int64_t w = threadIdx.x % 32; w < W; w += 32) dst[w] = src[w];
+  }
+}
+
+// out[n] = the sum over slots i of rows[row_of[n, i]], V elements a lane at a time (V = 16 bytes'
+// worth, or 1): each element summed in fp32 from 0 in slot order, rounded once.
+template <typename E, int V>
+__global__ void combine_rows_kernel(const E* __restrict__ rows, int64_t rows_stride, const int32_t* __restrict__ row_of,
+                                    int64_t N, int32_t K, int64_t H, E* __restrict__ out) {
+  for (int64_t n = int64_t(blockIdx.x) * kRowWarps + threadIdx.x / 32; n < N; n += int64_t(gridDim.x) * kRowWarps) {
+    const int32_t* slots = row_of + n * K;
+    for (int64_t h = int64_t(threadIdx.x % 32) * V; h < H; h += 32 * V) {
+      cuda::Pack<E, V> sum{};
+      for (int32_t i = 0; i < K; ++i) {
+        cuda::Pack<E, V> p;
+        p.load(rows + int64_t(slots[i]) * rows_stride + h);
+#pragma unroll
+        for (int j = 0; j < V; ++j) sum.v[j] += p.v[j];
+      }
+      sum.store(out + n * H + h);
+    }
   }
 }
 
 template <typename E>
-__global__ void combine_rows_kernel(const E* __restrict__ rows, int64_t rows_stride, const int32_t* __restrict__ row_of,
-                                    int64_t N, int32_t K, int64_t H, E* __restrict__ out) {
-  for (int64_t k = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; k < N * H; k += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t n = k / H, h = k - n * H;
-    float acc = 0.f;
-    for (int32_t i = 0; i < K; ++i) acc += cuda::load_f32(rows, int64_t(row_of[n * K + i]) * rows_stride + h);
-    cuda::store_f32(out, k, acc);
-  }
+void combine_rows_launch(const void* rows, int64_t rows_stride, const int32_t* row_of, int64_t N, int32_t K, int64_t H,
+                         void* out, cudaStream_t s) {
+  constexpr int V = 16 / sizeof(E);
+  const auto* in = static_cast<const E*>(rows);
+  auto* o = static_cast<E*>(out);
+  const int64_t es = sizeof(E);
+  if (vec16(rows, rows_stride * es, H * es) && vec16(out, H * es, H * es))
+    combine_rows_kernel<E, V><<<row_blocks(N), kThreads, 0, s>>>(in, rows_stride, row_of, N, K, H, o);
+  else
+    combine_rows_kernel<E, 1><<<row_blocks(N), kThreads, 0, s>>>(in, rows_stride, row_of, N, K, H, o);
 }
 
 __global__ void permute_f32_kernel(const float* __restrict__ src, const int32_t* __restrict__ index, int64_t n,
@@ -209,14 +243,19 @@ void gather_rows_cuda(DType dtype, const void* x, int64_t x_stride, const int32_
                       void* rows, int device, Stream stream) {
   if (R * H <= 0) return;
   cuda::DeviceGuard guard(device);
-  const unsigned grid = blocks_for(R * H);
-  // Rows are moved, not converted: the element's bits travel as 16- or 32-bit words.
-  if (dtype_size(dtype) == 2) {
-    gather_rows_kernel<<<grid, kThreads, 0, stream_of(stream)>>>(static_cast<const uint16_t*>(x), x_stride, index, R,
-                                                                 H, static_cast<uint16_t*>(rows));
+  const unsigned grid = row_blocks(R);
+  const cudaStream_t s = stream_of(stream);
+  const int64_t es = dtype_size(dtype), row_bytes = H * es;
+  // Rows are moved, not converted: their bits travel as 16-byte units, or as 16- or 32-bit words.
+  if (vec16(x, x_stride * es, row_bytes) && vec16(rows, row_bytes, row_bytes)) {
+    gather_rows_kernel<<<grid, kThreads, 0, s>>>(static_cast<const uint4*>(x), x_stride * es / 16, index, R,
+                                                 row_bytes / 16, static_cast<uint4*>(rows));
+  } else if (es == 2) {
+    gather_rows_kernel<<<grid, kThreads, 0, s>>>(static_cast<const uint16_t*>(x), x_stride, index, R, H,
+                                                 static_cast<uint16_t*>(rows));
   } else {
-    gather_rows_kernel<<<grid, kThreads, 0, stream_of(stream)>>>(static_cast<const uint32_t*>(x), x_stride, index, R,
-                                                                 H, static_cast<uint32_t*>(rows));
+    gather_rows_kernel<<<grid, kThreads, 0, s>>>(static_cast<const uint32_t*>(x), x_stride, index, R, H,
+                                                 static_cast<uint32_t*>(rows));
   }
   ST_CUDA_CHECK(cudaGetLastError(), "gather_rows_kernel launch");
 }
@@ -225,17 +264,13 @@ void combine_rows_cuda(DType dtype, const void* rows, int64_t rows_stride, const
                        int64_t H, void* out, int device, Stream stream) {
   if (N * H <= 0) return;
   cuda::DeviceGuard guard(device);
-  const unsigned grid = blocks_for(N * H);
   const cudaStream_t s = stream_of(stream);
   if (dtype == DType::kBF16) {
-    combine_rows_kernel<<<grid, kThreads, 0, s>>>(static_cast<const bf16_t*>(rows), rows_stride, row_of, N, K, H,
-                                                  static_cast<bf16_t*>(out));
+    combine_rows_launch<bf16_t>(rows, rows_stride, row_of, N, K, H, out, s);
   } else if (dtype == DType::kFP16) {
-    combine_rows_kernel<<<grid, kThreads, 0, s>>>(static_cast<const fp16_t*>(rows), rows_stride, row_of, N, K, H,
-                                                  static_cast<fp16_t*>(out));
+    combine_rows_launch<fp16_t>(rows, rows_stride, row_of, N, K, H, out, s);
   } else {
-    combine_rows_kernel<<<grid, kThreads, 0, s>>>(static_cast<const float*>(rows), rows_stride, row_of, N, K, H,
-                                                  static_cast<float*>(out));
+    combine_rows_launch<float>(rows, rows_stride, row_of, N, K, H, out, s);
   }
   ST_CUDA_CHECK(cudaGetLastError(), "combine_rows_kernel launch");
 }
