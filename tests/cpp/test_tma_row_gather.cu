@@ -64,11 +64,12 @@ __global__ void fill_tile(const __grid_constant__ CUtensorMap map, const int32_t
   __syncwarp();
   if (lane == 0) Barrier::arrive_and_expect_tx(&bar, kTileBytes);  // before any copy may complete
   __syncwarp();
+  constexpr uint64_t kHint = uint64_t(cute::TMA::CacheHintSm90::EVICT_NORMAL);
   if (index == nullptr) {
-    if (lane == 0) cute::SM90_TMA_LOAD_2D::copy(&map, &bar, 0, tile, k0, 0);
+    if (lane == 0) cute::SM90_TMA_LOAD_2D::copy(&map, &bar, kHint, tile, k0, 0);
   } else {
     for (int r = lane; r < kRows; r += 32)
-      cute::SM90_TMA_LOAD_2D::copy(&map, &bar, 0, tile + r * kLineBytes, k0, index[r]);
+      cute::SM90_TMA_LOAD_2D::copy(&map, &bar, kHint, tile + r * kLineBytes, k0, index[r]);
   }
   Barrier::wait(&bar, 0);
   for (int i = lane; i < kTileBytes / 16; i += 32) reinterpret_cast<uint4*>(out)[i] = reinterpret_cast<uint4*>(tile)[i];
