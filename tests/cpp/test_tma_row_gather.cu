@@ -18,19 +18,12 @@
 #include "cute/arch/copy_sm90_tma.hpp"
 #include "cutlass/arch/barrier.h"
 #include "cutlass/cuda_host_adapter.hpp"
+#include "device_tensor.h"
 
 namespace {
 
 constexpr int kRows = 128, kCols = 64;                    // one A tile: 128 rows x 64 bf16 (K-major)
 constexpr int kLineBytes = kCols * 2, kTileBytes = kRows * kLineBytes;  // 128-byte lines, 16 KiB
-
-bool have_hopper() {
-  int n = 0, major = 0, minor = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0 &&
-         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0) == cudaSuccess &&
-         cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0) == cudaSuccess && major == 9 &&
-         minor == 0;
-}
 
 // A 2-d bf16 tensor map over [rows, cols] (row-major, row stride in elements), box {kCols, box_rows},
 // 128-byte swizzle.
@@ -90,7 +83,7 @@ std::vector<uint8_t> run(const CUtensorMap& map, const int32_t* index, int k0) {
 }
 
 TEST(TmaRowGather, RowBoxesLandWhereTheTileBoxPutsTheGatheredRows) {
-  if (!have_hopper()) GTEST_SKIP() << "no Hopper (sm_90) GPU on this machine: GPU test skipped";
+  REQUIRE_HOPPER();
   // x: [N, H] bf16 bits, a row stride past H (a strided x), H spanning several k tiles.
   const int N = 1000, H = 3 * kCols, stride = H + 8;
   std::mt19937 rng(7);
