@@ -110,9 +110,9 @@ TEST(MoERouterCudaErrors, InvalidDeviceExpertIdsGiveNanNeverAnOutOfBoundsRead) {
     for (int e = 0; e < 6; ++e) EXPECT_TRUE(std::isnan(g.get(n * 6 + e))) << "token " << n;
 }
 
-// combine_rows on the device equals the host's bit for bit (the same fp32 sums in slot order), for
-// row lengths and strides that are multiples of 16 bytes and ones that are not (odd row lengths, a
-// row stride off 16 bytes: what a vectorised kernel must tell apart); the output poisoned first.
+// combine_rows on the device equals the host's bit for bit (the same fp32 sums in slot order), on
+// both of its kernel paths: 16-byte vectors (row lengths and strides multiples of 16 bytes) and
+// element by element (odd row lengths, or a row stride off 16 bytes); the output poisoned first.
 TEST(MoECombineRowsCuda, EqualsTheHost) {
   REQUIRE_GPU();
   for (const DType dt : {DType::kBF16, DType::kFP16, DType::kFP32})
@@ -195,7 +195,8 @@ TEST(MoELayerCuda, EqualsTheHostLayerRepeatablyAndUnderGraphReplay) {
   EXPECT_TRUE(to_host(rg.grad_input.view()).bytes_equal(to_host(dg.grad_input.view())));
   EXPECT_TRUE(to_host(rg.dlogits.view()).bytes_equal(to_host(dg.dlogits.view())));
   EXPECT_TRUE(to_host(rg.fc1.weight.packed.view()).bytes_equal(to_host(dg.fc1.weight.packed.view())));
-  // x with a row stride of H + 1 elements (its rows off 16-byte boundaries): the same bits.
+  // x with a row stride of H + 1 elements (its rows off 16-byte boundaries: the gather's
+  // element-wise path, the contiguous x took the 16-byte one): the same bits.
   {
     HostTensor wide(DType::kBF16, {N, H + 1});
     for (int64_t n = 0; n < N; ++n)

@@ -70,7 +70,7 @@ class PoolAllocator final : public Allocator {
   void* allocate(size_t bytes, Device, Stream) override {
     const size_t at = used_;
     used_ += (bytes + 255) / 256 * 256;
-    EXPECT_LE(used_, size_t(pool_.view().numel()) * 4) << "pool exhausted (bytes used vs held)";
+    EXPECT_LE(used_, size_t(pool_.view().numel()) * pool_.view().element_size()) << "pool exhausted (bytes used vs held)";
     return static_cast<char*>(pool_.view().data()) + at;
   }
   void deallocate(void*, size_t, Device, Stream) override {}
