@@ -101,6 +101,12 @@ def _release_cores_at_exit() -> None:
             module._native_layer, module._native_methods = None, None
 
 
+def _current_stream_key(t: Tensor) -> Any:
+    """Which stream is current on t's device (a CUDA stream's (id, device, type); None on the
+    CPU), cheaply: torch.cuda.current_stream() builds a Stream object per call."""
+    return torch._C._cuda_getCurrentStream(t.device.index) if t.is_cuda else None
+
+
 def _layer(layer_id: int) -> Any:
     ref = _LAYERS.get(layer_id)  # popped when the module is freed
     module = None if ref is None else ref()
@@ -425,13 +431,24 @@ class _DelayedWgrad:
         """Keeps the AccumulateGrad nodes of `params` alive between steps, as DDP's reducer does:
         autograd frees them with each graph, and a recorded call then makes each anew (~0.25 us a
         parameter: ~25 us with 64 experts). Taken again when the parameter objects change; eager
-        recorded calls only (never under torch.compile, which cannot trace grad_fn)."""
+        recorded calls only (never under torch.compile, which cannot trace grad_fn).
+
+        A node runs on the stream that was current when it was made. Held across a change of
+        stream (a warm-up on a side stream, then torch.cuda.graph capturing on its own), backward
+        would order the node's stream after the producer's: outside a capture a needless wait,
+        inside one a dependency on uncaptured work (cudaErrorStreamCaptureIsolation). So the nodes
+        are also taken again when the current stream changes: ours are dropped first, so that
+        autograd makes them anew on the current stream (unless something else still holds them,
+        e.g. a graph kept for a second backward; torch then warns of the mismatch)."""
+        stream = _current_stream_key(params[0]) if params else None
         held = self._grad_accumulators
-        if held is not None and len(held[0]) == len(params) and all(map(operator.is_, held[0], params)):
+        if (held is not None and held[2] == stream and len(held[0]) == len(params)
+                and all(map(operator.is_, held[0], params))):
             return
+        self._grad_accumulators = None
         with torch.enable_grad():
             nodes = [p.view_as(p).grad_fn.next_functions[0][0] for p in params if p.requires_grad and p.is_leaf]
-        self._grad_accumulators = (tuple(params), nodes)
+        self._grad_accumulators = (tuple(params), nodes, stream)
 
     def backward_dw(self) -> None:
         """Computes the oldest pending delayed wgrad (into main_grad when fused, else into the
@@ -539,7 +556,7 @@ class GroupedLinear(_DelayedWgrad, nn.Module):
         self._core_key: Any = None
         self._native_layer: Any = None
         self._native_methods: Any = None
-        self._grad_accumulators: Any = None  # (parameters, their AccumulateGrad nodes): _hold_grad_accumulators
+        self._grad_accumulators: Any = None  # (parameters, their AccumulateGrad nodes, stream): _hold_grad_accumulators
         self._host_splits: Optional[Tuple[tuple, Tensor]] = None  # (values, tensor) of the last list
         self._id = _register(self)
 
@@ -931,7 +948,7 @@ class GroupedMLP(_DelayedWgrad, nn.Module):
         self._core_key: Any = None
         self._native_layer: Any = None
         self._native_methods: Any = None
-        self._grad_accumulators: Any = None  # (parameters, their AccumulateGrad nodes): _hold_grad_accumulators
+        self._grad_accumulators: Any = None  # (parameters, their AccumulateGrad nodes, stream): _hold_grad_accumulators
         self._id = _register(self)
 
     @property

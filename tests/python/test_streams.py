@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed: stream test
 import sparsetrain  # noqa: E402
 import sparsetrain.torch as stt  # noqa: E402
 from sparsetrain._arrays import Framework  # noqa: E402
+from training_steps import AttentionStep, LayerStep, assert_same  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available() or not sparsetrain.built_with_cuda(),
                           reason="no CUDA device (or a CPU-only build): stream tests skipped")
@@ -237,3 +238,88 @@ def test_splits_status_is_read_after_cuda_graph_replays():
     seen, y = replay(valid)
     assert seen == 0, "cleared by the caller, clear after a valid replay"
     assert torch.equal(_bits(y), _bits(eager))
+
+
+# -- autograd's stream semantics -------------------------------------------------------------------
+
+
+def _serial_then(steps, run):
+    """Each step's results on the current stream, one after the other, then `run(steps)`'s (the
+    same steps on other streams): both lists of {name: tensor}, grads zeroed before each."""
+    serial = []
+    for s in steps:
+        s.clear_grads()
+        s.reset(poison=False)
+        serial.append(s.results(s.step()))
+    for s in steps:
+        s.clear_grads()
+        s.reset(poison=False)
+    torch.cuda.synchronize()
+    return serial, run(steps)
+
+
+def _check_same_results(got, want):
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys()
+        for name in w:
+            assert_same(name, g[name], w[name], "streams")
+
+
+def _steps(op):
+    return [AttentionStep(True)] if op == "attention" else [LayerStep(op, "fused")]
+
+
+@cuda
+@pytest.mark.parametrize("op", ["linear", "mlp", "moe", pytest.param("attention", marks=hopper)])
+def test_forward_on_one_stream_backward_on_another_gives_the_serial_bits(op):
+    """The forward on stream a behind a sleep, the backward called on stream b with an incoming
+    gradient made there behind another sleep: autograd runs the backward's kernels on a after the
+    gradient is ready; the results (main_grad included) are bitwise the serial ones."""
+    def run(steps):
+        (s,) = steps
+        a, b = torch.cuda.Stream(), torch.cuda.Stream()
+        a.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(a):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            y = s.forward()
+        b.wait_stream(a)
+        with torch.cuda.stream(b):
+            torch.cuda._sleep(SLEEP_CYCLES)
+            grad = s.s["dy" if "dy" in s.s else "do"] * 1  # made on b, after its sleep
+            if op == "moe":
+                (y.out.float() * grad.float()).sum().add(y.score_sum.sum()).backward()
+            else:
+                y.backward(grad)
+        torch.cuda.current_stream().wait_stream(b)
+        return [s.results(y)]
+
+    _check_same_results(*reversed(_serial_then(_steps(op), run)))
+
+
+@cuda
+def test_two_layers_on_two_streams_concurrently_give_the_serial_bits():
+    """A GroupedLinear and a GroupedMLP (and the attention on a Hopper GPU) each run a training
+    step on a stream of its own, the first behind a sleep so that they overlap: bitwise the results
+    of the same steps run one after the other."""
+    steps = [LayerStep("linear", "fused"), LayerStep("mlp", "delayed", seed=3)]
+    if torch.cuda.get_device_capability(0) == (9, 0):
+        steps.append(AttentionStep(False))  # the atomic dQ adds: only k, v compared bitwise below
+
+    def run(steps):
+        streams = [torch.cuda.Stream() for _ in steps]
+        out = []
+        for i, (s, stream) in enumerate(zip(steps, streams)):
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                if i == 0:
+                    torch.cuda._sleep(SLEEP_CYCLES)
+                out.append(s.results(s.step()))
+        for stream in streams:
+            torch.cuda.current_stream().wait_stream(stream)
+        return out
+
+    serial, concurrent = _serial_then(steps, run)
+    for got, want in zip(concurrent, serial):
+        got.pop("q.grad", None)  # nondeterministic attention: atomic dQ adds
+        want.pop("q.grad", None)
+    _check_same_results(concurrent, serial)
