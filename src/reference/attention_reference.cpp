@@ -6,6 +6,16 @@
 // column, the query heads of the group in ascending order, each over the column's q blocks
 // (partial and full merged, ascending); dQ gathers the columns' partials in ascending column
 // order. Every reduction runs in one fixed order, so results are bitwise reproducible.
+//
+// Non-finite inputs (docs/DESIGN.md section 6) follow the block rule the tiled kernels follow:
+// every (query, key) pair of a visited block enters the arithmetic, a masked one with weight 0,
+// and 0 * inf or 0 * NaN is NaN. Forward: o gets 0 * v of a masked key of a visited block; a NaN
+// score or a +inf one makes the row's sum NaN, so its o and lse are NaN; only an exact zero sum
+// (no allowed key, or every allowed score -inf) gives o = 0 and lse = -inf. Backward: every pair
+// of a visited block, rows without an allowed key included (P = 0 there), adds P * dO to dV,
+// dS * Q to dK and dS * K to dQ, with dS = P * (dP - delta) also where P = 0. For finite inputs
+// the masked pairs add exact zeros and change no bit, so they are computed only where a
+// non-finite value could come out of them.
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -59,6 +69,13 @@ class ElementMask {
 // Rows [n * block, min((n + 1) * block, seq)) of block n.
 int64_t block_end(int64_t n, int64_t block, int64_t seq) { return std::min((n + 1) * block, seq); }
 
+// Whether every element of a row of n is finite.
+bool finite_row(const float* a, int64_t n) {
+  for (int64_t d = 0; d < n; ++d)
+    if (!std::isfinite(a[d])) return false;
+  return true;
+}
+
 float dot(const float* a, const float* b, int64_t n) {
   float s = 0.f;
   for (int64_t d = 0; d < n; ++d) s += a[d] * b[d];
@@ -89,7 +106,7 @@ class ReferenceAttentionBackend final : public AttentionBackend {
   size_t forward_scratch_bytes(const AttentionProblem& p) const override {
     const int64_t floats = 2 * p.seq_kv * p.head_dim  // k, v of one (b, hk)
                            + 2 * p.head_dim           // a q row, o's accumulators
-                           + 2 * p.seq_kv;            // a row's scores and their keys
+                           + 3 * p.seq_kv;            // a row's scores and their keys, v's finite rows
     return size_t(floats) * 4;
   }
 
@@ -98,7 +115,8 @@ class ReferenceAttentionBackend final : public AttentionBackend {
     const int64_t floats = p.batch * p.seq_q * p.heads_q * D  // dq accumulators
                            + p.seq_q                            // delta of one (b, hq)
                            + 4 * p.seq_kv * D                   // k, v, dk, dv of one (b, hk)
-                           + 2 * p.seq_q * D;                   // q, dout of one (b, hq)
+                           + 2 * p.seq_q * D                    // q, dout of one (b, hq)
+                           + p.seq_kv + 2 * p.seq_q;            // their rows' finiteness
     return size_t(floats) * sizeof(float);
   }
 
@@ -118,6 +136,7 @@ class ReferenceAttentionBackend final : public AttentionBackend {
     float* acc = arena.take(D);
     float* scores = arena.take(pr.seq_kv);  // the row's allowed scores, in walk order
     int32_t* keys = arena.take<int32_t>(pr.seq_kv);
+    int32_t* v_finite = arena.take<int32_t>(pr.seq_kv);  // per key: every element of its v finite
     float* lse = p.lse.data_as<float>();
     for (int64_t b = 0; b < pr.batch; ++b) {
       for (int64_t hq = 0; hq < pr.heads_q; ++hq) {
@@ -125,6 +144,7 @@ class ReferenceAttentionBackend final : public AttentionBackend {
         if (hq % group == 0) {
           load_head(p.k, dt, b, hk, pr.seq_kv, D, k);
           load_head(p.v, dt, b, hk, pr.seq_kv, D, v);
+          for (int64_t j = 0; j < pr.seq_kv; ++j) v_finite[j] = finite_row(v + j * D, D);
         }
         const ElementMask elem(mask, b, hq);
         for (int64_t m = 0; m < Mq; ++m) {
@@ -133,31 +153,40 @@ class ReferenceAttentionBackend final : public AttentionBackend {
             const void* qrow = p.q.byte_ptr(offset4(p.q, b, i, hq, 0));
             for (int64_t d = 0; d < D; ++d) q[d] = load_float(qrow, dt, d);
             int64_t count = 0;
+            std::fill(acc, acc + D, 0.f);
             for (int64_t w = 0; w < num_partial + num_full; ++w) {
               const bool partial = w < num_partial;
               const int64_t n = partial ? kv_idx.at(b, hq, m, w) : full_idx.at(b, hq, m, w - num_partial);
               for (int64_t j = n * mask.block_kv; j < block_end(n, mask.block_kv, pr.seq_kv); ++j) {
-                if (partial && !elem.allows(m, w, i, j)) continue;
+                if (partial && !elem.allows(m, w, i, j)) {
+                  // A masked key of a visited block: weight 0 (the block rule, top of the file).
+                  if (!v_finite[j])
+                    for (int64_t d = 0; d < D; ++d) acc[d] += 0.f * v[j * D + d];
+                  continue;
+                }
                 scores[count] = pr.scale * dot(q, k + j * D, D);
                 keys[count++] = int32_t(j);
               }
             }
-            void* orow = p.o.byte_ptr(offset4(p.o, b, i, hq, 0));
-            float* lse_out = lse + (b * pr.heads_q + hq) * pr.seq_q + i;
-            if (count == 0) {  // no allowed key: o = 0, lse = -inf
-              for (int64_t d = 0; d < D; ++d) store_float(orow, dt, d, 0.f);
-              *lse_out = -std::numeric_limits<float>::infinity();
-              continue;
-            }
-            float mx = scores[0];
-            for (int64_t t = 1; t < count; ++t) mx = std::max(mx, scores[t]);
+            // The max over the allowed scores, NaN skipped (the kernels' fmaxf): a NaN score
+            // reaches the sum through its own exp instead. -inf (none, or all -inf): offset 0.
+            float mx = -std::numeric_limits<float>::infinity();
+            for (int64_t t = 0; t < count; ++t)
+              if (scores[t] > mx) mx = scores[t];
+            const float offset = mx == -std::numeric_limits<float>::infinity() ? 0.f : mx;
             float sum = 0.f;
-            std::fill(acc, acc + D, 0.f);
             for (int64_t t = 0; t < count; ++t) {
-              const float e = std::exp(scores[t] - mx);
+              const float e = std::exp(scores[t] - offset);
               sum += e;
               const float* vj = v + int64_t(keys[t]) * D;
               for (int64_t d = 0; d < D; ++d) acc[d] += e * vj[d];
+            }
+            void* orow = p.o.byte_ptr(offset4(p.o, b, i, hq, 0));
+            float* lse_out = lse + (b * pr.heads_q + hq) * pr.seq_q + i;
+            if (sum == 0.f) {  // no allowed key (or every allowed score -inf): o = 0, lse = -inf
+              for (int64_t d = 0; d < D; ++d) store_float(orow, dt, d, 0.f);
+              *lse_out = -std::numeric_limits<float>::infinity();
+              continue;
             }
             for (int64_t d = 0; d < D; ++d) store_float(orow, dt, d, acc[d] / sum);
             *lse_out = mx + std::log(sum);
@@ -188,6 +217,9 @@ class ReferenceAttentionBackend final : public AttentionBackend {
     float* dv = arena.take(Skv * D);
     float* q = arena.take(Sq * D);
     float* dout = arena.take(Sq * D);
+    int32_t* k_finite = arena.take<int32_t>(Skv);  // per row: every element finite
+    int32_t* q_finite = arena.take<int32_t>(Sq);
+    int32_t* dout_finite = arena.take<int32_t>(Sq);
     std::fill(dq_acc, dq_acc + pr.batch * Sq * pr.heads_q * D, 0.f);
     std::vector<int64_t> walk;  // the column's q blocks, ascending; < 0: -1 - m for a full block
 
@@ -195,12 +227,15 @@ class ReferenceAttentionBackend final : public AttentionBackend {
       for (int64_t hk = 0; hk < pr.heads_kv; ++hk) {
         load_head(p.k, dt, b, hk, Skv, D, k);
         load_head(p.v, dt, b, hk, Skv, D, v);
+        for (int64_t j = 0; j < Skv; ++j) k_finite[j] = finite_row(k + j * D, D);
         std::fill(dk, dk + Skv * D, 0.f);
         std::fill(dv, dv + Skv * D, 0.f);
         for (int64_t hq = hk * group; hq < (hk + 1) * group; ++hq) {
           load_head(p.q, dt, b, hq, Sq, D, q);
           load_head(p.dout, dt, b, hq, Sq, D, dout);
           for (int64_t i = 0; i < Sq; ++i) {
+            q_finite[i] = finite_row(q + i * D, D);
+            dout_finite[i] = finite_row(dout + i * D, D);
             const void* orow = p.o.byte_ptr(offset4(p.o, b, i, hq, 0));
             float s = 0.f;
             for (int64_t d = 0; d < D; ++d) s += dout[i * D + d] * load_float(orow, dt, d);
@@ -229,18 +264,33 @@ class ReferenceAttentionBackend final : public AttentionBackend {
               for (int64_t i = m * mask.block_q; i < block_end(m, mask.block_q, Sq); ++i) {
                 const float row_lse = p.lse.data_as<const float>()[b * p.lse.stride(0) + hq * p.lse.stride(1) +
                                                                    i * p.lse.stride(2)];
-                if (row_lse == -std::numeric_limits<float>::infinity()) continue;  // no allowed key
+                // A row with no allowed key (lse -inf) takes P = exp(S - inf) = 0, as the kernels.
+                const float lse = row_lse == -std::numeric_limits<float>::infinity()
+                                      ? std::numeric_limits<float>::infinity()
+                                      : row_lse;
                 const float* qi = q + i * D;
                 const float* doi = dout + i * D;
                 float* dqi = dq_acc + ((b * Sq + i) * pr.heads_q + hq) * D;
                 for (int64_t j = n * mask.block_kv; j < block_end(n, mask.block_kv, Skv); ++j) {
-                  if (partial && !elem.allows(m, w, i, j)) continue;
                   const float* kj = k + j * D;
                   const float* vj = v + j * D;
-                  const float pij = std::exp(pr.scale * dot(qi, kj, D) - row_lse);
-                  const float ds = pij * (dot(doi, vj, D) - delta[i]) * pr.scale;
                   float* dkj = dk + j * D;
                   float* dvj = dv + j * D;
+                  const bool allowed = !partial || elem.allows(m, w, i, j);
+                  const float s = allowed ? pr.scale * dot(qi, kj, D) : -std::numeric_limits<float>::infinity();
+                  const float pij = s == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(s - lse);
+                  const float ds = pij * (dot(doi, vj, D) - delta[i]) * pr.scale;
+                  if (pij == 0.f && std::isfinite(ds)) {
+                    // Weight 0 (masked, or an empty row): only non-finite values come out, where
+                    // the row it multiplies has them (the block rule, top of the file).
+                    if (!dout_finite[i])
+                      for (int64_t d = 0; d < D; ++d) dvj[d] += 0.f * doi[d];
+                    if (!q_finite[i])
+                      for (int64_t d = 0; d < D; ++d) dkj[d] += ds * qi[d];
+                    if (!k_finite[j])
+                      for (int64_t d = 0; d < D; ++d) dqi[d] += ds * kj[d];
+                    continue;
+                  }
                   for (int64_t d = 0; d < D; ++d) {
                     dvj[d] += pij * doi[d];
                     dkj[d] += ds * qi[d];

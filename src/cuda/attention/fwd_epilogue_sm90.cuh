@@ -14,8 +14,10 @@
 
 namespace sparsetrain::cuda::attn {
 
-// 1 / rowsum, or 0 for a row with no allowed key (its o is 0).
-__device__ __forceinline__ float fwd_inv_sum(float sum) { return sum > 0.f ? 1.f / sum : 0.f; }
+// 1 / rowsum, or 0 for a row with no allowed key (its o is 0). Only an exact 0 means none: a NaN
+// sum (a NaN or +inf score, a NaN or inf v) gives a NaN inverse, so that o and lse carry it, as
+// the CPU reference's do (docs/DESIGN.md section 6, non-finite inputs).
+__device__ __forceinline__ float fwd_inv_sum(float sum) { return sum == 0.f ? 0.f : 1.f / sum; }
 
 // lse of the rows this thread holds; one lane of each row's four writes it.
 template <bool kEmpty, class TC, int kRows>
@@ -27,7 +29,7 @@ __device__ __forceinline__ void fwd_store_lse(const FwdArgs& a, int b, int h, in
     const float sum = kEmpty ? 0.f : row_sum[i];  // summed over the row's 4 lanes already
     const int q = q0 + get<0>(O_coord(i, 0));
     if (q < a.seq_q)
-      a.lse[(int64_t(b) * a.heads_q + h) * a.seq_q + q] = sum > 0.f ? row_max[i] * a.scale + logf(sum) : -INFINITY;
+      a.lse[(int64_t(b) * a.heads_q + h) * a.seq_q + q] = sum == 0.f ? -INFINITY : row_max[i] * a.scale + logf(sum);
   }
 }
 
