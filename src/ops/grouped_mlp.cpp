@@ -230,6 +230,9 @@ GroupedMLPGrads GroupedMLP::backward(const TensorView& x, const TensorView& fc1_
   Tensor h = Tensor::empty(o.dtype, {T, F}, dev, *allocator_, args.stream);
   be.swiglu_forward({rows, F, o.glu_interleave_size, fc1_out, probs, h.view()}, ws.scratch, args.stream);
   GroupedLinearGrads g2 = fc2_.backward(h.view(), dy, splits, {}, ws.layer_args);
+  // Its only reader was fc2's wgrad: freed now (stream-ordered), not at the end, it is one [T, F]
+  // less at the step's peak (fc1's backward). A delayed wgrad keeps it for backward_dw.
+  if (!o.delay_wgrad_compute) h = Tensor();
   grads.fc2.weight = std::move(g2.weight);
   if (fc2_bias_.present() && fc2_bias_grad_now)
     grads.fc2.bias_grad = scaled_bias_grad(dy, probs, ws.offsets, ws.scratch, args.stream);

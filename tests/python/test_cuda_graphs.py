@@ -170,7 +170,7 @@ def test_the_issue_program_captures_and_replays():
     w.main_grad = torch.zeros(w.shape, device=DEV, dtype=torch.float32)
     x = torch.randn(8191, 1544, device=DEV, dtype=BF16, requires_grad=True)
     dy = torch.randn(8191, 776, device=DEV, dtype=BF16)
-    sp = splits(11, 8191).to(DEV)
+    sp = splits(11, 8191, groups=19).to(DEV)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

@@ -15,13 +15,13 @@ G, T, IN, FFN, OUT = 11, 1031, 392, 136, 200
 S_ATTN, H, D = 1031, 4, 128
 
 
-def splits(seed, total):
-    """G uneven splits summing to `total`: two empty experts, three of 1-7 rows, the rest drawn
-    from a gamma distribution."""
+def splits(seed, total, groups=G):
+    """`groups` uneven splits summing to `total`: two empty experts, three of 1-7 rows, the rest
+    drawn from a gamma distribution."""
     g = torch.Generator().manual_seed(seed)
-    perm = torch.randperm(G, generator=g).tolist()
+    perm = torch.randperm(groups, generator=g).tolist()
     empty, tiny, rest = perm[:2], perm[2:5], perm[5:]
-    s = torch.zeros(G, dtype=torch.int64)
+    s = torch.zeros(groups, dtype=torch.int64)
     s[tiny] = torch.randint(1, 8, (3,), generator=g)
     w = torch._standard_gamma(torch.full((len(rest),), 0.7), generator=g)
     left = total - int(s.sum())
