@@ -445,7 +445,7 @@ class _DelayedWgrad:
         if (held is not None and held[2] == stream and len(held[0]) == len(params)
                 and all(map(operator.is_, held[0], params))):
             return
-        self._grad_accumulators = None
+        held = self._grad_accumulators = None  # no reference left: the old nodes go now
         with torch.enable_grad():
             nodes = [p.view_as(p).grad_fn.next_functions[0][0] for p in params if p.requires_grad and p.is_leaf]
         self._grad_accumulators = (tuple(params), nodes, stream)
