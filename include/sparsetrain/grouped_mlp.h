@@ -50,6 +50,13 @@ struct GroupedMLPLayerGrads {
   Tensor bias_grad;  // [G, out of the layer] when the layer has a bias and the grad is due now
 };
 
+// What backward may do with fc1_out, the saved pre-activation. kReuse, when this backward is its
+// last use (no second backward through the same forward: the graph is not retained): d fc1_out is
+// written over it (the activation's backward reads each element before writing its gradient), one
+// [T, 2F] tensor less at the step's peak; fc1_out must then be contiguous (else it is kept), and
+// with delayed wgrad stay alive until the matching backward_dw.
+enum class Fc1OutUse { kKeep, kReuse };
+
 struct GroupedMLPGrads {
   Tensor grad_input;  // backward only: the caller's grad_input buffer or a new [T, in] tensor
   Tensor dprobs;      // backward only: fp32 [T], rows >= S zero
@@ -85,7 +92,7 @@ class GroupedMLP {
   // until the matching backward_dw(); the intermediates it needs are kept by the layer.
   GroupedMLPGrads backward(const TensorView& x, const TensorView& fc1_out, const TensorView& probs,
                            const TensorView& dy, const Splits& splits, const TensorView& grad_input = {},
-                           const CallArgs& args = {});
+                           const CallArgs& args = {}, Fc1OutUse fc1_out_use = Fc1OutUse::kKeep);
 
   // GroupedLinear::check_grad_input's checks for this MLP's grad_input (fc1's dgrad).
   void check_grad_input(const TensorView& x, const Splits& splits, const TensorView& grad_input) const {

@@ -353,10 +353,13 @@ class _GroupedLinearFunction(torch.autograd.Function):
 
 
 def _grouped_linear_grads(layer_id: int, disposition: Tuple[str, bool], packed: bool, grad_input: Optional[Tensor],
-                          num_weights: int, saved: Sequence[Tensor], dy: Optional[Tensor]) -> List[Optional[Tensor]]:
+                          num_weights: int, saved: Sequence[Tensor], dy: Optional[Tensor],
+                          last_use: bool = False) -> List[Optional[Tensor]]:
     """[dx, weight grads, bias grads] of one recorded GroupedLinear forward, whose saved tensors
     were [x, splits, weights, biases]: the backward of _GroupedLinearFunction and of the node the
-    C++ torch library records (_TORCH_OPS.record; dy None: zeros, as autograd.Function's)."""
+    C++ torch library records (_TORCH_OPS.record; dy None: zeros, as autograd.Function's).
+    last_use (the recorded node's: no backward reads the saved tensors again) changes nothing
+    here: a GroupedLinear saves no intermediate of its own."""
     x, splits, *params = saved
     if dy is None:
         dy = x.new_zeros((x.shape[0], params[0].shape[-2]))
@@ -813,11 +816,13 @@ def _(layer_id, x, splits, probs, params, out, grad_input=None):
     return x.new_empty((x.shape[0], 2 * _layer(layer_id).ffn_hidden_size))
 
 
-def _mlp_backward_impl(layer_id, x, fc1_out, probs, dy, splits, grad_input):
-    """(dx, dprobs, fc1's dw, db, fc2's dw, db)."""
+def _mlp_backward_impl(layer_id, x, fc1_out, probs, dy, splits, grad_input, last_use=False):
+    """(dx, dprobs, fc1's dw, db, fc2's dw, db). last_use: fc1_out is read by no other backward,
+    so its gradient may be written over it (the C++ torch library's layer; one [T, 2F] tensor
+    less at the step's peak)."""
     m = _layer(layer_id)
     if _NATIVE is not None:
-        return m._native("backward", x, fc1_out, probs, dy, splits, _status_for(splits, m), grad_input)
+        return m._native("backward", x, fc1_out, probs, dy, splits, _status_for(splits, m), grad_input, last_use)
     g = m._core().backward(x, fc1_out, probs, dy, _splits_arg(splits, m), grad_input)
     return (g.grad_input, g.dprobs, *_layer_grad_tensors(g.fc1, x), *_layer_grad_tensors(g.fc2, x))
 
@@ -883,9 +888,11 @@ class _GroupedMLPFunction(torch.autograd.Function):
 
 def _grouped_mlp_grads(layer_id: int, dispositions: Tuple[Tuple[str, bool], Tuple[str, bool]], packed: bool,
                        grad_input: Optional[Tensor], counts: Tuple[int, int, int, int], saved: Sequence[Tensor],
-                       dy: Optional[Tensor]) -> List[Optional[Tensor]]:
+                       dy: Optional[Tensor], last_use: bool = False) -> List[Optional[Tensor]]:
     """[dx, dprobs, parameter grads] of one recorded GroupedMLP forward, whose saved tensors were
-    [x, fc1_out, probs, splits, parameters]: as _grouped_linear_grads."""
+    [x, fc1_out, probs, splits, parameters]: as _grouped_linear_grads. last_use (the recorded
+    node's, where the graph is not retained): fc1_out's gradient is written over it (the
+    autograd.Function and the custom ops cannot tell, and keep it)."""
     x, fc1_out, probs, splits, *params = saved
     nw1, nb1, nw2, nb2 = counts
     if dy is None:
@@ -894,7 +901,8 @@ def _grouped_mlp_grads(layer_id: int, dispositions: Tuple[Tuple[str, bool], Tupl
     if dy.stride(-1) != 1:
         dy = dy.contiguous()
     if _direct(x, fc1_out, probs, dy, splits, grad_input):
-        dx, dprobs, dw1, db1, dw2, db2 = _mlp_backward_impl(layer_id, x, fc1_out, probs, dy, splits, grad_input)
+        dx, dprobs, dw1, db1, dw2, db2 = _mlp_backward_impl(layer_id, x, fc1_out, probs, dy, splits, grad_input,
+                                                            last_use)
     elif grad_input is None:
         dx, dprobs, dw1, db1, dw2, db2 = torch.ops.sparsetrain.grouped_mlp_backward(
             layer_id, x, fc1_out, probs, dy, splits, params)

@@ -14,6 +14,7 @@
 // views of them, so it is rebuilt when one moved (another tensor, `.data =`, `.to()`: address,
 // shape, strides, dtype or device) or a flag changed, never while delayed wgrads are pending.
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/graph_task.h>  // get_current_graph_task_keep_graph
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/saved_variable.h>
@@ -278,17 +279,20 @@ class TorchGroupedMLP final : public ModuleLayer<st::GroupedMLP> {
     });
   }
 
-  // (dx, dprobs, fc1's dw, db, fc2's dw, db), as GroupedLinear's backward.
+  // (dx, dprobs, fc1's dw, db, fc2's dw, db), as GroupedLinear's backward. last_use: no backward
+  // will read fc1_out again (st::Fc1OutUse::kReuse: its gradient is written over it).
   std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
       const at::Tensor& x, const at::Tensor& fc1_out, const at::Tensor& probs, const at::Tensor& dy,
-      const at::Tensor& splits, const OptTensor& status, const OptTensor& grad_input,
+      const at::Tensor& splits, const OptTensor& status, const OptTensor& grad_input, bool last_use,
       const std::vector<at::Tensor>& params, const std::vector<bool>& flags) {
     return translated([&] {
       st::GroupedMLP& m = bound(params, flags);
+      std::vector<at::Tensor> keep{x, dy, probs, splits, status.value_or(at::Tensor())};
+      if (last_use) keep.push_back(fc1_out);  // a delayed wgrad reads the gradient written over it
       const st::GroupedMLPGrads g = m.backward(
           view_of(x, "x"), view_of(fc1_out, "fc1_out"), view_of(probs, "probs"), view_of(dy, "dy"),
-          splits_of(splits, status), view_of(grad_input, "grad_input"),
-          call_args(x, {x, dy, probs, splits, status.value_or(at::Tensor())}));
+          splits_of(splits, status), view_of(grad_input, "grad_input"), call_args(x, std::move(keep)),
+          last_use ? st::Fc1OutUse::kReuse : st::Fc1OutUse::kKeep);
       return std::tuple_cat(std::make_tuple(alloc_.take(g.grad_input, grad_input), alloc_.take(g.dprobs)),
                             layer_grads(g.fc1.weight, g.fc1.bias_grad, x),
                             layer_grads(g.fc2.weight, g.fc2.bias_grad, x));
@@ -341,14 +345,17 @@ class PythonBackward final : public torch::autograd::Node {
   }
   std::string name() const override { return "sparsetrain::PythonBackward"; }
 
-  // fn(saved tensors, output grad or None) -> one grad (or None) per recorded input.
+  // fn(saved tensors, output grad or None, last use) -> one grad (or None) per recorded input.
+  // Last use: the graph is not retained, so no other backward reads the saved tensors (a backward
+  // may then write over an intermediate it saved; the engine frees them right after anyway).
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     std::vector<at::Tensor> saved;
     for (torch::autograd::SavedVariable& v : saved_) saved.push_back(v.unpack(shared_from_this()));
+    const bool last_use = !torch::autograd::get_current_graph_task_keep_graph();
     pybind11::gil_scoped_acquire gil;
     try {
       const pybind11::object r =
-          fn_(saved, grads.at(0).defined() ? pybind11::cast(grads[0]) : pybind11::none());
+          fn_(saved, grads.at(0).defined() ? pybind11::cast(grads[0]) : pybind11::none(), last_use);
       torch::autograd::variable_list out;
       for (pybind11::handle h : r) out.push_back(h.is_none() ? at::Tensor() : h.cast<at::Tensor>());
       TORCH_CHECK(out.size() == num_outputs(), "sparsetrain: a backward returned ", out.size(),

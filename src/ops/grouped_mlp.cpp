@@ -196,7 +196,7 @@ Tensor GroupedMLP::scaled_bias_grad(const TensorView& dy, const TensorView& prob
 
 GroupedMLPGrads GroupedMLP::backward(const TensorView& x, const TensorView& fc1_out, const TensorView& probs,
                                      const TensorView& dy, const Splits& splits, const TensorView& grad_input,
-                                     const CallArgs& args) {
+                                     const CallArgs& args, Fc1OutUse fc1_out_use) {
   const GroupedMLPOptions& o = options_;
   const Device dev = device();
   const int64_t F = o.ffn_features;
@@ -237,8 +237,10 @@ GroupedMLPGrads GroupedMLP::backward(const TensorView& x, const TensorView& fc1_
   if (fc2_bias_.present() && fc2_bias_grad_now)
     grads.fc2.bias_grad = scaled_bias_grad(dy, probs, ws.offsets, ws.scratch, args.stream);
 
-  // The activation's backward: d fc1_out and dprobs from dh' (fc2's dgrad).
-  Tensor dz = Tensor::empty(o.dtype, {T, 2 * F}, dev, *allocator_, args.stream);
+  // The activation's backward: d fc1_out and dprobs from dh' (fc2's dgrad), over fc1_out where
+  // the caller lets it (Fc1OutUse::kReuse) and it has dz's layout.
+  const bool reuse = fc1_out_use == Fc1OutUse::kReuse && fc1_out.stride(1) == 1 && fc1_out.stride(0) == 2 * F;
+  Tensor dz = reuse ? Tensor::borrowed(fc1_out) : Tensor::empty(o.dtype, {T, 2 * F}, dev, *allocator_, args.stream);
   grads.dprobs = Tensor::empty(DType::kFP32, {T}, dev, *allocator_, args.stream);
   be.swiglu_backward({rows, F, o.glu_interleave_size, o.out_features, fc1_out, probs, g2.grad_input.view(), dy,
                       ops::group_views(fc2_bias_, o.num_groups), dz.view(), grads.dprobs.view()},

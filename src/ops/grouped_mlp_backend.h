@@ -56,7 +56,8 @@ struct SwigluBackwardParams {
   TensorView dh;                 // dh' [T, F]
   TensorView dy;                 // [T, out]; read only with a bias
   std::vector<TensorView> bias;  // fc2's bias, G x [out], or empty
-  TensorView fc1_out_grad;       // [T, 2F] contiguous
+  TensorView fc1_out_grad;       // [T, 2F] contiguous; may be fc1_out itself (each element is read
+                                 // before its gradient is written, by the same thread)
   TensorView dprobs;             // fp32 [T] contiguous
 };
 

@@ -324,6 +324,32 @@ def test_compiles_without_graph_breaks():
 
 # --- CUDA: skipped visibly without a device, or in a sparsetrain build without CUDA ------------
 
+@pytest.mark.parametrize("delay", [False, True], ids=["eager_wgrad", "delayed_wgrad"])
+def test_fc1_out_carries_its_gradient_only_after_its_last_backward(delay):
+    """Backward writes d fc1_out over the saved fc1_out (one [T, 2F] tensor less at the step's
+    peak) only when no backward reads it again: a backward with retain_graph=True leaves it as it
+    was, the last one overwrites it, and both give the same gradients, bitwise (with delayed wgrad:
+    each followed by its backward_dw)."""
+    m = _make(torch.float32, delay_wgrad_compute=delay)
+    x, probs, dy = _inputs(torch.float32)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = m(x, SPLITS, probs)
+    (fc1_out,) = [t for t in saved if tuple(t.shape) == (T, 2 * FFN) and t is not x]  # IN == 2 * FFN here
+    before = fc1_out.clone()
+    grads = []
+    for retain in (True, False):
+        for t in (x, probs, *m.parameters()):
+            t.grad = None
+        y.backward(dy, retain_graph=retain)
+        if delay:
+            m.backward_dw()
+        grads.append([t.grad.clone() for t in (x, probs, *m.parameters())])
+        assert torch.equal(fc1_out, before) == retain, f"retain_graph={retain}"
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: CUDA GroupedMLP test skipped")
 
 
@@ -375,3 +401,45 @@ def test_cuda_graph_capture_replays_with_new_split_values():
         graph.replay()
         torch.cuda.synchronize()
         _check_all(m, static_x, static_p, static_dy, static_y, torch.bfloat16, new)
+
+
+@cuda
+def test_cuda_step_peak_memory_is_at_most_the_torch_compositions():
+    """A training step's peak memory beyond its inputs, bf16 weight grads on both sides: ours at
+    most the composition's (torch._grouped_mm, SwiGLU x probs; autograd frees each saved tensor
+    after its node, ours writes d fc1_out over the saved fc1_out and frees the recomputed fc2 input
+    after fc2's wgrad)."""
+    if torch.cuda.get_device_capability(0) != (9, 0):
+        pytest.skip("torch._grouped_mm needs a Hopper GPU here")
+    G_, T_, H_, F_ = 8, 8192, 1024, 1024
+    torch.manual_seed(0)
+    ours = stt.GroupedMLP(G_, H_, F_, H_, bias=False, params_dtype=torch.bfloat16, device="cuda",
+                          single_grouped_weight=True)
+    splits = torch.full((G_,), T_ // G_, device="cuda")
+    offs = splits.cumsum(0).to(torch.int32)
+    x = torch.randn(T_, H_, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    probs = torch.rand(T_, device="cuda", requires_grad=True)
+    dy = torch.randn(T_, H_, device="cuda", dtype=torch.bfloat16)
+    w1 = ours.fc1.weight.detach().clone().requires_grad_()
+    w2 = ours.fc2.weight.detach().clone().requires_grad_()
+
+    def composition():
+        a, b = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+        h = F.silu(a) * b * probs.to(torch.bfloat16).unsqueeze(-1)
+        torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs).backward(dy)
+
+    def peak(step):
+        for t in (x, probs, w1, w2, *ours.parameters()):
+            t.grad = None
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    for _ in range(2):  # warm-up: the layer's cached state, cuBLAS workspaces
+        peak(lambda: ours(x, splits, probs).backward(dy))
+        peak(composition)
+    mine, theirs = peak(lambda: ours(x, splits, probs).backward(dy)), peak(composition)
+    assert mine <= theirs, f"peak beyond the inputs: ours {mine / 2**20:.1f} MiB, the composition's {theirs / 2**20:.1f} MiB"

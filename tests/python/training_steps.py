@@ -76,8 +76,10 @@ class LayerStep:
                 if variant == "fused_dummy":
                     w.grad_added_to_main_grad = False  # Megatron's attribute: the dummy wgrad
         rows = T if op != "moe" else T // 3
+        # dy as y: with a caller `out` of more rows, y is that buffer (the library reads T rows).
+        dy_rows = rows + 5 if variant == "buffers" else rows
         s = {"x": torch.empty(rows, IN, device=DEV, dtype=BF16, requires_grad=True),
-             "dy": torch.empty(rows, OUT if op != "moe" else IN, device=DEV, dtype=BF16)}
+             "dy": torch.empty(dy_rows, OUT if op != "moe" else IN, device=DEV, dtype=BF16)}
         if op == "moe":
             s["logits"] = torch.empty(rows, G, device=DEV, requires_grad=True)
         else:
@@ -111,7 +113,7 @@ class LayerStep:
         return [self.s[n] for n in self.input_names()]
 
     def forward(self, fn=None):
-        fn = fn or self.m
+        fn = self.m if fn is None else fn
         s = self.s
         if self.op == "linear":
             return fn(s["x"], s["splits"], **self._buffers())
@@ -134,6 +136,12 @@ class LayerStep:
         y = self.forward(fn)
         self.backward(y)
         return y
+
+    @staticmethod
+    def detached(y):
+        """A step's output without its autograd graph (which would keep the leaves' AccumulateGrad
+        nodes, made on the capture's stream, alive into later eager steps)."""
+        return type(y)(*(t.detach() for t in y)) if isinstance(y, tuple) else y.detach()
 
     def results(self, y):
         """What the step produced, by name (clones: a replay overwrites the graph's tensors)."""
@@ -209,12 +217,14 @@ class AttentionStep:
         return [self.s[n] for n in ("q", "k", "v")]
 
     def forward(self, fn=None):
-        return (fn or self.attention)(*self.inputs())
+        return (self.attention if fn is None else fn)(*self.inputs())
 
     def step(self, fn=None):
         o = self.forward(fn)
         o.backward(self.s["do"])
         return o
+
+    detached = staticmethod(LayerStep.detached)
 
     def results(self, o):
         out = {"o": o, **{f"{n}.grad": self.s[n].grad for n in ("q", "k", "v")}}
