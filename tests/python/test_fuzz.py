@@ -1266,12 +1266,9 @@ RUNNERS = {"linear": (_run_linear, _linear_oracle_values, _check_linear),
 
 
 @contextlib.contextmanager
-def _reporting(case, record_property):
-    """Tags the test for conftest.py's tally; any failure (an assertion, or the library raising on
-    a valid case) is reported with the case, its parameters and its rerun command."""
-    record_property("fuzz_device", case.device)
-    record_property("fuzz_family", case.family)
-    record_property("fuzz_seed", SEED)
+def _reporting(case):
+    """Any failure (an assertion, or the library raising on a valid case) reported with the case,
+    its parameters and its rerun command (conftest.py's tally reads the case from the parameters)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small float64 oracles: intra-op threads cost 100x on a loaded 2-core CI machine
     try:
@@ -1294,8 +1291,8 @@ CPU_LIST = [make_case("cpu", i) for i in range(CPU_CASES)]
 
 
 @pytest.mark.parametrize("case", CPU_LIST, ids=[c.id for c in CPU_LIST])
-def test_fuzz_cpu(case, record_property):
-    with _reporting(case, record_property):
+def test_fuzz_cpu(case):
+    with _reporting(case):
         _cpu(case)
 
 
@@ -1387,6 +1384,6 @@ else:
 @pytest.mark.skipif(not HAVE_CUDA, reason="no CUDA device (torch.cuda.is_available() is False): the CUDA fuzz cases "
                     "skipped")
 @pytest.mark.parametrize("case", CUDA_PARAMS)
-def test_fuzz_cuda(case, record_property):
-    with _reporting(case, record_property):
+def test_fuzz_cuda(case):
+    with _reporting(case):
         _cross(case, torch.device("cuda", torch.cuda.current_device()), torch.device("cpu"))
