@@ -324,10 +324,14 @@ def _(layer_id, x, dy, splits, params, grad_input):
     return _backward_fake(layer_id, x)
 
 
+# `out`, the tensor the autograd Functions below mark dirty, is their first tensor input: where it is a
+# view (rows of a larger buffer), autograd rewrites the graph through CopySlices, which hands the
+# gradient of the Function's first input to the buffer's base; with x first, dx went there and x got
+# none (pytorch/pytorch#5871).
 class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, layer_id: int, disposition: Tuple[str, bool], packed: bool, x: Tensor, splits: Tensor,
-                out: Optional[Tensor], grad_input: Optional[Tensor], num_weights: int, *params: Tensor):
+    def forward(ctx, layer_id: int, disposition: Tuple[str, bool], packed: bool, out: Optional[Tensor], x: Tensor,
+                splits: Tensor, grad_input: Optional[Tensor], num_weights: int, *params: Tensor):
         direct = _direct(x, splits, out, grad_input)
         if out is None:
             y = (_forward_impl(layer_id, x, splits, grad_input) if direct
@@ -349,7 +353,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         x, splits, *params = ctx.saved_tensors
         grads = _grouped_linear_grads(ctx.layer_id, ctx.disposition, ctx.packed, ctx.grad_input, ctx.num_weights,
                                       [x, splits, *params], dy)
-        return (None, None, None, grads[0], None, None, None, None, *grads[1:])
+        return (None, None, None, None, grads[0], None, None, None, *grads[1:])
 
 
 def _grouped_linear_grads(layer_id: int, disposition: Tuple[str, bool], packed: bool, grad_input: Optional[Tensor],
@@ -701,8 +705,8 @@ class GroupedLinear(_DelayedWgrad, nn.Module):
                               functools.partial(_grouped_linear_grads, self._id, disposition,
                                                 self.single_grouped_weight, grad_input, len(weights)))
             return y
-        return _GroupedLinearFunction.apply(self._id, disposition, self.single_grouped_weight, x, splits,
-                                            out, grad_input, len(weights), *weights, *biases)
+        return _GroupedLinearFunction.apply(self._id, disposition, self.single_grouped_weight, out, x, splits,
+                                            grad_input, len(weights), *weights, *biases)
 
     def _accumulate_backward_dw(self) -> None:
         if _NATIVE is not None:
@@ -860,8 +864,8 @@ def _(layer_id, x, fc1_out, probs, dy, splits, params, grad_input):
 class _GroupedMLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, layer_id: int, dispositions: Tuple[Tuple[str, bool], Tuple[str, bool]], packed: bool,
-                x: Tensor, splits: Tensor, probs: Tensor, out: Optional[Tensor], grad_input: Optional[Tensor],
-                counts: Tuple[int, int, int, int], *params: Tensor):
+                out: Optional[Tensor], x: Tensor, splits: Tensor, probs: Tensor, grad_input: Optional[Tensor],
+                counts: Tuple[int, int, int, int], *params: Tensor):  # out first: see _GroupedLinearFunction
         if _direct(x, splits, probs, out, grad_input):
             y, fc1_out = _mlp_forward_impl(layer_id, x, splits, probs, grad_input, out)
         elif out is None:
@@ -883,7 +887,7 @@ class _GroupedMLPFunction(torch.autograd.Function):
     def backward(ctx, dy: Tensor):
         grads = _grouped_mlp_grads(ctx.layer_id, ctx.dispositions, ctx.packed, ctx.grad_input, ctx.counts,
                                    ctx.saved_tensors, dy)
-        return (None, None, None, grads[0], None, grads[1], None, None, None, *grads[2:])
+        return (None, None, None, None, grads[0], None, grads[1], None, None, *grads[2:])
 
 
 def _grouped_mlp_grads(layer_id: int, dispositions: Tuple[Tuple[str, bool], Tuple[str, bool]], packed: bool,
@@ -1035,8 +1039,8 @@ class GroupedMLP(_DelayedWgrad, nn.Module):
                               functools.partial(_grouped_mlp_grads, self._id, dispositions, self.single_grouped_weight,
                                                 grad_input, tuple(counts)))
             return y
-        return _GroupedMLPFunction.apply(self._id, dispositions, self.single_grouped_weight, x, splits, probs,
-                                         out, grad_input, tuple(counts), *params)
+        return _GroupedMLPFunction.apply(self._id, dispositions, self.single_grouped_weight, out, x, splits, probs,
+                                         grad_input, tuple(counts), *params)
 
     def _accumulate_backward_dw(self) -> None:  # both layers' oldest pending wgrads
         if _NATIVE is not None:

@@ -263,6 +263,25 @@ def test_caller_out_and_grad_input_buffers():
     assert torch.equal(probs.grad, p2.grad)
 
 
+def test_caller_out_that_is_a_view_keeps_dx():
+    """A caller `out` that is a view (rows of a larger buffer): dx (leaf x, and through a non-leaf
+    one) and dprobs are those of the call without `out`, bitwise (x.grad was None: CopySlices gives
+    the autograd Function's first input's gradient to the buffer's base; found by
+    tests/python/test_fuzz.py)."""
+    m = _make(torch.bfloat16)
+    x, probs, dy = _inputs(torch.bfloat16)
+    rx, rp = x.detach().requires_grad_(), probs.detach().requires_grad_()
+    m(rx, SPLITS, rp).backward(dy)
+    for leaf in (True, False):
+        x0, p0 = x.detach().requires_grad_(), probs.detach().requires_grad_()
+        buf = torch.full((T + 4, OUT), float("nan"), dtype=torch.bfloat16)
+        y = m(x0 if leaf else x0 * 1, SPLITS, p0, out=buf[1:1 + T])
+        y.backward(dy)
+        assert x0.grad is not None, f"leaf {leaf}: x got no gradient"
+        assert torch.equal(x0.grad.view(torch.int16), rx.grad.view(torch.int16)), f"leaf {leaf}"
+        assert torch.equal(p0.grad, rp.grad), f"leaf {leaf}"
+
+
 def test_bad_input():
     m = _make(torch.float32)
     x, probs, _ = _inputs(torch.float32)

@@ -263,6 +263,28 @@ def test_caller_out_and_grad_input_buffers():
     assert torch.equal(gin[:S].view(torch.int16), x2.grad[:S].view(torch.int16))
 
 
+@pytest.mark.parametrize("rows", [T, T + 3], ids=["T_rows", "more_rows"])
+def test_caller_out_that_is_a_view_keeps_dx(rows):
+    """A caller `out` that is a view (rows of a larger buffer): autograd rewrites the graph through
+    CopySlices, which gives the gradient of the autograd Function's first input to the buffer's
+    base, so dx, for a leaf x and through a non-leaf one, must still be the one of the call without
+    `out`, bitwise (x.grad was None: found by tests/python/test_fuzz.py)."""
+    m = _make(torch.bfloat16)
+    x, dy = _inputs(torch.bfloat16)
+    ref = x.detach().requires_grad_()
+    m(ref, SPLITS).backward(dy)
+    for leaf in (True, False):
+        x0 = x.detach().requires_grad_()
+        xin = x0 if leaf else x0 * 1
+        buf = torch.full((rows + 5, OUT), float("nan"), dtype=torch.bfloat16)
+        y = m(xin, SPLITS, out=buf[2:2 + rows])
+        assert y.data_ptr() == buf[2:].data_ptr()
+        y.backward(torch.cat([dy, torch.zeros(rows - T, OUT, dtype=dy.dtype)]))
+        assert x0.grad is not None, f"leaf {leaf}: x got no gradient"
+        assert torch.equal(x0.grad.view(torch.int16), ref.grad.view(torch.int16)), f"leaf {leaf}"
+        assert bool(buf[:2].isnan().all()) and bool(buf[2 + S:].isnan().all()), "rows outside [0, S) untouched"
+
+
 def test_compiles_without_graph_breaks():
     class Model(torch.nn.Module):
         def __init__(self):

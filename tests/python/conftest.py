@@ -1,0 +1,40 @@
+"""pytest hooks for tests/python: the fuzz campaign's tally. Each test of test_fuzz.py takes one
+`case` (a test_fuzz.Case: device, family); at the end of the session one line per device reads
+"fuzz: N cases run, F failures (cpu, seed 56: ...)", the number docs/PERF.md's reliability line
+quotes. Skipped cases are not counted as run. (Read from the test's parameters rather than through
+record_property, which warns under --junitxml's default xunit2 family.)"""
+
+import collections
+
+import pytest
+
+_TALLY = collections.defaultdict(lambda: {"run": 0, "failed": 0, "seconds": 0.0, "seed": None,
+                                          "families": collections.Counter()})
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    callspec = getattr(item, "callspec", None)
+    case = callspec.params.get("case") if callspec is not None else None
+    device = getattr(case, "device", None)
+    if device is not None and report.when == "call":
+        t = _TALLY[device]
+        t["seed"] = getattr(item.module, "SEED", None)
+        t["seconds"] += report.duration
+        if not report.skipped:
+            t["run"] += 1
+            t["families"][case.family] += 1
+            t["failed"] += int(report.failed)
+    return report
+
+
+def pytest_terminal_summary(terminalreporter):
+    for device in sorted(_TALLY):
+        t = _TALLY[device]
+        if t["run"] == 0:
+            continue
+        families = ", ".join(f"{k} {v}" for k, v in sorted(t["families"].items()))
+        terminalreporter.write_line(
+            f"fuzz: {t['run']} cases run, {t['failed']} failures ({device}, seed {t['seed']}: {families}; "
+            f"{t['seconds']:.1f} s)")
