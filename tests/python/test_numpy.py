@@ -226,6 +226,26 @@ def test_invalid_device_splits_empty_everything_and_set_status(values, bit, rng)
     assert int(status[0]) == bit
 
 
+def test_status_word_ors_two_kinds_over_a_preset_bit(rng):
+    """The status word is ORed into, never assigned: a bit the caller set stays, and a negative
+    entry in one call and a sum above T in the next (forward and backward) leave both bits. The CPU
+    backend runs the device splits' set-up code (compute_group_offsets) on the host."""
+    d = make_data(SMALL, "bf16", rng)
+    layer = make_layer(d)
+    preset = 1 << int(rng.integers(8, 28))  # a bit outside SplitsStatus
+    status = np.array([preset], np.int32)
+    negative = rng.integers(0, 5, SMALL.G)
+    negative[rng.integers(SMALL.G)] = -int(rng.integers(1, 100))
+    too_many = rng.integers(0, 5, SMALL.G)
+    too_many[rng.integers(SMALL.G)] += SMALL.T + 1
+    layer.forward(d.x, st.DeviceSplits(negative.astype(np.int64), status))
+    assert int(status[0]) == preset | st.SPLITS_NEGATIVE
+    layer.backward(d.x, d.dy, st.DeviceSplits(too_many.astype(np.int64), status))
+    assert int(status[0]) == preset | st.SPLITS_NEGATIVE | st.SPLITS_SUM_EXCEEDS_ROWS
+    layer.forward(d.x, st.DeviceSplits(np.array(d.splits, np.int64), status))
+    assert int(status[0]) == preset | st.SPLITS_NEGATIVE | st.SPLITS_SUM_EXCEEDS_ROWS, "valid splits clear nothing"
+
+
 # 4. main_grad fusion
 
 
