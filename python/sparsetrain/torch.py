@@ -663,7 +663,15 @@ class GroupedLinear(_DelayedWgrad, nn.Module):
         out: optional [>= T, out] buffer the result is written into (rows >= S untouched);
         grad_input: optional [>= T, in] buffer backward writes dx into. Both may have as few as S
         rows with host splits; neither may require grad. dx is grad_input's first T rows (rows
-        >= S as the buffer holds them; zeros below a buffer of fewer than T rows)."""
+        >= S as the buffer holds them; zeros below a buffer of fewer than T rows).
+
+        What a leaf x gets as .grad from its first backward with grad_input (x.grad None; autograd
+        adds later ones into it in place), by the buffer's rows: more than T, a view of its first
+        T rows, the buffer's own storage (so the next backward into that buffer overwrites x.grad
+        before adding to it: set x.grad = None between such steps, or pass T rows); exactly T,
+        torch's copy of the buffer (AccumulateGrad copies a gradient that the caller still holds:
+        other storage, the same bytes, rows >= S included); S < T (host splits), a new [T, in]
+        tensor, the buffer's rows then zeros. A non-leaf x hands dx to its producer's backward."""
         _check_buffer_args(x, out, grad_input)
         splits = self._normalize_splits(m_splits)
         weights, biases = self.weights(), self.biases()
@@ -987,7 +995,9 @@ class GroupedMLP(_DelayedWgrad, nn.Module):
         """x [T, in] grouped by expert; m_splits as for GroupedLinear; probs fp32 [T] (the router
         probability of each row; it gets a gradient, fp32). out: optional [>= T, out] buffer
         written in place (rows >= S untouched); grad_input: optional [>= T, in] buffer for dx;
-        as GroupedLinear's (>= S rows with host splits, neither requiring grad)."""
+        as GroupedLinear's (>= S rows with host splits, neither requiring grad), and so is what a
+        leaf x gets as .grad from it (GroupedLinear.forward: a view of the buffer above T rows,
+        torch's copy at exactly T, a new tensor at S)."""
         _check_buffer_args(x, out, grad_input)
         layers = self._layers()
         splits = layers[0]._normalize_splits(m_splits)

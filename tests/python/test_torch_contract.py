@@ -78,6 +78,52 @@ def test_buffers_of_S_rows_work_through_backward(make):
 
 
 @pytest.mark.parametrize("make", MODULES)
+@pytest.mark.parametrize("rows", ["T_plus_3", "T", "S"])
+@pytest.mark.parametrize("with_out", [False, True], ids=["recorded", "autograd_function"])
+def test_what_a_leaf_x_gets_from_a_grad_input_buffer(make, rows, with_out):
+    """grad_input's rows below S are written in place (bit-identical to the library's dx), the rest
+    are left as they were; what a leaf x's .grad then is depends on the buffer's rows, as
+    GroupedLinear.forward's docstring says: more than T, a view of its first T rows (the buffer's
+    storage, so a second backward into the same buffer overwrites x.grad before adding to it: 2 dx2,
+    not dx1 + dx2); exactly T, torch's copy of it (AccumulateGrad copies a gradient someone else
+    still holds: other storage, the same bytes, rows >= S the buffer's); S (host splits), a new
+    [T, in] tensor, the buffer's rows then zeros. Both eager routes (the recorded node, and
+    autograd.Function, which a caller `out` takes)."""
+    n = {"T_plus_3": T + 3, "T": T, "S": S}[rows]
+    ref, m = make(), make()
+    x, probs, dy = _data(11)
+    dy2 = _data(12)[2]
+    dxs = []
+    for d in (dy, dy2):  # the library's dx of each step, each into a fresh leaf
+        xr, pr = x.detach().clone().requires_grad_(), probs.detach().clone().requires_grad_()
+        _call(ref, xr, pr).backward(d)
+        dxs.append(xr.grad)
+    gin = torch.full((n, IN), float("nan"), dtype=BF16)
+
+    def step(d):
+        out = torch.full((T, OUT), float("nan"), dtype=BF16) if with_out else None
+        _call(m, x, probs, grad_input=gin, out=out).backward(d)
+
+    step(dy)
+    assert torch.equal(_bits(gin[:S]), _bits(dxs[0][:S])), "rows < S: dx, bit-identical to the library's"
+    assert bool(gin[S:].isnan().all()), "rows >= S: untouched"
+    assert x.grad.shape == x.shape
+    same_storage = x.grad.untyped_storage().data_ptr() == gin.untyped_storage().data_ptr()
+    if rows == "T_plus_3":
+        assert same_storage and x.grad.data_ptr() == gin.data_ptr(), "a view of the buffer's first T rows"
+        assert torch.equal(_bits(x.grad), _bits(gin[:T]))
+    elif rows == "T":
+        assert not same_storage, "torch's copy of the buffer, not the buffer"
+        assert torch.equal(_bits(x.grad), _bits(gin)), "the buffer's bytes, rows >= S included"
+    else:
+        assert not same_storage, "a new tensor"
+        assert torch.equal(_bits(x.grad[:S]), _bits(gin)) and bool((x.grad[S:] == 0).all())
+    step(dy2)  # x.grad is not None now: autograd adds the second dx into it, in place
+    want = 2 * dxs[1] if rows == "T_plus_3" else dxs[0] + dxs[1]
+    assert torch.equal(_bits(x.grad[:S]), _bits(want[:S])), "T_plus_3: 2 dx2 (x.grad is the buffer); else dx1 + dx2"
+
+
+@pytest.mark.parametrize("make", MODULES)
 def test_buffers_of_S_rows_are_refused_with_device_splits_shape(make):
     """The row rule names its reason: >= S with host splits (fewer is refused at forward)."""
     m = make()
