@@ -89,7 +89,7 @@ def _grouped_shape(weight: Any, arg: str):
         if len(first.shape) != 2:
             raise ValueError(f"{arg}[0]: expected shape [out, in], got {list(first.shape)}")
         groups, (rows, cols) = len(weight), first.shape
-    return Framework.of(first), int(groups), int(rows), int(cols), dtype_name(first, arg)
+    return Framework.of(first), int(groups), int(rows), int(cols), dtype_name(first)
 
 
 def _first(weight: Any) -> Any:
@@ -239,7 +239,7 @@ class GroupedMLP(_CoreLayer):
         """(y, fc1_out): y [T, out] (the caller's `out` buffer when given: rows < S written, the
         rest untouched; otherwise a new array with a zero tail) and fc1's pre-activation output
         [T, 2F], which backward takes back (save it with x and probs)."""
-        y, fc1_out = self._core.forward(to_core(x), to_core_splits(splits), to_core(probs, "probs"),
+        y, fc1_out = self._core.forward(to_core(x), to_core_splits(splits), to_core(probs),
                                         to_core(out), self._stream(x, stream), workspace_to_core(workspace))
         return (out if y is None else self._fw.view(y)), self._fw.view(fc1_out)
 
@@ -247,7 +247,7 @@ class GroupedMLP(_CoreLayer):
                  stream: Optional[int] = None, workspace: Any = None) -> GroupedMLPGrads:
         """dx, dprobs and, unless delayed, both layers' weight (or main_grad) and bias grads. With
         delay_wgrad_compute, x, dy and probs must stay unchanged until the matching backward_dw."""
-        g = self._core.backward(to_core(x), to_core(fc1_out), to_core(probs, "probs"), to_core(dy),
+        g = self._core.backward(to_core(x), to_core(fc1_out), to_core(probs), to_core(dy),
                                 to_core_splits(splits), to_core(grad_input), self._stream(x, stream),
                                 workspace_to_core(workspace), (x, dy, probs, splits))
         return self._grads(g, grad_input)

@@ -38,6 +38,7 @@ from . import weight_grad_disposition as _weight_grad_disposition
 from ._arrays import DeviceSplits
 from ._arrays import Framework as _Framework
 from ._arrays import dtype_name as _dtype_name
+from ._arrays import name_of_dtype as _name_of_dtype
 from ._block_mask import TENSOR_NAMES as _TENSOR_NAMES
 from ._block_mask import BlockMask
 from ._block_mask import MaskSpec as _MaskSpec
@@ -1257,10 +1258,11 @@ def _check_attention_inputs(q: Any, k: Any, v: Any, mask: BlockMask, mask_device
                                  "BlockMask.build(..., device=q.device))")
     dtype = q.dtype
     if dtype not in _ATTENTION_DTYPES:
-        raise ValueError(f"q: expected dtype float32, bfloat16 or float16, got {dtype}")
+        raise ValueError(f"q: expected dtype fp32, bf16 or fp16, got {_name_of_dtype(dtype)}")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != dtype:
-            raise ValueError(f"{name}: expected dtype {dtype} (q's dtype), got {t.dtype}")
+            raise ValueError(f"{name}: expected dtype {_name_of_dtype(dtype)} (q's dtype), "
+                             f"got {_name_of_dtype(t.dtype)}")
     B, Hq, Sq, D = q.shape
     ks = k.shape
     if ks[0] != B or ks[3] != D:

@@ -29,17 +29,25 @@ namespace sparsetrain::torch_ops {
 // Adds attention's eager entry points (torch_ops.cpp) to the Python module sparsetrain._torch_ops.
 void register_attention(pybind11::module_& m);
 
+// The library's DType of a torch tensor, through the one table of element types
+// (dtype_of_element): fp64, bool, int8 ... too, so that the op's own check refuses them with its
+// rule and the library's names. A type no DType describes (fp8, complex32, quantized) is refused
+// here, by torch's name.
 inline DType dtype_of(const at::Tensor& t, const char* arg) {
-  switch (t.scalar_type()) {
-    case at::kBFloat16: return DType::kBF16;
-    case at::kHalf: return DType::kFP16;
-    case at::kFloat: return DType::kFP32;
-    case at::kInt: return DType::kInt32;
-    case at::kLong: return DType::kInt64;
-    case at::kByte: return DType::kUInt8;
-    default: break;
-  }
-  detail::throw_arg_error(arg, "dtype bf16, fp16, fp32, int32, int64 or uint8", std::string(at::toString(t.scalar_type())));
+  const at::ScalarType s = t.scalar_type();
+  bool known = true;
+  ElementKind kind = ElementKind::kInt;
+  if (s == at::kBFloat16) kind = ElementKind::kBFloat;
+  else if (s == at::kBool) kind = ElementKind::kBool;
+  else if (c10::isComplexType(s)) kind = ElementKind::kComplex;
+  else if (c10::isFloatingType(s)) kind = ElementKind::kFloat;
+  else if (c10::isIntegralType(s, /*includeBool=*/false))
+    kind = c10::isSignedType(s) ? ElementKind::kInt : ElementKind::kUInt;
+  else known = false;  // quantized and bit types
+  DType d;
+  if (known && dtype_of_element(kind, int(c10::elementSize(s)) * 8, d)) return d;
+  detail::throw_arg_error(arg, "a dtype the library can view (bf16, fp16, fp32, int32, int64, uint8, ...)",
+                          std::string(at::toString(s)));
 }
 
 inline Device device_of(const at::Tensor& t, const char* arg) {

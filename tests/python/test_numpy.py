@@ -355,10 +355,11 @@ BAD_CALLS = {  # (method, arguments replaced (from the data d), message fragment
     "splits-negative": ("forward", lambda d: dict(splits=[7, -1, 11, 2]), "splits: expected entries >= 0"),
     "splits-sum": ("forward", lambda d: dict(splits=[7, 0, 11, 6]), "splits: expected a sum <= 23"),
     "splits-float64": ("forward", lambda d: dict(splits=np.array(d.splits, np.float64)),
-                       "splits: expected dtype bf16, fp16, fp32, int32 or int64"),
+                       "splits: expected dtype int64 or int32, got fp64"),
     "x-fp32": ("forward", lambda d: dict(x=d.x.astype(np.float32)), "x: expected dtype bf16"),
     "x-float64": ("forward", lambda d: dict(x=d.x.astype(np.float64)),
-                  "x: expected dtype bf16, fp16, fp32, int32 or int64"),
+                  "x: expected dtype bf16 (the layer's dtype), got fp64"),
+    "x-bool": ("forward", lambda d: dict(x=d.x > 0), "x: expected dtype bf16 (the layer's dtype), got bool"),
     "x-in-features": ("forward", lambda d: dict(x=d.x[:, :5]), "x: expected shape [T, 6"),
     "x-column-stride": ("forward", lambda d: dict(x=np.repeat(d.x, 2, 1)[:, ::2]), "x: expected a unit stride"),
     "x-reversed-rows": ("forward", lambda d: dict(x=d.x[::-1]), "x: expected a row stride >= the row length"),
@@ -400,7 +401,7 @@ W = np.zeros((4, 5, 6), np.float32)
 BAD_LAYERS = {
     "weight-2d": (lambda: st.GroupedLinear(W[0]), "weight: expected shape [G, out, in]"),
     # The message names "dtype", not "weight": see the report.
-    "weight-float64": (lambda: st.GroupedLinear(W.astype(np.float64)), "weight: expected dtype bf16, fp16, fp32, int32 or int64"),
+    "weight-float64": (lambda: st.GroupedLinear(W.astype(np.float64)), "dtype: expected bf16, fp16 or fp32, got fp64"),
     "weight-list-shape": (lambda: st.GroupedLinear([W[0], W[1, :, :5].copy()]), "weight[1]: expected shape [5, 6]"),
     "bias-shape": (lambda: st.GroupedLinear(W, np.zeros((4, 6), np.float32)), "bias: expected packed shape [4"),
     "main_grad-dtype": (lambda: st.GroupedLinear(W, None, W.astype(np.float16), fuse_wgrad_accumulation=True),

@@ -481,3 +481,26 @@ def test_deepcopy_of_a_called_module(kind):
         copy.deepcopy(d)
     d.backward_dw()
     copy.deepcopy(d)
+
+
+# --- Bad input a new user hit (issue 56, part 6) -------------------------------------------------
+
+_NAMES = {torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.int64: "int64", torch.bool: "bool"}
+_WRONG_X = [pytest.param(dt, grad, with_out, id=f"{name}-{'grad' if grad else 'no_grad'}-{'out' if with_out else 'y'}")
+            for dt, name in _NAMES.items() for grad in (False, True) for with_out in (False, True)
+            if dt.is_floating_point or not grad]
+
+
+@pytest.mark.parametrize("make", MODULES)
+@pytest.mark.parametrize("dtype,grad,with_out", _WRONG_X)
+def test_a_wrong_x_dtype_gets_one_message_in_the_librarys_names(make, dtype, grad, with_out):
+    """x of a dtype the library computes with (fp32, fp16) or not (fp64, int64, bool) gets the same
+    message: the layer's dtype expected, the library's names for both (torch's float64 is fp64),
+    whichever eager route the call takes; nothing written."""
+    m = make()
+    x, probs, _ = _data(13)
+    x = x.detach().to(dtype).requires_grad_(grad)
+    out = torch.full((T, OUT), float("nan"), dtype=BF16) if with_out else None
+    with pytest.raises(ValueError, match=rf"^x: expected dtype bf16 \(the layer's dtype\), got {_NAMES[dtype]}$"):
+        _call(m, x, probs, out=out)
+    assert out is None or bool(out.isnan().all())
