@@ -520,7 +520,8 @@ BAD = {
     "mask_seq": (lambda q, k, v, m: (q[:, :, :30], k, v, m), r"block_mask: expected seq lengths \(30, 40\)"),
     "mask_type": (lambda q, k, v, m: (q, k, v, "causal"), "block_mask: expected a sparsetrain.BlockMask, got str"),
     "q_last_dim_strided": (lambda q, k, v, m: (q.transpose(2, 3).contiguous().transpose(2, 3)[..., :40, :], k, v, m),
-                           "q: expected a unit stride in the last dimension"),
+                           r"q: expected a unit stride in the last dimension \(D\) \(taken: any strides with the last "
+                           r"dimension contiguous, .*pass q\.contiguous\(\)\), got \d+$"),
 }
 
 

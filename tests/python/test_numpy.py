@@ -362,6 +362,10 @@ BAD_CALLS = {  # (method, arguments replaced (from the data d), message fragment
     "x-bool": ("forward", lambda d: dict(x=d.x > 0), "x: expected dtype bf16 (the layer's dtype), got bool"),
     "x-in-features": ("forward", lambda d: dict(x=d.x[:, :5]), "x: expected shape [T, 6"),
     "x-column-stride": ("forward", lambda d: dict(x=np.repeat(d.x, 2, 1)[:, ::2]), "x: expected a unit stride"),
+    "x-transposed": ("forward", lambda d: dict(x=np.ascontiguousarray(d.x.T).T),
+                     "x: expected a unit stride in the last dimension (taken: any strides with the last dimension "
+                     "contiguous, as in a contiguous tensor or a slice of one; a transposed tensor is not, pass "
+                     "x.contiguous()), got 23"),
     "x-reversed-rows": ("forward", lambda d: dict(x=d.x[::-1]), "x: expected a row stride >= the row length"),
     "out-rows": ("forward", lambda d: dict(out=d.out[:S_ - 1]), f"out: expected shape [>= {S_} (S"),
     "out-dtype": ("forward", lambda d: dict(out=np.zeros((23, 5), np.float16)), "out: expected dtype bf16"),

@@ -9,6 +9,7 @@ without a GPU."""
 
 import contextlib
 import gc
+import re
 
 import pytest
 
@@ -504,3 +505,16 @@ def test_a_wrong_x_dtype_gets_one_message_in_the_librarys_names(make, dtype, gra
     with pytest.raises(ValueError, match=rf"^x: expected dtype bf16 \(the layer's dtype\), got {_NAMES[dtype]}$"):
         _call(m, x, probs, out=out)
     assert out is None or bool(out.isnan().all())
+
+
+@pytest.mark.parametrize("make", MODULES)
+def test_a_transposed_x_is_refused_with_the_layouts_taken_and_the_fix(make):
+    m = make()
+    x, probs, _ = _data(14)
+    xt = x.detach().t().contiguous().t()  # x's values, strides (1, T): a transposed [IN, T] tensor
+    message = ("x: expected a unit stride in the last dimension (taken: any strides with the last dimension "
+               "contiguous, as in a contiguous tensor or a slice of one; a transposed tensor is not, pass "
+               f"x.contiguous()), got {T}")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        _call(m, xt, probs)
+    assert torch.equal(_bits(_call(m, xt.contiguous(), probs)), _bits(_call(m, x.detach(), probs))), "the fix works"
