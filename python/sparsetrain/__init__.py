@@ -156,8 +156,9 @@ class GroupedLinear(_CoreLayer):
     ([G, out] or G x [out]); main_grad (fp32, same layouts) when fuse_wgrad_accumulation.
     The layer keeps references to these arrays (no copies) and computes on their device.
 
-    splits: a list of ints or a host array (validated at once: entries >= 0, sum <= rows of x),
-    a CUDA tensor, or DeviceSplits(values, status) (never read by the host).
+    splits: a list of whole numbers (7 or 7.0; 7.5 is refused, never truncated) or an int32 /
+    int64 host array (validated at once: entries >= 0, sum <= rows of x), a CUDA tensor, or
+    DeviceSplits(values, status) (never read by the host).
 
     stream: a call's kernels run on `stream` (a raw CUDA stream handle; default: torch's current
     stream on the arrays' device), and so does everything the call allocates, its workspace

@@ -6,7 +6,9 @@ never arrays built from raw pointers, so the framework keeps tracking streams an
 from __future__ import annotations
 
 import contextlib
-from typing import Any, NamedTuple, Optional
+import math
+import operator
+from typing import Any, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -118,13 +120,39 @@ def workspace_to_core(ws: Any) -> Any:
     return ws
 
 
+def host_split_values(values: Sequence[Any], arg: str) -> List[int]:
+    """The one rule for splits given as a host sequence (the torch front's m_splits, the array
+    front's splits), read by value: each entry a whole number of rows. Ints (numpy's and torch's
+    integer scalars, and bools, as Python counts them) are taken as they are, a float only when it
+    is whole (30.0 is 30); a fractional one (30.5), NaN, inf or a non-number is refused with a
+    ValueError naming `arg`, the entry and its index (int() would truncate it without a word). By
+    value, not by type: the torch front reuses the tensor of the last list whose values compare
+    equal (30.0 == 30). A tensor or array of splits is judged by its dtype instead (integers)."""
+    out = []
+    for i, s in enumerate(values):
+        try:
+            out.append(operator.index(s))
+            continue
+        except TypeError:
+            pass
+        try:
+            f = float(s)
+            whole = bool(f == s) and math.isfinite(f) and f.is_integer()  # f == s: a number, not a string
+        except (TypeError, ValueError):
+            whole = False
+        if not whole:
+            raise ValueError(f"{arg}: expected whole numbers of rows (integers), got {s!r} at index {i}")
+        out.append(int(f))
+    return out
+
+
 def to_core_splits(splits: Any) -> Any:
     if isinstance(splits, DeviceSplits):
         return ("device", to_core(splits.values), to_core(splits.status))
     if _is_torch(splits) and splits.is_cuda:
         return ("device", splits, None)
     if isinstance(splits, (list, tuple)):
-        return [int(s) for s in splits]
+        return host_split_values(splits, "splits")
     return to_core(splits)
 
 

@@ -38,6 +38,7 @@ from . import weight_grad_disposition as _weight_grad_disposition
 from ._arrays import DeviceSplits
 from ._arrays import Framework as _Framework
 from ._arrays import dtype_name as _dtype_name
+from ._arrays import host_split_values as _host_split_values
 from ._arrays import name_of_dtype as _name_of_dtype
 from ._block_mask import TENSOR_NAMES as _TENSOR_NAMES
 from ._block_mask import BlockMask
@@ -639,18 +640,30 @@ class GroupedLinear(_DelayedWgrad, nn.Module):
 
     # -- forward / backward_dw -------------------------------------------------------------
     def _normalize_splits(self, m_splits: Any) -> Tensor:
+        """m_splits as an int64 tensor [G] (GroupedMLP's too): a list by host_split_values' rule
+        (whole numbers), a tensor by its dtype alone (any integer dtype, converted; never float,
+        bool or complex: a CUDA tensor's values cannot be read without a sync, and a CPU tensor
+        follows the same rule)."""
         if isinstance(m_splits, Tensor):
-            splits = m_splits if m_splits.dtype == torch.int64 else m_splits.to(torch.int64)
+            if m_splits.dtype == torch.int64:
+                splits = m_splits
+            else:
+                dt = m_splits.dtype
+                if dt.is_floating_point or dt.is_complex or dt == torch.bool:
+                    raise ValueError(f"m_splits: expected an integer tensor (int64, or another integer dtype, "
+                                     f"converted), got {_name_of_dtype(dt)} (judged by its dtype, its values "
+                                     "unread; if they are whole numbers, pass m_splits.long())")
+                splits = m_splits.to(torch.int64)
         elif torch.compiler.is_compiling():
-            splits = torch.tensor([int(s) for s in m_splits], dtype=torch.int64)
+            splits = torch.tensor(_host_split_values(m_splits, "m_splits"), dtype=torch.int64)
         else:
             # Eager host splits: the tensor of the last call's values is reused (torch.tensor costs
-            # ~4 us); nothing writes it.
+            # ~4 us); nothing writes it. A list equal in value is the same splits by the rule.
             values = tuple(m_splits)
             last = self._host_splits
             if last is not None and last[0] == values:
                 return last[1]
-            splits = torch.tensor([int(s) for s in values], dtype=torch.int64)
+            splits = torch.tensor(_host_split_values(values, "m_splits"), dtype=torch.int64)
             if tuple(splits.shape) == (self.num_gemms,):
                 self._host_splits = (values, splits)
         if tuple(splits.shape) != (self.num_gemms,):
@@ -660,7 +673,9 @@ class GroupedLinear(_DelayedWgrad, nn.Module):
 
     def forward(self, x: Tensor, m_splits: Union[Sequence[int], Tensor], out: Optional[Tensor] = None,
                 grad_input: Optional[Tensor] = None) -> Tensor:
-        """x [T, in] grouped by expert; m_splits: list of ints, CPU tensor or CUDA tensor [G].
+        """x [T, in] grouped by expert; m_splits: the rows of each expert, [G]: a list of whole
+        numbers (30 or 30.0; 30.5 is refused, never truncated), or a CPU or CUDA tensor of an
+        integer dtype (a float or bool tensor is refused by its dtype, its values unread).
         out: optional [>= T, out] buffer the result is written into (rows >= S untouched);
         grad_input: optional [>= T, in] buffer backward writes dx into. Both may have as few as S
         rows with host splits; neither may require grad. dx is grad_input's first T rows (rows

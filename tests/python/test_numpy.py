@@ -178,6 +178,7 @@ SPLITS_FORMS = {
     "tuple": tuple,
     "int64-array": lambda s: np.array(s, np.int64),
     "int32-array": lambda s: np.array(s, np.int32),
+    "whole-floats": lambda s: [float(v) for v in s],  # 7.0 is 7: the list rule reads values
     "device-status-0": lambda s: st.DeviceSplits(np.array(s, np.int64), np.zeros(1, np.int32)),
     "device-status-1": lambda s: st.DeviceSplits(np.array(s, np.int64), np.ones(1, np.int32)),
     "device-no-status": lambda s: st.DeviceSplits(np.array(s, np.int64)),
@@ -353,6 +354,10 @@ S_ = 20  # SMALL's S
 BAD_CALLS = {  # (method, arguments replaced (from the data d), message fragment)
     "splits-length": ("forward", lambda d: dict(splits=[7, 0, 11]), "splits: expected shape [4]"),
     "splits-negative": ("forward", lambda d: dict(splits=[7, -1, 11, 2]), "splits: expected entries >= 0"),
+    "splits-fractional": ("forward", lambda d: dict(splits=[7, 0, 10.5, 2.5]),
+                          "splits: expected whole numbers of rows (integers), got 10.5 at index 2"),
+    "splits-nan": ("backward", lambda d: dict(splits=(7, float("nan"), 11, 2)),
+                   "splits: expected whole numbers of rows (integers), got nan at index 1"),
     "splits-sum": ("forward", lambda d: dict(splits=[7, 0, 11, 6]), "splits: expected a sum <= 23"),
     "splits-float64": ("forward", lambda d: dict(splits=np.array(d.splits, np.float64)),
                        "splits: expected dtype int64 or int32, got fp64"),

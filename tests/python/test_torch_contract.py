@@ -518,3 +518,44 @@ def test_a_transposed_x_is_refused_with_the_layouts_taken_and_the_fix(make):
     with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         _call(m, xt, probs)
     assert torch.equal(_bits(_call(m, xt.contiguous(), probs)), _bits(_call(m, x.detach(), probs))), "the fix works"
+
+
+_FRACTIONAL = [9.5, 0, 17, 5.5]  # sums to S: int() would run [9, 0, 17, 5] without a word
+
+
+@pytest.mark.parametrize("make", MODULES)
+@pytest.mark.parametrize("form", ["list", "list_after_ints", "fp32_tensor", "fp64_tensor", "bool_tensor"])
+def test_fractional_or_float_splits_are_refused_not_truncated(make, form):
+    """m_splits are whole numbers of rows: a list with a fractional entry is refused naming the
+    entry and its index (also right after a call whose integer list the module reuses), a float or
+    bool tensor by its dtype; nothing written either way."""
+    m = make()
+    x, probs, _ = _data(15)
+    if form == "list_after_ints":
+        _call(m, x, probs, [9, 0, 17, 5])
+    out = torch.full((T, OUT), float("nan"), dtype=BF16)
+    if form.startswith("list"):
+        splits, message = _FRACTIONAL, r"^m_splits: expected whole numbers of rows \(integers\), got 9\.5 at index 0$"
+    else:
+        dtype = {"fp32_tensor": torch.float32, "fp64_tensor": torch.float64, "bool_tensor": torch.bool}[form]
+        splits = torch.tensor(SPLITS).to(dtype)
+        message = (rf"^m_splits: expected an integer tensor \(int64, or another integer dtype, converted\), got "
+                   rf"{_NAMES[dtype]} \(judged by its dtype, its values unread; if they are whole numbers, pass "
+                   r"m_splits\.long\(\)\)$")
+    with pytest.raises(ValueError, match=message):
+        _call(m, x, probs, splits, out=out)
+    assert bool(out.isnan().all()), "out written before the splits were refused"
+
+
+@pytest.mark.parametrize("make", MODULES)
+def test_whole_float_and_integer_tensor_splits_are_the_integers(make):
+    """30.0 in a list is 30 (the rule reads list values; decided in issue 56), and an int32 or int16
+    tensor is converted: the same bytes as the int list, in a fresh module and right after ints."""
+    x, probs, _ = _data(16)
+    ref = _call(make(), x.detach(), probs.detach())
+    for splits in ([float(s) for s in SPLITS], torch.tensor(SPLITS, dtype=torch.int32),
+                   torch.tensor(SPLITS, dtype=torch.int16)):
+        assert torch.equal(_bits(_call(make(), x.detach(), probs.detach(), splits)), _bits(ref)), splits
+    m = make()
+    _call(m, x.detach(), probs.detach())
+    assert torch.equal(_bits(_call(m, x.detach(), probs.detach(), [float(s) for s in SPLITS])), _bits(ref))
