@@ -1280,6 +1280,11 @@ def _check_attention_inputs(q: Any, k: Any, v: Any, mask: BlockMask, mask_device
                              f"got {_name_of_dtype(t.dtype)}")
     B, Hq, Sq, D = q.shape
     ks = k.shape
+    seqs = (mask.seq_q, mask.seq_kv)
+    if seqs != (Sq, ks[2]) and seqs == (q.shape[1], ks[1]):  # before the head checks, which it would trip
+        raise ValueError(f"q: expected FlexAttention's layout [B, H, S, D], got shape {list(q.shape)}, whose dim 1 "
+                         f"holds the block mask's seq length {mask.seq_q} (k's dim 1 its {mask.seq_kv}): [B, S, H, D] "
+                         "tensors? pass q.transpose(1, 2), k.transpose(1, 2) and v.transpose(1, 2) (views, no copies)")
     if ks[0] != B or ks[3] != D:
         raise ValueError(f"k: expected shape [{B} (q's B), Hkv, Skv, {D} (q's D)], got {list(ks)}")
     if ks[1] < 1 or Hq % ks[1] != 0:
