@@ -44,6 +44,7 @@ out.out.float().square().sum().backward()             # grads: x, logits, this r
 
 ref = full(x_all, logits_all)
 assert torch.equal(out.out, ref.out[first:first + tokens[rank]])
-print(f"rank {rank} of {world} ({exchange}): {tokens[rank]} tokens, experts [{moe.first_expert}, "
-      f"{moe.first_expert + moe.num_local_experts}), out equals the single-process layer's")
+print(f"rank {rank} of {world} ({dist.get_backend()} process group, exchange={exchange}): {tokens[rank]} tokens, "
+      f"experts [{moe.first_expert}, {moe.first_expert + moe.num_local_experts}), out equals the single-process "
+      "layer's")
 dist.destroy_process_group()

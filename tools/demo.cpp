@@ -69,12 +69,13 @@ const char* kDemoHelp =
     "the CPU reference at a small size (S=512, Hq=4, Hkv=2, D=64) and says the GPU part was skipped.\n"
     "Exit status: 0 when every check passes, 1 otherwise, 2 for a usage error.\n"
     "\n"
-    "options:\n"
+    "options (a value as --opt value or --opt=value):\n"
     "  --groups G       experts (default 8)\n"
     "  --tokens T       input rows, routed tokens + padding (default 2048)\n"
     "  --padding P      rows at the end that belong to no expert (default 37)\n"
     "  --in N           in_features (default 512)\n"
-    "  --out N          out_features (default 1024)\n"
+    "  --out N          out_features (default 1024); the GroupedMLP step's hidden size is\n"
+    "                   N / 8, at least 1\n"
     "  --dtype D        bf16, fp16 or fp32 (default bf16)\n"
     "  --seed S         random seed (default 0)\n"
     "  --cpu            use the CPU reference backend even where a GPU is present\n"
@@ -130,22 +131,28 @@ bool parse(int argc, char** argv, DemoOptions& o, int& exit_code) {
                             {"--out", &o.out, 1, 65536},
                             {"--seed", &seed, 0, INT64_MAX}};
   for (int i = 2; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--help" || a == "-h") {
+    std::string a = argv[i];
+    // --opt=value, as well as --opt value: the value is what follows the first '='.
+    const size_t eq = a.rfind("--", 0) == 0 ? a.find('=') : std::string::npos;
+    const bool inline_value = eq != std::string::npos;
+    const std::string given = inline_value ? a.substr(eq + 1) : std::string();
+    if (inline_value) a.resize(eq);
+    if (a == "--help" || a == "-h" || a == "--cpu") {
+      if (inline_value) return usage_error("option '" + a + "' takes no value");
+      if (a == "--cpu") {
+        o.cpu = true;
+        continue;
+      }
       std::fputs(kDemoHelp, stdout);
       exit_code = 0;
       return false;
-    }
-    if (a == "--cpu") {
-      o.cpu = true;
-      continue;
     }
     const IntOption* io = nullptr;
     for (const IntOption& c : ints)
       if (a == c.name) io = &c;
     if (io == nullptr && a != "--dtype") return usage_error("unknown option '" + a + "'");
-    if (i + 1 >= argc) return usage_error("option '" + a + "' needs a value");
-    const std::string v = argv[++i];
+    if (!inline_value && i + 1 >= argc) return usage_error("option '" + a + "' needs a value");
+    const std::string v = inline_value ? given : argv[++i];
     if (io != nullptr) {
       if (!parse_int(v, io->lo, io->hi, *io->value))
         return usage_error("bad value '" + v + "' for " + a + ": expected a whole number in [" +
@@ -293,7 +300,8 @@ void report_gpu_throughput(const Place& place, std::mt19937_64& rng) {
 // on a GPU also the TFLOP/s of a DeepSeek-like step (G = 8, T = 32768, 7168 -> 2 x 2048 -> 7168).
 bool run_mlp_step(const Place& place, const DemoOptions& o, std::mt19937_64& rng) {
   using testing::HostTensor;
-  const int64_t G = o.groups, T = o.tokens, S = T - o.padding, F = o.out / 8;
+  // F from --out, at least 1: every --out the options take runs (--out 7 would make F = 0).
+  const int64_t G = o.groups, T = o.tokens, S = T - o.padding, F = std::max<int64_t>(1, o.out / 8);
   testing::GroupedMLPCase c = testing::random_mlp_case(o.dtype, G, T, S, o.in, F, o.in, 0, {}, true, false, false,
                                                        o.seed);
   c.splits = dirichlet_splits(G, S, rng);
@@ -894,6 +902,10 @@ bool run_block_step(const Place& place, const DemoOptions& opt) {
 }  // namespace
 
 int run_demo(int argc, char** argv) {
+  // Line-buffered stdout: through a pipe (a log, tee, CI) C's stdout is fully buffered by default,
+  // and the report, which takes seconds to minutes on the CPU reference, would arrive all at once
+  // at exit; a reader should see each line as it is printed. Set before anything is written.
+  std::setvbuf(stdout, nullptr, _IOLBF, BUFSIZ);
   DemoOptions o;
   int exit_code = 0;
   if (!parse(argc, argv, o, exit_code)) return exit_code;

@@ -51,7 +51,12 @@ int run_info(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 2 || !std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h")) {
+  const bool help = argc >= 2 && (!std::strcmp(argv[1], "--help") || !std::strcmp(argv[1], "-h"));
+  if ((help || (argc >= 2 && !std::strcmp(argv[1], "--version"))) && argc > 2) {
+    std::fprintf(stderr, "sparsetrain: %s takes no arguments, got '%s'\n", argv[1], argv[2]);
+    return 2;
+  }
+  if (argc < 2 || help) {
     std::fputs(kUsage, argc < 2 ? stderr : stdout);
     return argc < 2 ? 2 : 0;
   }

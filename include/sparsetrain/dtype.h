@@ -11,20 +11,42 @@
 namespace sparsetrain {
 
 // kUInt8: block-mask matrices and per-block bitmasks (block_mask.h); no arithmetic op takes it.
-enum class DType : uint8_t { kBF16, kFP16, kFP32, kInt32, kInt64, kUInt8 };
+// The types after kUInt8 are never computed with or allocated: they let a view describe any array
+// a framework hands over, so that the op's own dtype check refuses it with the op's rule and the
+// type's name ("x: expected dtype bf16 (the layer's dtype), got fp64"), as it does a supported
+// type in the wrong place, instead of the conversion failing without knowing the rule.
+enum class DType : uint8_t {
+  kBF16, kFP16, kFP32, kInt32, kInt64, kUInt8,
+  kFP64, kInt8, kInt16, kUInt16, kUInt32, kUInt64, kBool, kComplex64, kComplex128,
+};
+constexpr DType kAllDTypes[] = {
+    DType::kBF16,  DType::kFP16,  DType::kFP32,   DType::kInt32,  DType::kInt64,  DType::kUInt8,     DType::kFP64,
+    DType::kInt8,  DType::kInt16, DType::kUInt16, DType::kUInt32, DType::kUInt64, DType::kBool,      DType::kComplex64,
+    DType::kComplex128};
 
 constexpr size_t dtype_size(DType t) {
   switch (t) {
+    case DType::kUInt8:
+    case DType::kInt8:
+    case DType::kBool: return 1;
     case DType::kBF16:
-    case DType::kFP16: return 2;
+    case DType::kFP16:
+    case DType::kInt16:
+    case DType::kUInt16: return 2;
     case DType::kFP32:
-    case DType::kInt32: return 4;
-    case DType::kInt64: return 8;
-    case DType::kUInt8: return 1;
+    case DType::kInt32:
+    case DType::kUInt32: return 4;
+    case DType::kInt64:
+    case DType::kUInt64:
+    case DType::kFP64:
+    case DType::kComplex64: return 8;
+    case DType::kComplex128: return 16;
   }
   return 0;
 }
 
+// The library's names, used in every message; every front names a framework's types through
+// these (dtype_of_element), so torch's float64 and numpy's float64 are both "fp64".
 constexpr const char* dtype_name(DType t) {
   switch (t) {
     case DType::kBF16: return "bf16";
@@ -33,10 +55,56 @@ constexpr const char* dtype_name(DType t) {
     case DType::kInt32: return "int32";
     case DType::kInt64: return "int64";
     case DType::kUInt8: return "uint8";
+    case DType::kFP64: return "fp64";
+    case DType::kInt8: return "int8";
+    case DType::kInt16: return "int16";
+    case DType::kUInt16: return "uint16";
+    case DType::kUInt32: return "uint32";
+    case DType::kUInt64: return "uint64";
+    case DType::kBool: return "bool";
+    case DType::kComplex64: return "complex64";
+    case DType::kComplex128: return "complex128";
   }
   return "?";
 }
 
+// An element type as a kind and a width in bits: DLPack's description, onto which numpy's and
+// torch's dtypes map directly.
+enum class ElementKind : uint8_t { kInt, kUInt, kFloat, kBFloat, kComplex, kBool };
+
+constexpr ElementKind element_kind(DType t) {
+  switch (t) {
+    case DType::kBF16: return ElementKind::kBFloat;
+    case DType::kFP16:
+    case DType::kFP32:
+    case DType::kFP64: return ElementKind::kFloat;
+    case DType::kInt8:
+    case DType::kInt16:
+    case DType::kInt32:
+    case DType::kInt64: return ElementKind::kInt;
+    case DType::kUInt8:
+    case DType::kUInt16:
+    case DType::kUInt32:
+    case DType::kUInt64: return ElementKind::kUInt;
+    case DType::kBool: return ElementKind::kBool;
+    case DType::kComplex64:
+    case DType::kComplex128: return ElementKind::kComplex;
+  }
+  return ElementKind::kInt;
+}
+
+// The DType of an element type (the one table every front converts through): false for a type no
+// DType describes (the fp8 formats, complex32, ...), which a front refuses by its own name.
+constexpr bool dtype_of_element(ElementKind kind, int bits, DType& out) {
+  for (DType t : kAllDTypes)
+    if (element_kind(t) == kind && int(dtype_size(t)) * 8 == bits) {
+      out = t;
+      return true;
+    }
+  return false;
+}
+
+// The float types the library computes in (fp64 is a type it names, not one it computes with).
 constexpr bool is_floating(DType t) {
   return t == DType::kBF16 || t == DType::kFP16 || t == DType::kFP32;
 }

@@ -89,7 +89,7 @@ def _grouped_shape(weight: Any, arg: str):
         if len(first.shape) != 2:
             raise ValueError(f"{arg}[0]: expected shape [out, in], got {list(first.shape)}")
         groups, (rows, cols) = len(weight), first.shape
-    return Framework.of(first), int(groups), int(rows), int(cols), dtype_name(first, arg)
+    return Framework.of(first), int(groups), int(rows), int(cols), dtype_name(first)
 
 
 def _first(weight: Any) -> Any:
@@ -156,8 +156,9 @@ class GroupedLinear(_CoreLayer):
     ([G, out] or G x [out]); main_grad (fp32, same layouts) when fuse_wgrad_accumulation.
     The layer keeps references to these arrays (no copies) and computes on their device.
 
-    splits: a list of ints or a host array (validated at once: entries >= 0, sum <= rows of x),
-    a CUDA tensor, or DeviceSplits(values, status) (never read by the host).
+    splits: a list of whole numbers (7 or 7.0; 7.5 is refused, never truncated) or an int32 /
+    int64 host array (validated at once: entries >= 0, sum <= rows of x), a CUDA tensor, or
+    DeviceSplits(values, status) (never read by the host).
 
     stream: a call's kernels run on `stream` (a raw CUDA stream handle; default: torch's current
     stream on the arrays' device), and so does everything the call allocates, its workspace
@@ -239,7 +240,7 @@ class GroupedMLP(_CoreLayer):
         """(y, fc1_out): y [T, out] (the caller's `out` buffer when given: rows < S written, the
         rest untouched; otherwise a new array with a zero tail) and fc1's pre-activation output
         [T, 2F], which backward takes back (save it with x and probs)."""
-        y, fc1_out = self._core.forward(to_core(x), to_core_splits(splits), to_core(probs, "probs"),
+        y, fc1_out = self._core.forward(to_core(x), to_core_splits(splits), to_core(probs),
                                         to_core(out), self._stream(x, stream), workspace_to_core(workspace))
         return (out if y is None else self._fw.view(y)), self._fw.view(fc1_out)
 
@@ -247,7 +248,7 @@ class GroupedMLP(_CoreLayer):
                  stream: Optional[int] = None, workspace: Any = None) -> GroupedMLPGrads:
         """dx, dprobs and, unless delayed, both layers' weight (or main_grad) and bias grads. With
         delay_wgrad_compute, x, dy and probs must stay unchanged until the matching backward_dw."""
-        g = self._core.backward(to_core(x), to_core(fc1_out), to_core(probs, "probs"), to_core(dy),
+        g = self._core.backward(to_core(x), to_core(fc1_out), to_core(probs), to_core(dy),
                                 to_core_splits(splits), to_core(grad_input), self._stream(x, stream),
                                 workspace_to_core(workspace), (x, dy, probs, splits))
         return self._grads(g, grad_input)

@@ -6,7 +6,9 @@ never arrays built from raw pointers, so the framework keeps tracking streams an
 from __future__ import annotations
 
 import contextlib
-from typing import Any, NamedTuple, Optional
+import math
+import operator
+from typing import Any, List, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -51,40 +53,59 @@ def numpy_dtype(name: str) -> np.dtype:
     return _NP_DTYPES[name]
 
 
-_TORCH_DTYPES: dict = {}  # torch dtype -> name, filled on first use (torch is optional)
+_NAMES: dict = {}  # a torch or numpy dtype -> its name, filled on first sight of each
 
 
-def dtype_name(a: Any, arg: str = "dtype") -> str:
-    """sparsetrain's name of an array's element type; a ValueError naming `arg` otherwise."""
-    if _is_torch(a):
-        names = _TORCH_DTYPES
-        if not names:
-            import torch  # noqa: PLC0415
-
-            names.update({torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-                          torch.int32: "int32", torch.int64: "int64", torch.uint8: "uint8"})
-        if a.dtype not in names:
-            raise ValueError(f"{arg}: expected dtype bf16, fp16, fp32, int32 or int64, got {a.dtype}")
-        return names[a.dtype]
-    dt = np.asarray(a).dtype
+def _element_type(dt: Any) -> Optional[tuple]:
+    """(kind, bits) of a torch or numpy dtype, as the library's table of element types takes them
+    (_C.dtype_name_of_element); None for a kind it has none of (numpy's strings, objects, ...)."""
+    if type(dt).__module__ == "torch":
+        name = str(dt)
+        try:  # quantized and bits types have no sign or size
+            kind = ("bfloat" if name == "torch.bfloat16" else "complex" if dt.is_complex else
+                    "float" if dt.is_floating_point else "bool" if name == "torch.bool" else
+                    "int" if dt.is_signed else "uint")
+            bits = dt.itemsize * 8
+        except RuntimeError:
+            return None
+        # Only the plain types, which torch names by kind and width: its sub-byte types (uint4, int2, ...)
+        # take a byte each too but are not int8 / uint8.
+        return (kind, bits) if name == f"torch.{kind}{'' if kind == 'bool' else bits}" else None
     if dt == _numpy_bf16():
-        return "bf16"
-    for name, d in _NP_DTYPES.items():
-        if dt == d:
-            return name
-    raise ValueError(f"{arg}: expected dtype bf16, fp16, fp32, int32 or int64, got {dt}")
+        return "bfloat", 16
+    kind = {"i": "int", "u": "uint", "f": "float", "c": "complex", "b": "bool"}.get(dt.kind)
+    return None if kind is None else (kind, dt.itemsize * 8)
 
 
-def to_core(a: Any, arg: str = "dtype") -> Any:
+def name_of_dtype(dt: Any) -> str:
+    """The library's name of a torch or numpy dtype, from the C++ table every front names types by:
+    bf16, fp16, fp32, fp64, int8 ... int64, uint8 ... uint64, bool, complex64, complex128 (the
+    extension takes them all as views, and each op's own check refuses those it does not compute
+    with); the framework's own name for a type the library has none for (float8_e4m3fn, ...),
+    which the extension refuses."""
+    name = _NAMES.get(dt)
+    if name is None:
+        et = _element_type(dt)
+        name = (_C.dtype_name_of_element(*et) if et else "") or str(dt).removeprefix("torch.")
+        _NAMES[dt] = name
+    return name
+
+
+def dtype_name(a: Any) -> str:
+    """name_of_dtype of an array's element type."""
+    return name_of_dtype(a.dtype if _is_torch(a) else np.asarray(a).dtype)
+
+
+def to_core(a: Any) -> Any:
     """An array in the form the extension takes: itself (DLPack / buffer protocol); for numpy
     bf16 (a dtype DLPack cannot describe) a (uint16 view, "bf16") pair; for a torch tensor a
-    descriptor of its metadata (torch's __dlpack__ synchronises streams, which CUDA-graph
-    capture forbids). None stays None. The caller keeps the tensor alive. `arg` names the
-    argument in the error for a dtype the library does not know."""
+    descriptor of its metadata, its dtype by name (torch's __dlpack__ synchronises streams, which
+    CUDA-graph capture forbids). None stays None. The caller keeps the tensor alive; the extension
+    names the argument in its errors."""
     if a is None:
         return a
     if _is_torch(a):
-        return ("torch", a.data_ptr(), dtype_name(a, arg), list(a.shape), list(a.stride()), a.device.type,
+        return ("torch", a.data_ptr(), dtype_name(a), list(a.shape), list(a.stride()), a.device.type,
                 a.device.index or 0)
     if isinstance(a, np.ndarray) and a.dtype == _numpy_bf16():
         return (a.view(np.uint16), "bf16")
@@ -99,13 +120,39 @@ def workspace_to_core(ws: Any) -> Any:
     return ws
 
 
+def host_split_values(values: Sequence[Any], arg: str) -> List[int]:
+    """The one rule for splits given as a host sequence (the torch front's m_splits, the array
+    front's splits), read by value: each entry a whole number of rows. Ints (numpy's and torch's
+    integer scalars, and bools, as Python counts them) are taken as they are, a float only when it
+    is whole (30.0 is 30); a fractional one (30.5), NaN, inf or a non-number is refused with a
+    ValueError naming `arg`, the entry and its index (int() would truncate it without a word). By
+    value, not by type: the torch front reuses the tensor of the last list whose values compare
+    equal (30.0 == 30). A tensor or array of splits is judged by its dtype instead (integers)."""
+    out = []
+    for i, s in enumerate(values):
+        try:
+            out.append(operator.index(s))
+            continue
+        except TypeError:
+            pass
+        try:
+            f = float(s)
+            whole = bool(f == s) and math.isfinite(f) and f.is_integer()  # f == s: a number, not a string
+        except (TypeError, ValueError):
+            whole = False
+        if not whole:
+            raise ValueError(f"{arg}: expected whole numbers of rows (integers), got {s!r} at index {i}")
+        out.append(int(f))
+    return out
+
+
 def to_core_splits(splits: Any) -> Any:
     if isinstance(splits, DeviceSplits):
         return ("device", to_core(splits.values), to_core(splits.status))
     if _is_torch(splits) and splits.is_cuda:
         return ("device", splits, None)
     if isinstance(splits, (list, tuple)):
-        return [int(s) for s in splits]
+        return host_split_values(splits, "splits")
     return to_core(splits)
 
 

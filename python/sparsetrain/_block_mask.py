@@ -19,7 +19,7 @@ from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from . import _C
-from ._arrays import Framework, _is_torch, to_core
+from ._arrays import Framework, _is_torch, name_of_dtype, to_core
 
 __all__ = ["BlockMask", "MaskSpec", "MASK_KINDS", "document_ids_from_cu_seqlens", "block_sparse_attention_forward",
            "block_sparse_attention_backward"]
@@ -49,8 +49,8 @@ class MaskSpec(NamedTuple):
 
     def _core(self) -> dict:
         return {"kind": self.kind, "window_left": int(self.window_left), "window_right": int(self.window_right),
-                "prefix_length": int(self.prefix_length), "doc_q": to_core(self.doc_q, "doc_q"),
-                "doc_kv": to_core(self.doc_kv, "doc_kv")}
+                "prefix_length": int(self.prefix_length), "doc_q": to_core(self.doc_q),
+                "doc_kv": to_core(self.doc_kv)}
 
 
 def _framework(name: Optional[str], *arrays: Any) -> Framework:
@@ -136,12 +136,12 @@ def _doc_ids(a: Any, fw: Framework, arg: str, device: Any = None) -> Any:
         torch = fw.torch
         t = a if _is_torch(a) else torch.as_tensor(np.asarray(a))
         if t.dtype not in (torch.int32, torch.int64):
-            raise ValueError(f"{arg}: expected integer document ids (int32 or int64), got {t.dtype}")
+            raise ValueError(f"{arg}: expected integer document ids (int32 or int64), got {name_of_dtype(t.dtype)}")
         t = t.detach().to("cpu" if device is None else device, torch.int32)
         return (t.unsqueeze(0) if t.dim() == 1 else t).contiguous()
     arr = a.detach().cpu().numpy() if _is_torch(a) else np.asarray(a)
     if arr.dtype.kind not in "iu":
-        raise ValueError(f"{arg}: expected integer document ids (int32 or int64), got {arr.dtype}")
+        raise ValueError(f"{arg}: expected integer document ids (int32 or int64), got {name_of_dtype(arr.dtype)}")
     arr = np.ascontiguousarray(arr, dtype=np.int32)
     return arr[None] if arr.ndim == 1 else arr
 
@@ -211,7 +211,7 @@ def document_ids_from_cu_seqlens(cu_seqlens_q: Any, cu_seqlens_k: Any = None, se
     seq_q = _packed_length(seq_q, cu_q, "seq_q")
     seq_kv = seq_q if seq_kv is None and same else _packed_length(seq_kv, cu_k, "seq_kv")
     stream = fw.stream_of(cu_q) if fw.torch is not None else 0
-    dq, dkv = _C.document_ids_from_cu_seqlens(to_core(cu_q, "cu_seqlens_q"), to_core(cu_k, "cu_seqlens_k"),
+    dq, dkv = _C.document_ids_from_cu_seqlens(to_core(cu_q), to_core(cu_k),
                                               int(seq_q), int(seq_kv), fw.allocate, stream)
     return fw.view(dq), fw.view(dkv)
 
@@ -418,7 +418,7 @@ class BlockMask:
         if spec.kind in _DOC_KINDS:
             spec = spec._replace(doc_q=_doc_ids(spec.doc_q, fw, "spec.doc_q"),
                                  doc_kv=_doc_ids(spec.doc_kv, fw, "spec.doc_kv"))
-        d = _C.build_block_mask_from_blocks(to_core(blocks, "blocks"), int(seq_q), int(seq_kv), bq, bkv,
+        d = _C.build_block_mask_from_blocks(to_core(blocks), int(seq_q), int(seq_kv), bq, bkv,
                                             _schedule_arg(schedule), fw.allocate, problem=_problem_arg(auto_problem))
         return cls._from_core(d, fw, spec)
 
@@ -618,9 +618,9 @@ class BlockMask:
              "schedule_permutation": None if perm is None else [int(c) for c in perm.tolist()],
              "spec": self.spec._core()}
         for n in TENSOR_NAMES:
-            d[n] = to_core(getattr(self, n), n)
+            d[n] = to_core(getattr(self, n))
         if self.real_rows is not None:
-            d["real_rows"] = to_core(self.real_rows, "real_rows")
+            d["real_rows"] = to_core(self.real_rows)
         d["backward_padded"] = None if self.backward_padded is None else self.backward_padded._core_mask()
         return d
 
@@ -641,13 +641,15 @@ def _uint8_blocks(blocks: Any, fw: Framework) -> Any:
         if t.dtype == torch.bool:
             t = t.to(torch.uint8) * 2
         elif t.dtype != torch.uint8:
-            raise ValueError(f"blocks: expected a uint8 (or bool) block matrix [B, H, Mq, Nk], got {t.dtype}")
+            raise ValueError("blocks: expected a uint8 (or bool) block matrix [B, H, Mq, Nk], got "
+                             f"{name_of_dtype(t.dtype)}")
         return t
     a = blocks.detach().cpu().numpy() if _is_torch(blocks) else np.asarray(blocks)
     if a.dtype == np.bool_:
         a = a.astype(np.uint8) * 2
     elif a.dtype != np.uint8:
-        raise ValueError(f"blocks: expected a uint8 (or bool) block matrix [B, H, Mq, Nk], got {a.dtype}")
+        raise ValueError("blocks: expected a uint8 (or bool) block matrix [B, H, Mq, Nk], got "
+                         f"{name_of_dtype(a.dtype)}")
     return a
 
 
@@ -832,7 +834,7 @@ def block_sparse_attention_forward(q: Any, k: Any, v: Any, block_mask: BlockMask
     e.g. to leave SMs to communication kernels); results never depend on it."""
     fw = Framework.of(q)
     mask = _check_mask(block_mask)._for(fw)
-    o, lse = _C.attention_forward(to_core(q, "q"), to_core(k, "k"), to_core(v, "v"), mask._core_mask(),
+    o, lse = _C.attention_forward(to_core(q), to_core(k), to_core(v), mask._core_mask(),
                                   _scale_arg(scale), bool(deterministic), _sm_limit_arg(sm_limit),
                                   fw.stream_of(q) if stream is None else int(stream), fw.allocate)
     return fw.view(o), fw.view(lse)
@@ -847,8 +849,8 @@ def block_sparse_attention_backward(q: Any, k: Any, v: Any, o: Any, lse: Any, do
     or sm_limit (False: atomic dQ adds, the speed reference). sm_limit: as for the forward."""
     fw = Framework.of(q)
     mask = _check_mask(block_mask)._for(fw)
-    dq, dk, dv = _C.attention_backward(to_core(q, "q"), to_core(k, "k"), to_core(v, "v"), to_core(o, "o"),
-                                       to_core(lse, "lse"), to_core(dout, "dout"), mask._core_mask(),
+    dq, dk, dv = _C.attention_backward(to_core(q), to_core(k), to_core(v), to_core(o),
+                                       to_core(lse), to_core(dout), mask._core_mask(),
                                        _scale_arg(scale), bool(deterministic), _sm_limit_arg(sm_limit),
                                        fw.stream_of(q) if stream is None else int(stream), fw.allocate)
     return fw.view(dq), fw.view(dk), fw.view(dv)

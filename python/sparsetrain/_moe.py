@@ -42,7 +42,7 @@ def route(logits: Any, top_k: int, *, score: str = "softmax", normalize: bool = 
     it and hold its tokens in token order."""
     fw = Framework.of(logits)
     num_experts = _num_experts(logits)
-    out = _C.moe_route(to_core(logits, "logits"), None if expert_bias is None else to_core(expert_bias, "expert_bias"),
+    out = _C.moe_route(to_core(logits), None if expert_bias is None else to_core(expert_bias),
                        num_experts, int(top_k), score, bool(normalize),
                        fw.stream_of(logits) if stream is None else int(stream), fw.allocate)
     return RoutedTokens(*(fw.view(t) for t in out))
@@ -55,8 +55,8 @@ def route_backward(logits: Any, experts: Any, dprobs: Any, top_k: int, *, score:
     choice itself is a constant."""
     fw = Framework.of(logits)
     num_experts = _num_experts(logits)
-    out = _C.moe_route_backward(to_core(logits, "logits"), to_core(experts, "experts"), to_core(dprobs, "dprobs"),
-                                None if dscore_sum is None else to_core(dscore_sum, "dscore_sum"), num_experts,
+    out = _C.moe_route_backward(to_core(logits), to_core(experts), to_core(dprobs),
+                                None if dscore_sum is None else to_core(dscore_sum), num_experts,
                                 int(top_k), score, bool(normalize),
                                 fw.stream_of(logits) if stream is None else int(stream), fw.allocate)
     return fw.view(out)
@@ -68,5 +68,5 @@ def combine_rows(rows: Any, row_of: Any, *, stream: Optional[int] = None) -> Any
     rounded once: also the gradient of gathering rows by token_of_row, without atomics (the same
     bits on every call). Entries of row_of must lie in [0, R) (checked for host arrays)."""
     fw = Framework.of(rows)
-    return fw.view(_C.moe_combine_rows(to_core(rows, "rows"), to_core(row_of, "row_of"),
+    return fw.view(_C.moe_combine_rows(to_core(rows), to_core(row_of),
                                        fw.stream_of(rows) if stream is None else int(stream), fw.allocate))

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ._arrays import name_of_dtype
 from ._moe import ROUTER_SCORES
 from ._torch_moe import (MoEOutput, _check_layer_inputs, _combine, _expert_rows, _row_maps, _RowMaps, _Rows, _take,
                          moe_route)
@@ -385,7 +386,8 @@ class ExpertParallelMoELayer(nn.Module):
             raise ValueError(f"x: expected at most max_tokens_per_rank = {self.max_tokens_per_rank} tokens on this "
                              f"rank (the symmetric buffers' capacity), got {x.shape[0]}")
         if x.dtype != self._dtype:
-            raise ValueError(f"x: expected the experts' dtype {self._dtype}, got {x.dtype}")
+            raise ValueError(f"x: expected dtype {name_of_dtype(self._dtype)} (the experts' dtype), "
+                             f"got {name_of_dtype(x.dtype)}")
 
     def _symmetric_buffers(self, device: torch.device) -> _SymmetricBuffers:
         if self._symmetric is None:

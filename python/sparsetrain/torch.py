@@ -38,6 +38,8 @@ from . import weight_grad_disposition as _weight_grad_disposition
 from ._arrays import DeviceSplits
 from ._arrays import Framework as _Framework
 from ._arrays import dtype_name as _dtype_name
+from ._arrays import host_split_values as _host_split_values
+from ._arrays import name_of_dtype as _name_of_dtype
 from ._block_mask import TENSOR_NAMES as _TENSOR_NAMES
 from ._block_mask import BlockMask
 from ._block_mask import MaskSpec as _MaskSpec
@@ -662,18 +664,30 @@ class GroupedLinear(_DelayedWgrad, nn.Module):
 
     # -- forward / backward_dw -------------------------------------------------------------
     def _normalize_splits(self, m_splits: Any) -> Tensor:
+        """m_splits as an int64 tensor [G] (GroupedMLP's too): a list by host_split_values' rule
+        (whole numbers), a tensor by its dtype alone (any integer dtype, converted; never float,
+        bool or complex: a CUDA tensor's values cannot be read without a sync, and a CPU tensor
+        follows the same rule)."""
         if isinstance(m_splits, Tensor):
-            splits = m_splits if m_splits.dtype == torch.int64 else m_splits.to(torch.int64)
+            if m_splits.dtype == torch.int64:
+                splits = m_splits
+            else:
+                dt = m_splits.dtype
+                if dt.is_floating_point or dt.is_complex or dt == torch.bool:
+                    raise ValueError(f"m_splits: expected an integer tensor (int64, or another integer dtype, "
+                                     f"converted), got {_name_of_dtype(dt)} (judged by its dtype, its values "
+                                     "unread; if they are whole numbers, pass m_splits.long())")
+                splits = m_splits.to(torch.int64)
         elif torch.compiler.is_compiling():
-            splits = torch.tensor([int(s) for s in m_splits], dtype=torch.int64)
+            splits = torch.tensor(_host_split_values(m_splits, "m_splits"), dtype=torch.int64)
         else:
             # Eager host splits: the tensor of the last call's values is reused (torch.tensor costs
-            # ~4 us); nothing writes it.
+            # ~4 us); nothing writes it. A list equal in value is the same splits by the rule.
             values = tuple(m_splits)
             last = self._host_splits
             if last is not None and last[0] == values:
                 return last[1]
-            splits = torch.tensor([int(s) for s in values], dtype=torch.int64)
+            splits = torch.tensor(_host_split_values(values, "m_splits"), dtype=torch.int64)
             if tuple(splits.shape) == (self.num_gemms,):
                 self._host_splits = (values, splits)
         if tuple(splits.shape) != (self.num_gemms,):
@@ -683,11 +697,21 @@ class GroupedLinear(_DelayedWgrad, nn.Module):
 
     def forward(self, x: Tensor, m_splits: Union[Sequence[int], Tensor], out: Optional[Tensor] = None,
                 grad_input: Optional[Tensor] = None) -> Tensor:
-        """x [T, in] grouped by expert; m_splits: list of ints, CPU tensor or CUDA tensor [G].
+        """x [T, in] grouped by expert; m_splits: the rows of each expert, [G]: a list of whole
+        numbers (30 or 30.0; 30.5 is refused, never truncated), or a CPU or CUDA tensor of an
+        integer dtype (a float or bool tensor is refused by its dtype, its values unread).
         out: optional [>= T, out] buffer the result is written into (rows >= S untouched);
         grad_input: optional [>= T, in] buffer backward writes dx into. Both may have as few as S
         rows with host splits; neither may require grad. dx is grad_input's first T rows (rows
-        >= S as the buffer holds them; zeros below a buffer of fewer than T rows)."""
+        >= S as the buffer holds them; zeros below a buffer of fewer than T rows).
+
+        What a leaf x gets as .grad from its first backward with grad_input (x.grad None; autograd
+        adds later ones into it in place), by the buffer's rows: more than T, a view of its first
+        T rows, the buffer's own storage (so the next backward into that buffer overwrites x.grad
+        before adding to it: set x.grad = None between such steps, or pass T rows); exactly T,
+        torch's copy of the buffer (AccumulateGrad copies a gradient that the caller still holds:
+        other storage, the same bytes, rows >= S included); S < T (host splits), a new [T, in]
+        tensor, the buffer's rows then zeros. A non-leaf x hands dx to its producer's backward."""
         _check_buffer_args(x, out, grad_input)
         splits = self._normalize_splits(m_splits)
         weights, biases = self.weights(), self.biases()
@@ -1016,7 +1040,9 @@ class GroupedMLP(_DelayedWgrad, nn.Module):
         """x [T, in] grouped by expert; m_splits as for GroupedLinear; probs fp32 [T] (the router
         probability of each row; it gets a gradient, fp32). out: optional [>= T, out] buffer
         written in place (rows >= S untouched); grad_input: optional [>= T, in] buffer for dx;
-        as GroupedLinear's (>= S rows with host splits, neither requiring grad)."""
+        as GroupedLinear's (>= S rows with host splits, neither requiring grad), and so is what a
+        leaf x gets as .grad from it (GroupedLinear.forward: a view of the buffer above T rows,
+        torch's copy at exactly T, a new tensor at S)."""
         _check_buffer_args(x, out, grad_input)
         layers = self._layers()
         splits = layers[0]._normalize_splits(m_splits)
@@ -1276,12 +1302,18 @@ def _check_attention_inputs(q: Any, k: Any, v: Any, mask: BlockMask, mask_device
                                  "BlockMask.build(..., device=q.device))")
     dtype = q.dtype
     if dtype not in _ATTENTION_DTYPES:
-        raise ValueError(f"q: expected dtype float32, bfloat16 or float16, got {dtype}")
+        raise ValueError(f"q: expected dtype fp32, bf16 or fp16, got {_name_of_dtype(dtype)}")
     for name, t in (("k", k), ("v", v)):
         if t.dtype != dtype:
-            raise ValueError(f"{name}: expected dtype {dtype} (q's dtype), got {t.dtype}")
+            raise ValueError(f"{name}: expected dtype {_name_of_dtype(dtype)} (q's dtype), "
+                             f"got {_name_of_dtype(t.dtype)}")
     B, Hq, Sq, D = q.shape
     ks = k.shape
+    seqs = (mask.seq_q, mask.seq_kv)
+    if seqs != (Sq, ks[2]) and seqs == (q.shape[1], ks[1]):  # before the head checks, which it would trip
+        raise ValueError(f"q: expected FlexAttention's layout [B, H, S, D], got shape {list(q.shape)}, whose dim 1 "
+                         f"holds the block mask's seq length {mask.seq_q} (k's dim 1 its {mask.seq_kv}): [B, S, H, D] "
+                         "tensors? pass q.transpose(1, 2), k.transpose(1, 2) and v.transpose(1, 2) (views, no copies)")
     if ks[0] != B or ks[3] != D:
         raise ValueError(f"k: expected shape [{B} (q's B), Hkv, Skv, {D} (q's D)], got {list(ks)}")
     if ks[1] < 1 or Hq % ks[1] != 0:

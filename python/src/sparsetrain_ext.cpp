@@ -32,14 +32,29 @@ namespace {
 using Array = nb::ndarray<nb::ro>;  // inputs: read-only producers are fine
 using WritableArray = nb::ndarray<>;  // outputs: a read-only array is refused, never written
 
+// A dtype by the library's name (the torch front's descriptors carry names: fp64 too, so that the
+// op's own check refuses it); the long float names are taken as well.
 st::DType parse_dtype(const std::string& s, const char* arg) {
-  if (s == "bf16" || s == "bfloat16") return st::DType::kBF16;
-  if (s == "fp16" || s == "float16") return st::DType::kFP16;
-  if (s == "fp32" || s == "float32") return st::DType::kFP32;
-  if (s == "int32") return st::DType::kInt32;
-  if (s == "int64") return st::DType::kInt64;
-  if (s == "uint8") return st::DType::kUInt8;
-  st::detail::throw_arg_error(arg, "one of bf16, fp16, fp32, int32, int64, uint8", s);
+  for (st::DType t : st::kAllDTypes)
+    if (s == st::dtype_name(t)) return t;
+  if (s == "bfloat16") return st::DType::kBF16;
+  if (s == "float16") return st::DType::kFP16;
+  if (s == "float32") return st::DType::kFP32;
+  st::detail::throw_arg_error(arg, "a dtype the library can view (bf16, fp16, fp32, int32, int64, uint8, ...)", s);
+}
+
+// DLPack's type codes as the library's element kinds (nanobind names them).
+bool element_kind_of(uint8_t code, st::ElementKind& kind) {
+  using Code = nb::dlpack::dtype_code;
+  switch (Code(code)) {
+    case Code::Int: kind = st::ElementKind::kInt; return true;
+    case Code::UInt: kind = st::ElementKind::kUInt; return true;
+    case Code::Float: kind = st::ElementKind::kFloat; return true;
+    case Code::Bfloat: kind = st::ElementKind::kBFloat; return true;
+    case Code::Complex: kind = st::ElementKind::kComplex; return true;
+    case Code::Bool: kind = st::ElementKind::kBool; return true;
+    default: return false;
+  }
 }
 
 enum class Access { kRead, kWrite };
@@ -86,25 +101,14 @@ st::TensorView view_of(nb::handle obj, const char* arg, Access access = Access::
   ST_CHECK_ARG(a.ndim() >= 1 && a.ndim() <= size_t(st::TensorView::kMaxDims), arg, "1 to 5 dimensions", a.ndim());
   const nb::dlpack::dtype dt = a.dtype();
   st::DType dtype;
-  using Code = nb::dlpack::dtype_code;
   if (!dtype_override.empty()) {
     ST_CHECK_ARG(dt.bits == 16, arg, "a 16-bit array for dtype " + dtype_override, int(dt.bits), "-bit elements");
     dtype = parse_dtype(dtype_override, arg);
-  } else if (dt.code == uint8_t(Code::Bfloat) && dt.bits == 16) {
-    dtype = st::DType::kBF16;
-  } else if (dt.code == uint8_t(Code::Float) && dt.bits == 16) {
-    dtype = st::DType::kFP16;
-  } else if (dt.code == uint8_t(Code::Float) && dt.bits == 32) {
-    dtype = st::DType::kFP32;
-  } else if (dt.code == uint8_t(Code::Int) && dt.bits == 32) {
-    dtype = st::DType::kInt32;
-  } else if (dt.code == uint8_t(Code::Int) && dt.bits == 64) {
-    dtype = st::DType::kInt64;
-  } else if (dt.code == uint8_t(Code::UInt) && dt.bits == 8) {
-    dtype = st::DType::kUInt8;  // block matrices and bitmasks (block_mask.h)
   } else {
-    ST_CHECK_ARG(false, arg, "dtype bf16, fp16, fp32, int32 or int64",
-                 "DLPack type code ", int(dt.code), " with ", int(dt.bits), " bits");
+    st::ElementKind kind{};
+    ST_CHECK_ARG(element_kind_of(dt.code, kind) && st::dtype_of_element(kind, int(dt.bits), dtype), arg,
+                 "a dtype the library can view (bf16, fp16, fp32, int32, int64, uint8, ...)", "DLPack type code ",
+                 int(dt.code), " with ", int(dt.bits), " bits");
   }
   st::Device device;
   if (a.device_type() == nb::device::cpu::value) {
@@ -673,6 +677,17 @@ NB_MODULE(_C, m) {
     return nb::make_tuple(st::weight_grad_kind_name(d.weight), d.bias_grad_now);
   }, nb::arg("delay_wgrad"), nb::arg("fuse_into_main_grad"), nb::arg("has_grad_added_to_main_grad"),
      "The one weight-grad rule: (weight grad 'wgrad'|'none'|'dummy', bias grad now?).");
+  m.def("dtype_name_of_element", [](const std::string& kind, int bits) {
+    // kind: how the Python front describes a framework's dtype (sparsetrain._arrays.dtype_name)
+    const char* kinds[] = {"int", "uint", "float", "bfloat", "complex", "bool"};  // in ElementKind's order
+    static_assert(int(st::ElementKind::kBool) == 5, "kinds[] follows ElementKind");
+    st::DType t;
+    for (int k = 0; k < 6; ++k)
+      if (kind == kinds[k] && st::dtype_of_element(st::ElementKind(k), bits, t)) return std::string(st::dtype_name(t));
+    return std::string();
+  }, nb::arg("kind"), nb::arg("bits"),
+     "The library's name of an element type (kind: int, uint, float, bfloat, complex or bool; its width in "
+     "bits), '' for one no dtype of the library describes: the one table every front names types by.");
   m.attr("SPLITS_NEGATIVE") = int(st::kSplitsNegative);
   m.attr("SPLITS_SUM_EXCEEDS_ROWS") = int(st::kSplitsSumExceedsRows);
   m.attr("ALLOC_ALIGNMENT") = st::kAllocAlignment;

@@ -11,6 +11,7 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include <array>
 #include <map>
 #include <string>
 #include <utility>
@@ -29,17 +30,37 @@ namespace sparsetrain::torch_ops {
 // Adds attention's eager entry points (torch_ops.cpp) to the Python module sparsetrain._torch_ops.
 void register_attention(pybind11::module_& m);
 
+// The library's DType of a torch type, through the one table of element types
+// (dtype_of_element): fp64, bool, int8 ... too, so that the op's own check refuses them with its
+// rule and the library's names. False for a type no DType describes (fp8, complex32, quantized).
+inline bool dtype_of_scalar_type(at::ScalarType s, DType& d) {
+  ElementKind kind;
+  if (s == at::kBFloat16) kind = ElementKind::kBFloat;
+  else if (s == at::kBool) kind = ElementKind::kBool;
+  else if (c10::isComplexType(s)) kind = ElementKind::kComplex;
+  else if (c10::isFloatingType(s)) kind = ElementKind::kFloat;
+  else if (c10::isIntegralType(s, /*includeBool=*/false))
+    kind = c10::isSignedType(s) ? ElementKind::kInt : ElementKind::kUInt;
+  else return false;  // quantized and bit types
+  return dtype_of_element(kind, int(c10::elementSize(s)) * 8, d);
+}
+
+// dtype_of_scalar_type of a tensor's type, or an error naming `arg` and torch's name of the type.
+// Every tensor argument of every call passes here: one load from a table made at first use.
 inline DType dtype_of(const at::Tensor& t, const char* arg) {
-  switch (t.scalar_type()) {
-    case at::kBFloat16: return DType::kBF16;
-    case at::kHalf: return DType::kFP16;
-    case at::kFloat: return DType::kFP32;
-    case at::kInt: return DType::kInt32;
-    case at::kLong: return DType::kInt64;
-    case at::kByte: return DType::kUInt8;
-    default: break;
-  }
-  detail::throw_arg_error(arg, "dtype bf16, fp16, fp32, int32, int64 or uint8", std::string(at::toString(t.scalar_type())));
+  constexpr int kTypes = int(at::ScalarType::NumOptions);
+  static const std::array<int, kTypes> table = [] {
+    std::array<int, kTypes> m{};
+    for (int i = 0; i < kTypes; ++i) {
+      DType d;
+      m[size_t(i)] = dtype_of_scalar_type(at::ScalarType(i), d) ? int(d) : -1;
+    }
+    return m;
+  }();
+  const int i = int(t.scalar_type());
+  if (i >= 0 && i < kTypes && table[size_t(i)] >= 0) return DType(table[size_t(i)]);
+  detail::throw_arg_error(arg, "a dtype the library can view (bf16, fp16, fp32, int32, int64, uint8, ...)",
+                          std::string(at::toString(t.scalar_type())));
 }
 
 inline Device device_of(const at::Tensor& t, const char* arg) {

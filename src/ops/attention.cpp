@@ -36,7 +36,7 @@ void check_bshd(const TensorView& t, const char* name, const char* layout, DType
   ST_CHECK_ARG(t.dtype() == dtype, name, std::string("dtype ") + dtype_name(dtype) + dtype_rule, dtype_name(t.dtype()));
   ST_CHECK_ARG(t.device() == device, name, "a tensor on " + device.str() + " (q's device)", t.device().str());
   if (t.numel() == 0) return;  // no layout, no data: every caller's size or shape check next names it
-  ST_CHECK_ARG(t.stride(3) == 1 || t.size(3) <= 1, name, "a unit stride in the last dimension (D)", t.stride(3));
+  checks::unit_last_stride(t, name, " (D)");
   checks::non_null(t, name);
 }
 

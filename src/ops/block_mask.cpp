@@ -424,7 +424,7 @@ int64_t checked_doc_batch(const MaskSpec& spec, int64_t seq_q, int64_t seq_kv, D
     checks::device(*t, name, device);
     checks::shape(*t, name, {-1, len}, "[B or 1, " + std::to_string(len) + "]");
     checks::non_null(*t, name);
-    ST_CHECK_ARG(t->stride(1) == 1 || len == 1, name, "a unit stride in the last dimension", t->stride(1));
+    checks::unit_last_stride(*t, name);
   }
   const int64_t bq = spec.doc_q.size(0), bk = spec.doc_kv.size(0);
   ST_CHECK_ARG(bq == bk || bq == 1 || bk == 1, "spec.doc_kv", "a batch broadcastable with doc_q's " + std::to_string(bq),

@@ -153,7 +153,7 @@ void check_block_mask_structure(const BlockMask& mask, int64_t batch, int64_t he
       checks::shape(*t, name, {-1, len}, "[B or 1, " + std::to_string(len) + "]");
       ST_CHECK_ARG(t->size(0) == 1 || t->size(0) == B, name,
                    "a batch of 1 or " + std::to_string(B), t->shape_str());
-      ST_CHECK_ARG(t->stride(1) == 1 || len == 1, name, "a unit stride in the last dimension", t->stride(1));
+      checks::unit_last_stride(*t, name);
       checks::non_null(*t, name);
     }
   }

@@ -64,11 +64,21 @@ inline void contiguous(const TensorView& t, const std::string& name) {
                t.shape_str());
 }
 
+// The rule of every strided input (any strides but the last dimension's, which must be 1) and its
+// one message: which layouts are taken, and the fix for the usual way to break it, a transpose.
+// `dim_label` names the last dimension where it has a name (" (D)").
+inline void unit_last_stride(const TensorView& t, const std::string& name, const char* dim_label = "") {
+  ST_CHECK_ARG(t.stride(-1) == 1 || t.size(-1) <= 1, name.c_str(),
+               std::string("a unit stride in the last dimension") + dim_label +
+                   " (taken: any strides with the last dimension contiguous, as in a contiguous tensor or a slice "
+                   "of one; a transposed tensor is not, pass " + name + ".contiguous())",
+               t.stride(-1));
+}
+
 // A 2-D input whose rows are contiguous and do not overlap (any row stride >= the row length).
 inline void rows_contiguous(const TensorView& t, const std::string& name) {
   if (t.numel() == 0) return;  // nothing is read; producers give empty arrays arbitrary strides
-  ST_CHECK_ARG(t.stride(-1) == 1 || t.size(-1) <= 1, name.c_str(), "a unit stride in the last dimension",
-               t.stride(-1));
+  unit_last_stride(t, name);
   ST_CHECK_ARG(t.size(0) <= 1 || t.stride(0) >= t.size(1), name.c_str(),
                "a row stride >= the row length " + std::to_string(t.size(1)), t.stride(0));
 }

@@ -67,7 +67,8 @@ const ErrorCase kCases[] = {
     {"QInt32", [](Env& e) { e.q_view = Env::as(e.q, {2, 5, 4, 16}, {320, 64, 16, 1}, DType::kInt32); e.forward(); },
      "q: expected dtype fp32, bf16 or fp16, got int32"},
     {"QLastDimStrided", [](Env& e) { e.q_view = Env::as(e.q, {2, 10, 4, 8}, {640, 64, 16, 2}, DType::kBF16); e.forward(); },
-     "q: expected a unit stride in the last dimension (D), got 2"},
+     "q: expected a unit stride in the last dimension (D) "
+     "(taken: any strides with the last dimension contiguous, as in a contiguous tensor or a slice of one; a transposed tensor is not, pass q.contiguous()), got 2"},
     {"QOnCuda",
      [](Env& e) {
        const int64_t shape[4] = {2, 10, 4, 16}, strides[4] = {640, 64, 16, 1};

@@ -2,6 +2,7 @@
 // rule: every group empty, sticky status bits.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
 #include <vector>
 
@@ -36,6 +37,37 @@ TEST(GroupOffsets, SumAboveRowsIsStickyAcrossCalls) {
   EXPECT_EQ(st::compute_group_offsets(good.data(), 2, 10, off.data(), &status), st::kSplitsOk);
   EXPECT_EQ(off, (std::vector<int64_t>{0, 1, 3}));
   EXPECT_EQ(status, st::kSplitsSumExceedsRows) << "the status word is never cleared";
+}
+
+// The word is ORed into, never assigned: a bit already set (the caller's own, or an earlier call's)
+// stays, and two kinds of invalid splits in two calls leave both bits. Random splits each run: one
+// call with a negative entry (sum within the rows), one whose sum exceeds them (no negative entry).
+TEST(GroupOffsets, StatusBitsOfTwoCallsAndAPresetBitAreAllORed) {
+  std::mt19937_64 rng(20261201);
+  for (int trial = 0; trial < 100; ++trial) {
+    const int64_t G = 2 + int64_t(rng() % 30), R = 1 + int64_t(rng() % 1000);
+    std::vector<int64_t> negative(size_t(G), 0), too_many(size_t(G), 0);
+    negative[rng() % size_t(G)] = -1 - int64_t(rng() % 1000);
+    for (int64_t left = R + 1 + int64_t(rng() % 100); left > 0;) {  // sum R + 1 .. R + 100
+      const int64_t take = std::min<int64_t>(left, 1 + int64_t(rng() % uint64_t(R + 1)));
+      too_many[rng() % size_t(G)] += take;
+      left -= take;
+    }
+    const int32_t preset = int32_t(1) << (8 + rng() % 20);  // a bit outside SplitsStatus
+    int32_t status = preset;
+    std::vector<int64_t> off(size_t(G + 1), -1);
+    const bool negative_first = rng() % 2 == 0;
+    const std::vector<int64_t>& first = negative_first ? negative : too_many;
+    const std::vector<int64_t>& second = negative_first ? too_many : negative;
+    const int32_t first_bit = negative_first ? st::kSplitsNegative : st::kSplitsSumExceedsRows;
+    const int32_t second_bit = negative_first ? st::kSplitsSumExceedsRows : st::kSplitsNegative;
+    ASSERT_EQ(st::compute_group_offsets(first.data(), G, R, off.data(), &status), first_bit);
+    ASSERT_EQ(status, preset | first_bit) << "trial " << trial << ": the preset bit kept, the first kind ORed in";
+    ASSERT_EQ(st::compute_group_offsets(second.data(), G, R, off.data(), &status), second_bit);
+    ASSERT_EQ(status, preset | st::kSplitsNegative | st::kSplitsSumExceedsRows)
+        << "trial " << trial << ": both kinds and the preset bit";
+    ASSERT_EQ(off, std::vector<int64_t>(size_t(G + 1), 0));
+  }
 }
 
 TEST(GroupOffsets, HugeEntriesCannotOverflowTheSum) {

@@ -87,7 +87,8 @@ const CallCase kCallCases[] = {
      [](Env& e) { e.layer->forward(st::TensorView(e.c.x.data(), st::DType::kBF16, {23, 6}, st::Device::cuda(0)), e.host(), e.out.view()); },
      "x: expected a tensor on cpu (the layer's device), got cuda:0"},
     {"XColumnStrided", [](Env& e) { e.layer->forward(Env::reshape(e.c.x, {11, 6}, {12, 2}, st::DType::kBF16), st::Splits::host({1, 1, 1, 1}), e.out.view()); },
-     "x: expected a unit stride in the last dimension, got 2"},
+     "x: expected a unit stride in the last dimension "
+     "(taken: any strides with the last dimension contiguous, as in a contiguous tensor or a slice of one; a transposed tensor is not, pass x.contiguous()), got 2"},
     {"DyWrongRows", [](Env& e) { e.layer->backward(e.c.x.view(), Env::reshape(e.c.dy, {22, 5}, {5, 1}, st::DType::kBF16), e.host(), e.gin.view()); },
      "dy: expected shape [23 (the rows of x), 5 (out_features)], got [22, 5]"},
     {"OutFewerRowsThanS", [](Env& e) { e.layer->forward(e.c.x.view(), e.host(), Env::reshape(e.out, {19, 5}, {5, 1}, st::DType::kBF16)); },

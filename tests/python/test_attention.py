@@ -515,12 +515,13 @@ BAD = {
                    "k: expected a head count Hkv that divides q's Hq = 2 .GQA / MQA., got 0"),
     "v_shape": (lambda q, k, v, m: (q, k, v[:, :, :30], m), r"v: expected shape \[1, 1, 40, 16\] \(k's shape\)"),
     "q_dtype_float64": (lambda q, k, v, m: (q.double(), k.double(), v.double(), m),
-                        "q: expected dtype float32, bfloat16 or float16, got torch.float64"),
-    "k_dtype": (lambda q, k, v, m: (q, k.half(), v, m), "k: expected dtype torch.float32 .q's dtype., got torch.float16"),
+                        "q: expected dtype fp32, bf16 or fp16, got fp64"),
+    "k_dtype": (lambda q, k, v, m: (q, k.half(), v, m), "k: expected dtype fp32 .q's dtype., got fp16"),
     "mask_seq": (lambda q, k, v, m: (q[:, :, :30], k, v, m), r"block_mask: expected seq lengths \(30, 40\)"),
     "mask_type": (lambda q, k, v, m: (q, k, v, "causal"), "block_mask: expected a sparsetrain.BlockMask, got str"),
     "q_last_dim_strided": (lambda q, k, v, m: (q.transpose(2, 3).contiguous().transpose(2, 3)[..., :40, :], k, v, m),
-                           "q: expected a unit stride in the last dimension"),
+                           r"q: expected a unit stride in the last dimension \(D\) \(taken: any strides with the last "
+                           r"dimension contiguous, .*pass q\.contiguous\(\)\), got \d+$"),
 }
 
 
@@ -530,6 +531,25 @@ def test_bad_input_raises_value_error_naming_the_argument(case):
     q, k, v, m = make(*_good())
     with pytest.raises(ValueError, match=message):
         stt.block_sparse_attention(q, k, v, m)
+
+
+@pytest.mark.parametrize("sq,skv,hq,hkv", [(40, 40, 2, 1), (32, 48, 4, 2), (48, 32, 3, 3)],
+                         ids=["self_gqa", "cross_gqa", "cross_mha"])
+def test_bshd_inputs_are_named_as_a_layout_mistake_not_blamed_on_the_mask(sq, skv, hq, hkv):
+    """q, k, v in [B, S, H, D] (the C++ layout; flex and SDPA take [B, H, S, D]): the block mask's
+    seq lengths then sit at dim 1 of q and k. Said so, naming the fix, before the head or mask
+    checks that the swapped dims would trip first (a head count that does not divide, "block_mask:
+    expected seq lengths (H, H)"); the fix then runs."""
+    q, k, v, _ = _inputs(2, hq, hkv, sq, skv, 16)
+    m = st.BlockMask.build("causal", sq, skv, block_size=16)
+    bshd = [t.detach().transpose(1, 2).contiguous() for t in (q, k, v)]
+    message = (rf"^q: expected FlexAttention's layout \[B, H, S, D\], got shape \[2, {sq}, {hq}, 16\], whose dim 1 "
+               rf"holds the block mask's seq length {sq} \(k's dim 1 its {skv}\): \[B, S, H, D\] tensors\? pass "
+               r"q\.transpose\(1, 2\), k\.transpose\(1, 2\) and v\.transpose\(1, 2\) \(views, no copies\)$")
+    with pytest.raises(ValueError, match=message):
+        stt.block_sparse_attention(*bshd, m)
+    o = stt.block_sparse_attention(*(t.transpose(1, 2) for t in bshd), m)
+    assert torch.equal(o, stt.block_sparse_attention(q.detach(), k.detach(), v.detach(), m))
 
 
 def test_flex_block_mask_passed_directly_says_how_to_convert():

@@ -178,6 +178,7 @@ SPLITS_FORMS = {
     "tuple": tuple,
     "int64-array": lambda s: np.array(s, np.int64),
     "int32-array": lambda s: np.array(s, np.int32),
+    "whole-floats": lambda s: [float(v) for v in s],  # 7.0 is 7: the list rule reads values
     "device-status-0": lambda s: st.DeviceSplits(np.array(s, np.int64), np.zeros(1, np.int32)),
     "device-status-1": lambda s: st.DeviceSplits(np.array(s, np.int64), np.ones(1, np.int32)),
     "device-no-status": lambda s: st.DeviceSplits(np.array(s, np.int64)),
@@ -224,6 +225,26 @@ def test_invalid_device_splits_empty_everything_and_set_status(values, bit, rng)
     for a in [g.grad_input, g.bias_grad, *g.weight_grads]:
         assert_zero(a, "grads of invalid splits")
     assert int(status[0]) == bit
+
+
+def test_status_word_ors_two_kinds_over_a_preset_bit(rng):
+    """The status word is ORed into, never assigned: a bit the caller set stays, and a negative
+    entry in one call and a sum above T in the next (forward and backward) leave both bits. The CPU
+    backend runs the device splits' set-up code (compute_group_offsets) on the host."""
+    d = make_data(SMALL, "bf16", rng)
+    layer = make_layer(d)
+    preset = 1 << int(rng.integers(8, 28))  # a bit outside SplitsStatus
+    status = np.array([preset], np.int32)
+    negative = rng.integers(0, 5, SMALL.G)
+    negative[rng.integers(SMALL.G)] = -int(rng.integers(1, 100))
+    too_many = rng.integers(0, 5, SMALL.G)
+    too_many[rng.integers(SMALL.G)] += SMALL.T + 1
+    layer.forward(d.x, st.DeviceSplits(negative.astype(np.int64), status))
+    assert int(status[0]) == preset | st.SPLITS_NEGATIVE
+    layer.backward(d.x, d.dy, st.DeviceSplits(too_many.astype(np.int64), status))
+    assert int(status[0]) == preset | st.SPLITS_NEGATIVE | st.SPLITS_SUM_EXCEEDS_ROWS
+    layer.forward(d.x, st.DeviceSplits(np.array(d.splits, np.int64), status))
+    assert int(status[0]) == preset | st.SPLITS_NEGATIVE | st.SPLITS_SUM_EXCEEDS_ROWS, "valid splits clear nothing"
 
 
 # 4. main_grad fusion
@@ -333,14 +354,23 @@ S_ = 20  # SMALL's S
 BAD_CALLS = {  # (method, arguments replaced (from the data d), message fragment)
     "splits-length": ("forward", lambda d: dict(splits=[7, 0, 11]), "splits: expected shape [4]"),
     "splits-negative": ("forward", lambda d: dict(splits=[7, -1, 11, 2]), "splits: expected entries >= 0"),
+    "splits-fractional": ("forward", lambda d: dict(splits=[7, 0, 10.5, 2.5]),
+                          "splits: expected whole numbers of rows (integers), got 10.5 at index 2"),
+    "splits-nan": ("backward", lambda d: dict(splits=(7, float("nan"), 11, 2)),
+                   "splits: expected whole numbers of rows (integers), got nan at index 1"),
     "splits-sum": ("forward", lambda d: dict(splits=[7, 0, 11, 6]), "splits: expected a sum <= 23"),
     "splits-float64": ("forward", lambda d: dict(splits=np.array(d.splits, np.float64)),
-                       "splits: expected dtype bf16, fp16, fp32, int32 or int64"),
+                       "splits: expected dtype int64 or int32, got fp64"),
     "x-fp32": ("forward", lambda d: dict(x=d.x.astype(np.float32)), "x: expected dtype bf16"),
     "x-float64": ("forward", lambda d: dict(x=d.x.astype(np.float64)),
-                  "x: expected dtype bf16, fp16, fp32, int32 or int64"),
+                  "x: expected dtype bf16 (the layer's dtype), got fp64"),
+    "x-bool": ("forward", lambda d: dict(x=d.x > 0), "x: expected dtype bf16 (the layer's dtype), got bool"),
     "x-in-features": ("forward", lambda d: dict(x=d.x[:, :5]), "x: expected shape [T, 6"),
     "x-column-stride": ("forward", lambda d: dict(x=np.repeat(d.x, 2, 1)[:, ::2]), "x: expected a unit stride"),
+    "x-transposed": ("forward", lambda d: dict(x=np.ascontiguousarray(d.x.T).T),
+                     "x: expected a unit stride in the last dimension (taken: any strides with the last dimension "
+                     "contiguous, as in a contiguous tensor or a slice of one; a transposed tensor is not, pass "
+                     "x.contiguous()), got 23"),
     "x-reversed-rows": ("forward", lambda d: dict(x=d.x[::-1]), "x: expected a row stride >= the row length"),
     "out-rows": ("forward", lambda d: dict(out=d.out[:S_ - 1]), f"out: expected shape [>= {S_} (S"),
     "out-dtype": ("forward", lambda d: dict(out=np.zeros((23, 5), np.float16)), "out: expected dtype bf16"),
@@ -380,7 +410,7 @@ W = np.zeros((4, 5, 6), np.float32)
 BAD_LAYERS = {
     "weight-2d": (lambda: st.GroupedLinear(W[0]), "weight: expected shape [G, out, in]"),
     # The message names "dtype", not "weight": see the report.
-    "weight-float64": (lambda: st.GroupedLinear(W.astype(np.float64)), "weight: expected dtype bf16, fp16, fp32, int32 or int64"),
+    "weight-float64": (lambda: st.GroupedLinear(W.astype(np.float64)), "dtype: expected bf16, fp16 or fp32, got fp64"),
     "weight-list-shape": (lambda: st.GroupedLinear([W[0], W[1, :, :5].copy()]), "weight[1]: expected shape [5, 6]"),
     "bias-shape": (lambda: st.GroupedLinear(W, np.zeros((4, 6), np.float32)), "bias: expected packed shape [4"),
     "main_grad-dtype": (lambda: st.GroupedLinear(W, None, W.astype(np.float16), fuse_wgrad_accumulation=True),

@@ -9,6 +9,7 @@ without a GPU."""
 
 import contextlib
 import gc
+import re
 
 import pytest
 
@@ -75,6 +76,52 @@ def test_buffers_of_S_rows_work_through_backward(make):
         assert torch.equal(_bits(probs.grad[:S]), _bits(pr.grad[:S]))
     for (name, p), q in zip(m.named_parameters(), ref.parameters()):
         assert torch.equal(_bits(p.grad), _bits(q.grad)), name
+
+
+@pytest.mark.parametrize("make", MODULES)
+@pytest.mark.parametrize("rows", ["T_plus_3", "T", "S"])
+@pytest.mark.parametrize("with_out", [False, True], ids=["recorded", "autograd_function"])
+def test_what_a_leaf_x_gets_from_a_grad_input_buffer(make, rows, with_out):
+    """grad_input's rows below S are written in place (bit-identical to the library's dx), the rest
+    are left as they were; what a leaf x's .grad then is depends on the buffer's rows, as
+    GroupedLinear.forward's docstring says: more than T, a view of its first T rows (the buffer's
+    storage, so a second backward into the same buffer overwrites x.grad before adding to it: 2 dx2,
+    not dx1 + dx2); exactly T, torch's copy of it (AccumulateGrad copies a gradient someone else
+    still holds: other storage, the same bytes, rows >= S the buffer's); S (host splits), a new
+    [T, in] tensor, the buffer's rows then zeros. Both eager routes (the recorded node, and
+    autograd.Function, which a caller `out` takes)."""
+    n = {"T_plus_3": T + 3, "T": T, "S": S}[rows]
+    ref, m = make(), make()
+    x, probs, dy = _data(11)
+    dy2 = _data(12)[2]
+    dxs = []
+    for d in (dy, dy2):  # the library's dx of each step, each into a fresh leaf
+        xr, pr = x.detach().clone().requires_grad_(), probs.detach().clone().requires_grad_()
+        _call(ref, xr, pr).backward(d)
+        dxs.append(xr.grad)
+    gin = torch.full((n, IN), float("nan"), dtype=BF16)
+
+    def step(d):
+        out = torch.full((T, OUT), float("nan"), dtype=BF16) if with_out else None
+        _call(m, x, probs, grad_input=gin, out=out).backward(d)
+
+    step(dy)
+    assert torch.equal(_bits(gin[:S]), _bits(dxs[0][:S])), "rows < S: dx, bit-identical to the library's"
+    assert bool(gin[S:].isnan().all()), "rows >= S: untouched"
+    assert x.grad.shape == x.shape
+    same_storage = x.grad.untyped_storage().data_ptr() == gin.untyped_storage().data_ptr()
+    if rows == "T_plus_3":
+        assert same_storage and x.grad.data_ptr() == gin.data_ptr(), "a view of the buffer's first T rows"
+        assert torch.equal(_bits(x.grad), _bits(gin[:T]))
+    elif rows == "T":
+        assert not same_storage, "torch's copy of the buffer, not the buffer"
+        assert torch.equal(_bits(x.grad), _bits(gin)), "the buffer's bytes, rows >= S included"
+    else:
+        assert not same_storage, "a new tensor"
+        assert torch.equal(_bits(x.grad[:S]), _bits(gin)) and bool((x.grad[S:] == 0).all())
+    step(dy2)  # x.grad is not None now: autograd adds the second dx into it, in place
+    want = 2 * dxs[1] if rows == "T_plus_3" else dxs[0] + dxs[1]
+    assert torch.equal(_bits(x.grad[:S]), _bits(want[:S])), "T_plus_3: 2 dx2 (x.grad is the buffer); else dx1 + dx2"
 
 
 @pytest.mark.parametrize("make", MODULES)
@@ -435,3 +482,80 @@ def test_deepcopy_of_a_called_module(kind):
         copy.deepcopy(d)
     d.backward_dw()
     copy.deepcopy(d)
+
+
+# --- Bad input a new user hit (issue 56, part 6) -------------------------------------------------
+
+_NAMES = {torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.int64: "int64", torch.bool: "bool"}
+_WRONG_X = [pytest.param(dt, grad, with_out, id=f"{name}-{'grad' if grad else 'no_grad'}-{'out' if with_out else 'y'}")
+            for dt, name in _NAMES.items() for grad in (False, True) for with_out in (False, True)
+            if dt.is_floating_point or not grad]
+
+
+@pytest.mark.parametrize("make", MODULES)
+@pytest.mark.parametrize("dtype,grad,with_out", _WRONG_X)
+def test_a_wrong_x_dtype_gets_one_message_in_the_librarys_names(make, dtype, grad, with_out):
+    """x of a dtype the library computes with (fp32, fp16) or not (fp64, int64, bool) gets the same
+    message: the layer's dtype expected, the library's names for both (torch's float64 is fp64),
+    whichever eager route the call takes; nothing written."""
+    m = make()
+    x, probs, _ = _data(13)
+    x = x.detach().to(dtype).requires_grad_(grad)
+    out = torch.full((T, OUT), float("nan"), dtype=BF16) if with_out else None
+    with pytest.raises(ValueError, match=rf"^x: expected dtype bf16 \(the layer's dtype\), got {_NAMES[dtype]}$"):
+        _call(m, x, probs, out=out)
+    assert out is None or bool(out.isnan().all())
+
+
+@pytest.mark.parametrize("make", MODULES)
+def test_a_transposed_x_is_refused_with_the_layouts_taken_and_the_fix(make):
+    m = make()
+    x, probs, _ = _data(14)
+    xt = x.detach().t().contiguous().t()  # x's values, strides (1, T): a transposed [IN, T] tensor
+    message = ("x: expected a unit stride in the last dimension (taken: any strides with the last dimension "
+               "contiguous, as in a contiguous tensor or a slice of one; a transposed tensor is not, pass "
+               f"x.contiguous()), got {T}")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        _call(m, xt, probs)
+    assert torch.equal(_bits(_call(m, xt.contiguous(), probs)), _bits(_call(m, x.detach(), probs))), "the fix works"
+
+
+_FRACTIONAL = [9.5, 0, 17, 5.5]  # sums to S: int() would run [9, 0, 17, 5] without a word
+
+
+@pytest.mark.parametrize("make", MODULES)
+@pytest.mark.parametrize("form", ["list", "list_after_ints", "fp32_tensor", "fp64_tensor", "bool_tensor"])
+def test_fractional_or_float_splits_are_refused_not_truncated(make, form):
+    """m_splits are whole numbers of rows: a list with a fractional entry is refused naming the
+    entry and its index (also right after a call whose integer list the module reuses), a float or
+    bool tensor by its dtype; nothing written either way."""
+    m = make()
+    x, probs, _ = _data(15)
+    if form == "list_after_ints":
+        _call(m, x, probs, [9, 0, 17, 5])
+    out = torch.full((T, OUT), float("nan"), dtype=BF16)
+    if form.startswith("list"):
+        splits, message = _FRACTIONAL, r"^m_splits: expected whole numbers of rows \(integers\), got 9\.5 at index 0$"
+    else:
+        dtype = {"fp32_tensor": torch.float32, "fp64_tensor": torch.float64, "bool_tensor": torch.bool}[form]
+        splits = torch.tensor(SPLITS).to(dtype)
+        message = (rf"^m_splits: expected an integer tensor \(int64, or another integer dtype, converted\), got "
+                   rf"{_NAMES[dtype]} \(judged by its dtype, its values unread; if they are whole numbers, pass "
+                   r"m_splits\.long\(\)\)$")
+    with pytest.raises(ValueError, match=message):
+        _call(m, x, probs, splits, out=out)
+    assert bool(out.isnan().all()), "out written before the splits were refused"
+
+
+@pytest.mark.parametrize("make", MODULES)
+def test_whole_float_and_integer_tensor_splits_are_the_integers(make):
+    """30.0 in a list is 30 (the rule reads list values; decided in issue 56), and an int32 or int16
+    tensor is converted: the same bytes as the int list, in a fresh module and right after ints."""
+    x, probs, _ = _data(16)
+    ref = _call(make(), x.detach(), probs.detach())
+    for splits in ([float(s) for s in SPLITS], torch.tensor(SPLITS, dtype=torch.int32),
+                   torch.tensor(SPLITS, dtype=torch.int16)):
+        assert torch.equal(_bits(_call(make(), x.detach(), probs.detach(), splits)), _bits(ref)), splits
+    m = make()
+    _call(m, x.detach(), probs.detach())
+    assert torch.equal(_bits(_call(m, x.detach(), probs.detach(), [float(s) for s in SPLITS])), _bits(ref))
