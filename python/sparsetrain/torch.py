@@ -142,7 +142,8 @@ def _check_buffer_args(x: Tensor, out: Optional[Tensor], grad_input: Optional[Te
             continue
         if buf.requires_grad:
             raise ValueError(f"{name}: expected a tensor that does not require grad (the library writes it in "
-                             "place), got requires_grad=True")
+                             f"place), got requires_grad=True (a buffer an earlier call returned: pass {name}.detach(), "
+                             "the same memory)")
         if buf.device != x.device:
             raise ValueError(f"{name}: expected a tensor on {x.device} (x's device), got {buf.device}")
 

@@ -75,7 +75,20 @@ def _run_graph(case, step, warm_up):
 
 def _run_graphed_callable(case, step):
     """torch.cuda.make_graphed_callables over the layer (or the attention function); the grads it
-    returns accumulate eagerly."""
+    returns accumulate eagerly. torch's stream-mismatch warning is off here: make_graphed_callables
+    itself keeps autograd graphs alive across streams (its warm-up outputs through the captures, a
+    `for v in [...]: del v` that deletes nothing, and the captured outputs for good), so the sample
+    inputs' and parameters' AccumulateGrad nodes stay on its warm-up or capture stream for any
+    module, nn.Linear as well; its graphs still capture and replay right, as checked here."""
+    warn = torch._C._warn_on_accumulate_grad_stream_mismatch()
+    torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(False)
+    try:
+        _graphed_callable_steps(case, step)
+    finally:
+        torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(warn)
+
+
+def _graphed_callable_steps(case, step):
     sample = tuple(step.s[n] for n in ("x", "splits", "probs", "logits") if n in step.s) \
         if isinstance(step, LayerStep) else tuple(step.inputs())
     eager_forward = step.m.forward if isinstance(step, LayerStep) else step.attention

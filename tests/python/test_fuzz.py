@@ -1154,6 +1154,9 @@ def _attention_oracle(q, k, v, do, allowed, scale, dtype, p_operand):
     Hkv, Skv = k.shape[1], k.shape[2]
     grp = Hq // Hkv
     uop = 0.0 if p_operand is None else _U[p_operand]
+    # fp16's subnormals: a P or dS (before the scale) below 2^-14 rounds to a multiple of 2^-24,
+    # an absolute error up to 2^-25 that no relative term covers.
+    sub = 2.0 ** -25 if p_operand == torch.float16 else 0.0
     kk, vv = k.repeat_interleave(grp, 1), v.repeat_interleave(grp, 1)
     A = allowed.expand(B, Hq, Sq, Skv)
     n = A.sum(-1).double()
@@ -1167,7 +1170,8 @@ def _attention_oracle(q, k, v, do, allowed, scale, dtype, p_operand):
     lse_err = Es + (n + 3) * U32 + 2 * U32 * lse0.abs()
     ep_f = 2 * Es + (n + 4) * U32 + uop
     o = pr @ vv
-    o_err = (ep_f + (n + 3) * U32)[..., None] * (pr @ vv.abs())
+    Af = A.double()
+    o_err = (ep_f + (n + 3) * U32)[..., None] * (pr @ vv.abs()) + sub * (Af @ vv.abs())
     delta = (do * o).sum(-1)
     ddelta = (do.abs() * (o_err + _rounding_error(dtype, o))).sum(-1) + (D + 1) * U32 * (do * o).abs().sum(-1)
     dpv = do @ vv.transpose(-1, -2)
@@ -1176,7 +1180,7 @@ def _attention_oracle(q, k, v, do, allowed, scale, dtype, p_operand):
     diff = dpv - delta[..., None]
     ds = scale * pr * diff
     dds = (abs(scale) * pr * ((ep_b + 3 * U32) * diff.abs() + (D + 1) * U32 * abs_dp + ddelta[..., None])
-           + uop * ds.abs())
+           + uop * ds.abs() + abs(scale) * sub * Af)
     dq = ds @ kk
     dq_err = dds @ kk.abs() + ((n + 2) * U32)[..., None] * (ds.abs() @ kk.abs())
 
@@ -1189,7 +1193,7 @@ def _attention_oracle(q, k, v, do, allowed, scale, dtype, p_operand):
     dk_err = (per_kv_head(dds.transpose(-1, -2) @ q.abs())
               + (kv_terms + 2) * U32 * per_kv_head(ds.abs().transpose(-1, -2) @ q.abs()))
     dv = per_kv_head(prT @ do)
-    dv_err = (per_kv_head(((ep_b + uop) * pr).transpose(-1, -2) @ do.abs())
+    dv_err = (per_kv_head(((ep_b + uop) * pr + sub * Af).transpose(-1, -2) @ do.abs())
               + (kv_terms + 2) * U32 * per_kv_head(prT @ do.abs()))
     return dict(o=(o, o_err), lse=(lse, torch.where(empty, 0.0, lse_err)), dq=(dq, dq_err), dk=(dk, dk_err),
                 dv=(dv, dv_err)), empty

@@ -122,7 +122,9 @@ class LayerStep:
         return fn(s["x"], s["logits"])
 
     def _buffers(self):
-        return {n: self.s[n] for n in ("out", "grad_input") if n in self.s}
+        # detach(): after a call `out` is that call's output (autograd marked it), so a buffer used
+        # again is passed as the same memory without that history, as the layer asks.
+        return {n: self.s[n].detach() for n in ("out", "grad_input") if n in self.s}
 
     def backward(self, y):
         if self.op == "moe":
