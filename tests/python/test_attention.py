@@ -16,37 +16,9 @@ torch = pytest.importorskip("torch", reason="torch is not installed: torch tests
 
 import sparsetrain as st  # noqa: E402
 import sparsetrain.torch as stt  # noqa: E402
+from dense_masks import dense_mask as _dense_mask  # noqa: E402
 
 # -- the dense reference ---------------------------------------------------------------------------
-
-
-def _dense_mask(kind, sq, skv, *, window_left=-1, window_right=-1, prefix_length=0, doc_q=None, doc_kv=None):
-    """bool [B or 1, 1, Sq, Skv] straight from mask_spec.h's definitions (independent of the library)."""
-    q = torch.arange(sq)[:, None]
-    kv = torch.arange(skv)[None, :]
-    if kind == "full":
-        m = torch.ones(sq, skv, dtype=torch.bool)
-    elif kind == "causal":
-        m = kv <= q
-    elif kind == "causal_bottom_right":
-        m = kv <= q + (skv - sq)
-    elif kind == "sliding_window":
-        m = torch.ones(sq, skv, dtype=torch.bool)
-        if window_left >= 0:
-            m = m & (kv >= q - window_left)
-        if window_right >= 0:
-            m = m & (kv <= q + window_right)
-    elif kind == "prefix_lm":
-        m = (kv <= q) | (kv < prefix_length)
-    elif kind in ("document", "document_causal"):
-        dq, dkv = torch.as_tensor(doc_q).reshape(-1, sq), torch.as_tensor(doc_kv).reshape(-1, skv)
-        m = dq[:, :, None] == dkv[:, None, :]
-        if kind == "document_causal":
-            m = m & (kv <= q)
-        return m[:, None]
-    else:
-        raise AssertionError(kind)
-    return m[None, None]
 
 
 def _reference(q, k, v, allowed, scale=None):

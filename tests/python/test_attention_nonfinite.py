@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed: non-finite 
 
 import sparsetrain as st  # noqa: E402
 import sparsetrain.torch as stt  # noqa: E402
+from dense_masks import dense_mask  # noqa: E402
 
 NAN, INF = float("nan"), float("inf")
 # (tensor, what, value): a whole row (all of its D elements) or one element of it.
@@ -23,24 +24,11 @@ INJECTIONS = [("q", "row", NAN), ("q", "element", INF), ("k", "row", NAN), ("k",
 
 
 def _allowed(kind, Sq, Skv, doc=None, **params):
-    """bool [B or 1, 1, Sq, Skv] from the kinds' definitions (mask_spec.h), written apart."""
-    q, kv = torch.arange(Sq)[:, None], torch.arange(Skv)[None, :]
+    """bool [B or 1, 1, Sq, Skv]: the kinds' definitions (dense_masks), or the mask function."""
     if kind == "mod3_causal":  # an arbitrary mask function: a bitmask in the library
-        m = ((q + kv) % 3 != 0) & (kv <= q)
-    elif kind == "causal":
-        m = kv <= q
-    elif kind == "causal_bottom_right":
-        m = kv <= q + (Skv - Sq)
-    elif kind == "sliding_window":
-        m = (kv >= q - params["window_left"]) & (kv <= q + params["window_right"])
-    elif kind == "prefix_lm":
-        m = (kv <= q) | (kv < params["prefix_length"])
-    elif kind == "full":
-        m = torch.ones(Sq, Skv, dtype=torch.bool)
-    else:
-        m = doc[:, :, None] == doc[:, None, :]
-        return (m & (kv <= q) if kind == "document_causal" else m)[:, None]
-    return m[None, None]
+        q, kv = torch.arange(Sq)[:, None], torch.arange(Skv)[None, :]
+        return (((q + kv) % 3 != 0) & (kv <= q))[None, None]
+    return dense_mask(kind, Sq, Skv, doc_q=doc, doc_kv=doc, **params)
 
 
 def _mask(kind, Sq, Skv, block, doc, device, params, doc_padding=0):

@@ -50,6 +50,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import sparsetrain as st  # noqa: E402
 import sparsetrain.torch as stt  # noqa: E402
+from dense_masks import dense_mask  # noqa: E402
 
 
 def _env_int(name, default):
@@ -958,32 +959,6 @@ def _doc_ids(gen, B, S, sorted_ids):
     return ids
 
 
-def _kind_allowed(kind, sq, skv, window=(-1, -1), prefix=0, doc_q=None, doc_kv=None):
-    """bool [B or 1, 1, Sq, Skv] from mask_spec.h's definitions (written here again)."""
-    q = torch.arange(sq)[:, None]
-    kv = torch.arange(skv)[None, :]
-    if kind == "full":
-        m = torch.ones(sq, skv, dtype=torch.bool)
-    elif kind == "causal":
-        m = kv <= q
-    elif kind == "causal_bottom_right":
-        m = kv <= q + (skv - sq)
-    elif kind == "sliding_window":
-        m = torch.ones(sq, skv, dtype=torch.bool)
-        if window[0] >= 0:
-            m = m & (kv >= q - window[0])
-        if window[1] >= 0:
-            m = m & (kv <= q + window[1])
-    elif kind == "prefix_lm":
-        m = (kv <= q) | (kv < prefix)
-    else:
-        m = doc_q[:, :, None] == doc_kv[:, None, :]
-        if kind == "document_causal":
-            m = m & (kv <= q)
-        return m[:, None]
-    return m[None, None]
-
-
 def _expand_blocks(blocks, bq, bkv, sq, skv):
     return blocks.repeat_interleave(bq, -2).repeat_interleave(bkv, -1)[..., :sq, :skv]
 
@@ -1062,7 +1037,8 @@ def _attention_mask(p, gen, device):
             rows = B if p["docs_per_row"] else 1
             doc_q = _doc_ids(gen, rows, Sq, p["docs_sorted"])
             doc_kv = doc_q if p["docs_same"] else _doc_ids(gen, rows, Skv, p["docs_sorted"])
-        allowed = _kind_allowed(kind, Sq, Skv, p["window"], p["prefix"], doc_q, doc_kv)
+        allowed = dense_mask(kind, Sq, Skv, window_left=p["window"][0], window_right=p["window"][1],
+                             prefix_length=p["prefix"], doc_q=doc_q, doc_kv=doc_kv)
         if src == "kind":
             kw = dict(window_left=p["window"][0], window_right=p["window"][1], prefix_length=p["prefix"],
                       block_size=(bq, bkv), framework="torch", **sched)

@@ -59,10 +59,15 @@ def _ours(m, x, dy, probs):
     p = None if probs is None else probs.detach().clone().requires_grad_()
     y = m(x, SPLITS) if p is None else m(x, SPLITS, p)
     y.backward(dy)
+    return _named(y, x, p, m.named_parameters())
+
+
+def _named(y, x, probs, params):
+    """A step's results by name: y, dx, dprobs (with probs), d<parameter>."""
     out = {"y": y.detach(), "dx": x.grad}
-    if p is not None:
-        out["dprobs"] = p.grad
-    for name, t in m.named_parameters():
+    if probs is not None:
+        out["dprobs"] = probs.grad
+    for name, t in params:
         out[f"d{name}"] = t.grad
     return out
 
@@ -86,12 +91,7 @@ def _oracle(m, x, dy, probs):
         start += n
     y = torch.cat(ys + [x64.new_zeros(T - S, OUT)])
     y.backward(dy.double())
-    out = {"y": y.detach(), "dx": x64.grad}
-    if p64 is not None:
-        out["dprobs"] = p64.grad
-    for name, t in params.items():
-        out[f"d{name}"] = t.grad
-    return out
+    return _named(y, x64, p64, params.items())
 
 
 def _inputs(kind, seed):
