@@ -449,7 +449,9 @@ class _DelayedWgrad:
         inside one a dependency on uncaptured work (cudaErrorStreamCaptureIsolation). So the nodes
         are also taken again when the current stream changes: ours are dropped first, so that
         autograd makes them anew on the current stream (unless something else still holds them,
-        e.g. a graph kept for a second backward; torch then warns of the mismatch)."""
+        e.g. a graph kept for a second backward, or, seen under compute-sanitizer, the last step's
+        graph still alive a moment after its backward returned; torch then warns of the mismatch). Nodes still on another stream are not
+        held, and taken again at the next call: holding them would keep the mismatch for good."""
         stream = _current_stream_key(params[0]) if params else None
         held = self._grad_accumulators
         if (held is not None and held[2] == stream and len(held[0]) == len(params)
@@ -458,7 +460,8 @@ class _DelayedWgrad:
         held = self._grad_accumulators = None  # no reference left: the old nodes go now
         with torch.enable_grad():
             nodes = [p.view_as(p).grad_fn.next_functions[0][0] for p in params if p.requires_grad and p.is_leaf]
-        self._grad_accumulators = (tuple(params), nodes, stream)
+        if _TORCH_OPS.grad_accumulators_on_current_stream(params):
+            self._grad_accumulators = (tuple(params), nodes, stream)
 
     def backward_dw(self) -> None:
         """Computes the oldest pending delayed wgrad (into main_grad when fused, else into the

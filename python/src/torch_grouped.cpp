@@ -13,6 +13,7 @@
 // the flags [overwrite_main_grad, has_grad_added_to_main_grad of each layer]. The C++ layer holds
 // views of them, so it is rebuilt when one moved (another tensor, `.data =`, `.to()`: address,
 // shape, strides, dtype or device) or a flag changed, never while delayed wgrads are pending.
+#include <ATen/DeviceAccelerator.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/graph_task.h>  // get_current_graph_task_keep_graph
 #include <torch/csrc/autograd/function.h>
@@ -21,6 +22,7 @@
 #include <torch/python.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -390,6 +392,18 @@ void record(const at::Tensor& y, const std::vector<at::Tensor>& inputs, const st
   torch::autograd::set_history(y, node);
 }
 
+// Whether the AccumulateGrad node of every leaf in `params` that has one runs on the stream now
+// current on its device (a node runs on the stream current when it was made). A layer holds its
+// parameters' nodes only then: see sparsetrain.torch's _hold_grad_accumulators.
+bool grad_accumulators_on_current_stream(const std::vector<at::Tensor>& params) {
+  for (const at::Tensor& p : params) {
+    const std::shared_ptr<torch::autograd::Node> node = torch::autograd::impl::try_get_grad_accumulator(p);
+    const std::optional<c10::Stream> stream = node ? node->stream() : std::nullopt;
+    if (stream && *stream != at::accelerator::getCurrentStream(stream->device_index())) return false;
+  }
+  return true;
+}
+
 // Registers a module layer class with its constructor `Init` and its methods.
 template <class Layer, class Init>
 void register_layer(pybind11::module_& m, const char* name, Init init) {
@@ -408,6 +422,7 @@ void register_layer(pybind11::module_& m, const char* name, Init init) {
 PYBIND11_MODULE(_torch_ops, m) {
   st::torch_ops::register_attention(m);
   m.def("record", &record);
+  m.def("grad_accumulators_on_current_stream", &grad_accumulators_on_current_stream);
   register_layer<TorchGroupedLinear>(m, "GroupedLinear",
                                      pybind11::init<int64_t, int64_t, int64_t, bool, bool, bool, bool, bool>());
   register_layer<TorchGroupedMLP>(

@@ -6,7 +6,9 @@ pool, the fill would take it and our kernels, running later, would write into it
 must still read zero) or read it after the fill. Results must be bitwise those of the same calls on
 the current stream. GroupedLinear, GroupedMLP, the attention forward and backward over arrays, and
 BlockMask.build on a CUDA device (whose stream is torch's current one). Also the torch module's
-sticky status word of device splits read after CUDA-graph replays. GPU only: skipped visibly
+sticky status word of device splits read after CUDA-graph replays, a training step's forward and
+backward on different streams, two layers' steps on concurrent streams, and a layer never holding
+AccumulateGrad nodes made on a stream no longer current. GPU only: skipped visibly
 without one (the attention without a Hopper GPU)."""
 
 import contextlib
@@ -323,3 +325,29 @@ def test_two_layers_on_two_streams_concurrently_give_the_serial_bits():
         got.pop("q.grad", None)  # nondeterministic attention: atomic dQ adds
         want.pop("q.grad", None)
     _check_same_results(concurrent, serial)
+
+
+@cuda
+def test_nodes_kept_on_an_old_stream_are_not_held_by_the_layer():
+    """A layer holds its parameters' AccumulateGrad nodes between steps, taken again when the
+    current stream changes. Nodes that something else keeps alive on the old stream (here a
+    forward's graph, kept) must not be held: once that graph is gone, the next step's nodes are
+    made on the current stream, and its backward raises no stream-mismatch warning (an error in
+    these tests) and needs no wait on the old stream."""
+    s = LayerStep("linear", "plain")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        kept = s.forward()  # its graph keeps the nodes, made on `side`
+    torch.cuda.current_stream().wait_stream(side)
+    warn = torch._C._warn_on_accumulate_grad_stream_mismatch()
+    torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(False)
+    try:
+        s.step()  # on the current stream with side's nodes: the mismatch this test sets up
+    finally:
+        torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(warn)
+    del kept
+    s.step()
+    assert stt._TORCH_OPS.grad_accumulators_on_current_stream(s.params), \
+        "the layer still holds AccumulateGrad nodes of the side stream"
+    torch.cuda.synchronize()

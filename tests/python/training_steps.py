@@ -167,9 +167,15 @@ class LayerStep:
         (poison: a replay must rewrite them) or zeroed (an eager step accumulates into them), the
         dummy wgrads (a cached zero tensor autograd may have taken as .grad) zeroed. Caller
         buffers: zeroed, and poisoned in the rows below S (the library leaves the others as
-        they are)."""
+        they are); an eager step's x.grad then None (below)."""
         for t in self.inputs():
-            fill(t.grad, zero=not poison)
+            if t is self.s["x"] and "grad_input" in self.s and not poison:
+                # A leaf x's .grad is the grad_input buffer's first rows (GroupedLinear.forward's
+                # documented rule): the step writes dx there, so a zeroed x.grad would get dx
+                # added to itself. An eager step starts without it, as that rule asks.
+                t.grad = None
+            else:
+                fill(t.grad, zero=not poison)
         for p in self.params:
             fill(getattr(p, "main_grad", None), zero=True)
             fill(p.grad, zero=not poison or id(p) in self.dummies)
