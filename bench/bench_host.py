@@ -63,9 +63,9 @@ def paired_us(ours, peer, calls, reps=7):
 
 def cpp_layer(name, m, args):
     """The module's C++ layer (sparsetrain._torch_ops) called alone with `args`, where loaded."""
-    import sparsetrain.torch as stt
+    import sparsetrain.torch.native as stn
 
-    if stt._NATIVE is None:
+    if stn.NATIVE is None:
         return []
     with torch.no_grad():
         m._native("forward", *args)  # makes the layer

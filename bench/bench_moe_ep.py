@@ -96,7 +96,7 @@ class _StartExchange(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        from sparsetrain._torch_ep import _exchange  # noqa: PLC0415
+        from sparsetrain.torch.expert_parallel import _exchange  # noqa: PLC0415
 
         return (None, None, None, None, *(_exchange(g, ctx.receive, ctx.send, ctx.group) for g in grads))
 
@@ -118,13 +118,14 @@ class _Arrived(torch.autograd.Function):
 def _overlapped_forward(layer, parts):
     """The layer's nccl forward on two micro-batches, the second half's dispatch under the first
     half's experts and the first half's return under the second half's experts."""
-    from sparsetrain._torch_ep import _exchange_plan  # noqa: PLC0415
-    from sparsetrain._torch_moe import _combine, _expert_rows, _Rows, moe_route  # noqa: PLC0415
+    from sparsetrain.torch.expert_parallel import _exchange_plan  # noqa: PLC0415
+    from sparsetrain.torch.moe import moe_route
+    from sparsetrain.torch.token_rows import Rows, combine, expert_rows  # noqa: PLC0415
 
     staged = []
     for x, logits in parts:  # both halves' routing and host syncs first
         r = moe_route(logits, layer.top_k, score=layer.score, normalize=layer.normalize)
-        rows = _expert_rows(x, r)
+        rows = expert_rows(x, r)
         plan = _exchange_plan(r.counts, layer.world_size, layer.group)
         works = []
         staged.append((rows, plan, works, _StartExchange.apply(layer.group, plan.send, plan.receive, works,
@@ -132,12 +133,12 @@ def _overlapped_forward(layer, parts):
     backs = []
     for rows, plan, works, got in staged:
         got_x, got_probs = _Arrived.apply(works, *got)
-        y = layer.experts(_Rows.apply(got_x, plan.by_expert, plan.by_source), plan.local_counts,
-                          _Rows.apply(got_probs, plan.by_expert, plan.by_source))
+        y = layer.experts(Rows.apply(got_x, plan.by_expert, plan.by_source), plan.local_counts,
+                          Rows.apply(got_probs, plan.by_expert, plan.by_source))
         back_works = []
         backs.append((back_works, _StartExchange.apply(layer.group, plan.receive, plan.send, back_works,
-                                                       _Rows.apply(y, plan.by_source, plan.by_expert))))
-    return [_combine(_Arrived.apply(w, *back)[0], rows) for (w, back), (rows, *_) in zip(backs, staged)]
+                                                       Rows.apply(y, plan.by_source, plan.by_expert))))
+    return [combine(_Arrived.apply(w, *back)[0], rows) for (w, back), (rows, *_) in zip(backs, staged)]
 
 
 def _halves_step(layer, x, logits, dout, overlap):

@@ -791,7 +791,7 @@ def _evaluate_bitmasks(torch, mask_mod, counts, indices, bq: int, bkv: int, sq: 
 
 # -- attention over arrays --------------------------------------------------------------------------
 
-def _scale_arg(scale: Optional[float]) -> float:
+def scale_arg(scale: Optional[float]) -> float:
     if scale is None:
         return 0.0  # the core's default: 1 / sqrt(D)
     s = float(scale)
@@ -802,7 +802,7 @@ def _scale_arg(scale: Optional[float]) -> float:
     return s
 
 
-def _sm_limit_arg(sm_limit: Any) -> int:
+def sm_limit_arg(sm_limit: Any) -> int:
     """AttentionOptions::sm_limit: a cap on the SMs the CUDA kernels' persistent CTAs use (0:
     every SM); results never depend on it."""
     try:
@@ -814,7 +814,7 @@ def _sm_limit_arg(sm_limit: Any) -> int:
     return n
 
 
-def _check_mask(block_mask: Any) -> BlockMask:
+def check_mask(block_mask: Any) -> BlockMask:
     if isinstance(block_mask, BlockMask):
         return block_mask
     if type(block_mask).__name__ == "BlockMask" and hasattr(block_mask, "mask_mod"):
@@ -833,9 +833,9 @@ def block_sparse_attention_forward(q: Any, k: Any, v: Any, block_mask: BlockMask
     lse = -inf. sm_limit: on CUDA, at most this many SMs' worth of persistent CTAs (0: every SM;
     e.g. to leave SMs to communication kernels); results never depend on it."""
     fw = Framework.of(q)
-    mask = _check_mask(block_mask)._for(fw)
+    mask = check_mask(block_mask)._for(fw)
     o, lse = _C.attention_forward(to_core(q), to_core(k), to_core(v), mask._core_mask(),
-                                  _scale_arg(scale), bool(deterministic), _sm_limit_arg(sm_limit),
+                                  scale_arg(scale), bool(deterministic), sm_limit_arg(sm_limit),
                                   fw.stream_of(q) if stream is None else int(stream), fw.allocate)
     return fw.view(o), fw.view(lse)
 
@@ -848,9 +848,9 @@ def block_sparse_attention_backward(q: Any, k: Any, v: Any, o: Any, lse: Any, do
     makes them). deterministic: dq, dk, dv bitwise the same from run to run and for any grid size
     or sm_limit (False: atomic dQ adds, the speed reference). sm_limit: as for the forward."""
     fw = Framework.of(q)
-    mask = _check_mask(block_mask)._for(fw)
+    mask = check_mask(block_mask)._for(fw)
     dq, dk, dv = _C.attention_backward(to_core(q), to_core(k), to_core(v), to_core(o),
                                        to_core(lse), to_core(dout), mask._core_mask(),
-                                       _scale_arg(scale), bool(deterministic), _sm_limit_arg(sm_limit),
+                                       scale_arg(scale), bool(deterministic), sm_limit_arg(sm_limit),
                                        fw.stream_of(q) if stream is None else int(stream), fw.allocate)
     return fw.view(dq), fw.view(dk), fw.view(dv)

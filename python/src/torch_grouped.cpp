@@ -394,7 +394,7 @@ void record(const at::Tensor& y, const std::vector<at::Tensor>& inputs, const st
 
 // Whether the AccumulateGrad node of every leaf in `params` that has one runs on the stream now
 // current on its device (a node runs on the stream current when it was made). A layer holds its
-// parameters' nodes only then: see sparsetrain.torch's _hold_grad_accumulators.
+// parameters' nodes only then: see DelayedWgrad._hold_grad_accumulators in sparsetrain.torch.grouped_linear.
 bool grad_accumulators_on_current_stream(const std::vector<at::Tensor>& params) {
   for (const at::Tensor& p : params) {
     const std::shared_ptr<torch::autograd::Node> node = torch::autograd::impl::try_get_grad_accumulator(p);

@@ -16,6 +16,8 @@ torch = pytest.importorskip("torch", reason="torch is not installed: torch tests
 
 import sparsetrain as st  # noqa: E402
 import sparsetrain.torch as stt  # noqa: E402
+import sparsetrain.torch.native as stn  # noqa: E402
+import sparsetrain.torch.attention as sta  # noqa: E402
 from dense_masks import dense_mask as _dense_mask  # noqa: E402
 
 # -- the dense reference ---------------------------------------------------------------------------
@@ -463,7 +465,7 @@ def test_custom_ops_pass_opcheck():
     S = 40
     mask = st.BlockMask.build("causal", S, block_size=16, framework="torch")
     q, k, v, _ = _inputs(1, 2, 1, S, S, 16)
-    tensors, sizes, kinds = stt._mask_args(mask)
+    tensors, sizes, kinds = sta._mask_args(mask)
     torch.library.opcheck(torch.ops.sparsetrain.block_sparse_attention_forward.default,
                           (q.detach(), k.detach(), v.detach(), tensors, sizes, kinds, 0.0, True),
                           test_utils=("test_schema", "test_autograd_registration", "test_aot_dispatch_dynamic"))
@@ -680,7 +682,7 @@ NATIVE_CASES = {
 }
 
 
-@pytest.mark.skipif(stt._NATIVE is None, reason="the C++ torch operators (sparsetrain/_torch_ops.so) are not built "
+@pytest.mark.skipif(stn.NATIVE is None, reason="the C++ torch operators (sparsetrain/_torch_ops.so) are not built "
                     "here, or SPARSETRAIN_TORCH_OPS=0: their parity test skipped")
 @pytest.mark.parametrize("name", list(NATIVE_CASES))
 def test_native_torch_ops_equal_the_extension_path(name, monkeypatch):
@@ -699,7 +701,7 @@ def test_native_torch_ops_equal_the_extension_path(name, monkeypatch):
         return [o.detach(), lse, q.grad, k.grad, v.grad]
 
     native = run()
-    monkeypatch.setattr(stt, "_NATIVE", None)
+    monkeypatch.setattr(stn, "NATIVE", None)
     extension = run()
     for a, b in zip(native, extension):
         assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a.view(torch.int32), b.view(torch.int32))
@@ -715,7 +717,7 @@ def _bitwise(a, b):
     return a.shape == b.shape and a.stride() == b.stride() and torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
-@pytest.mark.skipif(stt._NATIVE is None, reason="the C++ torch library (sparsetrain/_torch_ops.so) is not built "
+@pytest.mark.skipif(stn.NATIVE is None, reason="the C++ torch library (sparsetrain/_torch_ops.so) is not built "
                     "here, or SPARSETRAIN_TORCH_OPS=0: its eager attention path is not there to test")
 def test_eager_native_attention_path(monkeypatch):
     """Eager calls on plain tensors take the C++ torch library's attention (autograd in C++, the
@@ -724,15 +726,15 @@ def test_eager_native_attention_path(monkeypatch):
     as autograd catches them, lse without a gradient, only the inputs that require grad get one."""
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     calls = []
-    eager = stt._TORCH_OPS.attention
-    monkeypatch.setattr(stt._TORCH_OPS, "attention", lambda *a: calls.append(1) or eager(*a))
+    eager = stn.TORCH_OPS.attention
+    monkeypatch.setattr(stn.TORCH_OPS, "attention", lambda *a: calls.append(1) or eager(*a))
     mask = st.BlockMask.build("sliding_window", 96, window_left=20, window_right=5, block_size=16, framework="torch")
     q, k, v, do = _inputs(1, 4, 2, 96, 96, 8, seed=seed)
 
     def run(m, needs=(True, True, True), native=True):
         with monkeypatch.context() as mp:
             if not native:
-                mp.setattr(stt, "_NATIVE", None)
+                mp.setattr(stn, "NATIVE", None)
             ins = [t.detach().clone().requires_grad_(r) for t, r in zip((q, k, v), needs)]
             o, lse = stt.block_sparse_attention(*ins, m, return_lse=True)
             assert not lse.requires_grad and lse.grad_fn is None
@@ -774,7 +776,7 @@ def test_eager_native_attention_path(monkeypatch):
         m = st.BlockMask.build("causal", 96, block_size=16, framework="torch")
         with monkeypatch.context() as mp:
             if not native:
-                mp.setattr(stt, "_NATIVE", None)
+                mp.setattr(stn, "NATIVE", None)
             o = stt.block_sparse_attention(q.detach().clone().requires_grad_(), k, v, m)
             m.kv_num_blocks.add_(0)
             with pytest.raises(RuntimeError, match="modified by an inplace operation"):
@@ -818,7 +820,7 @@ def test_padded_backward_form_of_a_document_mask(monkeypatch):
     def run(m, native=True):
         with monkeypatch.context() as mp:
             if not native:
-                mp.setattr(stt, "_NATIVE", None)
+                mp.setattr(stn, "NATIVE", None)
             q, k, v, do = _inputs(B, 4, 2, S, S, 16, seed=3)
             o, lse = stt.block_sparse_attention(q, k, v, m, return_lse=True)
             o.backward(do)
@@ -842,7 +844,7 @@ def test_padded_backward_form_of_a_document_mask(monkeypatch):
     for native in (True, False):
         with monkeypatch.context() as mp:
             if not native:
-                mp.setattr(stt, "_NATIVE", None)
+                mp.setattr(stn, "NATIVE", None)
             q, k, v, do = _inputs(B, 4, 2, S, S, 16)
             with pytest.raises((ValueError, RuntimeError), match=r"mask.backward_padded.real_rows"):
                 stt.block_sparse_attention(q, k, v, bad).backward(do)

@@ -30,6 +30,8 @@ torch = pytest.importorskip("torch", reason="torch is not installed: torch CUDA 
 
 import sparsetrain as st  # noqa: E402
 import sparsetrain.torch as stt  # noqa: E402
+import sparsetrain.torch.native as stn  # noqa: E402
+import sparsetrain.torch.attention as sta  # noqa: E402
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device (torch.cuda.is_available() is False): CUDA attention tests skipped",
@@ -867,8 +869,8 @@ def _spy_on_the_core_backward(monkeypatch):
     """The `deterministic` flag of every backward that reaches the core, in a list, whichever
     route it takes (the C++ torch operators where built, else the extension)."""
     seen = []
-    if stt._NATIVE is not None:
-        native = stt._NATIVE
+    if stn.NATIVE is not None:
+        native = stn.NATIVE
 
         class Spy:
             def __getattr__(self, name):
@@ -878,9 +880,9 @@ def _spy_on_the_core_backward(monkeypatch):
                 seen.append(args[10])  # (q, k, v, o, lse, dout, tensors, sizes, kinds, scale, deterministic, ...)
                 return native.attention_backward(*args)
 
-        monkeypatch.setattr(stt, "_NATIVE", Spy())
-        if stt._TORCH_OPS is not None:
-            ops = stt._TORCH_OPS
+        monkeypatch.setattr(stn, "NATIVE", Spy())
+        if stn.TORCH_OPS is not None:
+            ops = stn.TORCH_OPS
 
             class OpsSpy:  # eager calls on plain tensors: the flag goes to the C++ autograd path at the forward
                 def __getattr__(self, name):
@@ -890,15 +892,15 @@ def _spy_on_the_core_backward(monkeypatch):
                     seen.append(args[5])  # (q, k, v, mask, scale, deterministic, sm_limit)
                     return ops.attention(*args)
 
-            monkeypatch.setattr(stt, "_TORCH_OPS", OpsSpy())
+            monkeypatch.setattr(stn, "TORCH_OPS", OpsSpy())
         return seen
-    core = stt._attention_backward
+    core = sta._attention_backward
 
     def spy(*args, **kw):
         seen.append(kw["deterministic"])
         return core(*args, **kw)
 
-    monkeypatch.setattr(stt, "_attention_backward", spy)
+    monkeypatch.setattr(sta, "_attention_backward", spy)
     return seen
 
 
@@ -1056,7 +1058,7 @@ def test_torch_deterministic_mode_forces_the_deterministic_backward(monkeypatch)
     runs.append((o.detach(), *g))
     # The C++ autograd path is spied on at its forward (which saw False); its backward reads the
     # mode itself, so there the bits below are the check.
-    assert seen == [False, True, True, stt._TORCH_OPS is None]
+    assert seen == [False, True, True, stn.TORCH_OPS is None]
     for i, run in enumerate(runs):
         for what, a, b in zip(("o", "dq", "dk", "dv"), run, ref):
             assert torch.equal(a, b), f"run {i}: {what}"

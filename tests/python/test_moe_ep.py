@@ -332,7 +332,7 @@ def _worker(rank, world, init_file, done_dir, cases, backend, exchange="nccl"):
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=LAUNCH_TIMEOUT_S), **options)
     try:
-        import sparsetrain._torch_ep as ep  # noqa: PLC0415
+        import sparsetrain.torch.expert_parallel as ep  # noqa: PLC0415
 
         if backend == "gloo" and exchange == "symmetric_memory":
             _emulate_symmetric_memory(ep)

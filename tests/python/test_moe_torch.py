@@ -117,21 +117,21 @@ def test_recompute_expert_input_frees_the_rows_and_gives_the_same_bits(device, m
     import gc  # noqa: PLC0415
     import weakref  # noqa: PLC0415
 
-    import sparsetrain._torch_moe as tm  # noqa: PLC0415
+    import sparsetrain.torch.moe as tm  # noqa: PLC0415
 
     torch.manual_seed(4)
     base = stt.MoELayer(8, 32, 16, 2, normalize=True, params_dtype=BF16, device=device)
     x = torch.randn(37, 32, dtype=BF16, device=device)
     logits = torch.randn(37, 8, device=device)
     gathered = []
-    real = tm._expert_rows
+    real = tm.expert_rows
 
     def spy(xx, r):
         rows = real(xx, r)
         gathered.append(weakref.ref(rows.x))
         return rows
 
-    monkeypatch.setattr(tm, "_expert_rows", spy)
+    monkeypatch.setattr(tm, "expert_rows", spy)
     results = []
     for recompute in (False, True):
         layer = stt.MoELayer(8, 32, 16, 2, normalize=True, params_dtype=BF16, device=device,
@@ -199,7 +199,7 @@ def test_the_combine_sums_in_slot_order_without_a_copy_of_the_rows(device, monke
     sparsetrain::moe_combine_rows, not index_select into an [N * top_k, hidden] copy then sum:
     each token's rows summed in fp32 in slot order, rounded once (written here as that loop),
     bitwise, in the forward and for dx."""
-    import sparsetrain._torch_moe as tm  # noqa: PLC0415
+    import sparsetrain.torch.token_rows as tm  # noqa: PLC0415
 
     calls = []
     real = tm._combine_rows_op
@@ -216,7 +216,7 @@ def test_the_combine_sums_in_slot_order_without_a_copy_of_the_rows(device, monke
     want = torch.zeros(N, H, device=device)
     for i in range(K):
         want = want + y[row_of[:, i]].float()
-    assert torch.equal(tm._take(y, row_of), want.to(BF16))
+    assert torch.equal(tm.take(y, row_of), want.to(BF16))
     assert calls == [((N * K, H), (N, K))]
     layer = stt.MoELayer(8, H, 16, K, params_dtype=BF16, device=device)
     x = torch.randn(N, H, dtype=BF16, device=device, requires_grad=True)

@@ -19,6 +19,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed: stream test
 
 import sparsetrain  # noqa: E402
 import sparsetrain.torch as stt  # noqa: E402
+import sparsetrain.torch.native as stn  # noqa: E402
 from sparsetrain._arrays import Framework  # noqa: E402
 from training_steps import AttentionStep, LayerStep, assert_same  # noqa: E402
 
@@ -348,6 +349,6 @@ def test_nodes_kept_on_an_old_stream_are_not_held_by_the_layer():
         torch.autograd.graph.set_warn_on_accumulate_grad_stream_mismatch(warn)
     del kept
     s.step()
-    assert stt._TORCH_OPS.grad_accumulators_on_current_stream(s.params), \
+    assert stn.TORCH_OPS.grad_accumulators_on_current_stream(s.params), \
         "the layer still holds AccumulateGrad nodes of the side stream"
     torch.cuda.synchronize()

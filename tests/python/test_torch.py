@@ -9,6 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed: torch tests skipped")
 
+import sparsetrain  # noqa: E402
 import sparsetrain.torch as stt  # noqa: E402
 
 G, T, IN, OUT = 4, 37, 12, 10
@@ -116,7 +117,7 @@ ROWS = [  # delay, fuse, has grad_added_to_main_grad -> weight grad, bias grad n
 @pytest.mark.parametrize("delay,fuse,attr,kind,bias_now", ROWS,
                          ids=[f"delay{int(r[0])}_fuse{int(r[1])}_attr{int(r[2])}" for r in ROWS])
 def test_weight_grad_table(single, delay, fuse, attr, kind, bias_now):
-    assert stt._weight_grad_disposition(delay, fuse, attr) == (kind, bias_now)
+    assert sparsetrain.weight_grad_disposition(delay, fuse, attr) == (kind, bias_now)
     m = _make(torch.bfloat16, single, True, fuse_wgrad_accumulation=fuse, delay_wgrad_compute=delay)
     for w in m.weights():
         w.main_grad = torch.zeros(w.shape, dtype=torch.float32)

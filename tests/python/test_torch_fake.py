@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree  # noqa: E402
 
 import sparsetrain  # noqa: E402
 import sparsetrain.torch as stt  # noqa: E402
+import sparsetrain.torch.native as stn  # noqa: E402
 
 G, T = 4, 37
 SPLITS = [9, 0, 17, 6]  # S = 32 < T: a padded tail, expert 1 empty
@@ -111,10 +112,10 @@ def _meta(t):
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("kind", KINDS)
 def test_fake_outputs_have_the_real_outputs_layout(kind, case, path, monkeypatch):
-    if path == "native" and stt._NATIVE is None:
+    if path == "native" and stn.NATIVE is None:
         pytest.skip("the C++ torch library (sparsetrain/_torch_ops.so) is not built here, or SPARSETRAIN_TORCH_OPS=0")
     if path == "extension":
-        monkeypatch.setattr(stt, "_NATIVE", None)
+        monkeypatch.setattr(stn, "NATIVE", None)
     m = _make(kind, case)
     packed_strides = set()
     for name, args in _op_args(kind, m).items():
@@ -134,7 +135,7 @@ def test_fake_outputs_have_the_real_outputs_layout(kind, case, path, monkeypatch
         kind_now, _ = layer._disposition()
         if kind_now == "wgrad":
             stride = sparsetrain._C.packed_wgrad_group_stride(layer.out_features, layer.in_features,
-                                                              stt._dtype_name(torch.empty(0, dtype=dtype)))
+                                                              sparsetrain._arrays.dtype_name(torch.empty(0, dtype=dtype)))
             assert stride in packed_strides, (stride, packed_strides)
 
 

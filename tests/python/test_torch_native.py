@@ -17,13 +17,14 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed: torch tests skipped")
 
 import sparsetrain.torch as stt  # noqa: E402
+import sparsetrain.torch.native as stn  # noqa: E402
 
 G, T, IN, OUT, FFN = 4, 37, 12, 10, 8
 SPLITS = [9, 0, 17, 6]  # S = 32 < T: a padded tail, expert 1 empty
 S = sum(SPLITS)
 BF16 = torch.bfloat16
 
-needs_native = pytest.mark.skipif(stt._NATIVE is None, reason="the C++ torch library (sparsetrain/_torch_ops.so) "
+needs_native = pytest.mark.skipif(stn.NATIVE is None, reason="the C++ torch library (sparsetrain/_torch_ops.so) "
                                   "is not built here, or SPARSETRAIN_TORCH_OPS=0: its parity tests skipped")
 
 CASES = {
@@ -117,7 +118,7 @@ def test_native_layers_equal_the_extension_path(kind, case, device, monkeypatch)
     seed = random.SystemRandom().randrange(2**31)
     native, got, flags = _run(kind, case, seed, device)
     assert native._native_layer is not None and native._core_layer is None, "ran through the C++ torch library"
-    monkeypatch.setattr(stt, "_NATIVE", None)
+    monkeypatch.setattr(stn, "NATIVE", None)
     extension, want, want_flags = _run(kind, case, seed, device)
     assert extension._core_layer is not None and extension._native_layer is None, "ran through _C"
     assert flags == want_flags, f"grad_added_to_main_grad, seed {seed}"
@@ -132,10 +133,10 @@ def test_the_layer_follows_moved_parameters_and_refuses_while_wgrads_pend(path, 
     """A parameter replaced in place (`.data =`), a new main_grad or a new grad_added_to_main_grad
     attribute is seen by the next call (the C++ layer is rebuilt over them); while a delayed
     wgrad is pending nothing may move."""
-    if path == "native" and stt._NATIVE is None:
+    if path == "native" and stn.NATIVE is None:
         pytest.skip("the C++ torch library is not built here")
     if path == "extension":
-        monkeypatch.setattr(stt, "_NATIVE", None)
+        monkeypatch.setattr(stn, "NATIVE", None)
     gen = torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))
     m = _make("GroupedLinear", 0, fuse_wgrad_accumulation=True, delay_wgrad_compute=True)
     for w in m.weights():
@@ -200,8 +201,8 @@ def test_no_grad_calls_skip_autograd_with_the_same_bytes(kind):
 
 def test_torch_ops_0_runs_the_extension_path():
     """SPARSETRAIN_TORCH_OPS=0 loads no C++ torch library and every call runs through `_C`."""
-    code = ("import torch, sparsetrain.torch as stt\n"
-            "assert stt._NATIVE is None\n"
+    code = ("import torch, sparsetrain.torch as stt, sparsetrain.torch.native as stn\n"
+            "assert stn.NATIVE is None\n"
             "m = stt.GroupedMLP(2, 8, 4, bias=True, delay_wgrad_compute=True)\n"
             "x = torch.randn(5, 8, requires_grad=True)\n"
             "m(x, [2, 3], torch.rand(5)).sum().backward(); m.backward_dw()\n"

@@ -17,10 +17,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ._arrays import name_of_dtype
-from ._moe import ROUTER_SCORES
-from ._torch_moe import (MoEOutput, _check_layer_inputs, _combine, _expert_rows, _row_maps, _RowMaps, _Rows, _take,
-                         moe_route)
+from .._arrays import name_of_dtype
+from .._moe import ROUTER_SCORES
+from .grouped_mlp import GroupedMLP
+from .moe import MoEOutput, check_layer_inputs, moe_route
+from .token_rows import Rows, RowMaps, combine, expert_rows, row_maps, take
 
 
 def _receive_buffer(like: Tensor, rows: int) -> Tensor:
@@ -221,7 +222,7 @@ class _SymmetricDispatch(torch.autograd.Function):
     top_k rows are summed in slot order (dx), the probs' put back in (token, slot) order."""
 
     @staticmethod
-    def forward(ctx, bufs: _SymmetricBuffers, maps: _RowMaps, counts: Tensor, x: Tensor, probs: Tensor):
+    def forward(ctx, bufs: _SymmetricBuffers, maps: RowMaps, counts: Tensor, x: Tensor, probs: Tensor):
         n = maps.token_of_row.numel()
         torch.index_select(x, 0, maps.token_of_row, out=bufs.send_x[:n])
         torch.index_select(probs, 0, maps.flat_of_row, out=bufs.send_p[:n])
@@ -244,7 +245,7 @@ class _SymmetricDispatch(torch.autograd.Function):
         bufs.combine(bufs.dx, bufs.back_x, "dx")
         bufs.combine(bufs.dp, bufs.back_p, "dp")
         n = maps.token_of_row.numel()
-        return None, None, None, _take(bufs.back_x[:n], maps.row_of), _take(bufs.back_p[:n], maps.flat_row)
+        return None, None, None, take(bufs.back_x[:n], maps.row_of), take(bufs.back_p[:n], maps.flat_row)
 
 
 class _SymmetricCombine(torch.autograd.Function):
@@ -253,12 +254,12 @@ class _SymmetricCombine(torch.autograd.Function):
     experts, as dispatch sends x's, into bufs.y (the rows' dy; its unwritten rows zeroed)."""
 
     @staticmethod
-    def forward(ctx, bufs: _SymmetricBuffers, maps: _RowMaps, counts: Tensor, y: Tensor):
+    def forward(ctx, bufs: _SymmetricBuffers, maps: RowMaps, counts: Tensor, y: Tensor):
         if y.data_ptr() != bufs.y.data_ptr():
             bufs.y.copy_(y)
         bufs.combine(bufs.y, bufs.back_x, "y")
         ctx.bufs, ctx.maps, ctx.counts = bufs, maps, counts
-        return _take(bufs.back_x[:maps.token_of_row.numel()], maps.row_of)
+        return take(bufs.back_x[:maps.token_of_row.numel()], maps.row_of)
 
     @staticmethod
     def backward(ctx, dout: Tensor):
@@ -325,8 +326,6 @@ class ExpertParallelMoELayer(nn.Module):
                  delay_wgrad_compute: bool = False, exchange: str = "nccl",
                  max_tokens_per_rank: Optional[int] = None):
         super().__init__()
-        from .torch import GroupedMLP  # noqa: PLC0415  (sparsetrain.torch imports this module)
-
         if exchange not in EXCHANGES:
             raise ValueError(f"exchange: expected one of {', '.join(EXCHANGES)}, got {exchange!r}")
         if not dist.is_available() or not dist.is_initialized():
@@ -364,22 +363,22 @@ class ExpertParallelMoELayer(nn.Module):
     def forward(self, x: Tensor, logits: Tensor, expert_bias: Optional[Tensor] = None) -> MoEOutput:
         """x [N, hidden] (the experts' dtype), logits fp32 [N, E], expert_bias optional fp32 [E]:
         this rank's tokens. MoEOutput over this rank's tokens (score_sum, counts: [E])."""
-        _check_layer_inputs(self, x, logits)
+        check_layer_inputs(self, x, logits)
         if self.exchange == "symmetric_memory":
             self._check_symmetric_inputs(x)
         r = moe_route(logits, self.top_k, score=self.score, normalize=self.normalize, expert_bias=expert_bias)
         if self.exchange == "symmetric_memory":
-            bufs, maps = self._symmetric_buffers(x.device), _row_maps(r)
+            bufs, maps = self._symmetric_buffers(x.device), row_maps(r)
             got_x, got_probs, groups = _SymmetricDispatch.apply(bufs, maps, r.counts, x, r.probs.reshape(-1))
             y = self.experts(got_x, groups, got_probs, out=bufs.y.detach(), grad_input=bufs.dx.detach())
             return MoEOutput(_SymmetricCombine.apply(bufs, maps, r.counts, y), r.score_sum, r.counts)
-        rows = _expert_rows(x, r)  # expert-major, so destination-rank-major
+        rows = expert_rows(x, r)  # expert-major, so destination-rank-major
         plan = _exchange_plan(r.counts, self.world_size, self.group)
         got_x, got_probs = _AllToAll.apply(self.group, plan.send, plan.receive, rows.x, rows.probs)
-        y = self.experts(_Rows.apply(got_x, plan.by_expert, plan.by_source), plan.local_counts,
-                         _Rows.apply(got_probs, plan.by_expert, plan.by_source))
-        (back,) = _AllToAll.apply(self.group, plan.receive, plan.send, _Rows.apply(y, plan.by_source, plan.by_expert))
-        return MoEOutput(_combine(back, rows), r.score_sum, r.counts)
+        y = self.experts(Rows.apply(got_x, plan.by_expert, plan.by_source), plan.local_counts,
+                         Rows.apply(got_probs, plan.by_expert, plan.by_source))
+        (back,) = _AllToAll.apply(self.group, plan.receive, plan.send, Rows.apply(y, plan.by_source, plan.by_expert))
+        return MoEOutput(combine(back, rows), r.score_sum, r.counts)
 
     def _check_symmetric_inputs(self, x: Tensor) -> None:
         if x.shape[0] > self.max_tokens_per_rank:

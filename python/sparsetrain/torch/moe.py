@@ -11,7 +11,9 @@ from typing import NamedTuple, Optional, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from ._moe import ROUTER_SCORES, combine_rows, route, route_backward
+from .._moe import ROUTER_SCORES, route, route_backward
+from .token_rows import combine, expert_rows, regathered_in_backward
+from .grouped_mlp import GroupedMLP
 
 
 @torch.library.custom_op("sparsetrain::moe_route", mutates_args=())
@@ -77,118 +79,13 @@ def moe_route(logits: Tensor, top_k: int, *, score: str = "softmax", normalize: 
     return RoutedTokens(*_route_op(logits, expert_bias, int(top_k), score, bool(normalize)))
 
 
-@torch.library.custom_op("sparsetrain::moe_combine_rows", mutates_args=())
-def _combine_rows_op(x: Tensor, index: Tensor) -> Tensor:
-    return combine_rows(x, index)
-
-
-@_combine_rows_op.register_fake
-def _(x, index):
-    return x.new_empty((index.shape[0], x.shape[1]))
-
-
-_COMBINED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _take(x: Tensor, index: Tensor) -> Tensor:
-    """x's rows at `index`: [M] -> [M, ...]; [M, k] -> the k rows summed in fp32 in slot order,
-    rounded once, [M, ...] (combine_rows for 2-d x: no [M * k, ...] copy in between)."""
-    if index.dim() == 1:
-        return x.index_select(0, index)
-    if x.dim() == 2 and x.dtype in _COMBINED_DTYPES:
-        return _combine_rows_op(x if x.stride(-1) == 1 else x.contiguous(), index.to(torch.int32).contiguous())
-    return x.index_select(0, index.reshape(-1)).view(*index.shape, *x.shape[1:]).sum(1)
-
-
-class _Rows(torch.autograd.Function):
-    """_take(x, index), whose adjoint is _take(g, inverse): `index` and `inverse` describe the same
-    row mapping from both sides (row_of [N, k] and token_of_row [N * k], or a permutation and its
-    inverse), so both directions are gathers: no scatter, no atomic adds, deterministic."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
-        ctx.save_for_backward(inverse)
-        return _take(x, index)
-
-    @staticmethod
-    def backward(ctx, g: Tensor):
-        (inverse,) = ctx.saved_tensors
-        return _take(g, inverse), None, None
-
-
-class _ExpertRows(NamedTuple):
-    """A batch's rows in expert-major order (token order inside an expert): x [N * k, hidden] and
-    probs fp32 [N * k], both differentiable; row_of [N, k] (int32, as combine_rows takes it) and
-    token_of_row [N * k] (int64) map between tokens and rows for the combine."""
-    x: Tensor
-    probs: Tensor
-    row_of: Tensor
-    token_of_row: Tensor
-
-
-def _check_layer_inputs(layer: nn.Module, x: Tensor, logits: Tensor) -> None:
+def check_layer_inputs(layer: nn.Module, x: Tensor, logits: Tensor) -> None:
     if x.dim() != 2 or x.shape[1] != layer.hidden_size:
         raise ValueError(f"x: expected shape [N, hidden = {layer.hidden_size}], got {list(x.shape)}")
     if logits.dim() != 2 or tuple(logits.shape) != (x.shape[0], layer.num_experts):
         raise ValueError(f"logits: expected shape [N = {x.shape[0]}, E = {layer.num_experts}], "
                          f"got {list(logits.shape)}")
 
-
-class _RowMaps(NamedTuple):
-    """r's layout as index maps: row_of [N, k] (int32: the combine's), token_of_row [N * k], flat_row
-    [N * k] ((token, slot) -> row) and flat_of_row, its inverse (row -> (token, slot)), int64."""
-    row_of: Tensor
-    token_of_row: Tensor
-    flat_row: Tensor
-    flat_of_row: Tensor
-
-
-def _row_maps(r: RoutedTokens) -> _RowMaps:
-    row_of = r.row_of.to(torch.int32)
-    flat_row = row_of.reshape(-1).long()
-    flat_of_row = torch.empty_like(flat_row)
-    flat_of_row[flat_row] = torch.arange(flat_row.numel(), device=flat_row.device)
-    return _RowMaps(row_of, r.token_of_row.long(), flat_row, flat_of_row)
-
-
-def _expert_rows(x: Tensor, r: RoutedTokens) -> _ExpertRows:
-    """The rows the experts take, gathered from x and the (token, slot) probs by r's layout."""
-    m = _row_maps(r)
-    return _ExpertRows(_Rows.apply(x, m.token_of_row, m.row_of),
-                       _Rows.apply(r.probs.reshape(-1), m.flat_of_row, m.flat_row), m.row_of, m.token_of_row)
-
-
-class _Regather(NamedTuple):
-    """A saved tensor replaced by how to gather it again: x's rows at index."""
-    x: Tensor
-    index: Tensor
-
-
-def _regathered_in_backward(rows: _ExpertRows, x: Tensor):
-    """Saved-tensor hooks under which a tensor saved for backward that is rows.x (the same memory,
-    shape and strides) is saved as (x, token_of_row) and gathered again when backward unpacks it;
-    the hooks hold no reference to rows.x itself, so it is freed after the forward."""
-    ptr, shape, stride, dtype = rows.x.data_ptr(), rows.x.shape, rows.x.stride(), rows.x.dtype
-    source, index = x.detach(), rows.token_of_row
-
-    def pack(t: Tensor):
-        if t.data_ptr() == ptr and t.shape == shape and t.stride() == stride and t.dtype == dtype:
-            return _Regather(source, index)
-        return t
-
-    def unpack(saved):
-        if isinstance(saved, _Regather):
-            with torch.no_grad():
-                return saved.x.index_select(0, saved.index)
-        return saved
-
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
-
-
-def _combine(y: Tensor, rows: _ExpertRows) -> Tensor:
-    """Each token's top_k expert rows of y (expert-major, as _expert_rows laid them out) summed in
-    slot order: [N, out]."""
-    return _Rows.apply(y, rows.row_of, rows.token_of_row)
 
 
 class MoEOutput(NamedTuple):
@@ -222,8 +119,6 @@ class MoELayer(nn.Module):
                  fuse_wgrad_accumulation: bool = False, delay_wgrad_compute: bool = False,
                  recompute_expert_input: bool = True):
         super().__init__()
-        from .torch import GroupedMLP  # noqa: PLC0415  (sparsetrain.torch imports this module)
-
         if score not in ROUTER_SCORES:
             raise ValueError(f"score: expected one of {', '.join(ROUTER_SCORES)}, got {score}")
         if not 1 <= top_k <= num_experts:
@@ -239,15 +134,15 @@ class MoELayer(nn.Module):
 
     def forward(self, x: Tensor, logits: Tensor, expert_bias: Optional[Tensor] = None) -> MoEOutput:
         """x [N, hidden] (the experts' dtype), logits fp32 [N, E], expert_bias optional fp32 [E]."""
-        _check_layer_inputs(self, x, logits)
+        check_layer_inputs(self, x, logits)
         r = moe_route(logits, self.top_k, score=self.score, normalize=self.normalize, expert_bias=expert_bias)
-        rows = _expert_rows(x, r)
+        rows = expert_rows(x, r)
         if self.recompute_expert_input and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            with _regathered_in_backward(rows, x):
+            with regathered_in_backward(rows, x):
                 y = self.experts(rows.x, r.counts, rows.probs)
         else:
             y = self.experts(rows.x, r.counts, rows.probs)
-        return MoEOutput(_combine(y, rows), r.score_sum, r.counts)
+        return MoEOutput(combine(y, rows), r.score_sum, r.counts)
 
     def backward_dw(self) -> None:
         """The experts' delayed wgrads (GroupedMLP.backward_dw)."""

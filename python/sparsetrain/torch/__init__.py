@@ -1,0 +1,24 @@
+"""The PyTorch front, one module per feature: `GroupedLinear` (grouped_linear) and `GroupedMLP`
+(grouped_mlp), torch.nn.Modules with TransformerEngine's options and semantics (main_grad
+accumulation, delayed wgrad with backward_dw, caller out / grad_input buffers, device splits);
+`block_sparse_attention` (attention: FlexAttention's layout, a sparsetrain.BlockMask); `MoELayer`
+and `moe_route` (moe: the router, the experts as a GroupedMLP, the deterministic combine, with the
+row movements in token_rows); `ExpertParallelMoELayer` (expert_parallel: the MoE layer's experts
+over a torch.distributed group). All on top of `torch.library` custom ops with fake
+implementations, so that models compile with torch.compile(fullgraph=True).
+
+Eager calls run through the C++ torch library (sparsetrain._torch_ops, loaded by native) where it
+was built, else through the extension `_C`; the custom ops' implementations call the same code.
+Memory: every tensor the library allocates comes from torch's caching allocator on the current
+stream (at::empty in the C++ torch library, torch.empty through `_C`'s allocator callback) and is
+handed back as a tensor over that memory."""
+
+from .._block_mask import BlockMask
+from .attention import block_sparse_attention
+from .expert_parallel import ExpertParallelMoELayer
+from .grouped_linear import GroupedLinear
+from .grouped_mlp import GroupedMLP
+from .moe import MoELayer, MoEOutput, RoutedTokens, moe_route
+
+__all__ = ["GroupedLinear", "GroupedMLP", "BlockMask", "block_sparse_attention", "MoELayer", "moe_route",
+           "ExpertParallelMoELayer", "MoEOutput", "RoutedTokens"]

@@ -1,0 +1,308 @@
+"""sparsetrain.torch.block_sparse_attention: block-sparse attention in FlexAttention's layout over a
+sparsetrain.BlockMask, with autograd, as torch.library custom ops with fake implementations
+(torch.compile), or eagerly through the C++ torch library's attention with its autograd in C++."""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from operator import attrgetter
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+import torch.autograd.forward_ad as _fwad
+from torch import Tensor
+
+from .._arrays import Framework as _Framework
+from .._arrays import name_of_dtype as _name_of_dtype
+from .._block_mask import TENSOR_NAMES as _TENSOR_NAMES
+from .._block_mask import BlockMask
+from .._block_mask import MaskSpec as _MaskSpec
+from .._block_mask import check_mask, scale_arg, sm_limit_arg
+from .._block_mask import block_sparse_attention_backward as _attention_backward
+from .._block_mask import block_sparse_attention_forward as _attention_forward
+
+from . import native
+
+# --- block-sparse attention -------------------------------------------------------------------
+# FlexAttention's layout [B, H, S, D] outside; the core takes [B, S, H, D], so the ops pass
+# transpose(1, 2) views (no copies) and return views of the core's [B, S, H, D] outputs. A
+# BlockMask crosses the op boundary as its tensors (in TENSOR_NAMES order, then doc_q, doc_kv and
+# the schedule permutation, then its padded backward form's 10 list tensors, doc_q, doc_kv and
+# real_rows; None where absent), its sizes (the padded length last, 0 without one) and its kind
+# names, so that the compiler sees every tensor the op reads.
+_PADDED_LISTS = _TENSOR_NAMES[:10]  # a padded form is a document mask: no bitmasks
+_PERMUTATION_ARG = len(_TENSOR_NAMES) + 2  # a host array on every device
+
+
+def _mask_args(mask: BlockMask) -> Tuple[List[Optional[Tensor]], List[int], str]:
+    tensors = [getattr(mask, n) for n in _TENSOR_NAMES]
+    tensors += [mask.spec.doc_q, mask.spec.doc_kv, mask.schedule_permutation]
+    p = mask.backward_padded
+    tensors += [None] * 13 if p is None else [*(getattr(p, n) for n in _PADDED_LISTS), p.spec.doc_q, p.spec.doc_kv,
+                                              p.real_rows]
+    sizes = [mask.seq_q, mask.seq_kv, mask.block_q, mask.block_kv, mask.spec.window_left, mask.spec.window_right,
+             mask.spec.prefix_length, 0 if p is None else p.seq_q]
+    return tensors, sizes, f"{mask.spec.kind},{mask.schedule},{mask.walk}"
+
+
+# What the mask arguments are read from, in one C call: the cache below is valid while a mask still
+# holds these same objects.
+_MASK_PARTS = attrgetter(*_TENSOR_NAMES, "spec", "schedule_permutation", "seq_q", "seq_kv", "block_q", "block_kv",
+                         "schedule", "walk", "backward_padded")
+
+
+class _MaskArgs:
+    """One BlockMask's arguments to the attention ops (_mask_args), the devices of its tensors
+    (the permutation, a host array, aside), whether they are plain tensors (not meta, no
+    subclass), and the C++ torch library's AttentionMask over them (made at the first eager call
+    that takes that way). Built once per mask (_mask_args_of)."""
+
+    __slots__ = ("tensors", "sizes", "kinds", "devices", "plain", "_native")
+
+    def __init__(self, mask: BlockMask):
+        self.tensors, self.sizes, self.kinds = _mask_args(mask)
+        on_device = [t for i, t in enumerate(self.tensors) if t is not None and i != _PERMUTATION_ARG]
+        self.devices = tuple({t.device for t in on_device})
+        self.plain = all(type(t) is Tensor and not t.is_meta for t in self.tensors if t is not None)
+        self._native: Any = None
+
+    def native(self) -> Any:
+        if self._native is None:
+            self._native = native.TORCH_OPS.AttentionMask(self.tensors, self.sizes, self.kinds)
+        return self._native
+
+
+def _mask_args_of(mask: BlockMask) -> _MaskArgs:
+    """mask's _MaskArgs, cached on it while it holds the same tensor objects, sizes and kinds
+    (building them costs ~3 us a call; the C++ AttentionMask also sees a tensor moved in place).
+    Under torch.compile they are built for each trace, as before."""
+    if torch.compiler.is_compiling():
+        return _MaskArgs(mask)
+    parts = _MASK_PARTS(mask)
+    cached = mask._torch_cache
+    if cached is not None and all(map(operator.is_, cached[0], parts)):
+        return cached[1]
+    args = _MaskArgs(mask)
+    mask._torch_cache = (parts, args)
+    return args
+
+
+def _mask_from_args(tensors: Sequence[Optional[Tensor]], sizes: Sequence[int], kinds: str) -> BlockMask:
+    seq_q, seq_kv, block_q, block_kv, window_left, window_right, prefix_length, padded_seq = sizes
+    kind, schedule, walk = kinds.split(",")
+    n = len(_TENSOR_NAMES)
+    spec = _MaskSpec(kind, window_left, window_right, prefix_length, tensors[n], tensors[n + 1])
+    padded = None
+    if padded_seq > 0:
+        lists, (doc_q, doc_kv, real_rows) = tensors[n + 3:n + 13], tensors[n + 13:n + 16]
+        padded = BlockMask(seq_q=padded_seq, seq_kv=padded_seq, block_q=block_q, block_kv=block_kv,
+                           tensors=dict(zip(_PADDED_LISTS, lists)), spec=spec._replace(doc_q=doc_q, doc_kv=doc_kv),
+                           schedule=schedule, schedule_permutation=None, framework=_Framework(torch), walk=walk,
+                           real_rows=real_rows)
+    return BlockMask(seq_q=seq_q, seq_kv=seq_kv, block_q=block_q, block_kv=block_kv,
+                     tensors=dict(zip(_TENSOR_NAMES, tensors[:n])), spec=spec, schedule=schedule,
+                     schedule_permutation=tensors[n + 2], framework=_Framework(torch),
+                     walk=walk, backward_padded=padded)
+
+
+def _bshd(t: Tensor) -> Tensor:
+    return t.transpose(1, 2)
+
+
+def _device_guard(t: Tensor) -> Any:
+    """The CUDA device of `t` made current for the call (torch's current stream there is the
+    one the library runs on); nothing for a CPU tensor."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def _attention_forward_impl(q: Tensor, k: Tensor, v: Tensor, mask_tensors: Sequence[Optional[Tensor]],
+                            mask_sizes: List[int], mask_kinds: str, scale: float,
+                            deterministic: bool, sm_limit: int = 0,
+                            mask: Optional[BlockMask] = None) -> Tuple[Tensor, Tensor]:
+    if native.NATIVE is not None:
+        o, lse = native.NATIVE.attention_forward(_bshd(q), _bshd(k), _bshd(v), list(mask_tensors), list(mask_sizes),
+                                           mask_kinds, scale, deterministic, sm_limit)
+        return _bshd(o), lse
+    # `mask`: the caller's BlockMask itself where it is at hand (eager calls: its descriptors are
+    # cached on it), else rebuilt from the op's arguments.
+    mask = _mask_from_args(mask_tensors, mask_sizes, mask_kinds) if mask is None else mask
+    with _device_guard(q):
+        o, lse = _attention_forward(_bshd(q), _bshd(k), _bshd(v), mask, scale=scale or None,
+                                    deterministic=deterministic, sm_limit=sm_limit)
+    return _bshd(o), lse
+
+
+@torch.library.custom_op("sparsetrain::block_sparse_attention_forward", mutates_args=())
+def _attention_forward_op(q: Tensor, k: Tensor, v: Tensor, mask_tensors: List[Optional[Tensor]],
+                          mask_sizes: List[int], mask_kinds: str, scale: float,
+                          deterministic: bool, sm_limit: int = 0) -> Tuple[Tensor, Tensor]:
+    return _attention_forward_impl(q, k, v, mask_tensors, mask_sizes, mask_kinds, scale, deterministic, sm_limit)
+
+
+@_attention_forward_op.register_fake
+def _(q, k, v, mask_tensors, mask_sizes, mask_kinds, scale, deterministic, sm_limit=0):
+    B, H, S, D = q.shape
+    return _bshd(q.new_empty((B, S, H, D))), q.new_empty((B, H, S), dtype=torch.float32)
+
+
+def _attention_backward_impl(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dout: Tensor,
+                             mask_tensors: Sequence[Optional[Tensor]], mask_sizes: List[int], mask_kinds: str,
+                             scale: float, deterministic: bool, sm_limit: int = 0,
+                             mask: Optional[BlockMask] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    # `deterministic` comes resolved from block_sparse_attention (torch's deterministic mode at
+    # the forward included); the mode is read again here, when the backward runs, as torch's own
+    # kernels read it: switched on between the forward and the backward, it still applies.
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
+    if native.NATIVE is not None:
+        dq, dk, dv = native.NATIVE.attention_backward(_bshd(q), _bshd(k), _bshd(v), _bshd(o), lse, _bshd(dout),
+                                                list(mask_tensors), list(mask_sizes), mask_kinds, scale,
+                                                deterministic, sm_limit)
+        return _bshd(dq), _bshd(dk), _bshd(dv)
+    mask = _mask_from_args(mask_tensors, mask_sizes, mask_kinds) if mask is None else mask
+    with _device_guard(q):
+        dq, dk, dv = _attention_backward(_bshd(q), _bshd(k), _bshd(v), _bshd(o), lse, _bshd(dout), mask,
+                                         scale=scale or None, deterministic=deterministic, sm_limit=sm_limit)
+    return _bshd(dq), _bshd(dk), _bshd(dv)
+
+
+@torch.library.custom_op("sparsetrain::block_sparse_attention_backward", mutates_args=())
+def _attention_backward_op(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dout: Tensor,
+                           mask_tensors: List[Optional[Tensor]], mask_sizes: List[int], mask_kinds: str,
+                           scale: float, deterministic: bool, sm_limit: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
+    return _attention_backward_impl(q, k, v, o, lse, dout, mask_tensors, mask_sizes, mask_kinds, scale,
+                                    deterministic, sm_limit)
+
+
+@_attention_backward_op.register_fake
+def _(q, k, v, o, lse, dout, mask_tensors, mask_sizes, mask_kinds, scale, deterministic, sm_limit=0):
+    def like(t):
+        B, H, S, D = t.shape
+        return _bshd(t.new_empty((B, S, H, D)))
+
+    return like(q), like(k), like(v)
+
+
+class _AttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sizes: List[int], kinds: str, scale: float,
+                deterministic: bool, sm_limit: int, mask: Optional[BlockMask], *mask_tensors: Optional[Tensor]):
+        # mask: the BlockMask of mask_tensors in eager calls (None under torch.compile)
+        ctx.mask = mask if native.direct(q, k, v, *mask_tensors) else None
+        if ctx.mask is not None:
+            o, lse = _attention_forward_impl(q, k, v, mask_tensors, sizes, kinds, scale, deterministic, sm_limit,
+                                             ctx.mask)
+        else:
+            o, lse = torch.ops.sparsetrain.block_sparse_attention_forward(q, k, v, list(mask_tensors), sizes, kinds,
+                                                                           scale, deterministic, sm_limit)
+        ctx.mark_non_differentiable(lse)
+        ctx.save_for_backward(q, k, v, o, lse, *mask_tensors)
+        ctx.sizes, ctx.kinds, ctx.scale, ctx.deterministic, ctx.sm_limit = sizes, kinds, scale, deterministic, sm_limit
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do: Tensor, dlse: Optional[Tensor]):
+        q, k, v, o, lse, *mask_tensors = ctx.saved_tensors
+        if do.stride(-1) != 1:
+            do = do.contiguous()
+        args = (q, k, v, o, lse, do, list(mask_tensors), ctx.sizes, ctx.kinds, ctx.scale, ctx.deterministic,
+                ctx.sm_limit)
+        if native.direct(q, k, v, o, lse, do, *mask_tensors):
+            dq, dk, dv = _attention_backward_impl(*args, ctx.mask)
+        else:
+            dq, dk, dv = torch.ops.sparsetrain.block_sparse_attention_backward(*args)
+        return (dq, dk, dv, None, None, None, None, None, None, *([None] * len(mask_tensors)))
+
+
+_ATTENTION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_attention_inputs(q: Any, k: Any, v: Any, mask: BlockMask, mask_devices: Tuple[torch.device, ...]) -> None:
+    """The [B, H, S, D] contract in the caller's terms (the core would name [B, S, H, D] dims);
+    the rules of the CUDA kernels (dtypes, head dims, alignment) are the core's to check.
+    mask_devices: those of the mask's tensors (_MaskArgs.devices)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name}: expected a torch.Tensor [B, H, S, D], got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected a 4-d tensor [B, H, S, D], got shape {list(t.shape)}")
+    device = q.device
+    if device.type not in ("cpu", "cuda"):
+        raise NotImplementedError(f"block_sparse_attention: q is on {device}; expected CPU or CUDA tensors")
+    for name, t in (("k", k), ("v", v)):
+        if t.device != device:
+            raise ValueError(f"{name}: expected a tensor on {device} (q's device), got {t.device}")
+    if mask_devices != (device,):
+        for name, t in mask.tensors().items():
+            if t is not None and t.device != device:
+                where = "spec." + name if name.startswith("doc_") else name
+                raise ValueError(f"block_mask.{where}: expected a tensor on {device} (q's device), got {t.device} "
+                                 "(move the mask once with block_mask.to(q.device), or build it there with "
+                                 "BlockMask.build(..., device=q.device))")
+    dtype = q.dtype
+    if dtype not in _ATTENTION_DTYPES:
+        raise ValueError(f"q: expected dtype fp32, bf16 or fp16, got {_name_of_dtype(dtype)}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != dtype:
+            raise ValueError(f"{name}: expected dtype {_name_of_dtype(dtype)} (q's dtype), "
+                             f"got {_name_of_dtype(t.dtype)}")
+    B, Hq, Sq, D = q.shape
+    ks = k.shape
+    seqs = (mask.seq_q, mask.seq_kv)
+    if seqs != (Sq, ks[2]) and seqs == (q.shape[1], ks[1]):  # before the head checks, which it would trip
+        raise ValueError(f"q: expected FlexAttention's layout [B, H, S, D], got shape {list(q.shape)}, whose dim 1 "
+                         f"holds the block mask's seq length {mask.seq_q} (k's dim 1 its {mask.seq_kv}): [B, S, H, D] "
+                         "tensors? pass q.transpose(1, 2), k.transpose(1, 2) and v.transpose(1, 2) (views, no copies)")
+    if ks[0] != B or ks[3] != D:
+        raise ValueError(f"k: expected shape [{B} (q's B), Hkv, Skv, {D} (q's D)], got {list(ks)}")
+    if ks[1] < 1 or Hq % ks[1] != 0:
+        raise ValueError(f"k: expected a head count Hkv that divides q's Hq = {Hq} (GQA / MQA), got {ks[1]}")
+    if v.shape != ks:
+        raise ValueError(f"v: expected shape {list(ks)} (k's shape), got {list(v.shape)}")
+    if mask.seq_q != Sq or mask.seq_kv != ks[2]:
+        raise ValueError(f"block_mask: expected seq lengths ({Sq}, {k.shape[2]}) (q's and k's S), got "
+                         f"({mask.seq_q}, {mask.seq_kv})")
+
+
+def _deterministic_arg(deterministic: Optional[bool]) -> bool:
+    """The backward's mode: True unless set; always True under
+    torch.use_deterministic_algorithms(True). Resolved here, outside the custom ops: under
+    torch.compile the mode is a constant of the trace (dynamo guards on it)."""
+    if torch.are_deterministic_algorithms_enabled():
+        return True
+    return True if deterministic is None else bool(deterministic)
+
+
+def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMask, scale: Optional[float] = None,
+                           deterministic: Optional[bool] = None, return_lse: bool = False, *, sm_limit: int = 0):
+    """Block-sparse attention in FlexAttention's layout: q [B, Hq, Sq, D], k and v [B, Hkv, Skv, D]
+    (Hq a multiple of Hkv: GQA / MQA; fp32, bf16 or fp16; any strides with the last dim
+    contiguous), block_mask a sparsetrain.BlockMask (convert flex's once with
+    BlockMask.from_torch). scale: default 1 / sqrt(D). Returns o [B, Hq, Sq, D] (and the fp32
+    natural-log log-sum-exp [B, Hq, Sq] with return_lse=True; it has no gradient). A query row
+    with no allowed key gives o = 0, lse = -inf and zero gradients. Autograd through q, k and v.
+    CPU or CUDA tensors; the mask's tensors must be on q's device (`block_mask.to(q.device)`, or
+    `BlockMask.build(..., device=...)`). On CUDA: bf16 / fp16, D 64, 96 or 128, mask blocks
+    multiples of 128, forward and backward.
+
+    deterministic: the backward's dQ reduction order. None (the default) means True. True: dq, dk
+    and dv are bitwise reproducible from run to run, and independent of the grid size (the GPU's
+    SM count, sm_limit); False: atomic dQ adds (faster, not reproducible). The CPU reference is
+    deterministic either way. Under torch.use_deterministic_algorithms(True) the backward is
+    deterministic whatever `deterministic` says (deterministic=False is overridden, as torch's own
+    ops do; the mode is read at the forward and again when the backward runs).
+
+    sm_limit: on CUDA, at most this many SMs' worth of persistent CTAs (0: every SM), e.g. to
+    leave SMs to communication kernels running beside it; results never depend on it."""
+    mask = check_mask(block_mask).to_torch()
+    args = _mask_args_of(mask)
+    _check_attention_inputs(q, k, v, mask, args.devices)
+    scale, deterministic, sm_limit = scale_arg(scale), _deterministic_arg(deterministic), sm_limit_arg(sm_limit)
+    if native.NATIVE is not None and args.plain and _fwad._current_level < 0 and native.direct(q, k, v):
+        # Eager on plain tensors: the C++ torch library's attention with its autograd in C++
+        # (what the custom ops and _AttentionFunction would run, without their Python).
+        o, lse = native.TORCH_OPS.attention(q, k, v, args.native(), scale, deterministic, sm_limit)
+    else:
+        o, lse = _AttentionFunction.apply(q, k, v, args.sizes, args.kinds, scale, deterministic, sm_limit,
+                                          None if torch.compiler.is_compiling() else mask, *args.tensors)
+    return (o, lse) if return_lse else o

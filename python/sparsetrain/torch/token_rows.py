@@ -1,0 +1,123 @@
+"""The MoE layer's row movements (MoELayer, ExpertParallelMoELayer): a batch's tokens laid out as
+the experts' rows and each token's rows summed back, both directions by gathers (no scatter, no
+atomic adds: deterministic on every device)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+from torch import Tensor
+
+from .._moe import combine_rows
+
+if TYPE_CHECKING:
+    from .moe import RoutedTokens
+
+
+@torch.library.custom_op("sparsetrain::moe_combine_rows", mutates_args=())
+def _combine_rows_op(x: Tensor, index: Tensor) -> Tensor:
+    return combine_rows(x, index)
+
+
+@_combine_rows_op.register_fake
+def _(x, index):
+    return x.new_empty((index.shape[0], x.shape[1]))
+
+
+_COMBINED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def take(x: Tensor, index: Tensor) -> Tensor:
+    """x's rows at `index`: [M] -> [M, ...]; [M, k] -> the k rows summed in fp32 in slot order,
+    rounded once, [M, ...] (combine_rows for 2-d x: no [M * k, ...] copy in between)."""
+    if index.dim() == 1:
+        return x.index_select(0, index)
+    if x.dim() == 2 and x.dtype in _COMBINED_DTYPES:
+        return _combine_rows_op(x if x.stride(-1) == 1 else x.contiguous(), index.to(torch.int32).contiguous())
+    return x.index_select(0, index.reshape(-1)).view(*index.shape, *x.shape[1:]).sum(1)
+
+
+class Rows(torch.autograd.Function):
+    """take(x, index), whose adjoint is take(g, inverse): `index` and `inverse` describe the same
+    row mapping from both sides (row_of [N, k] and token_of_row [N * k], or a permutation and its
+    inverse), so both directions are gathers: no scatter, no atomic adds, deterministic."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
+        ctx.save_for_backward(inverse)
+        return take(x, index)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        (inverse,) = ctx.saved_tensors
+        return take(g, inverse), None, None
+
+
+class ExpertRows(NamedTuple):
+    """A batch's rows in expert-major order (token order inside an expert): x [N * k, hidden] and
+    probs fp32 [N * k], both differentiable; row_of [N, k] (int32, as combine_rows takes it) and
+    token_of_row [N * k] (int64) map between tokens and rows for the combine."""
+    x: Tensor
+    probs: Tensor
+    row_of: Tensor
+    token_of_row: Tensor
+
+
+class RowMaps(NamedTuple):
+    """r's layout as index maps: row_of [N, k] (int32: the combine's), token_of_row [N * k], flat_row
+    [N * k] ((token, slot) -> row) and flat_of_row, its inverse (row -> (token, slot)), int64."""
+    row_of: Tensor
+    token_of_row: Tensor
+    flat_row: Tensor
+    flat_of_row: Tensor
+
+
+def row_maps(r: RoutedTokens) -> RowMaps:
+    row_of = r.row_of.to(torch.int32)
+    flat_row = row_of.reshape(-1).long()
+    flat_of_row = torch.empty_like(flat_row)
+    flat_of_row[flat_row] = torch.arange(flat_row.numel(), device=flat_row.device)
+    return RowMaps(row_of, r.token_of_row.long(), flat_row, flat_of_row)
+
+
+def expert_rows(x: Tensor, r: RoutedTokens) -> ExpertRows:
+    """The rows the experts take, gathered from x and the (token, slot) probs by r's layout."""
+    m = row_maps(r)
+    return ExpertRows(Rows.apply(x, m.token_of_row, m.row_of),
+                       Rows.apply(r.probs.reshape(-1), m.flat_of_row, m.flat_row), m.row_of, m.token_of_row)
+
+
+class _Regather(NamedTuple):
+    """A saved tensor replaced by how to gather it again: x's rows at index."""
+    x: Tensor
+    index: Tensor
+
+
+def regathered_in_backward(rows: ExpertRows, x: Tensor):
+    """Saved-tensor hooks under which a tensor saved for backward that is rows.x (the same memory,
+    shape and strides) is saved as (x, token_of_row) and gathered again when backward unpacks it;
+    the hooks hold no reference to rows.x itself, so it is freed after the forward."""
+    ptr, shape, stride, dtype = rows.x.data_ptr(), rows.x.shape, rows.x.stride(), rows.x.dtype
+    source, index = x.detach(), rows.token_of_row
+
+    def pack(t: Tensor):
+        if t.data_ptr() == ptr and t.shape == shape and t.stride() == stride and t.dtype == dtype:
+            return _Regather(source, index)
+        return t
+
+    def unpack(saved):
+        if isinstance(saved, _Regather):
+            with torch.no_grad():
+                return saved.x.index_select(0, saved.index)
+        return saved
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def combine(y: Tensor, rows: ExpertRows) -> Tensor:
+    """Each token's top_k expert rows of y (expert-major, as expert_rows laid them out) summed in
+    slot order: [N, out]."""
+    return Rows.apply(y, rows.row_of, rows.token_of_row)
+
+
