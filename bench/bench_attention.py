@@ -1,11 +1,11 @@
 """Block-sparse attention benchmark (docs/DESIGN.md section 9): B=2, H=16, S=8192, D=128, bf16 with
 masks causal, sliding window 2048 (causal) and document-causal (documents of random lengths
-256..3072, seed 0, per batch row), plus D=64 (causal) and GQA Hq=32, Hkv=4 (causal); and issue 14's
-classes: document-causal with lengths drawn from 1..3000 on a long packed sequence (B=2,
-S=16384) beside dense causal at the same shape, sliding windows 512 and 1024 (causal), causal
-at S=2048 and S=4096 with B*H = 128 (B=8, H=16: short rows), causal GQA 8:1 at D=64; issue 15's
-128k-token packed row of documents of 1..8192 tokens, GQA 8:2 (B=1); and two masks a FlexAttention
-user brings as a mask_mod (a prefix LM over the first S / 4 keys; 64 attention sinks with a causal
+256..3072, seed 0, per batch row), plus D=64 (causal) and GQA Hq=32, Hkv=4 (causal); and the
+classes of DESIGN section 9: document-causal with lengths drawn from 1..3000 on a long packed
+sequence (B=2, S=16384) beside dense causal at the same shape, sliding windows 512 and 1024
+(causal), causal at S=2048 and S=4096 with B*H = 128 (B=8, H=16: short rows), causal GQA 8:1 at
+D=64; a 128k-token packed row of documents of 1..8192 tokens, GQA 8:2 (B=1); and two masks a
+FlexAttention user brings as a mask_mod (a prefix LM over the first S / 4 keys; 64 attention sinks with a causal
 window of 1024), ours taken over from flex's BlockMask by BlockMask.from_torch (bitmask partial
 blocks). Forward of
 ours (sparsetrain.torch.block_sparse_attention) against FlexAttention
@@ -93,8 +93,8 @@ CASES = {
     "document_causal": Case("document_causal", 16, 16, 128, dense="causal"),
     "causal_d64": Case("causal", 16, 16, 64),
     "gqa_causal": Case("causal", 32, 4, 128),
-    # Issue 14's classes: many short documents on a long packed sequence, narrow windows, short
-    # rows with many (batch, head) pairs, GQA 8:1 at D = 64.
+    # DESIGN section 9's classes: many short documents on a long packed sequence, narrow windows,
+    # short rows with many (batch, head) pairs, GQA 8:1 at D = 64.
     "causal_s16384": Case("causal", 16, 16, 128, S=16384),
     "document_causal_1to3000": Case("document_causal", 16, 16, 128, S=16384, doc_lengths=(1, 3000),
                                     dense="causal_s16384"),
@@ -103,7 +103,7 @@ CASES = {
     "causal_s2048_b8": Case("causal", 16, 16, 128, B=8, S=2048),
     "causal_s4096_b8": Case("causal", 16, 16, 128, B=8, S=4096),
     "gqa8_causal_d64": Case("causal", 32, 4, 64),
-    # Issue 15's long packed sequence: 128k tokens of documents up to 8k, GQA 4:1.
+    # A long packed sequence: 128k tokens of documents up to 8k, GQA 4:1.
     "document_causal_128k_gqa4": Case("document_causal", 8, 2, 128, B=1, S=131072, doc_lengths=(1, 8192)),
     # Masks a FlexAttention user brings as a mask_mod: ours from flex's BlockMask through
     # BlockMask.from_torch, every partial block a bitmask (FLEX_KINDS).
@@ -176,7 +176,7 @@ def mask_mod_for(kind, g, doc):
 
 
 # --doc-padding: document masks also carry their padded backward form (BlockMask.build's
-# doc_padding; issue 15 item 4), 0: none; None (the default): what a mask built on the GPU carries
+# doc_padding), 0: none; None (the default): what a mask built on the GPU carries
 # by default (the library's rule), also for the masks this bench builds on the host.
 DOC_PADDING = None
 
@@ -632,8 +632,7 @@ def bench_backward(row, mask, fmask, sets, reps, flex_compiled, G, kind):
         del retained
         torch.cuda.synchronize()
     # Back to back, the peers in alternating rounds: timed one peer after the other, the one timed
-    # when the board had heated under its power cap read up to 7 % slower (the 31st session's
-    # det / nondet fwd + bwd, docs/PERF.md).
+    # when the board had heated under its power cap read up to 7 % slower.
     for what, fns in (("fwdbwd", fwd_bwds), ("bwd", bwds)):
         med, _ = interleaved_ms(list(fns.values()), B2B_ROUNDS, max(1, reps // B2B_ROUNDS))
         for peer, t in zip(fns, med):

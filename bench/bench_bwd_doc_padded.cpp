@@ -1,4 +1,4 @@
-// Documents as ranges in the backward (issue 15 item 4), measured: the attention backward on a
+// Documents as ranges in the backward, measured: the attention backward on a
 // document-causal mask alone against the same mask with its padded form attached
 // (BlockMask::backward_padded: documents of >= 128 or >= 1024 tokens on 128-token boundaries), deterministic
 // and not, on bench_attention.py's two long packed-document cases (this bench's own lengths:

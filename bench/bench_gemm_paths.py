@@ -1,4 +1,4 @@
-"""The size rule for tiny GroupedLinear problems, measured (issue 16's host time; the rule:
+"""The size rule for tiny GroupedLinear problems, measured (host time per call; the rule:
 arch::simt_by_size in src/common/gpu_arch.h): per shape, an eager forward (no_grad, host splits,
 the torch front) through the sm90 path (set-up kernel and GEMM) and through the SIMT kernel (one
 launch), pinned per round by SPARSETRAIN_GEMM_SIMT_MAX_MACS (read at every call), in alternating

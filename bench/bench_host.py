@@ -1,4 +1,4 @@
-"""Host time per call of the torch front (issue 16): a CPU timer over `calls` calls of tiny cases,
+"""Host time per call of the torch front: a CPU timer over `calls` calls of tiny cases,
 where the GPU (or CPU) work is small, so what is left is what an eager step pays on the host.
 Cases: GroupedLinear forward at G = 4 and G = 64 (per-expert weights, the O(G) Python path) against
 a Python loop of F.linear plus cat over the same groups; GroupedMLP forward at G = 4; attention

@@ -1,4 +1,4 @@
-"""The whole MoE layer (issue 18): sparsetrain.torch.MoELayer against the torch composition over the
+"""The whole MoE layer: sparsetrain.torch.MoELayer against the torch composition over the
 same experts (torch.softmax + torch.topk + argsort + index_select + our GroupedMLP + index_add),
 forward and forward + backward, bf16, in this process on this GPU: CUDA events after warm-up,
 medians, back to back (the GPU work) and one call at a time (host work included); each one's peak

@@ -1,4 +1,4 @@
-"""Expert parallelism (issue 19): sparsetrain.torch.ExpertParallelMoELayer on W GPUs (NCCL, one
+"""Expert parallelism: sparsetrain.torch.ExpertParallelMoELayer on W GPUs (NCCL, one
 process each) against one GPU holding all the experts (MoELayer), on the same global batch: every
 rank passes `tokens` tokens, the single GPU all W * tokens of them. One training step = forward +
 backward (dx, dlogits and the experts' weight gradients), bf16. Timed as a training loop sees it:

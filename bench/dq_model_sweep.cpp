@@ -2,13 +2,12 @@
 // det / nondet critical paths with adds of 4 steps and a hand-off latency of 0..4 steps (a dQ
 // partial landing and its release reaching the next writer), for both schedules (left to right,
 // shortest first) and both walks, with and without L2 sections of 8 (batch, kv head) groups, 132
-// workers. CPU only; what the model says before device time is spent on a hand-out change
-// (docs/PERF.md, 2026-11-25, third session; its shortest-first + ascending rows on documents were
-// contradicted on the GPU, 2026-11-26, thirteenth session). The document cases (lengths drawn
-// uniformly from a range, fixed seed) stand for the bench's packed sequences; for them also
-// today's tiles against document-start tiles, with partial blocks' visits 1, 2 or 4 steps longer
-// (the in-tile mask: +1 step, 25 %, reproduced the GPU's padded-documents measurement, 2026-11-26,
-// fourteenth session).
+// workers. CPU only; what the model says before device time is spent on a hand-out change (its
+// shortest-first + ascending rows on documents were contradicted on the GPU). The document cases
+// (lengths drawn uniformly from a range, fixed seed) stand for the bench's packed sequences; for
+// them also packed tiles against document-start tiles, with partial blocks' visits 1, 2 or 4
+// steps longer (the in-tile mask: +1 step, 25 %, reproduced the GPU's padded-documents
+// measurement).
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -66,7 +65,7 @@ Modelled model_of(const Case& c, const st::MaskSpec& spec, int64_t seq, const st
 
 // The same documents in the padded layout (common/doc_padding.h: documents of at least
 // `min_length` tokens start and end on 128-token boundaries; min_length 1, every document: the
-// document-start tiles of issue 15 item 4). The padding repeats the id before it (as the GPU
+// document-start tiles, documents as ranges). The padding repeats the id before it (as the GPU
 // measurement's padded documents did: it costs work like real tokens).
 std::vector<int32_t> padded_to_tiles(const std::vector<int32_t>& ids, size_t min_length = 1) {
   int64_t length = 0;

@@ -4,8 +4,9 @@
 // (forward on the best available backend, forward and backward on the CPU reference), checked
 // element by element against the double-precision oracles, and on a GPU the CUDA attention
 // backward against the CPU reference's. Last, the main job: one MoE transformer block training
-// step (document-causal block-sparse attention -> GroupedMLP, forward + backward, deterministic)
-// run twice with every output and gradient compared bit for bit, and the TFLOP/s of each part.
+// step (document-causal block-sparse attention -> the MoE layer: router, experts, combine;
+// forward + backward, deterministic) run twice with every output and gradient compared bit for
+// bit, and the TFLOP/s of each part.
 // On a GPU also the TFLOP/s of large MoE and attention shapes; without one the block step runs
 // on the CPU reference at a small size and the report says the GPU part was skipped.
 #include <algorithm>
@@ -30,6 +31,7 @@
 #include "sparsetrain/error.h"
 #include "sparsetrain/grouped_linear.h"
 #include "sparsetrain/grouped_mlp.h"
+#include "sparsetrain/moe_layer.h"
 #include "sparsetrain/runtime.h"
 #include "tools/commands.h"
 #if SPARSETRAIN_WITH_CUDA
@@ -62,11 +64,14 @@ const char* kDemoHelp =
     "\n"
     "Then the main job: one MoE transformer block training step, deterministic: document-causal\n"
     "block-sparse attention (bf16; on a GPU B=2, S=4096, Hq=16, Hkv=4, D=128, the mask built on the\n"
-    "device) -> GroupedMLP on its output (G=8, 2048 -> 2 x 1536 -> 2048, top-1 Dirichlet routing,\n"
-    "fp32 main_grads), forward + backward, run twice on the same inputs: every output and gradient\n"
-    "(o, lse, y, dx, dprobs, both main_grads, dq, dk, dv) must agree bit for bit; then the time and\n"
-    "TFLOP/s of each part (attention FLOPs over the allowed pairs only). Without a GPU it runs on\n"
-    "the CPU reference at a small size (S=512, Hq=4, Hkv=2, D=64) and says the GPU part was skipped.\n"
+    "device) -> the MoE layer on its output (router: top-2 of softmax scores, normalised, from\n"
+    "random logits skewed per expert by a Dirichlet draw; experts: GroupedMLP G=8, 2048 -> 2 x 1536\n"
+    "-> 2048, fp32 main_grads; each token's two rows combined in slot order), forward + backward,\n"
+    "run twice on the same inputs: every output and gradient (o, lse, the routing, out, dx, dlogits,\n"
+    "both main_grads, dq, dk, dv) must agree bit for bit; then the time and TFLOP/s of each part\n"
+    "(attention FLOPs over the allowed pairs only). Without a GPU it runs on the CPU reference at a\n"
+    "small size (S=512, Hq=4, Hkv=2, D=64, hidden 256 -> 2 x 256 -> 256) and says the GPU part was\n"
+    "skipped.\n"
     "Exit status: 0 when every check passes, 1 otherwise, 2 for a usage error.\n"
     "\n"
     "options (a value as --opt value or --opt=value):\n"
@@ -631,18 +636,23 @@ BlockMask host_copy(const Place& place, const BlockMask& m, const MaskSpec& spec
 }
 
 // The shape of the block step: attention q [B, S, Hq, D], k and v [B, S, Hkv, D], documents of
-// doc_min..doc_max tokens; the MLP G experts, hidden Hq * D -> 2 x F -> Hq * D over the B * S tokens.
+// doc_min..doc_max tokens; the MoE layer G experts, hidden Hq * D -> 2 x F -> Hq * D, each of the
+// B * S tokens routed to top_k of them.
 struct BlockShape {
-  int64_t B, S, Hq, Hkv, D, doc_min, doc_max, G, F;
+  int64_t B, S, Hq, Hkv, D, doc_min, doc_max, G, F, top_k;
   int timed_steps;  // after the two checked steps (0: the second checked step is timed)
 };
 
 // One MoE transformer block training step, deterministic, run twice on the same inputs:
 //   attention: o = block_sparse_attention(q, k, v) under a document-causal mask (bf16, GQA);
-//   MLP:       y = GroupedMLP(o viewed as [B * S, Hq * D]) with top-1 Dirichlet routing (the tokens
-//              taken as already grouped by expert), fp32 main_grad accumulation for both layers;
-//   backward:  dy -> the MLP's dx, dprobs and main_grads -> dx is the attention's dout -> dq, dk, dv.
-// (No projections, norms or residuals: the two sparse parts of a block, chained.) Checks: the mask
+//   MoE:       out = MoELayer(o viewed as [B * S, Hq * D], logits): the router's top_k of softmax
+//              scores, the tokens' rows gathered by expert, the experts' GroupedMLP (fp32
+//              main_grad accumulation for both layers), each token's rows summed in slot order;
+//   backward:  dout -> the layer's dx, dlogits and main_grads -> dx is the attention's dout -> dq,
+//              dk, dv.
+// (No projections, norms or residuals, and the router's own linear is left out: the logits are an
+// input, random with a per-expert skew so that the experts' loads are uneven. The two sparse parts
+// of a block, chained.) Checks: the mask
 // (validated where it was built, write order included), the exact pair count, every output and
 // gradient finite and not all zero, and run 1 == run 2 bit for bit for every one of them. Then the
 // time and TFLOP/s of each part: on a GPU the median of `timed_steps` steps (CUDA events) after the
@@ -650,9 +660,9 @@ struct BlockShape {
 bool run_block_step(const Place& place, const DemoOptions& opt) {
   using testing::HostTensor;
   const bool gpu = place.gpu();
-  const BlockShape sh = gpu ? BlockShape{2, 4096, 16, 4, 128, 256, 2048, 8, 1536, 50}
-                            : BlockShape{2, 512, 4, 2, 64, 32, 256, 8, 256, 0};
-  const int64_t B = sh.B, S = sh.S, Hq = sh.Hq, Hkv = sh.Hkv, D = sh.D, G = sh.G, F = sh.F;
+  const BlockShape sh = gpu ? BlockShape{2, 4096, 16, 4, 128, 256, 2048, 8, 1536, 2, 50}
+                            : BlockShape{2, 512, 4, 2, 64, 32, 256, 8, 256, 2, 0};
+  const int64_t B = sh.B, S = sh.S, Hq = sh.Hq, Hkv = sh.Hkv, D = sh.D, G = sh.G, F = sh.F, K = sh.top_k;
   const int64_t T = B * S, hidden = Hq * D;
   std::mt19937_64 rng(opt.seed * 1000003 + 4);  // its own stream: the other steps' inputs stay as they were
   bool pass = true;
@@ -700,9 +710,10 @@ bool run_block_step(const Place& place, const DemoOptions& opt) {
                 (long long)B, (long long)S, (long long)Hq, (long long)Hkv, (long long)D, (long long)documents,
                 (long long)sh.doc_min, (long long)sh.doc_max, 100.0 * double(pairs) / double(B * Hq * S * S),
                 place.device.str().c_str(), mask->schedule.str().c_str());
-    std::printf("            MLP: GroupedMLP G=%lld, %lld -> 2 x %lld -> %lld, bf16, on the attention output "
-                "(T=%lld tokens, top-1 Dirichlet routing), fp32 main_grad accumulation\n",
-                (long long)G, (long long)hidden, (long long)F, (long long)hidden, (long long)T);
+    std::printf("            MoE layer on the attention output (%lld tokens): router top-%lld of softmax "
+                "scores, normalised; experts GroupedMLP G=%lld, %lld -> 2 x %lld -> %lld, bf16, fp32 "
+                "main_grad accumulation; combine in slot order\n",
+                (long long)T, (long long)K, (long long)G, (long long)hidden, (long long)F, (long long)hidden);
     {
       std::deque<HostTensor> copies;
       std::string error;
@@ -738,36 +749,48 @@ bool run_block_step(const Place& place, const DemoOptions& opt) {
     const TensorView k = activation(DType::kBF16, {B, S, Hkv, D}, -1, 1);
     const TensorView v = activation(DType::kBF16, {B, S, Hkv, D}, -1, 1);
     const TensorView dy = activation(DType::kBF16, {T, hidden}, -1, 1);
-    const TensorView probs = activation(DType::kFP32, {T}, 0, 1);
+    // Router logits: uniform in [-1, 1) plus log of each expert's share of a Dirichlet draw (one
+    // expert's share zero: -inf is not a logit, so its floor is log(1 / T)).
+    const std::vector<int64_t> shares = dirichlet_splits(G, T, rng);
+    host.emplace_back(DType::kFP32, std::vector<int64_t>{T, G});
+    {
+      std::uniform_real_distribution<double> u(-1, 1);
+      for (int64_t n = 0; n < T; ++n)
+        for (int64_t e = 0; e < G; ++e)
+          host.back().set(n * G + e, u(rng) + std::log(double(std::max<int64_t>(shares[size_t(e)], 1)) / double(T)));
+    }
+    const TensorView logits = place.put(host.back(), keep);
     const TensorView w1 = weight(DType::kBF16, {G, 2 * F, hidden}, 2.0 / std::sqrt(double(hidden)));
     const TensorView w2 = weight(DType::kBF16, {G, hidden, F}, 1.0 / std::sqrt(double(F)));
     keep.push_back(Tensor::empty(DType::kFP32, {G, 2 * F, hidden}, place.device, default_allocator(), {}));
     const TensorView mg1 = keep.back().view();
     keep.push_back(Tensor::empty(DType::kFP32, {G, hidden, F}, place.device, default_allocator(), {}));
     const TensorView mg2 = keep.back().view();
-    const std::vector<int64_t> splits = dirichlet_splits(G, T, rng);
 
-    GroupedMLPOptions mo;
-    mo.num_groups = G;
-    mo.in_features = mo.out_features = hidden;
-    mo.ffn_features = F;
-    mo.dtype = DType::kBF16;
-    mo.fuse_wgrad_accumulation = true;
+    MoELayerOptions mo;
+    mo.router.num_experts = G;
+    mo.router.top_k = K;
+    mo.router.score = RouterScore::kSoftmax;
+    mo.router.normalize = true;
+    mo.mlp.num_groups = G;
+    mo.mlp.in_features = mo.mlp.out_features = hidden;
+    mo.mlp.ffn_features = F;
+    mo.mlp.dtype = DType::kBF16;
+    mo.mlp.fuse_wgrad_accumulation = true;
     GroupedMLPParams mp;
     mp.fc1.weight = GroupedParam::packed(w1);
     mp.fc2.weight = GroupedParam::packed(w2);
     mp.fc1.main_grad = GroupedParam::packed(mg1);
     mp.fc2.main_grad = GroupedParam::packed(mg2);
-    GroupedMLP mlp(mo, mp);
-    const Splits sp = Splits::host(splits);
+    MoELayer moe(mo, mp);
     AttentionOptions ao;
     ao.deterministic = true;
 
     struct StepOut {
-      Tensor o, lse, fc1_out, y, dx, dprobs, dq, dk, dv;
+      Tensor o, lse, experts, probs, counts, score_sum, fc1_out, y, dx, dlogits, dq, dk, dv;
       std::string backward_error;  // the attention backward's Error (dq, dk, dv undefined)
     };
-    // One step; 5 marks on `tl`: before and after attention fwd, MLP fwd, MLP bwd, attention bwd.
+    // One step; 5 marks on `tl`: before and after attention fwd, MoE fwd, MoE bwd, attention bwd.
     auto step = [&](Timeline& tl) {
       StepOut r;
       tl.mark();
@@ -775,11 +798,13 @@ bool run_block_step(const Place& place, const DemoOptions& opt) {
       r.o = af.o, r.lse = af.lse;
       tl.mark();
       const TensorView x(r.o.view().data(), DType::kBF16, {T, hidden}, place.device);
-      GroupedMLPForward mf = mlp.forward(x, sp, probs);
+      MoEForward mf = moe.forward(x, logits);
       r.y = mf.out, r.fc1_out = mf.fc1_out;
+      r.experts = mf.route.experts, r.probs = mf.route.probs, r.counts = mf.route.counts;
+      r.score_sum = mf.route.score_sum;
       tl.mark();
-      GroupedMLPGrads mg = mlp.backward(x, mf.fc1_out.view(), probs, dy, sp);
-      r.dx = mg.grad_input, r.dprobs = mg.dprobs;
+      MoEGrads mg = moe.backward(x, logits, mf, dy);
+      r.dx = mg.grad_input, r.dlogits = mg.dlogits;
       tl.mark();
       const TensorView dout(r.dx.view().data(), DType::kBF16, {B, S, Hq, D}, place.device);
       try {
@@ -805,8 +830,11 @@ bool run_block_step(const Place& place, const DemoOptions& opt) {
       place.sync();
       for (size_t p = 0; p < 4; ++p) part_ms[p] = tl.ms(p, p + 1);
       Snapshot& s = runs[run];
-      for (const auto& [name, t] : {std::pair{"o", &r.o}, std::pair{"lse", &r.lse}, std::pair{"fc1_out", &r.fc1_out},
-                                    std::pair{"y", &r.y}, std::pair{"mlp dx", &r.dx}, std::pair{"dprobs", &r.dprobs}})
+      for (const auto& [name, t] :
+           {std::pair{"o", &r.o}, std::pair{"lse", &r.lse}, std::pair{"experts", &r.experts},
+            std::pair{"probs", &r.probs}, std::pair{"counts", &r.counts}, std::pair{"score_sum", &r.score_sum},
+            std::pair{"fc1_out", &r.fc1_out}, std::pair{"out", &r.y}, std::pair{"moe dx", &r.dx},
+            std::pair{"dlogits", &r.dlogits}})
         s.emplace_back(name, place.get(t->view()));
       s.emplace_back("fc1 main_grad", place.get(mg1));
       s.emplace_back("fc2 main_grad", place.get(mg2));
@@ -818,6 +846,13 @@ bool run_block_step(const Place& place, const DemoOptions& opt) {
     }
     verdict(backward_error.empty(), "attention backward ran (deterministic)" +
                                         (backward_error.empty() ? std::string() : ": " + backward_error));
+    for (const auto& [name, t] : runs[0]) {
+      if (name != "counts") continue;
+      std::string loads;
+      for (int64_t e = 0; e < t.numel(); ++e) loads += (e ? " " : "") + std::to_string(int64_t(t.get(e)));
+      std::printf("            routed rows per expert: %s (%lld tokens x top-%lld)\n", loads.c_str(), (long long)T,
+                  (long long)K);
+    }
 
     // Every output and gradient finite and not all zero (two runs of NaN would agree bit for bit).
     std::string unhealthy;
@@ -868,15 +903,15 @@ bool run_block_step(const Place& place, const DemoOptions& opt) {
     } else {
       med.assign(part_ms, part_ms + 4);
     }
-    const double mlp_fwd = 2.0 * double(T) * (double(hidden) * double(2 * F) + double(F) * double(hidden));
+    const double mlp_fwd = 2.0 * double(T * K) * (double(hidden) * double(2 * F) + double(F) * double(hidden));
     const double flops[4] = {4.0 * double(D) * double(pairs), mlp_fwd, 2 * mlp_fwd, 10.0 * double(D) * double(pairs)};
-    const char* part_names[4] = {"attention fwd", "MLP fwd", "MLP bwd", "attention bwd"};
+    const char* part_names[4] = {"attention fwd", "MoE fwd", "MoE bwd", "attention bwd"};
     const std::string how = gpu ? "median of " + std::to_string(sh.timed_steps) +
                                       " steps after the 2 checked ones (CUDA events)"
                                 : std::string("the second checked step, host clock (the CPU reference: not a "
                                               "performance number)");
     std::printf("            time: %s; attention FLOPs over the allowed pairs only (fwd 4*D*pairs, bwd "
-                "10*D*pairs), MLP over the GEMMs (bwd: dgrad + wgrad)\n",
+                "10*D*pairs), MoE over the experts' GEMMs on the T x top_k routed rows (bwd: dgrad + wgrad)\n",
                 how.c_str());
     std::printf("            %-14s %12s %12s %10s\n", "part", "GFLOP", "time (ms)", "TFLOP/s");
     double total_ms = 0, total_flops = 0;

@@ -48,8 +48,8 @@ enum class ScheduleKind { kLeftToRight, kShortestFirst, kPermutation };
 //   kDescendingHeadsInner  q tiles bottom-up, at each tile every query head of the group in turn
 //                          (a mask with H > 1, whose heads' lists differ: one head after the
 //                          other, each bottom-up). The default: the columns of a left-to-right
-//                          chain then run in lock step (docs/PERF.md, "Deterministic backward: the walk").
-//   kAscendingHeadsOuter   per query head in turn, q tiles top-down (the order before 2026-11).
+//                          chain then run in lock step.
+//   kAscendingHeadsOuter   per query head in turn, q tiles top-down.
 //   kAscendingHeadsInner   q tiles top-down, at each tile every query head of the group in turn
 //                          (H > 1: as kAscendingHeadsOuter). Behind a long first column (sinks,
 //                          global or strided tokens: columns that do not nest), walking top-down
@@ -163,8 +163,8 @@ BlockMaskTensors build_block_mask(const MaskSpec& spec, int64_t seq_q, int64_t s
 // (kept alive as long as mask). On the host: at the longest row's padded length (a multiple of
 // 128); on a device (options.device): without a synchronisation, at doc_padded_length_bound.
 // min_length 1024 is what the Python front attaches by default to document masks built on a CUDA
-// device (docs/PERF.md: 57 us at B2 S8192, 103 us at 128k tokens on an H200; the backward 5-8 %
-// faster on packed documents).
+// device: there the build costs about twice the plain mask's and makes the backward 5-8 % faster
+// on packed documents.
 BlockMaskTensors build_doc_padded_mask(const MaskSpec& spec, int64_t seq, int64_t min_length,
                                        const BlockMaskOptions& options = {});
 // From a dense boolean (uint8) block matrix [B, H, Mq, Nk]: 0 = skipped, 1 = partial, 2 = full.
@@ -199,10 +199,9 @@ std::string check_write_order(const BlockMask& mask);
 // nest (checked on its lists) and the model's size stays within 2^21 visits (its host time within
 // ~0.3 s), the model runs both walks on `problem` and the ascending walk (heads innermost) is
 // taken where its deterministic critical path is at most 0.9x the descending one's (sinks + a
-// 1024 window, B2 H16 S8192: 30 % faster on an H100; at GQA 8:1, 33 %). A mask built on a device
-// keeps the descending walk (its lists are not on the host). docs/PERF.md,
-// "Deterministic backward: the walk" and "L2 sections", has the measurements; schedule_candidates
-// reports the model's view of every candidate.
+// 1024 window, B2 H16 S8192: 30 % faster; at GQA 8:1, 33 %). A mask built on a device keeps the
+// descending walk (its lists are not on the host). schedule_candidates reports the model's view
+// of every candidate.
 ColumnSchedule choose_schedule(const BlockMask& mask, const ScheduleProblem& problem = {});
 
 // Every hand-out x walk the kernel runs, with its modelled critical paths (deterministic and not):

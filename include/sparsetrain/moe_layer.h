@@ -35,8 +35,8 @@ struct MoELayerOptions {
   GroupedMLPOptions mlp;
   // true (the default): forward drops x's rows gathered for fc1 after fc1 and backward gathers
   // them again from x (N x top_k x hidden elements less held between forward and backward, for
-  // one more gather pass in backward, 0.1-1.3 % of a layer's fwd + bwd on an H200, docs/PERF.md;
-  // the results are bitwise the same); false: they are kept in MoEForward::rows until backward.
+  // one more gather pass in backward, about 1 % of a layer's fwd + bwd; the results are bitwise
+  // the same); false: they are kept in MoEForward::rows until backward.
   bool recompute_expert_input = true;
 };
 

@@ -27,8 +27,7 @@ __all__ = ["BlockMask", "MaskSpec", "MASK_KINDS", "document_ids_from_cu_seqlens"
 MASK_KINDS = ("full", "causal", "causal_bottom_right", "sliding_window", "document", "document_causal",
               "prefix_lm")
 _DOC_KINDS = ("document", "document_causal")
-# build()'s doc_padding for document masks built on a CUDA device (measured: docs/PERF.md,
-# twenty-ninth and thirtieth sessions).
+# build()'s doc_padding for document masks built on a CUDA device (build's docstring says why).
 _AUTO_DOC_PADDING = 1024
 # The index tensors of a mask, in block_mask.h's order (None where absent).
 TENSOR_NAMES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
@@ -299,9 +298,9 @@ class BlockMask:
         boundaries there, and the CUDA backward runs on it (its tiles never straddle those
         documents' edges; the results are the same up to rounding, and as repeatable); 0: none;
         None (the default): 1024 for a document mask built on a CUDA device with seq_q == seq_kv >=
-        1024 and a schedule that is not a permutation (its device build took 57 us at B2 S8192 and
-        103 us at 128k tokens on an H200, less than one layer's backward saves), else none (on the
-        CPU the form is unused; its host build takes about as long again as the mask's own)."""
+        1024 and a schedule that is not a permutation (its device build costs less than it saves in
+        one layer's backward), else none (on the CPU the form is unused; its host build takes about
+        as long again as the mask's own)."""
         seq_kv = seq_q if seq_kv is None else seq_kv
         if kind not in MASK_KINDS:
             raise ValueError(f"kind: expected one of {', '.join(MASK_KINDS)}, got {kind!r}")

@@ -6,9 +6,9 @@
 // partial, full_q_indices: full). The item visits them in the schedule's walk order (WalkOrder,
 // block_mask.h; bwd_walk_shape below): by default q blocks *descending* (the lists merged from
 // their ends), inside each block the kernel's q tiles descending, and at each q tile every query
-// head of the kv head's group (heads innermost); the old order, kAscendingHeadsOuter, walks each
-// head's blocks and tiles ascending, one head after the other. The dQ partial of a visit goes to
-// q tile `q_tile` of (b, q_head); in the deterministic mode every q tile of block m has a
+// head of the kv head's group (heads innermost); kAscendingHeadsOuter walks each head's blocks
+// and tiles ascending, one head after the other. The dQ partial of a visit goes to q tile
+// `q_tile` of (b, q_head); in the deterministic mode every q tile of block m has a
 // semaphore that follows block m's write order, so a visit waits for turn
 // dq_visit_turn(stored rank of (n, m), sub_tiles, sub_tile) (common/dq_turn.h).
 //
@@ -33,13 +33,12 @@ namespace sparsetrain {
 //                          0..G-1 in turn (heads innermost). Heads can only be innermost when the
 //                          group's heads share one list (a mask with H = 1, broadcast over heads):
 //                          a per-head mask (H > 1) walks descending, one head after the other.
-//   kAscendingHeadsOuter   the old order: per query head, q blocks and tiles ascending.
+//   kAscendingHeadsOuter   per query head, q blocks and tiles ascending.
 //   kAscendingHeadsInner   q blocks and tiles ascending, heads innermost as above (per-head masks:
 //                          one head after the other). For columns that do not nest (a long first
 //                          column beside short ones), where the later columns must follow the
 //                          first one down (block_mask.h choose_schedule).
-// Why descending (docs/PERF.md, "Deterministic backward: the walk"): under a left-to-right hand-out, of two columns sharing
-// a q block the one with the earlier turn (further left) reaches at least as far down (causal and
+// Why descending: under a left-to-right hand-out, of two columns sharing a q block the one with the earlier turn (further left) reaches at least as far down (causal and
 // document-causal masks), so walking from the bottom both reach each (tile, head) at the same
 // offset, the earlier one having started first: they run in lock step one hand-off apart. Walking
 // ascending, column k reaches each tile before column k - 1, whose turn comes first, and every

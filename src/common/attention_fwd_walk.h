@@ -51,7 +51,7 @@ ST_HOST_DEVICE inline int32_t walk_length(const MaskWalkLists& l, const WalkCoun
 // t / sub_tiles for a kernel kv tile t (or a walk position): the mask block it lies in. One kernel
 // tile per block (block_kv = the kernel's kv tile) is the common case and divides nothing: the
 // division's instructions (and its MUFU.RCP, which competes with the softmax's exponentials) were
-// 5 % of the forward's stall samples and cost it 4-12 % (docs/PERF.md).
+// 5 % of the forward's stall samples and cost it 4-12 %.
 ST_HOST_DEVICE inline int32_t sub_tile_block(const MaskWalkLists& l, int32_t t) {
   return l.sub_tiles == 1 ? t : t / l.sub_tiles;
 }
@@ -104,11 +104,11 @@ ST_HOST_DEVICE inline int32_t fwd_mask_row(int32_t q_tile, int32_t tile_q, int32
 // are handed out together, longest first inside the section, so the CTAs in flight share the few
 // heads whose K and V the L2 cache holds: ordering all items longest first instead puts one item
 // of every head in flight at once (128 heads at B = 8, H = 16), each CTA streaming its own head's
-// K and V from DRAM (measured on an H100: 81 % of DRAM bandwidth, 12 % L2 hits, 0.8x the time of
-// the numbered order at S = 4096; docs/PERF.md). A section holds whole GQA groups (the query
+// K and V from DRAM (81 % of DRAM bandwidth, 12 % L2 hits, slower than the numbered order at
+// S = 4096). A section holds whole GQA groups (the query
 // heads of one K/V head are adjacent), at least one, and at most kFwdMaxKvHeadsPerSection kv
-// heads: with small heads more of them only widen the working set (an H100 sweep of the section
-// size: 8-16 kv heads best from 1 to 8 MB of K/V a head, 30 at S = 2048 ran 6 % slower than 16).
+// heads: with small heads more of them only widen the working set (a sweep of the section size:
+// 8-16 kv heads best from 1 to 8 MB of K/V a head, 30 at S = 2048 ran 6 % slower than 16).
 constexpr int64_t kFwdMaxKvHeadsPerSection = 16;
 
 ST_HOST_DEVICE inline int32_t fwd_heads_per_section(int64_t kv_bytes_per_kv_head, int64_t l2_budget_bytes,

@@ -8,8 +8,7 @@
 // once (all their loads before any reduction), and a block's groups take 2^heads_log2 heads side
 // by side (group g: head g % heads, rows (g / heads) * kRows ...): a tile of heads x tile_rows q
 // rows. Block (x, y, z) = (q tile, head tile, batch; z steps by the grid's z past 65535), so the
-// kernel needs no division: a row at a time with 64-bit index arithmetic per row was issue-bound
-// (docs/PERF.md, 2026-11-26, fourteenth session).
+// kernel needs no division: a row at a time with 64-bit index arithmetic per row was issue-bound.
 #pragma once
 
 #include <algorithm>

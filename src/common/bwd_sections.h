@@ -4,45 +4,32 @@
 // device knows the walk), tested on the CPU (tests/cpp/test_bwd_sections.cpp).
 //
 // Why sections: the plain hand-out gives every group's column c before any group's column c + 1,
-// so with many groups (B x H = 128 at S = 2048) the CTAs in flight each read another head's Q and
-// dO and L2 misses (a quarter of the consumers' stall samples wait for the Q / dO pipeline).
-// Handing out a few groups at a time, as many as fill the forward's L2 budget (fwd_heads_per_section),
-// ran the backward 25-41 % faster at S = 2048 / 4096, B = 8 and 6-10 % on GQA 8:1 (H100 sweep,
-// docs/PERF.md).
+// so with many groups (B x H = 128 at S = 2048) the CTAs in flight each read another head's Q
+// and dO, and L2 misses (a quarter of the consumers' stalls wait for the Q / dO pipeline).
+// Handing out as many groups at a time as fill the forward's L2 budget (fwd_heads_per_section)
+// ran the backward 25-41 % faster at S = 2048 / 4096, B = 8.
 //
 // Why the deterministic mode sometimes wants bigger sections: a section's columns start together
-// and the later ones queue for the earlier ones' turns; each of the m = workers / section_groups
-// columns of one group in flight waits up to a hand-off per column ahead of it. That cost stays
-// small while m is at most one column's walk length (its visits: q tiles x query heads of the
-// group); on documents of up to 3000 tokens (~12 visits a column) sections of 4 groups (m = 33)
-// ran 10 % slower than the plain hand-out, 8-16 groups (m <= 16) as fast. So the deterministic
-// mode takes at least workers / visits groups a section. Where the walk length is not known on
-// the host (document ids and bitmasks live on the device) the backward's preprocessing averages
-// it from the mask's column lists (bwd_column_tiles) and applies the same rule on the device: the
-// plain hand-out that such masks kept until then ran their deterministic backward 5-7 % slower
-// (documents 1..3000, a prefix LM from a mask_mod; 2026-11-28 on an H100: the kernels had changed
-// since the runs that had found it as fast; at 128k with GQA 4:1, 2 groups, the rule's one-group
-// sections ran 2-3 % slower than the plain hand-out, docs/PERF.md). That bound holds
-// for the descending walk only, where the columns in flight run one hand-off apart
-// (common/attention_bwd_walk.h); walking ascending, each column reaches every tile before the
-// column whose turn comes first, so the queue grows with every column in flight: the L2-budget
-// sections ran the deterministic backward 1.5-4x slower there on windows, documents and GQA (H100;
-// faster only on short sequences with B = 8). So the deterministic mode walking ascending takes the
-// plain hand-out, except for a few long columns that want sections larger than the budget's anyway
-// (bwd_ascending_section_groups): a landmark mask, which "auto" walks ascending, ran its
-// deterministic backward 12 % faster in its 16-group sections on an H100 (docs/PERF.md, twenty-fifth
-// and twenty-sixth sessions), while the nesting masks, whose longest column is at most 2x the mean
-// walk, keep the plain hand-out.
+// and the later ones queue for the earlier ones' turns, each of the m = workers / section_groups
+// columns of a group in flight waiting up to a hand-off per column ahead of it. That stays cheap
+// while m is at most one column's walk length (its visits: q tiles x the group's query heads), so
+// the deterministic mode takes at least workers / visits groups a section. Where only the device
+// knows the walk length (document ids, bitmasks) the preprocessing averages it from the column
+// lists (bwd_column_tiles) and applies the same rule there. The bound holds for the descending
+// walk only, where the columns in flight run one hand-off apart (common/attention_bwd_walk.h);
+// walking ascending, each column reaches every tile before the column whose turn comes first, so
+// the queue grows with every column in flight: the budget's sections ran 1.5-4x slower there.
+// So the deterministic mode walking ascending takes the plain hand-out, except for a few long
+// columns that want sections larger than the budget's anyway (bwd_ascending_section_groups: a
+// landmark mask, which "auto" walks ascending); the nesting masks, whose longest column is at
+// most 2x the mean walk, keep the plain hand-out.
 //
 // Why masks with a few long columns want bigger sections, in both modes: a section's columns go
 // out in column order, so the last section's longest column starts only when the hand-out reaches
 // that section, about its work / workers before the end, and a column longer than that runs on
-// alone at the end. A sink or landmark column (64 of every 1024 keys visible to every later query)
-// beside 1024-token windows ran the atomic backward 9-26 % slower in the budget's sections of 8
-// groups than in 16 (H100, H200; 12 groups, whose last section holds 8, as slow as 8; 11, 11 and
-// 10 groups 7 % slower than 16), at GQA 8:1 one-group sections 20-24 % slower than the plain
-// hand-out. So a section holds at least workers x the longest walk / a group's work, and the last
-// section as many (bwd_tail_groups).
+// alone at the end (a sink or landmark column beside 1024-token windows). So a section holds at
+// least workers x the longest walk / a group's work, and the last section as many
+// (bwd_tail_groups).
 #pragma once
 
 #include <algorithm>
@@ -149,8 +136,8 @@ ST_HOST_DEVICE inline int64_t bwd_section_groups(int64_t groups, int64_t group_b
 // The deterministic mode walking ascending: the plain hand-out, whose queues sections lengthen,
 // unless a few long columns (the longest at least 4x the mean walk: sinks, landmarks, global
 // tokens; causal has 2x, windows 1x) want sections larger than the L2 budget's anyway: then the
-// tail bound's. A landmark mask's deterministic backward ran 12 % faster in its 16-group sections
-// than in the plain hand-out on an H100 (1 % on an H200); sinks at GQA 8:1 keep the plain one.
+// tail bound's (a landmark mask's deterministic backward ran up to 12 % faster so than in the
+// plain hand-out); sinks at GQA 8:1 keep the plain one.
 ST_HOST_DEVICE inline int64_t bwd_ascending_section_groups(int64_t groups, int64_t group_bytes, int64_t l2_budget,
                                                            int64_t workers, const BwdColumnWalks& walks,
                                                            int64_t items_per_group) {

@@ -1,7 +1,7 @@
-// The padded layout of packed documents that issue 15's item 4 plans for the backward (documents
-// as ranges, docs/PERF.md, fifteenth session): every document of at least `min_length` tokens
-// starts and ends on a kDocPadAlign-token boundary, and runs of shorter documents stay packed (a
-// run starts on a boundary too, since whatever precedes it ends on one). On that layout no
+// The padded layout of packed documents for the attention backward (documents as ranges): every
+// document of at least `min_length` tokens starts and ends on a kDocPadAlign-token boundary, and
+// runs of shorter documents stay packed (a run starts on a boundary too, since whatever precedes
+// it ends on one). On that layout no
 // 128-row tile straddles a long document's edge, which is where the deterministic backward's turn
 // chains pay for partial tiles; and because at most seq / min_length documents are long, the padded
 // length has a bound known from seq alone (doc_padded_length_bound), so a layout built on the device

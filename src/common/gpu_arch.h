@@ -81,9 +81,9 @@ inline GemmKernels grouped_gemm_kernels(Capability dev, bool sm90_compiled) {
 }
 
 // Tiny problems take the SIMT kernel on Hopper too: with host splits it is one launch against the
-// sm90 path's set-up kernel and GEMM, and at this size an eager call's time is its launches (an
-// H100, bench/bench_gemm_paths.py: at 16 x 64 x 64 an eager forward 25.7 us against 35.2, where
-// from 16 x 256 x 256 up the SIMT kernel's own time loses: 38.8 against 34.7 us; docs/PERF.md).
+// sm90 path's set-up kernel and GEMM, and at this size an eager call's time is its launches
+// (bench/bench_gemm_paths.py: at 16 x 64 x 64 an eager forward takes a quarter less time; from
+// 16 x 256 x 256 up the SIMT kernel's own time loses).
 // rows x in x out multiply-adds at most max_macs; 0 turns the rule off.
 inline constexpr int64_t kSimtMaxMacs = int64_t(1) << 16;
 inline bool simt_by_size(int64_t rows, int64_t in, int64_t out, int64_t max_macs = kSimtMaxMacs) {

@@ -860,9 +860,8 @@ bool walk_needs_the_model(const BlockMask& mask, const ScheduleProblem& p) {
 // kAscendingHeadsOuter; with GQA groups the model puts it at or ahead of the heads-outer one)
 // modelled deterministic critical path must be at most this fraction of the descending walk's.
 // The model has no per-item, hand-off or L2 cost, and those favour the descending walk (it won by
-// 1-23 % where the model ranked the walks within 3 %; docs/PERF.md); where the model put the
-// ascending walk 19 % ahead (attention sinks + a 1024 window, B2 H16 S8192) it ran 30 % faster on
-// an H100.
+// 1-23 % where the model ranked the walks within 3 %); where the model put the ascending walk 19 %
+// ahead (attention sinks + a 1024 window, B2 H16 S8192) it ran 30 % faster.
 constexpr double kAscendingWalkGain = 0.9;
 
 // The model's critical path of `schedule` on the resolved problem, deterministic or not. The

@@ -143,7 +143,7 @@ struct Case {
 
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
-// A document case with given document lengths (issue 14's list: 1, 2, 63, 64, 65, 127, 128, 129,
+// A document case with given document lengths (1, 2, 63, 64, 65, 127, 128, 129,
 // 3000 mixed, different per batch row; Sq != Skv documents).
 Case documents_case(std::string name, DType dtype, int64_t B, int64_t Sq, int64_t Skv, int64_t Hq, int64_t Hkv,
                     int64_t D, MaskKind kind, std::vector<int64_t> q_lengths, std::vector<int64_t> kv_lengths = {},
@@ -456,7 +456,7 @@ TEST_P(AttentionCuda, BackwardMatchesTheOracle) {
   expect_backward_matches(c, su, su.mask);
 }
 
-// Documents as ranges (issue 15 item 4): the backward on the padded mask (documents of 128 tokens
+// Documents as ranges: the backward on the padded mask (documents of 128 tokens
 // or more on 128-token boundaries; host-built, copied over) against the same oracle, both modes,
 // D = 128 and 64, GQA, random and listed lengths (1 to 3000), blocks of 128 x 256, ids broadcast
 // over the batch, a tail in no document (each side's own id, as cu_seqlens past the last

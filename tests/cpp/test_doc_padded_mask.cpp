@@ -1,5 +1,5 @@
-// The backward's padded document mask (build_doc_padded_mask, BlockMask::backward_padded; issue 15
-// item 4): its lists are the brute-force classes of the padded ids, real_rows places every token
+// The backward's padded document mask (build_doc_padded_mask, BlockMask::backward_padded): its
+// lists are the brute-force classes of the padded ids, real_rows places every token
 // once and in order, the CPU reference run on the physically padded problem with the padded mask
 // gives the original problem's results (the padded mask is the same mask: up to the rounding of
 // the reference's per-block sums, whose blocks now start elsewhere), attaching it

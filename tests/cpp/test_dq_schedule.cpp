@@ -566,7 +566,7 @@ TEST(DqScheduleProperty, BuiltOrdersPassCheckerAndModelInconsistentOnesAreCaught
   EXPECT_GT(ascending_chosen, 0) << "auto never took the ascending walk: its branch went untested";
 }
 
-// ---- the note's cases (../shared/notes/det-backward-analysis.md, docs/PERF.md) ----------------
+// ---- five measured cases of the deterministic walk's analysis ----------------------------------
 
 // Document ids [1, S]: lengths drawn uniformly from [lo, hi] (the bench's document_ids).
 HostTensor doc_ids(int64_t S, int64_t lo, int64_t hi, uint32_t seed) {
@@ -629,13 +629,13 @@ NoteRatios note_ratios(const NoteCase& nc, int seeds) {
   return r;
 }
 
-// The note simulates the five measured cases: the old left-to-right ascending walk 1.79 / 1.49 /
-// 1.34 / 1.00 / 1.02 det / nondet, the fix 1.00 on all five. The repository's model (unit cost
-// per q block, free hand-offs) agrees on four: the fix within 5 % of nondet, the old order >= 1.3
-// on the two GQA cases. It disagrees on short documents (16k, lengths 1..3000, H16): it models
-// the fix at 1.19-1.25 and the old order at 1.66-1.96, where the GPU measured 1.06 and 1.08
-// (docs/PERF.md). Auto takes the fix on both GQA cases, and its choice models within 6 % of
-// nondet on the four where model and note agree.
+// A separate simulation (the note) of the five measured cases gives: the left-to-right ascending
+// walk 1.79 / 1.49 / 1.34 / 1.00 / 1.02 det / nondet, the fix (descending, heads innermost) 1.00
+// on all five. The repository's model (unit cost per q block, free hand-offs) agrees on four: the
+// fix within 5 % of nondet, the old order >= 1.3 on the two GQA cases. It disagrees on short
+// documents (16k, lengths 1..3000, H16): it models the fix at 1.19-1.25 and the old order at
+// 1.66-1.96, where the GPU measured 1.06 and 1.08. Auto takes the fix on both GQA cases, and its
+// choice models within 6 % of nondet on the four where model and note agree.
 TEST(DqModelNote, DescendingHeadsInnerRemovesTheChainWasteOfTheNotesCases) {
   const NoteCase doc128k{"doc-causal 128k 8:2", st::MaskKind::kDocumentCausal, 131072, 1, 8, 2, 0, 1, 8192};
   const NoteCase gqa16{"causal 16:2 B2 S8192", st::MaskKind::kCausal, 8192, 2, 16, 2, 0, 0, 0};
@@ -655,7 +655,7 @@ TEST(DqModelNote, DescendingHeadsInnerRemovesTheChainWasteOfTheNotesCases) {
 
 TEST(DqModelNote, AutoTakesTheMeasuredWalkOnTheBenchMasks) {
   // The bench's cases (bench/bench_attention.py CASES) with their batch and heads, and the walk
-  // that ran faster on an H100 with the backward's L2 sections (docs/PERF.md, "L2 sections"): the
+  // that ran faster on the GPU with the backward's L2 sections: the
   // descending one on every case, 1-23 % (before the sections the ascending walk won by 0-3 % on
   // causal MHA and windows, where the model ranks the two walks within 3 %). Each time
   // auto's choice is what the model gives for the chosen schedule.

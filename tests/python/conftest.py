@@ -1,7 +1,7 @@
 """pytest hooks for tests/python: the fuzz campaign's tally. Each test of test_fuzz.py takes one
 `case` (a test_fuzz.Case: device, family); at the end of the session one line per device reads
-"fuzz: N cases run, F failures (cpu, seed 56: ...)", the number docs/PERF.md's reliability line
-quotes. Skipped cases are not counted as run. (Read from the test's parameters rather than through
+"fuzz: N cases run, F failures (cpu, seed 56: ...)", the number docs/PERF.md quotes. Skipped
+cases are not counted as run. (Read from the test's parameters rather than through
 record_property, which warns under --junitxml's default xunit2 family.)"""
 
 import collections

@@ -186,7 +186,7 @@ def _length_documents(B, S, lengths):
     return ids
 
 
-# Issue 14's document lengths: around the 128 tile, and one of 3000.
+# Document lengths around the 128 tile, and one of 3000.
 LENGTHS = [1, 2, 63, 64, 3000, 65, 127, 128, 129]
 SHORT_LENGTHS = [1, 2, 63, 64, 65, 127, 128, 129]
 KEY_LENGTHS = [129, 65, 1, 128, 2, 127, 63, 64]

@@ -1,8 +1,8 @@
-"""A fuzz campaign (issue 56, part 7): random GroupedLinear, GroupedMLP, MoELayer and
-block_sparse_attention cases from a seeded generator, each run forward + backward through the torch
-front and checked against float64 oracles written here from docs/DESIGN.md's formulas (no library
-code: per-expert matmuls; SwiGLU x probs; the router's choice, probs and combine; dense masked
-softmax attention with the mask from its definition, a block matrix, a mask_mod or cu_seqlens).
+"""A fuzz campaign: random GroupedLinear, GroupedMLP, MoELayer and block_sparse_attention cases from
+a seeded generator, each run forward + backward through the torch front and checked against float64
+oracles written here from docs/DESIGN.md's formulas (no library code: per-expert matmuls; SwiGLU x
+probs; the router's choice, probs and combine; dense masked softmax attention with the mask from its
+definition, a block matrix, a mask_mod or cu_seqlens).
 
 What a case draws: shapes (odd sizes, G from 1 to 128, Sq != Skv, GQA), dtypes (fp32, bf16, fp16),
 splits (empty experts, 1-row experts, all rows in one expert, none at all, sums below T (a padded

@@ -1,4 +1,4 @@
-"""The torch front's host-side contract (issue 16): caller `out` / `grad_input` buffers through
+"""The torch front's host-side contract: caller `out` / `grad_input` buffers through
 backward (S-row buffers under host splits, grad_input refused at forward, buffers that require
 grad refused), backward_dw without delayed wgrad (a no-op, hooks included, as TransformerEngine's),
 the sticky status word of device splits (`splits_status`), the packed-wgrad stride the fake
@@ -485,7 +485,7 @@ def test_deepcopy_of_a_called_module(kind):
     copy.deepcopy(d)
 
 
-# --- Bad input a new user hit (issue 56, part 6) -------------------------------------------------
+# --- Bad input a new user hit --------------------------------------------------------------------
 
 _NAMES = {torch.float64: "fp64", torch.float32: "fp32", torch.float16: "fp16", torch.int64: "int64", torch.bool: "bool"}
 _WRONG_X = [pytest.param(dt, grad, with_out, id=f"{name}-{'grad' if grad else 'no_grad'}-{'out' if with_out else 'y'}")
@@ -550,7 +550,7 @@ def test_fractional_or_float_splits_are_refused_not_truncated(make, form):
 
 @pytest.mark.parametrize("make", MODULES)
 def test_whole_float_and_integer_tensor_splits_are_the_integers(make):
-    """30.0 in a list is 30 (the rule reads list values; decided in issue 56), and an int32 or int16
+    """30.0 in a list is 30 (the rule reads list values), and an int32 or int16
     tensor is converted: the same bytes as the int list, in a fresh module and right after ints."""
     x, probs, _ = _data(16)
     ref = _call(make(), x.detach(), probs.detach())

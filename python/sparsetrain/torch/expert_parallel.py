@@ -309,8 +309,8 @@ class ExpertParallelMoELayer(nn.Module):
     backward_dw before the next forward.
 
     Every rank must call forward and backward for every step (the exchanges are collectives), with
-    the same requires_grad on its inputs. Measured (2 x H200, docs/PERF.md): the symmetric exchange
-    18-20 % slower a step than NCCL's, so it is the option for CUDA graphs, not the default. Not
+    the same requires_grad on its inputs. The symmetric exchange measured 18-20 % slower a step
+    than NCCL's, so it is the option for CUDA graphs, not the default. Not
     done: overlap of the exchanges with expert compute in the layer (bench/bench_moe_ep.py --overlap:
     two half batches with the second half's NCCL dispatch under the first half's experts were
     slower than one batch); torch.compile (the NCCL exchange's host splits;

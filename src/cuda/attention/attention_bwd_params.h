@@ -18,8 +18,8 @@ namespace sparsetrain::cuda::attn {
 constexpr int kBwdTileQ = 64;
 // At D <= 64, 128-row q tiles (FlashAttention-3's 128 x 128 at D = 64): a visit's fixed latency
 // (barriers, waits, the walk) is the same at any D, so the smaller GEMMs need more rows to carry
-// it (-4 to -7 % at D = 64, docs/PERF.md). BwdTraits::kBlockM; the host's scratch rows, lists and
-// sections rule take it from here.
+// it (64-row tiles took 4-7 % longer at D = 64). BwdTraits::kBlockM; the host's scratch rows,
+// lists and sections rule take it from here.
 constexpr int bwd_tile_q(int head_dim) { return head_dim <= 64 ? 2 * kBwdTileQ : kBwdTileQ; }
 using sparsetrain::kBwdTileKv;
 

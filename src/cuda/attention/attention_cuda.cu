@@ -391,9 +391,9 @@ class AttentionCuda final : public backend::AttentionBackend {
     const FwdOrder order = fwd_order();
     int32_t* ticket = reinterpret_cast<int32_t*>(records + a.num_items);
     a.ticket = order.dynamic ? ticket : nullptr;
-    // Sections of heads whose K and V fill the L2 budget (the section-size sweep in docs/PERF.md:
-    // 32 MB sections at 4 and 8 MB a head ran best); "lpt" (a sweep switch) makes the whole
-    // problem one section.
+    // Sections of heads whose K and V fill the L2 budget (a sweep of the section size: 32 MB
+    // sections at 4 and 8 MB a head ran best); "lpt" (a sweep switch) makes the whole problem one
+    // section.
     const int64_t heads = p.batch * p.heads_q;
     const int64_t kv_head_bytes = 2 * p.seq_kv * p.head_dim * int64_t(dtype_size(p.dtype));
     const int32_t per_section =

@@ -115,7 +115,7 @@ __device__ __forceinline__ void fwd_consume(const typename T::Params& p, typenam
   // warpgroup: o is staged in that tile's V stage, which both warpgroups' PV GEMMs read (hence the
   // first barrier), then one TMA store writes the [kBlockM, D] tile (rows past Sq clipped) and the
   // stage goes back to the V producer once the store has read it. Against o stored from the
-  // registers in 4-byte pairs: 0.4-2.6 % faster on every bench class (docs/PERF.md).
+  // registers in 4-byte pairs: 0.4-2.6 % faster on every bench class.
   Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename T::SmemLayoutV{});
   auto store_o = [&](int32_t b, int32_t h, int32_t q0, const OnlineSoftmax<kRows>& done, uint32_t v_tile) {
     const int stage = v_state(v_tile).index();
@@ -142,9 +142,9 @@ __device__ __forceinline__ void fwd_consume(const typename T::Params& p, typenam
   auto lane = [] { return int(threadIdx.x) % 128; };
   // Ping-pong (the two consumer warpgroups taking turns to issue their GEMMs through named
   // barriers 0 and 1, FlashAttention-3's inter-warpgroup overlap) is off by default
-  // (FwdTraits::kPingPong): measured slower on this kernel (H100, causal D = 128: 405 vs 442
-  // TFLOP/s), and its barrier bookkeeping made the D = 128 consumers spill. Both warpgroups take the same number of
-  // turns when it is on (they walk the same items).
+  // (FwdTraits::kPingPong): measured 8 % slower on this kernel (causal, D = 128), and its barrier
+  // bookkeeping made the D = 128 consumers spill. Both warpgroups take the same number of turns
+  // when it is on (they walk the same items).
   auto wait_turn = [&] {
     if constexpr (T::kPingPong) cutlass::arch::NamedBarrier::sync(T::kMmaThreads, wg());
   };

@@ -35,7 +35,7 @@ constexpr auto smem_atom_k_major() {
 // the pool the CTA starts with, the registers a thread of __launch_bounds__(threads, 1) gets (the
 // register file over the threads, in steps of 8: 168 for 384 threads) times its threads (64512,
 // not 65536). A split that asks for more leaves the growing warpgroups waiting forever (a prepared
-// 32 / 240 backward hung so on an H200, docs/PERF.md).
+// 32 / 240 backward hung so).
 constexpr bool register_split_fits(int threads, int producer_regs, int consumer_threads, int consumer_regs) {
   return (threads - consumer_threads) * producer_regs + consumer_threads * consumer_regs <=
          65536 / threads / 8 * 8 * threads;

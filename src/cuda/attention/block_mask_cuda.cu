@@ -214,8 +214,8 @@ __global__ void cols_kernel(const DeviceMaskBuild p, int32_t* q_num, int32_t* q_
 
 // build_doc_padded_mask on a device: the padded layout (common/doc_padding.h) of every batch row,
 // in chunks of kDocPadChunk tokens (kPadItems consecutive tokens a thread), one CTA a (row, chunk) in
-// each of four launches, so a long row is spread over the GPU (one CTA a row serialised 128k
-// tokens: 1.1 ms on an H200). Long documents are found from `starts`, the document starts at or
+// each of four launches, so a long row is spread over the GPU (one CTA a row serialised a
+// 128k-token row: ten times this form's time). Long documents are found from `starts`, the document starts at or
 // before each token (doc_token_starts_long: no search, no length walk). Then the layout is the
 // exclusive scan of the tokens' steps (doc_pad_token_step), carried across chunks as in a
 // reduce-then-scan:

@@ -19,7 +19,7 @@ using namespace cute;
 
 // A bitmask mask on a partial visit of the transposed tile. Read per element from global memory
 // after the S GEMM (16-32 loads a thread, with the registers full so that they went out a few at a
-// time), the bits were a third of a sinks-and-window mask's backward (docs/PERF.md). Here each lane
+// time), the bits were a third of a sinks-and-window mask's backward. Here each lane
 // loads whole words, coalesced: the warp's keys are one 16-key half of a 32-key group, so the warp
 // needs that group's word of each q row, and lane l loads those of rows l, l + 32, ...;
 // mask_bits_transposed spreads their bits with ballots. Rows past Sq and a corrupt entry
@@ -285,7 +285,7 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
       pipe.consumer_release(read);
       ++read;
       // The next visit's walk. (Under this visit's S^T / dP^T GEMMs instead it gained 0.5-1.6 % at
-      // D = 64 with 64-row q tiles, docs/PERF.md; no registers for it at 128-row tiles or D = 128.)
+      // D = 64 with 64-row q tiles; no registers for it at 128-row tiles or D = 128.)
       have = bwd_item_next<kVisitBitEntry>(a.lists, b, column, cur, &next);
     }
     // dK and dV leave through K's and V's shared memory, once both warpgroups' last GEMMs are done

@@ -16,8 +16,8 @@ using namespace cute;
 // namesake in the dQ GEMM produced, four at a time (one 16-byte load: two column pairs of rows r
 // and r + 8), into a [q, D] tile in shared memory in the input dtype; the tile then leaves in
 // 16-byte stores along its rows. (Storing each column pair from the fragment straight to global,
-// 4 bytes a thread and 8 rows a warp instruction, ran at a quarter of the memory's bandwidth:
-// 220 us for 128 MiB of accumulator on an H100, 19 % of a short-row backward; docs/PERF.md.)
+// 4 bytes a thread and 8 rows a warp instruction, ran at a quarter of the memory's bandwidth,
+// a fifth of a short-row backward.)
 // Also reports a dQ wait the kernel gave up (abandoned).
 template <class T>
 __global__ void __launch_bounds__(T::kMmaThreads) bwd_convert_dq_kernel(const BwdArgs a, void* dq_out) {

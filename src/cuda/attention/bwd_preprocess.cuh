@@ -42,11 +42,11 @@ struct BwdSectionsOnDevice {
 // Per padded row (b, h, q): delta = rowsum(dout * o), lse * log2(e) (+inf where the row has no
 // allowed key or holds no token: past Sq, or a padding position of a padded document mask, whose
 // rows are mask positions with tokens from real_rows, bwd_token_at; P = 0 there), and the row of
-// the dQ accumulator zeroed unless dq_accum is null (the deterministic mode: zeroing was half of this kernel's traffic). Tiles of
-// heads x q rows (BwdPreprocessTiling) read o as the forward wrote it ([B, S, H, D]: the heads of
-// a q row side by side) and dout (from torch, usually [B, H, S, D]: the rows of a head) in runs
-// of several rows, at ~75 % of an H100's memory bandwidth (the per-row form before it was bound by
-// its index arithmetic: docs/PERF.md, fourteenth session). Five blocks an SM (at most 48
+// the dQ accumulator zeroed unless dq_accum is null (the deterministic mode: zeroing was half of
+// this kernel's traffic). Tiles of heads x q rows (BwdPreprocessTiling) read o as the forward
+// wrote it ([B, S, H, D]: the heads of a q row side by side) and dout (from torch, usually
+// [B, H, S, D]: the rows of a head) in runs of several rows, at ~75 % of the memory bandwidth (a
+// row at a time, the kernel was bound by its index arithmetic). Five blocks an SM (at most 48
 // registers; no spills on any built architecture): 80 KiB of loads in flight an SM.
 template <class E, class Tiling>
 __global__ void __launch_bounds__(Tiling::kThreads, 5)

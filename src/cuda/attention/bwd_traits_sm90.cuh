@@ -24,7 +24,7 @@ struct BwdTraits {
   // 24 / 240 at 128-row q tiles. The consumers hold dK, dV, S, dP and dQ; the loader and the dQ
   // writers walk the mask's lists, which at 24 registers spills their walk cursors to local
   // memory (the one instance family allowed to spill, CMakeLists.txt: the walks' cursors kept in
-  // shared memory instead gave the writers wrong visits on an H200, docs/PERF.md).
+  // shared memory instead gave the writers wrong visits).
   static constexpr int kProducerRegs = kBlockM == 128 ? 24 : 40, kConsumerRegs = kBlockM == 128 ? 240 : 232;
   static_assert(register_split_fits(kThreads, kProducerRegs, kMmaThreads, kConsumerRegs), "setmaxnreg budgets");
   // dS buffers: two, so a warpgroup may write the next visit's dS while the other still reads this

@@ -44,7 +44,7 @@ struct FwdTraits {
   static constexpr int kProducerRegs = 40;
   static_assert(register_split_fits(kThreads, kProducerRegs, kMmaThreads, kConsumerRegs), "setmaxnreg budgets");
   // The consumer warpgroups taking turns to issue GEMMs (see fwd_consume): off, it cost registers
-  // and lost 8 % (docs/PERF.md).
+  // and lost 8 %.
   static constexpr bool kPingPong = false;
 
   using TileQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // S = Q K^T: M x N x K

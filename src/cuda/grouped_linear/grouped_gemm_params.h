@@ -38,7 +38,7 @@ struct GroupedGemmParams {
 
 // A kernel's per-group tables are cut to a capacity before its launch: the parameters go through
 // the driver on the host, and three tables of kMaxGroups pointers (12 KiB) cost a few-group call
-// several microseconds of host time a launch more than a few hundred bytes (docs/PERF.md). Calls
+// several microseconds of host time a launch more than a few hundred bytes. Calls
 // f(std::integral_constant<int, Cap>) with the smallest of 16, 128 and kMaxGroups that holds
 // num_groups (the caller bounds it by kMaxGroups).
 template <typename F>
