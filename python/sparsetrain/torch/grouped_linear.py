@@ -38,7 +38,7 @@ _LAYERS: "dict[int, weakref.ReferenceType[nn.Module]]" = {}
 _NEXT_ID = itertools.count()
 
 
-def register_layer(module: nn.Module) -> int:
+def _register_layer(module: nn.Module) -> int:
     layer_id = next(_NEXT_ID)
     _LAYERS[layer_id] = weakref.ref(module)
     weakref.finalize(module, _LAYERS.pop, layer_id, None)
@@ -372,6 +372,17 @@ class DelayedWgrad:
     `_accumulate_backward_dw()` (its pending wgrads into main_grad or .grad, and bias grads),
     `_make_native()` and `_native_params()`."""
 
+    def _init_layer_state(self) -> None:
+        """The state the methods below keep, empty, and the module's registration (last: the
+        layer's custom ops find the module through it)."""
+        self._hooks: List[Callable[[], None]] = []
+        self._core_layer: Any = None  # the `_C` layer, made at the first call that takes that way
+        self._core_key: Any = None
+        self._native_layer: Any = None
+        self._native_methods: Any = None
+        self._grad_accumulators: Any = None  # (parameters, their AccumulateGrad nodes, stream): _hold_grad_accumulators
+        self._id = _register_layer(self)
+
     def _native(self, method: str, *args: Any, params: Any = None) -> Any:
         """`method` of the module's C++ layer in the C++ torch library (made once), called with
         `args` and the module's current parameters and flags (`params`, else `_native_params()`);
@@ -452,7 +463,7 @@ class DelayedWgrad:
                 new.__dict__[key] = self._NOT_COPIED[key]
             elif key != "_id":
                 new.__dict__[key] = copy.deepcopy(value, memo)
-        new._id = register_layer(new)
+        new._id = _register_layer(new)
         return new
 
 
@@ -509,14 +520,8 @@ class GroupedLinear(DelayedWgrad, nn.Module):
                             else [f"bias{i}" for i in range(num_gemms)])
         # Not in the state dict (persistent=False); moves with the module (.to / .cuda).
         self.register_buffer("splits_status", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
-        self._hooks: List[Callable[[], None]] = []
-        self._core_layer: Optional[_CoreGroupedLinear] = None
-        self._core_key: Any = None
-        self._native_layer: Any = None
-        self._native_methods: Any = None
-        self._grad_accumulators: Any = None  # (parameters, their AccumulateGrad nodes, stream): _hold_grad_accumulators
         self._host_splits: Optional[Tuple[tuple, Tensor]] = None  # (values, tensor) of the last list
-        self._id = register_layer(self)
+        self._init_layer_state()
 
     def _splits_status(self) -> Tensor:
         return self.splits_status

@@ -4,7 +4,7 @@ fused op per direction (two GroupedLinear layers' parameters and options)."""
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -14,8 +14,8 @@ from .. import GroupedMLP as _CoreGroupedMLP
 from . import native
 from .grouped_linear import (DelayedWgrad, GroupedLinear, accumulate_layer_grads, check_buffer_args, check_no_pending,
                              check_same_overwrite, core_and_splits, disposition_constant, fake_check_devices,
-                             layer_grad_tensors, layer_grads_fake, layer_of, param_grads, recorded, register_layer,
-                             splits_arg, status_for, unfused_native_params, with_rows, without_autograd, written)
+                             layer_grad_tensors, layer_grads_fake, layer_of, param_grads, recorded, splits_arg,
+                             status_for, unfused_native_params, with_rows, without_autograd, written)
 
 # --- GroupedMLP ------------------------------------------------------------------------------
 # The same scheme as GroupedLinear's ops: `params` is [fc1 weights, fc1 biases, fc2 weights, fc2
@@ -191,13 +191,7 @@ class GroupedMLP(DelayedWgrad, nn.Module):
         self.use_bias, self.single_grouped_weight = bias, single_grouped_weight
         self.fuse_wgrad_accumulation, self.delay_wgrad_compute = fuse_wgrad_accumulation, delay_wgrad_compute
         self.check_device_splits = check_device_splits
-        self._hooks: List[Callable[[], None]] = []
-        self._core_layer: Optional[_CoreGroupedMLP] = None
-        self._core_key: Any = None
-        self._native_layer: Any = None
-        self._native_methods: Any = None
-        self._grad_accumulators: Any = None  # (parameters, their AccumulateGrad nodes, stream): _hold_grad_accumulators
-        self._id = register_layer(self)
+        self._init_layer_state()
 
     @property
     def splits_status(self) -> Tensor:
