@@ -1,11 +1,8 @@
-"""GroupedLinear and GroupedMLP through the C++ torch library (sparsetrain._torch_ops, the default
-where it is built) against the extension path (`_C`, SPARSETRAIN_TORCH_OPS=0): the same bytes
-forward and backward, with bias, packed weights, caller out / grad_input buffers, main_grad
-accumulation and overwrite, the dummy wgrad of Megatron's grad_added_to_main_grad and delayed
-wgrad (two backwards queued, then backward_dw twice, first in first out; on CUDA on a side
-stream, with device splits; those cases skip without a GPU); the C++ layer following
-parameters that move and refusing while wgrads are pending; eager no-grad calls that skip the
-autograd.Function. Fresh random data on each run (the seed is in the failure message)."""
+"""GroupedLinear and GroupedMLP through the C++ torch library (sparsetrain._torch_ops, the torch
+front's only route): the C++ layer following parameters that move and refusing while wgrads are
+pending; eager no-grad calls that skip the autograd.Function; recorded calls that take the C++
+autograd node. And the import error where the library is not in the install or does not load.
+Fresh random data on each run (the seed is in the failure message)."""
 
 import os
 import random
@@ -16,6 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed: torch tests skipped")
 
+import sparsetrain  # noqa: E402
 import sparsetrain.torch as stt  # noqa: E402
 import sparsetrain.torch.native as stn  # noqa: E402
 
@@ -24,21 +22,6 @@ SPLITS = [9, 0, 17, 6]  # S = 32 < T: a padded tail, expert 1 empty
 S = sum(SPLITS)
 BF16 = torch.bfloat16
 
-needs_native = pytest.mark.skipif(stn.NATIVE is None, reason="the C++ torch library (sparsetrain/_torch_ops.so) "
-                                  "is not built here, or SPARSETRAIN_TORCH_OPS=0: its parity tests skipped")
-
-CASES = {
-    "bias": dict(),
-    "packed_caller_buffers": dict(single_grouped_weight=True, buffers=True),
-    "main_grad_dummy": dict(fuse_wgrad_accumulation=True, main_grad="accumulate", grad_added=True),
-    "packed_overwrite_main_grad_dummy": dict(single_grouped_weight=True, fuse_wgrad_accumulation=True,
-                                             main_grad="overwrite", grad_added=True),
-    "delayed": dict(delay_wgrad_compute=True, buffers=True),
-    "delayed_fused_dummy": dict(delay_wgrad_compute=True, fuse_wgrad_accumulation=True, main_grad="accumulate",
-                                grad_added=True),
-    "fp32_no_bias": dict(bias=False, params_dtype=torch.float32),
-    "delayed_grad_input_only": dict(delay_wgrad_compute=True, buffers="grad_input"),
-}
 KINDS = ["GroupedLinear", "GroupedMLP"]
 
 
@@ -60,83 +43,10 @@ def _bits(t):
     return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
-def _run(kind, case, seed, device):
-    """Two steps of forward + backward (then the delayed wgrads): every tensor that came out. On
-    CUDA with device splits, and the delayed wgrads computed on a side stream."""
-    opts = dict(CASES[case])
-    buffers, main_grad, added = opts.pop("buffers", False), opts.pop("main_grad", None), opts.pop("grad_added", False)
-    m = _make(kind, seed, device=device, **opts)
-    dtype = m.fc1.weights()[0].dtype if kind == "GroupedMLP" else m.weights()[0].dtype
-    splits = torch.tensor(SPLITS, device=device) if device == "cuda" else SPLITS
-    gen = torch.Generator().manual_seed(seed + 1)
-    weights = [p for n, p in m.named_parameters() if "weight" in n]
-    for w in weights if main_grad else []:
-        w.main_grad = torch.randn(w.shape, generator=gen).to(device)
-        w.overwrite_main_grad = main_grad == "overwrite"
-        if added:
-            w.grad_added_to_main_grad = False
-    got = []
-    for _ in range(2):
-        x = torch.randn(T, IN, generator=gen).to(device, dtype).requires_grad_()
-        probs = torch.rand(T, generator=gen).to(device).requires_grad_()
-        dy = torch.randn(T, OUT, generator=gen).to(device, dtype)
-        kw = dict(out=torch.full((T, OUT), float("nan"), dtype=dtype, device=device),
-                  grad_input=torch.full((T, IN), float("nan"), dtype=dtype, device=device)) if buffers else {}
-        if buffers == "grad_input":
-            del kw["out"]
-        y = _call(m, x, probs, splits, **kw)
-        y.backward(dy)
-        got += [y, x.grad] + ([probs.grad] if kind == "GroupedMLP" else [])
-    assert m.pending_wgrads == (2 if m.delay_wgrad_compute else 0)
-    side = torch.cuda.Stream() if device == "cuda" else None
-    for _ in range(2 if m.delay_wgrad_compute else 0):
-        if side is None:
-            m.backward_dw()
-            continue
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            m.backward_dw()
-        torch.cuda.current_stream().wait_stream(side)
-    assert m.pending_wgrads == 0
-    got += [p.grad if p.grad is not None else torch.zeros(0) for p in m.parameters()]
-    got += [w.main_grad for w in weights if main_grad]
-    flags = [getattr(w, "grad_added_to_main_grad", None) for w in weights]
-    return m, got, flags
-
-
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                 reason="no CUDA device: the CUDA parity cases skip"))]
-
-
-@needs_native
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("kind", KINDS)
-def test_native_layers_equal_the_extension_path(kind, case, device, monkeypatch):
-    if device == "cuda" and CASES[case].get("params_dtype") == torch.float32:
-        pytest.skip("fp32 layers run on the CPU reference only")
-    seed = random.SystemRandom().randrange(2**31)
-    native, got, flags = _run(kind, case, seed, device)
-    assert native._native_layer is not None and native._core_layer is None, "ran through the C++ torch library"
-    monkeypatch.setattr(stn, "NATIVE", None)
-    extension, want, want_flags = _run(kind, case, seed, device)
-    assert extension._core_layer is not None and extension._native_layer is None, "ran through _C"
-    assert flags == want_flags, f"grad_added_to_main_grad, seed {seed}"
-    assert len(got) == len(want)
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride(), f"tensor {i}, seed {seed}"
-        assert torch.equal(_bits(a), _bits(b)), f"tensor {i}: bytes differ, seed {seed}"
-
-
-@pytest.mark.parametrize("path", ["native", "extension"])
-def test_the_layer_follows_moved_parameters_and_refuses_while_wgrads_pend(path, monkeypatch):
+def test_the_layer_follows_moved_parameters_and_refuses_while_wgrads_pend():
     """A parameter replaced in place (`.data =`), a new main_grad or a new grad_added_to_main_grad
     attribute is seen by the next call (the C++ layer is rebuilt over them); while a delayed
     wgrad is pending nothing may move."""
-    if path == "native" and stn.NATIVE is None:
-        pytest.skip("the C++ torch library is not built here")
-    if path == "extension":
-        monkeypatch.setattr(stn, "NATIVE", None)
     gen = torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))
     m = _make("GroupedLinear", 0, fuse_wgrad_accumulation=True, delay_wgrad_compute=True)
     for w in m.weights():
@@ -199,21 +109,79 @@ def test_no_grad_calls_skip_autograd_with_the_same_bytes(kind):
     assert frozen.grad_fn is None and not frozen.requires_grad and torch.equal(_bits(frozen), _bits(recorded))
 
 
-def test_torch_ops_0_runs_the_extension_path():
-    """SPARSETRAIN_TORCH_OPS=0 loads no C++ torch library and every call runs through `_C`."""
-    code = ("import torch, sparsetrain.torch as stt, sparsetrain.torch.native as stn\n"
-            "assert stn.NATIVE is None\n"
-            "m = stt.GroupedMLP(2, 8, 4, bias=True, delay_wgrad_compute=True)\n"
-            "x = torch.randn(5, 8, requires_grad=True)\n"
-            "m(x, [2, 3], torch.rand(5)).sum().backward(); m.backward_dw()\n"
-            "assert m._core_layer is not None and m._native_layer is None and x.grad is not None\n"
-            "assert m.fc1.weight0.grad is not None\n")
-    env = dict(os.environ, SPARSETRAIN_TORCH_OPS="0")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+# Imports sparsetrain.torch in a fresh interpreter and prints what the import raised. A meta path
+# finder refuses sparsetrain._torch_ops where argv[1] is "unloadable" (a library built against
+# another torch or Python: its import fails as dlopen's would).
+_IMPORT = """
+import sys
+if sys.argv[1] == "unloadable":
+    class Refuse:
+        def find_spec(self, name, path=None, target=None):
+            if name == "sparsetrain._torch_ops":
+                raise ImportError("_torch_ops.so: undefined symbol: _ZN3c10stand_in")
+    sys.meta_path.insert(0, Refuse())
+import sparsetrain
+sparsetrain.GroupedLinear  # the numpy / DLPack API is there without the torch library
+print("package:", sparsetrain.__file__)
+try:
+    import sparsetrain.torch
+except ImportError as e:
+    print(f"{type(e).__name__} ({e.name}): {e}")
+else:
+    print("sparsetrain.torch imported")
+"""
+
+
+def _import_torch_front(how, python_path):
+    env = dict(os.environ, PYTHONPATH=str(python_path))
+    r = subprocess.run([sys.executable, "-c", _IMPORT, how], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
+    return r.stdout
 
 
-@needs_native
+@pytest.mark.parametrize("how", ["absent", "unloadable"])
+def test_the_import_says_why_without_the_cpp_torch_library(how, tmp_path):
+    """No second route: where the C++ torch library is not in the install (a package without
+    _torch_ops.so, as a wheel built without torch) or does not load, `import sparsetrain.torch`
+    raises an ImportError that says which and how to build it, and the numpy / DLPack API still
+    imports."""
+    package = os.path.dirname(sparsetrain.__file__)
+    if how == "absent":  # the package as it is, but the library
+        copy = tmp_path / "sparsetrain"
+        copy.mkdir()
+        for name in os.listdir(package):
+            if name.startswith("_torch_ops") or name == "__pycache__":
+                continue
+            src = os.path.join(package, name)
+            if os.path.isdir(src):
+                (copy / name).mkdir()
+                for sub in os.listdir(src):
+                    if sub.endswith(".py"):
+                        (copy / name / sub).symlink_to(os.path.join(src, sub))
+            else:
+                (copy / name).symlink_to(src)
+        python_path = tmp_path
+    else:
+        python_path = os.path.dirname(package)
+    out = _import_torch_front(how, python_path)
+    assert f"package: {os.path.join(str(python_path), 'sparsetrain', '__init__.py')}" in out, out
+    assert "ImportError (sparsetrain._torch_ops): sparsetrain.torch: " in out, out
+    if how == "absent":
+        assert "the C++ torch library (sparsetrain._torch_ops) is not in this install" in out, out
+    else:
+        assert "_torch_ops.so does not load with torch " in out and "undefined symbol: _ZN3c10stand_in" in out, out
+    assert "`pip install --no-build-isolation .` where torch is installed" in out and "scripts/setup" in out, out
+
+
+def test_the_library_is_loaded():
+    """The torch front's ops are the C++ torch library's (its operators registered, its module
+    loaded): the control case of the import test above."""
+    assert stn.TORCH_OPS.__name__ == "sparsetrain._torch_ops"
+    assert hasattr(stn.NATIVE, "attention_forward") and hasattr(stn.TORCH_OPS, "GroupedLinear")
+    out = _import_torch_front("present", os.path.dirname(os.path.dirname(sparsetrain.__file__)))
+    assert "sparsetrain.torch imported" in out, out
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_recorded_calls_take_the_cpp_node(kind):
     """An eager call that autograd records, without a caller `out`, skips the autograd.Function:

@@ -7,11 +7,12 @@ row movements in token_rows); `ExpertParallelMoELayer` (expert_parallel: the MoE
 over a torch.distributed group). All on top of `torch.library` custom ops with fake
 implementations, so that models compile with torch.compile(fullgraph=True).
 
-Eager calls run through the C++ torch library (sparsetrain._torch_ops, loaded by native) where it
-was built, else through the extension `_C`; the custom ops' implementations call the same code.
-Memory: every tensor the library allocates comes from torch's caching allocator on the current
-stream (at::empty in the C++ torch library, torch.empty through `_C`'s allocator callback) and is
-handed back as a tensor over that memory."""
+The grouped layers and attention run through the C++ torch library (sparsetrain._torch_ops, loaded
+by native), eagerly and in the custom ops' implementations; without it in the install, importing
+this package raises an ImportError that says how to build it. The MoE router and row combine call
+the extension `_C`. Memory: every tensor the library allocates comes from torch's caching
+allocator on the current stream (at::empty in the C++ torch library, torch.empty through `_C`'s
+allocator callback) and is handed back as a tensor over that memory."""
 
 from .._block_mask import BlockMask
 from .attention import block_sparse_attention

@@ -4,7 +4,6 @@ sparsetrain.BlockMask, with autograd, as torch.library custom ops with fake impl
 
 from __future__ import annotations
 
-import contextlib
 import operator
 from operator import attrgetter
 from typing import Any, List, Optional, Sequence, Tuple
@@ -13,14 +12,10 @@ import torch
 import torch.autograd.forward_ad as _fwad
 from torch import Tensor
 
-from .._arrays import Framework as _Framework
 from .._arrays import name_of_dtype as _name_of_dtype
 from .._block_mask import TENSOR_NAMES as _TENSOR_NAMES
 from .._block_mask import BlockMask
-from .._block_mask import MaskSpec as _MaskSpec
 from .._block_mask import check_mask, scale_arg, sm_limit_arg
-from .._block_mask import block_sparse_attention_backward as _attention_backward
-from .._block_mask import block_sparse_attention_forward as _attention_forward
 
 from . import native
 
@@ -88,48 +83,15 @@ def _mask_args_of(mask: BlockMask) -> _MaskArgs:
     return args
 
 
-def _mask_from_args(tensors: Sequence[Optional[Tensor]], sizes: Sequence[int], kinds: str) -> BlockMask:
-    seq_q, seq_kv, block_q, block_kv, window_left, window_right, prefix_length, padded_seq = sizes
-    kind, schedule, walk = kinds.split(",")
-    n = len(_TENSOR_NAMES)
-    spec = _MaskSpec(kind, window_left, window_right, prefix_length, tensors[n], tensors[n + 1])
-    padded = None
-    if padded_seq > 0:
-        lists, (doc_q, doc_kv, real_rows) = tensors[n + 3:n + 13], tensors[n + 13:n + 16]
-        padded = BlockMask(seq_q=padded_seq, seq_kv=padded_seq, block_q=block_q, block_kv=block_kv,
-                           tensors=dict(zip(_PADDED_LISTS, lists)), spec=spec._replace(doc_q=doc_q, doc_kv=doc_kv),
-                           schedule=schedule, schedule_permutation=None, framework=_Framework(torch), walk=walk,
-                           real_rows=real_rows)
-    return BlockMask(seq_q=seq_q, seq_kv=seq_kv, block_q=block_q, block_kv=block_kv,
-                     tensors=dict(zip(_TENSOR_NAMES, tensors[:n])), spec=spec, schedule=schedule,
-                     schedule_permutation=tensors[n + 2], framework=_Framework(torch),
-                     walk=walk, backward_padded=padded)
-
-
 def _bshd(t: Tensor) -> Tensor:
     return t.transpose(1, 2)
 
 
-def _device_guard(t: Tensor) -> Any:
-    """The CUDA device of `t` made current for the call (torch's current stream there is the
-    one the library runs on); nothing for a CPU tensor."""
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
-
-
 def _attention_forward_impl(q: Tensor, k: Tensor, v: Tensor, mask_tensors: Sequence[Optional[Tensor]],
                             mask_sizes: List[int], mask_kinds: str, scale: float,
-                            deterministic: bool, sm_limit: int = 0,
-                            mask: Optional[BlockMask] = None) -> Tuple[Tensor, Tensor]:
-    if native.NATIVE is not None:
-        o, lse = native.NATIVE.attention_forward(_bshd(q), _bshd(k), _bshd(v), list(mask_tensors), list(mask_sizes),
-                                           mask_kinds, scale, deterministic, sm_limit)
-        return _bshd(o), lse
-    # `mask`: the caller's BlockMask itself where it is at hand (eager calls: its descriptors are
-    # cached on it), else rebuilt from the op's arguments.
-    mask = _mask_from_args(mask_tensors, mask_sizes, mask_kinds) if mask is None else mask
-    with _device_guard(q):
-        o, lse = _attention_forward(_bshd(q), _bshd(k), _bshd(v), mask, scale=scale or None,
-                                    deterministic=deterministic, sm_limit=sm_limit)
+                            deterministic: bool, sm_limit: int = 0) -> Tuple[Tensor, Tensor]:
+    o, lse = native.NATIVE.attention_forward(_bshd(q), _bshd(k), _bshd(v), list(mask_tensors), list(mask_sizes),
+                                             mask_kinds, scale, deterministic, sm_limit)
     return _bshd(o), lse
 
 
@@ -148,21 +110,14 @@ def _(q, k, v, mask_tensors, mask_sizes, mask_kinds, scale, deterministic, sm_li
 
 def _attention_backward_impl(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dout: Tensor,
                              mask_tensors: Sequence[Optional[Tensor]], mask_sizes: List[int], mask_kinds: str,
-                             scale: float, deterministic: bool, sm_limit: int = 0,
-                             mask: Optional[BlockMask] = None) -> Tuple[Tensor, Tensor, Tensor]:
+                             scale: float, deterministic: bool, sm_limit: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
     # `deterministic` comes resolved from block_sparse_attention (torch's deterministic mode at
     # the forward included); the mode is read again here, when the backward runs, as torch's own
     # kernels read it: switched on between the forward and the backward, it still applies.
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
-    if native.NATIVE is not None:
-        dq, dk, dv = native.NATIVE.attention_backward(_bshd(q), _bshd(k), _bshd(v), _bshd(o), lse, _bshd(dout),
-                                                list(mask_tensors), list(mask_sizes), mask_kinds, scale,
-                                                deterministic, sm_limit)
-        return _bshd(dq), _bshd(dk), _bshd(dv)
-    mask = _mask_from_args(mask_tensors, mask_sizes, mask_kinds) if mask is None else mask
-    with _device_guard(q):
-        dq, dk, dv = _attention_backward(_bshd(q), _bshd(k), _bshd(v), _bshd(o), lse, _bshd(dout), mask,
-                                         scale=scale or None, deterministic=deterministic, sm_limit=sm_limit)
+    dq, dk, dv = native.NATIVE.attention_backward(_bshd(q), _bshd(k), _bshd(v), _bshd(o), lse, _bshd(dout),
+                                                  list(mask_tensors), list(mask_sizes), mask_kinds, scale,
+                                                  deterministic, sm_limit)
     return _bshd(dq), _bshd(dk), _bshd(dv)
 
 
@@ -186,12 +141,9 @@ def _(q, k, v, o, lse, dout, mask_tensors, mask_sizes, mask_kinds, scale, determ
 class _AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sizes: List[int], kinds: str, scale: float,
-                deterministic: bool, sm_limit: int, mask: Optional[BlockMask], *mask_tensors: Optional[Tensor]):
-        # mask: the BlockMask of mask_tensors in eager calls (None under torch.compile)
-        ctx.mask = mask if native.direct(q, k, v, *mask_tensors) else None
-        if ctx.mask is not None:
-            o, lse = _attention_forward_impl(q, k, v, mask_tensors, sizes, kinds, scale, deterministic, sm_limit,
-                                             ctx.mask)
+                deterministic: bool, sm_limit: int, *mask_tensors: Optional[Tensor]):
+        if native.direct(q, k, v, *mask_tensors):
+            o, lse = _attention_forward_impl(q, k, v, mask_tensors, sizes, kinds, scale, deterministic, sm_limit)
         else:
             o, lse = torch.ops.sparsetrain.block_sparse_attention_forward(q, k, v, list(mask_tensors), sizes, kinds,
                                                                            scale, deterministic, sm_limit)
@@ -208,10 +160,10 @@ class _AttentionFunction(torch.autograd.Function):
         args = (q, k, v, o, lse, do, list(mask_tensors), ctx.sizes, ctx.kinds, ctx.scale, ctx.deterministic,
                 ctx.sm_limit)
         if native.direct(q, k, v, o, lse, do, *mask_tensors):
-            dq, dk, dv = _attention_backward_impl(*args, ctx.mask)
+            dq, dk, dv = _attention_backward_impl(*args)
         else:
             dq, dk, dv = torch.ops.sparsetrain.block_sparse_attention_backward(*args)
-        return (dq, dk, dv, None, None, None, None, None, None, *([None] * len(mask_tensors)))
+        return (dq, dk, dv, None, None, None, None, None, *([None] * len(mask_tensors)))
 
 
 _ATTENTION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -298,11 +250,11 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMas
     args = _mask_args_of(mask)
     _check_attention_inputs(q, k, v, mask, args.devices)
     scale, deterministic, sm_limit = scale_arg(scale), _deterministic_arg(deterministic), sm_limit_arg(sm_limit)
-    if native.NATIVE is not None and args.plain and _fwad._current_level < 0 and native.direct(q, k, v):
+    if args.plain and _fwad._current_level < 0 and native.direct(q, k, v):
         # Eager on plain tensors: the C++ torch library's attention with its autograd in C++
         # (what the custom ops and _AttentionFunction would run, without their Python).
         o, lse = native.TORCH_OPS.attention(q, k, v, args.native(), scale, deterministic, sm_limit)
     else:
         o, lse = _AttentionFunction.apply(q, k, v, args.sizes, args.kinds, scale, deterministic, sm_limit,
-                                          None if torch.compiler.is_compiling() else mask, *args.tensors)
+                                          *args.tensors)
     return (o, lse) if return_lse else o

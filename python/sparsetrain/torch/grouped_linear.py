@@ -22,9 +22,7 @@ import torch.autograd.forward_ad as _fwad
 from torch import Tensor, nn
 
 from .. import _C
-from .. import GroupedLinear as _CoreGroupedLinear
 from .. import weight_grad_disposition as _weight_grad_disposition
-from .._arrays import DeviceSplits
 from .._arrays import dtype_name as _dtype_name
 from .._arrays import host_split_values as _host_split_values
 from .._arrays import name_of_dtype as _name_of_dtype
@@ -48,15 +46,12 @@ def _register_layer(module: nn.Module) -> int:
 @atexit.register
 def _release_cores_at_exit() -> None:
     """torch.compile's caches keep a compiled module alive past interpreter shutdown, later than
-    nanobind's check for live instances, which then reports the C++ layer the module holds as
-    leaked (with its type and methods). Nothing can run a layer after exit: drop the C++ layers
-    here, before that check (those of the C++ torch library too: they hold torch tensors, better
-    freed while torch is whole). (Registered at import, so it runs after atexit hooks added
-    later.)"""
+    the C++ torch library's layers that the modules hold: they hold torch tensors, better freed
+    while torch is whole. Nothing can run a layer after exit: drop them here. (Registered at
+    import, so it runs after atexit hooks added later.)"""
     for ref in list(_LAYERS.values()):
         module = ref()
         if module is not None:
-            module._core_layer, module._core_key = None, None
             module._native_layer, module._native_methods = None, None
 
 
@@ -82,11 +77,6 @@ def status_for(splits: Tensor, m: nn.Module) -> Optional[Tensor]:
         return None
     status = m._splits_status()
     return status if status.device == splits.device else None
-
-
-def splits_arg(splits: Tensor, m: nn.Module) -> Any:
-    """splits as the extension `_C` takes them (see status_for)."""
-    return DeviceSplits(splits, status_for(splits, m)) if splits.is_cuda else splits
 
 
 def check_buffer_args(x: Tensor, out: Optional[Tensor], grad_input: Optional[Tensor]) -> None:
@@ -164,23 +154,11 @@ def written(out: Optional[Tensor], y: Tensor) -> Tensor:
     return out
 
 
-def core_and_splits(m: nn.Module, x: Tensor, splits: Tensor, grad_input: Optional[Tensor]) -> Tuple[Any, Any]:
-    """The `_C` core of module m and the splits argument, grad_input checked."""
-    core = m._core()
-    s = splits_arg(splits, m)
-    if grad_input is not None:
-        core.check_grad_input(x, s, grad_input)
-    return core, s
-
-
 def _forward_impl(layer_id: int, x: Tensor, splits: Tensor, grad_input: Optional[Tensor],
                   out: Optional[Tensor] = None, params: Any = None) -> Tensor:
     """params: the module's `_native_params()` where the caller has them already."""
     m = layer_of(layer_id)
-    if native.NATIVE is not None:
-        return m._native("forward", x, splits, status_for(splits, m), out, grad_input, params=params)
-    core, s = core_and_splits(m, x, splits, grad_input)
-    return core.forward(x, s, out)
+    return m._native("forward", x, splits, status_for(splits, m), out, grad_input, params=params)
 
 
 @torch.library.custom_op("sparsetrain::grouped_linear_forward", mutates_args=())
@@ -207,21 +185,10 @@ def _(layer_id, x, splits, params, out, grad_input=None):
     return None
 
 
-def layer_grad_tensors(g: Any, x: Tensor) -> Tuple[Tensor, Tensor]:
-    """One layer's grads (GroupedLinearGrads or LayerGrads) as op outputs: (packed weight grad or
-    dummy, bias grad [G, out]); an empty tensor (x's dtype) stands for none. The C++ torch
-    library's layers hand them back in this form themselves."""
-    if g.weight_kind == "none":
-        dw = x.new_empty(0)
-    elif g.weight_grad_packed is not None:
-        dw = g.weight_grad_packed
-    else:  # the dummy of per-expert weights: one [out, in] zero tensor
-        dw = g.weight_grads[0]
-    return dw, x.new_empty(0) if g.bias_grad is None else g.bias_grad
-
-
 def layer_grads_fake(m: "GroupedLinear", x: Tensor) -> Tuple[Tensor, Tensor]:
-    """The fake of layer_grad_tensors for the GroupedLinear module `m` (its shapes and rule)."""
+    """The fake of one layer's grads as the ops hand them back, for the GroupedLinear module `m`
+    (its shapes and rule): (packed weight grad or dummy, bias grad [G, out]); an empty tensor
+    (x's dtype) stands for none."""
     kind, bias_now = m._disposition()
     G, out_f, in_f = m.num_gemms, m.out_features, m.in_features
     if kind == "none":
@@ -238,10 +205,7 @@ def layer_grads_fake(m: "GroupedLinear", x: Tensor) -> Tuple[Tensor, Tensor]:
 def _backward_impl(layer_id, x, dy, splits, grad_input):
     """(dx, packed weight grad or dummy, bias grad [G, out])."""
     m = layer_of(layer_id)
-    if native.NATIVE is not None:
-        return m._native("backward", x, dy, splits, status_for(splits, m), grad_input)
-    g = m._core().backward(x, dy, splits_arg(splits, m), grad_input)
-    return (g.grad_input, *layer_grad_tensors(g, x))
+    return m._native("backward", x, dy, splits, status_for(splits, m), grad_input)
 
 
 def _backward_fake(layer_id, x):
@@ -332,10 +296,10 @@ def _grouped_linear_grads(layer_id: int, disposition: Tuple[str, bool], packed: 
 def recorded(out: Optional[Tensor], x: Tensor, splits: Tensor, grad_input: Optional[Tensor]) -> bool:
     """Whether an eager module call that autograd records may skip its autograd.Function (~18 us
     a call with 4 experts, ~200 us with 64) and record the C++ torch library's node over the op
-    implementation instead (native.TORCH_OPS.record; same backward): the library is loaded, no caller
-    `out` (which autograd.Function marks dirty), no forward-mode AD level, and native.direct's
-    conditions (never under torch.compile, fake tensors or dispatch modes)."""
-    return native.NATIVE is not None and out is None and _fwad._current_level < 0 and native.direct(x, splits, grad_input)
+    implementation instead (native.TORCH_OPS.record; same backward): no caller `out` (which
+    autograd.Function marks dirty), no forward-mode AD level, and native.direct's conditions
+    (never under torch.compile, fake tensors or dispatch modes)."""
+    return out is None and _fwad._current_level < 0 and native.direct(x, splits, grad_input)
 
 
 def param_grads(disposition: Tuple[str, bool], packed: bool, weights: Sequence[Tensor], biases: Sequence[Tensor],
@@ -367,8 +331,8 @@ def disposition_constant(delay: bool, fuse: bool, has_attr: bool) -> Tuple[str, 
 
 class DelayedWgrad:
     """TransformerEngine's delayed-wgrad surface and the C++ layer, shared by GroupedLinear and
-    GroupedMLP: the module keeps `_hooks`, `_core_layer` (the `_C` path's), `_native_layer` (the
-    C++ torch library's) and `delay_wgrad_compute`, and defines
+    GroupedMLP: the module keeps `_hooks`, `_native_layer` (the C++ torch library's layer) and
+    `delay_wgrad_compute`, and defines
     `_accumulate_backward_dw()` (its pending wgrads into main_grad or .grad, and bias grads),
     `_make_native()` and `_native_params()`."""
 
@@ -376,8 +340,6 @@ class DelayedWgrad:
         """The state the methods below keep, empty, and the module's registration (last: the
         layer's custom ops find the module through it)."""
         self._hooks: List[Callable[[], None]] = []
-        self._core_layer: Any = None  # the `_C` layer, made at the first call that takes that way
-        self._core_key: Any = None
         self._native_layer: Any = None
         self._native_methods: Any = None
         self._grad_accumulators: Any = None  # (parameters, their AccumulateGrad nodes, stream): _hold_grad_accumulators
@@ -441,12 +403,12 @@ class DelayedWgrad:
 
     @property
     def pending_wgrads(self) -> int:
-        core = self._core_layer if native.NATIVE is None else self._native_layer
-        return 0 if core is None else core.pending_wgrads
+        layer = self._native_layer
+        return 0 if layer is None else layer.pending_wgrads
 
     # What a copy does not take: the C++ layers (they cannot be copied; a copy makes its own at its
     # first call), what they cached, and the module's registration (a copy registers anew).
-    _NOT_COPIED = {"_core_layer": None, "_core_key": None, "_native_layer": None, "_native_methods": None,
+    _NOT_COPIED = {"_native_layer": None, "_native_methods": None,
                    "_grad_accumulators": None, "_host_splits": None}
 
     def __deepcopy__(self, memo: dict) -> Any:
@@ -572,24 +534,6 @@ class GroupedLinear(DelayedWgrad, nn.Module):
         overwrite = bool(self.fuse_wgrad_accumulation and getattr(weights[0], "overwrite_main_grad", False))
         return _ParamTensors(weights, biases, main_grads, overwrite, self._has_grad_added_attr(weights))
 
-    def _param_state(self, prefix: str = "") -> "_ParamState":
-        """The parameters in the `_C` core's form, and a key that changes when any of them (or a
-        main_grad) moves."""
-        p = self._param_tensors(prefix)
-        # Where every tensor lives and how it is laid out (a new dtype or device means new memory,
-        # so the first tensor's stand for all); map over the unbound methods: this runs every call.
-        ts = p.tensors()
-        key = (tuple(map(Tensor.data_ptr, ts)), tuple(map(Tensor.size, ts)), tuple(map(Tensor.stride, ts)),
-               ts[0].dtype, ts[0].device, p.overwrite, p.has_attr)
-
-        def packed_or_list(ts):
-            if ts is None or not ts:
-                return None
-            return ts[0] if self.single_grouped_weight else list(ts)
-
-        return _ParamState(packed_or_list(p.weights), packed_or_list(p.biases), packed_or_list(p.main_grads),
-                           p.overwrite, p.has_attr, key)
-
     def _make_native(self) -> Any:
         from .. import _torch_ops  # noqa: PLC0415  (loaded by _load_native)
 
@@ -605,20 +549,6 @@ class GroupedLinear(DelayedWgrad, nn.Module):
             return unfused_native_params(self, weights, biases)
         p = self._param_tensors("", weights, biases)
         return p.tensors(), [p.overwrite, p.has_attr]
-
-    def _core(self) -> _CoreGroupedLinear:
-        """The `_C` path's C++ layer over the current parameters, rebuilt when they (or main_grad)
-        move."""
-        p = self._param_state()
-        if p.key != self._core_key:
-            check_no_pending(self._core_layer, "GroupedLinear")
-            self._core_layer = _CoreGroupedLinear(
-                p.weight, p.bias, p.main_grad,
-                fuse_wgrad_accumulation=self.fuse_wgrad_accumulation, overwrite_main_grad=p.overwrite,
-                delay_wgrad_compute=self.delay_wgrad_compute, has_grad_added_to_main_grad=p.has_attr,
-                check_device_splits=self.check_device_splits)
-            self._core_key = p.key
-        return self._core_layer
 
     # -- forward / backward_dw -------------------------------------------------------------
     def _normalize_splits(self, m_splits: Any) -> Tensor:
@@ -674,15 +604,14 @@ class GroupedLinear(DelayedWgrad, nn.Module):
         splits = self._normalize_splits(m_splits)
         weights, biases = self.weights(), self.biases()
         if without_autograd((x,), (splits, out, grad_input), weights + biases):
-            params = self._native_params(weights, biases) if native.NATIVE is not None else None
-            return written(out, _forward_impl(self._id, x, splits, grad_input, out, params))
+            return written(out, _forward_impl(self._id, x, splits, grad_input, out,
+                                              self._native_params(weights, biases)))
         disposition = disposition_constant(self.delay_wgrad_compute, self.fuse_wgrad_accumulation,
                                             self._has_grad_added_attr(weights))
         if recorded(out, x, splits, grad_input):
             params = [*weights, *biases]
             self._hold_grad_accumulators(params)
-            y = _forward_impl(self._id, x, splits, grad_input, None,
-                              self._native_params(weights, biases) if native.NATIVE is not None else None)
+            y = _forward_impl(self._id, x, splits, grad_input, None, self._native_params(weights, biases))
             native.TORCH_OPS.record(y, [x, *params], [x, splits, *params],
                               functools.partial(_grouped_linear_grads, self._id, disposition,
                                                 self.single_grouped_weight, grad_input, len(weights)))
@@ -691,10 +620,7 @@ class GroupedLinear(DelayedWgrad, nn.Module):
                                             grad_input, len(weights), *weights, *biases)
 
     def _accumulate_backward_dw(self) -> None:
-        if native.NATIVE is not None:
-            dw, db = self._native("backward_dw")
-        else:
-            dw, db = layer_grad_tensors(self._core().backward_dw(), self.weights()[0])
+        dw, db = self._native("backward_dw")
         accumulate_layer_grads(self, dw, db)
 
     def extra_repr(self) -> str:
@@ -725,25 +651,10 @@ class _ParamTensors(NamedTuple):
         return [*self.weights, *self.biases, *(self.main_grads or [])]
 
 
-class _ParamState(NamedTuple):
-    weight: Any     # in the core's form: the packed tensor (single_grouped_weight) or a list
-    bias: Any       # likewise, or None
-    main_grad: Any  # likewise, or None without fuse_wgrad_accumulation
-    overwrite: bool
-    has_attr: bool
-    key: tuple
-
-
-def check_same_overwrite(p1: Any, p2: Any) -> None:
-    """A GroupedMLP's two layers share overwrite_main_grad (_ParamTensors or _ParamState each)."""
+def check_same_overwrite(p1: _ParamTensors, p2: _ParamTensors) -> None:
+    """A GroupedMLP's two layers share overwrite_main_grad."""
     if p1.overwrite != p2.overwrite:
         raise ValueError(f"fc2 weights' overwrite_main_grad: expected {p1.overwrite} (as fc1's), got {p2.overwrite}")
-
-
-def check_no_pending(core: Any, what: str) -> None:
-    if core is not None and core.pending_wgrads:
-        raise RuntimeError(f"{what}: parameters or main_grad changed while {core.pending_wgrads} delayed "
-                           "wgrad(s) are pending; call backward_dw() first")
 
 
 def _accumulate_grad(p: Tensor, grad: Tensor) -> None:
@@ -754,7 +665,7 @@ def _accumulate_grad(p: Tensor, grad: Tensor) -> None:
 
 
 def accumulate_layer_grads(m: GroupedLinear, dw: Tensor, db: Tensor) -> None:
-    """A delayed wgrad, (packed wgrad, bias grad) as layer_grad_tensors gives them (empty: none),
+    """A delayed wgrad, (packed wgrad, bias grad) as the C++ layer's backward_dw gives them (empty: none),
     into the .grad of m's parameters; with main_grad fusion the core has already written
     main_grad and there is no wgrad to add."""
     for params, grad in ((m.weights(), dw), (m.biases(), db)):

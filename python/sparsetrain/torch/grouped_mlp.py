@@ -9,13 +9,11 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from .. import GroupedMLP as _CoreGroupedMLP
-
 from . import native
-from .grouped_linear import (DelayedWgrad, GroupedLinear, accumulate_layer_grads, check_buffer_args, check_no_pending,
-                             check_same_overwrite, core_and_splits, disposition_constant, fake_check_devices,
-                             layer_grad_tensors, layer_grads_fake, layer_of, param_grads, recorded, splits_arg,
-                             status_for, unfused_native_params, with_rows, without_autograd, written)
+from .grouped_linear import (DelayedWgrad, GroupedLinear, accumulate_layer_grads, check_buffer_args,
+                             check_same_overwrite, disposition_constant, fake_check_devices, layer_grads_fake,
+                             layer_of, param_grads, recorded, status_for, unfused_native_params, with_rows,
+                             without_autograd, written)
 
 # --- GroupedMLP ------------------------------------------------------------------------------
 # The same scheme as GroupedLinear's ops: `params` is [fc1 weights, fc1 biases, fc2 weights, fc2
@@ -25,10 +23,7 @@ from .grouped_linear import (DelayedWgrad, GroupedLinear, accumulate_layer_grads
 def _mlp_forward_impl(layer_id: int, x: Tensor, splits: Tensor, probs: Tensor, grad_input: Optional[Tensor],
                       out: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     m = layer_of(layer_id)
-    if native.NATIVE is not None:
-        return m._native("forward", x, splits, status_for(splits, m), probs, out, grad_input)
-    core, s = core_and_splits(m, x, splits, grad_input)
-    return core.forward(x, s, probs, out)
+    return m._native("forward", x, splits, status_for(splits, m), probs, out, grad_input)
 
 
 @torch.library.custom_op("sparsetrain::grouped_mlp_forward", mutates_args=())
@@ -58,13 +53,9 @@ def _(layer_id, x, splits, probs, params, out, grad_input=None):
 
 def _mlp_backward_impl(layer_id, x, fc1_out, probs, dy, splits, grad_input, last_use=False):
     """(dx, dprobs, fc1's dw, db, fc2's dw, db). last_use: fc1_out is read by no other backward,
-    so its gradient may be written over it (the C++ torch library's layer; one [T, 2F] tensor
-    less at the step's peak)."""
+    so its gradient may be written over it (one [T, 2F] tensor less at the step's peak)."""
     m = layer_of(layer_id)
-    if native.NATIVE is not None:
-        return m._native("backward", x, fc1_out, probs, dy, splits, status_for(splits, m), grad_input, last_use)
-    g = m._core().backward(x, fc1_out, probs, dy, splits_arg(splits, m), grad_input)
-    return (g.grad_input, g.dprobs, *layer_grad_tensors(g.fc1, x), *layer_grad_tensors(g.fc2, x))
+    return m._native("backward", x, fc1_out, probs, dy, splits, status_for(splits, m), grad_input, last_use)
 
 
 def _mlp_backward_fake(layer_id, x, probs):
@@ -210,23 +201,6 @@ class GroupedMLP(DelayedWgrad, nn.Module):
     def _op_param_names(self) -> List[str]:
         return self.fc1._op_param_names("fc1.") + self.fc2._op_param_names("fc2.")
 
-    def _core(self) -> _CoreGroupedMLP:
-        """The C++ GroupedMLP over both layers' current parameters, rebuilt when any of them (or a
-        main_grad) moves. Sizes and dtypes are checked there (errors name fc1.* / fc2.*)."""
-        p1, p2 = self.fc1._param_state("fc1."), self.fc2._param_state("fc2.")
-        check_same_overwrite(p1, p2)
-        key = (p1.key, p2.key)
-        if key != self._core_key:
-            check_no_pending(self._core_layer, "GroupedMLP")
-            self._core_layer = _CoreGroupedMLP(
-                p1.weight, p2.weight, fc1_bias=p1.bias, fc2_bias=p2.bias, fc1_main_grad=p1.main_grad,
-                fc2_main_grad=p2.main_grad, glu_interleave_size=self.glu_interleave_size,
-                fuse_wgrad_accumulation=self.fuse_wgrad_accumulation, overwrite_main_grad=p1.overwrite,
-                delay_wgrad_compute=self.delay_wgrad_compute, has_grad_added_to_main_grad=(p1.has_attr, p2.has_attr),
-                check_device_splits=self.check_device_splits)
-            self._core_key = key
-        return self._core_layer
-
     def _make_native(self) -> Any:
         from .. import _torch_ops  # noqa: PLC0415  (loaded by _load_native)
 
@@ -278,11 +252,7 @@ class GroupedMLP(DelayedWgrad, nn.Module):
                                          grad_input, tuple(counts), *params)
 
     def _accumulate_backward_dw(self) -> None:  # both layers' oldest pending wgrads
-        if native.NATIVE is not None:
-            dw1, db1, dw2, db2 = self._native("backward_dw")
-        else:
-            g, like = self._core().backward_dw(), self.fc1.weights()[0]
-            (dw1, db1), (dw2, db2) = layer_grad_tensors(g.fc1, like), layer_grad_tensors(g.fc2, like)
+        dw1, db1, dw2, db2 = self._native("backward_dw")
         accumulate_layer_grads(self.fc1, dw1, db1)
         accumulate_layer_grads(self.fc2, dw2, db2)
 

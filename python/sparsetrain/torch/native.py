@@ -1,33 +1,36 @@
-"""The C++ torch library (sparsetrain._torch_ops) where it was built and loads against this torch,
+"""The C++ torch library sparsetrain._torch_ops, which every op of sparsetrain.torch runs through,
 and when an op may call its implementation itself rather than through torch's dispatcher: what
-every op module of sparsetrain.torch shares. The op modules read NATIVE and TORCH_OPS from here
-at each call (`native.NATIVE`), so that one assignment switches every op's route."""
+every op module of sparsetrain.torch shares. Where the library is not in the install (a wheel
+built without torch, SPARSETRAIN_TORCH_OPS=OFF) or does not load against this torch, importing
+sparsetrain.torch raises an ImportError that says why and how to get it."""
 
 from __future__ import annotations
 
 import os
-import warnings
 from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+# How to get the library, in every error that says it is missing.
+BUILD_HINT = ("build sparsetrain with `pip install --no-build-isolation .` where torch is installed (the build "
+              "compiles the library against that torch), or with scripts/setup")
 
 
 def _load_native() -> Tuple[Any, Any]:
-    """(torch.ops.sparsetrain_native, the Python module sparsetrain._torch_ops) where the C++ torch
-    library was built and loads against this torch (python/src/torch_ops.cpp registers attention's
-    operators, torch_grouped.cpp has the grouped layers' C++ layers; no Python per allocation or
-    result); else (None, None), and every call runs through the extension `_C`.
-    SPARSETRAIN_TORCH_OPS=0 chooses `_C`."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_torch_ops.so")
-    if os.environ.get("SPARSETRAIN_TORCH_OPS", "1") == "0" or not os.path.exists(path):
-        return None, None
+    """(torch.ops.sparsetrain_native, the Python module sparsetrain._torch_ops): the C++ torch
+    library (python/src/torch_ops.cpp registers attention's operators, torch_grouped.cpp has the
+    grouped layers' C++ layers; no Python per allocation or result). An ImportError where it was
+    not built or does not load against this torch."""
     try:
         from .. import _torch_ops  # noqa: PLC0415  (importing it registers the operators)
-    except ImportError as e:  # built against another torch or Python
-        warnings.warn(f"sparsetrain: {path} does not load here ({e}); calls run through sparsetrain._C")
-        return None, None
+    except ImportError as e:
+        path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_torch_ops.so")
+        if os.path.exists(path):  # built against another torch or Python
+            why = f"the C++ torch library {path} does not load with torch {torch.__version__} ({e})"
+        else:
+            why = "the C++ torch library (sparsetrain._torch_ops) is not in this install"
+        raise ImportError(f"sparsetrain.torch: {why}; {BUILD_HINT}", name="sparsetrain._torch_ops") from e
     return torch.ops.sparsetrain_native, _torch_ops
 
 
