@@ -723,10 +723,7 @@ def environment():
             "cuda": torch.version.cuda, "python": sys.version.split()[0]}
     try:
         import sparsetrain
-        import sparsetrain.torch.native as stn
         info["sparsetrain"] = sparsetrain.version()
-        # Whether ours ran through the C++ torch operators (host time per call depends on it).
-        info["torch_ops"] = stn.NATIVE is not None
     except Exception as e:  # noqa: BLE001
         info["sparsetrain"] = first_line(e)
     try:

@@ -3,10 +3,9 @@ where the GPU (or CPU) work is small, so what is left is what an eager step pays
 Cases: GroupedLinear forward at G = 4 and G = 64 (per-expert weights, the O(G) Python path) against
 a Python loop of F.linear plus cat over the same groups; GroupedMLP forward at G = 4; attention
 forward (causal; CUDA: bf16 B1 H2 S256 D64, CPU: fp32 B1 H1 S128 D16), also with q, k and v
-requiring grad (what grad mode records). Where the C++ torch library
-is loaded, each grouped case also times its C++ layer's forward called alone (`*_cpp_layer`: no
-module, no autograd; the floor, with on the CPU the reference backend's compute in it). Medians of
-5 repeats, after warm-up, forward under torch.no_grad() and with autograd recording (grad mode).
+requiring grad (what grad mode records). Each grouped case also times its C++ layer's (the C++
+torch library's) forward called alone (`*_cpp_layer`: no module, no autograd; the floor, with on
+the CPU the reference backend's compute in it). Medians of 5 repeats, after warm-up, forward under torch.no_grad() and with autograd recording (grad mode).
 
 On CUDA also the eager forward of many-expert GroupedLinear shapes against torch._grouped_mm
 (`eager_vs_grouped_mm`): per-expert weights (the module's default) and device splits, as a MoE
@@ -62,11 +61,7 @@ def paired_us(ours, peer, calls, reps=7):
 
 
 def cpp_layer(name, m, args):
-    """The module's C++ layer (sparsetrain._torch_ops) called alone with `args`, where loaded."""
-    import sparsetrain.torch.native as stn
-
-    if stn.NATIVE is None:
-        return []
+    """The module's C++ layer (sparsetrain._torch_ops) called alone with `args`."""
     with torch.no_grad():
         m._native("forward", *args)  # makes the layer
     fwd, (params, flags) = m._native_methods["forward"], m._native_params()

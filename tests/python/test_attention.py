@@ -682,30 +682,31 @@ NATIVE_CASES = {
 }
 
 
-@pytest.mark.skipif(stn.NATIVE is None, reason="the C++ torch operators (sparsetrain/_torch_ops.so) are not built "
-                    "here, or SPARSETRAIN_TORCH_OPS=0: their parity test skipped")
 @pytest.mark.parametrize("name", list(NATIVE_CASES))
-def test_native_torch_ops_equal_the_extension_path(name, monkeypatch):
-    """Attention through the C++ torch operators (the default where built) gives the bytes of the
-    extension path (`_C`), forward and backward; their errors are ValueErrors naming the argument."""
+def test_native_torch_ops_equal_the_array_front(name):
+    """Attention through the C++ torch operators gives the bytes of the array front over the same
+    torch tensors and mask (sparsetrain.block_sparse_attention_forward / _backward: the extension
+    `_C`, its own reading of the mask), forward and backward; their errors are ValueErrors naming
+    the argument."""
     spec, shape = NATIVE_CASES[name]
     spec = dict(spec)
     kind, sq = spec.pop("kind"), spec.pop("seq_q")
     skv = spec.pop("seq_kv", None)
     mask = st.BlockMask.build(kind, sq, skv, framework="torch", **spec)
 
-    def run():
-        q, k, v, do = _inputs(*shape, seed=5)
-        o, lse = stt.block_sparse_attention(q, k, v, mask, return_lse=True)
-        o.backward(do)
-        return [o.detach(), lse, q.grad, k.grad, v.grad]
-
-    native = run()
-    monkeypatch.setattr(stn, "NATIVE", None)
-    extension = run()
-    for a, b in zip(native, extension):
-        assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a.view(torch.int32), b.view(torch.int32))
-    monkeypatch.undo()
+    q, k, v, do = _inputs(*shape, seed=5)
+    o, lse = stt.block_sparse_attention(q, k, v, mask, return_lse=True)
+    o.backward(do)
+    native = [o.detach(), lse, q.grad, k.grad, v.grad]
+    bshd = [t.detach().transpose(1, 2) for t in (q, k, v, o, do)]
+    o_c, lse_c = st.block_sparse_attention_forward(*bshd[:3], mask)
+    grads = st.block_sparse_attention_backward(*bshd[:3], o_c, lse_c, bshd[4], mask)
+    extension = [o_c.transpose(1, 2), lse_c, *(g.transpose(1, 2) for g in grads)]
+    assert len(native) == len(extension)
+    for i, (a, b) in enumerate(zip(native, extension)):
+        assert a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32)), f"output {i}"
+        # o and lse as the library hands them back (the gradients are autograd's, laid out as q, k, v)
+        assert i >= 2 or a.stride() == b.stride(), f"output {i}"
     q, k, v, _ = _inputs(*shape)
     bad = st.BlockMask.build(kind, sq, skv, framework="torch", **spec)
     bad.kv_num_blocks[0, 0, 0] = 99
@@ -717,24 +718,30 @@ def _bitwise(a, b):
     return a.shape == b.shape and a.stride() == b.stride() and torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
-@pytest.mark.skipif(stn.NATIVE is None, reason="the C++ torch library (sparsetrain/_torch_ops.so) is not built "
-                    "here, or SPARSETRAIN_TORCH_OPS=0: its eager attention path is not there to test")
+def _through_custom_ops(mp):
+    """Eager calls made to take the autograd.Function over the torch.library custom ops (the way
+    torch.compile, fake tensors and dispatch modes go) instead of the C++ torch library's eager
+    attention with its autograd in C++."""
+    mp.setattr(stn, "direct", lambda *tensors: False)
+
+
 def test_eager_native_attention_path(monkeypatch):
     """Eager calls on plain tensors take the C++ torch library's attention (autograd in C++, the
-    mask parsed once and cached on the BlockMask): the bytes of the extension path, the mask's
-    tensors replaced or moved in place seen, in-place edits between forward and backward caught
-    as autograd catches them, lse without a gradient, only the inputs that require grad get one."""
+    mask parsed once and cached on the BlockMask): the bytes of the autograd.Function over the
+    custom ops, the mask's tensors replaced or moved in place seen, in-place edits between forward
+    and backward caught as autograd catches them, lse without a gradient, only the inputs that
+    require grad get one."""
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
     calls = []
-    eager = stn.TORCH_OPS.attention
-    monkeypatch.setattr(stn.TORCH_OPS, "attention", lambda *a: calls.append(1) or eager(*a))
+    attention = stn.TORCH_OPS.attention
+    monkeypatch.setattr(stn.TORCH_OPS, "attention", lambda *a: calls.append(1) or attention(*a))
     mask = st.BlockMask.build("sliding_window", 96, window_left=20, window_right=5, block_size=16, framework="torch")
     q, k, v, do = _inputs(1, 4, 2, 96, 96, 8, seed=seed)
 
-    def run(m, needs=(True, True, True), native=True):
+    def run(m, needs=(True, True, True), eager=True):
         with monkeypatch.context() as mp:
-            if not native:
-                mp.setattr(stn, "NATIVE", None)
+            if not eager:
+                _through_custom_ops(mp)
             ins = [t.detach().clone().requires_grad_(r) for t, r in zip((q, k, v), needs)]
             o, lse = stt.block_sparse_attention(*ins, m, return_lse=True)
             assert not lse.requires_grad and lse.grad_fn is None
@@ -747,9 +754,9 @@ def test_eager_native_attention_path(monkeypatch):
             assert (x is None and y is None) or _bitwise(x, y), f"output {i} (seed {seed})"
 
     n = len(calls)
-    same(run(mask), run(mask, native=False))
+    same(run(mask), run(mask, eager=False))
     assert len(calls) == n + 1, "the eager call did not take the C++ torch library's attention"
-    same(run(mask, needs=(False, True, False)), run(mask, needs=(False, True, False), native=False))
+    same(run(mask, needs=(False, True, False)), run(mask, needs=(False, True, False), eager=False))
     # Another mask's tensors put in: a replaced attribute, and a tensor moved in place (set_).
     other = st.BlockMask.build("causal", 96, block_size=16, framework="torch")
     expected = run(other)
@@ -772,11 +779,11 @@ def test_eager_native_attention_path(monkeypatch):
     same(run(moved), expected)
     assert moved._torch_cache is cache, "the Python cache must hold here: the C++ mask sees the move"
     # A mask tensor edited in place between forward and backward: autograd's version check, both ways.
-    for native in (True, False):
+    for eager in (True, False):
         m = st.BlockMask.build("causal", 96, block_size=16, framework="torch")
         with monkeypatch.context() as mp:
-            if not native:
-                mp.setattr(stn, "NATIVE", None)
+            if not eager:
+                _through_custom_ops(mp)
             o = stt.block_sparse_attention(q.detach().clone().requires_grad_(), k, v, m)
             m.kv_num_blocks.add_(0)
             with pytest.raises(RuntimeError, match="modified by an inplace operation"):
@@ -788,7 +795,8 @@ def test_padded_backward_form_of_a_document_mask(monkeypatch):
     backward_padded: documents of >= 128 tokens on 128-token boundaries, which the CUDA backward
     runs on): its real_rows place every token once and in order; it moves and converts with the
     mask; on the CPU (whose reference reads the mask itself) forward and gradients are bitwise those
-    of the mask without it, through the C++ torch operators, the extension path and the numpy front;
+    of the mask without it, through the C++ torch library's eager attention, the custom ops and the
+    numpy front;
     the library checks the padded form on every path (a token placed twice is refused naming
     mask.backward_padded.real_rows, so it did cross); bad doc_padding arguments raise naming it."""
     rng = np.random.default_rng(15)
@@ -817,19 +825,19 @@ def test_padded_backward_form_of_a_document_mask(monkeypatch):
     nk = -(-S // 128)
     assert mask.with_schedule(list(range(nk))[::-1]).backward_padded is None
 
-    def run(m, native=True):
+    def run(m, eager=True):
         with monkeypatch.context() as mp:
-            if not native:
-                mp.setattr(stn, "NATIVE", None)
+            if not eager:
+                _through_custom_ops(mp)
             q, k, v, do = _inputs(B, 4, 2, S, S, 16, seed=3)
             o, lse = stt.block_sparse_attention(q, k, v, m, return_lse=True)
             o.backward(do)
             return [o.detach(), lse, q.grad, k.grad, v.grad]
 
     want = run(plain)
-    for native in (True, False):
-        for a, b in zip(run(mask, native), want):
-            assert _bitwise(a, b), f"native {native}"
+    for eager in (True, False):
+        for a, b in zip(run(mask, eager), want):
+            assert _bitwise(a, b), f"eager {eager}"
     q, k, v, do = (t.detach().transpose(1, 2).contiguous().numpy() for t in _inputs(B, 4, 2, S, S, 16, seed=3))
     o, lse = st.block_sparse_attention_forward(q, k, v, mask.to_numpy())
     grads = st.block_sparse_attention_backward(q, k, v, o, lse, do, mask.to_numpy())
@@ -841,10 +849,10 @@ def test_padded_backward_form_of_a_document_mask(monkeypatch):
     rows = bad.backward_padded.real_rows
     first = int(torch.nonzero(rows[0] > 0)[0])
     rows[0, first] = rows[0, first] - 1
-    for native in (True, False):
+    for eager in (True, False):
         with monkeypatch.context() as mp:
-            if not native:
-                mp.setattr(stn, "NATIVE", None)
+            if not eager:
+                _through_custom_ops(mp)
             q, k, v, do = _inputs(B, 4, 2, S, S, 16)
             with pytest.raises((ValueError, RuntimeError), match=r"mask.backward_padded.real_rows"):
                 stt.block_sparse_attention(q, k, v, bad).backward(do)

@@ -31,7 +31,6 @@ torch = pytest.importorskip("torch", reason="torch is not installed: torch CUDA 
 import sparsetrain as st  # noqa: E402
 import sparsetrain.torch as stt  # noqa: E402
 import sparsetrain.torch.native as stn  # noqa: E402
-import sparsetrain.torch.attention as sta  # noqa: E402
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device (torch.cuda.is_available() is False): CUDA attention tests skipped",
@@ -867,40 +866,30 @@ def test_sectioned_handout_gives_the_same_bits(name, monkeypatch):
 
 def _spy_on_the_core_backward(monkeypatch):
     """The `deterministic` flag of every backward that reaches the core, in a list, whichever
-    route it takes (the C++ torch operators where built, else the extension)."""
+    of the C++ torch library's routes it takes (its operators, or its eager attention)."""
     seen = []
-    if stn.NATIVE is not None:
-        native = stn.NATIVE
+    native = stn.NATIVE
 
-        class Spy:
-            def __getattr__(self, name):
-                return getattr(native, name)
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(native, name)
 
-            def attention_backward(self, *args):
-                seen.append(args[10])  # (q, k, v, o, lse, dout, tensors, sizes, kinds, scale, deterministic, ...)
-                return native.attention_backward(*args)
+        def attention_backward(self, *args):
+            seen.append(args[10])  # (q, k, v, o, lse, dout, tensors, sizes, kinds, scale, deterministic, ...)
+            return native.attention_backward(*args)
 
-        monkeypatch.setattr(stn, "NATIVE", Spy())
-        if stn.TORCH_OPS is not None:
-            ops = stn.TORCH_OPS
+    monkeypatch.setattr(stn, "NATIVE", Spy())
+    ops = stn.TORCH_OPS
 
-            class OpsSpy:  # eager calls on plain tensors: the flag goes to the C++ autograd path at the forward
-                def __getattr__(self, name):
-                    return getattr(ops, name)
+    class OpsSpy:  # eager calls on plain tensors: the flag goes to the C++ autograd path at the forward
+        def __getattr__(self, name):
+            return getattr(ops, name)
 
-                def attention(self, *args):
-                    seen.append(args[5])  # (q, k, v, mask, scale, deterministic, sm_limit)
-                    return ops.attention(*args)
+        def attention(self, *args):
+            seen.append(args[5])  # (q, k, v, mask, scale, deterministic, sm_limit)
+            return ops.attention(*args)
 
-            monkeypatch.setattr(stn, "TORCH_OPS", OpsSpy())
-        return seen
-    core = sta._attention_backward
-
-    def spy(*args, **kw):
-        seen.append(kw["deterministic"])
-        return core(*args, **kw)
-
-    monkeypatch.setattr(sta, "_attention_backward", spy)
+    monkeypatch.setattr(stn, "TORCH_OPS", OpsSpy())
     return seen
 
 
@@ -1058,7 +1047,7 @@ def test_torch_deterministic_mode_forces_the_deterministic_backward(monkeypatch)
     runs.append((o.detach(), *g))
     # The C++ autograd path is spied on at its forward (which saw False); its backward reads the
     # mode itself, so there the bits below are the check.
-    assert seen == [False, True, True, stn.TORCH_OPS is None]
+    assert seen == [False, True, True, False]
     for i, run in enumerate(runs):
         for what, a, b in zip(("o", "dq", "dk", "dv"), run, ref):
             assert torch.equal(a, b), f"run {i}: {what}"

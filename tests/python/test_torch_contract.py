@@ -229,8 +229,10 @@ def test_fake_packed_wgrad_stride_is_the_core_s():
         torch.manual_seed(0)
         m = stt.GroupedLinear(2, in_f, out_f, bias=False, params_dtype=BF16, single_grouped_weight=True)
         x = torch.randn(6, in_f, dtype=BF16)
-        g = m._core().backward(x, torch.randn(6, out_f, dtype=BF16), [2, 4])
-        assert g.weight_grad_packed.stride(0) == sparsetrain._C.packed_wgrad_group_stride(out_f, in_f, "bf16")
+        _, dw, _ = torch.ops.sparsetrain.grouped_linear_backward(m._id, x, torch.randn(6, out_f, dtype=BF16),
+                                                                 torch.tensor([2, 4]), list(m.parameters()))
+        assert dw.shape == (2, out_f, in_f)
+        assert dw.stride(0) == sparsetrain._C.packed_wgrad_group_stride(out_f, in_f, "bf16")
     assert sparsetrain._C.packed_wgrad_group_stride(5, 3, "bf16") == 128
 
 

@@ -1,7 +1,7 @@
 """The fake (meta) implementations of the grouped custom ops (sparsetrain::grouped_linear_* and
 grouped_mlp_*, forward and backward, functional and `_into`), called directly: under FakeTensorMode
-each op's outputs must have the sizes, strides, dtypes and devices of the real CPU call's, through
-the C++ torch library and through `_C`, for every weight-grad disposition (wgrad, none, dummy,
+each op's outputs must have the sizes, strides, dtypes and devices of the real CPU call's (through
+the C++ torch library), for every weight-grad disposition (wgrad, none, dummy,
 delayed) and for packed weight grads whose per-group stride C++ pads (the fakes take it from
 `_C.packed_wgrad_group_stride`). And torch.library.opcheck on each op: schema, autograd
 registration, AOT dispatch with dynamic shapes. Storage offsets are not compared (opcheck's
@@ -17,7 +17,6 @@ from torch.utils import _pytree as pytree  # noqa: E402
 
 import sparsetrain  # noqa: E402
 import sparsetrain.torch as stt  # noqa: E402
-import sparsetrain.torch.native as stn  # noqa: E402
 
 G, T = 4, 37
 SPLITS = [9, 0, 17, 6]  # S = 32 < T: a padded tail, expert 1 empty
@@ -37,7 +36,6 @@ CASES = {
     "bf16_delayed": dict(delay_wgrad_compute=True),
 }
 KINDS = ["GroupedLinear", "GroupedMLP"]
-PATHS = ["native", "extension"]
 
 
 def _make(kind, case):
@@ -108,14 +106,9 @@ def _meta(t):
     return tuple(t.shape), t.stride(), t.dtype, t.device
 
 
-@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("kind", KINDS)
-def test_fake_outputs_have_the_real_outputs_layout(kind, case, path, monkeypatch):
-    if path == "native" and stn.NATIVE is None:
-        pytest.skip("the C++ torch library (sparsetrain/_torch_ops.so) is not built here, or SPARSETRAIN_TORCH_OPS=0")
-    if path == "extension":
-        monkeypatch.setattr(stn, "NATIVE", None)
+def test_fake_outputs_have_the_real_outputs_layout(kind, case):
     m = _make(kind, case)
     packed_strides = set()
     for name, args in _op_args(kind, m).items():
