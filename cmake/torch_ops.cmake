@@ -1,13 +1,28 @@
 # The C++ torch library sparsetrain._torch_ops: attention as C++ torch operators
 # (python/src/torch_ops.cpp) and the grouped layers' C++ layers over torch tensors
-# (python/src/torch_grouped.cpp, pybind11 with torch's tensor caster), the torch front's eager path
-# with no Python per allocation or result. Built next to the extension where the Python build's
-# torch has its C++ headers and libraries (SPARSETRAIN_TORCH_OPS=AUTO, the default; OFF skips it);
-# sparsetrain.torch uses the Python path where the library is absent.
-set(SPARSETRAIN_TORCH_OPS "AUTO" CACHE STRING "Build the C++ torch library: AUTO or OFF")
-if(SPARSETRAIN_TORCH_OPS STREQUAL "OFF" OR SKBUILD)
+# (python/src/torch_grouped.cpp, pybind11 with torch's tensor caster), what the torch front
+# sparsetrain.torch runs through (without it, importing sparsetrain.torch raises an ImportError).
+# Built next to the extension where the build's Python has torch with its C++ headers and
+# libraries: scripts/setup's build, and a wheel built by `pip install --no-build-isolation .` in an
+# environment with torch (pip's default isolated build environment has no torch: that wheel has no
+# torch front). SPARSETRAIN_TORCH_OPS: AUTO (the default: where torch is), ON (an error where it is
+# not), OFF (not built).
+set(SPARSETRAIN_TORCH_OPS "AUTO" CACHE STRING "Build the C++ torch library: AUTO, ON or OFF")
+if(SPARSETRAIN_TORCH_OPS STREQUAL "OFF")
+  message(STATUS "sparsetrain: SPARSETRAIN_TORCH_OPS=OFF: the C++ torch library is not built (no sparsetrain.torch)")
   return()
 endif()
+# Why the library is not built: an error with ON, a status line with AUTO.
+function(st_no_torch_ops why)
+  if(SKBUILD)
+    string(APPEND why " (a pip build sees torch only without its isolated build environment: "
+           "`pip install --no-build-isolation .` in an environment with torch)")
+  endif()
+  if(SPARSETRAIN_TORCH_OPS STREQUAL "ON")
+    message(FATAL_ERROR "sparsetrain: SPARSETRAIN_TORCH_OPS=ON but ${why}")
+  endif()
+  message(STATUS "sparsetrain: ${why}; the C++ torch library is not built (no sparsetrain.torch)")
+endfunction()
 execute_process(
   COMMAND "${Python_EXECUTABLE}" -c [=[
 import os, torch
@@ -19,7 +34,7 @@ print(int(torch.version.cuda is not None))
 ]=]
   OUTPUT_VARIABLE st_torch RESULT_VARIABLE st_torch_rc ERROR_QUIET OUTPUT_STRIP_TRAILING_WHITESPACE)
 if(NOT st_torch_rc EQUAL 0)
-  message(STATUS "sparsetrain: no torch for ${Python_EXECUTABLE}; the C++ torch library is not built")
+  st_no_torch_ops("no torch for ${Python_EXECUTABLE}")
   return()
 endif()
 string(REPLACE "\n" ";" st_torch "${st_torch}")
@@ -34,7 +49,7 @@ if(st_torch_cuda AND SPARSETRAIN_WITH_CUDA)
 endif()
 foreach(lib IN LISTS st_torch_libs)
   if(NOT EXISTS "${st_torch_lib}/lib${lib}.so")
-    message(STATUS "sparsetrain: ${st_torch_lib}/lib${lib}.so not found; the C++ torch library is not built")
+    st_no_torch_ops("${st_torch_lib}/lib${lib}.so not found")
     return()
   endif()
 endforeach()
@@ -50,7 +65,11 @@ target_link_directories(sparsetrain_torch_ops PRIVATE "${st_torch_lib}")
 # Python headers for the pybind11 module (torch's pybind11 and tensor caster; no libpython).
 target_link_libraries(sparsetrain_torch_ops PRIVATE sparsetrain ${st_torch_libs} Python::Module)
 # Imported by sparsetrain.torch as sparsetrain._torch_ops after torch (whose libraries are
-# loaded by then); pybind11 wants its symbols hidden.
-set_target_properties(sparsetrain_torch_ops PROPERTIES PREFIX "" OUTPUT_NAME _torch_ops CXX_VISIBILITY_PRESET hidden
-                      LIBRARY_OUTPUT_DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR}/python/sparsetrain)
+# loaded by then: no rpath to them); pybind11 wants its symbols hidden.
+set_target_properties(sparsetrain_torch_ops PROPERTIES PREFIX "" OUTPUT_NAME _torch_ops CXX_VISIBILITY_PRESET hidden)
+if(SKBUILD)  # into the wheel, next to _C; for the torch it was built against alone
+  install(TARGETS sparsetrain_torch_ops LIBRARY DESTINATION sparsetrain)
+else()  # next to the package's .py files, as _C
+  set_target_properties(sparsetrain_torch_ops PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR}/python/sparsetrain)
+endif()
 message(STATUS "sparsetrain: C++ torch library for torch in ${st_torch_lib}")

@@ -2,8 +2,8 @@
 // path of sparsetrain.torch: at::Tensor arguments become views here, outputs come from torch's
 // caching allocator (at::empty on the current stream) and go back as tensors sharing that memory,
 // with no Python in between (the numpy/DLPack module `_C` crosses into Python for each allocation
-// and each result). Built where the Python build's torch has its C++ headers; sparsetrain.torch
-// falls back to `_C` where this library is absent. torch.compile keeps tracing the Python custom
+// and each result). Built where the Python build's torch has its C++ headers; without this library
+// importing sparsetrain.torch raises an ImportError. torch.compile keeps tracing the Python custom
 // ops (sparsetrain::block_sparse_attention_*), whose implementations call these. The grouped
 // layers of the same library are in torch_grouped.cpp; what both share in torch_common.h.
 //
