@@ -21,6 +21,7 @@
 
 #include <cstdint>
 
+#include "common/host_device.h"
 #include "common/mask_index_view.h"  // MaskIndexView, clamp_count, find_in_row
 #include "sparsetrain/block_mask.h"  // WalkOrder
 

@@ -11,7 +11,7 @@
 
 #include <cstdint>
 
-#include "common/group_offsets.h"    // ST_HOST_DEVICE
+#include "common/host_device.h"
 #include "common/mask_index_view.h"  // MaskIndexView, clamp_count
 
 namespace sparsetrain {

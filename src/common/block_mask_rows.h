@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "common/group_offsets.h"  // ST_HOST_DEVICE
+#include "common/host_device.h"
 #include "common/mask_index_view.h"
 #include "common/mask_predicate.h"
 #include "sparsetrain/block_mask.h"

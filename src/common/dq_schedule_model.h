@@ -26,8 +26,9 @@
 #include <vector>
 
 #include "common/attention_bwd_walk.h"  // BwdWalkShape: the walk order, shared with the kernel
-#include "common/block_mask_rows.h"     // schedule_column, ST_HOST_DEVICE
+#include "common/block_mask_rows.h"     // schedule_column
 #include "common/dq_turn.h"
+#include "common/host_device.h"
 #include "sparsetrain/block_mask.h"
 
 namespace sparsetrain {

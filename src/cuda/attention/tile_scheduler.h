@@ -19,6 +19,7 @@
 
 #include "common/attention_fwd_walk.h"
 #include "common/dq_schedule_model.h"
+#include "common/host_device.h"
 
 namespace sparsetrain::cuda::attn {
 
