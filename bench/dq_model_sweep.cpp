@@ -15,8 +15,8 @@
 #include <random>
 #include <vector>
 
-#include "common/doc_padding.h"
-#include "common/dq_schedule_model.h"
+#include "common/attention/doc_padding.h"
+#include "common/attention/dq_schedule_model.h"
 #include "ops/block_mask_internal.h"
 #include "sparsetrain/block_mask.h"
 

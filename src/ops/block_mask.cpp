@@ -9,13 +9,16 @@
 #include <sstream>
 #include <vector>
 
-#include "common/block_mask_rows.h"
-#include "common/doc_padding.h"
-#include "common/dq_schedule_model.h"
+#include "common/attention/block_mask_rows.h"
+#include "common/attention/doc_padding.h"
+#include "common/attention/dq_schedule_model.h"
 #include "ops/block_mask_internal.h"
 #include "ops/checks.h"
 #include "sparsetrain/block_mask.h"
 #include "sparsetrain/error.h"
+#if SPARSETRAIN_WITH_CUDA
+#include "cuda/block_mask/block_mask_cuda.h"
+#endif
 
 namespace sparsetrain {
 

@@ -5,7 +5,7 @@
 #include <sstream>
 #include <vector>
 
-#include "common/block_mask_rows.h"
+#include "common/attention/block_mask_rows.h"
 #include "ops/block_mask_internal.h"
 #include "ops/checks.h"
 #include "sparsetrain/block_mask.h"

@@ -4,12 +4,14 @@
 // is allocated.
 #include <string>
 
-#include "common/cu_seqlens.h"
-#include "ops/block_mask_internal.h"
+#include "common/attention/cu_seqlens.h"
 #include "ops/checks.h"
 #include "sparsetrain/cu_seqlens.h"
 #include "sparsetrain/error.h"
 #include "sparsetrain/runtime.h"
+#if SPARSETRAIN_WITH_CUDA
+#include "cuda/block_mask/block_mask_cuda.h"
+#endif
 
 namespace sparsetrain {
 

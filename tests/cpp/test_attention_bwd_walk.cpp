@@ -23,8 +23,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "common/attention_bwd_walk.h"
-#include "common/dq_schedule_model.h"
+#include "common/attention/attention_bwd_walk.h"
+#include "common/attention/dq_schedule_model.h"
 #include "host_tensor.h"
 #include "sparsetrain/block_mask.h"
 

@@ -10,8 +10,8 @@
 #include <tuple>
 #include <vector>
 
-#include "common/attention_fwd_walk.h"
-#include "common/mask_predicate.h"
+#include "common/attention/attention_fwd_walk.h"
+#include "common/attention/mask_predicate.h"
 #include "sparsetrain/block_mask.h"
 
 namespace st = sparsetrain;

@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "block_mask_testing.h"
-#include "common/block_mask_rows.h"
-#include "common/mask_predicate.h"  // bitmask_word
+#include "common/attention/block_mask_rows.h"
+#include "common/attention/mask_predicate.h"  // bitmask_word
 #include "host_tensor.h"
 #include "sparsetrain/block_mask.h"
 #include "sparsetrain/error.h"

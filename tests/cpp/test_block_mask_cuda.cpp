@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "device_tensor.h"
-#include "common/cu_seqlens.h"
-#include "common/doc_padding.h"
+#include "common/attention/cu_seqlens.h"
+#include "common/attention/doc_padding.h"
 #include "sparsetrain/block_mask.h"
 #include "sparsetrain/cu_seqlens.h"
 

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "common/bwd_preprocess_tiling.h"
+#include "common/attention/bwd_preprocess_tiling.h"
 
 namespace st = sparsetrain;
 

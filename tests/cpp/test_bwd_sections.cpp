@@ -7,8 +7,8 @@
 #include <random>
 #include <string>
 
-#include "common/bwd_sections.h"
-#include "common/mask_predicate.h"
+#include "common/attention/bwd_sections.h"
+#include "common/attention/mask_predicate.h"
 #include "ops/block_mask_internal.h"
 #include "sparsetrain/block_mask.h"
 

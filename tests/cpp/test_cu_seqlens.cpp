@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "common/cu_seqlens.h"
+#include "common/attention/cu_seqlens.h"
 #include "host_tensor.h"
 #include "sparsetrain/attention.h"
 #include "sparsetrain/block_mask.h"

@@ -10,8 +10,8 @@
 #include <utility>
 #include <vector>
 
-#include "common/doc_padding.h"
-#include "common/mask_predicate.h"
+#include "common/attention/doc_padding.h"
+#include "common/attention/mask_predicate.h"
 
 namespace st = sparsetrain;
 

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "block_mask_testing.h"
-#include "common/dq_schedule_model.h"
+#include "common/attention/dq_schedule_model.h"
 #include "host_tensor.h"
 #include "ops/block_mask_internal.h"
 #include "sparsetrain/block_mask.h"

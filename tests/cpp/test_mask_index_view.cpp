@@ -7,7 +7,7 @@
 #include <limits>
 #include <vector>
 
-#include "common/mask_index_view.h"
+#include "common/attention/mask_index_view.h"
 #include "host_tensor.h"
 
 namespace st = sparsetrain;

@@ -4,8 +4,8 @@
 
 #include <cstdint>
 
-#include "common/attention_bwd_walk.h"
-#include "common/dq_schedule_model.h"
+#include "common/attention/attention_bwd_walk.h"
+#include "common/attention/dq_schedule_model.h"
 #include "common/host_device.h"
 #include "cuda/attention/attention_fwd_params.h"  // KernelMaskSpec: the mask inside partial blocks
 #include "cuda/attention/tile_scheduler.h"        // BwdTicketScheduler

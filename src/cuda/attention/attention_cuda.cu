@@ -16,8 +16,8 @@
 #include <utility>
 #include <vector>
 
-#include "common/attention_fwd_walk.h"
-#include "common/bwd_sections.h"
+#include "common/attention/attention_fwd_walk.h"
+#include "common/attention/bwd_sections.h"
 #include "common/dispatch_dtype.h"
 #include "cuda/attention/bwd_preprocess.cuh"
 #include "cuda/attention/attention_bwd_params.h"

@@ -9,8 +9,8 @@
 #include <cmath>
 #include <cstdint>
 
-#include "common/bwd_preprocess_tiling.h"
-#include "common/bwd_sections.h"
+#include "common/attention/bwd_preprocess_tiling.h"
+#include "common/attention/bwd_sections.h"
 #include "cuda/attention/attention_bwd_params.h"  // kBwdTileQ
 #include "cuda/element.cuh"                        // load_f32
 #include "cuda/pdl.cuh"

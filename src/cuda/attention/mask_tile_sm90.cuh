@@ -11,7 +11,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "common/mask_predicate.h"  // mask_row_interval, mask_band, bitmask_word
+#include "common/attention/mask_predicate.h"  // mask_row_interval, mask_band, bitmask_word
 #include "cuda/attention/attention_fwd_params.h"  // KernelMaskSpec
 #include "cuda/attention/attention_sm90_common.cuh"
 

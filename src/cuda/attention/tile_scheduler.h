@@ -17,8 +17,8 @@
 
 #include <cstdint>
 
-#include "common/attention_fwd_walk.h"
-#include "common/dq_schedule_model.h"
+#include "common/attention/attention_fwd_walk.h"
+#include "common/attention/dq_schedule_model.h"
 #include "common/host_device.h"
 
 namespace sparsetrain::cuda::attn {

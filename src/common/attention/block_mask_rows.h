@@ -7,8 +7,8 @@
 #include <cstdint>
 
 #include "common/host_device.h"
-#include "common/mask_index_view.h"
-#include "common/mask_predicate.h"
+#include "common/attention/mask_index_view.h"
+#include "common/attention/mask_predicate.h"
 #include "sparsetrain/block_mask.h"
 
 namespace sparsetrain {

@@ -48,8 +48,8 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "common/attention_bwd_walk.h"  // MaskColumnLists
-#include "common/attention_fwd_walk.h"  // fwd_heads_per_section: the forward's L2 budget rule
+#include "common/attention/attention_bwd_walk.h"  // MaskColumnLists
+#include "common/attention/attention_fwd_walk.h"  // fwd_heads_per_section: the forward's L2 budget rule
 #include "common/host_device.h"
 #include "sparsetrain/mask_spec.h"
 

@@ -12,7 +12,7 @@
 #include <cstdint>
 
 #include "common/host_device.h"
-#include "common/mask_index_view.h"  // MaskIndexView, clamp_count
+#include "common/attention/mask_index_view.h"  // MaskIndexView, clamp_count
 
 namespace sparsetrain {
 

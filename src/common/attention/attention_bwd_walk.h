@@ -22,7 +22,7 @@
 #include <cstdint>
 
 #include "common/host_device.h"
-#include "common/mask_index_view.h"  // MaskIndexView, clamp_count, find_in_row
+#include "common/attention/mask_index_view.h"  // MaskIndexView, clamp_count, find_in_row
 #include "sparsetrain/block_mask.h"  // WalkOrder
 
 namespace sparsetrain {

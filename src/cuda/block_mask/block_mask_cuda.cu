@@ -22,11 +22,11 @@
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
-#include "common/block_mask_rows.h"
-#include "common/doc_padding.h"
+#include "common/attention/block_mask_rows.h"
+#include "common/attention/doc_padding.h"
+#include "cuda/block_mask/block_mask_cuda.h"
 #include "cuda/cuda_check.h"
 #include "cuda/runtime_cuda.h"
-#include "ops/block_mask_internal.h"
 #include "sparsetrain/error.h"
 
 namespace sparsetrain {

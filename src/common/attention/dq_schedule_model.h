@@ -25,9 +25,9 @@
 #include <string>
 #include <vector>
 
-#include "common/attention_bwd_walk.h"  // BwdWalkShape: the walk order, shared with the kernel
-#include "common/block_mask_rows.h"     // schedule_column
-#include "common/dq_turn.h"
+#include "common/attention/attention_bwd_walk.h"  // BwdWalkShape: the walk order, shared with the kernel
+#include "common/attention/block_mask_rows.h"     // schedule_column
+#include "common/attention/dq_turn.h"
 #include "common/host_device.h"
 #include "sparsetrain/block_mask.h"
 
