@@ -91,6 +91,20 @@ ST_HOST_DEVICE inline int32_t bwd_real_key(const BwdArgs& a, int32_t b, int32_t 
   return bwd_token_at(a.real_rows, a.real_rows_stride_b, a.mask_seq_kv, b, pos);
 }
 
+// The hand-out's section size where only the device knows the walks (document and bitmask masks;
+// common/bwd_sections.h): block 0 of the preprocessing sums the column lists' walks over batch x
+// columns (BwdColumnWalks) and applies the rule, and the kernel's ticket draws read it
+// (BwdTicketScheduler::device_sections). out = null: decided on the host.
+struct BwdSectionsOnDevice {
+  MaskColumnLists lists;
+  int32_t batch = 0, columns = 0;
+  int64_t groups = 0, group_bytes = 0, l2_budget = 0;
+  int32_t workers = 0, heads_per_group = 1, sub_tiles = 1;
+  bool deterministic = false;  // the rule's walk-length bound (common/bwd_sections.h)
+  bool ascending = false;      // the walk (bwd_auto_section_groups)
+  int32_t* out = nullptr;
+};
+
 // The main kernel, then dq [B, Sq, Hq, D] (contiguous, the input dtype) from the accumulator.
 // One explicit instantiation per translation unit (attention_bwd_sm90_instance.cu.in).
 template <FwdElement E, int HeadDim>
