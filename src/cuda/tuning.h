@@ -12,7 +12,7 @@
 #include <string>
 
 #include "common/gpu_arch.h"                  // arch::kSimtMaxMacs
-#include "cuda/grouped_linear/sm90_tuning.h"  // sm90::Tuning
+#include "cuda/grouped_linear/grouped_gemm_tuning_sm90.h"  // sm90::Tuning
 #include "sparsetrain/error.h"
 
 namespace sparsetrain::cuda::tuning {

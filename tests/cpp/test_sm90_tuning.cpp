@@ -4,7 +4,7 @@
 
 #include <cstdlib>
 
-#include "cuda/grouped_linear/sm90_tuning.h"
+#include "cuda/grouped_linear/grouped_gemm_tuning_sm90.h"
 #include "cuda/tuning.h"
 
 namespace sm90 = sparsetrain::cuda::sm90;
