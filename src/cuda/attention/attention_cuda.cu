@@ -31,7 +31,6 @@
 #include "cuda/tuning.h"
 #include "ops/attention_backend.h"
 #include "ops/block_mask_internal.h"  // mask_walk_shape
-#include "ops/checks.h"
 #include "sm90/sm90_instances.h"
 #include "sparsetrain/error.h"
 
