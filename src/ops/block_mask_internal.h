@@ -1,6 +1,6 @@
 // Internal helpers of the block-mask code (src/ops/block_mask*.cpp) that the tests use too: (b, h)
 // slices of a mask's index tensors with broadcasting, and the scheduler model's input built from a
-// mask (src/common/dq_schedule_model.h).
+// mask (src/common/attention/dq_schedule_model.h).
 #pragma once
 
 #include <cstdint>
@@ -35,7 +35,7 @@ DqColumnHandout dq_handout(const ColumnSchedule& schedule, int64_t batch, int64_
 
 // The model's input for an attention of `batch` x `q_heads` (kv_heads divides q_heads) over the
 // mask (broadcast), for a kernel that runs each block column as `sub_tiles` writers (the CUDA
-// backward: dq_sub_tiles(block_kv), common/dq_turn.h): ranks from the mask's stored write orders ...
+// backward: dq_sub_tiles(block_kv), common/attention/dq_turn.h): ranks from the mask's stored write orders ...
 DqModelProblem dq_model_problem(const BlockMask& mask, int64_t sub_tiles, int64_t batch, int64_t q_heads,
                                 int64_t kv_heads);
 // ... or computed here for `schedule` from the q-side lists (independently of compute_dq_write_order).

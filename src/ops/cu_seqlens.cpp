@@ -1,5 +1,5 @@
 // document_ids_from_cu_seqlens (cu_seqlens.h): every check that needs no value of a device tensor,
-// then one id per position by document_of_position (src/common/cu_seqlens.h), on the host or by
+// then one id per position by document_of_position (src/common/attention/cu_seqlens.h), on the host or by
 // the CUDA kernel on the offsets' device. Host offsets are also checked by value, before anything
 // is allocated.
 #include <string>

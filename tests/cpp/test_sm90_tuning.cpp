@@ -1,4 +1,4 @@
-// The sm90 launch heuristic (cuda/grouped_linear/sm90_tuning.h): plain host code, so tested on
+// The sm90 launch heuristic (cuda/grouped_linear/grouped_gemm_tuning_sm90.h): plain host code, so tested on
 // the CPU. It sees shapes only (a graph captured once stays valid for any split values).
 #include <gtest/gtest.h>
 

@@ -1,5 +1,5 @@
 // How many (batch, kv head) groups one L2 section of the backward's hand-out holds
-// (DqColumnHandout::section_groups in common/dq_schedule_model.h; 0: one section, the plain
+// (DqColumnHandout::section_groups in common/attention/dq_schedule_model.h; 0: one section, the plain
 // column hand-out). Host and device code (the preprocessing applies the rule where only the
 // device knows the walk), tested on the CPU (tests/cpp/test_bwd_sections.cpp).
 //
@@ -24,7 +24,7 @@
 // since the runs that had found it as fast; at 128k with GQA 4:1, 2 groups, the rule's one-group
 // sections ran 2-3 % slower than the plain hand-out, docs/PERF.md). That bound holds
 // for the descending walk only, where the columns in flight run one hand-off apart
-// (common/attention_bwd_walk.h); walking ascending, each column reaches every tile before the
+// (common/attention/attention_bwd_walk.h); walking ascending, each column reaches every tile before the
 // column whose turn comes first, so the queue grows with every column in flight: the L2-budget
 // sections ran the deterministic backward 1.5-4x slower there on windows, documents and GQA (H100;
 // faster only on short sequences with B = 8). So the deterministic mode walking ascending takes the

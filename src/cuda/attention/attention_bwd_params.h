@@ -14,7 +14,7 @@ namespace sparsetrain::cuda::attn {
 
 // The backward kernel's tiles: 64 query rows, 128 at D <= 64 (bwd_tile_q: the dQ partial of a
 // visit, the unit of a dQ turn)
-// by kBwdTileKv = 128 keys (one work item's kv sub-column; common/dq_turn.h holds it, since the
+// by kBwdTileKv = 128 keys (one work item's kv sub-column; common/attention/dq_turn.h holds it, since the
 // dQ turn rule and the scheduler model need it on the host).
 constexpr int kBwdTileQ = 64;
 // At D <= 64, 128-row q tiles (FlashAttention-3's 128 x 128 at D = 64): a visit's fixed latency
@@ -92,7 +92,7 @@ ST_HOST_DEVICE inline int32_t bwd_real_key(const BwdArgs& a, int32_t b, int32_t 
 }
 
 // The hand-out's section size where only the device knows the walks (document and bitmask masks;
-// common/bwd_sections.h): block 0 of the preprocessing sums the column lists' walks over batch x
+// common/attention/bwd_sections.h): block 0 of the preprocessing sums the column lists' walks over batch x
 // columns (BwdColumnWalks) and applies the rule, and the kernel's ticket draws read it
 // (BwdTicketScheduler::device_sections). out = null: decided on the host.
 struct BwdSectionsOnDevice {
@@ -100,7 +100,7 @@ struct BwdSectionsOnDevice {
   int32_t batch = 0, columns = 0;
   int64_t groups = 0, group_bytes = 0, l2_budget = 0;
   int32_t workers = 0, heads_per_group = 1, sub_tiles = 1;
-  bool deterministic = false;  // the rule's walk-length bound (common/bwd_sections.h)
+  bool deterministic = false;  // the rule's walk-length bound (common/attention/bwd_sections.h)
   bool ascending = false;      // the walk (bwd_auto_section_groups)
   int32_t* out = nullptr;
 };

@@ -170,7 +170,7 @@ class AttentionCuda final : public backend::AttentionBackend {
                          " indexes it in int32; broadcast the mask over batch or heads)",
                      "the largest offset ", max_element_offset(*t));
     };
-    if (backward == nullptr) {  // common/attention_fwd_walk.h
+    if (backward == nullptr) {  // common/attention/attention_fwd_walk.h
       for (const auto& [t, name] : {std::pair<const TensorView*, const char*>{&mask.kv_num_blocks, "mask.kv_num_blocks"},
                                     {&mask.kv_indices, "mask.kv_indices"},
                                     {&mask.full_kv_num_blocks, "mask.full_kv_num_blocks"},
@@ -181,7 +181,7 @@ class AttentionCuda final : public backend::AttentionBackend {
       const int64_t tickets = p.batch * p.heads_kv * bm.num_kv_blocks() * dq_sub_tiles(bm.block_kv);
       ST_CHECK_ARG(tickets < (int64_t(1) << 31), "k", "B * Hkv * ceil(Skv / 128) below 2^31 (the backward's work items)",
                    tickets, " items");
-      // The backward indexes in int32 the mask's lists its walk reads (common/attention_bwd_walk.h:
+      // The backward indexes in int32 the mask's lists its walk reads (common/attention/attention_bwd_walk.h:
       // write orders in the deterministic mode, the forward lists for bitmasks) and the document ids.
       const bool det = backward->deterministic, bits = bm.spec.kind == MaskKind::kBitmask;
       const bool docs = bm.spec.kind == MaskKind::kDocument || bm.spec.kind == MaskKind::kDocumentCausal;

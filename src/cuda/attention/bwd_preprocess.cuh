@@ -17,7 +17,7 @@
 
 namespace sparsetrain::cuda::attn {
 
-// How the rows split (common/bwd_preprocess_tiling.h); every head's padded rows (whole 64- or 128-row
+// How the rows split (common/attention/bwd_preprocess_tiling.h); every head's padded rows (whole 64- or 128-row
 // q tiles) into whole tiles.
 using ::sparsetrain::BwdPreprocessTiling;
 static_assert(BwdPreprocessTiling<8, true>::tiles_divide(kBwdTileQ) &&
