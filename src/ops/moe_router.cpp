@@ -7,17 +7,14 @@
 #include "ops/checks.h"
 #include "ops/moe_backend.h"
 #include "ops/moe_router_internal.h"
+#include "ops/pick_backend.h"
 #include "sparsetrain/error.h"
 #include "sparsetrain/moe_router.h"
 
 namespace sparsetrain {
 
 backend::MoEBackend& backend::moe_backend_for(Device device, const char* arg) {
-  if (device.is_cpu()) return moe_reference_backend();
-#if SPARSETRAIN_WITH_CUDA
-  if (device.is_cuda()) return moe_cuda_backend();
-#endif
-  detail::throw_arg_error(arg, "a tensor on cpu (this build has no CUDA backend)", device.str());
+  return ops::pick_backend<MoEBackend>(device, arg, moe_reference_backend, ST_CUDA_BACKEND(moe_cuda_backend));
 }
 
 namespace {
