@@ -1,4 +1,4 @@
-// The deterministic backward's scheduler model (common/dq_schedule_model.h) on bench-like masks:
+// The deterministic backward's scheduler model (common/attention/dq_schedule_model.h) on bench-like masks:
 // det / nondet critical paths with adds of 4 steps and a hand-off latency of 0..4 steps (a dQ
 // partial landing and its release reaching the next writer), for both schedules (left to right,
 // shortest first) and both walks, with and without L2 sections of 8 (batch, kv head) groups, 132
@@ -14,8 +14,8 @@
 #include <random>
 #include <vector>
 
-#include "common/doc_padding.h"
-#include "common/dq_schedule_model.h"
+#include "common/attention/doc_padding.h"
+#include "common/attention/dq_schedule_model.h"
 #include "ops/block_mask_internal.h"
 #include "sparsetrain/block_mask.h"
 
@@ -63,7 +63,7 @@ Modelled model_of(const Case& c, const st::MaskSpec& spec, int64_t seq, const st
           st::dq_handout(sch, c.batch, c.kv_heads, t.mask.num_kv_blocks(), 1)};
 }
 
-// The same documents in the padded layout (common/doc_padding.h: documents of at least
+// The same documents in the padded layout (common/attention/doc_padding.h: documents of at least
 // `min_length` tokens start and end on 128-token boundaries; min_length 1, every document: the
 // document-start tiles, documents as ranges). The padding repeats the id before it (as the GPU
 // measurement's padded documents did: it costs work like real tokens).

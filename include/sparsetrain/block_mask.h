@@ -20,7 +20,7 @@
 // q block m is written by the columns touching it one at a time, in schedule order; the entry
 // parallel to (n, m) is n's turn (0, 1, ...) among those columns, in the mask's own block units.
 // A backend whose kv tile is narrower than block_kv expands it (its sub-columns of n take
-// consecutive turns: src/common/dq_turn.h); the mask does not depend on any kernel's tile.
+// consecutive turns: src/common/attention/dq_turn.h); the mask does not depend on any kernel's tile.
 // Deadlock freedom (docs/DESIGN.md section 6) holds when, at every q block, turns increase with
 // the writers' positions in the schedule — true of every order built here, and checked by
 // check_write_order().
@@ -42,7 +42,7 @@ enum class ScheduleKind { kLeftToRight, kShortestFirst, kPermutation };
 
 // How the backward walks one work item (a kv column of one kv head): the q tiles it touches, for
 // each query head of the kv head's group. Only the order of one item's visits changes: turns,
-// tickets and write orders do not (src/common/attention_bwd_walk.h: bwd_walk_shape, and why
+// tickets and write orders do not (src/common/attention/attention_bwd_walk.h: bwd_walk_shape, and why
 // neither determinism nor deadlock freedom depends on it). dK / dV are summed in this order, so
 // the schedule (this included) fixes the backward's bits.
 //   kDescendingHeadsInner  q tiles bottom-up, at each tile every query head of the group in turn
@@ -89,7 +89,7 @@ struct BlockMask {
   TensorView partial_bitmasks;
   // Documents as ranges in the backward (optional; document masks on CUDA): the same mask over a
   // padded layout of its tokens, where every document of at least a minimum length starts and
-  // ends on a 128-token boundary (build_doc_padded_mask; common/doc_padding.h), so that no kv or
+  // ends on a 128-token boundary (build_doc_padded_mask; common/attention/doc_padding.h), so that no kv or
   // q tile of the backward straddles a long document's edge. The CUDA backward runs its lists,
   // ids and scratch rows on that mask and loads and stores the tokens at their real rows; the
   // forward and the CPU reference read this mask only. Non-owning; null: none.

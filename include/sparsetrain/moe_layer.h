@@ -14,7 +14,7 @@
 // delayed wgrad through backward_dw()).
 //
 // Runs where the experts' parameters are: the CPU (the reference) or a CUDA device (the router,
-// gather and combine kernels of ops/moe_cuda.h and the GroupedMLP's, the counts as device
+// gather and combine kernels of ops/moe_backend.h and the GroupedMLP's, the counts as device
 // splits: no host synchronisation, graph-capturable). The rows are gathered into a copy for fc1
 // (kept for backward, or gathered again there: recompute_expert_input); folding the gather into
 // fc1's loads is the next step.

@@ -7,13 +7,8 @@
 
 #include <cstdint>
 
+#include "common/host_device.h"
 #include "sparsetrain/splits.h"
-
-#if defined(__CUDACC__)
-#define ST_HOST_DEVICE __host__ __device__
-#else
-#define ST_HOST_DEVICE
-#endif
 
 namespace sparsetrain {
 

@@ -19,7 +19,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "common/group_offsets.h"  // ST_HOST_DEVICE
+#include "common/host_device.h"
 #include "sparsetrain/moe_router.h"  // RouterScore
 
 namespace sparsetrain {

@@ -11,15 +11,13 @@
 #include "ops/block_mask_internal.h"
 #include "ops/checks.h"
 #include "ops/grouped_args.h"
+#include "ops/pick_backend.h"
 
 namespace sparsetrain {
 
 backend::AttentionBackend& backend::attention_backend_for(Device device, const char* arg) {
-  if (device.is_cpu()) return attention_reference_backend();
-#if SPARSETRAIN_WITH_CUDA
-  if (device.is_cuda()) return attention_cuda_backend();
-#endif
-  detail::throw_arg_error(arg, "a tensor on cpu (this build has no CUDA backend)", device.str());
+  return ops::pick_backend<AttentionBackend>(device, arg, attention_reference_backend,
+                                             ST_CUDA_BACKEND(attention_cuda_backend));
 }
 
 namespace {

@@ -1,6 +1,6 @@
 // Block-mask builders (built-in spec, dense block matrix, mask function), the transposes and the dQ
 // write orders. Each builder is a plain loop over rows of blocks calling the host/device row
-// functions of src/common/block_mask_rows.h, so a CUDA kernel can run the same steps per row;
+// functions of src/common/attention/block_mask_rows.h, so a CUDA kernel can run the same steps per row;
 // tensors are full width (Nk / Mq), sized by shapes alone — except the function builder's
 // bitmasks, whose width is the largest partial count (a host-only builder: the function is host code).
 #include <algorithm>
@@ -9,13 +9,16 @@
 #include <sstream>
 #include <vector>
 
-#include "common/block_mask_rows.h"
-#include "common/doc_padding.h"
-#include "common/dq_schedule_model.h"
+#include "common/attention/block_mask_rows.h"
+#include "common/attention/doc_padding.h"
+#include "common/attention/dq_schedule_model.h"
 #include "ops/block_mask_internal.h"
 #include "ops/checks.h"
 #include "sparsetrain/block_mask.h"
 #include "sparsetrain/error.h"
+#if SPARSETRAIN_WITH_CUDA
+#include "cuda/block_mask/block_mask_cuda.h"
+#endif
 
 namespace sparsetrain {
 
@@ -340,7 +343,7 @@ int32_t* row_ptr(const Tensor& t, int64_t b, int64_t h, int64_t r) {
 void check_schedule(const ColumnSchedule& s, int64_t Nk);
 
 // build_block_mask on a CUDA device (options.device): the same tensors, full width, built there
-// by src/cuda/attention/block_mask_cuda.cu on options.stream.
+// by src/cuda/block_mask/block_mask_cuda.cu on options.stream.
 BlockMaskTensors build_on_device(const MaskSpec& spec, int64_t B, int64_t seq_q, int64_t seq_kv,
                                  const BlockMaskOptions& o) {
 #if SPARSETRAIN_WITH_CUDA

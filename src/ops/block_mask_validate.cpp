@@ -5,7 +5,7 @@
 #include <sstream>
 #include <vector>
 
-#include "common/block_mask_rows.h"
+#include "common/attention/block_mask_rows.h"
 #include "ops/block_mask_internal.h"
 #include "ops/checks.h"
 #include "sparsetrain/block_mask.h"
@@ -254,7 +254,7 @@ std::string check_write_order(const BlockMask& mask) {
       const MaskIndexOut fwo = mask_write_order(mask.dq_write_order_full, b, h);
       std::fill(writers.begin(), writers.end(), 0);
       // Columns in hand-out order: at each q block the next rank must go to the next column
-      // touching it (common/dq_turn.h). Ranks are in block units: any split of the columns into
+      // touching it (common/attention/dq_turn.h). Ranks are in block units: any split of the columns into
       // consecutive sub-columns (dq_visit_turn) keeps them increasing with hand-out position.
       for (int64_t p = 0; p < Nk; ++p) {
         const int64_t n = schedule_column(sch.kind, sch.permutation.data(), p, Nk);

@@ -1,15 +1,17 @@
 // document_ids_from_cu_seqlens (cu_seqlens.h): every check that needs no value of a device tensor,
-// then one id per position by document_of_position (src/common/cu_seqlens.h), on the host or by
+// then one id per position by document_of_position (src/common/attention/cu_seqlens.h), on the host or by
 // the CUDA kernel on the offsets' device. Host offsets are also checked by value, before anything
 // is allocated.
 #include <string>
 
-#include "common/cu_seqlens.h"
-#include "ops/block_mask_internal.h"
+#include "common/attention/cu_seqlens.h"
 #include "ops/checks.h"
 #include "sparsetrain/cu_seqlens.h"
 #include "sparsetrain/error.h"
 #include "sparsetrain/runtime.h"
+#if SPARSETRAIN_WITH_CUDA
+#include "cuda/block_mask/block_mask_cuda.h"
+#endif
 
 namespace sparsetrain {
 

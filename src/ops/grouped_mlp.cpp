@@ -11,15 +11,13 @@
 #include "ops/checks.h"
 #include "ops/grouped_args.h"
 #include "ops/grouped_mlp_backend.h"
+#include "ops/pick_backend.h"
 
 namespace sparsetrain {
 
 backend::GroupedMLPBackend& backend::grouped_mlp_backend_for(Device device, const char* arg) {
-  if (device.is_cpu()) return grouped_mlp_reference_backend();
-#if SPARSETRAIN_WITH_CUDA
-  if (device.is_cuda()) return grouped_mlp_cuda_backend();
-#endif
-  detail::throw_arg_error(arg, "a tensor on cpu (this build has no CUDA backend)", device.str());
+  return ops::pick_backend<GroupedMLPBackend>(device, arg, grouped_mlp_reference_backend,
+                                              ST_CUDA_BACKEND(grouped_mlp_cuda_backend));
 }
 
 namespace {

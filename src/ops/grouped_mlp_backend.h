@@ -8,23 +8,18 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/host_device.h"
 #include "sparsetrain/allocator.h"
 #include "sparsetrain/tensor.h"
-
-#if defined(__CUDACC__)
-#define ST_MLP_HOST_DEVICE __host__ __device__
-#else
-#define ST_MLP_HOST_DEVICE
-#endif
 
 namespace sparsetrain::backend {
 
 // Column of fc1's output holding a_j (b_j: + glu_block_size). Halves (k = 0): a_j at j, b_j at
 // F + j. Interleaved (k > 0): blocks of k columns alternate a, b, so a_j sits in block pair j / k.
-ST_MLP_HOST_DEVICE inline int64_t glu_a_column(int64_t j, int64_t interleave) {
+ST_HOST_DEVICE inline int64_t glu_a_column(int64_t j, int64_t interleave) {
   return interleave == 0 ? j : (j / interleave) * 2 * interleave + j % interleave;
 }
-ST_MLP_HOST_DEVICE inline int64_t glu_b_offset(int64_t ffn, int64_t interleave) {
+ST_HOST_DEVICE inline int64_t glu_b_offset(int64_t ffn, int64_t interleave) {
   return interleave == 0 ? ffn : interleave;
 }
 

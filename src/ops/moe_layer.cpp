@@ -1,13 +1,12 @@
 // MoELayer (moe_layer.h): route, gather x's rows into the expert-major layout, GroupedMLP with the
-// counts as device splits (never read by the host), combine in slot order; loops on the CPU,
-// kernels on a CUDA device (ops/moe_cuda.h). Every argument is checked before anything is written.
-#include <cstring>
+// counts as device splits (never read by the host), combine in slot order, on the tensors'
+// backend (ops/moe_backend.h). Every argument is checked before anything is written.
 #include <memory>
 #include <string>
 #include <tuple>
 
 #include "ops/checks.h"
-#include "ops/moe_cuda.h"
+#include "ops/moe_backend.h"
 #include "ops/moe_router_internal.h"
 #include "sparsetrain/error.h"
 #include "sparsetrain/moe_layer.h"
@@ -41,44 +40,24 @@ void check_tokens(const TensorView& t, const char* name, const GroupedMLPOptions
 
 // rows[r] = x[token_of_row[r]].
 Tensor gather_rows(const TensorView& x, const Tensor& token_of_row, Allocator& alloc, Stream stream) {
-  const int64_t R = token_of_row.view().size(0), H = x.size(1), bytes = H * int64_t(x.element_size());
+  const int64_t R = token_of_row.view().size(0), H = x.size(1);
+  backend::MoEBackend& be = backend::moe_backend_for(x.device(), "x");
   Tensor rows = Tensor::empty(x.dtype(), {R, H}, x.device(), alloc, stream);
-  const int32_t* token = token_of_row.view().data_as<const int32_t>();
-#if SPARSETRAIN_WITH_CUDA
-  if (x.device().is_cuda()) {
-    gather_rows_cuda(x.dtype(), x.data(), x.stride(0), token, R, H, rows.view().data(), x.device().index, stream);
-    return rows;
-  }
-#endif
-  for (int64_t r = 0; r < R; ++r)
-    std::memcpy(static_cast<char*>(rows.view().data()) + r * bytes,
-                static_cast<const char*>(x.data()) + token[r] * x.stride(0) * int64_t(x.element_size()), size_t(bytes));
+  be.gather_rows(x.dtype(), x.data(), x.stride(0), token_of_row.view().data_as<const int32_t>(), R, H,
+                 rows.view().data(), x.device(), stream);
   return rows;
 }
 
 // fp32 values between the (token, slot) order and the layout's rows: dst[row_of[i]] = src[i]
 // (to_rows: [N * K]) or dst[i] = src[row_of[i]] ([N, K], row_of's shape).
 Tensor permute_probs(const TensorView& src, const Tensor& row_of, bool to_rows, Allocator& alloc, Stream stream) {
+  backend::MoEBackend& be = backend::moe_backend_for(src.device(), "probs");
   const int64_t n = row_of.view().numel();
   Tensor dst = to_rows ? Tensor::empty(DType::kFP32, {n}, src.device(), alloc, stream)
                        : Tensor::empty(DType::kFP32, {row_of.view().size(0), row_of.view().size(1)}, src.device(),
                                        alloc, stream);
-  const int32_t* row = row_of.view().data_as<const int32_t>();
-  float* d = dst.view().data_as<float>();
-  const float* s = src.data_as<const float>();
-#if SPARSETRAIN_WITH_CUDA
-  if (src.device().is_cuda()) {
-    permute_f32_cuda(s, row, n, d, to_rows, src.device().index, stream);
-    return dst;
-  }
-#endif
-  for (int64_t i = 0; i < n; ++i) {
-    if (to_rows) {
-      d[row[i]] = s[i];
-    } else {
-      d[i] = s[row[i]];
-    }
-  }
+  be.permute_f32(src.data_as<const float>(), row_of.view().data_as<const int32_t>(), n, dst.view().data_as<float>(),
+                 to_rows, src.device(), stream);
   return dst;
 }
 
@@ -106,21 +85,10 @@ Tensor combine_rows(const TensorView& rows, const TensorView& row_of, Allocator*
     for (int64_t i = 0; i < N * K; ++i)
       ST_CHECK_ARG(row[i] >= 0 && row[i] < R, "row_of", "entries in [0, R = " + std::to_string(R) + ")",
                    row[i], " at flat index ", i);
+  backend::MoEBackend& be = backend::moe_backend_for(dev, "rows");
   Allocator& alloc = allocator != nullptr ? *allocator : default_allocator();
   Tensor out = Tensor::empty(rows.dtype(), {N, H}, dev, alloc, stream);
-#if SPARSETRAIN_WITH_CUDA
-  if (dev.is_cuda()) {
-    combine_rows_cuda(rows.dtype(), rows.data(), rows.stride(0), row, N, int32_t(K), H, out.view().data(), dev.index,
-                      stream);
-    return out;
-  }
-#endif
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t h = 0; h < H; ++h) {
-      float acc = 0.f;
-      for (int64_t i = 0; i < K; ++i) acc += load_float(rows.data(), rows.dtype(), row[n * K + i] * rows.stride(0) + h);
-      store_float(out.view().data(), rows.dtype(), n * H + h, acc);
-    }
+  be.combine_rows(rows.dtype(), rows.data(), rows.stride(0), row, N, int32_t(K), H, out.view().data(), dev, stream);
   return out;
 }
 

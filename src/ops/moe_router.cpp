@@ -1,17 +1,22 @@
 // route / route_backward (moe_router.h): every check before anything is allocated, then the rules
-// of common/moe_routing.h token by token: loops on the CPU (the reference), kernels on a CUDA
-// device (ops/moe_cuda.h).
+// of common/moe_routing.h token by token on the tensors' backend (ops/moe_backend.h: loops on the
+// CPU, the reference; kernels on a CUDA device).
 #include <string>
-#include <vector>
 
 #include "common/moe_routing.h"
 #include "ops/checks.h"
-#include "ops/moe_cuda.h"
+#include "ops/moe_backend.h"
 #include "ops/moe_router_internal.h"
+#include "ops/pick_backend.h"
 #include "sparsetrain/error.h"
 #include "sparsetrain/moe_router.h"
 
 namespace sparsetrain {
+
+backend::MoEBackend& backend::moe_backend_for(Device device, const char* arg) {
+  return ops::pick_backend<MoEBackend>(device, arg, moe_reference_backend, ST_CUDA_BACKEND(moe_cuda_backend));
+}
+
 namespace {
 
 RouterRule rule_of(const RouterOptions& o) {
@@ -63,9 +68,10 @@ RouterOutput route(const RouterOptions& options, const TensorView& logits, const
   const Device dev = logits.device();
   if (expert_bias.defined())
     check_vector(expert_bias, "expert_bias", DType::kFP32, r.num_experts, "one per expert", dev);
-  ST_CHECK_ARG(dev.is_cpu() || r.num_experts <= kMaxExpertsCuda, "num_experts",
-               "<= " + std::to_string(kMaxExpertsCuda) + " on a CUDA device", r.num_experts);
+  ST_CHECK_ARG(dev.is_cpu() || r.num_experts <= backend::kMaxExpertsCuda, "num_experts",
+               "<= " + std::to_string(backend::kMaxExpertsCuda) + " on a CUDA device", r.num_experts);
   checks::device_runs(dev, checks::Kernels::kGeneric, "logits");
+  backend::MoEBackend& be = backend::moe_backend_for(dev, "logits");
   Allocator& alloc = allocator != nullptr ? *allocator : default_allocator();
   const int64_t N = logits.size(0), E = r.num_experts, K = r.top_k;
   RouterOutput out{Tensor::empty(DType::kInt32, {N, K}, dev, alloc, stream),
@@ -75,41 +81,14 @@ RouterOutput route(const RouterOptions& options, const TensorView& logits, const
                    Tensor::empty(DType::kInt32, {N * K}, dev, alloc, stream),
                    Tensor::empty(DType::kFP32, {E}, dev, alloc, stream)};
   const float* bias = expert_bias.defined() ? expert_bias.data_as<const float>() : nullptr;
-#if SPARSETRAIN_WITH_CUDA
-  if (dev.is_cuda()) {
-    const Tensor scratch = Tensor::empty(DType::kUInt8, {route_cuda_scratch_bytes(N, r.num_experts)}, dev, alloc, stream);
-    route_cuda(r, logits.data_as<const float>(), logits.stride(0), bias, N,
-               {out.experts.view().data_as<int32_t>(), out.probs.view().data_as<float>(),
-                out.counts.view().data_as<int64_t>(), out.row_of.view().data_as<int32_t>(),
-                out.token_of_row.view().data_as<int32_t>(), out.score_sum.view().data_as<float>()},
-               scratch.view().data(), dev.index, stream);
-    return out;
-  }
-#endif
-  int32_t* experts = out.experts.view().data_as<int32_t>();
-  float* probs = out.probs.view().data_as<float>();
-  int64_t* counts = out.counts.view().data_as<int64_t>();
-  float* score_sum = out.score_sum.view().data_as<float>();
-  for (int64_t e = 0; e < E; ++e) counts[e] = 0, score_sum[e] = 0.f;
-  for (int64_t n = 0; n < N; ++n) {
-    const float* l = logits.data_as<const float>() + n * logits.stride(0);
-    route_token(r, l, bias, experts + n * K, probs + n * K);
-    for (int64_t i = 0; i < K; ++i) ++counts[experts[n * K + i]];
-    SoftmaxRow row;
-    if (r.score == RouterScore::kSoftmax) row = router_softmax_row(l, r.num_experts);
-    for (int32_t e = 0; e < r.num_experts; ++e) score_sum[e] += router_score(r, l[e], row);
-  }
-  // The layout: expert e's rows from the counts of the experts before it, its tokens in order.
-  std::vector<int64_t> next(size_t(E), 0);
-  for (int64_t e = 1; e < E; ++e) next[size_t(e)] = next[size_t(e - 1)] + counts[e - 1];
-  int32_t* row_of = out.row_of.view().data_as<int32_t>();
-  int32_t* token_of_row = out.token_of_row.view().data_as<int32_t>();
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t i = 0; i < K; ++i) {
-      const int64_t row = next[size_t(experts[n * K + i])]++;
-      row_of[n * K + i] = int32_t(row);
-      token_of_row[row] = int32_t(n);
-    }
+  const size_t scratch_bytes = be.route_scratch_bytes(N, r.num_experts);
+  const Tensor scratch =
+      scratch_bytes > 0 ? Tensor::empty(DType::kUInt8, {int64_t(scratch_bytes)}, dev, alloc, stream) : Tensor();
+  be.route(r, logits.data_as<const float>(), logits.stride(0), bias, N,
+           {out.experts.view().data_as<int32_t>(), out.probs.view().data_as<float>(),
+            out.counts.view().data_as<int64_t>(), out.row_of.view().data_as<int32_t>(),
+            out.token_of_row.view().data_as<int32_t>(), out.score_sum.view().data_as<float>()},
+           scratch.defined() ? scratch.view().data() : nullptr, dev, stream);
   return out;
 }
 
@@ -130,6 +109,7 @@ Tensor route_backward(const RouterOptions& options, const TensorView& logits, co
   check_matrix(experts, "experts", DType::kInt32, N, K, dev);
   check_matrix(dprobs, "dprobs", DType::kFP32, N, K, dev);
   checks::device_runs(dev, checks::Kernels::kGeneric, "logits");
+  backend::MoEBackend& be = backend::moe_backend_for(dev, "logits");
   // Host expert ids are checked as indices: each in range and, per token, distinct (route()'s
   // output is). Device ids are not read by the host: the kernel turns a token with invalid ids
   // into NaN gradients instead of reading out of bounds.
@@ -148,19 +128,9 @@ Tensor route_backward(const RouterOptions& options, const TensorView& logits, co
   Allocator& alloc = allocator != nullptr ? *allocator : default_allocator();
   Tensor dlogits = Tensor::empty(DType::kFP32, {N, int64_t(r.num_experts)}, dev, alloc, stream);
   const float* ds = dscore_sum.defined() ? dscore_sum.data_as<const float>() : nullptr;
-#if SPARSETRAIN_WITH_CUDA
-  if (dev.is_cuda()) {
-    route_backward_cuda(r, logits.data_as<const float>(), logits.stride(0), experts.data_as<const int32_t>(),
-                        experts.stride(0), dprobs.data_as<const float>(), dprobs.stride(0), ds, N,
-                        dlogits.view().data_as<float>(), dev.index, stream);
-    return dlogits;
-  }
-#endif
-  for (int64_t n = 0; n < N; ++n)
-    route_token_backward(r, logits.data_as<const float>() + n * logits.stride(0),
-                         experts.data_as<const int32_t>() + n * experts.stride(0),
-                         dprobs.data_as<const float>() + n * dprobs.stride(0), ds,
-                         dlogits.view().data_as<float>() + n * r.num_experts);
+  be.route_backward(r, logits.data_as<const float>(), logits.stride(0), experts.data_as<const int32_t>(),
+                    experts.stride(0), dprobs.data_as<const float>(), dprobs.stride(0), ds, N,
+                    dlogits.view().data_as<float>(), dev, stream);
   return dlogits;
 }
 

@@ -23,8 +23,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "common/mask_index_view.h"
-#include "common/mask_predicate.h"
+#include "common/attention/mask_index_view.h"
+#include "common/attention/mask_predicate.h"
 #include "ops/attention_backend.h"
 #include "sparsetrain/error.h"
 

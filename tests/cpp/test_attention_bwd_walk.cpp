@@ -1,4 +1,4 @@
-// The backward kernel's index math on the CPU (common/attention_bwd_walk.h): a kv column's walk
+// The backward kernel's index math on the CPU (common/attention/attention_bwd_walk.h): a kv column's walk
 // for one query head visits exactly the kernel q tiles (64 rows) of the q blocks it touches, partial
 // and full merged in ascending q-block order (descending: the same visits reversed); an item's walk
 // visits the same (q tile, head) set under both WalkOrders, descending with the heads innermost (or,
@@ -23,8 +23,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "common/attention_bwd_walk.h"
-#include "common/dq_schedule_model.h"
+#include "common/attention/attention_bwd_walk.h"
+#include "common/attention/dq_schedule_model.h"
 #include "host_tensor.h"
 #include "sparsetrain/block_mask.h"
 

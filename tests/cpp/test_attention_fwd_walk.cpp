@@ -1,4 +1,4 @@
-// The forward kernel's index math on the CPU (common/attention_fwd_walk.h): work items cover every
+// The forward kernel's index math on the CPU (common/attention/attention_fwd_walk.h): work items cover every
 // (b, h, q tile) once; a q tile's walk visits exactly the kernel kv tiles of its mask row's
 // partial and full blocks (mask blocks larger than the kernel tiles included, broadcast leading
 // dims, compact widths), partial ones first with their list entries; a bad device mask (counts
@@ -10,8 +10,8 @@
 #include <tuple>
 #include <vector>
 
-#include "common/attention_fwd_walk.h"
-#include "common/mask_predicate.h"
+#include "common/attention/attention_fwd_walk.h"
+#include "common/attention/mask_predicate.h"
 #include "sparsetrain/block_mask.h"
 
 namespace st = sparsetrain;

@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "block_mask_testing.h"
-#include "common/block_mask_rows.h"
-#include "common/mask_predicate.h"  // bitmask_word
+#include "common/attention/block_mask_rows.h"
+#include "common/attention/mask_predicate.h"  // bitmask_word
 #include "host_tensor.h"
 #include "sparsetrain/block_mask.h"
 #include "sparsetrain/error.h"
@@ -319,7 +319,7 @@ TEST(BlockMaskBuilders, TransposeMatchesAndDropsStaleWriteOrders) {
   EXPECT_NO_THROW(st::validate_block_mask(t.mask));
 }
 
-// The device builder (src/cuda/attention/block_mask_cuda.cu) computes every block's document-id
+// The device builder (src/cuda/block_mask/block_mask_cuda.cu) computes every block's document-id
 // spans once, as a reduction over the lanes of a warp (lane l takes positions begin + l, + 32, ...),
 // and hands them to classify_block: the same spans, the same classes as computing them in place.
 // Id patterns: random small ids (unsorted: the element fallback), packed documents (sorted: the

@@ -16,8 +16,8 @@
 #include <vector>
 
 #include "device_tensor.h"
-#include "common/cu_seqlens.h"
-#include "common/doc_padding.h"
+#include "common/attention/cu_seqlens.h"
+#include "common/attention/doc_padding.h"
 #include "sparsetrain/block_mask.h"
 #include "sparsetrain/cu_seqlens.h"
 
@@ -244,7 +244,7 @@ TEST(BlockMaskCuda, DeviceBuildEqualsTheHostBuildForBroadcastAndUnsortedDocument
   }
 }
 
-// FlashAttention's cu_seqlens converted on the device (src/cuda/attention/cu_seqlens_cuda.cu) give
+// FlashAttention's cu_seqlens converted on the device (src/cuda/block_mask/cu_seqlens_cuda.cu) give
 // the host conversion's ids bit for bit: documents of lengths 1 .. 3000 with empty ones, padding
 // past the last offset, Sq != Skv, more positions than one grid has threads, and
 // decreasing offsets (invalid, unchecked on the device: the same ids as the host function, no

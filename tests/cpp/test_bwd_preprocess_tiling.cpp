@@ -1,4 +1,4 @@
-// The backward preprocessing's split of the padded q rows (common/bwd_preprocess_tiling.h): every
+// The backward preprocessing's split of the padded q rows (common/attention/bwd_preprocess_tiling.h): every
 // (batch, query head, padded row) taken by exactly one lane group's row, for each of the kernel's
 // three forms, any head count and several batches, with the grid the launch computes.
 #include <gtest/gtest.h>
@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "common/bwd_preprocess_tiling.h"
+#include "common/attention/bwd_preprocess_tiling.h"
 
 namespace st = sparsetrain;
 

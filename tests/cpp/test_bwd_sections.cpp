@@ -1,4 +1,4 @@
-// The backward hand-out's L2 section size (src/common/bwd_sections.h) on the CPU: the walks of the
+// The backward hand-out's L2 section size (src/common/attention/bwd_sections.h) on the CPU: the walks of the
 // block columns against a brute-force count over the element mask, and the section rule's cases.
 #include <gtest/gtest.h>
 
@@ -7,8 +7,8 @@
 #include <random>
 #include <string>
 
-#include "common/bwd_sections.h"
-#include "common/mask_predicate.h"
+#include "common/attention/bwd_sections.h"
+#include "common/attention/mask_predicate.h"
 #include "ops/block_mask_internal.h"
 #include "sparsetrain/block_mask.h"
 

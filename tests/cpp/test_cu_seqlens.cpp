@@ -1,4 +1,4 @@
-// FlashAttention's packed documents (cu_seqlens.h, src/common/cu_seqlens.h) on the CPU:
+// FlashAttention's packed documents (cu_seqlens.h, src/common/attention/cu_seqlens.h) on the CPU:
 // document_of_position against a linear scan (empty documents, padding, invalid offsets never read
 // out of range); document_ids_from_cu_seqlens gives the ids of the documented rule, and the block
 // mask and the attention (forward and backward, CPU reference) from them equal those of the same
@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "common/cu_seqlens.h"
+#include "common/attention/cu_seqlens.h"
 #include "host_tensor.h"
 #include "sparsetrain/attention.h"
 #include "sparsetrain/block_mask.h"

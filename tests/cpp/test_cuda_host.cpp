@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "host_tensor.h"
-#include "cuda/grouped_linear/sm90_tuning.h"
+#include "cuda/grouped_linear/grouped_gemm_tuning_sm90.h"
 #include "sm90/sm90_instances.h"
 #include "sparsetrain/block_mask.h"
 #include "sparsetrain/error.h"

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "block_mask_testing.h"
-#include "common/doc_padding.h"
+#include "common/attention/doc_padding.h"
 #include "expect_error.h"
 #include "host_tensor.h"
 #include "sparsetrain/attention.h"

@@ -1,4 +1,4 @@
-// The padded document layout (common/doc_padding.h): long documents start and end on 128-token
+// The padded document layout (common/attention/doc_padding.h): long documents start and end on 128-token
 // boundaries, runs of short ones stay packed, positions keep the order, and the padded length stays
 // under the bound computed from the sequence length alone; one layout worked by hand.
 #include <gtest/gtest.h>
@@ -10,8 +10,8 @@
 #include <utility>
 #include <vector>
 
-#include "common/doc_padding.h"
-#include "common/mask_predicate.h"
+#include "common/attention/doc_padding.h"
+#include "common/attention/mask_predicate.h"
 
 namespace st = sparsetrain;
 

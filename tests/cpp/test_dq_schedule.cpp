@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "block_mask_testing.h"
-#include "common/dq_schedule_model.h"
+#include "common/attention/dq_schedule_model.h"
 #include "host_tensor.h"
 #include "ops/block_mask_internal.h"
 #include "sparsetrain/block_mask.h"
@@ -62,7 +62,7 @@ st::DqModelResult run_model(const st::BlockMask& m, int64_t workers, const st::C
                                   st::dq_handout(h, batch, kv_heads, m.num_kv_blocks(), sub_tiles), workers);
 }
 
-// The turn rule (common/dq_turn.h): the mask stores ranks in block units; a kernel with kv tile
+// The turn rule (common/attention/dq_turn.h): the mask stores ranks in block units; a kernel with kv tile
 // block_kv / s expands rank r to turns r * s .. r * s + s - 1, so the ranks 0..k-1 of a q block's
 // columns become exactly the turns 0..k*s-1, each once, increasing with (rank, sub-column): the
 // hand-out order of the sub-columns.

@@ -6,6 +6,7 @@
 #include <random>
 #include <vector>
 
+#include "common/group_offsets.h"
 #include "common/grouped_tile_scheduler.h"
 
 namespace st = sparsetrain;

@@ -1,4 +1,4 @@
-// The one mask-row view (src/common/mask_index_view.h) on the CPU: broadcast leading dims, (b, h)
+// The one mask-row view (src/common/attention/mask_index_view.h) on the CPU: broadcast leading dims, (b, h)
 // slices, counts clamped to the list width (a device mask is never trusted), sorted-row search,
 // and writes through the mutable view, each against plain index arithmetic.
 #include <gtest/gtest.h>
@@ -7,7 +7,7 @@
 #include <limits>
 #include <vector>
 
-#include "common/mask_index_view.h"
+#include "common/attention/mask_index_view.h"
 #include "host_tensor.h"
 
 namespace st = sparsetrain;

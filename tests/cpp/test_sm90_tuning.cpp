@@ -1,10 +1,11 @@
-// The sm90 launch heuristic (cuda/grouped_linear/sm90_tuning.h): plain host code, so tested on
+// The sm90 launch heuristic (cuda/grouped_linear/grouped_gemm_tuning_sm90.h): plain host code, so tested on
 // the CPU. It sees shapes only (a graph captured once stays valid for any split values).
 #include <gtest/gtest.h>
 
 #include <cstdlib>
 
-#include "cuda/grouped_linear/sm90_tuning.h"
+#include "cuda/grouped_linear/grouped_gemm_tuning_sm90.h"
+#include "cuda/tuning.h"
 
 namespace sm90 = sparsetrain::cuda::sm90;
 
@@ -51,12 +52,12 @@ TEST(Sm90Tuning, EnvironmentOverridesOnlyValidValues) {
   const sm90::Tuning base = sm90::pick_tuning(sm90::Variant::kFprop, 64, 64);
   setenv("SPARSETRAIN_SM90_RASTER", "n", 1);
   setenv("SPARSETRAIN_SM90_SWIZZLE", "4", 1);
-  sm90::Tuning t = sm90::tuning_override(base);
+  sm90::Tuning t = sparsetrain::cuda::tuning::sm90_override(base);
   EXPECT_EQ(t.raster, sm90::Raster::kAlongN);
   EXPECT_EQ(t.swizzle, 4);
   setenv("SPARSETRAIN_SM90_RASTER", "diagonal", 1);
   setenv("SPARSETRAIN_SM90_SWIZZLE", "3", 1);
-  t = sm90::tuning_override(base);
+  t = sparsetrain::cuda::tuning::sm90_override(base);
   EXPECT_EQ(t.raster, base.raster);
   EXPECT_EQ(t.swizzle, base.swizzle);
   unsetenv("SPARSETRAIN_SM90_RASTER");

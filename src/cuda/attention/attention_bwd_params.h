@@ -4,8 +4,9 @@
 
 #include <cstdint>
 
-#include "common/attention_bwd_walk.h"
-#include "common/dq_schedule_model.h"
+#include "common/attention/attention_bwd_walk.h"
+#include "common/attention/dq_schedule_model.h"
+#include "common/host_device.h"
 #include "cuda/attention/attention_fwd_params.h"  // KernelMaskSpec: the mask inside partial blocks
 #include "cuda/attention/tile_scheduler.h"        // BwdTicketScheduler
 
@@ -13,7 +14,7 @@ namespace sparsetrain::cuda::attn {
 
 // The backward kernel's tiles: 64 query rows, 128 at D <= 64 (bwd_tile_q: the dQ partial of a
 // visit, the unit of a dQ turn)
-// by kBwdTileKv = 128 keys (one work item's kv sub-column; common/dq_turn.h holds it, since the
+// by kBwdTileKv = 128 keys (one work item's kv sub-column; common/attention/dq_turn.h holds it, since the
 // dQ turn rule and the scheduler model need it on the host).
 constexpr int kBwdTileQ = 64;
 // At D <= 64, 128-row q tiles (FlashAttention-3's 128 x 128 at D = 64): a visit's fixed latency
@@ -89,6 +90,20 @@ ST_HOST_DEVICE inline int32_t bwd_real_row(const BwdArgs& a, int32_t b, int32_t 
 ST_HOST_DEVICE inline int32_t bwd_real_key(const BwdArgs& a, int32_t b, int32_t pos) {
   return bwd_token_at(a.real_rows, a.real_rows_stride_b, a.mask_seq_kv, b, pos);
 }
+
+// The hand-out's section size where only the device knows the walks (document and bitmask masks;
+// common/attention/bwd_sections.h): block 0 of the preprocessing sums the column lists' walks over batch x
+// columns (BwdColumnWalks) and applies the rule, and the kernel's ticket draws read it
+// (BwdTicketScheduler::device_sections). out = null: decided on the host.
+struct BwdSectionsOnDevice {
+  MaskColumnLists lists;
+  int32_t batch = 0, columns = 0;
+  int64_t groups = 0, group_bytes = 0, l2_budget = 0;
+  int32_t workers = 0, heads_per_group = 1, sub_tiles = 1;
+  bool deterministic = false;  // the rule's walk-length bound (common/attention/bwd_sections.h)
+  bool ascending = false;      // the walk (bwd_auto_section_groups)
+  int32_t* out = nullptr;
+};
 
 // The main kernel, then dq [B, Sq, Hq, D] (contiguous, the input dtype) from the accumulator.
 // One explicit instantiation per translation unit (attention_bwd_sm90_instance.cu.in).

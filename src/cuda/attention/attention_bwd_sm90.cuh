@@ -4,11 +4,11 @@
 //
 //   scheduler  work items (batch, kv head, 128-key sub-column), handed out by an atomic ticket
 //              counter (zeroed on the stream before every launch, so graphs replay it) in the
-//              mask's column schedule (DqColumnHandout, common/dq_schedule_model.h): never by
+//              mask's column schedule (DqColumnHandout, common/attention/dq_schedule_model.h): never by
 //              blockIdx, so the earliest unfinished column is always running and never waits
 //   mainloop   a producer thread loads the item's K and V once, then the item's visits (q tile,
 //              query head of the kv head's group: GQA, dK / dV stay on chip, no cross-CTA
-//              reduction) in the schedule's walk order (bwd_item_next, common/attention_bwd_walk.h:
+//              reduction) in the schedule's walk order (bwd_item_next, common/attention/attention_bwd_walk.h:
 //              by default q tiles bottom-up with the group's heads innermost): Q, dO, lse and delta
 //              through a 2-stage TMA pipeline (q tiles of 64 rows, 128 at D <= 64:
 //              bwd_tile_q). Two consumer warpgroups (64 keys each) compute

@@ -1,36 +1,36 @@
 // The CUDA attention backend: what the sm90 kernels support (checked before anything is
-// allocated), the forward's longest-first work order (one small kernel, no host synchronisation),
-// the backward's preprocessing (delta = rowsum(dout * o), lse in base 2, the fp32 dQ accumulator
-// zeroed for the non-deterministic mode's atomic adds), and the dispatch to the instantiations
-// for (dtype, head dim), read from the build's generated instance list (sm90/sm90_instances.h).
-// Both passes run on the device of q.
+// allocated), the kernels' arguments, the backward's preprocessing (delta = rowsum(dout * o), lse
+// in base 2, the fp32 dQ accumulator zeroed for the non-deterministic mode's atomic adds), and the
+// dispatch to the instantiations for (dtype, head dim), read from the build's generated instance
+// list (sm90/sm90_instances.h). The forward's work order is attention_fwd_order.cu's, the
+// backward's scratch and sections attention_bwd_plan.cpp's. Both passes run on the device of q.
 // Nothing here synchronises the host: a backward can be captured in a CUDA graph.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cub/block/block_scan.cuh>
 #include <limits>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "common/attention_fwd_walk.h"
-#include "common/bwd_sections.h"
+#include "common/attention/attention_fwd_walk.h"
+#include "common/attention/bwd_sections.h"
 #include "common/dispatch_dtype.h"
-#include "cuda/attention/bwd_preprocess.cuh"
 #include "cuda/attention/attention_bwd_params.h"
+#include "cuda/attention/attention_bwd_plan.h"
+#include "cuda/attention/attention_fwd_order.h"
 #include "cuda/attention/attention_fwd_params.h"
+#include "cuda/attention/bwd_preprocess.cuh"
 #include "cuda/attention/tile_scheduler.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device_cache.h"
 #include "cuda/element.cuh"
 #include "cuda/pdl.cuh"
 #include "cuda/runtime_cuda.h"
+#include "cuda/tuning.h"
 #include "ops/attention_backend.h"
 #include "ops/block_mask_internal.h"  // mask_walk_shape
-#include "ops/checks.h"
 #include "sm90/sm90_instances.h"
 #include "sparsetrain/error.h"
 
@@ -39,118 +39,18 @@ namespace {
 
 using backend::AttentionProblem;
 using cuda::attn::BwdArgs;
+using cuda::attn::bwd_mask;
 using cuda::attn::bwd_preprocess_kernel;
+using cuda::attn::bwd_q_tiles;
+using cuda::attn::bwd_tile_rows;
+using cuda::attn::BwdScratch;
 using cuda::attn::FwdArgs;
-using cuda::attn::kBwdTileKv;
-using cuda::attn::bwd_tile_q;
 using cuda::attn::FwdElement;
+using cuda::attn::kBwdTileKv;
 using cuda::attn::kTileKv;
 using cuda::attn::kTileQ;
 
-// ---- work order: L2 sections of heads, items by decreasing cost inside each -----------------------
-// (common/attention_fwd_walk.h says why). One CTA per section, a counting sort over its items;
-// block 0 also zeroes the dynamic hand-out's counter, so every launch (and graph replay) starts it
-// at zero on the stream, with no memset of its own.
-
-constexpr int kSortThreads = 1024, kBinsPerThread = 2, kBins = kSortThreads * kBinsPerThread;
-
-__global__ void __launch_bounds__(kSortThreads) sort_items_kernel(const MaskWalkLists lists, int32_t heads_q,
-                                                                  int32_t q_tiles, int32_t num_items,
-                                                                  int32_t heads_per_section, FwdWorkRecord* records,
-                                                                  int32_t* ticket, bool natural) {
-  cuda::pdl_launch_dependents();  // the forward kernel may set up while this runs (cuda/pdl.cuh)
-  if (blockIdx.x == 0 && threadIdx.x == 0) *ticket = 0;
-  const auto [first, last] = fwd_section(int32_t(blockIdx.x), num_items, q_tiles, heads_per_section);
-  if (natural) {  // a sweep switch: items in numbered order (the q tiles of one head together)
-    for (int32_t item = first + threadIdx.x; item < last; item += kSortThreads)
-      records[item] = fwd_work_record(lists, item, heads_q, q_tiles, kTileQ);
-    return;
-  }
-  using Scan = cub::BlockScan<int32_t, kSortThreads>;
-  __shared__ typename Scan::TempStorage scan;
-  __shared__ int32_t bins[kBins];  // counts, then each bin's next free slot
-  for (int i = threadIdx.x; i < kBins; i += kSortThreads) bins[i] = 0;
-  __syncthreads();
-  // Bin c holds the items of cost kBins - 1 - c (longest first); longer ones share the first bin.
-  auto bin_of = [&](int32_t cost) { return kBins - 1 - (cost < kBins - 1 ? cost : kBins - 1); };
-  for (int32_t item = first + threadIdx.x; item < last; item += kSortThreads)
-    atomicAdd(&bins[bin_of(fwd_work_record(lists, item, heads_q, q_tiles, kTileQ).cost)], 1);
-  __syncthreads();
-  int32_t counts[kBinsPerThread];
-  for (int i = 0; i < kBinsPerThread; ++i) counts[i] = bins[threadIdx.x * kBinsPerThread + i];
-  Scan(scan).ExclusiveSum(counts, counts);
-  __syncthreads();
-  for (int i = 0; i < kBinsPerThread; ++i) bins[threadIdx.x * kBinsPerThread + i] = first + counts[i];
-  __syncthreads();
-  // Within a bin the order is whatever the atomics give: every item is computed by one CTA on
-  // its own, so the results do not depend on it.
-  for (int32_t item = first + threadIdx.x; item < last; item += kSortThreads) {
-    const FwdWorkRecord r = fwd_work_record(lists, item, heads_q, q_tiles, kTileQ);
-    records[atomicAdd(&bins[bin_of(r.cost)], 1)] = r;
-  }
-}
-
-// ---- backward: preprocessing and dQ conversion ----------------------------------------------------
-
-// The backward kernel's q tile rows for this problem's head dim (bwd_tile_q).
-int32_t bwd_tile_rows(const AttentionProblem& p) { return bwd_tile_q(int(p.head_dim)); }
-
-// The mask the backward runs on: a document mask's padded form where it has one
-// (BlockMask::backward_padded: lists, ids and scratch rows over its positions).
-const BlockMask& bwd_mask(const BlockMask& m) { return m.backward_padded != nullptr ? *m.backward_padded : m; }
-
-// Rows of one (b, h) in the backward's scratch: the backward mask's positions, padded to whole q
-// tiles.
-int64_t bwd_q_tiles(const AttentionProblem& p, const BlockMask& bm) {
-  return (bm.seq_q + bwd_tile_rows(p) - 1) / bwd_tile_rows(p);
-}
-
-// The backward's scratch, in order (each region 256-byte aligned).
-struct BwdScratch {
-  float* dq_accum;
-  float* lse_log2;
-  float* delta;
-  int32_t* doc_q_rows;  // [B, rows]: document masks' q ids, padded (BwdArgs::doc_q_rows)
-  int32_t* semaphores;  // then the ticket counter and the abandoned report: zeroed together by the preprocessing
-  int32_t* counters;
-  int32_t* permutation;
-  int32_t* sections;  // the hand-out's section size where the preprocessing decides it (BwdSectionsOnDevice)
-  size_t bytes;
-  size_t zeroed_bytes;  // semaphores + counters
-
-  BwdScratch(const AttentionProblem& p, const BlockMask& bm, void* base) {
-    const int64_t bh = p.batch * p.heads_q, tiles = bwd_q_tiles(p, bm), rows = tiles * bwd_tile_rows(p);
-    char* at = static_cast<char*>(base);
-    size_t off = 0;
-    auto take = [&](size_t n) {
-      char* r = at == nullptr ? nullptr : at + off;
-      off += (n + 255) / 256 * 256;
-      return r;
-    };
-    dq_accum = reinterpret_cast<float*>(take(size_t(bh * rows * p.head_dim) * sizeof(float)));
-    lse_log2 = reinterpret_cast<float*>(take(size_t(bh * rows) * sizeof(float)));
-    delta = reinterpret_cast<float*>(take(size_t(bh * rows) * sizeof(float)));
-    doc_q_rows = reinterpret_cast<int32_t*>(take(size_t(p.batch * rows) * sizeof(int32_t)));
-    const size_t sem_bytes = size_t(bh * tiles) * sizeof(int32_t);
-    zeroed_bytes = sem_bytes + 5 * sizeof(int32_t);  // + the ticket and abandoned[4]
-    semaphores = reinterpret_cast<int32_t*>(take(zeroed_bytes));
-    counters = semaphores == nullptr ? nullptr : semaphores + bh * tiles;
-    // Mask columns are at least one kernel kv tile wide: ceil(Skv / 128) bounds Nk.
-    permutation = reinterpret_cast<int32_t*>(take(size_t((bm.seq_kv + kBwdTileKv - 1) / kBwdTileKv) * sizeof(int32_t)));
-    sections = reinterpret_cast<int32_t*>(take(sizeof(int32_t)));
-    bytes = off;
-  }
-};
-
-// A dQ wait longer than this reports and gives up (a corrupt write order must not hang the GPU).
-int64_t spin_limit_ns() {
-  const char* v = std::getenv("SPARSETRAIN_ATTN_SPIN_LIMIT_MS");
-  const int64_t ms = v != nullptr ? std::atoll(v) : 0;
-  return (ms > 0 ? ms : 10000) * 1000000;
-}
-
 // ---- arguments ----------------------------------------------------------------------------------
-
 
 // The mask inside partial blocks, as both kernels evaluate it.
 cuda::attn::KernelMaskSpec mask_spec_args(const BlockMask& m) {
@@ -174,54 +74,6 @@ cuda::attn::KernelMaskSpec mask_spec_args(const BlockMask& m) {
   }
   return spec;
 }
-
-// The forward's work order. Sweep switches (bench/bench_fwd_order.py), read at every call so one
-// process can A/B them: SPARSETRAIN_ATTN_FWD_ORDER = sections (the default: L2 sections of heads,
-// longest first inside each), lpt (longest first over the whole problem), natural (numbered
-// order); SPARSETRAIN_ATTN_FWD_STATIC=1 hands the order out statically (CTA c takes c, c + grid,
-// ...) instead of by the atomic counter.
-struct FwdOrder {
-  bool sections = true, natural = false, dynamic = true;
-};
-
-FwdOrder fwd_order() {
-  FwdOrder o;
-  if (const char* v = std::getenv("SPARSETRAIN_ATTN_FWD_ORDER")) {
-    const std::string order(v);
-    ST_CHECK_ARG(order == "sections" || order == "lpt" || order == "natural", "SPARSETRAIN_ATTN_FWD_ORDER",
-                 "sections, lpt or natural", order);
-    o.sections = order == "sections";
-    o.natural = order == "natural";
-  }
-  const char* st = std::getenv("SPARSETRAIN_ATTN_FWD_STATIC");
-  o.dynamic = st == nullptr || std::string(st) != "1";
-  return o;
-}
-
-// The backward's hand-out order (common/bwd_sections.h says why, and how many groups a section).
-// A sweep switch, read at every call: SPARSETRAIN_ATTN_BWD_ORDER = auto (the default: that rule),
-// columns (one section: every group's column before the next column), sections (the L2 budget
-// alone, in both modes) or sections:N (N groups a section).
-struct BwdOrder {
-  enum How { kAuto, kColumns, kBudget, kFixed } how = kAuto;
-  int64_t groups = 0;  // kFixed
-};
-BwdOrder bwd_order() {
-  const char* v = std::getenv("SPARSETRAIN_ATTN_BWD_ORDER");
-  if (v == nullptr) return {};
-  const std::string order(v);
-  if (order.rfind("sections:", 0) == 0) {
-    const int64_t n = std::atoll(order.c_str() + 9);
-    ST_CHECK_ARG(n > 0, "SPARSETRAIN_ATTN_BWD_ORDER", "sections:N with N > 0", order);
-    return {BwdOrder::kFixed, n};
-  }
-  ST_CHECK_ARG(order == "auto" || order == "sections" || order == "columns", "SPARSETRAIN_ATTN_BWD_ORDER",
-               "auto, columns, sections or sections:N", order);
-  return {order == "auto" ? BwdOrder::kAuto : order == "columns" ? BwdOrder::kColumns : BwdOrder::kBudget};
-}
-
-// The L2 both walks' sections fill: 2/3 of it (FlashAttention-3 budgets 32 MB of the H100's 50).
-int64_t l2_budget(int device) { return int64_t(cuda::device_info(device).l2_bytes) * 2 / 3; }
 
 int64_t q_tiles_of(const AttentionProblem& p) { return (p.seq_q + kTileQ - 1) / kTileQ; }
 
@@ -318,7 +170,7 @@ class AttentionCuda final : public backend::AttentionBackend {
                          " indexes it in int32; broadcast the mask over batch or heads)",
                      "the largest offset ", max_element_offset(*t));
     };
-    if (backward == nullptr) {  // common/attention_fwd_walk.h
+    if (backward == nullptr) {  // common/attention/attention_fwd_walk.h
       for (const auto& [t, name] : {std::pair<const TensorView*, const char*>{&mask.kv_num_blocks, "mask.kv_num_blocks"},
                                     {&mask.kv_indices, "mask.kv_indices"},
                                     {&mask.full_kv_num_blocks, "mask.full_kv_num_blocks"},
@@ -329,7 +181,7 @@ class AttentionCuda final : public backend::AttentionBackend {
       const int64_t tickets = p.batch * p.heads_kv * bm.num_kv_blocks() * dq_sub_tiles(bm.block_kv);
       ST_CHECK_ARG(tickets < (int64_t(1) << 31), "k", "B * Hkv * ceil(Skv / 128) below 2^31 (the backward's work items)",
                    tickets, " items");
-      // The backward indexes in int32 the mask's lists its walk reads (common/attention_bwd_walk.h:
+      // The backward indexes in int32 the mask's lists its walk reads (common/attention/attention_bwd_walk.h:
       // write orders in the deterministic mode, the forward lists for bitmasks) and the document ids.
       const bool det = backward->deterministic, bits = bm.spec.kind == MaskKind::kBitmask;
       const bool docs = bm.spec.kind == MaskKind::kDocument || bm.spec.kind == MaskKind::kDocumentCausal;
@@ -353,7 +205,7 @@ class AttentionCuda final : public backend::AttentionBackend {
 
   // The work records, then the dynamic hand-out's counter.
   size_t forward_scratch_bytes(const AttentionProblem& p) const override {
-    return size_t(p.batch * p.heads_q * q_tiles_of(p)) * sizeof(FwdWorkRecord) + sizeof(FwdWorkRecord);
+    return cuda::attn::fwd_order_scratch_bytes(p.batch * p.heads_q * q_tiles_of(p));
   }
   size_t backward_scratch_bytes(const AttentionProblem& p, const BlockMask& mask) const override {
     return BwdScratch(p, bwd_mask(mask), nullptr).bytes;
@@ -385,25 +237,8 @@ class AttentionCuda final : public backend::AttentionBackend {
     a.spec = mask_spec_args(m);
     a.q_tiles = int32_t(q_tiles_of(p));
     a.num_items = int32_t(p.batch * p.heads_q * a.q_tiles);
-    FwdWorkRecord* records = static_cast<FwdWorkRecord*>(scratch);
-    a.records = records;
     a.grid = cuda::attn::FwdTicketScheduler::grid_shape(a.num_items, cuda::sm_count(fp.q.device().index), fp.sm_limit);
-    const FwdOrder order = fwd_order();
-    int32_t* ticket = reinterpret_cast<int32_t*>(records + a.num_items);
-    a.ticket = order.dynamic ? ticket : nullptr;
-    // Sections of heads whose K and V fill the L2 budget (a sweep of the section size: 32 MB
-    // sections at 4 and 8 MB a head ran best); "lpt" (a sweep switch) makes the whole problem one
-    // section.
-    const int64_t heads = p.batch * p.heads_q;
-    const int64_t kv_head_bytes = 2 * p.seq_kv * p.head_dim * int64_t(dtype_size(p.dtype));
-    const int32_t per_section =
-        order.sections ? fwd_heads_per_section(kv_head_bytes, l2_budget(fp.q.device().index),
-                                               int32_t(p.heads_q / p.heads_kv), heads)
-                       : int32_t(heads);
-    cudaStream_t s = static_cast<cudaStream_t>(stream.handle);
-    sort_items_kernel<<<fwd_sections(a.num_items, a.q_tiles, per_section), kSortThreads, 0, s>>>(
-        a.lists, a.heads_q, a.q_tiles, a.num_items, per_section, records, ticket, order.natural);
-    ST_CUDA_CHECK(cudaGetLastError(), "CUDA attention: sort_items_kernel launch");
+    cuda::attn::order_fwd_work(p, a, scratch, fp.q.device().index, stream.handle);
     dispatch(p.dtype, p.head_dim, a, stream.handle);
   }
 
@@ -469,36 +304,9 @@ class AttentionCuda final : public backend::AttentionBackend {
     handout.kind = m.schedule.kind;
     const int device = bp.q.device().index;
     a.grid = cuda::attn::BwdTicketScheduler::grid_shape(handout.num_items(), cuda::sm_count(device), bp.sm_limit);
-    cuda::attn::BwdSectionsOnDevice on_device;  // out = null: the sections are decided here
-    const int64_t groups = p.batch * p.heads_kv, group = p.heads_q / p.heads_kv;  // a group shares Q and dO
-    const int64_t group_bytes = group * 2 * p.seq_q * p.head_dim * int64_t(dtype_size(p.dtype));
-    const int64_t items_per_group = handout.num_columns * handout.sub_tiles;
-    switch (const BwdOrder order = bwd_order(); order.how) {
-      case BwdOrder::kFixed: handout.section_groups = order.groups; break;
-      case BwdOrder::kColumns: break;
-      case BwdOrder::kBudget:  // the L2 budget alone
-        handout.section_groups =
-            bwd_section_groups(groups, group_bytes, l2_budget(device), a.grid, {}, items_per_group, group, false);
-        break;
-      case BwdOrder::kAuto: {
-        // The deterministic mode walking ascending queues its columns behind each other whatever
-        // their length: the plain hand-out but for a few long columns (common/bwd_sections.h).
-        const bool ascending = !a.lists.walk.descending;
-        const BwdColumnWalks walks = bwd_column_walks(m.spec, m.seq_q, m.seq_kv, m.block_kv, bwd_tile_rows(p));
-        if (walks.known()) {
-          handout.section_groups = bwd_auto_section_groups(bp.deterministic, ascending, groups, group_bytes,
-                                                           l2_budget(device), a.grid, walks, items_per_group, group);
-        } else {
-          // Documents, bitmasks: the same rule with the walks from the column lists, on the device
-          // (the deterministic plain hand-out ran them 5-7 % slower; the atomic mode's budget-sized
-          // sections 9-26 % slower on sinks and landmarks; common/bwd_sections.h).
-          on_device = {a.lists, a.batch, int32_t(handout.num_columns), groups, group_bytes, l2_budget(device),
-                       a.grid, int32_t(group), int32_t(handout.sub_tiles), bp.deterministic, ascending, ws.sections};
-          a.sched.device_sections = ws.sections;  // handout.section_groups stays 0: the draws map
-        }
-        break;
-      }
-    }
+    // The hand-out's L2 sections (attention_bwd_plan.h): decided here, or by the preprocessing.
+    const cuda::attn::BwdSectionsOnDevice on_device =
+        cuda::attn::plan_bwd_sections(p, m, bp.deterministic, device, ws.sections, a);
     // The preprocessing: a block per tile of heads x q rows (BwdPreprocessTiling). It also zeroes
     // the semaphores, the ticket counter and the abandoned flag, so that they start at zero in
     // every run (and in every replay of a captured graph).
@@ -533,7 +341,7 @@ class AttentionCuda final : public backend::AttentionBackend {
       handout.permutation = ws.permutation;
     }
     a.deterministic = bp.deterministic;
-    a.spin_limit_ns = spin_limit_ns();
+    a.spin_limit_ns = cuda::tuning::attention_spin_limit_ns();
     dispatch_bwd(p.dtype, p.head_dim, a, bp.dq.data(), stream.handle);
 
   }

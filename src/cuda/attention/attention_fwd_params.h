@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "common/attention_fwd_walk.h"
+#include "common/attention/attention_fwd_walk.h"
 #include "sparsetrain/mask_spec.h"
 
 namespace sparsetrain::cuda::attn {

@@ -5,9 +5,9 @@
 //              tile) in L2 sections of heads, longest first inside each (ordered on the device);
 //              CTA c starts with position c and draws the next from an atomic counter; the q/K
 //              producer draws and passes the items to the other roles (item_ring_sm90.cuh)
-//   mainloop   fwd_mainloop_sm90_tma_wgmma.cuh: TMA producer, two wgmma consumer warpgroups
-//              (64 query rows each) with the mask (mask_tile_sm90.cuh) and online softmax
-//              (softmax_sm90.cuh)
+//   mainloop   fwd_mainloop_sm90.cuh (over fwd_traits_sm90.cuh): TMA producer, two wgmma
+//              consumer warpgroups (64 query rows each) with the mask (mask_tile_sm90.cuh) and
+//              online softmax (softmax_sm90.cuh)
 //   epilogue   fwd_epilogue_sm90.cuh: o through shared memory and a TMA store, lse from registers
 //
 // The consumers' software pipeline runs across work items, not only across the tiles of one:
@@ -29,7 +29,7 @@
 #include <cmath>
 
 #include "cuda/attention/fwd_epilogue_sm90.cuh"
-#include "cuda/attention/fwd_mainloop_sm90_tma_wgmma.cuh"
+#include "cuda/attention/fwd_mainloop_sm90.cuh"
 #include "cuda/pdl.cuh"
 
 namespace sparsetrain::cuda::attn {

@@ -9,35 +9,21 @@
 #include <cmath>
 #include <cstdint>
 
-#include "common/bwd_preprocess_tiling.h"
-#include "common/bwd_sections.h"
+#include "common/attention/bwd_preprocess_tiling.h"
+#include "common/attention/bwd_sections.h"
 #include "cuda/attention/attention_bwd_params.h"  // kBwdTileQ
 #include "cuda/element.cuh"                        // load_f32
 #include "cuda/pdl.cuh"
 
 namespace sparsetrain::cuda::attn {
 
-// How the rows split (common/bwd_preprocess_tiling.h); every head's padded rows (whole 64- or 128-row
+// How the rows split (common/attention/bwd_preprocess_tiling.h); every head's padded rows (whole 64- or 128-row
 // q tiles) into whole tiles.
 using ::sparsetrain::BwdPreprocessTiling;
 static_assert(BwdPreprocessTiling<8, true>::tiles_divide(kBwdTileQ) &&
                   BwdPreprocessTiling<16, true>::tiles_divide(kBwdTileQ) &&
                   BwdPreprocessTiling<32, false>::tiles_divide(kBwdTileQ),
               "a head's padded rows split into whole tiles, at any heads");
-
-// The hand-out's section size where only the device knows the walks (document and bitmask masks;
-// common/bwd_sections.h): block 0 of the preprocessing sums the column lists' walks over batch x
-// columns (BwdColumnWalks) and applies the rule, and the kernel's ticket draws read it
-// (BwdTicketScheduler::device_sections). out = null: decided on the host.
-struct BwdSectionsOnDevice {
-  MaskColumnLists lists;
-  int32_t batch = 0, columns = 0;
-  int64_t groups = 0, group_bytes = 0, l2_budget = 0;
-  int32_t workers = 0, heads_per_group = 1, sub_tiles = 1;
-  bool deterministic = false;  // the rule's walk-length bound (common/bwd_sections.h)
-  bool ascending = false;      // the walk (bwd_auto_section_groups)
-  int32_t* out = nullptr;
-};
 
 // Per padded row (b, h, q): delta = rowsum(dout * o), lse * log2(e) (+inf where the row has no
 // allowed key or holds no token: past Sq, or a padding position of a padded document mask, whose

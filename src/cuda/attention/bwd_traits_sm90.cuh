@@ -6,7 +6,7 @@
 #include <algorithm>
 
 #include "cuda/attention/attention_bwd_params.h"
-#include "cuda/attention/attention_sm90_common.cuh"
+#include "cuda/attention/attention_common_sm90.cuh"
 
 namespace sparsetrain::cuda::attn {
 

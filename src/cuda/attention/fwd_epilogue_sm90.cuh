@@ -10,7 +10,7 @@
 #include <cmath>
 
 #include "cuda/attention/attention_fwd_params.h"
-#include "cuda/attention/attention_sm90_common.cuh"
+#include "cuda/attention/attention_common_sm90.cuh"
 
 namespace sparsetrain::cuda::attn {
 

@@ -11,9 +11,9 @@
 #include <cmath>
 #include <cstdint>
 
-#include "common/mask_predicate.h"  // mask_row_interval, mask_band, bitmask_word
+#include "common/attention/mask_predicate.h"  // mask_row_interval, mask_band, bitmask_word
 #include "cuda/attention/attention_fwd_params.h"  // KernelMaskSpec
-#include "cuda/attention/attention_sm90_common.cuh"
+#include "cuda/attention/attention_common_sm90.cuh"
 
 namespace sparsetrain::cuda::attn {
 

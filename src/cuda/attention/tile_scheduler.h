@@ -5,11 +5,11 @@
 // device atomic.
 //
 //   FwdTicketScheduler  the forward: work items (batch, query head, q tile) in the work order
-//                       (L2 sections of heads, longest first inside each; attention_cuda.cu
+//                       (L2 sections of heads, longest first inside each; attention_fwd_order.cu
 //                       builds it on the device), CTA c starts with position c and draws the
 //                       next from an atomic counter whenever it starts an item, so the CTAs
 //                       finish together whatever the items cost. Each position is a
-//                       FwdWorkRecord (common/attention_fwd_walk.h).
+//                       FwdWorkRecord (common/attention/attention_fwd_walk.h).
 //   BwdTicketScheduler  the backward: tickets from an atomic counter (zeroed on the stream before
 //                       every launch) in the mask's column schedule (DqColumnHandout), never by
 //                       blockIdx, so the earliest unfinished column always runs.
@@ -17,8 +17,9 @@
 
 #include <cstdint>
 
-#include "common/attention_fwd_walk.h"
-#include "common/dq_schedule_model.h"
+#include "common/attention/attention_fwd_walk.h"
+#include "common/attention/dq_schedule_model.h"
+#include "common/host_device.h"
 
 namespace sparsetrain::cuda::attn {
 
@@ -55,7 +56,7 @@ struct BwdTicketScheduler {
   DqColumnHandout handout;   // sub_tiles = dq_sub_tiles(block_kv)
   int32_t* ticket = nullptr;  // the counter, zeroed before every launch
   // Set where the section size is decided on the device (written by the preprocessing before the
-  // kernel starts; common/bwd_sections.h): a draw maps its ticket to the one-section hand-out's
+  // kernel starts; common/attention/bwd_sections.h): a draw maps its ticket to the one-section hand-out's
   // position (DqColumnHandout::plain_position), which is what every role reads, so handout's own
   // section_groups is 0 then.
   const int32_t* device_sections = nullptr;

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "cuda/grouped_linear/sm90_tuning.h"
+#include "cuda/grouped_linear/grouped_gemm_tuning_sm90.h"
 
 namespace sparsetrain::cuda {
 

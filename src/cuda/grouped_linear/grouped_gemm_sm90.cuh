@@ -9,7 +9,7 @@
 //   dgrad  D_g [rows_g, in]  = dy_g [rows_g, out] . W_g    A row-major, B = W_g row-major
 //   wgrad  D_g [out, in]     = dy_g^T . x_g  (+ C_g)       A = dy_g column-major, B = x_g row-major,
 //          K = rows_g (ragged); fp32 main_grad: C = D = main_grad, beta 1 (accumulate) or 0
-// Each variant has a direct-store twin (sm90_tuning.h) for caller outputs off a 16-byte boundary:
+// Each variant has a direct-store twin (grouped_gemm_tuning_sm90.h) for caller outputs off a 16-byte boundary:
 // the same mainloop, its epilogue writing each element from the accumulator registers.
 // Groups with no rows get M = 0 (no tiles): a K = 0 problem is never launched (CUTLASS would
 // leave its accumulators unwritten); wgrad handles those groups in its set-up kernel instead.
@@ -99,7 +99,7 @@ struct Sm90GroupedGemm {
   using EpilogueSchedule = std::conditional_t<kDirect, cutlass::epilogue::PtrArrayNoSmemWarpSpecialized,
                                               cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
   // 128x256x64 tiles, cluster 2x1, cooperative (two consumer warpgroups on one tile): the large
-  // MoE GEMMs (sm90_tuning.h says what else was measured).
+  // MoE GEMMs (grouped_gemm_tuning_sm90.h says what else was measured).
   using TileShape = Shape<Int<kTileM>, Int<kTileN>, _64>;
   using ClusterShape = Shape<_2, _1, _1>;
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<

@@ -4,7 +4,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 #include <map>
@@ -21,6 +20,7 @@
 #include "cuda/device_cache.h"
 #include "cuda/grouped_linear/grouped_gemm_params.h"
 #include "cuda/runtime_cuda.h"
+#include "cuda/tuning.h"
 #include "ops/grouped_linear_backend.h"
 #include "sm90/sm90_instances.h"
 #include "sparsetrain/error.h"
@@ -98,14 +98,6 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 using cuda::sm90::Variant;
 
-// The size rule's threshold (arch::simt_by_size): arch::kSimtMaxMacs, or
-// SPARSETRAIN_GEMM_SIMT_MAX_MACS where set (0: every size may take sm90), read at every call so
-// that bench/bench_gemm_paths.py can time both paths in one process and tests can pin a path.
-int64_t simt_max_macs() {
-  const char* e = std::getenv("SPARSETRAIN_GEMM_SIMT_MAX_MACS");
-  return e != nullptr ? std::atoll(e) : arch::kSimtMaxMacs;
-}
-
 // Which sm90 kernels this build has: the generated instance list (SPARSETRAIN_SM90_KERNELS; MINIMAL:
 // bf16 without bias; ALL: bf16 and fp16, biased fprop included). Every dispatch below reads it.
 constexpr bool sm90_built([[maybe_unused]] Variant v, [[maybe_unused]] DType dtype) {
@@ -142,7 +134,7 @@ size_t sm90_scratch([[maybe_unused]] DType dtype, [[maybe_unused]] int64_t num_g
 void run_sm90([[maybe_unused]] Variant v, DType dtype, [[maybe_unused]] const GroupedGemmParams& p,
               [[maybe_unused]] void* scratch, [[maybe_unused]] Stream stream) {
 #if SPARSETRAIN_WITH_CUTLASS
-  const cuda::sm90::Tuning t = cuda::sm90::tuning_override(cuda::sm90::pick_tuning(v, p.in, p.out));
+  const cuda::sm90::Tuning t = cuda::tuning::sm90_override(cuda::sm90::pick_tuning(v, p.in, p.out));
   const size_t bytes = sm90_scratch(dtype, p.num_groups);
 #define ST_GEMM_RUN(V, E)                                                                 \
   if (v == Variant::V && dtype == dtype_of<E>())                                          \
@@ -209,7 +201,7 @@ class CudaBackend final : public GroupedLinearBackend {
                                             std::initializer_list<const TensorView*> inputs,
                                             const std::vector<TensorView>& weights, bool outputs_aligned) {
     if (pr.in % 8 || pr.out % 8) return std::nullopt;
-    if (arch::simt_by_size(pr.num_rows, pr.in, pr.out, simt_max_macs())) return std::nullopt;
+    if (arch::simt_by_size(pr.num_rows, pr.in, pr.out, cuda::tuning::gemm_simt_max_macs())) return std::nullopt;
     const Variant k = outputs_aligned ? v : cuda::sm90::direct_store(v);
     const bool built = sm90_built(v, pr.dtype) && sm90_built(k, pr.dtype);  // both or neither
     const cuda::DeviceInfo d = cuda::device_info(inputs.begin()[0]->device().index);

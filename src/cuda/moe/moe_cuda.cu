@@ -1,4 +1,4 @@
-// The MoE router and the rows' moves on a CUDA device (ops/moe_cuda.h): the rules of
+// The MoE router and the rows' moves on a CUDA device (ops/moe_backend.h): the rules of
 // common/moe_routing.h, one thread per token, so the device chooses what the host chooses; the
 // expert-major layout without atomics in what it writes (per-chunk counts, a scan over chunks per
 // expert, then each chunk's tokens placed in order by one thread per expert), so it is a function
@@ -10,7 +10,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/element.cuh"
 #include "cuda/runtime_cuda.h"
-#include "ops/moe_cuda.h"
+#include "ops/moe_backend.h"
 
 namespace sparsetrain {
 namespace {
@@ -195,16 +195,32 @@ __global__ void permute_f32_kernel(const float* __restrict__ src, const int32_t*
 
 cudaStream_t stream_of(Stream s) { return static_cast<cudaStream_t>(s.handle); }
 
+class MoECuda final : public backend::MoEBackend {
+ public:
+  size_t route_scratch_bytes(int64_t N, int32_t E) const override;
+  void route(const RouterRule& r, const float* logits, int64_t stride, const float* bias, int64_t N,
+             const backend::RouteOutputs& out, void* scratch, Device device, Stream stream) override;
+  void route_backward(const RouterRule& r, const float* logits, int64_t stride, const int32_t* experts,
+                      int64_t experts_stride, const float* dprobs, int64_t dprobs_stride, const float* dscore_sum,
+                      int64_t N, float* dlogits, Device device, Stream stream) override;
+  void gather_rows(DType dtype, const void* x, int64_t x_stride, const int32_t* index, int64_t R, int64_t H,
+                   void* rows, Device device, Stream stream) override;
+  void combine_rows(DType dtype, const void* rows, int64_t rows_stride, const int32_t* row_of, int64_t N, int32_t K,
+                    int64_t H, void* out, Device device, Stream stream) override;
+  void permute_f32(const float* src, const int32_t* index, int64_t n, float* dst, bool scatter, Device device,
+                   Stream stream) override;
+};
+
 }  // namespace
 
-int64_t route_cuda_scratch_bytes(int64_t N, int32_t E) {
+size_t MoECuda::route_scratch_bytes(int64_t N, int32_t E) const {
   const int64_t chunks = (N + kChunk - 1) / kChunk;
-  return N * int64_t(sizeof(SoftmaxRow)) + chunks * E * 4 + E * 8 + 256;
+  return size_t(N * int64_t(sizeof(SoftmaxRow)) + chunks * E * 4 + E * 8 + 256);
 }
 
-void route_cuda(const RouterRule& r, const float* logits, int64_t stride, const float* bias, int64_t N,
-                const RouteOutputs& out, void* scratch, int device, Stream stream) {
-  cuda::DeviceGuard guard(device);
+void MoECuda::route(const RouterRule& r, const float* logits, int64_t stride, const float* bias, int64_t N,
+                    const backend::RouteOutputs& out, void* scratch, Device device, Stream stream) {
+  cuda::DeviceGuard guard(device.index);
   const cudaStream_t s = stream_of(stream);
   const int32_t E = r.num_experts, K = r.top_k;
   const int64_t chunks = (N + kChunk - 1) / kChunk;
@@ -229,20 +245,20 @@ void route_cuda(const RouterRule& r, const float* logits, int64_t stride, const 
   ST_CUDA_CHECK(cudaGetLastError(), "score_sum_kernel launch");
 }
 
-void route_backward_cuda(const RouterRule& r, const float* logits, int64_t stride, const int32_t* experts,
-                         int64_t experts_stride, const float* dprobs, int64_t dprobs_stride, const float* dscore_sum,
-                         int64_t N, float* dlogits, int device, Stream stream) {
+void MoECuda::route_backward(const RouterRule& r, const float* logits, int64_t stride, const int32_t* experts,
+                             int64_t experts_stride, const float* dprobs, int64_t dprobs_stride,
+                             const float* dscore_sum, int64_t N, float* dlogits, Device device, Stream stream) {
   if (N <= 0) return;
-  cuda::DeviceGuard guard(device);
+  cuda::DeviceGuard guard(device.index);
   route_backward_kernel<<<blocks_for(N), kThreads, 0, stream_of(stream)>>>(
       r, logits, stride, experts, experts_stride, dprobs, dprobs_stride, dscore_sum, N, dlogits);
   ST_CUDA_CHECK(cudaGetLastError(), "route_backward_kernel launch");
 }
 
-void gather_rows_cuda(DType dtype, const void* x, int64_t x_stride, const int32_t* index, int64_t R, int64_t H,
-                      void* rows, int device, Stream stream) {
+void MoECuda::gather_rows(DType dtype, const void* x, int64_t x_stride, const int32_t* index, int64_t R, int64_t H,
+                          void* rows, Device device, Stream stream) {
   if (R * H <= 0) return;
-  cuda::DeviceGuard guard(device);
+  cuda::DeviceGuard guard(device.index);
   const unsigned grid = row_blocks(R);
   const cudaStream_t s = stream_of(stream);
   const int64_t es = dtype_size(dtype), row_bytes = H * es;
@@ -260,10 +276,10 @@ void gather_rows_cuda(DType dtype, const void* x, int64_t x_stride, const int32_
   ST_CUDA_CHECK(cudaGetLastError(), "gather_rows_kernel launch");
 }
 
-void combine_rows_cuda(DType dtype, const void* rows, int64_t rows_stride, const int32_t* row_of, int64_t N, int32_t K,
-                       int64_t H, void* out, int device, Stream stream) {
+void MoECuda::combine_rows(DType dtype, const void* rows, int64_t rows_stride, const int32_t* row_of, int64_t N,
+                           int32_t K, int64_t H, void* out, Device device, Stream stream) {
   if (N * H <= 0) return;
-  cuda::DeviceGuard guard(device);
+  cuda::DeviceGuard guard(device.index);
   const cudaStream_t s = stream_of(stream);
   if (dtype == DType::kBF16) {
     combine_rows_launch<bf16_t>(rows, rows_stride, row_of, N, K, H, out, s);
@@ -275,12 +291,17 @@ void combine_rows_cuda(DType dtype, const void* rows, int64_t rows_stride, const
   ST_CUDA_CHECK(cudaGetLastError(), "combine_rows_kernel launch");
 }
 
-void permute_f32_cuda(const float* src, const int32_t* index, int64_t n, float* dst, bool scatter, int device,
-                      Stream stream) {
+void MoECuda::permute_f32(const float* src, const int32_t* index, int64_t n, float* dst, bool scatter,
+                          Device device, Stream stream) {
   if (n <= 0) return;
-  cuda::DeviceGuard guard(device);
+  cuda::DeviceGuard guard(device.index);
   permute_f32_kernel<<<blocks_for(n), kThreads, 0, stream_of(stream)>>>(src, index, n, dst, scatter);
   ST_CUDA_CHECK(cudaGetLastError(), "permute_f32_kernel launch");
+}
+
+backend::MoEBackend& backend::moe_cuda_backend() {
+  static MoECuda backend;
+  return backend;
 }
 
 }  // namespace sparsetrain

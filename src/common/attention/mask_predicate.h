@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "common/group_offsets.h"  // ST_HOST_DEVICE
+#include "common/host_device.h"
 #include "sparsetrain/mask_spec.h"
 
 namespace sparsetrain {

@@ -1,13 +1,13 @@
 // FlashAttention's packed documents (cu_seqlens, include/sparsetrain/cu_seqlens.h) -> the document id
 // of one position: plain host/device code, run by the host conversion and, one thread per position,
-// by the CUDA one (src/cuda/attention/cu_seqlens_cuda.cu), so both give the same ids.
+// by the CUDA one (src/cuda/block_mask/cu_seqlens_cuda.cu), so both give the same ids.
 // Document i holds positions [cu[i], cu[i + 1]); positions in no document (past cu[n], or before
 // cu[0] when cu[0] != 0) get the side's padding id, which matches no id of the other side.
 #pragma once
 
 #include <cstdint>
 
-#include "common/group_offsets.h"  // ST_HOST_DEVICE
+#include "common/host_device.h"
 
 namespace sparsetrain {
 

@@ -12,7 +12,7 @@
 
 #include <cstdint>
 
-#include "common/group_offsets.h"  // ST_HOST_DEVICE
+#include "common/host_device.h"
 
 namespace sparsetrain {
 

@@ -1,5 +1,5 @@
 // build_block_mask on a CUDA device. Every block's class comes from classify_block
-// (common/block_mask_rows.h), the host builder's own function, so the device mask equals the host
+// (common/attention/block_mask_rows.h), the host builder's own function, so the device mask equals the host
 // one bit for bit; the lists, transposes and write orders are order-preserving compactions of the
 // [B, Mq, Nk] class matrix, each row / column by one CTA with its threads side by side:
 //   spans_kernel (document kinds only): doc_id_span of every q block and kv block, one warp each
@@ -22,11 +22,11 @@
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
-#include "common/block_mask_rows.h"
-#include "common/doc_padding.h"
+#include "common/attention/block_mask_rows.h"
+#include "common/attention/doc_padding.h"
+#include "cuda/block_mask/block_mask_cuda.h"
 #include "cuda/cuda_check.h"
 #include "cuda/runtime_cuda.h"
-#include "ops/block_mask_internal.h"
 #include "sparsetrain/error.h"
 
 namespace sparsetrain {
@@ -212,7 +212,7 @@ __global__ void cols_kernel(const DeviceMaskBuild p, int32_t* q_num, int32_t* q_
   }
 }
 
-// build_doc_padded_mask on a device: the padded layout (common/doc_padding.h) of every batch row,
+// build_doc_padded_mask on a device: the padded layout (common/attention/doc_padding.h) of every batch row,
 // in chunks of kDocPadChunk tokens (kPadItems consecutive tokens a thread), one CTA a (row, chunk) in
 // each of four launches, so a long row is spread over the GPU (one CTA a row serialised a
 // 128k-token row: ten times this form's time). Long documents are found from `starts`, the document starts at or

@@ -6,9 +6,9 @@
 
 #include <cstdint>
 
-#include "common/group_offsets.h"  // ST_HOST_DEVICE
-#include "common/mask_index_view.h"
-#include "common/mask_predicate.h"
+#include "common/host_device.h"
+#include "common/attention/mask_index_view.h"
+#include "common/attention/mask_predicate.h"
 #include "sparsetrain/block_mask.h"
 
 namespace sparsetrain {
@@ -205,7 +205,7 @@ ST_HOST_DEVICE inline int64_t schedule_column(ScheduleKind kind, const int32_t* 
   return p;
 }
 
-// The dQ turns at q block m (common/dq_turn.h): the columns touching m (row m's partial and full
+// The dQ turns at q block m (common/attention/dq_turn.h): the columns touching m (row m's partial and full
 // lists) ranked in schedule order; the stored entry of (column n, q block m) is n's rank (from 0),
 // written through out / full_out: the (b, h) slices of the write orders, parallel to q_rows /
 // full_q_rows.

@@ -4,8 +4,6 @@
 #pragma once
 
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 namespace sparsetrain::cuda::sm90 {
 
@@ -71,20 +69,6 @@ inline Tuning pick_tuning(Variant v, int64_t in, int64_t out) {
   const bool wgrad = computed_by(v) == Variant::kWgrad || computed_by(v) == Variant::kWgradF32;
   const int64_t m_tiles = (out + kTileM - 1) / kTileM, n_tiles = (in + kTileN - 1) / kTileN;
   if (wgrad && m_tiles >= 2 * n_tiles) t.raster = Raster::kAlongN;
-  return t;
-}
-
-// SPARSETRAIN_SM90_RASTER=m|n and SPARSETRAIN_SM90_SWIZZLE=1|2|4|8 override the heuristic (for
-// tuning sweeps: bench/bench_grouped_linear.py --sweep). Other values are ignored.
-inline Tuning tuning_override(Tuning t) {
-  if (const char* e = std::getenv("SPARSETRAIN_SM90_RASTER")) {
-    if (std::strcmp(e, "m") == 0) t.raster = Raster::kAlongM;
-    if (std::strcmp(e, "n") == 0) t.raster = Raster::kAlongN;
-  }
-  if (const char* e = std::getenv("SPARSETRAIN_SM90_SWIZZLE")) {
-    const int w = std::atoi(e);
-    if (w == 1 || w == 2 || w == 4 || w == 8) t.swizzle = w;
-  }
   return t;
 }
 

@@ -11,8 +11,8 @@
 
 #include <cstdint>
 
-#include "common/group_offsets.h"    // ST_HOST_DEVICE
-#include "common/mask_index_view.h"  // MaskIndexView, clamp_count
+#include "common/host_device.h"
+#include "common/attention/mask_index_view.h"  // MaskIndexView, clamp_count
 
 namespace sparsetrain {
 

@@ -14,7 +14,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "common/group_offsets.h"  // ST_HOST_DEVICE
+#include "common/host_device.h"
 
 namespace sparsetrain {
 

@@ -1,5 +1,5 @@
 // The backward kernel's index math, as plain host/device code tested on the CPU: how one work item
-// (batch, kv head, kv sub-column, handed out by DqColumnHandout in common/dq_schedule_model.h)
+// (batch, kv head, kv sub-column, handed out by DqColumnHandout in common/attention/dq_schedule_model.h)
 // walks its visits (q tile, query head), and where each visit's dQ partial goes and whose turn it is.
 //
 // A kv column n touches, for one query head, the q blocks of its transposed lists (q_indices:
@@ -10,9 +10,9 @@
 // and tiles ascending, one head after the other. The dQ partial of a visit goes to q tile
 // `q_tile` of (b, q_head); in the deterministic mode every q tile of block m has a
 // semaphore that follows block m's write order, so a visit waits for turn
-// dq_visit_turn(stored rank of (n, m), sub_tiles, sub_tile) (common/dq_turn.h).
+// dq_visit_turn(stored rank of (n, m), sub_tiles, sub_tile) (common/attention/dq_turn.h).
 //
-// Like the forward walk (common/attention_fwd_walk.h) this never trusts a device mask: counts are
+// Like the forward walk (common/attention/attention_fwd_walk.h) this never trusts a device mask: counts are
 // clamped to the index width (and the write orders' width), q block ids outside [0, Mq) are skipped, and a partial block whose
 // entry in the forward lists (needed for its bitmask) is missing gives bit_entry = -1 (the kernel
 // then treats the block as empty). A corrupt write order can only make a wait time out (the
@@ -21,7 +21,8 @@
 
 #include <cstdint>
 
-#include "common/mask_index_view.h"  // MaskIndexView, clamp_count, find_in_row
+#include "common/host_device.h"
+#include "common/attention/mask_index_view.h"  // MaskIndexView, clamp_count, find_in_row
 #include "sparsetrain/block_mask.h"  // WalkOrder
 
 namespace sparsetrain {
@@ -91,7 +92,7 @@ struct MaskColumnLists {
 struct BwdVisit {
   int32_t q_block;    // the mask's q block m
   int32_t q_tile;     // the kernel's q tile (within the sequence)
-  int32_t turn;       // stored write order of (n, m): n's rank at m (common/dq_turn.h)
+  int32_t turn;       // stored write order of (n, m): n's rank at m (common/attention/dq_turn.h)
   int32_t bit_entry;  // partial blocks of a bitmask mask: the entry in row m's kv list (-1: none)
   bool partial;       // the mask applies inside
   int32_t q_head;     // the query head (set by bwd_item_next)

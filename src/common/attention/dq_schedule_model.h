@@ -10,10 +10,10 @@
 // independent heads run side by side. Within a block column, sub-columns go out in ascending t,
 // so sub-column (n, t) has position position(n) * sub_tiles + t in the schedule.
 // A worker walks its item's visits (q block, query head of its kv head's group) in the kernel's
-// walk order (bwd_walk_shape, common/attention_bwd_walk.h: by default q blocks descending with the
+// walk order (bwd_walk_shape, common/attention/attention_bwd_walk.h: by default q blocks descending with the
 // heads innermost, or per head ascending); at each it waits until q block m's semaphore (per
 // batch, query head and q block) equals its turn, adds its dQ partial (one unit of time), and
-// increments it. The turn of sub-column t: dq_visit_turn(stored rank, sub_tiles, t) (common/dq_turn.h).
+// increments it. The turn of sub-column t: dq_visit_turn(stored rank, sub_tiles, t) (common/attention/dq_turn.h).
 // The non-deterministic mode (atomic adds) is the same walk without the waits: the ratio of the
 // two critical paths is the model's det / nondet. The unit is a q block (the kernel's 64-row q
 // tiles of one block run back to back, so a block's cost scales both modes alike).
@@ -25,9 +25,10 @@
 #include <string>
 #include <vector>
 
-#include "common/attention_bwd_walk.h"  // BwdWalkShape: the walk order, shared with the kernel
-#include "common/block_mask_rows.h"     // schedule_column, ST_HOST_DEVICE
-#include "common/dq_turn.h"
+#include "common/attention/attention_bwd_walk.h"  // BwdWalkShape: the walk order, shared with the kernel
+#include "common/attention/block_mask_rows.h"     // schedule_column
+#include "common/attention/dq_turn.h"
+#include "common/host_device.h"
 #include "sparsetrain/block_mask.h"
 
 namespace sparsetrain {
@@ -41,7 +42,7 @@ struct DqWorkItem {
 // next position. With section_groups > 0 the groups are handed out in sections of that many
 // consecutive groups (the last may hold fewer), the whole schedule of one section before the next:
 // the CTAs in flight then share a few heads' Q and dO in L2 instead of one head each (the forward's
-// L2 sections, common/attention_fwd_walk.h). A group's own order of positions is the same either
+// L2 sections, common/attention/attention_fwd_walk.h). A group's own order of positions is the same either
 // way and its items keep their relative hand-out order, so the turns (per q tile, within one
 // group) still increase with hand-out position: determinism and deadlock freedom hold as they are.
 struct DqColumnHandout {

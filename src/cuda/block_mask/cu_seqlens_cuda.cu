@@ -1,12 +1,12 @@
 // document_ids_from_cu_seqlens on a CUDA device: one thread per position runs document_of_position
-// (src/common/cu_seqlens.h, the host conversion's own function), so the device ids equal the host
+// (src/common/attention/cu_seqlens.h, the host conversion's own function), so the device ids equal the host
 // ones. One launch on the caller's stream; the offsets are never read by the host.
 #include <cuda_runtime.h>
 
-#include "common/cu_seqlens.h"
+#include "common/attention/cu_seqlens.h"
+#include "cuda/block_mask/block_mask_cuda.h"
 #include "cuda/cuda_check.h"
 #include "cuda/runtime_cuda.h"
-#include "ops/block_mask_internal.h"
 #include "sparsetrain/error.h"
 
 namespace sparsetrain {

@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <limits>
 
-#include "common/group_offsets.h"  // ST_HOST_DEVICE
+#include "common/host_device.h"
 #include "sparsetrain/tensor.h"
 
 namespace sparsetrain {

@@ -1,5 +1,5 @@
 // How many (batch, kv head) groups one L2 section of the backward's hand-out holds
-// (DqColumnHandout::section_groups in common/dq_schedule_model.h; 0: one section, the plain
+// (DqColumnHandout::section_groups in common/attention/dq_schedule_model.h; 0: one section, the plain
 // column hand-out). Host and device code (the preprocessing applies the rule where only the
 // device knows the walk), tested on the CPU (tests/cpp/test_bwd_sections.cpp).
 //
@@ -16,7 +16,7 @@
 // the deterministic mode takes at least workers / visits groups a section. Where only the device
 // knows the walk length (document ids, bitmasks) the preprocessing averages it from the column
 // lists (bwd_column_tiles) and applies the same rule there. The bound holds for the descending
-// walk only, where the columns in flight run one hand-off apart (common/attention_bwd_walk.h);
+// walk only, where the columns in flight run one hand-off apart (common/attention/attention_bwd_walk.h);
 // walking ascending, each column reaches every tile before the column whose turn comes first, so
 // the queue grows with every column in flight: the budget's sections ran 1.5-4x slower there.
 // So the deterministic mode walking ascending takes the plain hand-out, except for a few long
@@ -35,8 +35,9 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "common/attention_bwd_walk.h"  // MaskColumnLists
-#include "common/attention_fwd_walk.h"  // fwd_heads_per_section: the forward's L2 budget rule
+#include "common/attention/attention_bwd_walk.h"  // MaskColumnLists
+#include "common/attention/attention_fwd_walk.h"  // fwd_heads_per_section: the forward's L2 budget rule
+#include "common/host_device.h"
 #include "sparsetrain/mask_spec.h"
 
 namespace sparsetrain {

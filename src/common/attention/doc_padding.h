@@ -16,7 +16,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "common/group_offsets.h"  // ST_HOST_DEVICE
+#include "common/host_device.h"
 
 namespace sparsetrain {
 
