@@ -2,11 +2,21 @@
 `case` (a test_fuzz.Case: device, family); at the end of the session one line per device reads
 "fuzz: N cases run, F failures (cpu, seed 56: ...)", the number docs/PERF.md quotes. Skipped
 cases are not counted as run. (Read from the test's parameters rather than through
-record_property, which warns under --junitxml's default xunit2 family.)"""
+record_property, which warns under --junitxml's default xunit2 family.)
+
+Also: every CUDA graph capture collects garbage first (TORCH_CUDAGRAPH_GC=1, torch's behaviour
+before it made that optional). make_graphed_callables leaves a module in a reference cycle (its
+forward becomes a closure over the module) that holds the graphs; dead, such a cycle is freed only
+by the garbage collector, and a collection that happens to run inside a later test's capture
+destroys those graphs there, a CUDA call a capture forbids: that capture fails
+(cudaErrorStreamCaptureInvalidated, seen once in the whole suite on an H200)."""
 
 import collections
+import os
 
 import pytest
+
+os.environ.setdefault("TORCH_CUDAGRAPH_GC", "1")  # read when torch is imported, after this
 
 _TALLY = collections.defaultdict(lambda: {"run": 0, "failed": 0, "seconds": 0.0, "seed": None,
                                           "families": collections.Counter()})
