@@ -11,13 +11,26 @@ blocks). Forward of
 ours (sparsetrain.torch.block_sparse_attention) against FlexAttention
 (torch.compile(flex_attention, dynamic=False) on the same mask from create_block_mask(...,
 _compile=True)) and, for the dense-causal cases, cuDNN SDPA (sdpa_kernel(CUDNN_ATTENTION),
-is_causal=True); and the block-mask build: ours on the device (BlockMask.build(device="cuda"):
-lists, transposes and dQ write orders) against create_block_mask(mask_mod, B=None, H=None, S, S,
-device="cuda", _compile=True) (document-causal: B=2, per-batch ids for both), target >= 10x.
+is_causal=True), and FlashAttention-4 (below); and the block-mask build: ours on the device
+(BlockMask.build(device="cuda"): lists, transposes and dQ write orders) against
+create_block_mask(mask_mod, B=None, H=None, S, S, device="cuda", _compile=True) (document-causal:
+B=2, per-batch ids for both), target >= 10x.
 With --backward, per attention case also the backward alone (autograd.grad over a retained
-forward graph) and forward + backward of ours deterministic and non-deterministic, FlexAttention
-and cuDNN (causal cases): peer / ours ratios of both, det / nondet (target <= 1.10), and each
-peer's peak memory of one forward + backward beyond its inputs ("fwdbwd_<peer>_peak_mib").
+forward graph) and forward + backward of ours deterministic and non-deterministic, FlexAttention,
+cuDNN (causal cases) and FA4 deterministic ("fa4") and not ("fa4_nondet"): peer / ours ratios of
+both, det / nondet (target <= 1.10), and each peer's peak memory of one forward + backward beyond its
+inputs ("fwdbwd_<peer>_peak_mib").
+
+FlashAttention-4 (flash-attn-4, CuTe DSL; optional: scripts/fa4-wheels carries it to the lent GPU;
+absent, one line says so and the rest runs) is a peer of every case in its closest form
+(fa4_peer; "fa4_form" in the row): dense causal as causal=True, sliding windows as
+window_size=(window, 0), documents as flash_attn_varlen_func over the batch rows packed into one
+sequence with cu_seqlens, the mask_mod kinds through its block-sparse path (the mask_mod as a CuTe
+function, its block-sparse tensors from flex's BlockMask). Its inputs are copies in its layout
+([B, S, H, D]; varlen [B * S, H, D]) made outside the timed calls. Ratios FA4 / ours:
+"speedup_vs_fa4" (forward), "<what>_speedup_vs_fa4" (deterministic against deterministic),
+"<what>_nondet_speedup_vs_fa4_nondet" (non-deterministic against non-deterministic); a form FA4
+lacks is skipped with its reason in the row ("fa4_skipped", "<what>_fa4_skipped") and printed.
 
 All in this process on this GPU, CUDA events after warm-up, inputs rotated over enough copies to
 exceed twice the L2 cache. Two timings of every forward, backward and forward + backward, ours
@@ -59,7 +72,7 @@ import sys
 import time
 import warnings
 
-from typing import NamedTuple, Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
@@ -163,15 +176,22 @@ def mask_mod_for(kind, g, doc):
         return lambda b, h, q, kv: (q >= kv) & (q - kv <= w)
     if kind == "document_causal":
         return lambda b, h, q, kv: (doc[b, q] == doc[b, kv]) & (q >= kv)
+    if kind in FLEX_KINDS:
+        return lambda b, h, q, kv: flex_kind_allowed(kind, g, q, kv)
+    raise ValueError(kind)
+
+
+def flex_kind_allowed(kind, g, q, kv, const=lambda x: x):
+    """A mask_mod kind's (FLEX_KINDS) predicate on query and key indices, written once for flex's
+    mask_mod (torch tensors) and FA4's CuTe mask_mod (fa4_mask_mod: TensorSSA values, `const` making
+    an Int32 one of each constant)."""
+    causal = q >= kv
     if kind == "flex_prefix_lm":
-        p = g.S // PREFIX_DIV
-        return lambda b, h, q, kv: (q >= kv) | (kv < p)
+        return causal | (kv < const(g.S // PREFIX_DIV))
     if kind == "flex_sinks_window":
-        w = g.window
-        return lambda b, h, q, kv: (q >= kv) & ((q - kv <= w) | (kv < SINKS))
+        return causal & ((q - kv <= const(g.window)) | (kv < const(SINKS)))
     if kind == "flex_landmarks_window":
-        w = g.window
-        return lambda b, h, q, kv: (q >= kv) & ((q - kv <= w) | (kv % LANDMARK_PERIOD < LANDMARKS))
+        return causal & ((q - kv <= const(g.window)) | (kv % const(LANDMARK_PERIOD) < const(LANDMARKS)))
     raise ValueError(kind)
 
 
@@ -376,6 +396,124 @@ def run_peer(row, name, fn, reps, flops=None, wall=False, b2b=False):
     return t
 
 
+# -- FlashAttention-4, an optional peer --------------------------------------------------------------
+
+
+def import_fa4():
+    """(flash_attn.cute.interface, its version) of flash-attn-4 (scripts/fa4-wheels installs it on the
+    lent GPU), or (None, why it cannot be imported)."""
+    try:
+        import importlib.metadata
+
+        from flash_attn.cute import interface
+    except Exception as e:  # noqa: BLE001 - absent or broken: the bench goes on without it
+        return None, first_line(e)
+    try:
+        return interface, importlib.metadata.version("flash-attn-4")
+    except Exception:  # noqa: BLE001
+        return interface, "unknown version"
+
+
+class Fa4Peer(NamedTuple):
+    """FA4's form of a case: call(q, k, v, deterministic) -> out on inputs in its layout; to_fa4 takes
+    one of ours ([B, H, S, D]) to it (a contiguous copy: [B, S, H, D], varlen [B * S, H, D]), from_fa4
+    one of its back ([B, H, S, D], a view); no_det: why its deterministic backward is not timed
+    (None: it is)."""
+
+    form: str
+    call: Callable
+    to_fa4: Callable
+    from_fa4: Callable
+    no_det: Optional[str]
+
+
+def fa4_cu_seqlens(doc_cpu, device):
+    """Document ids [B, S] as FlashAttention's varlen arguments over the B rows packed into one
+    sequence: int32 cu_seqlens (each row's documents in turn, offsets from b * S) and the longest
+    document's length."""
+    lengths = [torch.unique_consecutive(row, return_counts=True)[1] for row in doc_cpu]
+    lengths = torch.cat(lengths)
+    cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lengths, 0)
+    return cu.to(device), int(lengths.max())
+
+
+def fa4_mask_mod(kind, g):
+    """A mask_mod kind as FA4's CuTe mask_mod: (batch, head, q_idx, kv_idx, seqlen_info, aux_tensors)
+    -> bool, the indices Int32 TensorSSA values (FA4's flash_attn/cute/mask.py call_mask_mod; constants
+    made with flash_attn.cute.utils.scalar_to_ssa as its tests/cute/mask_mod_definitions.py does)."""
+    import cutlass
+    from cutlass import cute
+    from flash_attn.cute.utils import scalar_to_ssa
+
+    def const(x):
+        return scalar_to_ssa(x, cutlass.Int32)
+
+    @cute.jit
+    def mask_mod(batch, head, q_idx, kv_idx, seqlen_info, aux_tensors):
+        return flex_kind_allowed(kind, g, q_idx, kv_idx, const)
+
+    return mask_mod
+
+
+FA4_NO_DET_BLOCK_SPARSE = ("FA4 has no deterministic block-sparse backward on SM90 (flash_bwd_sm90.py: "
+                           "'Deterministic not implemented for block-sparse backward')")
+
+
+def fa4_peer(fa4, kind, g, doc_cpu, fmask, device):
+    """FA4's closest form of our mask `kind` (fa4: flash_attn.cute.interface): dense causal as
+    causal=True; a sliding window as window_size=(window, 0) (keys q - window .. q); documents as
+    flash_attn_varlen_func(causal=True) with cu_seqlens over the rows packed into one sequence; a
+    mask_mod kind (FLEX_KINDS) through FA4's block-sparse path: the mask_mod as a CuTe function
+    and flex's BlockMask of the same definition as its tensors (kv lists forward, q lists backward,
+    as FA4's tests/cute/test_mask_mod.py passes them). Returns (Fa4Peer, None) or (None, why not)."""
+    B, S = g.B, g.S
+
+    def to_fa4(t):
+        return t.transpose(1, 2).contiguous()
+
+    def from_fa4(t):
+        return t.view(B, S, *t.shape[-2:]).transpose(1, 2)
+
+    if kind == "causal":
+        return Fa4Peer("flash_attn_func(causal=True)",
+                       lambda q, k, v, det: fa4.flash_attn_func(q, k, v, causal=True, deterministic=det)[0],
+                       to_fa4, from_fa4, None), None
+    if kind == "sliding_window":
+        w = g.window
+        return Fa4Peer(f"flash_attn_func(window_size=({w}, 0))",
+                       lambda q, k, v, det: fa4.flash_attn_func(q, k, v, window_size=(w, 0), deterministic=det)[0],
+                       to_fa4, from_fa4, None), None
+    if kind == "document_causal":
+        cu, longest = fa4_cu_seqlens(doc_cpu, device)
+
+        def varlen(q, k, v, det):
+            return fa4.flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest,
+                                              max_seqlen_k=longest, causal=True, deterministic=det)[0]
+        return Fa4Peer("flash_attn_varlen_func(cu_seqlens, causal=True)", varlen,
+                       lambda t: to_fa4(t).flatten(0, 1), from_fa4, None), None
+    if kind in FLEX_KINDS:
+        if fmask is None:
+            return None, "no flex BlockMask to take its block-sparse tensors from"
+        from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
+
+        block = tuple(fmask.BLOCK_SIZE)
+        fwd = BlockSparseTensorsTorch(mask_block_cnt=fmask.kv_num_blocks, mask_block_idx=fmask.kv_indices,
+                                      full_block_cnt=fmask.full_kv_num_blocks, full_block_idx=fmask.full_kv_indices,
+                                      block_size=block)
+        bwd = BlockSparseTensorsTorch(mask_block_cnt=fmask.q_num_blocks, mask_block_idx=fmask.q_indices,
+                                      full_block_cnt=fmask.full_q_num_blocks, full_block_idx=fmask.full_q_indices,
+                                      block_size=block)
+        mod = fa4_mask_mod(kind, g)
+
+        def block_sparse(q, k, v, det):
+            return fa4.flash_attn_func(q, k, v, mask_mod=mod, block_sparse_tensors=fwd, block_sparse_tensors_bwd=bwd,
+                                       deterministic=det)[0]
+        return Fa4Peer(f"flash_attn_func(mask_mod=CuTe {kind}, block_sparse_tensors from flex's BlockMask {block})",
+                       block_sparse, to_fa4, from_fa4, FA4_NO_DET_BLOCK_SPARSE), None
+    return None, f"no FA4 form for the mask kind {kind!r}"
+
+
 # -- the attention cases ---------------------------------------------------------------------------
 
 
@@ -433,7 +571,7 @@ def build_our_mask(kind, S, g, doc, doc_cpu, B, Hq, Hkv, schedule, walk, row):
     return mask
 
 
-def bench_case(name, seq, reps, backward, flex_compiled, schedule="auto", walk=None):
+def bench_case(name, seq, reps, backward, flex_compiled, schedule="auto", walk=None, fa4=None):
     import sparsetrain
     import sparsetrain.torch as stt
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -460,8 +598,8 @@ def bench_case(name, seq, reps, backward, flex_compiled, schedule="auto", walk=N
     sets = input_sets(B, Hq, Hkv, S, D, dev, dt)
     row["input_copies"] = len(sets)
 
-    def rotating(fn):
-        it = itertools.cycle(sets)
+    def rotating(fn, over=sets):
+        it = itertools.cycle(over)
         return lambda: fn(*next(it))
 
     def cudnn(q, k, v):
@@ -483,6 +621,17 @@ def bench_case(name, seq, reps, backward, flex_compiled, schedule="auto", walk=N
                                   _compile=True)
     except Exception as e:  # noqa: BLE001
         row["flex_error"] = "mask: " + first_line(e)
+    fa4c = None  # FA4's form of the case (fa4_peer), when FA4 is there
+    if fa4 is not None:
+        try:
+            fa4c, why = fa4_peer(fa4, kind, g, doc_cpu, fmask, dev)
+            if fa4c is None:
+                row["fa4_skipped"] = why
+                print(f"{name}: FA4 skipped: {why}", flush=True)
+            else:
+                row["fa4_form"] = fa4c.form
+        except Exception as e:  # noqa: BLE001
+            row["fa4_error"] = "setup: " + first_line(e)
 
     def ours_call(q, k, v):
         return stt.block_sparse_attention(q, k, v, mask)
@@ -521,11 +670,21 @@ def bench_case(name, seq, reps, backward, flex_compiled, schedule="auto", walk=N
                 row["b2b_speedup_vs_cudnn_expanded_kv"] = (row.get("cudnn_expanded_kv_b2b_ms", nan)
                                                            / row.get("ours_b2b_ms", nan))
                 del expanded, it
+        if fa4c is not None:  # on copies in FA4's layout, made here, outside the timed calls
+            fa4_sets = [tuple(fa4c.to_fa4(t) for t in qkv) for qkv in sets]
+            pt = run_peer(row, "fa4", rotating(lambda q, k, v: fa4c.call(q, k, v, False), fa4_sets), reps, flops,
+                          b2b=True)
+            row["speedup_vs_fa4"] = pt / t
+            row["b2b_speedup_vs_fa4"] = row.get("fa4_b2b_ms", nan) / row.get("ours_b2b_ms", nan)
+            del fa4_sets
         # One call each on the same inputs: ours against the peers (the same mask: close results).
         if mask is not None:
             q, k, v = sets[0]
             peers = [("flex", flex_call)] if fmask is not None else []
             peers += [("cudnn", cudnn)] if kind == "causal" else []
+            if fa4c is not None:
+                peers.append(("fa4", lambda q, k, v: fa4c.from_fa4(fa4c.call(*(fa4c.to_fa4(x) for x in (q, k, v)),
+                                                                              False))))
             try:
                 o = ours_call(q, k, v).float()
                 for peer, fn in peers:
@@ -536,22 +695,23 @@ def bench_case(name, seq, reps, backward, flex_compiled, schedule="auto", walk=N
             except Exception as e:  # noqa: BLE001
                 row.setdefault("ours_error", first_line(e))
     if backward and mask is not None:
-        bench_backward(row, mask, fmask, sets, reps, flex_compiled, G, kind)
+        bench_backward(row, mask, fmask, sets, reps, flex_compiled, G, kind, fa4c)
     print(json.dumps(row), flush=True)
     return row
 
 
-def bench_backward(row, mask, fmask, sets, reps, flex_compiled, G, kind):
+def bench_backward(row, mask, fmask, sets, reps, flex_compiled, G, kind, fa4=None):
     """Per peer, on the forward's rotated inputs: the backward alone (torch.autograd.grad over a
     forward graph retained per input copy; 10 * D * pairs FLOPs) and forward + backward (the
     forward, then torch.autograd.grad; 14 * D * pairs FLOPs). Peers: ours deterministic ("ours")
     and not ("ours_nondet"), FlexAttention on the same mask, cuDNN SDPA on the causal cases (with
-    GQA also on k and v expanded to Hq heads). Each timed one call at a time ("<what>_<peer>_ms":
-    host work counts) and back to back ("<what>_<peer>_b2b_ms": the GPU work; the peers in
+    GQA also on k and v expanded to Hq heads), FA4 in its form of the case (fa4: an Fa4Peer; on
+    leaves of its own layout) deterministic ("fa4") and not ("fa4_nondet"). Each timed one call at
+    a time ("<what>_<peer>_ms": host work counts) and back to back ("<what>_<peer>_b2b_ms": the GPU work; the peers in
     alternating rounds, the median, so the board's drift hits all alike). Ratios, both ways
-    ("<what>_speedup_vs_<peer>", "<what>_b2b_speedup_vs_<peer>"): peer / ours (deterministic), and
-    the deterministic mode's cost det / nondet (target <= 1.10); peak memory of one forward +
-    backward."""
+    ("<what>_speedup_vs_<peer>", "<what>_b2b_speedup_vs_<peer>"): peer / ours (deterministic; FA4's
+    non-deterministic also against ours non-deterministic), and the deterministic mode's cost
+    det / nondet (target <= 1.10); peak memory of one forward + backward."""
     import sparsetrain.torch as stt
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -574,6 +734,16 @@ def bench_backward(row, mask, fmask, sets, reps, flex_compiled, G, kind):
     if kind == "causal":
         peers["cudnn"] = cudnn
     peer_inputs = {peer: inputs for peer in peers}
+    if fa4 is not None:
+        fa4_inputs = [(*(fa4.to_fa4(t.detach()).detach().requires_grad_() for t in (q, k, v)), fa4.to_fa4(do))
+                      for q, k, v, do in inputs]
+        fa4_modes = (("fa4", True), ("fa4_nondet", False)) if fa4.no_det is None else (("fa4_nondet", False),)
+        for peer, det in fa4_modes:
+            peers[peer] = lambda q, k, v, det=det: fa4.call(q, k, v, det)
+            peer_inputs[peer] = fa4_inputs
+        if fa4.no_det is not None:
+            row["bwd_fa4_skipped"] = row["fwdbwd_fa4_skipped"] = fa4.no_det
+            print(f"{row.get('case', '')}: FA4 deterministic backward skipped: {fa4.no_det}", flush=True)
     if kind == "causal" and G > 1:  # k and v expanded to Hq heads, leaves themselves (no reduction)
         peers["cudnn_expanded_kv"] = cudnn
         peer_inputs["cudnn_expanded_kv"] = [
@@ -622,10 +792,12 @@ def bench_backward(row, mask, fmask, sets, reps, flex_compiled, G, kind):
         bwd = bwd_of(retained)  # the retained graphs live until the back-to-back rounds below
         if not math.isnan(run_peer(row, f"bwd_{peer}", bwd, reps, row["bwd_flops"])):
             bwds[peer] = bwd
-        if peer in ("ours", "ours_nondet", "flex"):  # gradients of the first input copy, compared below
+        if peer in ("ours", "ours_nondet", "flex", "fa4", "fa4_nondet"):  # of the first input copy, compared below
             first = retained[0]
             try:
                 grads[peer] = torch.autograd.grad(first[0], first[1:4], first[4], retain_graph=True)
+                if peer.startswith("fa4"):
+                    grads[peer] = tuple(fa4.from_fa4(x) for x in grads[peer])
             except Exception:  # noqa: BLE001 - its failure is in the row already
                 pass
             del first
@@ -645,7 +817,8 @@ def bench_backward(row, mask, fmask, sets, reps, flex_compiled, G, kind):
 
     backward_ratios(row)
     # The same gradients: ours against flex, and the two modes of ours (max abs, bf16).
-    for peer, ref in (("flex", "ours"), ("flex", "ours_nondet"), ("ours", "ours_nondet")):
+    for peer, ref in (("flex", "ours"), ("flex", "ours_nondet"), ("ours", "ours_nondet"), ("fa4", "ours"),
+                      ("fa4_nondet", "ours_nondet")):
         if peer in grads and ref in grads:
             for name, a, b in zip(("dq", "dk", "dv"), grads[ref], grads[peer]):
                 row[f"max_abs_diff_{name}_{ref}_vs_{peer}"] = float((a.float() - b.float()).abs().max())
@@ -664,9 +837,12 @@ def backward_ratios(row):
     for what in ("bwd", "fwdbwd"):
         for sfx in ("", "b2b_"):
             ours = row.get(f"{what}_ours_{sfx}ms", nan)
-            for peer in ("flex", "cudnn", "cudnn_expanded_kv"):
+            for peer in ("flex", "cudnn", "cudnn_expanded_kv", "fa4"):
                 if f"{what}_{peer}_{sfx}ms" in row:
                     row[f"{what}_{sfx}speedup_vs_{peer}"] = row[f"{what}_{peer}_{sfx}ms"] / ours
+            if f"{what}_fa4_nondet_{sfx}ms" in row:  # FA4's non-deterministic against ours
+                row[f"{what}_{sfx}nondet_speedup_vs_fa4_nondet"] = (row[f"{what}_fa4_nondet_{sfx}ms"]
+                                                                     / row.get(f"{what}_ours_nondet_{sfx}ms", nan))
             row[f"{what}_{sfx}det_over_nondet"] = ours / row.get(f"{what}_ours_nondet_{sfx}ms", nan)
 
 
@@ -790,6 +966,9 @@ def print_tables(rows):
         v = r.get(key)
         return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
 
+    def note(k, v):  # an "<x>_error" or "<x>_skipped" entry of a row
+        return f"{k[:-8]} skipped: {v}" if k.endswith("_skipped") else f"{k[:-6]}: {v}"
+
     att = [r for r in rows if r["case"] in CASES]
     if att:
         # The forward twice: one call at a time (host work counts) and back to back (the GPU work;
@@ -801,36 +980,44 @@ def print_tables(rows):
             tf = (lambda peer: f"{peer}_{sfx}tflops") if sfx else (lambda peer: f"{peer}_tflops")
             print(f"\n{title}\n{'case':24} {'B':>2} {'S':>6} {'ours ms':>9} {'TFLOP/s':>8} {extra:>9} {'flex ms':>9} "
                   f"{'TFLOP/s':>8} {'flex/ours':>9} {'cudnn ms':>9} {'TFLOP/s':>8} {'cudnn/ours':>10} "
-                  f"{'vs dense':>8}  errors")
+                  f"{'fa4 ms':>9} {'TFLOP/s':>8} {'fa4/ours':>8} {'vs dense':>8}  errors")
             for r in att:
-                errs = "; ".join(f"{k[:-6]}: {v}" for k, v in r.items()
-                                 if (k.endswith("_error") and not k.startswith(("bwd_", "fwdbwd_"))) or k == "error")
+                errs = "; ".join(note(k, v) for k, v in r.items()
+                                 if (k.endswith(("_error", "_skipped")) and not k.startswith(("bwd_", "fwdbwd_")))
+                                 or k == "error")
                 graph = f(r, "ours_graph_ms") if sfx else ""
                 print(f"{r['case']:24} {r.get('B', '-'):>2} {r.get('S', '-'):>6} {f(r, ms('ours')):>9} "
                       f"{f(r, tf('ours'), '{:.1f}'):>8} {graph:>9} {f(r, ms('flex')):>9} "
                       f"{f(r, tf('flex'), '{:.1f}'):>8} {f(r, sfx + 'speedup_vs_flex', '{:.2f}x'):>9} "
                       f"{f(r, ms('cudnn')):>9} {f(r, tf('cudnn'), '{:.1f}'):>8} "
                       f"{f(r, sfx + 'speedup_vs_cudnn', '{:.2f}x'):>10} "
+                      f"{f(r, ms('fa4')):>9} {f(r, tf('fa4'), '{:.1f}'):>8} "
+                      f"{f(r, sfx + 'speedup_vs_fa4', '{:.2f}x'):>8} "
                       f"{f(r, sfx + 'tflops_vs_dense_causal', '{:.2f}'):>8}  {errs if not sfx else ''}")
     bwd = [r for r in att if "bwd_flops" in r]
     if bwd:
         # Ours is the deterministic backward unless "nondet"; x-columns are peer / ours (> 1: we are
-        # faster), det/nondet the deterministic mode's cost (target <= 1.10). Each one call at a
-        # time (host work counts) and back to back (the GPU work).
+        # faster; fa4nd/ond: FA4's non-deterministic over ours), det/nondet the deterministic mode's
+        # cost (target <= 1.10). Each one call at a time (host work counts) and back to back (the GPU
+        # work).
         for what, title in (("bwd", "backward alone"), ("fwdbwd", "forward + backward")):
             for sfx, how in (("", "one call at a time"), ("b2b_", "back to back")):
                 def ms(peer):
                     return f"{what}_{peer}_{sfx}ms"
 
                 print(f"\n{title + ', ' + how + ' (ms)':44} {'ours':>8} {'TFLOP/s':>8} {'nondet':>8} "
-                      f"{'det/nondet':>10} {'flex':>8} {'flex/ours':>9} {'cudnn':>8} {'cudnn/ours':>10}  errors")
+                      f"{'det/nondet':>10} {'flex':>8} {'flex/ours':>9} {'cudnn':>8} {'cudnn/ours':>10} "
+                      f"{'fa4':>8} {'fa4/ours':>8} {'fa4 nd':>8} {'fa4nd/ond':>9}  errors")
                 for r in bwd:
-                    errs = "; ".join(f"{k[:-6]}: {v}" for k, v in r.items()
-                                     if k.startswith(what + "_") and k.endswith("_error")) if not sfx else ""
+                    errs = "; ".join(note(k, v) for k, v in r.items() if not sfx and k.startswith(what + "_")
+                                     and k.endswith(("_error", "_skipped")))
                     print(f"{r['case']:44} {f(r, ms('ours')):>8} {f(r, f'{what}_ours_{sfx}tflops', '{:.1f}'):>8} "
                           f"{f(r, ms('ours_nondet')):>8} {f(r, f'{what}_{sfx}det_over_nondet', '{:.3f}'):>10} "
                           f"{f(r, ms('flex')):>8} {f(r, f'{what}_{sfx}speedup_vs_flex', '{:.2f}x'):>9} "
-                          f"{f(r, ms('cudnn')):>8} {f(r, f'{what}_{sfx}speedup_vs_cudnn', '{:.2f}x'):>10}  {errs}")
+                          f"{f(r, ms('cudnn')):>8} {f(r, f'{what}_{sfx}speedup_vs_cudnn', '{:.2f}x'):>10} "
+                          f"{f(r, ms('fa4')):>8} {f(r, f'{what}_{sfx}speedup_vs_fa4', '{:.2f}x'):>8} "
+                          f"{f(r, ms('fa4_nondet')):>8} "
+                          f"{f(r, f'{what}_{sfx}nondet_speedup_vs_fa4_nondet', '{:.2f}x'):>9}  {errs}")
     builds = [r for r in rows if r["case"] in BUILDS]
     if builds:
         print(f"\n{'mask build':24} {'ours ms':>9} {'flex ms':>9} {'flex/ours':>10} (target >= 10x) "
@@ -877,6 +1064,11 @@ def self_check(names, seq):
         listed = int(blocks) * (1 if mask.kv_num_blocks.shape[0] == g.B else g.B)
         full = int(mask.full_kv_num_blocks.sum()) * (1 if mask.kv_num_blocks.shape[0] == g.B else g.B)
         assert full * mask.block_q * mask.block_kv <= sum(pairs) <= listed * mask.block_q * mask.block_kv, name
+        if c.kind == "document_causal":  # FA4's varlen form of the documents allows the same pairs
+            cu, longest = fa4_cu_seqlens(doc_cpu, "cpu")
+            n = (cu[1:] - cu[:-1]).long()
+            assert int(cu[-1]) == g.B * g.S and int(n.max()) == longest, name
+            assert int((n * (n + 1) // 2).sum()) == sum(pairs), name
         print(f"self-check {name:24} B={g.B} S={g.S} window={g.window if c.kind == 'sliding_window' else '-'} "
               f"docs={[int(torch.unique(doc_cpu[b]).numel()) for b in range(g.B)] if doc_cpu is not None else '-'} "
               f"pairs/head={pairs} (dense count agrees) blocks={listed}", flush=True)
@@ -885,18 +1077,23 @@ def self_check(names, seq):
         row = {"case": name, "mask": c.kind, "B": g.B, "S": g.S, "fwd_flops": flops}
         if c.dense is not None:
             row["dense_causal_case"] = c.dense
-        for peer in ("ours", "flex") + (("cudnn",) if c.kind == "causal" else ()):
+        for peer in ("ours", "flex", "fa4") + (("cudnn",) if c.kind == "causal" else ()):
             for sfx in ("", "b2b_"):
                 row[f"{peer}_{sfx}ms"] = fake
                 row[f"{peer}_{sfx}tflops"] = flops / fake * 1e-9
         row["ours_graph_ms"] = fake
         row["ours_graph_tflops"] = flops / fake * 1e-9
-        for peer in ("flex", "cudnn"):
+        for peer in ("flex", "cudnn", "fa4"):
             if f"{peer}_ms" in row:
                 row[f"speedup_vs_{peer}"] = row[f"b2b_speedup_vs_{peer}"] = 1.0
         row["bwd_flops"], row["fwdbwd_flops"] = 2.5 * flops, 3.5 * flops
+        bwd_peers = ("ours", "ours_nondet", "flex", "fa4_nondet") + (("cudnn",) if c.kind == "causal" else ())
+        if c.kind in FLEX_KINDS:  # as bench_backward leaves it: FA4's deterministic block-sparse backward
+            row["bwd_fa4_skipped"] = row["fwdbwd_fa4_skipped"] = FA4_NO_DET_BLOCK_SPARSE
+        else:
+            bwd_peers += ("fa4",)
         for what in ("bwd", "fwdbwd"):
-            for peer in ("ours", "ours_nondet", "flex") + (("cudnn",) if c.kind == "causal" else ()):
+            for peer in bwd_peers:
                 for k, sfx in enumerate(("", "b2b_")):
                     row[f"{what}_{peer}_{sfx}ms"] = fake * (2 + k)
                     row[f"{what}_{peer}_{sfx}tflops"] = row[f"{what}_flops"] / (fake * (2 + k)) * 1e-9
@@ -904,6 +1101,8 @@ def self_check(names, seq):
         for what in ("bwd", "fwdbwd"):  # the ratios' keys and values, checked on the made-up rows
             for sfx in ("", "b2b_"):
                 assert row[f"{what}_{sfx}speedup_vs_flex"] == 1.0 and row[f"{what}_{sfx}det_over_nondet"] == 1.0
+                assert row[f"{what}_{sfx}nondet_speedup_vs_fa4_nondet"] == 1.0
+                assert row.get(f"{what}_{sfx}speedup_vs_fa4", 1.0) == 1.0
         rows.append(row)
     add_dense_ratios(rows)
     print_tables(rows)
@@ -959,11 +1158,18 @@ def main():
 
     info = environment()
     info.update(args=vars(args), S=S, reps=reps)
+    fa4, fa4_version = import_fa4()
+    if fa4 is None:
+        print(f"FA4 skipped: flash_attn.cute does not import ({fa4_version}); scripts/fa4-wheels installs it",
+              flush=True)
+        info["fa4"] = "skipped: " + fa4_version
+    else:
+        info["fa4"] = fa4_version
     rows = []
     for name in names:
         try:
             if name in CASES:
-                rows.append(bench_case(name, S, reps, args.backward, flex_compiled, args.schedule, args.walk))
+                rows.append(bench_case(name, S, reps, args.backward, flex_compiled, args.schedule, args.walk, fa4))
             else:
                 rows.append(bench_build(name, S, reps))
         except Exception as e:  # noqa: BLE001 - a case that cannot run is recorded, the rest still run

@@ -74,6 +74,60 @@ def test_bench_attention_backward_times_the_peers_back_to_back_in_alternating_ro
     assert row["max_abs_diff_dq_ours_nondet_vs_ours"] < 1e-3
 
 
+def test_bench_attention_backward_takes_fa4_in_its_layout(monkeypatch):
+    """bench_backward with FA4's forms of the causal and document cases (fa4_peer) over a stand-in
+    for flash_attn.cute.interface (torch's SDPA on FA4's [B, S, H, D] and packed varlen layouts):
+    FA4 gets its own leaves, is timed deterministic and not against ours, and its gradients, taken
+    back to ours' layout, agree with ours; FA4's calls themselves need the GPU (scripts/fa4-wheels)."""
+    import math
+    import types
+
+    import torch
+
+    sys.path.insert(0, os.path.dirname(BENCH))
+    import bench_attention as ba
+    import sparsetrain
+
+    def sdpa(q, k, v, causal):  # [B, S, H, D]
+        out = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)),
+                                                               is_causal=causal)
+        return out.transpose(1, 2)
+
+    def flash_attn_func(q, k, v, causal=False, deterministic=False):
+        return sdpa(q, k, v, causal), None
+
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
+                               deterministic=False):
+        cu = cu_seqlens_q.tolist()
+        assert cu_seqlens_k is cu_seqlens_q and max_seqlen_q == max_seqlen_k == max(b - a for a, b in zip(cu, cu[1:]))
+        return torch.cat([sdpa(q[None, a:b], k[None, a:b], v[None, a:b], causal)[0] for a, b in zip(cu, cu[1:])]), None
+
+    fa4 = types.SimpleNamespace(flash_attn_func=flash_attn_func, flash_attn_varlen_func=flash_attn_varlen_func)
+    monkeypatch.setattr(ba, "time_ms", lambda fn, reps, warmup=3: (fn() and 2.0, 2.0))
+    monkeypatch.setattr(ba, "queued_ms", lambda fn, reps, warmup=3: fn() and 1.0)
+    for name, value in (("synchronize", None), ("memory_allocated", 0), ("reset_peak_memory_stats", None),
+                        ("max_memory_allocated", 0)):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, v=value: v)
+    torch.manual_seed(0)
+    B, H, S, D = 2, 2, 256, 32
+    doc = ba.document_ids(B, S, (40, 120))
+    for kind, args in (("causal", {}), ("document_causal", {"document_ids": doc})):
+        g = ba.Geometry(B, S, 0, (40, 120))
+        peer, why = ba.fa4_peer(fa4, kind, g, doc, None, "cpu")
+        assert why is None and peer.no_det is None, why
+        mask = sparsetrain.BlockMask.build(kind, S, framework="torch", **args)
+        row = {"fwd_flops": 1e9, "case": kind}
+        ba.bench_backward(row, mask, None, [tuple(torch.randn(B, H, S, D) for _ in range(3))], 10, None, 1,
+                          "causal" if kind == "causal" else kind, peer)
+        for what in ("fwdbwd", "bwd"):
+            for sfx in ("", "b2b_"):
+                assert math.isfinite(row[f"{what}_{sfx}speedup_vs_fa4"]), (kind, what, sfx)
+                assert math.isfinite(row[f"{what}_{sfx}nondet_speedup_vs_fa4_nondet"]), (kind, what, sfx)
+        for grad in ("dq", "dk", "dv"):
+            assert row[f"max_abs_diff_{grad}_ours_vs_fa4"] < 1e-3, (kind, row)
+            assert row[f"max_abs_diff_{grad}_ours_nondet_vs_fa4_nondet"] < 1e-3, (kind, row)
+
+
 def test_bench_moe_runs_on_the_cpu(tmp_path):
     """The MoE benchmark end to end at --quick on the CPU: both sides run, agree, and the JSON is
     written (its timings are not the point here)."""
