@@ -1,29 +1,32 @@
-// sparsetrain's attention as C++ torch operators (`torch.ops.sparsetrain_native.*`), the eager
-// path of sparsetrain.torch: at::Tensor arguments become views here, outputs come from torch's
-// caching allocator (at::empty on the current stream) and go back as tensors sharing that memory,
-// with no Python in between (the numpy/DLPack module `_C` crosses into Python for each allocation
-// and each result). Built where the Python build's torch has its C++ headers; without this library
-// importing sparsetrain.torch raises an ImportError. torch.compile keeps tracing the Python custom
-// ops (sparsetrain::block_sparse_attention_*), whose implementations call these. The grouped
-// layers of the same library are in torch_grouped.cpp; what both share in torch_common.h.
+// sparsetrain's block-sparse attention as C++ torch operators, sparsetrain::block_sparse_attention
+// and sparsetrain::block_sparse_attention_backward: the one route of
+// sparsetrain.torch.block_sparse_attention, eager, under autograd, torch.compile, fake tensors,
+// dispatch modes and CUDA graphs alike. q, k, v in FlexAttention's [B, H, S, D] layout become the
+// core's [B, S, H, D] views here; outputs come from torch's caching allocator (at::empty on the
+// current stream) as tensors over that memory, o and the gradients as [B, H, S, D] views of the
+// core's [B, S, H, D] results, with no Python in between.
 //
-// The mask arrives as the custom ops pass it: its tensors in sparsetrain._block_mask.TENSOR_NAMES
-// order then doc_q, doc_kv and the schedule permutation (undefined where absent), its sizes
-// (seq_q, seq_kv, block_q, block_kv, window_left, window_right, prefix_length) and
-// "kind,schedule,walk".
+// The forward op's Autograd kernel is a torch::autograd::Function: its forward calls the op again
+// below autograd, its backward calls the backward op, both through the dispatcher, so fake
+// tensors, make_fx and torch.compile reach the fake implementations (sparsetrain/torch/attention.py)
+// and see both ops in their graphs. The compute kernels are CompositeExplicitAutograd (CPU and
+// CUDA; the fakes' Meta kernels take precedence on meta tensors). The grouped layers of the same
+// library are in torch_grouped.cpp; what both share in torch_common.h.
 //
-// Eager calls take a shorter way: `attention` (a function of the Python module
-// sparsetrain._torch_ops) over an AttentionMask parsed once per BlockMask, in FlexAttention's
-// [B, H, S, D] layout, with its autograd in C++ (a torch::autograd::Function: no Python
-// autograd.Function, no dispatcher). sparsetrain.torch takes it only where the custom ops would
-// see nothing of interest (not under torch.compile, fake tensors, dispatch modes or forward AD).
+// The mask arrives as sparsetrain.torch passes it: its tensors in sparsetrain._block_mask
+// TENSOR_NAMES order then doc_q, doc_kv and the schedule permutation, then its padded backward
+// form's (None where absent), its sizes and "kind,schedule,walk" (mask_of below), so that a
+// compiler sees every tensor the op reads.
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
-#include <torch/python.h>
 
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <vector>
 
@@ -41,6 +44,16 @@ using st::torch_ops::TorchAllocator;
 using st::torch_ops::translated;
 using st::torch_ops::view_of;
 
+using MaskTensors = c10::List<std::optional<at::Tensor>>;
+
+// The kernels' C++ signatures (one per op: every kernel of an op and its typed handle share it).
+using ForwardSignature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                            const MaskTensors&, at::IntArrayRef, std::string_view,
+                                                            double, bool, int64_t);
+using BackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const MaskTensors&, at::IntArrayRef, std::string_view, double, bool, int64_t);
+
 // A mask as the ops pass it, and its padded backward form (BlockMask::backward_padded) beside it:
 // mask.backward_padded points into `padded`, which a move keeps where it is.
 struct ParsedMask {
@@ -50,29 +63,37 @@ struct ParsedMask {
 
 // The ops' mask arguments: tensors = the 11 index tensors (kBlockMaskTensors order), doc_q, doc_kv,
 // the schedule permutation, then the padded form's 10 list tensors, doc_q, doc_kv and real_rows
-// (None without one); sizes = seq_q, seq_kv, block_q, block_kv, window_left, window_right,
-// prefix_length, the padded length (0: none); kinds = "kind,schedule,walk" (the padded form takes
-// the mask's kind, schedule and walk).
-ParsedMask mask_of(const std::vector<std::optional<at::Tensor>>& tensors, at::IntArrayRef sizes,
-                   const std::string& kinds) {
-  ST_CHECK_ARG(tensors.size() == 27, "mask tensors",
-               "27 (the index tensors, doc_q, doc_kv, the permutation; the padded form's lists, ids and real_rows)",
+// (None where absent; absent ones at the end may be left off, as sparsetrain.torch does: each
+// element costs a call from Python a conversion and a saved tensor); sizes = seq_q, seq_kv,
+// block_q, block_kv, window_left, window_right, prefix_length, the padded length (0: none);
+// kinds = "kind,schedule,walk" (the padded form takes the mask's kind, schedule and walk). Parsed
+// on every call (views and a few integers; the permutation, a host array, is copied): nothing
+// outlives the call, so nothing can go stale.
+ParsedMask mask_of(const MaskTensors& tensors, at::IntArrayRef sizes, std::string_view kinds) {
+  ST_CHECK_ARG(tensors.size() <= 27, "mask tensors",
+               "at most 27 (the index tensors, doc_q, doc_kv, the permutation; the padded form's lists, ids and "
+               "real_rows)",
                tensors.size());
   ST_CHECK_ARG(sizes.size() == 8, "mask sizes", "8", sizes.size());
-  auto at_ = [&](size_t i) { return tensors[i].has_value() ? *tensors[i] : at::Tensor(); };
+  auto at_ = [&](size_t i) {
+    if (i >= tensors.size()) return at::Tensor();
+    const auto t = tensors.get(i);
+    return t.has_value() ? at::Tensor(*t) : at::Tensor();
+  };
   ParsedMask parsed;
   st::BlockMask& m = parsed.mask;
   m.seq_q = sizes[0], m.seq_kv = sizes[1], m.block_q = sizes[2], m.block_kv = sizes[3];
   for (int i = 0; i < st::kBlockMaskTensors; ++i)
     st::block_mask_tensor(m, i) = view_of(at_(size_t(i)), st::block_mask_tensor_name(i));
   const size_t c1 = kinds.find(','), c2 = kinds.find(',', c1 + 1);
-  ST_CHECK_ARG(c1 != std::string::npos && c2 != std::string::npos, "mask kinds", "\"kind,schedule,walk\"", kinds);
-  m.spec.kind = st::parse_mask_kind(kinds.substr(0, c1));
+  ST_CHECK_ARG(c1 != std::string_view::npos && c2 != std::string_view::npos, "mask kinds", "\"kind,schedule,walk\"",
+               std::string(kinds));
+  m.spec.kind = st::parse_mask_kind(std::string(kinds.substr(0, c1)));
   m.spec.window_left = sizes[4], m.spec.window_right = sizes[5], m.spec.prefix_length = sizes[6];
   m.spec.doc_q = view_of(at_(11), "doc_q");
   m.spec.doc_kv = view_of(at_(12), "doc_kv");
-  m.schedule.kind = st::parse_schedule_kind(kinds.substr(c1 + 1, c2 - c1 - 1));
-  m.schedule.walk = st::parse_walk_order(kinds.substr(c2 + 1));
+  m.schedule.kind = st::parse_schedule_kind(std::string(kinds.substr(c1 + 1, c2 - c1 - 1)));
+  m.schedule.walk = st::parse_walk_order(std::string(kinds.substr(c2 + 1)));
   if (m.schedule.kind == st::ScheduleKind::kPermutation) {
     const at::Tensor perm = at_(13);
     ST_CHECK_ARG(perm.defined() && perm.is_cpu() && perm.dim() == 1, "schedule_permutation",
@@ -102,7 +123,7 @@ ParsedMask mask_of(const std::vector<std::optional<at::Tensor>>& tensors, at::In
 }
 
 // q, k or v in FlexAttention's [B, H, S, D] layout as the core's [B, S, H, D] view (the transpose
-// the custom ops take, without a dispatcher call).
+// without a dispatcher call).
 st::TensorView bshd_view_of(const at::Tensor& t, const char* arg) {
   ST_CHECK_ARG(t.dim() == 4, arg, "a 4-d tensor [B, H, S, D]", t.dim());
   const at::IntArrayRef n = t.sizes(), s = t.strides();
@@ -126,93 +147,87 @@ st::AttentionCall call_on(const at::Tensor& q, TorchAllocator* alloc) {
   return call;
 }
 
+// (o [B, Hq, Sq, D], lse [B, Hq, Sq] fp32) of q, k, v in [B, H, S, D], with q's device current
+// (the core launches on the current device).
 std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                     const std::vector<std::optional<at::Tensor>>& mask_tensors,
-                                                     at::IntArrayRef mask_sizes, const std::string& mask_kinds,
-                                                     double scale, bool deterministic, int64_t sm_limit) {
+                                                     const MaskTensors& mask_tensors, at::IntArrayRef mask_sizes,
+                                                     std::string_view mask_kinds, double scale, bool deterministic,
+                                                     int64_t sm_limit) {
   return translated([&] {
+    const c10::DeviceGuard guard(q.device());
     TorchAllocator alloc;
-    const st::AttentionForward f =
-        st::block_sparse_attention_forward(view_of(q, "q"), view_of(k, "k"), view_of(v, "v"),
-                                           mask_of(mask_tensors, mask_sizes, mask_kinds).mask,
-                                           options_of(scale, deterministic, sm_limit), call_on(q, &alloc));
-    return std::make_tuple(alloc.take(f.o), alloc.take(f.lse));
+    const st::AttentionForward f = st::block_sparse_attention_forward(
+        bshd_view_of(q, "q"), bshd_view_of(k, "k"), bshd_view_of(v, "v"),
+        mask_of(mask_tensors, mask_sizes, mask_kinds).mask, options_of(scale, deterministic, sm_limit),
+        call_on(q, &alloc));
+    return std::make_tuple(alloc.take(f.o, /*swap_1_2=*/true), alloc.take(f.lse));
   });
 }
 
+// (dq, dk, dv), each laid out as q, k, v ([B, H, S, D] views of [B, S, H, D] results). torch's
+// deterministic mode is read here, when the backward runs, as torch's own kernels read it:
+// switched on between the forward and the backward, it still applies (also in a compiled graph,
+// where this op is called without the autograd kernel).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& o, const at::Tensor& lse,
-    const at::Tensor& dout, const std::vector<std::optional<at::Tensor>>& mask_tensors, at::IntArrayRef mask_sizes,
-    const std::string& mask_kinds, double scale, bool deterministic, int64_t sm_limit) {
+    const at::Tensor& dout, const MaskTensors& mask_tensors, at::IntArrayRef mask_sizes, std::string_view mask_kinds,
+    double scale, bool deterministic, int64_t sm_limit) {
   return translated([&] {
+    const c10::DeviceGuard guard(q.device());
+    const bool det = deterministic || at::globalContext().deterministicAlgorithms();
     TorchAllocator alloc;
     const st::AttentionGrads g = st::block_sparse_attention_backward(
-        view_of(q, "q"), view_of(k, "k"), view_of(v, "v"), view_of(o, "o"), view_of(lse, "lse"),
-        view_of(dout, "dout"), mask_of(mask_tensors, mask_sizes, mask_kinds).mask,
-        options_of(scale, deterministic, sm_limit), call_on(q, &alloc));
-    return std::make_tuple(alloc.take(g.dq), alloc.take(g.dk), alloc.take(g.dv));
+        bshd_view_of(q, "q"), bshd_view_of(k, "k"), bshd_view_of(v, "v"), bshd_view_of(o, "o"), view_of(lse, "lse"),
+        bshd_view_of(dout, "dout"), mask_of(mask_tensors, mask_sizes, mask_kinds).mask,
+        options_of(scale, det, sm_limit), call_on(q, &alloc));
+    return std::make_tuple(alloc.take(g.dq, true), alloc.take(g.dk, true), alloc.take(g.dv, true));
   });
 }
 
-// A BlockMask as the custom ops pass it, parsed once: sparsetrain.torch keeps one per BlockMask
-// (while that holds the same tensor objects) for its eager calls. A tensor moved in place since
-// (set_, resize_ to another address) makes a call parse the mask anew.
-class AttentionMask {
- public:
-  AttentionMask(std::vector<std::optional<at::Tensor>> tensors, std::vector<int64_t> sizes, std::string kinds)
-      : tensors_(std::move(tensors)), sizes_(std::move(sizes)), kinds_(std::move(kinds)),
-        mask_(translated([&] { return mask_of(tensors_, sizes_, kinds_); })) {
-    for (const auto& t : tensors_) data_.push_back(data_of(t));
-  }
+const c10::TypedOperatorHandle<ForwardSignature>& forward_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("sparsetrain::block_sparse_attention", "")
+                             .typed<ForwardSignature>();
+  return op;
+}
 
-  // The parsed mask, or `scratch` parsed anew where a tensor moved.
-  const st::BlockMask& current(ParsedMask& scratch) const {
-    for (size_t i = 0; i < tensors_.size(); ++i)
-      if (data_of(tensors_[i]) != data_[i]) return (scratch = mask_of(tensors_, sizes_, kinds_)).mask;
-    return mask_.mask;
-  }
-
-  const std::vector<std::optional<at::Tensor>>& tensors() const { return tensors_; }
-  const std::vector<int64_t>& sizes() const { return sizes_; }
-  const std::string& kinds() const { return kinds_; }
-
- private:
-  static const void* data_of(const std::optional<at::Tensor>& t) {
-    return t.has_value() && t->defined() ? t->data_ptr() : nullptr;
-  }
-
-  std::vector<std::optional<at::Tensor>> tensors_;
-  std::vector<int64_t> sizes_;
-  std::string kinds_;
-  ParsedMask mask_;
-  std::vector<const void*> data_;
-};
+const c10::TypedOperatorHandle<BackwardSignature>& backward_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("sparsetrain::block_sparse_attention_backward", "")
+                             .typed<BackwardSignature>();
+  return op;
+}
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Attention's autograd in C++, the same computation as sparsetrain.torch's _AttentionFunction:
-// saves q, k, v, o, lse and the mask's tensors (version-checked as save_for_backward does); lse has
-// no gradient; the backward reads torch's deterministic mode again when it runs.
+// Attention's autograd: saves q, k, v, o, lse and the mask's tensors (version-checked as
+// save_for_backward does); lse has no gradient.
 struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
+  static constexpr size_t kInputs = 9;  // forward's arguments after ctx; gradients for q, k, v only
+
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               const AttentionMask* mask, double scale, bool deterministic, int64_t sm_limit) {
-    const c10::DeviceGuard guard(q.device());  // q's device current, as the `_C` path's torch.cuda.device
-    ParsedMask scratch;
-    TorchAllocator alloc;
-    const st::AttentionForward f = st::block_sparse_attention_forward(
-        bshd_view_of(q, "q"), bshd_view_of(k, "k"), bshd_view_of(v, "v"), mask->current(scratch),
-        options_of(scale, deterministic, sm_limit), call_on(q, &alloc));
-    at::Tensor o = alloc.take(f.o, /*swap_1_2=*/true), lse = alloc.take(f.lse);
+                               const MaskTensors& mask_tensors, at::IntArrayRef mask_sizes,
+                               std::string_view mask_kinds, double scale, bool deterministic, int64_t sm_limit) {
+    at::Tensor o, lse;
+    {
+      const at::AutoDispatchBelowADInplaceOrView below_autograd;
+      std::tie(o, lse) =
+          forward_op().call(q, k, v, mask_tensors, mask_sizes, mask_kinds, scale, deterministic, sm_limit);
+    }
     ctx->mark_non_differentiable({lse});
     // lse has no gradient: no zero tensor for it (a fill kernel a backward); o's may be undefined
     // (o unused), then so are q's, k's and v's.
     ctx->set_materialize_grads(false);
     std::vector<at::Tensor> saved{q, k, v, o, lse};
-    for (const auto& t : mask->tensors()) saved.push_back(t.value_or(at::Tensor()));
-    ctx->save_for_backward(saved);
-    ctx->saved_data["sizes"] = mask->sizes();
-    ctx->saved_data["kinds"] = mask->kinds();
+    saved.reserve(5 + mask_tensors.size());
+    for (size_t i = 0; i < mask_tensors.size(); ++i) {
+      const auto t = mask_tensors.get(i);
+      saved.push_back(t.has_value() ? at::Tensor(*t) : at::Tensor());
+    }
+    ctx->save_for_backward(std::move(saved));
+    ctx->saved_data["sizes"] = mask_sizes.vec();
+    ctx->saved_data["kinds"] = std::string(mask_kinds);
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["deterministic"] = deterministic;
     ctx->saved_data["sm_limit"] = sm_limit;
@@ -220,57 +235,65 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return translated([&] {
-      const variable_list s = ctx->get_saved_variables();
-      const c10::DeviceGuard guard(s[0].device());
-      std::vector<std::optional<at::Tensor>> mask_tensors;
-      for (size_t i = 5; i < s.size(); ++i)
-        mask_tensors.push_back(s[i].defined() ? std::optional<at::Tensor>(s[i]) : std::nullopt);
-      const std::vector<int64_t> sizes = ctx->saved_data["sizes"].toIntVector();
-      at::Tensor dout = grads[0];
-      if (!dout.defined()) return variable_list(7);  // as the inputs: q, k, v, then four without gradients
-      if (dout.stride(-1) != 1) dout = dout.contiguous();
-      const bool deterministic =
-          ctx->saved_data["deterministic"].toBool() || at::globalContext().deterministicAlgorithms();
-      TorchAllocator alloc;
-      const st::AttentionGrads g = st::block_sparse_attention_backward(
-          bshd_view_of(s[0], "q"), bshd_view_of(s[1], "k"), bshd_view_of(s[2], "v"), bshd_view_of(s[3], "o"),
-          view_of(s[4], "lse"), bshd_view_of(dout, "dout"),
-          mask_of(mask_tensors, sizes, ctx->saved_data["kinds"].toStringRef()).mask,
-          options_of(ctx->saved_data["scale"].toDouble(), deterministic, ctx->saved_data["sm_limit"].toInt()),
-          call_on(s[0], &alloc));
-      return variable_list{alloc.take(g.dq, true), alloc.take(g.dk, true), alloc.take(g.dv, true), {}, {}, {}, {}};
-    });
+    at::Tensor dout = grads[0];
+    if (!dout.defined()) return variable_list(kInputs);
+    if (dout.stride(-1) != 1) dout = dout.contiguous();
+    const variable_list s = ctx->get_saved_variables();
+    MaskTensors mask_tensors;
+    mask_tensors.reserve(s.size() - 5);
+    for (size_t i = 5; i < s.size(); ++i)
+      mask_tensors.push_back(s[i].defined() ? std::optional<at::Tensor>(s[i]) : std::nullopt);
+    const auto [dq, dk, dv] = backward_op().call(
+        s[0], s[1], s[2], s[3], s[4], dout, mask_tensors, ctx->saved_data["sizes"].toIntVector(),
+        ctx->saved_data["kinds"].toStringRef(), ctx->saved_data["scale"].toDouble(),
+        ctx->saved_data["deterministic"].toBool(), ctx->saved_data["sm_limit"].toInt());
+    variable_list out(kInputs);
+    out[0] = dq, out[1] = dk, out[2] = dv;
+    return out;
   }
 };
 
-// (o [B, Hq, Sq, D], lse [B, Hq, Sq]) of q, k, v in [B, H, S, D], recorded by autograd where an
-// input requires grad.
-std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                             const AttentionMask& mask, double scale, bool deterministic,
-                                             int64_t sm_limit) {
-  return translated([&] {
-    const variable_list r = AttentionFunction::apply(q, k, v, &mask, scale, deterministic, sm_limit);
-    return std::make_tuple(r[0], r[1]);
-  });
+// Where autograd has nothing to record (grad mode off or no input requiring grad, and no forward
+// gradient, which AttentionFunction refuses), the compute kernel is called straight away: a node
+// built and dropped costs an eager forward more than its compute on small problems.
+std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                      const MaskTensors& mask_tensors, at::IntArrayRef mask_sizes,
+                                                      std::string_view mask_kinds, double scale, bool deterministic,
+                                                      int64_t sm_limit) {
+  const auto recorded = [](const at::Tensor& t) {
+    return (at::GradMode::is_enabled() && t.requires_grad()) || t._fw_grad(/*level=*/0).defined();
+  };
+  if (!recorded(q) && !recorded(k) && !recorded(v)) {
+    const at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return forward_op().call(q, k, v, mask_tensors, mask_sizes, mask_kinds, scale, deterministic, sm_limit);
+  }
+  const variable_list r =
+      AttentionFunction::apply(q, k, v, mask_tensors, mask_sizes, mask_kinds, scale, deterministic, sm_limit);
+  return std::make_tuple(r[0], r[1]);
 }
 
 }  // namespace
 
-void st::torch_ops::register_attention(pybind11::module_& m) {
-  pybind11::class_<AttentionMask>(m, "AttentionMask")
-      .def(pybind11::init<std::vector<std::optional<at::Tensor>>, std::vector<int64_t>, std::string>());
-  m.def("attention", &attention);
+// The fake implementations are Python (torch.library.register_fake in the module named here,
+// which torch imports when a fake tensor meets an op without one): they take symbolic shapes as
+// they come, where a C++ Meta kernel would need SymInt signatures of its own.
+TORCH_LIBRARY(sparsetrain, m) {
+  m.set_python_module("sparsetrain.torch.attention");
+  m.def("block_sparse_attention(Tensor q, Tensor k, Tensor v, Tensor?[] mask_tensors, int[] mask_sizes, "
+        "str mask_kinds, float scale, bool deterministic, int sm_limit) -> (Tensor, Tensor)");
+  m.def("block_sparse_attention_backward(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor dout, "
+        "Tensor?[] mask_tensors, int[] mask_sizes, str mask_kinds, float scale, bool deterministic, int sm_limit) "
+        "-> (Tensor, Tensor, Tensor)");
 }
 
-TORCH_LIBRARY(sparsetrain_native, m) {
-  m.def("attention_forward(Tensor q, Tensor k, Tensor v, Tensor?[] mask_tensors, int[] mask_sizes, str mask_kinds, "
-        "float scale, bool deterministic, int sm_limit) -> (Tensor, Tensor)");
-  m.def("attention_backward(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor dout, Tensor?[] mask_tensors, "
-        "int[] mask_sizes, str mask_kinds, float scale, bool deterministic, int sm_limit) -> (Tensor, Tensor, Tensor)");
+TORCH_LIBRARY_IMPL(sparsetrain, CompositeExplicitAutograd, m) {
+  m.impl("block_sparse_attention", &attention_forward);
+  m.impl("block_sparse_attention_backward", &attention_backward);
 }
 
-TORCH_LIBRARY_IMPL(sparsetrain_native, CompositeExplicitAutograd, m) {
-  m.impl("attention_forward", &attention_forward);
-  m.impl("attention_backward", &attention_backward);
+// The backward op has no derivative: a graph that differentiates it (create_graph=True) gets
+// autograd's "not implemented" error when that is used, not silently wrong second derivatives.
+TORCH_LIBRARY_IMPL(sparsetrain, Autograd, m) {
+  m.impl("block_sparse_attention", &attention_autograd);
+  m.impl("block_sparse_attention_backward", torch::autograd::autogradNotImplementedFallback());
 }

@@ -7,6 +7,7 @@ flex_attention itself (eager: it runs on the CPU in this torch); torch.compile(f
 of forward + backward; bad input; BlockMask.to(device). CPU tensors (the CUDA ones are in
 test_attention_cuda.py); skipped visibly where torch is not installed."""
 
+import contextlib
 import warnings
 
 import numpy as np
@@ -16,9 +17,9 @@ torch = pytest.importorskip("torch", reason="torch is not installed: torch tests
 
 import sparsetrain as st  # noqa: E402
 import sparsetrain.torch as stt  # noqa: E402
-import sparsetrain.torch.native as stn  # noqa: E402
 import sparsetrain.torch.attention as sta  # noqa: E402
 from dense_masks import dense_mask as _dense_mask  # noqa: E402
+from op_log import OpLog  # noqa: E402
 
 # -- the dense reference ---------------------------------------------------------------------------
 
@@ -458,17 +459,71 @@ def test_torch_compile_fullgraph_forward_backward():
         assert torch.equal(t.grad, r)
 
 
-def test_custom_ops_pass_opcheck():
-    """Schema and AOT dispatch. (test_faketensor would fail on the storage offset alone: the
-    outputs start at the first 256-byte boundary of a torch.empty allocation, as every tensor the
-    library allocates does; sizes and strides match the fake.)"""
+def test_traced_graphs_hold_the_attention_ops():
+    """torch.compile(fullgraph=True) through AOT autograd: its forward graph calls
+    sparsetrain.block_sparse_attention and its backward graph sparsetrain.block_sparse_attention_backward
+    (the fakes give the shapes, the C++ autograd node the backward), bitwise the eager results;
+    make_fx of the operator's forward + backward with symbolic shapes holds both too."""
+    from functorch.compile import make_boxed_func  # noqa: PLC0415
+    from torch._dynamo.backends.common import aot_autograd  # noqa: PLC0415
+    from torch.fx.experimental.proxy_tensor import make_fx  # noqa: PLC0415
+
+    forward, backward = torch.ops.sparsetrain.block_sparse_attention.default, \
+        torch.ops.sparsetrain.block_sparse_attention_backward.default
+    mask = st.BlockMask.build("causal", 45, block_size=16, framework="torch")
+    q, k, v, do = _inputs(1, 2, 1, 45, 45, 16, seed=2)
+
+    def attention(q, k, v):
+        return stt.block_sparse_attention(q, k, v, mask)
+
+    def run(fn):
+        ins = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        o = fn(*ins)
+        o.backward(do)
+        return [o.detach()] + [t.grad for t in ins]
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append({n.target for n in gm.graph.nodes})
+        return make_boxed_func(gm.forward)
+
+    compiled = torch.compile(attention, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True)
+    for a, b in zip(run(compiled), run(attention)):
+        assert _bitwise(a, b)
+    assert len(graphs) == 2, graphs
+    assert forward in graphs[0] and backward not in graphs[0], graphs[0]
+    assert backward in graphs[1] and forward not in graphs[1], graphs[1]
+
+    tensors, sizes, kinds = sta._mask_args(mask)
+
+    def grads(q, k, v, do, *tensors):  # the mask's tensors inputs too: make_fx fakes every tensor it meets
+        o, _ = forward(q, k, v, list(tensors), sizes, kinds, 0.0, True, 0)
+        return torch.autograd.grad(o, (q, k, v), do)
+
+    traced = make_fx(grads, tracing_mode="symbolic")(*(t.detach().requires_grad_() for t in (q, k, v)), do, *tensors)
+    targets = {n.target for n in traced.graph.nodes}
+    assert forward in targets and backward in targets, targets
+
+
+def test_attention_ops_pass_opcheck():
+    """Both operators: schema, autograd registration (the forward's Autograd kernel in C++, the
+    backward's "not implemented" one), AOT dispatch with dynamic shapes (the forward with inputs
+    that require grad, so its backward is traced too). (test_faketensor would fail on the storage
+    offset alone: the outputs start at the first 256-byte boundary of a torch.empty allocation, as
+    every tensor the library allocates does; sizes and strides match the fake.)"""
     S = 40
     mask = st.BlockMask.build("causal", S, block_size=16, framework="torch")
-    q, k, v, _ = _inputs(1, 2, 1, S, S, 16)
+    q, k, v, do = _inputs(1, 2, 1, S, S, 16)
     tensors, sizes, kinds = sta._mask_args(mask)
-    torch.library.opcheck(torch.ops.sparsetrain.block_sparse_attention_forward.default,
-                          (q.detach(), k.detach(), v.detach(), tensors, sizes, kinds, 0.0, True),
-                          test_utils=("test_schema", "test_autograd_registration", "test_aot_dispatch_dynamic"))
+    utils = ("test_schema", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    ops = torch.ops.sparsetrain
+    torch.library.opcheck(ops.block_sparse_attention.default, (q, k, v, tensors, sizes, kinds, 0.0, True, 0),
+                          test_utils=utils)
+    q, k, v = q.detach(), k.detach(), v.detach()
+    o, lse = ops.block_sparse_attention.default(q, k, v, tensors, sizes, kinds, 0.0, True, 0)
+    torch.library.opcheck(ops.block_sparse_attention_backward.default,
+                          (q, k, v, o, lse, do, tensors, sizes, kinds, 0.0, True, 0), test_utils=utils)
 
 
 # -- bad input -------------------------------------------------------------------------------------
@@ -718,44 +773,39 @@ def _bitwise(a, b):
     return a.shape == b.shape and a.stride() == b.stride() and torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
-def _through_custom_ops(mp):
-    """Eager calls made to take the autograd.Function over the torch.library custom ops (the way
-    torch.compile, fake tensors and dispatch modes go) instead of the C++ torch library's eager
-    attention with its autograd in C++."""
-    mp.setattr(stn, "direct", lambda *tensors: False)
+def _mode(eager):
+    """No mode for an eager call, else an OpLog: the way tracing (make_fx, torch.compile's AOT
+    autograd) meets the attention operators."""
+    return contextlib.nullcontext() if eager else OpLog()
 
 
-def test_eager_native_attention_path(monkeypatch):
-    """Eager calls on plain tensors take the C++ torch library's attention (autograd in C++, the
-    mask parsed once and cached on the BlockMask): the bytes of the autograd.Function over the
-    custom ops, the mask's tensors replaced or moved in place seen, in-place edits between forward
-    and backward caught as autograd catches them, lse without a gradient, only the inputs that
-    require grad get one."""
+def test_attention_eager_and_under_a_dispatch_mode():
+    """An eager call records the C++ node (AttentionFunction) and gives the bytes of the same call
+    under a dispatch mode, which sees both operators; the mask's tensors replaced or moved in place
+    seen, in-place edits between forward and backward caught as autograd catches them, lse without a
+    gradient, only the inputs that require grad get one."""
     seed = int(torch.randint(0, 2**31 - 1, ()).item())
-    calls = []
-    attention = stn.TORCH_OPS.attention
-    monkeypatch.setattr(stn.TORCH_OPS, "attention", lambda *a: calls.append(1) or attention(*a))
     mask = st.BlockMask.build("sliding_window", 96, window_left=20, window_right=5, block_size=16, framework="torch")
     q, k, v, do = _inputs(1, 4, 2, 96, 96, 8, seed=seed)
 
     def run(m, needs=(True, True, True), eager=True):
-        with monkeypatch.context() as mp:
-            if not eager:
-                _through_custom_ops(mp)
+        with _mode(eager) as mode:
             ins = [t.detach().clone().requires_grad_(r) for t, r in zip((q, k, v), needs)]
             o, lse = stt.block_sparse_attention(*ins, m, return_lse=True)
             assert not lse.requires_grad and lse.grad_fn is None
+            assert "AttentionFunction" in o.grad_fn.name(), o.grad_fn.name()
             o.backward(do)
-            return [o.detach(), lse] + [t.grad for t in ins]
+        if mode is not None:
+            assert mode.names.count("sparsetrain.block_sparse_attention") == 1, mode.names
+            assert mode.names.count("sparsetrain.block_sparse_attention_backward") == 1, mode.names
+        return [o.detach(), lse] + [t.grad for t in ins]
 
     def same(a, b):
         assert len(a) == len(b)
         for i, (x, y) in enumerate(zip(a, b)):
             assert (x is None and y is None) or _bitwise(x, y), f"output {i} (seed {seed})"
 
-    n = len(calls)
     same(run(mask), run(mask, eager=False))
-    assert len(calls) == n + 1, "the eager call did not take the C++ torch library's attention"
     same(run(mask, needs=(False, True, False)), run(mask, needs=(False, True, False), eager=False))
     # Another mask's tensors put in: a replaced attribute, and a tensor moved in place (set_).
     other = st.BlockMask.build("causal", 96, block_size=16, framework="torch")
@@ -767,7 +817,7 @@ def test_eager_native_attention_path(monkeypatch):
     # (A window spec over the causal mask's blocks: the walk is the blocks', the mask inside the spec's.)
     moved, ref = (st.BlockMask.build("sliding_window", 96, window_left=20, window_right=5, block_size=16,
                                      framework="torch") for _ in range(2))
-    before = run(moved)  # its arguments and parsed mask cached
+    before = run(moved)  # its arguments cached
     cache = moved._torch_cache
     for name in st._block_mask.TENSOR_NAMES:
         t = getattr(moved, name)
@@ -777,27 +827,24 @@ def test_eager_native_attention_path(monkeypatch):
     expected = run(ref)
     assert not torch.equal(before[0], expected[0]), "the donor's blocks must change the result"
     same(run(moved), expected)
-    assert moved._torch_cache is cache, "the Python cache must hold here: the C++ mask sees the move"
+    assert moved._torch_cache is cache, "the Python cache must hold here: the operator reads the moved tensor"
     # A mask tensor edited in place between forward and backward: autograd's version check, both ways.
     for eager in (True, False):
         m = st.BlockMask.build("causal", 96, block_size=16, framework="torch")
-        with monkeypatch.context() as mp:
-            if not eager:
-                _through_custom_ops(mp)
+        with _mode(eager):
             o = stt.block_sparse_attention(q.detach().clone().requires_grad_(), k, v, m)
             m.kv_num_blocks.add_(0)
             with pytest.raises(RuntimeError, match="modified by an inplace operation"):
                 o.backward(do)
 
 
-def test_padded_backward_form_of_a_document_mask(monkeypatch):
+def test_padded_backward_form_of_a_document_mask():
     """BlockMask.build(..., doc_padding=128) adds the mask's padded backward form (block_mask.h
     backward_padded: documents of >= 128 tokens on 128-token boundaries, which the CUDA backward
     runs on): its real_rows place every token once and in order; it moves and converts with the
     mask; on the CPU (whose reference reads the mask itself) forward and gradients are bitwise those
-    of the mask without it, through the C++ torch library's eager attention, the custom ops and the
-    numpy front;
-    the library checks the padded form on every path (a token placed twice is refused naming
+    of the mask without it, eagerly, under a dispatch mode (as tracing meets the operators) and
+    through the numpy front; the library checks the padded form on every path (a token placed twice is refused naming
     mask.backward_padded.real_rows, so it did cross); bad doc_padding arguments raise naming it."""
     rng = np.random.default_rng(15)
     B, S = 2, 700
@@ -826,9 +873,7 @@ def test_padded_backward_form_of_a_document_mask(monkeypatch):
     assert mask.with_schedule(list(range(nk))[::-1]).backward_padded is None
 
     def run(m, eager=True):
-        with monkeypatch.context() as mp:
-            if not eager:
-                _through_custom_ops(mp)
+        with _mode(eager):
             q, k, v, do = _inputs(B, 4, 2, S, S, 16, seed=3)
             o, lse = stt.block_sparse_attention(q, k, v, m, return_lse=True)
             o.backward(do)
@@ -850,9 +895,7 @@ def test_padded_backward_form_of_a_document_mask(monkeypatch):
     first = int(torch.nonzero(rows[0] > 0)[0])
     rows[0, first] = rows[0, first] - 1
     for eager in (True, False):
-        with monkeypatch.context() as mp:
-            if not eager:
-                _through_custom_ops(mp)
+        with _mode(eager):
             q, k, v, do = _inputs(B, 4, 2, S, S, 16)
             with pytest.raises((ValueError, RuntimeError), match=r"mask.backward_padded.real_rows"):
                 stt.block_sparse_attention(q, k, v, bad).backward(do)

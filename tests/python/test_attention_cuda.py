@@ -30,7 +30,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed: torch CUDA 
 
 import sparsetrain as st  # noqa: E402
 import sparsetrain.torch as stt  # noqa: E402
-import sparsetrain.torch.native as stn  # noqa: E402
+from op_log import OpLog  # noqa: E402
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device (torch.cuda.is_available() is False): CUDA attention tests skipped",
@@ -864,44 +864,24 @@ def test_sectioned_handout_gives_the_same_bits(name, monkeypatch):
                 assert torch.equal(a, b), f"S {S}: {what} differs with the hand-out {order}"
 
 
-def _spy_on_the_core_backward(monkeypatch):
-    """The `deterministic` flag of every backward that reaches the core, in a list, whichever
-    of the C++ torch library's routes it takes (its operators, or its eager attention)."""
-    seen = []
-    native = stn.NATIVE
-
-    class Spy:
-        def __getattr__(self, name):
-            return getattr(native, name)
-
-        def attention_backward(self, *args):
-            seen.append(args[10])  # (q, k, v, o, lse, dout, tensors, sizes, kinds, scale, deterministic, ...)
-            return native.attention_backward(*args)
-
-    monkeypatch.setattr(stn, "NATIVE", Spy())
-    ops = stn.TORCH_OPS
-
-    class OpsSpy:  # eager calls on plain tensors: the flag goes to the C++ autograd path at the forward
-        def __getattr__(self, name):
-            return getattr(ops, name)
-
-        def attention(self, *args):
-            seen.append(args[5])  # (q, k, v, mask, scale, deterministic, sm_limit)
-            return ops.attention(*args)
-
-    monkeypatch.setattr(stn, "TORCH_OPS", OpsSpy())
-    return seen
+def _backward_flags(log):
+    """The `deterministic` argument of every sparsetrain.block_sparse_attention_backward call an
+    OpLog saw (the forward's resolved flag; the operator also reads torch's deterministic mode
+    itself when it runs)."""
+    backward = torch.ops.sparsetrain.block_sparse_attention_backward.default
+    return [args[10] for func, args in log.calls if func is backward]  # args[10]: after q ... mask_kinds, scale
 
 
-def test_default_is_deterministic(monkeypatch):
+def test_default_is_deterministic():
     S = 2000
     mask = st.BlockMask.build("causal", S, device=DEV)
     q, k, v, do = _grad_inputs(2, 8, 2, S, S, 128, torch.bfloat16, seed=4)
     ref = _grads(q, k, v, do, mask, deterministic=True)
-    seen = _spy_on_the_core_backward(monkeypatch)
-    for what, a, b in zip(("o", "dq", "dk", "dv"), _grads(q, k, v, do, mask), ref):
+    with OpLog() as log:
+        got = _grads(q, k, v, do, mask)
+    for what, a, b in zip(("o", "dq", "dk", "dv"), got, ref):
         assert torch.equal(a, b), what
-    assert seen == [True]
+    assert _backward_flags(log) == [True]
 
 
 # The sm_limit runs happen in a child process with a time limit: a deadlock of the dQ semaphores
@@ -1025,7 +1005,7 @@ def _deterministic_algorithms():
         torch.use_deterministic_algorithms(prev, warn_only=warn_only)
 
 
-def test_torch_deterministic_mode_forces_the_deterministic_backward(monkeypatch):
+def test_torch_deterministic_mode_forces_the_deterministic_backward():
     """Under torch.use_deterministic_algorithms(True), deterministic=False still runs the
     deterministic backward (the flag the core gets, and bitwise the deterministic gradients),
     whether the mode is on at the forward or only when the backward runs."""
@@ -1033,21 +1013,21 @@ def test_torch_deterministic_mode_forces_the_deterministic_backward(monkeypatch)
     mask = st.BlockMask.build("causal", S, device=DEV)
     q, k, v, do = _grad_inputs(2, 8, 2, S, S, 128, torch.bfloat16, seed=6)
     ref = _grads(q, k, v, do, mask, deterministic=True)
-    seen = _spy_on_the_core_backward(monkeypatch)
-    _grads(q, k, v, do, mask, deterministic=False)
-    assert seen == [False]
-    with _deterministic_algorithms():
-        runs = [_grads(q, k, v, do, mask, deterministic=False) for _ in range(2)]
-    # On only for the backward:
-    qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-    o = stt.block_sparse_attention(qq, kk, vv, mask, deterministic=False)
-    with _deterministic_algorithms():
-        g = torch.autograd.grad(o, (qq, kk, vv), do)
-    torch.cuda.synchronize()
+    with OpLog() as log:
+        _grads(q, k, v, do, mask, deterministic=False)
+        assert _backward_flags(log) == [False]
+        with _deterministic_algorithms():
+            runs = [_grads(q, k, v, do, mask, deterministic=False) for _ in range(2)]
+        # On only for the backward:
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        o = stt.block_sparse_attention(qq, kk, vv, mask, deterministic=False)
+        with _deterministic_algorithms():
+            g = torch.autograd.grad(o, (qq, kk, vv), do)
+        torch.cuda.synchronize()
     runs.append((o.detach(), *g))
-    # The C++ autograd path is spied on at its forward (which saw False); its backward reads the
-    # mode itself, so there the bits below are the check.
-    assert seen == [False, True, True, False]
+    # The last backward op was given the forward's False; it reads the mode itself when it runs,
+    # so there the bits below are the check.
+    assert _backward_flags(log) == [False, True, True, False]
     for i, run in enumerate(runs):
         for what, a, b in zip(("o", "dq", "dk", "dv"), run, ref):
             assert torch.equal(a, b), f"run {i}: {what}"

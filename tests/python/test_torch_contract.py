@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed: torch tests
 import sparsetrain  # noqa: E402
 import sparsetrain.torch as stt  # noqa: E402
 import sparsetrain.torch.native as stn  # noqa: E402
+from op_log import OpLog  # noqa: E402
 
 G, T, IN, OUT, FFN = 4, 37, 12, 10, 8
 SPLITS = [9, 0, 17, 6]  # S = 32 < T: a padded tail, expert 1 empty
@@ -246,18 +247,6 @@ def test_an_op_of_a_freed_module_says_so():
         torch.ops.sparsetrain.grouped_linear_forward(layer_id, x, torch.tensor(SPLITS), params)
 
 
-class _OpLog(torch.utils._python_dispatch.TorchDispatchMode):
-    """A dispatch mode that records the ops it sees (and runs them unchanged)."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
-
 def _grads_of(run, m, x, probs, dy, mode=None):
     """(y, x.grad, probs.grad, parameter grads) of one forward + backward, under `mode` if given."""
     for p in m.parameters():
@@ -284,7 +273,7 @@ def test_eager_calls_skip_the_dispatcher_with_the_ops_bytes(make, buffers):
         return _call(m, x, p, **kw)
 
     direct = _grads_of(run, m, x, probs, dy)
-    log = _OpLog()
+    log = OpLog()
     assert stn.direct(x, dy) and not stn.direct(x, torch.empty(0, device="meta"))
     with log:
         assert not stn.direct(x, dy), "a dispatch mode is active: the ops must run"
@@ -297,7 +286,9 @@ def test_eager_calls_skip_the_dispatcher_with_the_ops_bytes(make, buffers):
         assert a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), i
 
 
-def test_eager_attention_skips_the_dispatcher_with_the_ops_bytes():
+def test_attention_calls_its_operators_eagerly_and_under_a_dispatch_mode():
+    """Attention has one route: its operators, which a dispatch mode sees (forward and backward),
+    with the bytes of the eager call."""
     gen = torch.Generator().manual_seed(4)
     q, k, v, do = (torch.randn(1, 2, 200, 16, generator=gen) for _ in range(4))
     mask = sparsetrain.BlockMask.build("causal", 200)
@@ -309,12 +300,12 @@ def test_eager_attention_skips_the_dispatcher_with_the_ops_bytes():
             o.backward(do)
         return [o.detach()] + [t.grad for t in ins]
 
-    direct = run()
-    log = _OpLog()
-    via_ops = run(log)
-    assert "sparsetrain.block_sparse_attention_forward" in log.names, log.names
+    eager = run()
+    log = OpLog()
+    via_mode = run(log)
+    assert "sparsetrain.block_sparse_attention" in log.names, log.names
     assert "sparsetrain.block_sparse_attention_backward" in log.names, log.names
-    for a, b in zip(direct, via_ops):
+    for a, b in zip(eager, via_mode):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
@@ -399,7 +390,7 @@ def test_wrong_dtype_or_device_of_bias(make, packed, bad, via):
         message = rf"{prefix}{name}: expected a tensor on cpu \(x's device\), got meta"
     x, probs, _ = _data(9)
     out = torch.full((T, OUT), float("nan"), dtype=BF16)
-    mode = _OpLog() if via == "ops" else contextlib.nullcontext()
+    mode = OpLog() if via == "ops" else contextlib.nullcontext()
     with pytest.raises(ValueError, match=message), mode:
         _call(m, x, probs, out=out)
     assert bool(out.isnan().all()), "out written before the bias was refused"

@@ -177,7 +177,7 @@ def test_the_library_is_loaded():
     """The torch front's ops are the C++ torch library's (its operators registered, its module
     loaded): the control case of the import test above."""
     assert stn.TORCH_OPS.__name__ == "sparsetrain._torch_ops"
-    assert hasattr(stn.NATIVE, "attention_forward") and hasattr(stn.TORCH_OPS, "GroupedLinear")
+    assert hasattr(torch.ops.sparsetrain, "block_sparse_attention") and hasattr(stn.TORCH_OPS, "GroupedLinear")
     out = _import_torch_front("present", os.path.dirname(os.path.dirname(sparsetrain.__file__)))
     assert "sparsetrain.torch imported" in out, out
 

@@ -1,15 +1,15 @@
 """sparsetrain.torch.block_sparse_attention: block-sparse attention in FlexAttention's layout over a
-sparsetrain.BlockMask, with autograd, as torch.library custom ops with fake implementations
-(torch.compile), or eagerly through the C++ torch library's attention with its autograd in C++."""
+sparsetrain.BlockMask, with autograd: the C++ torch library's operators
+sparsetrain::block_sparse_attention and _backward (autograd in C++), eager and under
+torch.compile alike, and their fake implementations."""
 
 from __future__ import annotations
 
 import operator
 from operator import attrgetter
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
-import torch.autograd.forward_ad as _fwad
 from torch import Tensor
 
 from .._arrays import name_of_dtype as _name_of_dtype
@@ -17,15 +17,16 @@ from .._block_mask import TENSOR_NAMES as _TENSOR_NAMES
 from .._block_mask import BlockMask
 from .._block_mask import check_mask, scale_arg, sm_limit_arg
 
-from . import native
+from . import native  # noqa: F401  (loads the C++ torch library, which defines the operators)
 
 # --- block-sparse attention -------------------------------------------------------------------
-# FlexAttention's layout [B, H, S, D] outside; the core takes [B, S, H, D], so the ops pass
-# transpose(1, 2) views (no copies) and return views of the core's [B, S, H, D] outputs. A
-# BlockMask crosses the op boundary as its tensors (in TENSOR_NAMES order, then doc_q, doc_kv and
-# the schedule permutation, then its padded backward form's 10 list tensors, doc_q, doc_kv and
-# real_rows; None where absent), its sizes (the padded length last, 0 without one) and its kind
-# names, so that the compiler sees every tensor the op reads.
+# FlexAttention's layout [B, H, S, D] outside and at the operators; the core takes [B, S, H, D],
+# so their kernels view q, k and v transposed (no copies) and return [B, H, S, D] views of the
+# core's [B, S, H, D] outputs. A BlockMask crosses the op boundary as its tensors (in TENSOR_NAMES
+# order, then doc_q, doc_kv and the schedule permutation, then its padded backward form's 10 list
+# tensors, doc_q, doc_kv and real_rows; None where absent, and left off at the end), its sizes (the
+# padded length last, 0 without one) and its kind names, so that the compiler sees every tensor
+# the op reads.
 _PADDED_LISTS = _TENSOR_NAMES[:10]  # a padded form is a document mask: no bitmasks
 _PERMUTATION_ARG = len(_TENSOR_NAMES) + 2  # a host array on every device
 
@@ -36,6 +37,8 @@ def _mask_args(mask: BlockMask) -> Tuple[List[Optional[Tensor]], List[int], str]
     p = mask.backward_padded
     tensors += [None] * 13 if p is None else [*(getattr(p, n) for n in _PADDED_LISTS), p.spec.doc_q, p.spec.doc_kv,
                                               p.real_rows]
+    while tensors[-1] is None:  # the op takes absent tensors at the end as left off: fewer to convert
+        tensors.pop()
     sizes = [mask.seq_q, mask.seq_kv, mask.block_q, mask.block_kv, mask.spec.window_left, mask.spec.window_right,
              mask.spec.prefix_length, 0 if p is None else p.seq_q]
     return tensors, sizes, f"{mask.spec.kind},{mask.schedule},{mask.walk}"
@@ -48,30 +51,21 @@ _MASK_PARTS = attrgetter(*_TENSOR_NAMES, "spec", "schedule_permutation", "seq_q"
 
 
 class _MaskArgs:
-    """One BlockMask's arguments to the attention ops (_mask_args), the devices of its tensors
-    (the permutation, a host array, aside), whether they are plain tensors (not meta, no
-    subclass), and the C++ torch library's AttentionMask over them (made at the first eager call
-    that takes that way). Built once per mask (_mask_args_of)."""
+    """One BlockMask's arguments to the attention op (_mask_args) and the devices of its tensors
+    (the permutation, a host array, aside). Built once per mask (_mask_args_of)."""
 
-    __slots__ = ("tensors", "sizes", "kinds", "devices", "plain", "_native")
+    __slots__ = ("tensors", "sizes", "kinds", "devices")
 
     def __init__(self, mask: BlockMask):
         self.tensors, self.sizes, self.kinds = _mask_args(mask)
         on_device = [t for i, t in enumerate(self.tensors) if t is not None and i != _PERMUTATION_ARG]
         self.devices = tuple({t.device for t in on_device})
-        self.plain = all(type(t) is Tensor and not t.is_meta for t in self.tensors if t is not None)
-        self._native: Any = None
-
-    def native(self) -> Any:
-        if self._native is None:
-            self._native = native.TORCH_OPS.AttentionMask(self.tensors, self.sizes, self.kinds)
-        return self._native
 
 
 def _mask_args_of(mask: BlockMask) -> _MaskArgs:
     """mask's _MaskArgs, cached on it while it holds the same tensor objects, sizes and kinds
-    (building them costs ~3 us a call; the C++ AttentionMask also sees a tensor moved in place).
-    Under torch.compile they are built for each trace, as before."""
+    (building them costs ~3 us a call; a tensor moved in place keeps its object, and the op reads
+    its address anew each call). Under torch.compile they are built for each trace."""
     if torch.compiler.is_compiling():
         return _MaskArgs(mask)
     parts = _MASK_PARTS(mask)
@@ -87,83 +81,27 @@ def _bshd(t: Tensor) -> Tensor:
     return t.transpose(1, 2)
 
 
-def _attention_forward_impl(q: Tensor, k: Tensor, v: Tensor, mask_tensors: Sequence[Optional[Tensor]],
-                            mask_sizes: List[int], mask_kinds: str, scale: float,
-                            deterministic: bool, sm_limit: int = 0) -> Tuple[Tensor, Tensor]:
-    o, lse = native.NATIVE.attention_forward(_bshd(q), _bshd(k), _bshd(v), list(mask_tensors), list(mask_sizes),
-                                             mask_kinds, scale, deterministic, sm_limit)
-    return _bshd(o), lse
+# The operator (python/src/torch_ops.cpp; autograd in C++), its OpOverload bound once: a call
+# through it skips the packet's overload resolution.
+_ATTENTION = torch.ops.sparsetrain.block_sparse_attention.default
 
 
-@torch.library.custom_op("sparsetrain::block_sparse_attention_forward", mutates_args=())
-def _attention_forward_op(q: Tensor, k: Tensor, v: Tensor, mask_tensors: List[Optional[Tensor]],
-                          mask_sizes: List[int], mask_kinds: str, scale: float,
-                          deterministic: bool, sm_limit: int = 0) -> Tuple[Tensor, Tensor]:
-    return _attention_forward_impl(q, k, v, mask_tensors, mask_sizes, mask_kinds, scale, deterministic, sm_limit)
-
-
-@_attention_forward_op.register_fake
-def _(q, k, v, mask_tensors, mask_sizes, mask_kinds, scale, deterministic, sm_limit=0):
+# Shapes only, for FakeTensorMode, meta tensors and torch.compile: Python rather than C++ Meta
+# kernels, so that symbolic shapes (dynamic=True) pass through as they are. The outputs' strides
+# are the real kernels': o and the gradients [B, H, S, D] views of [B, S, H, D] tensors.
+@torch.library.register_fake("sparsetrain::block_sparse_attention")
+def _(q, k, v, mask_tensors, mask_sizes, mask_kinds, scale, deterministic, sm_limit):
     B, H, S, D = q.shape
     return _bshd(q.new_empty((B, S, H, D))), q.new_empty((B, H, S), dtype=torch.float32)
 
 
-def _attention_backward_impl(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dout: Tensor,
-                             mask_tensors: Sequence[Optional[Tensor]], mask_sizes: List[int], mask_kinds: str,
-                             scale: float, deterministic: bool, sm_limit: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
-    # `deterministic` comes resolved from block_sparse_attention (torch's deterministic mode at
-    # the forward included); the mode is read again here, when the backward runs, as torch's own
-    # kernels read it: switched on between the forward and the backward, it still applies.
-    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
-    dq, dk, dv = native.NATIVE.attention_backward(_bshd(q), _bshd(k), _bshd(v), _bshd(o), lse, _bshd(dout),
-                                                  list(mask_tensors), list(mask_sizes), mask_kinds, scale,
-                                                  deterministic, sm_limit)
-    return _bshd(dq), _bshd(dk), _bshd(dv)
-
-
-@torch.library.custom_op("sparsetrain::block_sparse_attention_backward", mutates_args=())
-def _attention_backward_op(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, dout: Tensor,
-                           mask_tensors: List[Optional[Tensor]], mask_sizes: List[int], mask_kinds: str,
-                           scale: float, deterministic: bool, sm_limit: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
-    return _attention_backward_impl(q, k, v, o, lse, dout, mask_tensors, mask_sizes, mask_kinds, scale,
-                                    deterministic, sm_limit)
-
-
-@_attention_backward_op.register_fake
-def _(q, k, v, o, lse, dout, mask_tensors, mask_sizes, mask_kinds, scale, deterministic, sm_limit=0):
+@torch.library.register_fake("sparsetrain::block_sparse_attention_backward")
+def _(q, k, v, o, lse, dout, mask_tensors, mask_sizes, mask_kinds, scale, deterministic, sm_limit):
     def like(t):
         B, H, S, D = t.shape
         return _bshd(t.new_empty((B, S, H, D)))
 
     return like(q), like(k), like(v)
-
-
-class _AttentionFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sizes: List[int], kinds: str, scale: float,
-                deterministic: bool, sm_limit: int, *mask_tensors: Optional[Tensor]):
-        if native.direct(q, k, v, *mask_tensors):
-            o, lse = _attention_forward_impl(q, k, v, mask_tensors, sizes, kinds, scale, deterministic, sm_limit)
-        else:
-            o, lse = torch.ops.sparsetrain.block_sparse_attention_forward(q, k, v, list(mask_tensors), sizes, kinds,
-                                                                           scale, deterministic, sm_limit)
-        ctx.mark_non_differentiable(lse)
-        ctx.save_for_backward(q, k, v, o, lse, *mask_tensors)
-        ctx.sizes, ctx.kinds, ctx.scale, ctx.deterministic, ctx.sm_limit = sizes, kinds, scale, deterministic, sm_limit
-        return o, lse
-
-    @staticmethod
-    def backward(ctx, do: Tensor, dlse: Optional[Tensor]):
-        q, k, v, o, lse, *mask_tensors = ctx.saved_tensors
-        if do.stride(-1) != 1:
-            do = do.contiguous()
-        args = (q, k, v, o, lse, do, list(mask_tensors), ctx.sizes, ctx.kinds, ctx.scale, ctx.deterministic,
-                ctx.sm_limit)
-        if native.direct(q, k, v, o, lse, do, *mask_tensors):
-            dq, dk, dv = _attention_backward_impl(*args)
-        else:
-            dq, dk, dv = torch.ops.sparsetrain.block_sparse_attention_backward(*args)
-        return (dq, dk, dv, None, None, None, None, None, *([None] * len(mask_tensors)))
 
 
 _ATTENTION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -218,7 +156,7 @@ def _check_attention_inputs(q: Any, k: Any, v: Any, mask: BlockMask, mask_device
 
 def _deterministic_arg(deterministic: Optional[bool]) -> bool:
     """The backward's mode: True unless set; always True under
-    torch.use_deterministic_algorithms(True). Resolved here, outside the custom ops: under
+    torch.use_deterministic_algorithms(True). Resolved here, outside the operator: under
     torch.compile the mode is a constant of the trace (dynamo guards on it)."""
     if torch.are_deterministic_algorithms_enabled():
         return True
@@ -250,11 +188,5 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMas
     args = _mask_args_of(mask)
     _check_attention_inputs(q, k, v, mask, args.devices)
     scale, deterministic, sm_limit = scale_arg(scale), _deterministic_arg(deterministic), sm_limit_arg(sm_limit)
-    if args.plain and _fwad._current_level < 0 and native.direct(q, k, v):
-        # Eager on plain tensors: the C++ torch library's attention with its autograd in C++
-        # (what the custom ops and _AttentionFunction would run, without their Python).
-        o, lse = native.TORCH_OPS.attention(q, k, v, args.native(), scale, deterministic, sm_limit)
-    else:
-        o, lse = _AttentionFunction.apply(q, k, v, args.sizes, args.kinds, scale, deterministic, sm_limit,
-                                          *args.tensors)
+    o, lse = _ATTENTION(q, k, v, args.tensors, args.sizes, args.kinds, scale, deterministic, sm_limit)
     return (o, lse) if return_lse else o

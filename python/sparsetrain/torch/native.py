@@ -1,5 +1,6 @@
 """The C++ torch library sparsetrain._torch_ops, which every op of sparsetrain.torch runs through,
-and when an op may call its implementation itself rather than through torch's dispatcher: what
+and when a grouped layer's autograd function may call its op's implementation itself rather than
+through torch's dispatcher (attention always calls its operator: its autograd is in C++): what
 every op module of sparsetrain.torch shares. Where the library is not in the install (a wheel
 built without torch, SPARSETRAIN_TORCH_OPS=OFF) or does not load against this torch, importing
 sparsetrain.torch raises an ImportError that says why and how to get it."""
@@ -7,7 +8,7 @@ sparsetrain.torch raises an ImportError that says why and how to get it."""
 from __future__ import annotations
 
 import os
-from typing import Any, Optional, Tuple
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -17,11 +18,11 @@ BUILD_HINT = ("build sparsetrain with `pip install --no-build-isolation .` where
               "compiles the library against that torch), or with scripts/setup")
 
 
-def _load_native() -> Tuple[Any, Any]:
-    """(torch.ops.sparsetrain_native, the Python module sparsetrain._torch_ops): the C++ torch
-    library (python/src/torch_ops.cpp registers attention's operators, torch_grouped.cpp has the
-    grouped layers' C++ layers; no Python per allocation or result). An ImportError where it was
-    not built or does not load against this torch."""
+def _load_native() -> Any:
+    """The Python module sparsetrain._torch_ops: the C++ torch library (python/src/torch_ops.cpp
+    defines attention's operators torch.ops.sparsetrain.block_sparse_attention and _backward,
+    torch_grouped.cpp has the grouped layers' C++ layers; no Python per allocation or result). An
+    ImportError where it was not built or does not load against this torch."""
     try:
         from .. import _torch_ops  # noqa: PLC0415  (importing it registers the operators)
     except ImportError as e:
@@ -31,19 +32,19 @@ def _load_native() -> Tuple[Any, Any]:
         else:
             why = "the C++ torch library (sparsetrain._torch_ops) is not in this install"
         raise ImportError(f"sparsetrain.torch: {why}; {BUILD_HINT}", name="sparsetrain._torch_ops") from e
-    return torch.ops.sparsetrain_native, _torch_ops
+    return _torch_ops
 
 
-# The operators, and the module with the layer classes and attention's eager entry.
-NATIVE, TORCH_OPS = _load_native()
+# The module with the grouped layers' C++ layers and their autograd helpers (record, ...).
+TORCH_OPS = _load_native()
 
 
 def direct(*tensors: Optional[Tensor]) -> bool:
-    """Whether an autograd function may call an op's implementation itself instead of going
-    through torch's dispatcher (~20 us a call): in eager mode on plain tensors with no dispatch
-    mode active. Under torch.compile, make_fx / export (fake or proxy tensors) and dispatch modes
-    (functionalization, FlopCounterMode, ...) the op is called, so they see it; and on meta
-    tensors, so that they get the fake implementations' shapes."""
+    """Whether a grouped layer's autograd function may call its op's implementation itself instead
+    of going through torch's dispatcher (~20 us a call): in eager mode on plain tensors with no
+    dispatch mode active. Under torch.compile, make_fx / export (fake or proxy tensors) and
+    dispatch modes (functionalization, FlopCounterMode, ...) the op is called, so they see it; and
+    on meta tensors, so that they get the fake implementations' shapes."""
     return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
             and all(t is None or (type(t) is Tensor and not t.is_meta) for t in tensors))
 
