@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import operator
-from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -33,6 +33,28 @@ _AUTO_DOC_PADDING = 1024
 TENSOR_NAMES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
                 "q_indices", "full_q_num_blocks", "full_q_indices", "dq_write_order", "dq_write_order_full",
                 "partial_bitmasks")
+
+
+# The padded backward form's tensors on the wire: a document mask's lists, no partial bitmasks.
+_PADDED_LISTS = TENSOR_NAMES[:10]
+
+
+def wire(mask: "BlockMask") -> Tuple[List[Any], List[int], str]:
+    """A mask as both bindings read it (python/src/mask_wire.h): its arrays (TENSOR_NAMES, doc_q,
+    doc_kv, real_rows, the schedule permutation, then the padded backward form's 10 lists, doc_q,
+    doc_kv and real_rows; None where absent), its sizes (seq_q, seq_kv, block_q, block_kv,
+    window_left, window_right, prefix_length, the padded form's length or 0) and
+    "kind,schedule,walk". Flat, so that torch's operators take it and torch.compile sees every
+    tensor they read."""
+    tensors = [getattr(mask, n) for n in TENSOR_NAMES]
+    tensors += [mask.spec.doc_q, mask.spec.doc_kv, mask.real_rows, mask.schedule_permutation]
+    p = mask.backward_padded
+    tensors += [None] * 13 if p is None else [*(getattr(p, n) for n in _PADDED_LISTS), p.spec.doc_q, p.spec.doc_kv,
+                                              p.real_rows]
+    s = mask.spec
+    sizes = [mask.seq_q, mask.seq_kv, mask.block_q, mask.block_kv, int(s.window_left), int(s.window_right),
+             int(s.prefix_length), 0 if p is None else p.seq_q]
+    return tensors, sizes, f"{s.kind},{mask.schedule},{mask.walk}"
 
 
 class MaskSpec(NamedTuple):
@@ -595,10 +617,11 @@ class BlockMask:
     def _for(self, fw: Framework) -> "BlockMask":
         return self.to_numpy() if fw.torch is None else self.to_torch()
 
-    def _core_mask(self) -> dict:
-        """The dict the extension reads (views of this mask's arrays). Built once and reused while
-        the mask holds the same tensor objects at the same addresses (every call reads it; the
-        cache keeps those tensors, so their addresses cannot be reused by others meanwhile)."""
+    def _core_mask(self) -> tuple:
+        """The mask's wire (wire()) as the extension reads it (views of this mask's arrays). Built
+        once and reused while the mask holds the same tensor objects at the same addresses (every
+        call reads it; the cache keeps those tensors, so their addresses cannot be reused by others
+        meanwhile)."""
         parts = (*(getattr(self, n) for n in TENSOR_NAMES), self.spec, self.spec.doc_q, self.spec.doc_kv,
                  self.schedule_permutation, self.seq_q, self.seq_kv, self.block_q, self.block_kv,
                  self.schedule, self.walk, self.real_rows, self.backward_padded)
@@ -606,22 +629,10 @@ class BlockMask:
         cached = self._core_cache
         if cached is not None and cached[1] == ptrs and all(a is b for a, b in zip(cached[0], parts)):
             return cached[2]
-        d = self._build_core_mask()
-        self._core_cache = (parts, ptrs, d)
-        return d
-
-    def _build_core_mask(self) -> dict:
-        perm = self.schedule_permutation
-        d = {"seq_q": self.seq_q, "seq_kv": self.seq_kv, "block_q": self.block_q, "block_kv": self.block_kv,
-             "schedule": self.schedule, "schedule_walk": self.walk,
-             "schedule_permutation": None if perm is None else [int(c) for c in perm.tolist()],
-             "spec": self.spec._core()}
-        for n in TENSOR_NAMES:
-            d[n] = to_core(getattr(self, n))
-        if self.real_rows is not None:
-            d["real_rows"] = to_core(self.real_rows)
-        d["backward_padded"] = None if self.backward_padded is None else self.backward_padded._core_mask()
-        return d
+        tensors, sizes, kinds = wire(self)
+        w = ([to_core(t) for t in tensors], sizes, kinds)
+        self._core_cache = (parts, ptrs, w)
+        return w
 
     def __repr__(self) -> str:
         lead = list(self.kv_num_blocks.shape[:2])

@@ -23,6 +23,7 @@
 #include "sparsetrain/moe_layer.h"
 #include "sparsetrain/moe_router.h"
 #include "sparsetrain/runtime.h"
+#include "mask_wire.h"
 
 namespace nb = nanobind;
 namespace st = sparsetrain;
@@ -398,9 +399,9 @@ class PyGroupedMLP {
 
 
 // ---- block masks and attention ---------------------------------------------------------------
-// A BlockMask crosses the binding as a dict that sparsetrain.BlockMask builds (_core_mask): its
-// sizes, the index tensors (arrays, torch descriptors or None), the spec and the schedule. The
-// dict keeps every array alive for the call; the C++ mask is a set of views of them.
+// A BlockMask crosses the binding as its wire (mask_wire.h), read by mask_of below; a mask the
+// library builds comes back as a dict of exported tensors (export_mask). Specs and schedules
+// passed to the builders are read by spec_of and parse_schedule.
 
 // A walk order from Python: "descending_heads_inner" (the default, also for None) or
 // "ascending_heads_outer".
@@ -440,27 +441,14 @@ st::MaskSpec spec_of(const nb::dict& d) {
   return spec;
 }
 
-// The mask of a dict (_block_mask.py's _core_mask). Its padded backward form (d["backward_padded"],
-// a dict of the same kind with "real_rows") goes into *padded, which the mask then points at, when
-// the caller keeps one (the backward); other callers read the mask alone.
-st::BlockMask mask_of(const nb::dict& d, std::unique_ptr<st::BlockMask>* padded = nullptr) {
-  st::BlockMask m;
-  m.seq_q = nb::cast<int64_t>(d["seq_q"]);
-  m.seq_kv = nb::cast<int64_t>(d["seq_kv"]);
-  m.block_q = nb::cast<int64_t>(d["block_q"]);
-  m.block_kv = nb::cast<int64_t>(d["block_kv"]);
-  for (int i = 0; i < st::kBlockMaskTensors; ++i)
-    st::block_mask_tensor(m, i) = optional_view(d[st::block_mask_tensor_name(i)], st::block_mask_tensor_name(i));
-  nb::handle perm = d["schedule_permutation"];
-  m.schedule = parse_schedule(perm.is_none() ? nb::handle(d["schedule"]) : perm,
-                              d.contains("schedule_walk") ? nb::handle(d["schedule_walk"]) : nb::none());
-  m.spec = spec_of(nb::cast<nb::dict>(d["spec"]));
-  if (d.contains("real_rows")) m.real_rows = optional_view(d["real_rows"], "real_rows");
-  if (padded != nullptr && d.contains("backward_padded") && !d["backward_padded"].is_none()) {
-    *padded = std::make_unique<st::BlockMask>(mask_of(nb::cast<nb::dict>(d["backward_padded"])));
-    m.backward_padded = padded->get();
-  }
-  return m;
+// The mask of its wire (mask_wire.h; _block_mask.py's BlockMask._core_mask: (tensors, sizes, kinds)),
+// views of the arrays the caller's list keeps alive for the call.
+st::wire::Mask mask_of(const nb::tuple& wire) {
+  ST_CHECK_ARG(wire.size() == 3, "mask", "(tensors, sizes, kinds), sparsetrain.BlockMask's wire", wire.size());
+  const nb::list tensors = nb::cast<nb::list>(wire[0]);
+  return st::wire::parse([&](int i, const char* name) { return optional_view(tensors[size_t(i)], name); },
+                         int64_t(tensors.size()), nb::cast<std::vector<int64_t>>(wire[1]),
+                         nb::cast<std::string>(wire[2]));
 }
 
 // The tensors of a mask the library built, as exported tensors (None where absent or borrowed),
@@ -555,11 +543,12 @@ nb::dict build_mask_from_blocks(nb::handle blocks, int64_t seq_q, int64_t seq_kv
 
 // The transposes and write orders of a mask given by its forward lists (the caller's arrays):
 // a dict with q_*, dq_write_order(_full) and the schedule (other tensors None).
-nb::dict complete_mask(nb::dict mask, nb::handle schedule, nb::callable allocator,
+nb::dict complete_mask(nb::tuple mask, nb::handle schedule, nb::callable allocator,
                        nb::handle walk, nb::handle problem) {
   PyAllocator alloc(std::move(allocator));
   st::BlockMaskTensors t;
-  t.mask = mask_of(mask);
+  t.mask = mask_of(mask).mask;
+  t.mask.backward_padded = nullptr;  // it pointed into the parsed wire, gone; the lists alone are completed
   st::transpose_block_mask(t, &alloc);
   const bool is_auto = nb::isinstance<nb::str>(schedule) && nb::cast<std::string>(schedule) == "auto";
   const st::ColumnSchedule s = is_auto ? st::choose_schedule(t.mask, parse_problem(problem)) : parse_schedule(schedule, walk);
@@ -588,29 +577,29 @@ st::AttentionOptions attention_options(float scale, bool deterministic, int sm_l
   return o;
 }
 
-nb::tuple attention_forward(nb::handle q, nb::handle k, nb::handle v, nb::dict mask, float scale, bool deterministic,
+nb::tuple attention_forward(nb::handle q, nb::handle k, nb::handle v, nb::tuple mask, float scale, bool deterministic,
                             int sm_limit, uintptr_t stream, nb::callable allocator) {
   PyAllocator alloc(std::move(allocator));
   st::AttentionCall call;
   call.stream.handle = reinterpret_cast<void*>(stream);
   call.allocator = &alloc;
   const st::AttentionForward f = st::block_sparse_attention_forward(
-      view_of(q, "q"), view_of(k, "k"), view_of(v, "v"), mask_of(mask),
+      view_of(q, "q"), view_of(k, "k"), view_of(v, "v"), mask_of(mask).mask,
       attention_options(scale, deterministic, sm_limit), call);
   return nb::make_tuple(export_tensor(f.o, alloc), export_tensor(f.lse, alloc));
 }
 
 nb::tuple attention_backward(nb::handle q, nb::handle k, nb::handle v, nb::handle o, nb::handle lse, nb::handle dout,
-                             nb::dict mask, float scale, bool deterministic, int sm_limit, uintptr_t stream,
+                             nb::tuple mask, float scale, bool deterministic, int sm_limit, uintptr_t stream,
                              nb::callable allocator) {
   PyAllocator alloc(std::move(allocator));
   st::AttentionCall call;
   call.stream.handle = reinterpret_cast<void*>(stream);
   call.allocator = &alloc;
-  std::unique_ptr<st::BlockMask> padded;
+  const st::wire::Mask m = mask_of(mask);
   const st::AttentionGrads g = st::block_sparse_attention_backward(
       view_of(q, "q"), view_of(k, "k"), view_of(v, "v"), view_of(o, "o"), view_of(lse, "lse"),
-      view_of(dout, "dout"), mask_of(mask, &padded), attention_options(scale, deterministic, sm_limit), call);
+      view_of(dout, "dout"), m.mask, attention_options(scale, deterministic, sm_limit), call);
   return nb::make_tuple(export_tensor(g.dq, alloc), export_tensor(g.dk, alloc), export_tensor(g.dv, alloc));
 }
 
@@ -751,17 +740,17 @@ NB_MODULE(_C, m) {
   m.def("build_block_mask_from_blocks", &build_mask_from_blocks, nb::arg("blocks"), nb::arg("seq_q"),
         nb::arg("seq_kv"), nb::arg("block_q"), nb::arg("block_kv"), nb::arg("schedule"), nb::arg("allocator"), nb::arg("walk").none() = nb::none(), nb::arg("problem").none() = nb::none());
   m.def("complete_block_mask", &complete_mask, nb::arg("mask"), nb::arg("schedule"), nb::arg("allocator"), nb::arg("walk").none() = nb::none(), nb::arg("problem").none() = nb::none());
-  m.def("validate_block_mask", [](nb::dict mask, int64_t batch, int64_t heads) {
-    st::validate_block_mask(mask_of(mask), batch, heads);
+  m.def("validate_block_mask", [](nb::tuple mask, int64_t batch, int64_t heads) {
+    st::validate_block_mask(mask_of(mask).mask, batch, heads);
   }, nb::arg("mask"), nb::arg("batch"), nb::arg("heads"));
-  m.def("check_write_order", [](nb::dict mask) { return st::check_write_order(mask_of(mask)); }, nb::arg("mask"));
+  m.def("check_write_order", [](nb::tuple mask) { return st::check_write_order(mask_of(mask).mask); }, nb::arg("mask"));
   // "auto"'s choice and the model's critical paths of every candidate (the bench reports them).
-  m.def("choose_schedule", [](nb::dict mask, nb::handle problem) {
-    return std::string(st::schedule_kind_name(st::choose_schedule(mask_of(mask), parse_problem(problem)).kind));
+  m.def("choose_schedule", [](nb::tuple mask, nb::handle problem) {
+    return std::string(st::schedule_kind_name(st::choose_schedule(mask_of(mask).mask, parse_problem(problem)).kind));
   }, nb::arg("mask"), nb::arg("problem").none() = nb::none());
-  m.def("schedule_candidates", [](nb::dict mask, nb::handle problem) {
+  m.def("schedule_candidates", [](nb::tuple mask, nb::handle problem) {
     nb::list out;
-    for (const st::ScheduleCandidate& c : st::schedule_candidates(mask_of(mask), parse_problem(problem))) {
+    for (const st::ScheduleCandidate& c : st::schedule_candidates(mask_of(mask).mask, parse_problem(problem))) {
       nb::dict d;
       d["schedule"] = st::schedule_kind_name(c.schedule.kind);
       d["walk"] = st::walk_order_name(c.schedule.walk);
