@@ -37,6 +37,8 @@ TENSOR_NAMES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_in
 
 # The padded backward form's tensors on the wire: a document mask's lists, no partial bitmasks.
 _PADDED_LISTS = TENSOR_NAMES[:10]
+# Where the wire holds the schedule permutation: a host array whatever the mask's device.
+WIRE_PERMUTATION = len(TENSOR_NAMES) + 3
 
 
 def wire(mask: "BlockMask") -> Tuple[List[Any], List[int], str]:

@@ -2,7 +2,8 @@
 // once, the numpy/DLPack module `_C` and the C++ torch library read it here. Flat rather than a
 // dict so that torch's operators can take it (a schema holds tensors, ints and strings, and
 // torch.compile must see every tensor an operator reads):
-//   tensors (kWireTensors, absent ones empty): the 11 index tensors (kBlockMaskTensors order),
+//   tensors (kTensors, absent ones empty; absent ones at the end may be left off, as
+//     sparsetrain.torch does: each costs a call from Python a conversion): the 11 index tensors (kBlockMaskTensors order),
 //     doc_q, doc_kv, real_rows, the schedule permutation (a host int32 / int64 array of column
 //     ids), then the padded backward form's 10 list tensors (a document kind: no bitmasks), its
 //     doc_q, doc_kv and real_rows;
@@ -47,15 +48,16 @@ inline std::vector<int32_t> permutation_of(const TensorView& p) {
   return v;
 }
 
-// The mask of a wire: `view(i, name)` is tensor i as a view (empty where absent), `sizes` the
-// kSizes sizes.
-template <class ViewOf>
-Mask parse(ViewOf&& view, int64_t num_tensors, const std::vector<int64_t>& sizes, std::string_view kinds) {
-  ST_CHECK_ARG(num_tensors == kTensors, "mask tensors",
-               "28 (the index tensors, doc_q, doc_kv, real_rows, the permutation; the padded form's lists, ids and "
-               "real_rows)",
+// The mask of a wire: `view_of(i, name)` is tensor i (< num_tensors) as a view, empty where
+// absent; `sizes` the kSizes sizes.
+template <class ViewOf, class Sizes>
+Mask parse(ViewOf&& view_of, int64_t num_tensors, const Sizes& sizes, std::string_view kinds) {
+  ST_CHECK_ARG(num_tensors <= kTensors, "mask tensors",
+               "at most 28 (the index tensors, doc_q, doc_kv, real_rows, the permutation; the padded form's lists, "
+               "ids and real_rows)",
                num_tensors);
   ST_CHECK_ARG(sizes.size() == size_t(kSizes), "mask sizes", "8", sizes.size());
+  auto view = [&](int i, const char* name) { return i < num_tensors ? view_of(i, name) : TensorView(); };
   const size_t c1 = kinds.find(','), c2 = c1 == kinds.npos ? kinds.npos : kinds.find(',', c1 + 1);
   ST_CHECK_ARG(c2 != kinds.npos, "mask kinds", "\"kind,schedule,walk\"", std::string(kinds));
   Mask parsed;

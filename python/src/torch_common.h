@@ -21,7 +21,14 @@
 #include "sparsetrain/error.h"
 #include "sparsetrain/tensor.h"
 
+namespace pybind11 {
+class module_;
+}
+
 namespace sparsetrain::torch_ops {
+
+// Adds attention's eager entry (torch_ops.cpp) to the Python module sparsetrain._torch_ops.
+void register_attention(pybind11::module_& m);
 
 // The library's DType of a torch type, through the one table of element types
 // (dtype_of_element): fp64, bool, int8 ... too, so that the op's own check refuses them with its

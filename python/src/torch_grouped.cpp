@@ -418,8 +418,9 @@ void register_layer(pybind11::module_& m, const char* name, Init init) {
 }  // namespace
 
 // Imported by sparsetrain.torch after torch (whose libraries it links); importing it also
-// registers attention's operators (torch_ops.cpp).
+// registers attention's operators (torch_ops.cpp), whose eager entry it also holds.
 PYBIND11_MODULE(_torch_ops, m) {
+  st::torch_ops::register_attention(m);
   m.def("record", &record);
   m.def("grad_accumulators_on_current_stream", &grad_accumulators_on_current_stream);
   register_layer<TorchGroupedLinear>(m, "GroupedLinear",

@@ -13,15 +13,14 @@
 // CUDA; the fakes' Meta kernels take precedence on meta tensors). The grouped layers of the same
 // library are in torch_grouped.cpp; what both share in torch_common.h.
 //
-// The mask arrives as sparsetrain.torch passes it: its tensors in sparsetrain._block_mask
-// TENSOR_NAMES order then doc_q, doc_kv and the schedule permutation, then its padded backward
-// form's (None where absent), its sizes and "kind,schedule,walk" (mask_of below), so that a
-// compiler sees every tensor the op reads.
+// The mask arrives as its wire (mask_wire.h, the layout the numpy/DLPack module `_C` reads too):
+// flat tensors, sizes and "kind,schedule,walk", so that a compiler sees every tensor the op reads.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
+#include <torch/python.h>
 
 #include <memory>
 #include <optional>
@@ -33,6 +32,7 @@
 #include "sparsetrain/attention.h"
 #include "sparsetrain/block_mask.h"
 #include "sparsetrain/error.h"
+#include "mask_wire.h"
 #include "torch_common.h"
 
 namespace st = sparsetrain;
@@ -54,72 +54,12 @@ using BackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
     const MaskTensors&, at::IntArrayRef, std::string_view, double, bool, int64_t);
 
-// A mask as the ops pass it, and its padded backward form (BlockMask::backward_padded) beside it:
-// mask.backward_padded points into `padded`, which a move keeps where it is.
-struct ParsedMask {
-  st::BlockMask mask;
-  std::unique_ptr<st::BlockMask> padded;
-};
-
-// The ops' mask arguments: tensors = the 11 index tensors (kBlockMaskTensors order), doc_q, doc_kv,
-// the schedule permutation, then the padded form's 10 list tensors, doc_q, doc_kv and real_rows
-// (None where absent; absent ones at the end may be left off, as sparsetrain.torch does: each
-// element costs a call from Python a conversion and a saved tensor); sizes = seq_q, seq_kv,
-// block_q, block_kv, window_left, window_right, prefix_length, the padded length (0: none);
-// kinds = "kind,schedule,walk" (the padded form takes the mask's kind, schedule and walk). Parsed
-// on every call (views and a few integers; the permutation, a host array, is copied): nothing
-// outlives the call, so nothing can go stale.
-ParsedMask mask_of(const MaskTensors& tensors, at::IntArrayRef sizes, std::string_view kinds) {
-  ST_CHECK_ARG(tensors.size() <= 27, "mask tensors",
-               "at most 27 (the index tensors, doc_q, doc_kv, the permutation; the padded form's lists, ids and "
-               "real_rows)",
-               tensors.size());
-  ST_CHECK_ARG(sizes.size() == 8, "mask sizes", "8", sizes.size());
-  auto at_ = [&](size_t i) {
-    if (i >= tensors.size()) return at::Tensor();
-    const auto t = tensors.get(i);
-    return t.has_value() ? at::Tensor(*t) : at::Tensor();
-  };
-  ParsedMask parsed;
-  st::BlockMask& m = parsed.mask;
-  m.seq_q = sizes[0], m.seq_kv = sizes[1], m.block_q = sizes[2], m.block_kv = sizes[3];
-  for (int i = 0; i < st::kBlockMaskTensors; ++i)
-    st::block_mask_tensor(m, i) = view_of(at_(size_t(i)), st::block_mask_tensor_name(i));
-  const size_t c1 = kinds.find(','), c2 = kinds.find(',', c1 + 1);
-  ST_CHECK_ARG(c1 != std::string_view::npos && c2 != std::string_view::npos, "mask kinds", "\"kind,schedule,walk\"",
-               std::string(kinds));
-  m.spec.kind = st::parse_mask_kind(std::string(kinds.substr(0, c1)));
-  m.spec.window_left = sizes[4], m.spec.window_right = sizes[5], m.spec.prefix_length = sizes[6];
-  m.spec.doc_q = view_of(at_(11), "doc_q");
-  m.spec.doc_kv = view_of(at_(12), "doc_kv");
-  m.schedule.kind = st::parse_schedule_kind(std::string(kinds.substr(c1 + 1, c2 - c1 - 1)));
-  m.schedule.walk = st::parse_walk_order(std::string(kinds.substr(c2 + 1)));
-  if (m.schedule.kind == st::ScheduleKind::kPermutation) {
-    const at::Tensor perm = at_(13);
-    ST_CHECK_ARG(perm.defined() && perm.is_cpu() && perm.dim() == 1, "schedule_permutation",
-                 "a 1-d CPU tensor of column ids", perm.defined() ? perm.toString() : std::string("none"));
-    const at::Tensor p32 = perm.to(at::kInt).contiguous();
-    m.schedule.permutation.assign(p32.data_ptr<int32_t>(), p32.data_ptr<int32_t>() + p32.numel());
-  }
-  if (sizes[7] > 0) {
-    ST_CHECK_ARG(m.schedule.kind != st::ScheduleKind::kPermutation, "mask schedule",
-                 "left_to_right or shortest_first with a padded backward form (a permutation names the mask's columns)",
-                 "permutation");
-    parsed.padded = std::make_unique<st::BlockMask>();
-    st::BlockMask& pm = *parsed.padded;
-    pm.seq_q = pm.seq_kv = sizes[7];
-    pm.block_q = m.block_q, pm.block_kv = m.block_kv;
-    for (int i = 0; i < 10; ++i)  // the lists (no bitmasks: a document kind)
-      st::block_mask_tensor(pm, i) = view_of(at_(size_t(14 + i)), st::block_mask_tensor_name(i));
-    pm.spec = m.spec;
-    pm.spec.doc_q = view_of(at_(24), "backward_padded doc_q");
-    pm.spec.doc_kv = view_of(at_(25), "backward_padded doc_kv");
-    pm.real_rows = view_of(at_(26), "backward_padded real_rows");
-    pm.schedule.kind = m.schedule.kind;
-    pm.schedule.walk = m.schedule.walk;
-    m.backward_padded = &pm;
-  }
-  return parsed;
+// The ops' mask arguments: the mask's wire (mask_wire.h), parsed on every call (views and a few
+// integers; the permutation, a host array, is copied): nothing outlives the call, so nothing can
+// go stale.
+st::wire::Mask mask_of(const MaskTensors& tensors, at::IntArrayRef sizes, std::string_view kinds) {
+  return st::wire::parse([&](int i, const char* name) { return view_of(tensors.get(size_t(i)), name); },
+                         int64_t(tensors.size()), sizes, kinds);
 }
 
 // q, k or v in FlexAttention's [B, H, S, D] layout as the core's [B, S, H, D] view (the transpose
@@ -272,7 +212,24 @@ std::tuple<at::Tensor, at::Tensor> attention_autograd(const at::Tensor& q, const
   return std::make_tuple(r[0], r[1]);
 }
 
+// The forward operator called from Python without torch.ops' entry (each argument converted to an
+// IValue, the __torch_function__ scan, the GIL released and taken again: ~10 us a call, more than
+// a tiny problem's kernels). sparsetrain.torch calls it where that entry has nothing to do: eager
+// calls on plain tensors with no mode active (sparsetrain.torch.native.direct). It is the same
+// operator through the same dispatcher, so the same Autograd and compute kernels run.
+std::tuple<at::Tensor, at::Tensor> attention_entry(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                   const std::vector<std::optional<at::Tensor>>& mask_tensors,
+                                                   const std::vector<int64_t>& mask_sizes, const std::string& mask_kinds,
+                                                   double scale, bool deterministic, int64_t sm_limit) {
+  MaskTensors tensors;
+  tensors.reserve(mask_tensors.size());
+  for (const auto& t : mask_tensors) tensors.push_back(t);
+  return forward_op().call(q, k, v, tensors, mask_sizes, mask_kinds, scale, deterministic, sm_limit);
+}
+
 }  // namespace
+
+void st::torch_ops::register_attention(pybind11::module_& m) { m.def("attention", &attention_entry); }
 
 // The fake implementations are Python (torch.library.register_fake in the module named here,
 // which torch imports when a fake tensor meets an op without one): they take symbolic shapes as

@@ -495,7 +495,7 @@ def test_traced_graphs_hold_the_attention_ops():
     assert forward in graphs[0] and backward not in graphs[0], graphs[0]
     assert backward in graphs[1] and forward not in graphs[1], graphs[1]
 
-    tensors, sizes, kinds = sta._mask_args(mask)
+    tensors, sizes, kinds = st._block_mask.wire(mask)
 
     def grads(q, k, v, do, *tensors):  # the mask's tensors inputs too: make_fx fakes every tensor it meets
         o, _ = forward(q, k, v, list(tensors), sizes, kinds, 0.0, True, 0)
@@ -515,7 +515,7 @@ def test_attention_ops_pass_opcheck():
     S = 40
     mask = st.BlockMask.build("causal", S, block_size=16, framework="torch")
     q, k, v, do = _inputs(1, 2, 1, S, S, 16)
-    tensors, sizes, kinds = sta._mask_args(mask)
+    tensors, sizes, kinds = st._block_mask.wire(mask)
     utils = ("test_schema", "test_autograd_registration", "test_aot_dispatch_dynamic")
     ops = torch.ops.sparsetrain
     torch.library.opcheck(ops.block_sparse_attention.default, (q, k, v, tensors, sizes, kinds, 0.0, True, 0),

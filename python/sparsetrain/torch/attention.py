@@ -7,58 +7,43 @@ from __future__ import annotations
 
 import operator
 from operator import attrgetter
-from typing import Any, List, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .._arrays import name_of_dtype as _name_of_dtype
-from .._block_mask import TENSOR_NAMES as _TENSOR_NAMES
+from .._block_mask import TENSOR_NAMES, WIRE_PERMUTATION, wire
 from .._block_mask import BlockMask
 from .._block_mask import check_mask, scale_arg, sm_limit_arg
 
-from . import native  # noqa: F401  (loads the C++ torch library, which defines the operators)
+from . import native  # loads the C++ torch library, which defines the operators
 
 # --- block-sparse attention -------------------------------------------------------------------
 # FlexAttention's layout [B, H, S, D] outside and at the operators; the core takes [B, S, H, D],
 # so their kernels view q, k and v transposed (no copies) and return [B, H, S, D] views of the
-# core's [B, S, H, D] outputs. A BlockMask crosses the op boundary as its tensors (in TENSOR_NAMES
-# order, then doc_q, doc_kv and the schedule permutation, then its padded backward form's 10 list
-# tensors, doc_q, doc_kv and real_rows; None where absent, and left off at the end), its sizes (the
-# padded length last, 0 without one) and its kind names, so that the compiler sees every tensor
-# the op reads.
-_PADDED_LISTS = _TENSOR_NAMES[:10]  # a padded form is a document mask: no bitmasks
-_PERMUTATION_ARG = len(_TENSOR_NAMES) + 2  # a host array on every device
-
-
-def _mask_args(mask: BlockMask) -> Tuple[List[Optional[Tensor]], List[int], str]:
-    tensors = [getattr(mask, n) for n in _TENSOR_NAMES]
-    tensors += [mask.spec.doc_q, mask.spec.doc_kv, mask.schedule_permutation]
-    p = mask.backward_padded
-    tensors += [None] * 13 if p is None else [*(getattr(p, n) for n in _PADDED_LISTS), p.spec.doc_q, p.spec.doc_kv,
-                                              p.real_rows]
-    while tensors[-1] is None:  # the op takes absent tensors at the end as left off: fewer to convert
-        tensors.pop()
-    sizes = [mask.seq_q, mask.seq_kv, mask.block_q, mask.block_kv, mask.spec.window_left, mask.spec.window_right,
-             mask.spec.prefix_length, 0 if p is None else p.seq_q]
-    return tensors, sizes, f"{mask.spec.kind},{mask.schedule},{mask.walk}"
+# core's [B, S, H, D] outputs. A BlockMask crosses the op boundary as its wire
+# (sparsetrain._block_mask.wire: flat tensors, sizes and kind names), so that the compiler sees
+# every tensor the op reads.
 
 
 # What the mask arguments are read from, in one C call: the cache below is valid while a mask still
 # holds these same objects.
-_MASK_PARTS = attrgetter(*_TENSOR_NAMES, "spec", "schedule_permutation", "seq_q", "seq_kv", "block_q", "block_kv",
-                         "schedule", "walk", "backward_padded")
+_MASK_PARTS = attrgetter(*TENSOR_NAMES, "spec", "schedule_permutation", "real_rows", "seq_q", "seq_kv", "block_q",
+                         "block_kv", "schedule", "walk", "backward_padded")
 
 
 class _MaskArgs:
-    """One BlockMask's arguments to the attention op (_mask_args) and the devices of its tensors
+    """One BlockMask's arguments to the attention op (its wire) and the devices of its tensors
     (the permutation, a host array, aside). Built once per mask (_mask_args_of)."""
 
     __slots__ = ("tensors", "sizes", "kinds", "devices")
 
     def __init__(self, mask: BlockMask):
-        self.tensors, self.sizes, self.kinds = _mask_args(mask)
-        on_device = [t for i, t in enumerate(self.tensors) if t is not None and i != _PERMUTATION_ARG]
+        self.tensors, self.sizes, self.kinds = wire(mask)
+        while self.tensors[-1] is None:  # the op takes absent tensors at the end as left off: fewer to convert
+            self.tensors.pop()
+        on_device = [t for i, t in enumerate(self.tensors) if t is not None and i != WIRE_PERMUTATION]
         self.devices = tuple({t.device for t in on_device})
 
 
@@ -188,5 +173,8 @@ def block_sparse_attention(q: Tensor, k: Tensor, v: Tensor, block_mask: BlockMas
     args = _mask_args_of(mask)
     _check_attention_inputs(q, k, v, mask, args.devices)
     scale, deterministic, sm_limit = scale_arg(scale), _deterministic_arg(deterministic), sm_limit_arg(sm_limit)
-    o, lse = _ATTENTION(q, k, v, args.tensors, args.sizes, args.kinds, scale, deterministic, sm_limit)
+    # Eager on plain tensors, the operator through its C++ entry (no torch.ops argument conversion:
+    # the same dispatcher call); elsewhere through torch.ops, which torch.compile and modes see.
+    op = native.TORCH_OPS.attention if native.direct(q, k, v) else _ATTENTION
+    o, lse = op(q, k, v, args.tensors, args.sizes, args.kinds, scale, deterministic, sm_limit)
     return (o, lse) if return_lse else o
