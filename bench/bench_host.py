@@ -3,7 +3,8 @@ where the GPU (or CPU) work is small, so what is left is what an eager step pays
 Cases: GroupedLinear forward at G = 4 and G = 64 (per-expert weights, the O(G) Python path) against
 a Python loop of F.linear plus cat over the same groups; GroupedMLP forward at G = 4; attention
 forward (causal; CUDA: bf16 B1 H2 S256 D64, CPU: fp32 B1 H1 S128 D16), also with q, k and v
-requiring grad (what grad mode records). Each grouped case also times its C++ layer's (the C++
+requiring grad (what grad mode records), and attention's operator alone through its C++ entry and
+through torch.ops. Each grouped case also times its C++ layer's (the C++
 torch library's) forward called alone (`*_cpp_layer`: no module, no autograd; the floor, with on
 the CPU the reference backend's compute in it). Medians of 5 repeats, after warm-up, forward under torch.no_grad() and with autograd recording (grad mode).
 
@@ -96,6 +97,12 @@ def cases(device):
     # q, k and v requiring grad: in grad mode autograd records the call (its graph freed unused).
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     out.append(("attention_fwd_inputs_require_grad", lambda: stt.block_sparse_attention(qg, kg, vg, mask)))
+    # The operator alone (no Python front: checks, mask cache) through each of its two entries:
+    # the C++ one that eager calls take, and torch.ops (what torch.compile and modes see).
+    w = sparsetrain._block_mask.wire(mask.to_torch())
+    a = (q, k, v, w[0], w[1], w[2], D ** -0.5, True, 0)
+    out.append(("attention_op_cpp_entry", lambda: stt.native.TORCH_OPS.attention(*a)))
+    out.append(("attention_op_torch_ops", lambda: torch.ops.sparsetrain.block_sparse_attention.default(*a)))
     return out
 
 
