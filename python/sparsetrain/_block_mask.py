@@ -39,6 +39,10 @@ TENSOR_NAMES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_in
 _PADDED_LISTS = TENSOR_NAMES[:10]
 # Where the wire holds the schedule permutation: a host array whatever the mask's device.
 WIRE_PERMUTATION = len(TENSOR_NAMES) + 3
+# What a mask's wire is read from, in one C call: a wire cached on a mask is valid while the mask
+# still holds these same objects (its spec, a tuple, fixes the document ids).
+WIRE_PARTS = operator.attrgetter(*TENSOR_NAMES, "spec", "schedule_permutation", "real_rows", "seq_q", "seq_kv",
+                                 "block_q", "block_kv", "schedule", "walk", "backward_padded")
 
 
 def wire(mask: "BlockMask") -> Tuple[List[Any], List[int], str]:
@@ -624,9 +628,7 @@ class BlockMask:
         once and reused while the mask holds the same tensor objects at the same addresses (every
         call reads it; the cache keeps those tensors, so their addresses cannot be reused by others
         meanwhile)."""
-        parts = (*(getattr(self, n) for n in TENSOR_NAMES), self.spec, self.spec.doc_q, self.spec.doc_kv,
-                 self.schedule_permutation, self.seq_q, self.seq_kv, self.block_q, self.block_kv,
-                 self.schedule, self.walk, self.real_rows, self.backward_padded)
+        parts = (*WIRE_PARTS(self), self.spec.doc_q, self.spec.doc_kv)  # the ids: their addresses checked too
         ptrs = tuple(p.data_ptr() if hasattr(p, "data_ptr") else None for p in parts)
         cached = self._core_cache
         if cached is not None and cached[1] == ptrs and all(a is b for a, b in zip(cached[0], parts)):

@@ -17,7 +17,6 @@ torch = pytest.importorskip("torch", reason="torch is not installed: torch tests
 
 import sparsetrain as st  # noqa: E402
 import sparsetrain.torch as stt  # noqa: E402
-import sparsetrain.torch.attention as sta  # noqa: E402
 from dense_masks import dense_mask as _dense_mask  # noqa: E402
 from op_log import OpLog  # noqa: E402
 

@@ -6,14 +6,13 @@ torch.compile alike, and their fake implementations."""
 from __future__ import annotations
 
 import operator
-from operator import attrgetter
 from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from .._arrays import name_of_dtype as _name_of_dtype
-from .._block_mask import TENSOR_NAMES, WIRE_PERMUTATION, wire
+from .._block_mask import WIRE_PARTS, WIRE_PERMUTATION, wire
 from .._block_mask import BlockMask
 from .._block_mask import check_mask, scale_arg, sm_limit_arg
 
@@ -25,12 +24,6 @@ from . import native  # loads the C++ torch library, which defines the operators
 # core's [B, S, H, D] outputs. A BlockMask crosses the op boundary as its wire
 # (sparsetrain._block_mask.wire: flat tensors, sizes and kind names), so that the compiler sees
 # every tensor the op reads.
-
-
-# What the mask arguments are read from, in one C call: the cache below is valid while a mask still
-# holds these same objects.
-_MASK_PARTS = attrgetter(*TENSOR_NAMES, "spec", "schedule_permutation", "real_rows", "seq_q", "seq_kv", "block_q",
-                         "block_kv", "schedule", "walk", "backward_padded")
 
 
 class _MaskArgs:
@@ -53,7 +46,7 @@ def _mask_args_of(mask: BlockMask) -> _MaskArgs:
     its address anew each call). Under torch.compile they are built for each trace."""
     if torch.compiler.is_compiling():
         return _MaskArgs(mask)
-    parts = _MASK_PARTS(mask)
+    parts = WIRE_PARTS(mask)
     cached = mask._torch_cache
     if cached is not None and all(map(operator.is_, cached[0], parts)):
         return cached[1]
