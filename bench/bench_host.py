@@ -4,9 +4,9 @@ Cases: GroupedLinear forward at G = 4 and G = 64 (per-expert weights, the O(G) P
 a Python loop of F.linear plus cat over the same groups; GroupedMLP forward at G = 4; attention
 forward (causal; CUDA: bf16 B1 H2 S256 D64, CPU: fp32 B1 H1 S128 D16), also with q, k and v
 requiring grad (what grad mode records), and attention's operator alone through its C++ entry and
-through torch.ops. Each grouped case also times its C++ layer's (the C++
-torch library's) forward called alone (`*_cpp_layer`: no module, no autograd; the floor, with on
-the CPU the reference backend's compute in it). Medians of 5 repeats, after warm-up, forward under torch.no_grad() and with autograd recording (grad mode).
+through torch.ops. Each grouped case also times its forward operator called alone through its C++
+entry (`*_op_cpp_entry`: no module, no Python front; the floor, with on the CPU the reference
+backend's compute in it). Medians of 5 repeats, after warm-up, forward under torch.no_grad() and with autograd recording (grad mode).
 
 On CUDA also the eager forward of many-expert GroupedLinear shapes against torch._grouped_mm
 (`eager_vs_grouped_mm`): per-expert weights (the module's default) and device splits, as a MoE
@@ -61,12 +61,14 @@ def paired_us(ours, peer, calls, reps=7):
     return statistics.median(times[0]), statistics.median(times[1])
 
 
-def cpp_layer(name, m, args):
-    """The module's C++ layer (sparsetrain._torch_ops) called alone with `args`."""
-    with torch.no_grad():
-        m._native("forward", *args)  # makes the layer
-    fwd, (params, flags) = m._native_methods["forward"], m._native_params()
-    return [(f"{name}_cpp_layer", lambda: fwd(*args, params, flags))]
+def op_entry(name, m, op, inputs):
+    """The module's forward operator called alone through the C++ torch library's entry, with the
+    module's `inputs` (x, splits[, probs]) and its parameters as they are now."""
+    import sparsetrain.torch.native as stn
+
+    fwd = getattr(stn.TORCH_OPS, op)
+    params, main_grads, flags = m._op_args()
+    return [(f"{name}_op_cpp_entry", lambda: fwd(m._id, *inputs, params, main_grads, flags, None, None))]
 
 
 def cases(device):
@@ -82,13 +84,13 @@ def cases(device):
         splits = [4] * G
         ws, bs = m.weights(), m.biases()
         out.append((f"grouped_linear_fwd_G{G}", lambda m=m, x=x, s=splits: m(x, s)))
-        out += cpp_layer(f"grouped_linear_fwd_G{G}", m, (x, torch.tensor(splits), None, None, None))
+        out += op_entry(f"grouped_linear_fwd_G{G}", m, "grouped_linear_forward", (x, torch.tensor(splits)))
         out.append((f"loop_of_F.linear_G{G}", lambda x=x, ws=ws, bs=bs, G=G:
                     torch.cat([F.linear(xi, w, b) for xi, w, b in zip(x.split(4), ws, bs)])))
     mlp = stt.GroupedMLP(4, 64, 32, bias=True, params_dtype=dt, device=device)
     xm, pm = torch.randn(16, 64, device=device, dtype=dt), torch.rand(16, device=device)
     out.append(("grouped_mlp_fwd_G4", lambda: mlp(xm, [4] * 4, pm)))
-    out += cpp_layer("grouped_mlp_fwd_G4", mlp, (xm, torch.tensor([4] * 4), None, pm, None, None))
+    out += op_entry("grouped_mlp_fwd_G4", mlp, "grouped_mlp_forward", (xm, torch.tensor([4] * 4), pm))
     # The CPU reference's work grows with S * S * D: keep it small there.
     S, H, D = (256, 2, 64) if device == "cuda" else (128, 1, 16)
     q, k, v = (torch.randn(1, H, S, D, device=device, dtype=dt) for _ in range(3))

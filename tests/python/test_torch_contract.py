@@ -231,7 +231,7 @@ def test_fake_packed_wgrad_stride_is_the_core_s():
         m = stt.GroupedLinear(2, in_f, out_f, bias=False, params_dtype=BF16, single_grouped_weight=True)
         x = torch.randn(6, in_f, dtype=BF16)
         _, dw, _ = torch.ops.sparsetrain.grouped_linear_backward(m._id, x, torch.randn(6, out_f, dtype=BF16),
-                                                                 torch.tensor([2, 4]), list(m.parameters()))
+                                                                 torch.tensor([2, 4]), *_op_args(m))
         assert dw.shape == (2, out_f, in_f)
         assert dw.stride(0) == sparsetrain._C.packed_wgrad_group_stride(out_f, in_f, "bf16")
     assert sparsetrain._C.packed_wgrad_group_stride(5, 3, "bf16") == 128
@@ -239,12 +239,12 @@ def test_fake_packed_wgrad_stride_is_the_core_s():
 
 def test_an_op_of_a_freed_module_says_so():
     m = _linear()
-    layer_id, params = m._id, [p.detach() for p in m.parameters()]
+    layer_id, args = m._id, _op_args(m)
     del m
     gc.collect()
     x = torch.randn(T, IN, dtype=BF16)
     with pytest.raises(RuntimeError, match=f"sparsetrain layer {layer_id} no longer exists"):
-        torch.ops.sparsetrain.grouped_linear_forward(layer_id, x, torch.tensor(SPLITS), params)
+        torch.ops.sparsetrain.grouped_linear_forward(layer_id, x, torch.tensor(SPLITS), *args)
 
 
 def _grads_of(run, m, x, probs, dy, mode=None):
@@ -351,7 +351,7 @@ def test_wrong_dtype_or_device_of_out_and_main_grad(make):
     prefix = "fc1." if isinstance(m, stt.GroupedMLP) else ""
     for bad, message in ((lambda w: torch.zeros(w.shape, dtype=BF16), r"main_grad\[0\]: expected dtype fp32, got bf16"),
                          (lambda w: torch.zeros(w.shape, device="meta"),
-                          r"main_grad: expected a tensor on the CPU or a CUDA device, got meta")):
+                          r"weight0.main_grad: expected a tensor on cpu \(x's device\), got meta")):
         fused = make(fuse_wgrad_accumulation=True)
         for name, w in fused.named_parameters():
             if "weight" in name:
@@ -360,10 +360,11 @@ def test_wrong_dtype_or_device_of_out_and_main_grad(make):
             _call(fused, x, probs)
 
 
-def _op_params(m):
-    """The `params` argument of m's ops: each layer's weights then biases (fc1's, then fc2's)."""
-    layers = (m.fc1, m.fc2) if isinstance(m, stt.GroupedMLP) else (m,)
-    return [p.detach() for layer in layers for p in (*layer.weights(), *layer.biases())]
+def _op_args(m):
+    """The (params, main_grads, flags) arguments of m's ops, detached: each layer's weights then
+    biases (fc1's, then fc2's), its main_grads, the flags."""
+    params, main_grads, flags = m._op_args()
+    return [p.detach() for p in params], main_grads, flags
 
 
 @pytest.mark.parametrize("make", MODULES)
@@ -372,10 +373,10 @@ def _op_params(m):
 @pytest.mark.parametrize("via", ["eager", "ops"])
 def test_wrong_dtype_or_device_of_bias(make, packed, bad, via):
     """A bias of another dtype or on another device ("meta" stands in for a CUDA device here),
-    refused at forward with the parameter named, expected and got, nothing written: eager calls by
-    the C++ checks, calls through torch's dispatcher (torch.compile, dispatch modes: `ops`) by the
-    same checks for a dtype, and for a device by the fake implementation, which a meta argument
-    selects (the C++ never sees such a call)."""
+    refused at forward with the parameter named, expected and got, nothing written: eager calls and
+    calls through torch.ops (torch.compile, dispatch modes: `ops`) alike, by the C++ checks for a
+    dtype, and for a device by the fake implementation, which a meta argument selects (the C++
+    never sees such a call)."""
     m = make(single_grouped_weight=packed)
     layer, prefix = (m.fc1, "fc1.") if isinstance(m, stt.GroupedMLP) else (m, "")
     name = "bias" if packed else "bias2"
@@ -384,8 +385,6 @@ def test_wrong_dtype_or_device_of_bias(make, packed, bad, via):
     setattr(layer, name, torch.nn.Parameter(new))
     if bad == "dtype":
         message = prefix + ("bias" if packed else r"bias\[2\]") + ": expected dtype bf16, got fp32"
-    elif via == "eager":
-        message = rf"{prefix}bias: expected a tensor on the CPU or a CUDA device, got meta"
     else:
         message = rf"{prefix}{name}: expected a tensor on cpu \(x's device\), got meta"
     x, probs, _ = _data(9)
@@ -431,15 +430,15 @@ def test_dy_of_wrong_dtype_or_device_through_the_backward_ops(make, into, bad):
     dy = dy.float() if bad == "dtype" else torch.empty(T, OUT, dtype=BF16, device="meta")
     message = (r"dy: expected dtype bf16 \(the layer's dtype\), got fp32" if bad == "dtype"
                else r"dy: expected a tensor on cpu \(x's device\), got meta")
-    splits, params = torch.tensor(SPLITS), _op_params(m)
+    splits, margs = torch.tensor(SPLITS), _op_args(m)
     gin = torch.full((T, IN), float("nan"), dtype=BF16)
     ops = torch.ops.sparsetrain
     if isinstance(m, stt.GroupedMLP):
-        _, fc1_out = ops.grouped_mlp_forward(m._id, x, splits, probs, params)
-        args = (m._id, x, fc1_out, probs, dy, splits, params)
+        _, fc1_out = ops.grouped_mlp_forward(m._id, x, splits, probs, *margs)
+        args = (m._id, x, fc1_out, probs, dy, splits, *margs)
         op = ops.grouped_mlp_backward_into if into else ops.grouped_mlp_backward
     else:
-        args = (m._id, x, dy, splits, params)
+        args = (m._id, x, dy, splits, *margs)
         op = ops.grouped_linear_backward_into if into else ops.grouped_linear_backward
     with pytest.raises(ValueError, match=message):
         op(*args, *((gin,) if into else ()))

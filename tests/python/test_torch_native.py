@@ -1,7 +1,7 @@
 """GroupedLinear and GroupedMLP through the C++ torch library (sparsetrain._torch_ops, the torch
 front's only route): the C++ layer following parameters that move and refusing while wgrads are
-pending; eager no-grad calls that skip the autograd.Function; recorded calls that take the C++
-autograd node. And the import error where the library is not in the install or does not load.
+pending; eager no-grad calls that record nothing; recorded calls that take the C++ autograd node,
+with a caller `out` too. And the import error where the library is not in the install or does not load.
 Fresh random data on each run (the seed is in the failure message)."""
 
 import os
@@ -86,9 +86,9 @@ def test_the_layer_follows_moved_parameters_and_refuses_while_wgrads_pend():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_no_grad_calls_skip_autograd_with_the_same_bytes(kind):
-    """Under no_grad (or with nothing requiring grad) an eager call skips the autograd.Function:
-    the bytes of a recorded call, no graph, a caller buffer handed back with its version bumped
-    once (as mark_dirty does)."""
+    """Under no_grad (or with nothing requiring grad) an eager call records nothing: the bytes of
+    a recorded call, no graph, a caller buffer handed back with its version bumped once (as an
+    in-place op's)."""
     gen = torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))
     m = _make(kind, 0)
     x = torch.randn(T, IN, generator=gen).to(BF16)
@@ -184,22 +184,22 @@ def test_the_library_is_loaded():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_recorded_calls_take_the_cpp_node(kind):
-    """An eager call that autograd records, without a caller `out`, skips the autograd.Function:
-    the C++ torch library records its node (sparsetrain::PythonBackward) whose backward is the
-    same Python code (bytes: the parity cases above). Its saved tensors are released after a
+    """An eager call that autograd records gets the C++ torch library's node
+    (sparsetrain::GroupedLinearBackward / GroupedMLPBackward), with or without a caller `out` (which
+    takes it as its history, as an in-place op's output). Its saved tensors are released after a
     backward (a second one is refused as autograd refuses it) or kept with retain_graph (the same
     grads again); an input that needs no grad gets none; an error in the backward reaches the
-    caller with its type (a freed module's layer); the parameters' AccumulateGrad nodes are held
-    between graphs."""
+    caller (a freed module's layer); the parameters' AccumulateGrad nodes are held between graphs."""
     gen = torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))
     m = _make(kind, 0)
     x = torch.randn(T, IN, generator=gen).to(BF16).requires_grad_()
     probs = torch.rand(T, generator=gen).requires_grad_()
     dy = torch.randn(T, OUT, generator=gen).to(BF16)
+    node = f"sparsetrain::{kind}Backward"
     y = _call(m, x, probs)
-    assert y.grad_fn.name() == "sparsetrain::PythonBackward"
+    assert y.grad_fn.name() == node
     with_out = _call(m, x, probs, out=torch.empty(T, OUT, dtype=BF16))
-    assert "PythonBackward" not in with_out.grad_fn.name(), "a caller `out` keeps the autograd.Function"
+    assert with_out.grad_fn.name() == node
     y.backward(dy, retain_graph=True)
     first = [x.grad.clone()] + [p.grad.clone() for p in m.parameters()]
     y.backward(dy)
@@ -212,7 +212,7 @@ def test_recorded_calls_take_the_cpp_node(kind):
         p.grad = None
     del y, with_out
     frozen_x = _call(m, x.detach(), probs.detach())
-    assert frozen_x.grad_fn.name() == "sparsetrain::PythonBackward"
+    assert frozen_x.grad_fn.name() == node
     # The parameters' AccumulateGrad nodes are held by the module between graphs (made once).
     held = m._grad_accumulators[1]
     edges = [e[0] for e in frozen_x.grad_fn.next_functions[2 if kind == "GroupedMLP" else 1:]]
@@ -226,3 +226,60 @@ def test_recorded_calls_take_the_cpp_node(kind):
     gc.collect()
     with pytest.raises(RuntimeError, match=f"sparsetrain layer {layer_id} no longer exists"):
         orphan.backward(dy)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "main_grad"])
+@pytest.mark.parametrize("buffers", [False, True], ids=["functional", "out_and_grad_input"])
+def test_compiled_calls_match_eager(kind, fused, buffers):
+    """torch.compile(fullgraph=True) over the same operators and their C++ autograd: with caller
+    `out` and `grad_input` buffers (the `_into` operators, `out` taking the node as an in-place
+    op's output does) and with fused main_grad accumulation (the backward operators' mutated
+    main_grads), the loss, input grads and weight grads (or main_grads) equal eager's."""
+    seed = random.SystemRandom().randrange(2**31)
+    m = _make(kind, seed, params_dtype=torch.float32, fuse_wgrad_accumulation=fused)
+    weights = [w for n, w in m.named_parameters() if "weight" in n]
+    splits = torch.tensor(SPLITS)
+
+    def step(compiled):
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(T, IN, generator=gen).requires_grad_()
+        probs = torch.rand(T, generator=gen).requires_grad_()
+        dy = torch.randn(T, OUT, generator=gen)
+        # Zeros: the rows >= S of `out` stay as the buffer held them, and dx's are the buffer's.
+        gin = torch.zeros(T + 3, IN) if buffers else None
+        for w in weights:
+            w.grad = None
+            if fused:
+                w.main_grad = torch.zeros(w.shape)
+
+        def loss(x, probs):
+            out = torch.zeros(T + 2, OUT)[1:T + 1] if buffers else None
+            return (_call(m, x, probs, splits, out=out, grad_input=gin) * dy).sum()
+
+        value = (torch.compile(loss, fullgraph=True) if compiled else loss)(x, probs)
+        value.backward()
+        got = [value.detach(), x.grad] + ([probs.grad] if kind == "GroupedMLP" else [])
+        return got + [w.main_grad if fused else w.grad for w in weights]
+
+    compiled, eager = step(True), step(False)
+    for i, (c, e) in enumerate(zip(compiled, eager)):
+        torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5, msg=f"result {i} (seed {seed})")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_pickled_module_makes_its_own_layer(kind, tmp_path):
+    """torch.save / torch.load of a whole module that has run: the copy registers anew and makes
+    its own C++ layer (the same outputs); refused while a delayed wgrad is pending."""
+    gen = torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))
+    m = _make(kind, 0)
+    x = torch.randn(T, IN, generator=gen).to(BF16)
+    probs = torch.rand(T, generator=gen)
+    y = _call(m, x, probs).detach()
+    torch.save(m, tmp_path / "m.pt")
+    copy = torch.load(tmp_path / "m.pt", weights_only=False)
+    assert copy._id != m._id and torch.equal(_bits(_call(copy, x, probs)), _bits(y))
+    delayed = _make(kind, 0, delay_wgrad_compute=True)
+    _call(delayed, x.requires_grad_(), probs).sum().backward()
+    with pytest.raises(RuntimeError, match="1 delayed wgrad"):
+        torch.save(delayed, tmp_path / "d.pt")

@@ -1,24 +1,22 @@
 """sparsetrain.torch.GroupedLinear: TransformerEngine's GroupedLinear options and semantics
 (main_grad accumulation, delayed wgrad with backward_dw, caller out / grad_input buffers, device
-splits) over torch.library custom ops with fake implementations; and what GroupedMLP shares with
-it (the layer registry the ops find a module's state through, the weight-grad rule's application,
-the delayed-wgrad surface). What backward returns for a weight follows the one rule in C++
-(`weight_grad_disposition`)."""
+splits) over the C++ torch library's operators sparsetrain::grouped_linear_* (autograd in C++),
+with their fake implementations; and what GroupedMLP shares with it (the layer registry the fakes
+find a module's shapes through, the delayed-wgrad surface). What backward returns for a weight
+follows the one rule in C++ (`weight_grad_disposition`)."""
 
 from __future__ import annotations
 
 import atexit
 import copy
-import functools
 import itertools
 import math
 import operator
 import weakref
 from operator import attrgetter
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.autograd.forward_ad as _fwad
 from torch import Tensor, nn
 
 from .. import _C
@@ -31,7 +29,8 @@ from . import native
 
 _requires_grad = attrgetter("requires_grad")
 
-# Every layer module by id: the custom ops find their layer's state through it.
+# Every layer module by id: the fakes find a module's shapes through it (the C++ operators find its
+# C++ layer, made with the same id, in the library's own registry).
 _LAYERS: "dict[int, weakref.ReferenceType[nn.Module]]" = {}
 _NEXT_ID = itertools.count()
 
@@ -52,7 +51,7 @@ def _release_cores_at_exit() -> None:
     for ref in list(_LAYERS.values()):
         module = ref()
         if module is not None:
-            module._native_layer, module._native_methods = None, None
+            module._native_layer = None
 
 
 def _current_stream_key(t: Tensor) -> Any:
@@ -95,101 +94,40 @@ def check_buffer_args(x: Tensor, out: Optional[Tensor], grad_input: Optional[Ten
             raise ValueError(f"{name}: expected a tensor on {x.device} (x's device), got {buf.device}")
 
 
-def with_rows(t: Tensor, T: int) -> Tensor:
-    """`t` with exactly T rows: a caller `out` buffer may have more rows than x, or (host splits)
-    as few as S; the rows >= S of a gradient are never read, the missing ones are zeros."""
-    n = t.shape[0]
-    if n > T:
-        return t[:T]
-    if n < T:
-        return torch.cat([t, t.new_zeros((T - n, *t.shape[1:]))])
-    return t
+# --- the operators' fakes ---------------------------------------------------------------------
+# The operators are C++ (python/src/torch_grouped.cpp: sparsetrain::grouped_linear_forward, _into,
+# _backward, _backward_into; autograd in C++); these are their shapes for FakeTensorMode, meta
+# tensors and torch.compile. A module's state is found through layer_id; `params` (weights, then
+# biases), `main_grads` and `flags` (op_args) are what the module holds now.
 
 
-# --- custom ops -----------------------------------------------------------------------------
-# The layer's state (its C++ core, pending delayed wgrads, main_grad) is found through layer_id at
-# run time; `params` are passed so that the compiler orders the ops after parameter updates.
-# Two ops per direction: a functional one, and one that writes a caller buffer (`out`,
-# `grad_input`), so that neither has an optional mutated argument (Inductor lowers those poorly).
-
-
-# The forward ops also take the grad_input buffer that backward will write, only to check it
-# with the C++ rule before anything runs (an error at backward time would come too late).
-
-
-
-def fake_check_devices(layer_id: int, x: Tensor, params: Sequence[Tensor], **named: Optional[Tensor]) -> None:
+def fake_check_devices(layer_id: int, x: Tensor, params: Sequence[Tensor], main_grads: Sequence[Tensor],
+                       **named: Optional[Tensor]) -> None:
     """The device rule, in the grouped ops' fake implementations: every tensor argument but splits
     (host splits stay on the CPU) on x's device, else a ValueError naming it. torch's dispatcher
     picks an op's kernel from its arguments' devices, so one meta tensor among real ones (a dy, a
     bias) runs the fake, which would hand back uninitialised outputs, and the C++ checks that refuse
-    it never see the call. Only fakes pay for it: eager calls reach C++ directly."""
+    it never see the call."""
     for name, t in named.items():
         if t is not None and t.device != x.device:
             raise ValueError(f"{name}: expected a tensor on {x.device} (x's device), got {t.device}")
-    for i, p in enumerate(params):
-        if p.device != x.device:
-            raise ValueError(f"{layer_of(layer_id)._op_param_names()[i]}: expected a tensor on {x.device} (x's device), got {p.device}")
+    for names, tensors in ((layer_of(layer_id)._op_param_names, params),
+                           (layer_of(layer_id)._op_main_grad_names, main_grads)):
+        for i, t in enumerate(tensors):
+            if t.device != x.device:
+                raise ValueError(f"{names()[i]}: expected a tensor on {x.device} (x's device), got {t.device}")
 
 
-def without_autograd(inputs: Sequence[Tensor], buffers: Sequence[Optional[Tensor]],
-                      params: Sequence[Tensor]) -> bool:
-    """Whether an eager module call may skip its autograd.Function (~15 us a call with 4 experts,
-    ~80 us with 64, even under no_grad) and call the op implementation itself: autograd would record nothing (grad mode
-    off, or neither an input nor a parameter requires grad; no forward-mode AD level) and
-    native.direct's conditions hold (so never under torch.compile, fake tensors or dispatch modes)."""
-    if torch.compiler.is_compiling() or _fwad._current_level >= 0:
-        return False
-    if torch.is_grad_enabled() and (any(map(_requires_grad, inputs)) or any(map(_requires_grad, params))):
-        return False
-    return native.direct(*inputs, *buffers)
+def has_grad_added_flag(flags: int, layer: int) -> bool:
+    """Bit 1 + layer of an op's flags: that layer's weights have grad_added_to_main_grad."""
+    return bool((flags >> (1 + layer)) & 1)
 
 
-def written(out: Optional[Tensor], y: Tensor) -> Tensor:
-    """An op's result without its autograd.Function: the caller's buffer `out` (its version
-    bumped, as mark_dirty does) or the new tensor y."""
-    if out is None:
-        return y
-    torch.autograd.graph.increment_version(out)
-    return out
-
-
-def _forward_impl(layer_id: int, x: Tensor, splits: Tensor, grad_input: Optional[Tensor],
-                  out: Optional[Tensor] = None, params: Any = None) -> Tensor:
-    """params: the module's `_native_params()` where the caller has them already."""
-    m = layer_of(layer_id)
-    return m._native("forward", x, splits, status_for(splits, m), out, grad_input, params=params)
-
-
-@torch.library.custom_op("sparsetrain::grouped_linear_forward", mutates_args=())
-def _forward_op(layer_id: int, x: Tensor, splits: Tensor, params: List[Tensor],
-                grad_input: Optional[Tensor] = None) -> Tensor:
-    return _forward_impl(layer_id, x, splits, grad_input)
-
-
-@_forward_op.register_fake
-def _(layer_id, x, splits, params, grad_input=None):
-    fake_check_devices(layer_id, x, params, grad_input=grad_input)
-    return x.new_empty((x.shape[0], params[0].shape[-2]))
-
-
-@torch.library.custom_op("sparsetrain::grouped_linear_forward_into", mutates_args=("out",))
-def _forward_into_op(layer_id: int, x: Tensor, splits: Tensor, params: List[Tensor], out: Tensor,
-                     grad_input: Optional[Tensor] = None) -> None:
-    _forward_impl(layer_id, x, splits, grad_input, out)
-
-
-@_forward_into_op.register_fake
-def _(layer_id, x, splits, params, out, grad_input=None):
-    fake_check_devices(layer_id, x, params, out=out, grad_input=grad_input)
-    return None
-
-
-def layer_grads_fake(m: "GroupedLinear", x: Tensor) -> Tuple[Tensor, Tensor]:
+def layer_grads_fake(m: "GroupedLinear", x: Tensor, has_attr: bool) -> Tuple[Tensor, Tensor]:
     """The fake of one layer's grads as the ops hand them back, for the GroupedLinear module `m`
-    (its shapes and rule): (packed weight grad or dummy, bias grad [G, out]); an empty tensor
-    (x's dtype) stands for none."""
-    kind, bias_now = m._disposition()
+    (its shapes, and the weight-grad rule under has_attr): (packed weight grad or dummy, bias grad
+    [G, out]); an empty tensor (x's dtype) stands for none."""
+    kind, bias_now = _weight_grad_disposition(m.delay_wgrad_compute, m.fuse_wgrad_accumulation, has_attr)
     G, out_f, in_f = m.num_gemms, m.out_features, m.in_features
     if kind == "none":
         dw = x.new_empty(0)
@@ -202,128 +140,41 @@ def layer_grads_fake(m: "GroupedLinear", x: Tensor) -> Tuple[Tensor, Tensor]:
     return dw, db
 
 
-def _backward_impl(layer_id, x, dy, splits, grad_input):
-    """(dx, packed weight grad or dummy, bias grad [G, out])."""
-    m = layer_of(layer_id)
-    return m._native("backward", x, dy, splits, status_for(splits, m), grad_input)
+@torch.library.register_fake("sparsetrain::grouped_linear_forward")
+def _(layer_id, x, splits, params, main_grads, flags, status=None, grad_input=None):
+    fake_check_devices(layer_id, x, params, main_grads, grad_input=grad_input)
+    return x.new_empty((x.shape[0], layer_of(layer_id).out_features))
 
 
-def _backward_fake(layer_id, x):
-    return layer_grads_fake(layer_of(layer_id), x)
+@torch.library.register_fake("sparsetrain::grouped_linear_forward_into")
+def _(layer_id, x, splits, params, main_grads, flags, out, status=None, grad_input=None):
+    fake_check_devices(layer_id, x, params, main_grads, out=out, grad_input=grad_input)
 
 
-@torch.library.custom_op("sparsetrain::grouped_linear_backward", mutates_args=())
-def _backward_op(layer_id: int, x: Tensor, dy: Tensor, splits: Tensor,
-                 params: List[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
-    return _backward_impl(layer_id, x, dy, splits, None)
+@torch.library.register_fake("sparsetrain::grouped_linear_backward")
+def _(layer_id, x, dy, splits, params, main_grads, flags, status=None):
+    fake_check_devices(layer_id, x, params, main_grads, dy=dy)
+    return (x.new_empty(x.shape), *layer_grads_fake(layer_of(layer_id), x, has_grad_added_flag(flags, 0)))
 
 
-@_backward_op.register_fake
-def _(layer_id, x, dy, splits, params):
-    fake_check_devices(layer_id, x, params, dy=dy)
-    return (x.new_empty(x.shape), *_backward_fake(layer_id, x))
+@torch.library.register_fake("sparsetrain::grouped_linear_backward_into")
+def _(layer_id, x, dy, splits, params, main_grads, flags, grad_input, status=None):
+    fake_check_devices(layer_id, x, params, main_grads, dy=dy, grad_input=grad_input)
+    return layer_grads_fake(layer_of(layer_id), x, has_grad_added_flag(flags, 0))
 
 
-@torch.library.custom_op("sparsetrain::grouped_linear_backward_into", mutates_args=("grad_input",))
-def _backward_into_op(layer_id: int, x: Tensor, dy: Tensor, splits: Tensor, params: List[Tensor],
-                      grad_input: Tensor) -> Tuple[Tensor, Tensor]:
-    return _backward_impl(layer_id, x, dy, splits, grad_input)[1:]
+# The operators, their OpOverloads bound once (a call through one skips the packet's overload
+# resolution): what calls under torch.compile, fake tensors and dispatch modes go through.
+OPS = torch.ops.sparsetrain
 
 
-@_backward_into_op.register_fake
-def _(layer_id, x, dy, splits, params, grad_input):
-    fake_check_devices(layer_id, x, params, dy=dy, grad_input=grad_input)
-    return _backward_fake(layer_id, x)
-
-
-# `out`, the tensor the autograd Functions below mark dirty, is their first tensor input: where it is a
-# view (rows of a larger buffer), autograd rewrites the graph through CopySlices, which hands the
-# gradient of the Function's first input to the buffer's base; with x first, dx went there and x got
-# none (pytorch/pytorch#5871).
-class _GroupedLinearFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, layer_id: int, disposition: Tuple[str, bool], packed: bool, out: Optional[Tensor], x: Tensor,
-                splits: Tensor, grad_input: Optional[Tensor], num_weights: int, *params: Tensor):
-        direct = native.direct(x, splits, out, grad_input)
-        if out is None:
-            y = (_forward_impl(layer_id, x, splits, grad_input) if direct
-                 else torch.ops.sparsetrain.grouped_linear_forward(layer_id, x, splits, list(params), grad_input))
-        else:
-            if direct:
-                _forward_impl(layer_id, x, splits, grad_input, out)
-            else:
-                torch.ops.sparsetrain.grouped_linear_forward_into(layer_id, x, splits, list(params), out, grad_input)
-            ctx.mark_dirty(out)
-            y = out
-        ctx.save_for_backward(x, splits, *params)
-        ctx.layer_id, ctx.disposition, ctx.packed = layer_id, disposition, packed
-        ctx.grad_input, ctx.num_weights = grad_input, num_weights
-        return y
-
-    @staticmethod
-    def backward(ctx, dy: Tensor):
-        x, splits, *params = ctx.saved_tensors
-        grads = _grouped_linear_grads(ctx.layer_id, ctx.disposition, ctx.packed, ctx.grad_input, ctx.num_weights,
-                                      [x, splits, *params], dy)
-        return (None, None, None, None, grads[0], None, None, None, *grads[1:])
-
-
-def _grouped_linear_grads(layer_id: int, disposition: Tuple[str, bool], packed: bool, grad_input: Optional[Tensor],
-                          num_weights: int, saved: Sequence[Tensor], dy: Optional[Tensor],
-                          last_use: bool = False) -> List[Optional[Tensor]]:
-    """[dx, weight grads, bias grads] of one recorded GroupedLinear forward, whose saved tensors
-    were [x, splits, weights, biases]: the backward of _GroupedLinearFunction and of the node the
-    C++ torch library records (native.TORCH_OPS.record; dy None: zeros, as autograd.Function's).
-    last_use (the recorded node's: no backward reads the saved tensors again) changes nothing
-    here: a GroupedLinear saves no intermediate of its own."""
-    x, splits, *params = saved
-    if dy is None:
-        dy = x.new_zeros((x.shape[0], params[0].shape[-2]))
-    dy = with_rows(dy, x.shape[0])
-    if dy.stride(-1) != 1:
-        dy = dy.contiguous()
-    if native.direct(x, dy, splits, grad_input):
-        dx, dw, db = _backward_impl(layer_id, x, dy, splits, grad_input)
-    elif grad_input is None:
-        dx, dw, db = torch.ops.sparsetrain.grouped_linear_backward(layer_id, x, dy, splits, params)
-    else:
-        dw, db = torch.ops.sparsetrain.grouped_linear_backward_into(layer_id, x, dy, splits, params, grad_input)
-    if grad_input is not None:
-        dx = with_rows(grad_input, x.shape[0])
-    return [dx, *param_grads(disposition, packed, params[:num_weights], params[num_weights:], dw, db)]
-
-
-def recorded(out: Optional[Tensor], x: Tensor, splits: Tensor, grad_input: Optional[Tensor]) -> bool:
-    """Whether an eager module call that autograd records may skip its autograd.Function (~18 us
-    a call with 4 experts, ~200 us with 64) and record the C++ torch library's node over the op
-    implementation instead (native.TORCH_OPS.record; same backward): no caller `out` (which
-    autograd.Function marks dirty), no forward-mode AD level, and native.direct's conditions
-    (never under torch.compile, fake tensors or dispatch modes)."""
-    return out is None and _fwad._current_level < 0 and native.direct(x, splits, grad_input)
-
-
-def param_grads(disposition: Tuple[str, bool], packed: bool, weights: Sequence[Tensor], biases: Sequence[Tensor],
-                 dw: Tensor, db: Tensor) -> List[Optional[Tensor]]:
-    """What autograd gets for one layer's weights then biases, from the op's (dw, db)."""
-    kind, bias_now = disposition
-    if kind == "none":
-        w_grads: List[Optional[Tensor]] = [None] * len(weights)
-    elif kind == "wgrad":
-        w_grads = [dw] if packed else list(dw.unbind(0))
-    else:  # dummy: a cached zero tensor; Megatron reads the flag and skips its own accumulation
-        w_grads = [dw] * len(weights)
-        for w in weights:
-            w.grad_added_to_main_grad = True
-    if biases and bias_now:
-        b_grads: List[Optional[Tensor]] = [db] if packed else list(db.unbind(0))
-    else:
-        b_grads = [None] * len(biases)
-    return w_grads + b_grads
-
-
-@torch.compiler.assume_constant_result
-def disposition_constant(delay: bool, fuse: bool, has_attr: bool) -> Tuple[str, bool]:
-    return tuple(_weight_grad_disposition(delay, fuse, has_attr))
+def call(name: str, *args: Any) -> Any:
+    """The operator `name` with `args`: eager on plain tensors through the C++ torch library's entry
+    (the same operator without torch.ops' argument conversion, ~10 us a call), elsewhere through
+    torch.ops, which torch.compile and modes see (native.direct tells which)."""
+    if native.direct(*(a for a in args if isinstance(a, Tensor))):
+        return getattr(native.TORCH_OPS, name)(*args)
+    return getattr(OPS, name).default(*args)
 
 
 # --- the module -----------------------------------------------------------------------------
@@ -331,29 +182,24 @@ def disposition_constant(delay: bool, fuse: bool, has_attr: bool) -> Tuple[str, 
 
 class DelayedWgrad:
     """TransformerEngine's delayed-wgrad surface and the C++ layer, shared by GroupedLinear and
-    GroupedMLP: the module keeps `_hooks`, `_native_layer` (the C++ torch library's layer) and
-    `delay_wgrad_compute`, and defines
+    GroupedMLP: the module keeps `_hooks`, `_native_layer` (the C++ torch library's layer, which
+    the operators find by the module's `_id`) and `delay_wgrad_compute`, and defines
     `_accumulate_backward_dw()` (its pending wgrads into main_grad or .grad, and bias grads),
-    `_make_native()` and `_native_params()`."""
+    `_make_native()` and `_op_args()` (params, main_grads, flags: what the operators take)."""
 
     def _init_layer_state(self) -> None:
-        """The state the methods below keep, empty, and the module's registration (last: the
-        layer's custom ops find the module through it)."""
+        """The state the methods below keep, empty, and the module's registration and C++ layer
+        (last: both read the module's options)."""
         self._hooks: List[Callable[[], None]] = []
-        self._native_layer: Any = None
-        self._native_methods: Any = None
         self._grad_accumulators: Any = None  # (parameters, their AccumulateGrad nodes, stream): _hold_grad_accumulators
         self._id = _register_layer(self)
+        self._native_layer: Any = self._make_native()
 
-    def _native(self, method: str, *args: Any, params: Any = None) -> Any:
-        """`method` of the module's C++ layer in the C++ torch library (made once), called with
-        `args` and the module's current parameters and flags (`params`, else `_native_params()`);
-        the layer compares them with the last call's and rebuilds its views when one moved."""
-        methods = self._native_methods
-        if methods is None:  # bound once
-            layer = self._native_layer = self._make_native()
-            methods = self._native_methods = {n: getattr(layer, n) for n in ("forward", "backward", "backward_dw")}
-        return methods[method](*args, *(self._native_params() if params is None else params))
+    def _record(self, inputs: Sequence[Tensor], params: List[Tensor]) -> None:
+        """Before an eager call that autograd records: the parameters' AccumulateGrad nodes held."""
+        if (torch.is_grad_enabled() and not torch.compiler.is_compiling()
+                and (any(map(_requires_grad, inputs)) or any(map(_requires_grad, params)))):
+            self._hold_grad_accumulators(params)
 
     def _hold_grad_accumulators(self, params: List[Tensor]) -> None:
         """Keeps the AccumulateGrad nodes of `params` alive between steps, as DDP's reducer does:
@@ -406,10 +252,9 @@ class DelayedWgrad:
         layer = self._native_layer
         return 0 if layer is None else layer.pending_wgrads
 
-    # What a copy does not take: the C++ layers (they cannot be copied; a copy makes its own at its
-    # first call), what they cached, and the module's registration (a copy registers anew).
-    _NOT_COPIED = {"_native_layer": None, "_native_methods": None,
-                   "_grad_accumulators": None, "_host_splits": None}
+    # What a copy or a pickle does not take: the C++ layer (it cannot be copied: the copy makes its
+    # own), what it cached, and the module's registration (a copy registers anew).
+    _NOT_COPIED = {"_native_layer": None, "_grad_accumulators": None, "_host_splits": None}
 
     def __deepcopy__(self, memo: dict) -> Any:
         """copy.deepcopy (an EMA or reference copy of a model): parameters, options and hooks copied,
@@ -426,7 +271,21 @@ class DelayedWgrad:
             elif key != "_id":
                 new.__dict__[key] = copy.deepcopy(value, memo)
         new._id = _register_layer(new)
+        new._native_layer = new._make_native()
         return new
+
+    def __getstate__(self) -> dict:
+        """pickle (torch.save of a whole module): as a copy, without the C++ layer."""
+        if self.pending_wgrads:
+            raise RuntimeError(f"pickling a {type(self).__name__}: {self.pending_wgrads} delayed wgrad(s) pending; "
+                               "run backward_dw() first")
+        return {k: (self._NOT_COPIED[k] if k in self._NOT_COPIED else v) for k, v in self.__dict__.items()
+                if k != "_id"}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._id = _register_layer(self)
+        self._native_layer = self._make_native()
 
 
 class GroupedLinear(DelayedWgrad, nn.Module):
@@ -505,18 +364,16 @@ class GroupedLinear(DelayedWgrad, nn.Module):
         """The names of the parameters the ops take, in their order (weights, then biases)."""
         return [prefix + n for n in (*self._weight_names, *self._bias_names)]
 
+    def _op_main_grad_names(self, prefix: str = "") -> List[str]:
+        """The names of the main_grads the ops take (none without fusion)."""
+        return [f"{prefix}{n}.main_grad" for n in self._weight_names] if self.fuse_wgrad_accumulation else []
+
     def _has_grad_added_attr(self, weights: Optional[List[Tensor]] = None) -> bool:
         return all(hasattr(w, "grad_added_to_main_grad") for w in (self.weights() if weights is None else weights))
 
-    def _disposition(self) -> Tuple[str, bool]:
-        return tuple(_weight_grad_disposition(self.delay_wgrad_compute, self.fuse_wgrad_accumulation,
-                                              self._has_grad_added_attr()))
-
-    def _main_grads(self, prefix: str = "") -> Optional[List[Tensor]]:
-        if not self.fuse_wgrad_accumulation:
-            return None
+    def _main_grads(self, prefix: str, weights: List[Tensor]) -> List[Tensor]:
         grads = []
-        for name, w in zip(self._weight_names, self.weights()):
+        for name, w in zip(self._weight_names, weights):
             mg = getattr(w, "main_grad", None)
             if mg is None:
                 raise ValueError(f"{prefix}{name}.main_grad: expected an fp32 tensor of shape {list(w.shape)} "
@@ -524,31 +381,28 @@ class GroupedLinear(DelayedWgrad, nn.Module):
             grads.append(mg)
         return grads
 
-    def _param_tensors(self, prefix: str = "", weights: Optional[List[Tensor]] = None,
-                       biases: Optional[List[Tensor]] = None) -> "_ParamTensors":
-        """The parameters, main_grads and flags as they are now; `prefix` names this layer inside
-        a GroupedMLP in errors; `weights` and `biases` where the caller has listed them already."""
-        weights = self.weights() if weights is None else weights
-        biases = self.biases() if biases is None else biases
-        main_grads = self._main_grads(prefix)
-        overwrite = bool(self.fuse_wgrad_accumulation and getattr(weights[0], "overwrite_main_grad", False))
-        return _ParamTensors(weights, biases, main_grads, overwrite, self._has_grad_added_attr(weights))
+    def _layer_args(self, prefix: str = "") -> Tuple[List[Tensor], List[Tensor], bool, bool]:
+        """This layer's part of the operators' arguments, as the module holds them now: (weights and
+        biases, main_grads, overwrite_main_grad, has_grad_added_to_main_grad); the last three only
+        with fuse_wgrad_accumulation (the weight-grad rule reads the flags then alone). `prefix`
+        names the layer inside a GroupedMLP in errors."""
+        weights = self.weights()
+        params = weights + self.biases()
+        if not self.fuse_wgrad_accumulation:
+            return params, [], False, False
+        overwrite = bool(getattr(weights[0], "overwrite_main_grad", False))
+        return params, self._main_grads(prefix, weights), overwrite, self._has_grad_added_attr(weights)
+
+    def _op_args(self) -> Tuple[List[Tensor], List[Tensor], int]:
+        """(params, main_grads, flags) as the operators take them: flags bit 0 overwrite_main_grad,
+        bit 1 grad_added_to_main_grad."""
+        params, main_grads, overwrite, has_attr = self._layer_args()
+        return params, main_grads, int(overwrite) | int(has_attr) << 1
 
     def _make_native(self) -> Any:
-        from .. import _torch_ops  # noqa: PLC0415  (loaded by _load_native)
-
-        return _torch_ops.GroupedLinear(
-            self.num_gemms, self.in_features, self.out_features, self.single_grouped_weight, self.use_bias,
-            self.fuse_wgrad_accumulation, self.delay_wgrad_compute, self.check_device_splits)
-
-    def _native_params(self, weights: Optional[List[Tensor]] = None,
-                       biases: Optional[List[Tensor]] = None) -> Tuple[List[Tensor], List[bool]]:
-        """`_param_tensors` as the C++ torch library takes them (a forward passes the lists it
-        has made already: this runs every call)."""
-        if not self.fuse_wgrad_accumulation:
-            return unfused_native_params(self, weights, biases)
-        p = self._param_tensors("", weights, biases)
-        return p.tensors(), [p.overwrite, p.has_attr]
+        return native.TORCH_OPS.GroupedLinear(
+            self._id, self.num_gemms, self.in_features, self.out_features, self.single_grouped_weight,
+            self.use_bias, self.fuse_wgrad_accumulation, self.delay_wgrad_compute, self.check_device_splits)
 
     # -- forward / backward_dw -------------------------------------------------------------
     def _normalize_splits(self, m_splits: Any) -> Tensor:
@@ -602,25 +456,16 @@ class GroupedLinear(DelayedWgrad, nn.Module):
         tensor, the buffer's rows then zeros. A non-leaf x hands dx to its producer's backward."""
         check_buffer_args(x, out, grad_input)
         splits = self._normalize_splits(m_splits)
-        weights, biases = self.weights(), self.biases()
-        if without_autograd((x,), (splits, out, grad_input), weights + biases):
-            return written(out, _forward_impl(self._id, x, splits, grad_input, out,
-                                              self._native_params(weights, biases)))
-        disposition = disposition_constant(self.delay_wgrad_compute, self.fuse_wgrad_accumulation,
-                                            self._has_grad_added_attr(weights))
-        if recorded(out, x, splits, grad_input):
-            params = [*weights, *biases]
-            self._hold_grad_accumulators(params)
-            y = _forward_impl(self._id, x, splits, grad_input, None, self._native_params(weights, biases))
-            native.TORCH_OPS.record(y, [x, *params], [x, splits, *params],
-                              functools.partial(_grouped_linear_grads, self._id, disposition,
-                                                self.single_grouped_weight, grad_input, len(weights)))
-            return y
-        return _GroupedLinearFunction.apply(self._id, disposition, self.single_grouped_weight, out, x, splits,
-                                            grad_input, len(weights), *weights, *biases)
+        params, main_grads, flags = self._op_args()
+        self._record((x,), params)
+        status = status_for(splits, self)
+        if out is None:
+            return call("grouped_linear_forward", self._id, x, splits, params, main_grads, flags, status, grad_input)
+        call("grouped_linear_forward_into", self._id, x, splits, params, main_grads, flags, out, status, grad_input)
+        return out
 
     def _accumulate_backward_dw(self) -> None:
-        dw, db = self._native("backward_dw")
+        dw, db = self._native_layer.backward_dw(*self._op_args())
         accumulate_layer_grads(self, dw, db)
 
     def extra_repr(self) -> str:
@@ -628,33 +473,6 @@ class GroupedLinear(DelayedWgrad, nn.Module):
                 f"bias={self.use_bias}, single_grouped_weight={self.single_grouped_weight}, "
                 f"fuse_wgrad_accumulation={self.fuse_wgrad_accumulation}, "
                 f"delay_wgrad_compute={self.delay_wgrad_compute}")
-
-
-def unfused_native_params(layer: "GroupedLinear", weights: Optional[List[Tensor]] = None,
-                           biases: Optional[List[Tensor]] = None) -> Tuple[List[Tensor], List[bool]]:
-    """A layer's `_native_params` without fused wgrad accumulation: no main_grads, and both flags
-    False (overwrite_main_grad and has_grad_added_to_main_grad only matter when fusing: the
-    disposition rule reads them then alone), so the per-call flag and attribute reads are skipped."""
-    weights = layer.weights() if weights is None else weights
-    return weights + (layer.biases() if biases is None else biases), [False, False]
-
-
-class _ParamTensors(NamedTuple):
-    weights: List[Tensor]
-    biases: List[Tensor]
-    main_grads: Optional[List[Tensor]]  # None without fuse_wgrad_accumulation
-    overwrite: bool
-    has_attr: bool
-
-    def tensors(self) -> List[Tensor]:
-        """In the order the C++ torch library takes them: weights, biases, main_grads."""
-        return [*self.weights, *self.biases, *(self.main_grads or [])]
-
-
-def check_same_overwrite(p1: _ParamTensors, p2: _ParamTensors) -> None:
-    """A GroupedMLP's two layers share overwrite_main_grad."""
-    if p1.overwrite != p2.overwrite:
-        raise ValueError(f"fc2 weights' overwrite_main_grad: expected {p1.overwrite} (as fc1's), got {p2.overwrite}")
 
 
 def _accumulate_grad(p: Tensor, grad: Tensor) -> None:
