@@ -266,7 +266,7 @@ def test_caller_out_and_grad_input_buffers():
 def test_caller_out_that_is_a_view_keeps_dx():
     """A caller `out` that is a view (rows of a larger buffer): dx (leaf x, and through a non-leaf
     one) and dprobs are those of the call without `out`, bitwise (x.grad was None: CopySlices gives
-    the autograd Function's first input's gradient to the buffer's base; found by
+    the node's first input's gradient to the buffer's base; found by
     tests/python/test_fuzz.py)."""
     m = _make(torch.bfloat16)
     x, probs, dy = _inputs(torch.bfloat16)

@@ -267,8 +267,8 @@ def test_caller_out_and_grad_input_buffers():
 @pytest.mark.parametrize("rows", [T, T + 3], ids=["T_rows", "more_rows"])
 def test_caller_out_that_is_a_view_keeps_dx(rows):
     """A caller `out` that is a view (rows of a larger buffer): autograd rewrites the graph through
-    CopySlices, which gives the gradient of the autograd Function's first input to the buffer's
-    base, so dx, for a leaf x and through a non-leaf one, must still be the one of the call without
+    CopySlices, which gives the gradient of the node's first input (the buffer's old history) to
+    the buffer's base, so dx, for a leaf x and through a non-leaf one, must still be the one of the call without
     `out`, bitwise (x.grad was None: found by tests/python/test_fuzz.py)."""
     m = _make(torch.bfloat16)
     x, dy = _inputs(torch.bfloat16)

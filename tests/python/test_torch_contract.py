@@ -82,7 +82,7 @@ def test_buffers_of_S_rows_work_through_backward(make):
 
 @pytest.mark.parametrize("make", MODULES)
 @pytest.mark.parametrize("rows", ["T_plus_3", "T", "S"])
-@pytest.mark.parametrize("with_out", [False, True], ids=["recorded", "autograd_function"])
+@pytest.mark.parametrize("with_out", [False, True], ids=["functional", "into_out"])
 def test_what_a_leaf_x_gets_from_a_grad_input_buffer(make, rows, with_out):
     """grad_input's rows below S are written in place (bit-identical to the library's dx), the rest
     are left as they were; what a leaf x's .grad then is depends on the buffer's rows, as
@@ -90,8 +90,7 @@ def test_what_a_leaf_x_gets_from_a_grad_input_buffer(make, rows, with_out):
     storage, so a second backward into the same buffer overwrites x.grad before adding to it: 2 dx2,
     not dx1 + dx2); exactly T, torch's copy of it (AccumulateGrad copies a gradient someone else
     still holds: other storage, the same bytes, rows >= S the buffer's); S (host splits), a new
-    [T, in] tensor, the buffer's rows then zeros. Both eager routes (the recorded node, and
-    autograd.Function, which a caller `out` takes)."""
+    [T, in] tensor, the buffer's rows then zeros."""
     n = {"T_plus_3": T + 3, "T": T, "S": S}[rows]
     ref, m = make(), make()
     x, probs, dy = _data(11)

@@ -1,4 +1,4 @@
-"""The fake (meta) implementations of the grouped custom ops (sparsetrain::grouped_linear_* and
+"""The fake (meta) implementations of the grouped operators (sparsetrain::grouped_linear_* and
 grouped_mlp_*, forward and backward, functional and `_into`), called directly: under FakeTensorMode
 each op's outputs must have the sizes, strides, dtypes and devices of the real CPU call's (through
 the C++ torch library), for every weight-grad disposition (wgrad, none, dummy,
