@@ -5,16 +5,16 @@ accumulation, delayed wgrad with backward_dw, caller out / grad_input buffers, d
 and `moe_route` (moe: the router, the experts as a GroupedMLP, the deterministic combine, with the
 row movements in token_rows); `ExpertParallelMoELayer` (expert_parallel: the MoE layer's experts
 over a torch.distributed group). All on top of torch operators with fake implementations (the
-grouped layers' and the MoE's `torch.library` custom ops; attention's defined in C++ with its
-autograd), so that models compile with torch.compile(fullgraph=True).
+grouped layers' `torch.library` custom ops; attention's and the MoE router's and combine's defined
+in C++, attention's and the router's autograd too), so that models compile with
+torch.compile(fullgraph=True).
 
-The grouped layers and attention run through the C++ torch library (sparsetrain._torch_ops, loaded
-by native): the grouped layers eagerly and in their custom ops' implementations, attention as its
-operators; without it in the install, importing
-this package raises an ImportError that says how to build it. The MoE router and row combine call
-the extension `_C`. Memory: every tensor the library allocates comes from torch's caching
-allocator on the current stream (at::empty in the C++ torch library, torch.empty through `_C`'s
-allocator callback) and is handed back as a tensor over that memory."""
+Everything runs through the C++ torch library (sparsetrain._torch_ops, loaded by native): the
+grouped layers eagerly and in their custom ops' implementations, attention, the MoE router and the
+combine as their operators; without it in the install, importing this package raises an
+ImportError that says how to build it. Memory: every tensor the library allocates comes from
+torch's caching allocator on the current stream (at::empty in the C++ torch library) and is handed
+back as a tensor over that memory."""
 
 from .._block_mask import BlockMask
 from .attention import block_sparse_attention
