@@ -1,12 +1,12 @@
-# The C++ torch library sparsetrain._torch_ops: attention as C++ torch operators
-# (python/src/torch_ops.cpp) and the grouped layers' C++ layers over torch tensors
-# (python/src/torch_grouped.cpp, pybind11 with torch's tensor caster), what the torch front
-# sparsetrain.torch runs through (without it, importing sparsetrain.torch raises an ImportError).
-# Built next to the extension where the build's Python has torch with its C++ headers and
-# libraries: scripts/setup's build, and a wheel built by `pip install --no-build-isolation .` in an
-# environment with torch (pip's default isolated build environment has no torch: that wheel has no
-# torch front). SPARSETRAIN_TORCH_OPS: AUTO (the default: where torch is), ON (an error where it is
-# not), OFF (not built).
+# The C++ torch library sparsetrain._torch_ops: attention (python/src/torch_ops.cpp) and the MoE
+# router and combine (python/src/torch_moe.cpp) as C++ torch operators, and the grouped layers' C++
+# layers over torch tensors (python/src/torch_grouped.cpp, pybind11 with torch's tensor caster),
+# what the torch front sparsetrain.torch runs through (without it, importing sparsetrain.torch
+# raises an ImportError). Built next to the extension where the build's Python has torch with its
+# C++ headers and libraries: scripts/setup's build, and a wheel built by `pip install
+# --no-build-isolation .` in an environment with torch (pip's default isolated build environment has
+# no torch: that wheel has no torch front). SPARSETRAIN_TORCH_OPS: AUTO (the default: where torch
+# is), ON (an error where it is not), OFF (not built).
 set(SPARSETRAIN_TORCH_OPS "AUTO" CACHE STRING "Build the C++ torch library: AUTO, ON or OFF")
 if(SPARSETRAIN_TORCH_OPS STREQUAL "OFF")
   message(STATUS "sparsetrain: SPARSETRAIN_TORCH_OPS=OFF: the C++ torch library is not built (no sparsetrain.torch)")
@@ -53,7 +53,8 @@ foreach(lib IN LISTS st_torch_libs)
     return()
   endif()
 endforeach()
-add_library(sparsetrain_torch_ops MODULE python/src/torch_ops.cpp python/src/torch_grouped.cpp)
+add_library(sparsetrain_torch_ops MODULE python/src/torch_ops.cpp python/src/torch_grouped.cpp
+            python/src/torch_moe.cpp)
 target_include_directories(sparsetrain_torch_ops SYSTEM PRIVATE ${st_torch_includes})
 target_compile_definitions(sparsetrain_torch_ops PRIVATE _GLIBCXX_USE_CXX11_ABI=${st_torch_abi})
 if(st_torch_cuda AND SPARSETRAIN_WITH_CUDA)

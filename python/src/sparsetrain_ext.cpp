@@ -24,6 +24,7 @@
 #include "sparsetrain/moe_router.h"
 #include "sparsetrain/runtime.h"
 #include "mask_wire.h"
+#include "router_options.h"
 
 namespace nb = nanobind;
 namespace st = sparsetrain;
@@ -603,19 +604,14 @@ nb::tuple attention_backward(nb::handle q, nb::handle k, nb::handle v, nb::handl
   return nb::make_tuple(export_tensor(g.dq, alloc), export_tensor(g.dk, alloc), export_tensor(g.dv, alloc));
 }
 
-st::RouterOptions router_options(int64_t num_experts, int64_t top_k, const std::string& score, bool normalize) {
-  ST_CHECK_ARG(score == "softmax" || score == "sigmoid", "score", "softmax or sigmoid", score);
-  return {num_experts, top_k, score == "softmax" ? st::RouterScore::kSoftmax : st::RouterScore::kSigmoid, normalize};
-}
-
 // The MoE router (moe_router.h): (experts, probs, counts, row_of, token_of_row, score_sum), exported.
 nb::tuple moe_route(nb::handle logits, nb::handle expert_bias, int64_t num_experts, int64_t top_k,
                     const std::string& score, bool normalize, uintptr_t stream, nb::callable allocator) {
   PyAllocator alloc(std::move(allocator));
   st::Stream s;
   s.handle = reinterpret_cast<void*>(stream);
-  const st::RouterOutput r = st::route(router_options(num_experts, top_k, score, normalize), view_of(logits, "logits"),
-                                       optional_view(expert_bias, "expert_bias"), &alloc, s);
+  const st::RouterOutput r = st::route(st::wire::router_options(num_experts, top_k, score, normalize),
+                                       view_of(logits, "logits"), optional_view(expert_bias, "expert_bias"), &alloc, s);
   return nb::make_tuple(export_tensor(r.experts, alloc), export_tensor(r.probs, alloc), export_tensor(r.counts, alloc),
                         export_tensor(r.row_of, alloc), export_tensor(r.token_of_row, alloc),
                         export_tensor(r.score_sum, alloc));
@@ -627,7 +623,7 @@ nb::object moe_route_backward(nb::handle logits, nb::handle experts, nb::handle 
   PyAllocator alloc(std::move(allocator));
   st::Stream s;
   s.handle = reinterpret_cast<void*>(stream);
-  return export_tensor(st::route_backward(router_options(num_experts, top_k, score, normalize),
+  return export_tensor(st::route_backward(st::wire::router_options(num_experts, top_k, score, normalize),
                                           view_of(logits, "logits"), view_of(experts, "experts"),
                                           view_of(dprobs, "dprobs"), optional_view(dscore_sum, "dscore_sum"), &alloc, s),
                        alloc);

@@ -1,8 +1,8 @@
-// What the two parts of the C++ torch library sparsetrain._torch_ops (torch_ops.cpp: attention's
-// operators, torch_grouped.cpp: the grouped layers) share: at::Tensor arguments as the library's
-// views, memory from torch's caching allocator on the current stream handed back as tensors over
-// that memory, the call's stream, and the library's errors as torch's (ValueError for an invalid
-// argument).
+// What the parts of the C++ torch library sparsetrain._torch_ops (torch_ops.cpp: attention's
+// operators, torch_grouped.cpp: the grouped layers, torch_moe.cpp: the MoE router's and combine's
+// operators) share: at::Tensor arguments as the library's views, memory from torch's caching
+// allocator on the current stream handed back as tensors over that memory, the call's stream, and
+// the library's errors as torch's (ValueError for an invalid argument).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -12,6 +12,7 @@
 #endif
 
 #include <array>
+#include <iterator>
 #include <map>
 #include <string>
 #include <utility>
@@ -61,6 +62,20 @@ inline DType dtype_of(const at::Tensor& t, const char* arg) {
   if (i >= 0 && i < kTypes && table[size_t(i)] >= 0) return DType(table[size_t(i)]);
   detail::throw_arg_error(arg, "a dtype the library can view (bf16, fp16, fp32, int32, int64, uint8, ...)",
                           std::string(at::toString(t.scalar_type())));
+}
+
+// The torch type of a DType (results: fp32, int32, ...): dtype_of_scalar_type's table read backwards.
+inline at::ScalarType scalar_type_of(DType d) {
+  static const std::array<at::ScalarType, std::size(kAllDTypes)> table = [] {
+    std::array<at::ScalarType, std::size(kAllDTypes)> m;
+    m.fill(at::ScalarType::Undefined);
+    for (int i = 0; i < int(at::ScalarType::NumOptions); ++i) {
+      DType t;
+      if (dtype_of_scalar_type(at::ScalarType(i), t)) m[size_t(t)] = at::ScalarType(i);
+    }
+    return m;
+  }();
+  return table[size_t(d)];
 }
 
 inline Device device_of(const at::Tensor& t, const char* arg) {
@@ -132,14 +147,11 @@ class TorchAllocator final : public Allocator {
     if (it == live_.begin()) ST_FAIL("internal: no allocation holds address ", v.data());
     --it;
     const at::Tensor& owner = it->second.owner;
-    const at::ScalarType type = v.dtype() == DType::kBF16   ? at::kBFloat16
-                                : v.dtype() == DType::kFP16 ? at::kHalf
-                                                            : at::kFloat;
     const int64_t offset = static_cast<const char*>(v.data()) - static_cast<const char*>(owner.data_ptr());
     // A tensor over the same storage built directly (as from_blob builds its own): two dispatcher
     // calls less per result than at::empty({0}).set_(storage, ...).
     at::Tensor r = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(owner.storage()), owner.key_set(),
-                                                            c10::scalarTypeToTypeMeta(type));
+                                                            c10::scalarTypeToTypeMeta(scalar_type_of(v.dtype())));
     std::vector<int64_t> sizes(v.shape(), v.shape() + v.dim()), strides(v.strides(), v.strides() + v.dim());
     if (swap_1_2) {
       if (v.dim() < 3) ST_FAIL("internal: take(swap_1_2) of a ", v.dim(), "-d result");

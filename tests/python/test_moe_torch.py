@@ -2,9 +2,11 @@
 softmax / sigmoid scores, the top-k by a stable descending sort of the (float32) scores plus bias,
 optional normalisation, each chosen expert's MLP (fc1 -> SwiGLU -> fc2) scaled by its prob,
 summed per token; gradients by autograd in float64 (the choice held) for x, the logits (through
-the probs and the score sums) and the experts' weights. Fresh random data each run (the seed is
-in the failure message); bitwise repeatability; torch.compile(fullgraph=True) traces the layer;
-bad arguments raise ValueError naming them."""
+the probs and the score sums) and the experts' weights; moe_route's outputs and logits gradient
+alone (ties, NaN) against the same composition; torch.library.opcheck on the C++ operators
+sparsetrain::moe_route, moe_route_backward and moe_combine_rows. Fresh random data each run (the
+seed is in the failure message); bitwise repeatability; torch.compile(fullgraph=True) traces the
+layer; bad arguments raise ValueError naming them."""
 
 import numpy as np
 import pytest
@@ -66,14 +68,7 @@ def reference(x, logits, bias, layer, top_k, score, normalize, leaf_doubles):
     fc1, fc2 = layer.experts.fc1, layer.experts.fc2
     w1 = [leaf_doubles[0]] + [w.double() for w in fc1.weights()[1:]]
     w2 = [w.double() for w in fc2.weights()[:-1]] + [leaf_doubles[1]]
-    l = logits
-    s = torch.softmax(l, dim=1) if score == "softmax" else torch.sigmoid(l)
-    with torch.no_grad():
-        value = s.float() + (0 if bias is None else bias)
-        experts = torch.sort(value, dim=1, descending=True, stable=True).indices[:, :top_k]
-    probs = s.gather(1, experts)
-    if normalize:
-        probs = probs / probs.sum(1, keepdim=True)
+    experts, probs, score_sum = reference_route(logits, bias, top_k, score, normalize)
     F = layer.experts.ffn_hidden_size
     rows = []
     for n in range(x.shape[0]):
@@ -83,7 +78,23 @@ def reference(x, logits, bias, layer, top_k, score, normalize, leaf_doubles):
             h = x[n] @ w1[e].T
             acc = acc + probs[n, i] * ((torch.nn.functional.silu(h[:F]) * h[F:]) @ w2[e].T)
         rows.append(acc)
-    return torch.stack(rows), s.sum(0), experts
+    return torch.stack(rows), score_sum, experts
+
+
+def reference_route(logits, bias, top_k, score, normalize):
+    """(experts, probs, score_sum) of float64 logits, differentiable in the logits: scores by
+    softmax or sigmoid, the choice by a stable descending sort of the float32 scores plus bias with
+    NaN last (the library's rules: ties to the lower expert id), probs the chosen scores,
+    optionally divided by their sum."""
+    s = torch.softmax(logits, dim=1) if score == "softmax" else torch.sigmoid(logits)
+    with torch.no_grad():
+        value = s.float() + (0 if bias is None else bias)
+        value = value.masked_fill(value.isnan(), -float("inf"))  # NaN below every number (no score is -inf)
+        experts = torch.sort(value, dim=1, descending=True, stable=True).indices[:, :top_k]
+    probs = s.gather(1, experts)
+    if normalize:
+        probs = probs / probs.sum(1, keepdim=True)
+    return experts, probs, s.sum(0)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -175,6 +186,110 @@ def test_moe_route_under_compile_fullgraph():
     torch.testing.assert_close(g_compiled, g_eager)
 
 
+def route_inputs(N, E, nan=False):
+    """Fresh fp32 router logits [N, E] and expert bias [E] that route unevenly (expert 0 favoured,
+    the last expert nearly never chosen), with ties of score plus bias (experts 1 and 3 have the
+    same bias; a token whose logits are all equal, one whose two best are those experts') and,
+    with `nan`, a NaN logit (softmax: that token's probs all NaN; sigmoid: that expert's; NaN
+    chosen last)."""
+    logits = 2 * torch.randn(N, E)
+    logits[:, 0] += 2
+    logits[:, -1] -= 6
+    logits[1] = 0.5
+    logits[2, 1] = logits[2, 3] = 9.0
+    if nan:
+        logits[3, 2] = float("nan")
+    bias = 0.3 * torch.randn(E)
+    bias[3] = bias[1]
+    return logits, bias
+
+
+@pytest.mark.parametrize("score,normalize", [("softmax", False), ("softmax", True), ("sigmoid", False),
+                                             ("sigmoid", True)])
+@pytest.mark.parametrize("uses", ["probs", "score_sum", "both"])
+@pytest.mark.parametrize("nan", [False, True], ids=["finite", "nan"])
+def test_moe_route_gradient_matches_a_float64_composition(score, normalize, uses, nan):
+    """moe_route's outputs and the logits' gradient through the C++ autograd against
+    reference_route in float64, from probs alone (no score_sum gradient), from score_sum alone (an
+    expanded one, the gradient of a sum; dprobs zeros) or from both; expert_bias, which requires
+    grad, gets none. Tolerance: fp32's, with a few tens of roundoffs (sums over the tokens)."""
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    torch.manual_seed(seed)
+    N, E, K = 37, 8, 3
+    logits, bias = (t.requires_grad_() for t in route_inputs(N, E, nan))
+    wp = torch.randn(N, K)
+
+    def loss(probs, score_sum):
+        return {"probs": (probs * wp).sum(), "score_sum": score_sum.sum(),
+                "both": (probs * wp).sum() + score_sum.sum()}[uses]
+
+    r = stt.moe_route(logits, K, score=score, normalize=normalize, expert_bias=bias)
+    loss(r.probs, r.score_sum).backward()
+    lr = logits.detach().double().requires_grad_()
+    experts, probs, score_sum = reference_route(lr, bias.detach(), K, score, normalize)
+    loss(probs, score_sum).backward()
+    assert torch.equal(r.experts, experts.int()), f"seed {seed}"
+    assert torch.equal(r.counts, torch.bincount(experts.reshape(-1), minlength=E)), f"seed {seed}"
+    assert bias.grad is None, f"seed {seed}"
+    tol = 64 * torch.finfo(logits.dtype).eps
+    pairs = (("probs", r.probs, probs), ("score_sum", r.score_sum, score_sum), ("dlogits", logits.grad, lr.grad))
+    for name, a, b in pairs:
+        torch.testing.assert_close(a.double(), b.detach(), rtol=tol, atol=tol, equal_nan=True,
+                                   msg=f"{name}, seed {seed}")
+
+
+@pytest.mark.parametrize("score,normalize", [("softmax", False), ("softmax", True), ("sigmoid", True)])
+def test_moe_ops_pass_opcheck(score, normalize):
+    """The three operators on fresh CPU data (uneven routing, ties): schema (new outputs, none
+    aliasing an input), autograd registration (moe_route's in C++, the others' "not implemented"),
+    AOT dispatch with dynamic shapes; outputs that share no memory with each other either, and
+    fakes with the real outputs' shapes, strides and dtypes. (test_faketensor would fail on the
+    storage offset alone, as attention's; AOT dispatch is run on moe_route without a gradient,
+    because opcheck sums every output into one tensor, which an int32 first output makes integer:
+    its backward's trace is checked with make_fx here, its gradients in the test above. No NaN:
+    opcheck compares without equal_nan.)"""
+    from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: PLC0415
+    from torch.fx.experimental.proxy_tensor import make_fx  # noqa: PLC0415
+
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    torch.manual_seed(seed)
+    N, E, K = 41, 8, 3
+    ops = torch.ops.sparsetrain
+    logits, bias = route_inputs(N, E)
+    utils = ("test_schema", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(ops.moe_route.default, (logits.requires_grad_(), bias, K, score, normalize),
+                          test_utils=utils[:2])
+    logits = logits.detach()
+    route_args = (logits, bias, K, score, normalize)
+    torch.library.opcheck(ops.moe_route.default, route_args, test_utils=utils)
+    r = ops.moe_route.default(*route_args)
+    assert len({t.untyped_storage().data_ptr() for t in r}) == len(r), f"seed {seed}"
+    backward_args = (logits, r[0], torch.randn(N, K), torch.randn(E), K, score, normalize)
+    torch.library.opcheck(ops.moe_route_backward.default, backward_args, test_utils=utils)
+    torch.library.opcheck(ops.moe_route_backward.default, (*backward_args[:3], None, *backward_args[4:]),
+                          test_utils=utils)
+    combine_args = (torch.randn(N * K, 16, dtype=BF16), r[3])
+    torch.library.opcheck(ops.moe_combine_rows.default, combine_args, test_utils=utils)
+
+    def layouts(outputs):
+        return [(t.shape, t.stride(), t.dtype) for t in ((outputs,) if isinstance(outputs, torch.Tensor) else outputs)]
+
+    for op, args in ((ops.moe_route.default, route_args), (ops.moe_route_backward.default, backward_args),
+                     (ops.moe_combine_rows.default, combine_args)):
+        with FakeTensorMode() as mode:
+            fake = op(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+        assert layouts(fake) == layouts(op(*args)), f"{op}: fake (shape, stride, dtype) vs the real call's"
+
+    def grads(l, dprobs, dscore_sum):
+        out = ops.moe_route.default(l, None, K, score, normalize)
+        return torch.autograd.grad((out[1], out[5]), l, (dprobs, dscore_sum))
+
+    traced = make_fx(grads, tracing_mode="symbolic")(logits.detach().requires_grad_(), torch.randn(N, K),
+                                                     torch.randn(E))
+    targets = {n.target for n in traced.graph.nodes}
+    assert ops.moe_route.default in targets and ops.moe_route_backward.default in targets, targets
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="top_k: expected 1 <= top_k <= num_experts = 4, got 5"):
         stt.MoELayer(4, 16, 8, 5)
@@ -190,6 +305,12 @@ def test_bad_arguments_are_named():
         layer(x, torch.randn(5, 3))
     with pytest.raises(ValueError, match="logits: expected dtype fp32"):
         layer(x, torch.randn(5, 4, dtype=BF16))
+    with pytest.raises(ValueError, match=r"logits: expected a 2-d tensor \[N, E\] \(router logits\), got \[20\]"):
+        stt.moe_route(torch.randn(20), 2)
+    with pytest.raises(ValueError, match="score: expected softmax or sigmoid, got tanh"):
+        stt.moe_route(torch.randn(5, 4), 2, score="tanh")
+    with pytest.raises(ValueError, match=r"expert_bias: expected shape \[4\]"):
+        stt.moe_route(torch.randn(5, 4), 2, expert_bias=torch.zeros(3))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -202,13 +323,13 @@ def test_the_combine_sums_in_slot_order_without_a_copy_of_the_rows(device, monke
     import sparsetrain.torch.token_rows as tm  # noqa: PLC0415
 
     calls = []
-    real = tm._combine_rows_op
+    real = tm._COMBINE_ROWS
 
     def spy(x, index):
         calls.append((tuple(x.shape), tuple(index.shape)))
         return real(x, index)
 
-    monkeypatch.setattr(tm, "_combine_rows_op", spy)
+    monkeypatch.setattr(tm, "_COMBINE_ROWS", spy)
     torch.manual_seed(5)
     N, H, K = 37, 32, 3
     y = torch.randn(N * K, H, dtype=BF16, device=device)

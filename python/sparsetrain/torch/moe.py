@@ -1,28 +1,32 @@
 """The MoE layer's torch front (sparsetrain.torch.MoELayer, sparsetrain.torch.moe_route): the router
-as torch.library custom ops (the rules of moe_router.h, fake implementations for torch.compile),
-the tokens' rows moved by gathers in both directions (no scatter, no atomics: deterministic on
-every device), and the experts as a sparsetrain.torch.GroupedMLP. CPU or CUDA tensors (on CUDA the
-counts reach the experts as device splits: no host synchronisation)."""
+as the C++ torch library's operators (the rules of moe_router.h, autograd in C++; fake
+implementations here, for torch.compile), the tokens' rows moved by gathers in both directions (no
+scatter, no atomics: deterministic on every device), and the experts as a
+sparsetrain.torch.GroupedMLP. CPU or CUDA tensors (on CUDA the counts reach the experts as device
+splits: no host synchronisation)."""
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
-from .._moe import ROUTER_SCORES, route, route_backward
+from .._moe import ROUTER_SCORES
+from . import native  # noqa: F401  (loads the C++ torch library, which defines the router's operators)
 from .token_rows import combine, expert_rows, regathered_in_backward
 from .grouped_mlp import GroupedMLP
 
 
-@torch.library.custom_op("sparsetrain::moe_route", mutates_args=())
-def _route_op(logits: Tensor, expert_bias: Optional[Tensor], top_k: int, score: str,
-              normalize: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return tuple(t.clone() for t in route(logits, top_k, score=score, normalize=normalize, expert_bias=expert_bias))
+# The router's operators (python/src/torch_moe.cpp; autograd in C++: the gradients of probs and
+# score_sum reach the logits through sparsetrain::moe_route_backward), the forward's OpOverload
+# bound once.
+_ROUTE = torch.ops.sparsetrain.moe_route.default
 
 
-@_route_op.register_fake
+# Shapes only, for FakeTensorMode, meta tensors and torch.compile (Python, so that symbolic shapes
+# pass through): route()'s outputs, each contiguous.
+@torch.library.register_fake("sparsetrain::moe_route")
 def _(logits, expert_bias, top_k, score, normalize):
     N, E = logits.shape
     i32 = torch.int32
@@ -31,33 +35,9 @@ def _(logits, expert_bias, top_k, score, normalize):
             logits.new_empty((N * top_k,), dtype=i32), logits.new_empty((E,), dtype=torch.float32))
 
 
-@torch.library.custom_op("sparsetrain::moe_route_backward", mutates_args=())
-def _route_backward_op(logits: Tensor, experts: Tensor, dprobs: Tensor, dscore_sum: Optional[Tensor], top_k: int,
-                       score: str, normalize: bool) -> Tensor:
-    return route_backward(logits, experts, dprobs, top_k, score=score, normalize=normalize,
-                          dscore_sum=dscore_sum).clone()
-
-
-@_route_backward_op.register_fake
+@torch.library.register_fake("sparsetrain::moe_route_backward")
 def _(logits, experts, dprobs, dscore_sum, top_k, score, normalize):
-    return torch.empty_like(logits, dtype=torch.float32)
-
-
-def _route_setup(ctx, inputs, output):
-    logits, _, top_k, score, normalize = inputs
-    ctx.save_for_backward(logits, output[0])
-    ctx.rule = (top_k, score, normalize)
-
-
-def _route_grad(ctx, d_experts, d_probs, d_counts, d_row_of, d_token_of_row, d_score_sum):
-    logits, experts = ctx.saved_tensors
-    top_k, score, normalize = ctx.rule
-    dprobs = torch.zeros_like(experts, dtype=torch.float32) if d_probs is None else d_probs.float().contiguous()
-    dsum = None if d_score_sum is None else d_score_sum.float().contiguous()
-    return _route_backward_op(logits, experts, dprobs, dsum, top_k, score, normalize), None, None, None, None
-
-
-torch.library.register_autograd("sparsetrain::moe_route", _route_grad, setup_context=_route_setup)
+    return logits.new_empty(logits.shape, dtype=torch.float32)
 
 
 class RoutedTokens(NamedTuple):
@@ -76,7 +56,7 @@ def moe_route(logits: Tensor, top_k: int, *, score: str = "softmax", normalize: 
     """sparsetrain.route for torch under autograd and torch.compile: fp32 logits [N, E] ->
     RoutedTokens (see sparsetrain.route for the rules: choice, ties, normalisation, layout). The
     gradient of probs and of score_sum flows back to the logits; expert_bias gets none."""
-    return RoutedTokens(*_route_op(logits, expert_bias, int(top_k), score, bool(normalize)))
+    return RoutedTokens(*_ROUTE(logits, expert_bias, int(top_k), score, bool(normalize)))
 
 
 def check_layer_inputs(layer: nn.Module, x: Tensor, logits: Tensor) -> None:

@@ -9,20 +9,20 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import Tensor
 
-from .._moe import combine_rows
+from . import native  # noqa: F401  (loads the C++ torch library, which defines the combine's operator)
 
 if TYPE_CHECKING:
     from .moe import RoutedTokens
 
+# The combine (python/src/torch_moe.cpp: moe_layer.h's combine_rows), its OpOverload bound once;
+# its autograd is Rows below.
+_COMBINE_ROWS = torch.ops.sparsetrain.moe_combine_rows.default
 
-@torch.library.custom_op("sparsetrain::moe_combine_rows", mutates_args=())
-def _combine_rows_op(x: Tensor, index: Tensor) -> Tensor:
-    return combine_rows(x, index)
 
-
-@_combine_rows_op.register_fake
-def _(x, index):
-    return x.new_empty((index.shape[0], x.shape[1]))
+# Shapes only, for FakeTensorMode, meta tensors and torch.compile.
+@torch.library.register_fake("sparsetrain::moe_combine_rows")
+def _(rows, row_of):
+    return rows.new_empty((row_of.shape[0], rows.shape[1]))
 
 
 _COMBINED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -34,7 +34,7 @@ def take(x: Tensor, index: Tensor) -> Tensor:
     if index.dim() == 1:
         return x.index_select(0, index)
     if x.dim() == 2 and x.dtype in _COMBINED_DTYPES:
-        return _combine_rows_op(x if x.stride(-1) == 1 else x.contiguous(), index.to(torch.int32).contiguous())
+        return _COMBINE_ROWS(x if x.stride(-1) == 1 else x.contiguous(), index.to(torch.int32).contiguous())
     return x.index_select(0, index.reshape(-1)).view(*index.shape, *x.shape[1:]).sum(1)
 
 
