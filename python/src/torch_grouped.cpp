@@ -6,12 +6,8 @@
 // A module's state lives in its C++ layer (the class sparsetrain._torch_ops.GroupedLinear /
 // GroupedMLP, made with the module): the st::GroupedLinear / st::GroupedMLP over the module's
 // parameters, its delayed-wgrad queue, its cached dummy wgrad. The operators find it by the
-// module's id in this file's registry; the module passes its parameter tensors with every call,
-// for each linear layer its weights then its biases (`params`; one packed tensor or G of each), its
-// main_grads (`main_grads`, with fusion), and `flags` (bit 0 overwrite_main_grad, bit 1 + i: layer
-// i's weights have Megatron's grad_added_to_main_grad). The C++ layer holds views of them, so it
-// is rebuilt when one moved (another tensor, `.data =`, `.to()`: address, shape, strides, dtype or
-// device) or a flag changed, never while delayed wgrads are pending.
+// module's id; the module passes its parameters, main_grads and flags with every call
+// (torch_layers.h, which the MoE layer's operators of torch_moe.cpp share).
 //
 // Two operators per direction: a functional one, and one that writes a caller buffer (`out`,
 // `grad_input`), so that neither has an optional mutated argument (Inductor lowers those poorly).
@@ -24,255 +20,28 @@
 // entries (no torch.ops argument conversion), as attention's do (torch_ops.cpp).
 #include <ATen/DeviceAccelerator.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/VariableTypeUtils.h>  // rebase_history, increment_version
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
-#include <torch/csrc/autograd/function.h>
-#include <torch/csrc/autograd/functions/utils.h>
-#include <torch/csrc/autograd/graph_task.h>  // get_current_graph_task_keep_graph
-#include <torch/csrc/autograd/python_variable.h>
-#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 #include <torch/python.h>
 
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
-#include <unordered_map>
-#include <utility>
 #include <vector>
 
 #include "sparsetrain/error.h"
 #include "sparsetrain/grouped_linear.h"
 #include "sparsetrain/grouped_mlp.h"
-#include "sparsetrain/weight_grad.h"
-#include "torch_common.h"
+#include "torch_layers.h"
 
 namespace st = sparsetrain;
 
 namespace {
 
 using namespace st::torch_ops;  // NOLINT(google-build-using-namespace): this file's toolbox
-using OptTensor = std::optional<at::Tensor>;
-using torch::autograd::variable_list;
-
-// --- the module's parameters -------------------------------------------------------------------
-
-bool overwrite_main_grad(int64_t flags) { return (flags & 1) != 0; }
-bool has_grad_added_attr(int64_t flags, size_t layer) { return ((flags >> (1 + layer)) & 1) != 0; }
-
-// The options a module fixes at construction that both layers' options carry (the rest but
-// dtype and overwrite_main_grad, which come with the parameters, are set by each layer).
-template <class Options>
-Options module_options(int64_t num_groups, bool fuse_wgrad_accumulation, bool delay_wgrad_compute,
-                       bool check_device_splits) {
-  Options o;
-  o.num_groups = num_groups;
-  o.fuse_wgrad_accumulation = fuse_wgrad_accumulation;
-  o.delay_wgrad_compute = delay_wgrad_compute;
-  o.check_device_splits = check_device_splits;
-  return o;
-}
-
-// How one linear layer's parameters sit in a module's lists.
-struct LinearLayout {
-  int64_t num_groups;
-  bool packed, bias, fuse, delay;
-  size_t per_param() const { return packed ? 1 : size_t(num_groups); }
-  size_t params() const { return per_param() * (1 + size_t(bias)); }  // weights, biases
-  size_t main_grads() const { return fuse ? per_param() : 0; }
-};
-
-st::GroupedParam grouped_param(at::TensorList ts, size_t& at, size_t n, bool packed, const std::string& name) {
-  std::vector<st::TensorView> views;
-  for (size_t i = 0; i < n; ++i) views.push_back(view_of(ts[at++], name.c_str()));
-  return packed ? st::GroupedParam::packed(views[0]) : st::GroupedParam::per_group(std::move(views));
-}
-
-// Where a parameter tensor lives and how it is laid out, to tell whether it moved.
-struct Placement {
-  explicit Placement(const at::Tensor& t)
-      : data(t.data_ptr()), type(t.scalar_type()), device(t.device()), sizes(t.sizes()), strides(t.strides()) {}
-  bool operator==(const Placement& o) const {
-    return data == o.data && type == o.type && device == o.device && sizes == o.sizes && strides == o.strides;
-  }
-  const void* data;
-  at::ScalarType type;
-  at::Device device;
-  at::DimVector sizes, strides;
-};
-
-st::Splits splits_of(const at::Tensor& splits, const OptTensor& status) {
-  if (splits.is_cuda()) return st::Splits::device(view_of(splits, "splits"), view_of(status, "splits status"));
-  return st::Splits::host(view_of(splits, "splits"));
-}
-
-// The call's stream and, for a backward that may queue a delayed wgrad, the tensors the queue
-// entry refers to (held by the C++ layer's queue until backward_dw pops it).
-st::CallArgs call_args(const at::Tensor& on, std::vector<at::Tensor> keep = {}) {
-  st::CallArgs a;
-  a.stream = stream_of(on);
-  if (!keep.empty()) a.keep_alive = std::make_shared<const std::vector<at::Tensor>>(std::move(keep));
-  return a;
-}
-
-// --- the layers and their registry -------------------------------------------------------------
-
-class RegisteredLayer;
-
-// Every module's C++ layer by the module's id: the operators' kernels (run where autograd runs
-// them, without the GIL) find a module's state through it. Weak: the module owns its layer.
-class Registry {
- public:
-  static Registry& get() {
-    static Registry* r = new Registry();  // never destroyed: layers may outlive static destruction
-    return *r;
-  }
-  void add(int64_t id, const std::shared_ptr<RegisteredLayer>& layer) {
-    const std::lock_guard<std::mutex> lock(mutex_);
-    layers_[id] = layer;
-  }
-  void remove_expired(int64_t id) {
-    const std::lock_guard<std::mutex> lock(mutex_);
-    auto it = layers_.find(id);
-    if (it != layers_.end() && it->second.expired()) layers_.erase(it);
-  }
-  template <class Layer>
-  std::shared_ptr<Layer> find(int64_t id) {
-    std::shared_ptr<RegisteredLayer> l;
-    {
-      const std::lock_guard<std::mutex> lock(mutex_);
-      auto it = layers_.find(id);
-      if (it != layers_.end()) l = it->second.lock();
-    }
-    auto typed = std::dynamic_pointer_cast<Layer>(l);
-    TORCH_CHECK(typed, "sparsetrain layer ", id, " no longer exists");
-    return typed;
-  }
-
- private:
-  std::mutex mutex_;
-  std::unordered_map<int64_t, std::weak_ptr<RegisteredLayer>> layers_;
-};
-
-// A module's C++ layer, in the registry under the module's id while it lives.
-class RegisteredLayer {
- public:
-  virtual ~RegisteredLayer() {
-    if (id_ >= 0) Registry::get().remove_expired(id_);
-  }
-  void registered_as(int64_t id) { id_ = id; }
-
- private:
-  int64_t id_ = -1;
-};
-
-// What backward hands autograd for one linear layer's weights and biases: the weight-grad rule
-// (weight_grad.h) under this call's flags, and how many tensors each list has.
-struct GradRule {
-  st::WeightGradDisposition disposition;
-  bool packed;
-  size_t weights, biases;
-};
-
-// The C++ layer of a module over the parameters it passed last (see the top of the file). Every
-// method holds the layer's lock: autograd runs backwards on its own threads.
-template <class Layer>
-class ModuleLayer : public RegisteredLayer {
- public:
-  int64_t pending_wgrads() {
-    const std::lock_guard<std::mutex> lock(mutex_);
-    return layer_ ? int64_t(layer_->pending_wgrads()) : 0;
-  }
-
-  // Each layer's GradRule under `flags`.
-  std::vector<GradRule> grad_rules(int64_t flags) const {
-    std::vector<GradRule> rules;
-    for (size_t i = 0; i < layouts_.size(); ++i) {
-      const LinearLayout& l = layouts_[i];
-      rules.push_back({st::weight_grad_disposition(l.delay, l.fuse, has_grad_added_attr(flags, i)), l.packed,
-                       l.per_param(), l.bias ? l.per_param() : 0});
-    }
-    return rules;
-  }
-
- protected:
-  ModuleLayer(const char* what, std::vector<LinearLayout> layouts) : what_(what), layouts_(std::move(layouts)) {}
-
-  // A layer over the module's tensors (checked in number), `flags` as the module passed them.
-  virtual std::unique_ptr<Layer> make(at::TensorList params, at::TensorList main_grads, int64_t flags) = 0;
-
-  // The layer over the module's tensors and flags, made anew when they differ from the last call's.
-  // The caller holds mutex_.
-  Layer& bound(at::TensorList params, at::TensorList main_grads, int64_t flags) {
-    size_t n_params = 0, n_main_grads = 0;
-    for (const LinearLayout& l : layouts_) n_params += l.params(), n_main_grads += l.main_grads();
-    ST_CHECK_ARG(params.size() == n_params, "params", std::to_string(n_params) + " tensors (weights, biases of each layer)",
-                 params.size());
-    ST_CHECK_ARG(main_grads.size() == n_main_grads, "main_grads",
-                 std::to_string(n_main_grads) + " tensors (each layer's, with fuse_wgrad_accumulation)",
-                 main_grads.size());
-    if (layer_ && flags == flags_ && same(params, 0) && same(main_grads, params.size())) return *layer_;
-    if (layer_ && layer_->pending_wgrads())
-      ST_FAIL(what_, ": parameters or main_grad changed while ", layer_->pending_wgrads(),
-              " delayed wgrad(s) are pending; call backward_dw() first");
-    std::unique_ptr<Layer> fresh = make(params, main_grads, flags);  // may throw: the old layer then stays
-    layer_ = std::move(fresh);
-    held_.assign(params.begin(), params.end());
-    held_.insert(held_.end(), main_grads.begin(), main_grads.end());
-    placements_.clear();
-    for (const at::Tensor& t : held_) placements_.emplace_back(t);
-    flags_ = flags;
-    return *layer_;
-  }
-
-  // Layer `i`'s parameters from the module's lists, from `at` and `mg_at` on (moved past them).
-  st::GroupedLinearParams layer_params(at::TensorList params, size_t& at, at::TensorList main_grads, size_t& mg_at,
-                                       size_t i, int64_t flags, const std::string& prefix) const {
-    const LinearLayout& l = layouts_[i];
-    st::GroupedLinearParams p;
-    const size_t n = l.per_param();
-    p.weight = grouped_param(params, at, n, l.packed, prefix + "weight");
-    if (l.bias) p.bias = grouped_param(params, at, n, l.packed, prefix + "bias");
-    if (l.fuse) p.main_grad = grouped_param(main_grads, mg_at, n, l.packed, prefix + "main_grad");
-    p.has_grad_added_to_main_grad = has_grad_added_attr(flags, i);
-    return p;
-  }
-
-  // One layer's weight grad and bias grad as tensors, an empty tensor (`like`'s dtype) for none:
-  // the packed wgrad, or the dummy (packed, or the one [out, in] tensor of per-group weights). Two
-  // nones are two tensors: an operator's outputs may not alias each other.
-  std::tuple<at::Tensor, at::Tensor> layer_grads(const st::WeightGrad& w, const st::Tensor& bias_grad,
-                                                 const at::Tensor& like) const {
-    at::Tensor dw = w.kind == st::WeightGradKind::kNone
-                        ? at::empty({0}, like.options())
-                        : alloc_.take(w.packed.defined() ? w.packed : w.per_group[0]);
-    return {dw, bias_grad.defined() ? alloc_.take(bias_grad) : at::empty({0}, like.options())};
-  }
-
-  // The device the layer computes on (its first parameter's), for calls without activations.
-  const at::Tensor& first_param() const { return held_.at(0); }
-
-  std::mutex mutex_;
-  TorchAllocator alloc_;  // declared before layer_: the layer's cached tensors are returned to it
-
- private:
-  bool same(at::TensorList ts, size_t from) const {
-    for (size_t i = 0; i < ts.size(); ++i)
-      if (!(Placement(ts[i]) == placements_[from + i])) return false;
-    return true;
-  }
-
-  const char* what_;
-  std::vector<LinearLayout> layouts_;
-  std::vector<at::Tensor> held_;  // params then main_grads: keeps what the layer views alive
-  std::vector<Placement> placements_;  // theirs when the layer was made
-  int64_t flags_ = 0;
-  std::unique_ptr<Layer> layer_;
-};
 
 class TorchGroupedLinear final : public ModuleLayer<st::GroupedLinear> {
  public:
@@ -506,128 +275,6 @@ ST_HANDLE(mlp_backward, "sparsetrain::grouped_mlp_backward")
 ST_HANDLE(mlp_backward_into, "sparsetrain::grouped_mlp_backward_into")
 #undef ST_HANDLE
 
-// --- autograd -----------------------------------------------------------------------------------
-
-// What a grouped layer's backward node keeps: the saved tensors (version-checked as
-// save_for_backward's), the module's id and flags, each linear layer's GradRule, and the caller's
-// grad_input buffer (not saved: backward writes it).
-class GroupedBackward : public torch::autograd::Node {
- public:
-  GroupedBackward(int64_t layer, int64_t flags, std::vector<GradRule> rules, bool out_edge, OptTensor grad_input,
-                  const std::vector<at::Tensor>& saved, at::TensorList params, at::TensorList main_grads)
-      : layer_(layer), flags_(flags), rules_(std::move(rules)), out_edge_(out_edge),
-        grad_input_(std::move(grad_input)) {
-    for (const at::Tensor& t : saved) saved_.emplace_back(t, false);
-    for (const at::Tensor& t : params) params_.emplace_back(t, false);
-    for (const at::Tensor& t : main_grads) main_grads_.emplace_back(t, false);
-  }
-
-  void release_variables() override {
-    for (torch::autograd::SavedVariable& v : saved_) v.reset_data();
-    for (torch::autograd::SavedVariable& v : params_) v.reset_data();
-    for (torch::autograd::SavedVariable& v : main_grads_) v.reset_data();
-  }
-
- protected:
-  static std::vector<at::Tensor> unpack(std::vector<torch::autograd::SavedVariable>& vs,
-                                        const std::shared_ptr<Node>& self) {
-    std::vector<at::Tensor> r;
-    r.reserve(vs.size());
-    for (torch::autograd::SavedVariable& v : vs) r.push_back(v.unpack(self));
-    return r;
-  }
-
-  // The output's gradient as backward takes it: zeros where autograd gave none, exactly x's T
-  // rows (a caller `out` may have more, or as few as S with host splits: the rows >= S of a
-  // gradient are never read, the missing ones are zeros), the last dim contiguous.
-  static at::Tensor dy_of(const at::Tensor& grad, const at::Tensor& x, int64_t out_features) {
-    const int64_t T = x.size(0);
-    if (!grad.defined()) return at::zeros({T, out_features}, x.options());
-    at::Tensor dy = grad;
-    if (dy.size(0) > T) dy = dy.narrow(0, 0, T);
-    if (dy.size(0) < T) dy = at::cat({dy, dy.new_zeros({T - dy.size(0), dy.size(1)})});
-    return dy.stride(-1) == 1 ? dy : dy.contiguous();
-  }
-
-  // dx as autograd takes it: the caller's buffer's first T rows (zeros below a buffer of fewer),
-  // or the op's dx.
-  at::Tensor dx_of(const at::Tensor& dx, const at::Tensor& x) const {
-    if (!grad_input_.has_value()) return dx;
-    const at::Tensor& b = *grad_input_;
-    const int64_t T = x.size(0);
-    if (b.size(0) > T) return b.narrow(0, 0, T);
-    if (b.size(0) < T) return at::cat({b, b.new_zeros({T - b.size(0), b.size(1)})});
-    return b;
-  }
-
-  // Layer i's weight then bias grads into `out`, from the op's (dw, db), under its GradRule: none,
-  // the wgrad (packed, or unbound per group), or the cached dummy for every weight, which tells
-  // Megatron through the weights' grad_added_to_main_grad that main_grad already holds the wgrad.
-  void append_param_grads(variable_list& out, size_t i, const at::Tensor& dw, const at::Tensor& db,
-                          const std::vector<at::Tensor>& params, size_t& at) const {
-    const GradRule& r = rules_[i];
-    const size_t first_weight = at;
-    switch (r.disposition.weight) {
-      case st::WeightGradKind::kNone:
-        out.resize(out.size() + r.weights);
-        break;
-      case st::WeightGradKind::kWgrad:
-        if (r.packed) {
-          out.push_back(dw);
-        } else {
-          for (const at::Tensor& g : dw.unbind(0)) out.push_back(g);
-        }
-        break;
-      case st::WeightGradKind::kDummy:
-        out.insert(out.end(), r.weights, dw);
-        mark_grad_added(params, first_weight, r.weights);
-        break;
-    }
-    at += r.weights;
-    if (r.biases && r.disposition.bias_grad_now) {
-      if (r.packed) {
-        out.push_back(db);
-      } else {
-        for (const at::Tensor& g : db.unbind(0)) out.push_back(g);
-      }
-    } else {
-      out.resize(out.size() + r.biases);
-    }
-    at += r.biases;
-  }
-
-  // Whether this backward is the saved tensors' last reader: the graph is not retained, and the
-  // call is plain eager (under tracing, a compiled graph's backward may be run again).
-  static bool last_use(const std::vector<at::Tensor>& saved) {
-    if (torch::autograd::get_current_graph_task_keep_graph()) return false;
-    if (c10::impl::TorchDispatchModeTLS::stack_len() > 0) return false;
-    for (const at::Tensor& t : saved)
-      if (t.defined() && t.key_set().has_any(c10::python_ks)) return false;
-    return true;
-  }
-
-  int64_t layer_, flags_;
-  std::vector<GradRule> rules_;
-  bool out_edge_;  // the first edge is a caller `out`'s old history (which gets no gradient)
-  OptTensor grad_input_;
-  std::vector<torch::autograd::SavedVariable> saved_, params_, main_grads_;
-
- private:
-  static void mark_grad_added(const std::vector<at::Tensor>& params, size_t from, size_t n) {
-    if (!Py_IsInitialized()) return;
-    const pybind11::gil_scoped_acquire gil;
-    for (size_t i = from; i < from + n; ++i) {
-      PyObject* w = THPVariable_Wrap(params[i]);
-      const int rc = w ? PyObject_SetAttrString(w, "grad_added_to_main_grad", Py_True) : -1;
-      Py_XDECREF(w);
-      if (rc != 0) {
-        PyErr_Clear();
-        TORCH_CHECK(false, "sparsetrain: could not set grad_added_to_main_grad on a weight");
-      }
-    }
-  }
-};
-
 // GroupedLinear's node: saved [x, splits, status].
 class GroupedLinearBackward final : public GroupedBackward {
  public:
@@ -689,35 +336,6 @@ class GroupedMLPBackward final : public GroupedBackward {
     return out;
   }
 };
-
-// Whether autograd records a call whose differentiable inputs are `inputs` and `params`; forward-
-// mode AD is refused (no forward derivative is defined).
-bool recorded(std::initializer_list<const at::Tensor*> inputs, at::TensorList params, const char* what) {
-  for (const at::Tensor* t : inputs)
-    TORCH_CHECK(!t->_fw_grad(/*level=*/0).defined(), what, ": forward-mode AD is not supported");
-  if (!at::GradMode::is_enabled()) return false;
-  for (const at::Tensor* t : inputs)
-    if (t->requires_grad()) return true;
-  for (const at::Tensor& p : params)
-    if (p.requires_grad()) return true;
-  return false;
-}
-
-template <class Node, class Layer>
-std::shared_ptr<Node> make_node(int64_t layer, int64_t flags, const OptTensor& out, const OptTensor& grad_input,
-                                const std::vector<at::Tensor>& saved, at::TensorList params, at::TensorList main_grads,
-                                const std::vector<at::Tensor>& inputs) {
-  auto node = std::shared_ptr<Node>(
-      new Node(layer, flags, Registry::get().find<Layer>(layer)->grad_rules(flags), out.has_value(), grad_input,
-               saved, params, main_grads),
-      torch::autograd::deleteNode);
-  if (out.has_value()) {
-    node->set_next_edges(torch::autograd::collect_next_edges(*out, at::TensorList(inputs), params));
-  } else {
-    node->set_next_edges(torch::autograd::collect_next_edges(at::TensorList(inputs), params));
-  }
-  return node;
-}
 
 // The caller's buffer `out`, written in place below autograd, takes `node` as its history as an
 // in-place op's output does (its version bumped; CopySlices where it is a view). Without a node
@@ -811,23 +429,6 @@ bool grad_accumulators_on_current_stream(const std::vector<at::Tensor>& params) 
   return true;
 }
 
-// Registers a module layer class: made with the module's id (and registered under it), its
-// delayed-wgrad method and count.
-template <class Layer, class... Args>
-void register_layer(pybind11::module_& m, const char* name) {
-  pybind11::class_<Layer, std::shared_ptr<Layer>>(m, name)
-      .def(pybind11::init([](int64_t id, Args... args) {
-        auto layer = std::make_shared<Layer>(args...);
-        Registry::get().add(id, layer);
-        layer->registered_as(id);
-        return layer;
-      }))
-      .def("backward_dw",
-           [](Layer& l, const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& main_grads,
-              int64_t flags) { return l.backward_dw(params, main_grads, flags); })
-      .def_property_readonly("pending_wgrads", &Layer::pending_wgrads);
-}
-
 // The forward operators called from Python without torch.ops' entry (each argument converted to
 // an IValue, the __torch_function__ scan: ~10 us a call), where that entry has nothing to do: eager
 // calls on plain tensors with no mode active (sparsetrain.torch.native.direct). The same operators
@@ -860,6 +461,7 @@ void register_entries(pybind11::module_& m) {
 // registers the operators (this file's and torch_ops.cpp's).
 PYBIND11_MODULE(_torch_ops, m) {
   st::torch_ops::register_attention(m);
+  st::torch_ops::register_moe_layer(m);
   m.def("grad_accumulators_on_current_stream", &grad_accumulators_on_current_stream);
   register_layer<TorchGroupedLinear, int64_t, int64_t, int64_t, bool, bool, bool, bool, bool>(m, "GroupedLinear");
   register_layer<TorchGroupedMLP, int64_t, int64_t, int64_t, int64_t, int64_t, bool, bool, bool, bool, bool>(
@@ -870,6 +472,7 @@ PYBIND11_MODULE(_torch_ops, m) {
 // The operators (the library's TORCH_LIBRARY block is attention's, torch_ops.cpp). main_grads are
 // written by the backward operators (wgrad accumulation); the forward ones only bind them.
 TORCH_LIBRARY_FRAGMENT(sparsetrain, m) {
+  m.set_python_module("sparsetrain.torch.grouped_linear");
   m.def("grouped_linear_forward(int layer_id, Tensor x, Tensor splits, Tensor[] params, Tensor[] main_grads, "
         "int flags, Tensor? status=None, Tensor? grad_input=None) -> Tensor");
   m.def("grouped_linear_forward_into(int layer_id, Tensor x, Tensor splits, Tensor[] params, Tensor[] main_grads, "
@@ -878,6 +481,7 @@ TORCH_LIBRARY_FRAGMENT(sparsetrain, m) {
         "Tensor(a!)[] main_grads, int flags, Tensor? status=None) -> (Tensor, Tensor, Tensor)");
   m.def("grouped_linear_backward_into(int layer_id, Tensor x, Tensor dy, Tensor splits, Tensor[] params, "
         "Tensor(a!)[] main_grads, int flags, Tensor(b!) grad_input, Tensor? status=None) -> (Tensor, Tensor)");
+  m.set_python_module("sparsetrain.torch.grouped_mlp");
   m.def("grouped_mlp_forward(int layer_id, Tensor x, Tensor splits, Tensor probs, Tensor[] params, "
         "Tensor[] main_grads, int flags, Tensor? status=None, Tensor? grad_input=None) -> (Tensor, Tensor)");
   m.def("grouped_mlp_forward_into(int layer_id, Tensor x, Tensor splits, Tensor probs, Tensor[] params, "

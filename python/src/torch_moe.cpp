@@ -1,7 +1,9 @@
-// The MoE router and the MoE layer's combine as C++ torch operators of the library
-// sparsetrain._torch_ops: sparsetrain::moe_route and moe_route_backward (moe_router.h), the route
-// of sparsetrain.torch.moe_route, and sparsetrain::moe_combine_rows (moe_layer.h combine_rows),
-// each token's expert rows summed by token_rows.take. As attention's (torch_ops.cpp): compute
+// The MoE layer, its router and its combine as C++ torch operators of the library
+// sparsetrain._torch_ops: sparsetrain::moe_layer_forward and _backward (moe_layer.h MoELayer: the
+// one route of sparsetrain.torch.MoELayer, whose composition is the core's), moe_route and
+// moe_route_backward (moe_router.h), the route of sparsetrain.torch.moe_route, and
+// sparsetrain::moe_combine_rows (moe_layer.h combine_rows), each token's expert rows summed by
+// token_rows.take (the expert-parallel layer composes these in Python around its exchanges). As attention's (torch_ops.cpp): compute
 // kernels that call the core on the current stream with outputs from torch's caching allocator
 // (CompositeExplicitAutograd), moe_route's Autograd kernel a torch::autograd::Function that calls
 // the op again below autograd and the backward op through the dispatcher (so fake tensors, make_fx
@@ -24,15 +26,21 @@
 #include "sparsetrain/moe_router.h"
 #include "router_options.h"
 #include "torch_common.h"
+#include "torch_layers.h"
 
 namespace st = sparsetrain;
 
 namespace {
 
+using st::torch_ops::call_args;
+using st::torch_ops::OptTensor;
 using st::torch_ops::stream_of;
 using st::torch_ops::TorchAllocator;
 using st::torch_ops::translated;
 using st::torch_ops::view_of;
+using MoEForwardTensors = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                                     at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using MoEGradTensors = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 // (experts, probs, counts, row_of, token_of_row, score_sum): st::RouterOutput's fields.
 using Routed = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
@@ -147,12 +155,201 @@ Routed route_autograd(const at::Tensor& logits, const std::optional<at::Tensor>&
   return std::make_tuple(r[0], r[1], r[2], r[3], r[4], r[5]);
 }
 
+
+// --- the MoE layer -----------------------------------------------------------------------------
+
+// The C++ layer of a sparsetrain.torch.MoELayer: st::MoELayer over its experts' parameters (the
+// module's `experts`, a GroupedMLP, passes them as GroupedMLP's operators take them).
+class TorchMoELayer final : public st::torch_ops::ModuleLayer<st::MoELayer> {
+ public:
+  TorchMoELayer(int64_t num_experts, int64_t hidden, int64_t ffn, int64_t top_k, const std::string& score,
+                bool normalize, int64_t glu_interleave_size, bool packed, bool bias, bool fuse_wgrad_accumulation,
+                bool delay_wgrad_compute, bool recompute_expert_input)
+      : ModuleLayer("MoELayer", {{num_experts, packed, bias, fuse_wgrad_accumulation, delay_wgrad_compute},
+                                 {num_experts, packed, bias, fuse_wgrad_accumulation, delay_wgrad_compute}}) {
+    o_.router = st::wire::router_options(num_experts, top_k, score, normalize);
+    o_.mlp = st::torch_ops::module_options<st::GroupedMLPOptions>(num_experts, fuse_wgrad_accumulation,
+                                                                  delay_wgrad_compute, false);
+    o_.mlp.in_features = o_.mlp.out_features = hidden;
+    o_.mlp.ffn_features = ffn;
+    o_.mlp.glu_interleave_size = glu_interleave_size;
+    o_.recompute_expert_input = recompute_expert_input;
+  }
+
+  int64_t hidden() const { return o_.mlp.out_features; }
+
+  // (out, experts, probs, counts, row_of, token_of_row, score_sum, rows, row_probs, fc1_out): the
+  // output, the routing, and what backward reads (rows empty with recompute_expert_input).
+  MoEForwardTensors forward(const at::Tensor& x, const at::Tensor& logits, const OptTensor& expert_bias,
+                            at::TensorList params, at::TensorList main_grads, int64_t flags) {
+    return translated([&] {
+      const c10::DeviceGuard guard(x.device());
+      const std::lock_guard<std::mutex> lock(mutex_);
+      st::MoELayer& l = bound(params, main_grads, flags);
+      const st::MoEForward f = l.forward(view_of(x, "x"), view_of(logits, "logits"),
+                                         view_of(expert_bias, "expert_bias"), call_args(x));
+      const st::RouterOutput& r = f.route;
+      return std::make_tuple(alloc_.take(f.out), alloc_.take(r.experts), alloc_.take(r.probs), alloc_.take(r.counts),
+                             alloc_.take(r.row_of), alloc_.take(r.token_of_row), alloc_.take(r.score_sum),
+                             f.rows.defined() ? alloc_.take(f.rows) : at::empty({0}, x.options()),
+                             alloc_.take(f.row_probs), alloc_.take(f.fc1_out));
+    });
+  }
+
+  // (dx, dlogits, fc1's dw, db, fc2's dw, db), the weight grads as GroupedMLP's.
+  MoEGradTensors backward(const at::Tensor& x, const at::Tensor& logits, const at::Tensor& experts,
+                          const at::Tensor& counts, const at::Tensor& row_of, const at::Tensor& token_of_row,
+                          const at::Tensor& rows, const at::Tensor& row_probs, const at::Tensor& fc1_out,
+                          const at::Tensor& dout, const OptTensor& dscore_sum, at::TensorList params,
+                          at::TensorList main_grads, int64_t flags) {
+    return translated([&] {
+      const c10::DeviceGuard guard(x.device());
+      const std::lock_guard<std::mutex> lock(mutex_);
+      st::MoELayer& l = bound(params, main_grads, flags);
+      // The saved forward as the core keeps it, over the tensors torch holds (a delayed wgrad
+      // keeps them alive through the call's keep_alive).
+      st::MoEForward saved;
+      saved.route.experts = st::Tensor::borrowed(view_of(experts, "experts"));
+      saved.route.counts = st::Tensor::borrowed(view_of(counts, "counts"));
+      saved.route.row_of = st::Tensor::borrowed(view_of(row_of, "row_of"));
+      saved.route.token_of_row = st::Tensor::borrowed(view_of(token_of_row, "token_of_row"));
+      if (!o_.recompute_expert_input) saved.rows = st::Tensor::borrowed(view_of(rows, "rows"));
+      saved.row_probs = st::Tensor::borrowed(view_of(row_probs, "row_probs"));
+      saved.fc1_out = st::Tensor::borrowed(view_of(fc1_out, "fc1_out"));
+      const st::MoEGrads g =
+          l.backward(view_of(x, "x"), view_of(logits, "logits"), saved, view_of(dout, "dout"),
+                     view_of(dscore_sum, "dscore_sum"),
+                     call_args(x, {x, logits, experts, counts, row_of, token_of_row, rows, row_probs, fc1_out, dout}));
+      return std::tuple_cat(std::make_tuple(alloc_.take(g.grad_input), alloc_.take(g.dlogits)),
+                            layer_grads(g.fc1.weight, g.fc1.bias_grad, x), layer_grads(g.fc2.weight, g.fc2.bias_grad, x));
+    });
+  }
+
+  // The experts' oldest pending delayed wgrads: (fc1's dw, db, fc2's dw, db).
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_dw(at::TensorList params,
+                                                                         at::TensorList main_grads, int64_t flags) {
+    return translated([&] {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      st::MoELayer& l = bound(params, main_grads, flags);
+      const st::GroupedMLPGrads g = l.backward_dw(call_args(first_param()));
+      return std::tuple_cat(layer_grads(g.fc1.weight, g.fc1.bias_grad, first_param()),
+                            layer_grads(g.fc2.weight, g.fc2.bias_grad, first_param()));
+    });
+  }
+
+ private:
+  std::unique_ptr<st::MoELayer> make(at::TensorList params, at::TensorList main_grads, int64_t flags) override {
+    size_t at = 0, mg_at = 0;
+    st::GroupedMLPParams p;
+    p.fc1 = layer_params(params, at, main_grads, mg_at, 0, flags, "experts.fc1.");
+    p.fc2 = layer_params(params, at, main_grads, mg_at, 1, flags, "experts.fc2.");
+    st::MoELayerOptions o = o_;
+    o.mlp.dtype = p.fc1.weight.views()[0].dtype();
+    o.mlp.overwrite_main_grad = st::torch_ops::overwrite_main_grad(flags);
+    return std::make_unique<st::MoELayer>(o, p, &alloc_);
+  }
+
+  st::MoELayerOptions o_;  // all but the dtype and overwrite_main_grad, which come with the parameters
+};
+
+MoEForwardTensors moe_layer_forward(int64_t layer, const at::Tensor& x, const at::Tensor& logits,
+                                    const OptTensor& expert_bias, at::TensorList params, at::TensorList main_grads,
+                                    int64_t flags) {
+  return st::torch_ops::Registry::get().find<TorchMoELayer>(layer)->forward(x, logits, expert_bias, params,
+                                                                            main_grads, flags);
+}
+
+MoEGradTensors moe_layer_backward(int64_t layer, const at::Tensor& x, const at::Tensor& logits,
+                                  const at::Tensor& experts, const at::Tensor& counts, const at::Tensor& row_of,
+                                  const at::Tensor& token_of_row, const at::Tensor& rows, const at::Tensor& row_probs,
+                                  const at::Tensor& fc1_out, const at::Tensor& dout, const OptTensor& dscore_sum,
+                                  at::TensorList params, at::TensorList main_grads, int64_t flags) {
+  return st::torch_ops::Registry::get().find<TorchMoELayer>(layer)->backward(
+      x, logits, experts, counts, row_of, token_of_row, rows, row_probs, fc1_out, dout, dscore_sum, params,
+      main_grads, flags);
+}
+
+const c10::TypedOperatorHandle<decltype(moe_layer_forward)>& moe_layer_forward_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("sparsetrain::moe_layer_forward", "")
+                             .typed<decltype(moe_layer_forward)>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<decltype(moe_layer_backward)>& moe_layer_backward_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("sparsetrain::moe_layer_backward", "")
+                             .typed<decltype(moe_layer_backward)>();
+  return op;
+}
+
+// The MoE layer's node: saved [x, logits, experts, counts, row_of, token_of_row, rows, row_probs,
+// fc1_out]; the gradients of out and score_sum flow to x, the logits and the experts' parameters.
+class MoELayerBackward final : public st::torch_ops::GroupedBackward {
+ public:
+  using GroupedBackward::GroupedBackward;
+  std::string name() const override { return "sparsetrain::MoELayerBackward"; }
+
+  variable_list apply(variable_list&& grads) override {
+    const std::shared_ptr<Node> self = shared_from_this();
+    const std::vector<at::Tensor> s = unpack(saved_, self), params = unpack(params_, self),
+                                  main_grads = unpack(main_grads_, self);
+    const at::Tensor &x = s[0], &logits = s[1];
+    if (!grads[0].defined() && !grads[1].defined()) return variable_list(num_outputs());
+    const at::Tensor dout =
+        dy_of(grads[0], x, st::torch_ops::Registry::get().find<TorchMoELayer>(layer_)->hidden());
+    const OptTensor dscore_sum = grads[1].defined() ? OptTensor(grads[1].contiguous()) : std::nullopt;
+    const auto [dx, dlogits, dw1, db1, dw2, db2] = moe_layer_backward_op().call(
+        layer_, x, logits, s[2], s[3], s[4], s[5], s[6], s[7], s[8], dout, dscore_sum, params, main_grads, flags_);
+    variable_list out{dx, dlogits};
+    size_t at = 0;
+    append_param_grads(out, 0, dw1, db1, params, at);
+    append_param_grads(out, 1, dw2, db2, params, at);
+    return out;
+  }
+};
+
+MoEForwardTensors moe_layer_forward_autograd(int64_t layer, const at::Tensor& x, const at::Tensor& logits,
+                                             const OptTensor& expert_bias, at::TensorList params,
+                                             at::TensorList main_grads, int64_t flags) {
+  const bool record = st::torch_ops::recorded({&x, &logits}, params, "MoELayer");
+  MoEForwardTensors r;
+  {
+    const at::AutoDispatchBelowADInplaceOrView below;
+    r = moe_layer_forward_op().call(layer, x, logits, expert_bias, params, main_grads, flags);
+  }
+  if (record) {
+    const auto& [out, experts, probs, counts, row_of, token_of_row, score_sum, rows, row_probs, fc1_out] = r;
+    auto node = st::torch_ops::make_node<MoELayerBackward, TorchMoELayer>(
+        layer, flags, std::nullopt, std::nullopt,
+        {x, logits, experts, counts, row_of, token_of_row, rows, row_probs, fc1_out}, params, main_grads, {x, logits});
+    torch::autograd::set_history(std::vector<at::Tensor>{out, score_sum}, node);
+  }
+  return r;
+}
+
 }  // namespace
+
+void st::torch_ops::register_moe_layer(pybind11::module_& m) {
+  register_layer<TorchMoELayer, int64_t, int64_t, int64_t, int64_t, std::string, bool, int64_t, bool, bool, bool,
+                 bool, bool>(m, "MoELayer");
+  m.def("moe_layer_forward", [](int64_t layer, const at::Tensor& x, const at::Tensor& logits,
+                                const OptTensor& expert_bias, const std::vector<at::Tensor>& params,
+                                const std::vector<at::Tensor>& main_grads, int64_t flags) {
+    return moe_layer_forward_op().call(layer, x, logits, expert_bias, params, main_grads, flags);
+  });
+}
 
 // torch_ops.cpp's TORCH_LIBRARY defines the namespace; the fakes are Python, in the modules named
 // here (imported by torch when a fake tensor meets an op without one).
 TORCH_LIBRARY_FRAGMENT(sparsetrain, m) {
   m.set_python_module("sparsetrain.torch.moe");
+  m.def("moe_layer_forward(int layer_id, Tensor x, Tensor logits, Tensor? expert_bias, Tensor[] params, "
+        "Tensor[] main_grads, int flags) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
+        "Tensor)");
+  m.def("moe_layer_backward(int layer_id, Tensor x, Tensor logits, Tensor experts, Tensor counts, Tensor row_of, "
+        "Tensor token_of_row, Tensor rows, Tensor row_probs, Tensor fc1_out, Tensor dout, Tensor? dscore_sum, "
+        "Tensor[] params, Tensor(a!)[] main_grads, int flags) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("moe_route(Tensor logits, Tensor? expert_bias, int top_k, str score, bool normalize) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("moe_route_backward(Tensor logits, Tensor experts, Tensor dprobs, Tensor? dscore_sum, int top_k, str score, "
@@ -162,6 +359,8 @@ TORCH_LIBRARY_FRAGMENT(sparsetrain, m) {
 }
 
 TORCH_LIBRARY_IMPL(sparsetrain, CompositeExplicitAutograd, m) {
+  m.impl("moe_layer_forward", &moe_layer_forward);
+  m.impl("moe_layer_backward", &moe_layer_backward);
   m.impl("moe_route", &route);
   m.impl("moe_route_backward", &route_backward);
   m.impl("moe_combine_rows", &combine_rows);
@@ -170,6 +369,8 @@ TORCH_LIBRARY_IMPL(sparsetrain, CompositeExplicitAutograd, m) {
 // The backward op has no derivative (create_graph=True gets autograd's "not implemented" error
 // when that is used, not silently wrong second derivatives); the combine's is token_rows.Rows.
 TORCH_LIBRARY_IMPL(sparsetrain, Autograd, m) {
+  m.impl("moe_layer_forward", &moe_layer_forward_autograd);
+  m.impl("moe_layer_backward", torch::autograd::autogradNotImplementedFallback());
   m.impl("moe_route", &route_autograd);
   m.impl("moe_route_backward", torch::autograd::autogradNotImplementedFallback());
   m.impl("moe_combine_rows", torch::autograd::autogradNotImplementedFallback());

@@ -120,42 +120,30 @@ def test_moe_layer_is_bitwise_repeatable(device):
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device: the CUDA case skipped"))])
-def test_recompute_expert_input_frees_the_rows_and_gives_the_same_bits(device, monkeypatch):
-    """recompute_expert_input=True: x's gathered rows are not held after the forward (a weak
-    reference to them dies; without the option it lives), backward gathers them again, and out and
-    every gradient are bitwise those of the layer that keeps them; with delayed wgrad too (the
-    pending wgrad then keeps the rows)."""
-    import gc  # noqa: PLC0415
-    import weakref  # noqa: PLC0415
-
-    import sparsetrain.torch.moe as tm  # noqa: PLC0415
-
+def test_recompute_expert_input_frees_the_rows_and_gives_the_same_bits(device):
+    """recompute_expert_input=True: x's gathered rows [N * top_k, hidden] are not among the tensors
+    the layer's node saves for backward (saved-tensor hooks see every one; without the option they
+    are), backward gathers them again, and out and every gradient are bitwise those of the layer
+    that keeps them; with delayed wgrad too (the pending wgrad then keeps the rows)."""
     torch.manual_seed(4)
-    base = stt.MoELayer(8, 32, 16, 2, normalize=True, params_dtype=BF16, device=device)
+    # ffn 24: fc1's output [N * top_k, 48], which the node does save, has another shape than the rows.
+    base = stt.MoELayer(8, 32, 24, 2, normalize=True, params_dtype=BF16, device=device)
     x = torch.randn(37, 32, dtype=BF16, device=device)
     logits = torch.randn(37, 8, device=device)
-    gathered = []
-    real = tm.expert_rows
-
-    def spy(xx, r):
-        rows = real(xx, r)
-        gathered.append(weakref.ref(rows.x))
-        return rows
-
-    monkeypatch.setattr(tm, "expert_rows", spy)
     results = []
     for recompute in (False, True):
-        layer = stt.MoELayer(8, 32, 16, 2, normalize=True, params_dtype=BF16, device=device,
+        layer = stt.MoELayer(8, 32, 24, 2, normalize=True, params_dtype=BF16, device=device,
                              recompute_expert_input=recompute)
         layer.load_state_dict(base.state_dict())
         xi, li = x.clone().requires_grad_(), logits.clone().requires_grad_()
-        o = layer(xi, li)
-        gc.collect()
-        assert (gathered[-1]() is None) == recompute, f"recompute {recompute}: rows held {gathered[-1]() is not None}"
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+            o = layer(xi, li)
+        assert ((37 * 2, 32) in saved) != recompute, f"recompute {recompute}: saved shapes {saved}"
         (o.out.float().square().sum() + o.score_sum.sum()).backward()
         results.append([o.out, xi.grad, li.grad, layer.experts.fc1.weights()[0].grad,
                         layer.experts.fc2.weights()[-1].grad])
-    delayed = stt.MoELayer(8, 32, 16, 2, normalize=True, params_dtype=BF16, device=device,
+    delayed = stt.MoELayer(8, 32, 24, 2, normalize=True, params_dtype=BF16, device=device,
                            recompute_expert_input=True, delay_wgrad_compute=True)
     delayed.load_state_dict(base.state_dict())
     xi, li = x.clone().requires_grad_(), logits.clone().requires_grad_()
@@ -316,10 +304,10 @@ def test_bad_arguments_are_named():
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device: the CUDA case skipped"))])
 def test_the_combine_sums_in_slot_order_without_a_copy_of_the_rows(device, monkeypatch):
-    """The layer's combine (and the rows' gather's adjoint) goes through
-    sparsetrain::moe_combine_rows, not index_select into an [N * top_k, hidden] copy then sum:
-    each token's rows summed in fp32 in slot order, rounded once (written here as that loop),
-    bitwise, in the forward and for dx."""
+    """token_rows.take, the expert-parallel layer's combine (and the rows' gather's adjoint), goes
+    through sparsetrain::moe_combine_rows, not index_select into an [N * top_k, hidden] copy then
+    sum: each token's rows summed in fp32 in slot order, rounded once (written here as that loop),
+    bitwise. (MoELayer's combine is the core's own, inside its operator.)"""
     import sparsetrain.torch.token_rows as tm  # noqa: PLC0415
 
     calls = []
@@ -339,10 +327,6 @@ def test_the_combine_sums_in_slot_order_without_a_copy_of_the_rows(device, monke
         want = want + y[row_of[:, i]].float()
     assert torch.equal(tm.take(y, row_of), want.to(BF16))
     assert calls == [((N * K, H), (N, K))]
-    layer = stt.MoELayer(8, H, 16, K, params_dtype=BF16, device=device)
-    x = torch.randn(N, H, dtype=BF16, device=device, requires_grad=True)
-    layer(x, torch.randn(N, 8, device=device)).out.float().sum().backward()
-    assert [c[1] for c in calls[1:]] == [(N, K), (N, K)], calls  # out, then dx
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the CUDA MoE layer test skipped")
@@ -366,3 +350,78 @@ def test_cuda_moe_layer_equals_the_cpu_layer():
             assert torch.equal(a, b.cpu())
         else:
             torch.testing.assert_close(b.cpu().double(), a.double(), rtol=3e-2, atol=3e-2, msg=name)
+
+
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "keep_rows"])
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "main_grad"])
+def test_moe_layer_ops_pass_opcheck_and_compile(recompute, fused):
+    """The layer's operators sparsetrain::moe_layer_forward and _backward on fresh CPU data: opcheck
+    (schema: main_grads the only written arguments; autograd registration; AOT dispatch with dynamic
+    shapes), fakes with the real outputs' shapes, strides and dtypes, and the layer under
+    torch.compile(fullgraph=True) equal to eager: out, score_sum, x's and the logits' gradients, the
+    weights' grads (or main_grads)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: PLC0415
+    from torch.utils import _pytree as pytree  # noqa: PLC0415
+
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    torch.manual_seed(seed)
+    N, E, K, H, F = 29, 6, 2, 16, 8
+    layer = stt.MoELayer(E, H, F, K, normalize=True, bias=True, fuse_wgrad_accumulation=fused,
+                         recompute_expert_input=recompute)
+    weights = [w for n, w in layer.named_parameters() if "weight" in n]
+    for w in weights if fused else ():
+        w.main_grad = torch.zeros(w.shape)
+    x, logits = torch.randn(N, H), torch.randn(N, E)
+    ops = torch.ops.sparsetrain
+    params, main_grads, flags = layer._op_args()
+    margs = ([p.detach() for p in params], main_grads, flags)
+    fwd_args = (layer._id, x, logits, None, *margs)
+    utils = ("test_schema", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(ops.moe_layer_forward.default, fwd_args, test_utils=utils)
+    f = ops.moe_layer_forward.default(*fwd_args)
+    bwd_args = (layer._id, x, logits, f[1], f[3], f[4], f[5], f[7], f[8], f[9], torch.randn(N, H), torch.randn(E),
+                *margs)
+    torch.library.opcheck(ops.moe_layer_backward.default, bwd_args, test_utils=utils)
+
+    def layouts(outputs):
+        return [(t.shape, t.stride(), t.dtype) for t in outputs]
+
+    for op, args in ((ops.moe_layer_forward.default, fwd_args), (ops.moe_layer_backward.default, bwd_args)):
+        with FakeTensorMode() as mode:
+            fake = op(*pytree.tree_map_only(torch.Tensor, mode.from_tensor, args))
+        assert layouts(fake) == layouts(op(*args)), f"{op}: fake (shape, stride, dtype) vs the real call's"
+
+    dout, dsum = torch.randn(N, H), torch.randn(E)
+
+    def step(compiled):
+        for w in weights:
+            w.grad = None
+            if fused:
+                w.main_grad.zero_()
+        xi, li = x.clone().requires_grad_(), logits.clone().requires_grad_()
+
+        def loss(xi, li):
+            o = layer(xi, li)
+            return (o.out * dout).sum() + (o.score_sum * dsum).sum(), o.counts
+
+        value, counts = (torch.compile(loss, fullgraph=True) if compiled else loss)(xi, li)
+        value.backward()
+        return [value.detach(), counts, xi.grad, li.grad] + [w.main_grad if fused else w.grad for w in weights]
+
+    for i, (c, e) in enumerate(zip(step(True), step(False))):
+        torch.testing.assert_close(c.clone(), e.clone(), rtol=1e-5, atol=1e-5, msg=f"result {i} (seed {seed})")
+
+
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "keep_rows"])
+def test_moe_layer_with_no_tokens(recompute):
+    """N = 0 (a rank or micro-batch without tokens): empty outputs, empty x and logits gradients,
+    zero weight gradients, whether the (empty) rows are kept or gathered again."""
+    layer = stt.MoELayer(6, 16, 8, 2, bias=True, params_dtype=BF16, recompute_expert_input=recompute)
+    x = torch.zeros(0, 16, dtype=BF16, requires_grad=True)
+    logits = torch.zeros(0, 6, requires_grad=True)
+    o = layer(x, logits)
+    assert o.out.shape == (0, 16) and o.counts.tolist() == [0] * 6 and o.score_sum.tolist() == [0.0] * 6
+    (o.out.float().sum() + o.score_sum.sum()).backward()
+    assert x.grad.shape == (0, 16) and logits.grad.shape == (0, 6)
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and not bool(p.grad.any()), name

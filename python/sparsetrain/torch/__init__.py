@@ -2,9 +2,9 @@
 (grouped_mlp), torch.nn.Modules with TransformerEngine's options and semantics (main_grad
 accumulation, delayed wgrad with backward_dw, caller out / grad_input buffers, device splits);
 `block_sparse_attention` (attention: FlexAttention's layout, a sparsetrain.BlockMask); `MoELayer`
-and `moe_route` (moe: the router, the experts as a GroupedMLP, the deterministic combine, with the
-row movements in token_rows); `ExpertParallelMoELayer` (expert_parallel: the MoE layer's experts
-over a torch.distributed group). All on top of the C++ torch library's operators
+and `moe_route` (moe: the router, the experts' fused MLP, the deterministic combine, one operator
+per direction over the core's MoELayer); `ExpertParallelMoELayer` (expert_parallel: the MoE
+layer's experts over a torch.distributed group, its row movements in token_rows). All on top of the C++ torch library's operators
 (sparsetrain._torch_ops, loaded by native; their autograd in C++, their fake implementations in
 these modules), one route for eager calls, torch.compile(fullgraph=True), dispatch modes and CUDA
 graphs; without the library in the install, importing this package raises an ImportError that

@@ -1,20 +1,22 @@
-"""The MoE layer's torch front (sparsetrain.torch.MoELayer, sparsetrain.torch.moe_route): the router
-as the C++ torch library's operators (the rules of moe_router.h, autograd in C++; fake
-implementations here, for torch.compile), the tokens' rows moved by gathers in both directions (no
-scatter, no atomics: deterministic on every device), and the experts as a
+"""The MoE layer's torch front (sparsetrain.torch.MoELayer, sparsetrain.torch.moe_route): the layer
+as the C++ torch library's operators sparsetrain::moe_layer_forward / _backward (moe_layer.h's
+MoELayer: the router, the tokens' rows moved by gathers in both directions, the experts' fused MLP,
+the deterministic combine; autograd in C++), the router alone as moe_route / _backward, and their
+fake implementations here, for torch.compile. The experts' parameters live in a
 sparsetrain.torch.GroupedMLP. CPU or CUDA tensors (on CUDA the counts reach the experts as device
 splits: no host synchronisation)."""
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Union
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
 from .._moe import ROUTER_SCORES
-from . import native  # noqa: F401  (loads the C++ torch library, which defines the router's operators)
-from .token_rows import combine, expert_rows, regathered_in_backward
+from . import native
+from .grouped_linear import DelayedWgrad, accumulate_layer_grads, call, fake_check_devices, has_grad_added_flag, \
+    layer_grads_fake, layer_of
 from .grouped_mlp import GroupedMLP
 
 
@@ -38,6 +40,31 @@ def _(logits, expert_bias, top_k, score, normalize):
 @torch.library.register_fake("sparsetrain::moe_route_backward")
 def _(logits, experts, dprobs, dscore_sum, top_k, score, normalize):
     return logits.new_empty(logits.shape, dtype=torch.float32)
+
+
+@torch.library.register_fake("sparsetrain::moe_layer_forward")
+def _(layer_id, x, logits, expert_bias, params, main_grads, flags):
+    """(out, experts, probs, counts, row_of, token_of_row, score_sum, rows, row_probs, fc1_out)."""
+    fake_check_devices(layer_id, x, params, main_grads, logits=logits, expert_bias=expert_bias)
+    m = layer_of(layer_id)
+    N, k, E, i32 = x.shape[0], m.top_k, m.num_experts, torch.int32
+    f32 = dict(dtype=torch.float32)
+    rows = x.new_empty(0) if m.recompute_expert_input else x.new_empty((N * k, x.shape[1]))
+    return (x.new_empty(x.shape), x.new_empty((N, k), dtype=i32), x.new_empty((N, k), **f32),
+            x.new_empty((E,), dtype=torch.int64), x.new_empty((N, k), dtype=i32), x.new_empty((N * k,), dtype=i32),
+            x.new_empty((E,), **f32), rows, x.new_empty((N * k,), **f32),
+            x.new_empty((N * k, 2 * m.experts.ffn_hidden_size)))
+
+
+@torch.library.register_fake("sparsetrain::moe_layer_backward")
+def _(layer_id, x, logits, experts, counts, row_of, token_of_row, rows, row_probs, fc1_out, dout, dscore_sum,
+      params, main_grads, flags):
+    """(dx, dlogits, fc1's dw, db, fc2's dw, db)."""
+    fake_check_devices(layer_id, x, params, main_grads, logits=logits, dout=dout)
+    m = layer_of(layer_id).experts
+    return (x.new_empty(x.shape), logits.new_empty(logits.shape, dtype=torch.float32),
+            *layer_grads_fake(m.fc1, x, has_grad_added_flag(flags, 0)),
+            *layer_grads_fake(m.fc2, x, has_grad_added_flag(flags, 1)))
 
 
 class RoutedTokens(NamedTuple):
@@ -77,20 +104,20 @@ class MoEOutput(NamedTuple):
     counts: Tensor
 
 
-class MoELayer(nn.Module):
+class MoELayer(DelayedWgrad, nn.Module):
     """A dropless MoE block after the router's own linear layer: each token's top_k experts by
     the router logits (moe_route: softmax or sigmoid scores, optional normalisation and
     choice-only expert bias), the tokens' rows laid out by expert, the experts' MLPs (`experts`, a
-    sparsetrain.torch.GroupedMLP: its options, main_grad and delayed wgrad with backward_dw), each
-    row scaled by its probability, and each token's top_k rows summed (in slot order, by gathers:
-    deterministic). Gradients reach x, the logits (through the probs and, if used, score_sum) and
-    the experts' parameters. The same as sparsetrain's C++ MoELayer (moe_layer.h).
-    recompute_expert_input (default True): the experts save x's gathered rows for backward as x and
-    the row map, and backward gathers them again (N x top_k x hidden elements less held between
-    forward and backward, for one more gather: 0.1-1.3 % of the layer's fwd + bwd on an H200; the
-    same results, bitwise); False keeps the rows. Eager mode (saved-tensor hooks): under
-    torch.compile, and with delay_wgrad_compute (the pending wgrad keeps its own reference), the
-    rows are kept as without it."""
+    sparsetrain.torch.GroupedMLP holding their parameters, with its options: main_grad, delayed
+    wgrad), each row scaled by its probability, and each token's top_k rows summed (in slot order,
+    by gathers: deterministic). Gradients reach x, the logits (through the probs and, if used,
+    score_sum) and the experts' parameters. One C++ operator per direction, sparsetrain's C++
+    MoELayer (moe_layer.h). With delay_wgrad_compute, the layer's own backward_dw() computes the
+    experts' pending wgrads and then runs the hooks registered on it or on `experts`.
+    recompute_expert_input (default True): backward gathers x's rows for the experts again rather
+    than holding them from the forward (N x top_k x hidden elements less held between forward and
+    backward, for one more gather: 0.1-1.3 % of the layer's fwd + bwd on an H200; the same
+    results, bitwise); False keeps the rows."""
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, top_k: int, *,
                  score: str = "softmax", normalize: bool = False, bias: bool = False,
@@ -106,24 +133,50 @@ class MoELayer(nn.Module):
         self.num_experts, self.hidden_size, self.top_k = num_experts, hidden_size, top_k
         self.score, self.normalize = score, normalize
         self.recompute_expert_input = bool(recompute_expert_input)
+        self.delay_wgrad_compute = delay_wgrad_compute
         self.experts = GroupedMLP(num_experts, hidden_size, ffn_hidden_size, hidden_size, bias=bias,
                                   params_dtype=params_dtype, device=device, glu_interleave_size=glu_interleave_size,
                                   single_grouped_weight=single_grouped_weight,
                                   fuse_wgrad_accumulation=fuse_wgrad_accumulation,
                                   delay_wgrad_compute=delay_wgrad_compute)
+        self._init_layer_state()
+
+    def _make_native(self) -> Any:
+        e = self.experts
+        return native.TORCH_OPS.MoELayer(
+            self._id, self.num_experts, self.hidden_size, e.ffn_hidden_size, self.top_k, self.score,
+            self.normalize, e.glu_interleave_size, e.single_grouped_weight, e.use_bias, e.fuse_wgrad_accumulation,
+            e.delay_wgrad_compute, self.recompute_expert_input)
+
+    def _op_args(self) -> Tuple[List[Tensor], List[Tensor], int]:
+        return self.experts._op_args()
+
+    def _op_param_names(self) -> List[str]:
+        return ["experts." + n for n in self.experts._op_param_names()]
+
+    def _op_main_grad_names(self) -> List[str]:
+        return ["experts." + n for n in self.experts._op_main_grad_names()]
 
     def forward(self, x: Tensor, logits: Tensor, expert_bias: Optional[Tensor] = None) -> MoEOutput:
         """x [N, hidden] (the experts' dtype), logits fp32 [N, E], expert_bias optional fp32 [E]."""
         check_layer_inputs(self, x, logits)
-        r = moe_route(logits, self.top_k, score=self.score, normalize=self.normalize, expert_bias=expert_bias)
-        rows = expert_rows(x, r)
-        if self.recompute_expert_input and torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            with regathered_in_backward(rows, x):
-                y = self.experts(rows.x, r.counts, rows.probs)
-        else:
-            y = self.experts(rows.x, r.counts, rows.probs)
-        return MoEOutput(combine(y, rows), r.score_sum, r.counts)
+        params, main_grads, flags = self._op_args()
+        self._record((x, logits), params)
+        r = call("moe_layer_forward", self._id, x, logits, expert_bias, params, main_grads, flags)
+        return MoEOutput(r[0], r[6], r[3])
+
+    def register_wgrad_accumulation_and_reduce_hooks(self, hook: Callable[[], None]) -> None:
+        """`hook()` runs after each backward_dw() (as one registered on `experts` does)."""
+        self.experts.register_wgrad_accumulation_and_reduce_hooks(hook)
 
     def backward_dw(self) -> None:
-        """The experts' delayed wgrads (GroupedMLP.backward_dw)."""
-        self.experts.backward_dw()
+        """The experts' oldest pending delayed wgrads (into main_grad when fused, else into their
+        .grad, and bias grads), then the hooks registered on the layer or on `experts`."""
+        if not self.delay_wgrad_compute:
+            return
+        with torch.no_grad():
+            dw1, db1, dw2, db2 = self._native_layer.backward_dw(*self._op_args())
+            accumulate_layer_grads(self.experts.fc1, dw1, db1)
+            accumulate_layer_grads(self.experts.fc2, dw2, db2)
+        for hook in self.experts._hooks:
+            hook()

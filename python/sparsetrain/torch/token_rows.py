@@ -88,33 +88,6 @@ def expert_rows(x: Tensor, r: RoutedTokens) -> ExpertRows:
                        Rows.apply(r.probs.reshape(-1), m.flat_of_row, m.flat_row), m.row_of, m.token_of_row)
 
 
-class _Regather(NamedTuple):
-    """A saved tensor replaced by how to gather it again: x's rows at index."""
-    x: Tensor
-    index: Tensor
-
-
-def regathered_in_backward(rows: ExpertRows, x: Tensor):
-    """Saved-tensor hooks under which a tensor saved for backward that is rows.x (the same memory,
-    shape and strides) is saved as (x, token_of_row) and gathered again when backward unpacks it;
-    the hooks hold no reference to rows.x itself, so it is freed after the forward."""
-    ptr, shape, stride, dtype = rows.x.data_ptr(), rows.x.shape, rows.x.stride(), rows.x.dtype
-    source, index = x.detach(), rows.token_of_row
-
-    def pack(t: Tensor):
-        if t.data_ptr() == ptr and t.shape == shape and t.stride() == stride and t.dtype == dtype:
-            return _Regather(source, index)
-        return t
-
-    def unpack(saved):
-        if isinstance(saved, _Regather):
-            with torch.no_grad():
-                return saved.x.index_select(0, saved.index)
-        return saved
-
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
-
-
 def combine(y: Tensor, rows: ExpertRows) -> Tensor:
     """Each token's top_k expert rows of y (expert-major, as expert_rows laid them out) summed in
     slot order: [N, out]."""
