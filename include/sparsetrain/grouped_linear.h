@@ -130,6 +130,11 @@ class GroupedLinear {
   GroupedLinearGrads backward_dw(const CallArgs& args = {});
   size_t pending_wgrads() const { return pending_.size(); }
 
+  // Fusion's main_grad moved to other tensors of the same shapes (Megatron reallocating its grad
+  // buffers; torch.compile handing a functional copy to a graph): later wgrads, pending delayed
+  // ones included, go there. The views are checked as the constructor checks them.
+  void set_main_grad(const GroupedParam& main_grad);
+
  private:
   struct Pending {
     TensorView x, dy;

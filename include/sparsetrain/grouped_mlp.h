@@ -104,6 +104,12 @@ class GroupedMLP {
   GroupedMLPGrads backward_dw(const CallArgs& args = {});
   size_t pending_wgrads() const { return pending_.size(); }
 
+  // GroupedLinear::set_main_grad of both layers.
+  void set_main_grads(const GroupedParam& fc1, const GroupedParam& fc2) {
+    fc1_.set_main_grad(fc1);
+    fc2_.set_main_grad(fc2);
+  }
+
  private:
   // What backward_dw needs beyond the layers' own queues: it owns the recomputed fc2 input and
   // fc1's output gradient (the layers keep only references) and refers to dy and probs for the

@@ -87,6 +87,8 @@ class MoELayer {
   // GroupedMLP::backward_dw of the experts (delayed wgrad).
   GroupedMLPGrads backward_dw(const CallArgs& args = {}) { return mlp_.backward_dw(args); }
   size_t pending_wgrads() const { return mlp_.pending_wgrads(); }
+  // GroupedMLP::set_main_grads of the experts.
+  void set_main_grads(const GroupedParam& fc1, const GroupedParam& fc2) { mlp_.set_main_grads(fc1, fc2); }
 
  private:
   MoELayerOptions options_;

@@ -106,6 +106,9 @@ class TorchGroupedLinear final : public ModuleLayer<st::GroupedLinear> {
     o.overwrite_main_grad = overwrite_main_grad(flags);
     return std::make_unique<st::GroupedLinear>(o, p, &alloc_);
   }
+  void set_main_grads(st::GroupedLinear& l, const std::vector<st::GroupedParam>& mg) override {
+    l.set_main_grad(mg.at(0));
+  }
 
   st::GroupedLinearOptions o_;  // all but dtype and overwrite_main_grad, which come with the parameters
 };
@@ -186,6 +189,9 @@ class TorchGroupedMLP final : public ModuleLayer<st::GroupedMLP> {
     o.dtype = p.fc1.weight.views()[0].dtype();
     o.overwrite_main_grad = overwrite_main_grad(flags);
     return std::make_unique<st::GroupedMLP>(o, p, &alloc_);
+  }
+  void set_main_grads(st::GroupedMLP& m, const std::vector<st::GroupedParam>& mg) override {
+    m.set_main_grads(mg.at(0), mg.at(1));
   }
 
   st::GroupedMLPOptions o_;  // all but dtype and overwrite_main_grad, which come with the parameters

@@ -186,6 +186,11 @@ class ModuleLayer : public RegisteredLayer {
   // A layer over the module's tensors (checked in number), `flags` as the module passed them.
   virtual std::unique_ptr<Layer> make(at::TensorList params, at::TensorList main_grads, int64_t flags) = 0;
 
+  // Each fused linear layer's main_grad moved (the parameters did not): pointed at the new tensors
+  // in place, so that the layer, its cached dummy wgrad and its pending delayed wgrads stay (under
+  // torch.compile a backward may be handed a functional copy of main_grad on every call).
+  virtual void set_main_grads(Layer& layer, const std::vector<st::GroupedParam>& main_grads) = 0;
+
   // The layer over the module's tensors and flags, made anew when they differ from the last call's.
   // The caller holds mutex_.
   Layer& bound(at::TensorList params, at::TensorList main_grads, int64_t flags) {
@@ -196,17 +201,23 @@ class ModuleLayer : public RegisteredLayer {
     ST_CHECK_ARG(main_grads.size() == n_main_grads, "main_grads",
                  std::to_string(n_main_grads) + " tensors (each layer's, with fuse_wgrad_accumulation)",
                  main_grads.size());
-    if (layer_ && flags == flags_ && same(params, 0) && same(main_grads, params.size())) return *layer_;
+    if (layer_ && flags == flags_ && same(params, 0)) {
+      if (!same(main_grads, params.size())) {
+        std::vector<st::GroupedParam> moved;
+        size_t at = 0;
+        for (const LinearLayout& l : layouts_)
+          if (l.fuse) moved.push_back(grouped_param(main_grads, at, l.per_param(), l.packed, "main_grad"));
+        set_main_grads(*layer_, moved);  // may throw: the layer then keeps the old ones
+        hold(params, main_grads, flags);
+      }
+      return *layer_;
+    }
     if (layer_ && layer_->pending_wgrads())
-      ST_FAIL(what_, ": parameters or main_grad changed while ", layer_->pending_wgrads(),
+      ST_FAIL(what_, ": parameters changed while ", layer_->pending_wgrads(),
               " delayed wgrad(s) are pending; call backward_dw() first");
     std::unique_ptr<Layer> fresh = make(params, main_grads, flags);  // may throw: the old layer then stays
     layer_ = std::move(fresh);
-    held_.assign(params.begin(), params.end());
-    held_.insert(held_.end(), main_grads.begin(), main_grads.end());
-    placements_.clear();
-    for (const at::Tensor& t : held_) placements_.emplace_back(t);
-    flags_ = flags;
+    hold(params, main_grads, flags);
     return *layer_;
   }
 
@@ -241,6 +252,14 @@ class ModuleLayer : public RegisteredLayer {
   TorchAllocator alloc_;  // declared before layer_: the layer's cached tensors are returned to it
 
  private:
+  void hold(at::TensorList params, at::TensorList main_grads, int64_t flags) {
+    held_.assign(params.begin(), params.end());
+    held_.insert(held_.end(), main_grads.begin(), main_grads.end());
+    placements_.clear();
+    for (const at::Tensor& t : held_) placements_.emplace_back(t);
+    flags_ = flags;
+  }
+
   bool same(at::TensorList ts, size_t from) const {
     for (size_t i = 0; i < ts.size(); ++i)
       if (!(Placement(ts[i]) == placements_[from + i])) return false;

@@ -248,6 +248,9 @@ class TorchMoELayer final : public st::torch_ops::ModuleLayer<st::MoELayer> {
     o.mlp.overwrite_main_grad = st::torch_ops::overwrite_main_grad(flags);
     return std::make_unique<st::MoELayer>(o, p, &alloc_);
   }
+  void set_main_grads(st::MoELayer& l, const std::vector<st::GroupedParam>& mg) override {
+    l.set_main_grads(mg.at(0), mg.at(1));
+  }
 
   st::MoELayerOptions o_;  // all but the dtype and overwrite_main_grad, which come with the parameters
 };

@@ -113,12 +113,17 @@ GroupedLinear::GroupedLinear(const GroupedLinearOptions& o, const GroupedLinearP
   check_grouped_param(params.weight, "weight", G, {o.out_features, o.in_features}, out_in, o.dtype, dev);
   if (params.bias.present())
     check_grouped_param(params.bias, "bias", G, {o.out_features}, std::to_string(o.out_features), o.dtype, dev);
-  if (o.fuse_wgrad_accumulation) {
-    ST_CHECK_ARG(params.main_grad.present(), "main_grad",
-                 "fp32 per-group or packed tensors (fuse_wgrad_accumulation is true)", "none");
-    check_grouped_param(params.main_grad, "main_grad", G, {o.out_features, o.in_features}, out_in,
-                        DType::kFP32, dev);
-  }
+  if (o.fuse_wgrad_accumulation) set_main_grad(params.main_grad);
+}
+
+void GroupedLinear::set_main_grad(const GroupedParam& main_grad) {
+  const GroupedLinearOptions& o = options_;
+  ST_CHECK_ARG(o.fuse_wgrad_accumulation, "main_grad", "none (fuse_wgrad_accumulation is false)", "tensors");
+  ST_CHECK_ARG(main_grad.present(), "main_grad", "fp32 per-group or packed tensors (fuse_wgrad_accumulation is true)",
+               "none");
+  check_grouped_param(main_grad, "main_grad", o.num_groups, {o.out_features, o.in_features},
+                      std::to_string(o.out_features) + ", " + std::to_string(o.in_features), DType::kFP32, device());
+  params_.main_grad = main_grad;
 }
 
 Device GroupedLinear::device() const { return params_.weight.views()[0].device(); }

@@ -377,3 +377,35 @@ TEST(GroupedLinearContract, EmptyInputsWithZeroStridesAreAccepted) {
   EXPECT_EQ(g.grad_input.view().size(0), 0);
   EXPECT_TRUE(all_zero(g.bias_grad.view()));
 }
+
+// main_grad moved to other tensors (set_main_grad): a delayed wgrad pending from before the move
+// goes to the new main_grad, bit-identical to a layer made over it, and the old one is left as it
+// was; a main_grad of another shape or dtype, or one for a layer without fusion, is refused with
+// the layer unchanged.
+TEST(GroupedLinearContract, MovedMainGradTakesThePendingWgrad) {
+  GroupedLinearCase c = small_case(st::DType::kBF16);
+  c.fuse = c.delay = true;
+  c.make();
+  st::GroupedLinear layer(c.options(), c.params());
+  const st::Splits s = st::Splits::host(c.splits);
+  layer.backward(c.x.view(), c.dy.view(), s);
+  GroupedLinearCase moved = c;
+  moved.main_grad = HostTensor::copy_of(c.main_grad.view());
+  const HostTensor old = HostTensor::copy_of(c.main_grad.view());
+  layer.set_main_grad(moved.params().main_grad);
+  layer.backward_dw();
+  EXPECT_TRUE(c.main_grad.bytes_equal(old)) << "the old main_grad was written";
+  st::GroupedLinear fresh(c.options(), c.params());  // over c.main_grad, which still holds the start
+  fresh.backward(c.x.view(), c.dy.view(), s);
+  fresh.backward_dw();
+  EXPECT_TRUE(moved.main_grad.bytes_equal(c.main_grad)) << "the moved main_grad differs from a fresh layer's";
+  HostTensor wrong(st::DType::kFP32, {c.G, c.out + 1, c.in});
+  GroupedLinearCase bad = c;
+  bad.main_grad = wrong;
+  const std::string msg = expect_error([&] { layer.set_main_grad(bad.params().main_grad); });
+  EXPECT_NE(msg.find("main_grad"), std::string::npos) << msg;
+  GroupedLinearCase plain = small_case(st::DType::kBF16);
+  st::GroupedLinear unfused(plain.options(), plain.params());
+  const std::string none = expect_error([&] { unfused.set_main_grad(moved.params().main_grad); });
+  EXPECT_NE(none.find("fuse_wgrad_accumulation is false"), std::string::npos) << none;
+}

@@ -45,8 +45,9 @@ def _bits(t):
 
 def test_the_layer_follows_moved_parameters_and_refuses_while_wgrads_pend():
     """A parameter replaced in place (`.data =`), a new main_grad or a new grad_added_to_main_grad
-    attribute is seen by the next call (the C++ layer is rebuilt over them); while a delayed
-    wgrad is pending nothing may move."""
+    attribute is seen by the next call (the C++ layer is rebuilt over them; a new main_grad is
+    pointed at in place); while a delayed wgrad is pending no parameter may move, but main_grad
+    may (the pending wgrad goes to the new one)."""
     gen = torch.Generator().manual_seed(random.SystemRandom().randrange(2**31))
     m = _make("GroupedLinear", 0, fuse_wgrad_accumulation=True, delay_wgrad_compute=True)
     for w in m.weights():
@@ -78,10 +79,15 @@ def test_the_layer_follows_moved_parameters_and_refuses_while_wgrads_pend():
     y = m(x.requires_grad_(), SPLITS)
     y.backward(torch.ones_like(y))
     assert m.pending_wgrads == 1
-    m.weight1.data = m.weight1.data.clone()
-    with pytest.raises(RuntimeError, match="GroupedLinear: parameters or main_grad changed while 1 delayed"):
+    bound = m.weight1.data
+    m.weight1.data = bound.clone()
+    with pytest.raises(RuntimeError, match="GroupedLinear: parameters changed while 1 delayed"):
         m(x, SPLITS)
     assert m.pending_wgrads == 1
+    m.weight1.data = bound
+    moved = m.weight2.main_grad = torch.zeros(m.weight2.shape)
+    m.backward_dw()  # binds the moved main_grad, the wgrad pending
+    assert m.pending_wgrads == 0 and moved.mul(2).equal(old), "the pending wgrad went to the moved main_grad"
 
 
 @pytest.mark.parametrize("kind", KINDS)
