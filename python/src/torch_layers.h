@@ -30,6 +30,7 @@
 
 #include "sparsetrain/error.h"
 #include "sparsetrain/grouped_linear.h"
+#include "sparsetrain/grouped_mlp.h"
 #include "sparsetrain/weight_grad.h"
 #include "torch_common.h"
 
@@ -243,6 +244,28 @@ class ModuleLayer : public RegisteredLayer {
                         ? at::empty({0}, like.options())
                         : alloc_.take(w.packed.defined() ? w.packed : w.per_group[0]);
     return {dw, bias_grad.defined() ? alloc_.take(bias_grad) : at::empty({0}, like.options())};
+  }
+
+  // A module of two linear layers (GroupedMLP, the MoE layer's experts): fc1's and fc2's
+  // parameters, their names prefixed in errors.
+  st::GroupedMLPParams mlp_params(at::TensorList params, at::TensorList main_grads, int64_t flags,
+                                  const std::string& prefix) const {
+    size_t at = 0, mg_at = 0;
+    st::GroupedMLPParams p;
+    p.fc1 = layer_params(params, at, main_grads, mg_at, 0, flags, prefix + "fc1.");
+    p.fc2 = layer_params(params, at, main_grads, mg_at, 1, flags, prefix + "fc2.");
+    return p;
+  }
+
+  // Such a module's oldest pending delayed wgrads: (fc1's dw, db, fc2's dw, db).
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mlp_backward_dw(at::TensorList params,
+                                                                             at::TensorList main_grads, int64_t flags) {
+    return translated([&] {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      const st::GroupedMLPGrads g = bound(params, main_grads, flags).backward_dw(call_args(first_param()));
+      return std::tuple_cat(layer_grads(g.fc1.weight, g.fc1.bias_grad, first_param()),
+                            layer_grads(g.fc2.weight, g.fc2.bias_grad, first_param()));
+    });
   }
 
   // The device the layer computes on (its first parameter's), for calls without activations.

@@ -228,21 +228,12 @@ class TorchMoELayer final : public st::torch_ops::ModuleLayer<st::MoELayer> {
   // The experts' oldest pending delayed wgrads: (fc1's dw, db, fc2's dw, db).
   std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_dw(at::TensorList params,
                                                                          at::TensorList main_grads, int64_t flags) {
-    return translated([&] {
-      const std::lock_guard<std::mutex> lock(mutex_);
-      st::MoELayer& l = bound(params, main_grads, flags);
-      const st::GroupedMLPGrads g = l.backward_dw(call_args(first_param()));
-      return std::tuple_cat(layer_grads(g.fc1.weight, g.fc1.bias_grad, first_param()),
-                            layer_grads(g.fc2.weight, g.fc2.bias_grad, first_param()));
-    });
+    return mlp_backward_dw(params, main_grads, flags);
   }
 
  private:
   std::unique_ptr<st::MoELayer> make(at::TensorList params, at::TensorList main_grads, int64_t flags) override {
-    size_t at = 0, mg_at = 0;
-    st::GroupedMLPParams p;
-    p.fc1 = layer_params(params, at, main_grads, mg_at, 0, flags, "experts.fc1.");
-    p.fc2 = layer_params(params, at, main_grads, mg_at, 1, flags, "experts.fc2.");
+    const st::GroupedMLPParams p = mlp_params(params, main_grads, flags, "experts.");
     st::MoELayerOptions o = o_;
     o.mlp.dtype = p.fc1.weight.views()[0].dtype();
     o.mlp.overwrite_main_grad = st::torch_ops::overwrite_main_grad(flags);
