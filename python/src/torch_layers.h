@@ -237,12 +237,22 @@ class ModuleLayer : public RegisteredLayer {
 
   // One layer's weight grad and bias grad as tensors, an empty tensor (`like`'s dtype) for none:
   // the packed wgrad, or the dummy (packed, or the one [out, in] tensor of per-group weights). Two
-  // nones are two tensors: an operator's outputs may not alias each other.
+  // nones are two tensors: an operator's outputs may not alias each other. cached_dummy: the dummy
+  // is the layer's cached zero tensor (the eager node's choice: no allocation a step, as
+  // TransformerEngine's); otherwise a new zero tensor, as an operator's output must be, so that a
+  // compiled graph (CUDA graph trees free a replay's outputs at the next one) never owns memory the
+  // layer keeps.
   std::tuple<at::Tensor, at::Tensor> layer_grads(const st::WeightGrad& w, const st::Tensor& bias_grad,
-                                                 const at::Tensor& like) const {
-    at::Tensor dw = w.kind == st::WeightGradKind::kNone
-                        ? at::empty({0}, like.options())
-                        : alloc_.take(w.packed.defined() ? w.packed : w.per_group[0]);
+                                                 const at::Tensor& like, bool cached_dummy = true) const {
+    at::Tensor dw;
+    if (w.kind == st::WeightGradKind::kNone) {
+      dw = at::empty({0}, like.options());
+    } else if (w.kind == st::WeightGradKind::kDummy && !cached_dummy) {
+      const st::TensorView& v = (w.packed.defined() ? w.packed : w.per_group[0]).view();
+      dw = at::zeros(at::IntArrayRef(v.shape(), size_t(v.dim())), like.options());
+    } else {
+      dw = alloc_.take(w.packed.defined() ? w.packed : w.per_group[0]);
+    }
     return {dw, bias_grad.defined() ? alloc_.take(bias_grad) : at::empty({0}, like.options())};
   }
 
@@ -387,14 +397,18 @@ class GroupedBackward : public torch::autograd::Node {
     at += r.biases;
   }
 
-  // Whether this backward is the saved tensors' last reader: the graph is not retained, and the
-  // call is plain eager (under tracing, a compiled graph's backward may be run again).
-  static bool last_use(const std::vector<at::Tensor>& saved) {
-    if (torch::autograd::get_current_graph_task_keep_graph()) return false;
+  // Whether the node runs in plain eager mode, not traced (make_fx, AOT autograd under
+  // torch.compile: the backward operator's call then becomes part of a graph run again later).
+  static bool eager(const std::vector<at::Tensor>& saved) {
     if (c10::impl::TorchDispatchModeTLS::stack_len() > 0) return false;
     for (const at::Tensor& t : saved)
       if (t.defined() && t.key_set().has_any(c10::python_ks)) return false;
     return true;
+  }
+
+  // Whether this backward is the saved tensors' last reader: eager, and the graph not retained.
+  static bool last_use(const std::vector<at::Tensor>& saved) {
+    return eager(saved) && !torch::autograd::get_current_graph_task_keep_graph();
   }
 
   int64_t layer_, flags_;

@@ -201,7 +201,7 @@ class TorchMoELayer final : public st::torch_ops::ModuleLayer<st::MoELayer> {
                           const at::Tensor& counts, const at::Tensor& row_of, const at::Tensor& token_of_row,
                           const at::Tensor& rows, const at::Tensor& row_probs, const at::Tensor& fc1_out,
                           const at::Tensor& dout, const OptTensor& dscore_sum, at::TensorList params,
-                          at::TensorList main_grads, int64_t flags) {
+                          at::TensorList main_grads, int64_t flags, bool cached_dummy) {
     return translated([&] {
       const c10::DeviceGuard guard(x.device());
       const std::lock_guard<std::mutex> lock(mutex_);
@@ -221,7 +221,8 @@ class TorchMoELayer final : public st::torch_ops::ModuleLayer<st::MoELayer> {
                      view_of(dscore_sum, "dscore_sum"),
                      call_args(x, {x, logits, experts, counts, row_of, token_of_row, rows, row_probs, fc1_out, dout}));
       return std::tuple_cat(std::make_tuple(alloc_.take(g.grad_input), alloc_.take(g.dlogits)),
-                            layer_grads(g.fc1.weight, g.fc1.bias_grad, x), layer_grads(g.fc2.weight, g.fc2.bias_grad, x));
+                            layer_grads(g.fc1.weight, g.fc1.bias_grad, x, cached_dummy),
+                            layer_grads(g.fc2.weight, g.fc2.bias_grad, x, cached_dummy));
     });
   }
 
@@ -257,10 +258,11 @@ MoEGradTensors moe_layer_backward(int64_t layer, const at::Tensor& x, const at::
                                   const at::Tensor& experts, const at::Tensor& counts, const at::Tensor& row_of,
                                   const at::Tensor& token_of_row, const at::Tensor& rows, const at::Tensor& row_probs,
                                   const at::Tensor& fc1_out, const at::Tensor& dout, const OptTensor& dscore_sum,
-                                  at::TensorList params, at::TensorList main_grads, int64_t flags) {
+                                  at::TensorList params, at::TensorList main_grads, int64_t flags,
+                                  bool cached_dummy) {
   return st::torch_ops::Registry::get().find<TorchMoELayer>(layer)->backward(
       x, logits, experts, counts, row_of, token_of_row, rows, row_probs, fc1_out, dout, dscore_sum, params,
-      main_grads, flags);
+      main_grads, flags, cached_dummy);
 }
 
 const c10::TypedOperatorHandle<decltype(moe_layer_forward)>& moe_layer_forward_op() {
@@ -294,7 +296,8 @@ class MoELayerBackward final : public st::torch_ops::GroupedBackward {
         dy_of(grads[0], x, st::torch_ops::Registry::get().find<TorchMoELayer>(layer_)->hidden());
     const OptTensor dscore_sum = grads[1].defined() ? OptTensor(grads[1].contiguous()) : std::nullopt;
     const auto [dx, dlogits, dw1, db1, dw2, db2] = moe_layer_backward_op().call(
-        layer_, x, logits, s[2], s[3], s[4], s[5], s[6], s[7], s[8], dout, dscore_sum, params, main_grads, flags_);
+        layer_, x, logits, s[2], s[3], s[4], s[5], s[6], s[7], s[8], dout, dscore_sum, params, main_grads, flags_,
+        eager(s));
     variable_list out{dx, dlogits};
     size_t at = 0;
     append_param_grads(out, 0, dw1, db1, params, at);
@@ -343,7 +346,8 @@ TORCH_LIBRARY_FRAGMENT(sparsetrain, m) {
         "Tensor)");
   m.def("moe_layer_backward(int layer_id, Tensor x, Tensor logits, Tensor experts, Tensor counts, Tensor row_of, "
         "Tensor token_of_row, Tensor rows, Tensor row_probs, Tensor fc1_out, Tensor dout, Tensor? dscore_sum, "
-        "Tensor[] params, Tensor(a!)[] main_grads, int flags) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "Tensor[] params, Tensor(a!)[] main_grads, int flags, bool cached_dummy=False) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("moe_route(Tensor logits, Tensor? expert_bias, int top_k, str score, bool normalize) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("moe_route_backward(Tensor logits, Tensor experts, Tensor dprobs, Tensor? dscore_sum, int top_k, str score, "

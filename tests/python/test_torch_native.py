@@ -289,3 +289,38 @@ def test_pickled_module_makes_its_own_layer(kind, tmp_path):
     _call(delayed, x.requires_grad_(), probs).sum().backward()
     with pytest.raises(RuntimeError, match="1 delayed wgrad"):
         torch.save(delayed, tmp_path / "d.pt")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_dummy_wgrad_is_cached_eagerly_and_new_from_the_operator(kind):
+    """Megatron's dummy weight grad (fused main_grad, grad_added_to_main_grad): an eager backward
+    hands autograd the layer's cached zero tensor (the same memory every step, as
+    TransformerEngine's), while the backward operator called as a compiled graph calls it (no
+    cached_dummy) returns a new zero tensor each call: an operator's output never aliases memory
+    the layer keeps (CUDA graph trees free a replay's outputs at the next one)."""
+    m = _make(kind, 0, single_grouped_weight=True, fuse_wgrad_accumulation=True)
+    weight = m.fc1.weight if kind == "GroupedMLP" else m.weight
+    for name, w in m.named_parameters():
+        if "weight" in name:
+            w.main_grad = torch.zeros(w.shape)
+            w.grad_added_to_main_grad = False
+    x = torch.randn(T, IN).to(BF16)
+    probs = torch.rand(T)
+    ptrs = []
+    for _ in range(2):
+        weight.grad = None
+        _call(m, x.requires_grad_(), probs).float().sum().backward()
+        assert not weight.grad.any() and weight.grad_added_to_main_grad
+        ptrs.append(weight.grad.data_ptr())
+    assert ptrs[0] == ptrs[1], "the eager dummy is the cached one"
+    params, main_grads, flags = m._op_args()
+    args = ([p.detach() for p in params], main_grads, flags)
+    splits, dy = torch.tensor(SPLITS), torch.randn(T, OUT).to(BF16)
+    ops = torch.ops.sparsetrain
+    if kind == "GroupedMLP":
+        _, fc1_out = ops.grouped_mlp_forward(m._id, x.detach(), splits, probs, *args)
+        calls = [ops.grouped_mlp_backward(m._id, x.detach(), fc1_out, probs, dy, splits, *args)[2] for _ in range(2)]
+    else:
+        calls = [ops.grouped_linear_backward(m._id, x.detach(), dy, splits, *args)[1] for _ in range(2)]
+    assert all(not d.any() and d.shape == weight.shape for d in calls)
+    assert len({d.data_ptr() for d in calls} | {ptrs[0]}) == 3, "each operator call's dummy is new"
