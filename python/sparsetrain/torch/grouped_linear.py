@@ -295,8 +295,9 @@ class GroupedLinear(DelayedWgrad, nn.Module):
     (and bias0..) or, with single_grouped_weight, one weight [G, out, in] (and bias [G, out]).
     With fuse_wgrad_accumulation the weight grads go into each weight's fp32 `main_grad`
     (overwritten instead when the weight has `overwrite_main_grad = True`); what autograd then
-    sees is None, or a cached zero "dummy" when the weight has Megatron's
-    `grad_added_to_main_grad` attribute (set to True). With delay_wgrad_compute, backward computes
+    sees is None, or a zero "dummy" when the weight has Megatron's `grad_added_to_main_grad`
+    attribute (set to True; the dummy is cached in eager calls, a new one each step in a compiled
+    graph, whose outputs CUDA graphs may reuse). With delay_wgrad_compute, backward computes
     dgrad only; `backward_dw()` computes the oldest pending wgrad and then runs the hooks given to
     `register_wgrad_accumulation_and_reduce_hooks` (without it backward_dw is a no-op).
 
