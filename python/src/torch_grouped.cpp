@@ -219,8 +219,8 @@ std::tuple<at::Tensor, at::Tensor> linear_backward_into(int64_t layer, const at:
                                                         at::TensorList main_grads, int64_t flags,
                                                         const at::Tensor& grad_input, const OptTensor& status,
                                                         bool cached_dummy) {
-  auto [dx, dw, db] = Registry::get().find<TorchGroupedLinear>(layer)->backward(x, dy, splits, status, grad_input,
-                                                                                params, main_grads, flags, cached_dummy);
+  auto [dx, dw, db] = Registry::get().find<TorchGroupedLinear>(layer)->backward(
+      x, dy, splits, status, grad_input, params, main_grads, flags, cached_dummy);
   return {dw, db};
 }
 
@@ -261,10 +261,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> mlp_backw
 // --- typed handles ------------------------------------------------------------------------------
 
 // Each operator's handle, looked up once; its signature is its compute kernel's.
-#define ST_HANDLE(fn, name)                                                                   \
-  const c10::TypedOperatorHandle<decltype(fn)>& fn##_op() {                                   \
-    static const auto h = c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<decltype(fn)>(); \
-    return h;                                                                                 \
+#define ST_HANDLE(fn, name)                                                               \
+  const c10::TypedOperatorHandle<decltype(fn)>& fn##_op() {                               \
+    static const auto h =                                                                 \
+        c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<decltype(fn)>();   \
+    return h;                                                                             \
   }
 ST_HANDLE(linear_forward, "sparsetrain::grouped_linear_forward")
 ST_HANDLE(linear_forward_into, "sparsetrain::grouped_linear_forward_into")
@@ -388,7 +389,8 @@ std::tuple<at::Tensor, at::Tensor> mlp_forward_autograd(int64_t layer, const at:
   at::Tensor y, fc1_out;
   {
     const at::AutoDispatchBelowADInplaceOrView below;
-    std::tie(y, fc1_out) = mlp_forward_op().call(layer, x, splits, probs, params, main_grads, flags, status, grad_input);
+    std::tie(y, fc1_out) =
+        mlp_forward_op().call(layer, x, splits, probs, params, main_grads, flags, status, grad_input);
   }
   if (record) {
     // Saved activations: x, fc1's pre-activation output and probs (the activation is recomputed).

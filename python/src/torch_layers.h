@@ -197,8 +197,8 @@ class ModuleLayer : public RegisteredLayer {
   Layer& bound(at::TensorList params, at::TensorList main_grads, int64_t flags) {
     size_t n_params = 0, n_main_grads = 0;
     for (const LinearLayout& l : layouts_) n_params += l.params(), n_main_grads += l.main_grads();
-    ST_CHECK_ARG(params.size() == n_params, "params", std::to_string(n_params) + " tensors (weights, biases of each layer)",
-                 params.size());
+    ST_CHECK_ARG(params.size() == n_params, "params",
+                 std::to_string(n_params) + " tensors (weights, biases of each layer)", params.size());
     ST_CHECK_ARG(main_grads.size() == n_main_grads, "main_grads",
                  std::to_string(n_main_grads) + " tensors (each layer's, with fuse_wgrad_accumulation)",
                  main_grads.size());

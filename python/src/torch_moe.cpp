@@ -3,13 +3,13 @@
 // one route of sparsetrain.torch.MoELayer, whose composition is the core's), moe_route and
 // moe_route_backward (moe_router.h), the route of sparsetrain.torch.moe_route, and
 // sparsetrain::moe_combine_rows (moe_layer.h combine_rows), each token's expert rows summed by
-// token_rows.take (the expert-parallel layer composes these in Python around its exchanges). As attention's (torch_ops.cpp): compute
-// kernels that call the core on the current stream with outputs from torch's caching allocator
-// (CompositeExplicitAutograd), moe_route's Autograd kernel a torch::autograd::Function that calls
-// the op again below autograd and the backward op through the dispatcher (so fake tensors, make_fx
-// and torch.compile reach the Python fakes and see both ops), and fake implementations in Python
-// (register_fake in the modules named below). The combine's autograd is token_rows.Rows (a gather
-// both ways), so the op itself has none.
+// token_rows.take (the expert-parallel layer composes these in Python around its exchanges). As
+// attention's (torch_ops.cpp): compute kernels that call the core on the current stream with
+// outputs from torch's caching allocator (CompositeExplicitAutograd), moe_route's Autograd kernel a
+// torch::autograd::Function that calls the op again below autograd and the backward op through the
+// dispatcher (so fake tensors, make_fx and torch.compile reach the Python fakes and see both ops),
+// and fake implementations in Python (register_fake in the modules named below). The combine's
+// autograd is token_rows.Rows (a gather both ways), so the op itself has none.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/autograd.h>

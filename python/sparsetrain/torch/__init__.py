@@ -3,13 +3,13 @@
 accumulation, delayed wgrad with backward_dw, caller out / grad_input buffers, device splits);
 `block_sparse_attention` (attention: FlexAttention's layout, a sparsetrain.BlockMask); `MoELayer`
 and `moe_route` (moe: the router, the experts' fused MLP, the deterministic combine, one operator
-per direction over the core's MoELayer); `ExpertParallelMoELayer` (expert_parallel: the MoE
-layer's experts over a torch.distributed group, its row movements in token_rows). All on top of the C++ torch library's operators
-(sparsetrain._torch_ops, loaded by native; their autograd in C++, their fake implementations in
-these modules), one route for eager calls, torch.compile(fullgraph=True), dispatch modes and CUDA
-graphs; without the library in the install, importing this package raises an ImportError that
-says how to build it. Memory: every tensor the library allocates comes from torch's caching
-allocator on the current stream (at::empty) and is handed back as a tensor over that memory."""
+per direction over the core's MoELayer); `ExpertParallelMoELayer` (expert_parallel: the MoE layer's
+experts over a torch.distributed group, its row movements in token_rows). All on top of the C++
+torch library's operators (sparsetrain._torch_ops, loaded by native; their autograd in C++, their
+fake implementations in these modules), one route for eager calls, torch.compile(fullgraph=True),
+dispatch modes and CUDA graphs; without the library in the install, importing this package raises an
+ImportError that says how to build it. Memory: every tensor the library allocates comes from torch's
+caching allocator on the current stream (at::empty) and is handed back as a tensor over that memory."""
 
 from .._block_mask import BlockMask
 from .attention import block_sparse_attention
