@@ -163,8 +163,7 @@ class TorchGroupedMLP final : public ModuleLayer<st::GroupedMLP> {
           splits_of(splits, status), view_of(grad_input, "grad_input"), call_args(x, std::move(keep)),
           last_use ? st::Fc1OutUse::kReuse : st::Fc1OutUse::kKeep);
       return std::tuple_cat(std::make_tuple(alloc_.take(g.grad_input, grad_input), alloc_.take(g.dprobs)),
-                            layer_grads(g.fc1.weight, g.fc1.bias_grad, x, cached_dummy),
-                            layer_grads(g.fc2.weight, g.fc2.bias_grad, x, cached_dummy));
+                            mlp_grads(g.fc1, g.fc2, x, cached_dummy));
     });
   }
 

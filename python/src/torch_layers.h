@@ -273,9 +273,17 @@ class ModuleLayer : public RegisteredLayer {
     return translated([&] {
       const std::lock_guard<std::mutex> lock(mutex_);
       const st::GroupedMLPGrads g = bound(params, main_grads, flags).backward_dw(call_args(first_param()));
-      return std::tuple_cat(layer_grads(g.fc1.weight, g.fc1.bias_grad, first_param()),
-                            layer_grads(g.fc2.weight, g.fc2.bias_grad, first_param()));
+      return mlp_grads(g.fc1, g.fc2, first_param(), true);
     });
+  }
+
+  // Such a module's weight and bias grads, fc1's then fc2's, as layer_grads gives each layer's.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mlp_grads(const st::GroupedMLPLayerGrads& fc1,
+                                                                       const st::GroupedMLPLayerGrads& fc2,
+                                                                       const at::Tensor& like,
+                                                                       bool cached_dummy) const {
+    return std::tuple_cat(layer_grads(fc1.weight, fc1.bias_grad, like, cached_dummy),
+                          layer_grads(fc2.weight, fc2.bias_grad, like, cached_dummy));
   }
 
   // The device the layer computes on (its first parameter's), for calls without activations.

@@ -221,8 +221,7 @@ class TorchMoELayer final : public st::torch_ops::ModuleLayer<st::MoELayer> {
                      view_of(dscore_sum, "dscore_sum"),
                      call_args(x, {x, logits, experts, counts, row_of, token_of_row, rows, row_probs, fc1_out, dout}));
       return std::tuple_cat(std::make_tuple(alloc_.take(g.grad_input), alloc_.take(g.dlogits)),
-                            layer_grads(g.fc1.weight, g.fc1.bias_grad, x, cached_dummy),
-                            layer_grads(g.fc2.weight, g.fc2.bias_grad, x, cached_dummy));
+                            mlp_grads(g.fc1, g.fc2, x, cached_dummy));
     });
   }
 
