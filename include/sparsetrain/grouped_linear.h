@@ -65,6 +65,10 @@ struct CallArgs {
   // it with the pending wgrad and releases it when backward_dw() pops that entry, so a binding
   // needs no queue of its own (the layer's queue is the only one).
   std::shared_ptr<const void> keep_alive;
+  // A dummy weight grad (weight_grad.h) is the layer's cached zero tensor, allocated once; false:
+  // a new zero tensor from the allocator on each call. A binding whose outputs are owned by a
+  // memory pool the layer must not keep memory of (torch's CUDA graph trees) asks for new ones.
+  bool cache_dummy_wgrad = true;
 };
 
 // Per-group stride (elements) of the packed weight-grad buffer: out*in rounded up so that each
@@ -144,7 +148,8 @@ class GroupedLinear {
   // wgrad and bias grad with the group offsets already in the workspace.
   GroupedLinearGrads compute_wgrad(const TensorView& x, const TensorView& dy, const int64_t* offsets,
                                    void* scratch, Stream stream);
-  const Tensor& dummy_wgrad(Stream stream);
+  // A zero tensor of the weight's shape: the cached one, or a new one (CallArgs::cache_dummy_wgrad).
+  Tensor dummy_wgrad(bool cached, Stream stream);
 
   GroupedLinearOptions options_;
   GroupedLinearParams params_;

@@ -82,8 +82,8 @@ class TorchGroupedLinear final : public ModuleLayer<st::GroupedLinear> {
       st::GroupedLinear& l = bound(params, main_grads, flags);
       const st::GroupedLinearGrads g =
           l.backward(view_of(x, "x"), view_of(dy, "dy"), splits_of(splits, status), view_of(grad_input, "grad_input"),
-                     call_args(x, {x, dy, splits, status.value_or(at::Tensor())}));
-      auto [dw, db] = layer_grads(g.weight, g.bias_grad, x, cached_dummy);
+                     call_args(x, {x, dy, splits, status.value_or(at::Tensor())}, cached_dummy));
+      auto [dw, db] = layer_grads(g.weight, g.bias_grad, x);
       return std::make_tuple(alloc_.take(g.grad_input, grad_input), dw, db);
     });
   }
@@ -160,10 +160,10 @@ class TorchGroupedMLP final : public ModuleLayer<st::GroupedMLP> {
       if (last_use) keep.push_back(fc1_out);  // a delayed wgrad reads the gradient written over it
       const st::GroupedMLPGrads g = m.backward(
           view_of(x, "x"), view_of(fc1_out, "fc1_out"), view_of(probs, "probs"), view_of(dy, "dy"),
-          splits_of(splits, status), view_of(grad_input, "grad_input"), call_args(x, std::move(keep)),
+          splits_of(splits, status), view_of(grad_input, "grad_input"), call_args(x, std::move(keep), cached_dummy),
           last_use ? st::Fc1OutUse::kReuse : st::Fc1OutUse::kKeep);
       return std::tuple_cat(std::make_tuple(alloc_.take(g.grad_input, grad_input), alloc_.take(g.dprobs)),
-                            mlp_grads(g.fc1, g.fc2, x, cached_dummy));
+                            mlp_grads(g.fc1, g.fc2, x));
     });
   }
 

@@ -93,11 +93,14 @@ inline st::Splits splits_of(const at::Tensor& splits, const OptTensor& status) {
 }
 
 // The call's stream and, for a backward that may queue a delayed wgrad, the tensors the queue
-// entry refers to (held by the C++ layer's queue until backward_dw pops it).
-inline st::CallArgs call_args(const at::Tensor& on, std::vector<at::Tensor> keep = {}) {
+// entry refers to (held by the C++ layer's queue until backward_dw pops it). cache_dummy_wgrad:
+// st::CallArgs' (a backward operator's `cached_dummy`).
+inline st::CallArgs call_args(const at::Tensor& on, std::vector<at::Tensor> keep = {},
+                              bool cache_dummy_wgrad = true) {
   st::CallArgs a;
   a.stream = stream_of(on);
   if (!keep.empty()) a.keep_alive = std::make_shared<const std::vector<at::Tensor>>(std::move(keep));
+  a.cache_dummy_wgrad = cache_dummy_wgrad;
   return a;
 }
 
@@ -237,22 +240,11 @@ class ModuleLayer : public RegisteredLayer {
 
   // One layer's weight grad and bias grad as tensors, an empty tensor (`like`'s dtype) for none:
   // the packed wgrad, or the dummy (packed, or the one [out, in] tensor of per-group weights). Two
-  // nones are two tensors: an operator's outputs may not alias each other. cached_dummy: the dummy
-  // is the layer's cached zero tensor (the eager node's choice: no allocation a step, as
-  // TransformerEngine's); otherwise a new zero tensor, as an operator's output must be, so that a
-  // compiled graph (CUDA graph trees free a replay's outputs at the next one) never owns memory the
-  // layer keeps.
+  // nones are two tensors: an operator's outputs may not alias each other.
   std::tuple<at::Tensor, at::Tensor> layer_grads(const st::WeightGrad& w, const st::Tensor& bias_grad,
-                                                 const at::Tensor& like, bool cached_dummy = true) const {
-    at::Tensor dw;
-    if (w.kind == st::WeightGradKind::kNone) {
-      dw = at::empty({0}, like.options());
-    } else if (w.kind == st::WeightGradKind::kDummy && !cached_dummy) {
-      const st::TensorView& v = (w.packed.defined() ? w.packed : w.per_group[0]).view();
-      dw = at::zeros(at::IntArrayRef(v.shape(), size_t(v.dim())), like.options());
-    } else {
-      dw = alloc_.take(w.packed.defined() ? w.packed : w.per_group[0]);
-    }
+                                                 const at::Tensor& like) const {
+    at::Tensor dw = w.kind == st::WeightGradKind::kNone ? at::empty({0}, like.options())
+                                                        : alloc_.take(w.packed.defined() ? w.packed : w.per_group[0]);
     return {dw, bias_grad.defined() ? alloc_.take(bias_grad) : at::empty({0}, like.options())};
   }
 
@@ -273,17 +265,15 @@ class ModuleLayer : public RegisteredLayer {
     return translated([&] {
       const std::lock_guard<std::mutex> lock(mutex_);
       const st::GroupedMLPGrads g = bound(params, main_grads, flags).backward_dw(call_args(first_param()));
-      return mlp_grads(g.fc1, g.fc2, first_param(), true);
+      return mlp_grads(g.fc1, g.fc2, first_param());
     });
   }
 
   // Such a module's weight and bias grads, fc1's then fc2's, as layer_grads gives each layer's.
   std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> mlp_grads(const st::GroupedMLPLayerGrads& fc1,
                                                                        const st::GroupedMLPLayerGrads& fc2,
-                                                                       const at::Tensor& like,
-                                                                       bool cached_dummy) const {
-    return std::tuple_cat(layer_grads(fc1.weight, fc1.bias_grad, like, cached_dummy),
-                          layer_grads(fc2.weight, fc2.bias_grad, like, cached_dummy));
+                                                                       const at::Tensor& like) const {
+    return std::tuple_cat(layer_grads(fc1.weight, fc1.bias_grad, like), layer_grads(fc2.weight, fc2.bias_grad, like));
   }
 
   // The device the layer computes on (its first parameter's), for calls without activations.

@@ -219,9 +219,10 @@ class TorchMoELayer final : public st::torch_ops::ModuleLayer<st::MoELayer> {
       const st::MoEGrads g =
           l.backward(view_of(x, "x"), view_of(logits, "logits"), saved, view_of(dout, "dout"),
                      view_of(dscore_sum, "dscore_sum"),
-                     call_args(x, {x, logits, experts, counts, row_of, token_of_row, rows, row_probs, fc1_out, dout}));
+                     call_args(x, {x, logits, experts, counts, row_of, token_of_row, rows, row_probs, fc1_out, dout},
+                               cached_dummy));
       return std::tuple_cat(std::make_tuple(alloc_.take(g.grad_input), alloc_.take(g.dlogits)),
-                            mlp_grads(g.fc1, g.fc2, x, cached_dummy));
+                            mlp_grads(g.fc1, g.fc2, x));
     });
   }
 

@@ -162,15 +162,15 @@ Tensor GroupedLinear::forward(const TensorView& x, const Splits& splits, const T
   return y;
 }
 
-const Tensor& GroupedLinear::dummy_wgrad(Stream stream) {
-  if (!dummy_.defined()) {
-    const GroupedLinearOptions& o = options_;
-    dummy_ = params_.weight.is_packed()
+Tensor GroupedLinear::dummy_wgrad(bool cached, Stream stream) {
+  if (cached && dummy_.defined()) return dummy_;
+  const GroupedLinearOptions& o = options_;
+  Tensor d = params_.weight.is_packed()
                  ? Tensor::empty(o.dtype, {o.num_groups, o.out_features, o.in_features}, device(), *allocator_, stream)
                  : Tensor::empty(o.dtype, {o.out_features, o.in_features}, device(), *allocator_, stream);
-    backend_for(device(), "weight").fill_zero(dummy_.view(), stream);
-  }
-  return dummy_;
+  backend_for(device(), "weight").fill_zero(d.view(), stream);
+  if (cached) dummy_ = d;
+  return d;
 }
 
 GroupedLinearGrads GroupedLinear::compute_wgrad(const TensorView& x, const TensorView& dy,
@@ -249,7 +249,7 @@ GroupedLinearGrads GroupedLinear::backward(const TensorView& x, const TensorView
     if (disp.bias_grad_now) grads.bias_grad = std::move(w.bias_grad);
   }
   if (disp.weight == WeightGradKind::kDummy) {
-    const Tensor& d = dummy_wgrad(args.stream);
+    const Tensor d = dummy_wgrad(args.cache_dummy_wgrad, args.stream);
     grads.weight.kind = WeightGradKind::kDummy;
     grads.weight.grad_added_to_main_grad = true;
     if (params_.weight.is_packed()) grads.weight.packed = d;

@@ -220,6 +220,7 @@ GroupedMLPGrads GroupedMLP::backward(const TensorView& x, const TensorView& fc1_
 
   // Everything is valid: from here on outputs may be written.
   CallWorkspace ws(plan, args.workspace, dev, *allocator_, args.stream);
+  ws.layer_args.cache_dummy_wgrad = args.cache_dummy_wgrad;
   ops::prepare_offsets(splits, T, ws.offsets, ws.status, gemm, dev, args.stream);
   const backend::MLPRows rows{o.dtype, o.num_groups, T, ws.offsets};
   GroupedMLPGrads grads;
@@ -266,6 +267,7 @@ GroupedMLPGrads GroupedMLP::backward_dw(const CallArgs& args) {
   ops::check_workspace(plan.total, args.workspace);
 
   CallWorkspace ws(plan, args.workspace, dev, *allocator_, args.stream);
+  ws.layer_args.cache_dummy_wgrad = args.cache_dummy_wgrad;
   GroupedMLPGrads grads;
   GroupedLinearGrads g2 = fc2_.backward_dw(ws.layer_args);
   grads.fc2.weight = std::move(g2.weight);

@@ -161,6 +161,18 @@ TEST(GroupedLinearContract, TheSixRowsOfTheWeightGradTable) {
         const auto again = layer.backward(c.x.view(), c.dy.view(), sp);
         EXPECT_EQ(again.weight.per_group[0].view().data(), g1.weight.per_group[0].view().data());
         if (r.delay) layer.backward_dw();
+        // A new zero tensor where the caller asks for one; the cached one stays as it was.
+        st::CallArgs fresh;
+        fresh.cache_dummy_wgrad = false;
+        const auto renewed = layer.backward(c.x.view(), c.dy.view(), sp, {}, fresh);
+        ASSERT_EQ(renewed.weight.kind, K::kDummy);
+        ASSERT_EQ(int64_t(renewed.weight.per_group.size()), c.G);
+        EXPECT_NE(renewed.weight.per_group[0].view().data(), g1.weight.per_group[0].view().data());
+        EXPECT_TRUE(renewed.weight.per_group[0].owns_storage());
+        EXPECT_TRUE(all_zero(renewed.weight.per_group[c.G - 1].view()));
+        EXPECT_EQ(renewed.weight.packed.defined(), packed_weight);
+        EXPECT_TRUE(all_zero(g1.weight.per_group[0].view()));
+        if (r.delay) layer.backward_dw();
       }
       if (r.delay) {
         const auto dw = layer.backward_dw();
@@ -174,7 +186,7 @@ TEST(GroupedLinearContract, TheSixRowsOfTheWeightGradTable) {
           e.delay = false;
           e.main_grad = HostTensor::copy_of(mg_before.view());
           st::GroupedLinear eager(e.options(), e.params());
-          for (int i = 0; i < (r.weight == K::kDummy ? 2 : 1); ++i) eager.backward(e.x.view(), e.dy.view(), sp);
+          for (int i = 0; i < (r.weight == K::kDummy ? 3 : 1); ++i) eager.backward(e.x.view(), e.dy.view(), sp);
           EXPECT_FALSE(c.main_grad.bytes_equal(mg_before)) << "backward_dw wrote main_grad";
           EXPECT_TRUE(c.main_grad.bytes_equal(e.main_grad)) << "delayed main_grad differs from the eager layer's";
         }

@@ -200,6 +200,15 @@ TEST(GroupedMLPContract, EachLayerFollowsItsOwnWeightAttribute) {
   const auto g = mlp.backward(c.x.view(), fwd.fc1_out.view(), c.probs.view(), c.dy.view(), sp);
   EXPECT_EQ(g.fc1.weight.kind, K::kDummy);
   EXPECT_EQ(g.fc2.weight.kind, K::kNone);
+  // The call's choice of a cached or a new dummy reaches the layer.
+  st::CallArgs fresh;
+  fresh.cache_dummy_wgrad = false;
+  const auto g2 = mlp.backward(c.x.view(), fwd.fc1_out.view(), c.probs.view(), c.dy.view(), sp, {}, fresh);
+  ASSERT_EQ(g2.fc1.weight.kind, K::kDummy);
+  EXPECT_NE(g2.fc1.weight.per_group[0].view().data(), g.fc1.weight.per_group[0].view().data());
+  EXPECT_TRUE(all_zero(g2.fc1.weight.per_group[0].view()));
+  const auto g3 = mlp.backward(c.x.view(), fwd.fc1_out.view(), c.probs.view(), c.dy.view(), sp);
+  EXPECT_EQ(g3.fc1.weight.per_group[0].view().data(), g.fc1.weight.per_group[0].view().data());
 }
 
 // Two micro-batches with different data and routing, wgrad delayed: backward_dw hands both layers'
