@@ -895,6 +895,8 @@ import torch
 import sparsetrain as st
 import sparsetrain.torch as stt
 
+import os
+sys.path.insert(0, os.path.dirname(sys.argv[4]))  # the test file's own helpers (op_log)
 spec = importlib.util.spec_from_file_location("attention_cuda_bounds", sys.argv[4])
 bounds = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bounds)
