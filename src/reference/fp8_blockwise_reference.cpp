@@ -133,31 +133,27 @@ class ReferenceFp8Backend final : public Fp8BlockwiseBackend {
   void fprop(const Fp8FpropParams& p, void* scratch, Stream stream) override {
     const GroupedProblem& pr = p.problem;
     const Operands s(pr, scratch);
-    dequantize_rowwise({groups(pr), p.x, f32_view(s.rows_in, pr.num_rows, pr.in)}, stream);
     FpropParams f{fp32(pr), f32_view(s.rows_in, pr.num_rows, pr.in), {}, {}, p.y, p.zero_tail};
+    dequantize_rowwise({groups(pr), p.x, f.x}, stream);
     for (int64_t g = 0; g < pr.num_groups; ++g) {
       f.weight.push_back(f32_view(s.weight(g), pr.out, pr.in));
       dequantize_blocks(p.weight[size_t(g)], f.weight.back(), stream);
     }
-    if (pr.dtype != DType::kFP32) f.y = f32_view(s.rows_out, pr.num_rows, pr.out), f.zero_tail = false;
-    reference_backend().fprop(f, s.gemm, stream);
-    if (pr.dtype != DType::kFP32) finish_rows(s.rows_out, p.y, pr, p.zero_tail, stream);
+    run_gemm(&GroupedLinearBackend::fprop, f, &FpropParams::y, s.rows_out, s.gemm, stream);
   }
 
   void dgrad(const Fp8DgradParams& p, void* scratch, Stream stream) override {
     const GroupedProblem& pr = p.problem;
     const Operands s(pr, scratch);
-    dequantize_rowwise({groups(pr), p.dy, f32_view(s.rows_out, pr.num_rows, pr.out)}, stream);
     DgradParams d{fp32(pr), f32_view(s.rows_out, pr.num_rows, pr.out), {}, p.dx, p.zero_tail};
+    dequantize_rowwise({groups(pr), p.dy, d.dy}, stream);
     for (int64_t g = 0; g < pr.num_groups; ++g) {
       d.weight.push_back(f32_view(s.weight(g), pr.out, pr.in));
       // W_g^T's copy [in, out] read into W_g's [out, in] buffer through transposed strides.
       const int64_t shape[2] = {pr.in, pr.out}, strides[2] = {1, pr.in};
       dequantize_blocks(p.weight_t[size_t(g)], TensorView(s.weight(g), DType::kFP32, shape, strides, 2), stream);
     }
-    if (pr.dtype != DType::kFP32) d.dx = f32_view(s.rows_in, pr.num_rows, pr.in), d.zero_tail = false;
-    reference_backend().dgrad(d, s.gemm, stream);
-    if (pr.dtype != DType::kFP32) finish_rows(s.rows_in, p.dx, pr, p.zero_tail, stream);
+    run_gemm(&GroupedLinearBackend::dgrad, d, &DgradParams::dx, s.rows_in, s.gemm, stream);
   }
 
   void wgrad(const Fp8WgradParams& p, void* scratch, Stream stream) override {
@@ -195,10 +191,19 @@ class ReferenceFp8Backend final : public Fp8BlockwiseBackend {
     pr.dtype = DType::kFP32;
     return pr;
   }
-  // The fp32 result's rows below S rounded into `dst`, whose later rows are zeroed if asked.
-  static void finish_rows(const float* rows, const TensorView& dst, const GroupedProblem& pr, bool zero_tail,
-                          Stream stream) {
-    const int64_t S = pr.offsets[pr.num_groups];
+  // Runs one of GroupedLinear's fp32 reference GEMMs (fprop, dgrad) whose output f.*out is in the
+  // layer's dtype: directly for fp32, else into `rows` (fp32 [T, cols]) and then rounded once, rows
+  // below S, with the later rows zeroed if asked.
+  template <class Params>
+  static void run_gemm(void (GroupedLinearBackend::*gemm)(const Params&, void*, Stream), Params f,
+                       TensorView Params::*out, float* rows, void* gemm_scratch, Stream stream) {
+    const TensorView dst = f.*out;
+    const bool zero_tail = f.zero_tail;
+    if (dst.dtype() == DType::kFP32) return (reference_backend().*gemm)(f, gemm_scratch, stream);
+    f.*out = f32_view(rows, f.problem.num_rows, dst.size(1));
+    f.zero_tail = false;
+    (reference_backend().*gemm)(f, gemm_scratch, stream);
+    const int64_t S = f.problem.offsets[f.problem.num_groups];
     round_rows(rows, dst, S);
     if (zero_tail && S < dst.size(0)) reference_backend().fill_zero(dst.rows(S, dst.size(0)), stream);
   }

@@ -105,12 +105,20 @@ struct Hits {
   }
 };
 
-TEST(Fp8Layout, RowwiseScalesAreABijectionOntoTheGroupedRows) {
-  std::mt19937_64 rng(20260304);
+// f(splits, offsets, T) for 60 lists of awkward splits.
+template <class F>
+void for_awkward_splits(uint64_t seed, F f) {
+  std::mt19937_64 rng(seed);
   for (int trial = 0; trial < 60; ++trial) {
     int64_t T = 0;
     const std::vector<int64_t> splits = awkward_splits(rng, T);
-    const std::vector<int64_t> off = offsets_of(splits, T);
+    f(splits, offsets_of(splits, T), T);
+    if (::testing::Test::HasFatalFailure()) return;
+  }
+}
+
+TEST(Fp8Layout, RowwiseScalesAreABijectionOntoTheGroupedRows) {
+  for_awkward_splits(20260304, [](const std::vector<int64_t>& splits, const std::vector<int64_t>& off, int64_t T) {
     const int64_t G = int64_t(splits.size()), S = off.back();
     for (const int64_t K : {1, 8, 127, 128, 129, 200, 1000}) {
       const int64_t KB = st::fp8_tiles(K);
@@ -121,18 +129,14 @@ TEST(Fp8Layout, RowwiseScalesAreABijectionOntoTheGroupedRows) {
             h.add(st::fp8_rowwise_scale_index(off[size_t(g)], splits[size_t(g)], KB, r, kb));
       h.expect_exactly_first(S * KB, "rowwise K " + std::to_string(K));
     }
-  }
+  });
   // One group: [KB, T].
   for (int64_t r = 0; r < 300; ++r)
     for (int64_t kb = 0; kb < 3; ++kb) ASSERT_EQ(st::fp8_rowwise_scale_index(0, 300, 3, r, kb), kb * 300 + r);
 }
 
 TEST(Fp8Layout, ColumnwiseTilesRestartPerExpertAndTheirScalesAreABijection) {
-  std::mt19937_64 rng(20260305);
-  for (int trial = 0; trial < 60; ++trial) {
-    int64_t T = 0;
-    const std::vector<int64_t> splits = awkward_splits(rng, T);
-    const std::vector<int64_t> off = offsets_of(splits, T);
+  for_awkward_splits(20260305, [](const std::vector<int64_t>& splits, const std::vector<int64_t>& off, int64_t T) {
     const int64_t G = int64_t(splits.size()), S = off.back();
     int64_t tiles = 0;  // each expert's ceil(M_g / 128), from the definition
     for (int64_t g = 0; g < G; ++g) {
@@ -157,7 +161,7 @@ TEST(Fp8Layout, ColumnwiseTilesRestartPerExpertAndTheirScalesAreABijection) {
       for (int64_t c = 0; c < C; ++c)
         for (int64_t r = 0; r < T; ++r) ASSERT_EQ(data.count[size_t(c * T + r)], r < S ? 1 : 0);
     }
-  }
+  });
 }
 
 TEST(Fp8Layout, ColumnwiseTileBoundHoldsForTheWorstSplits) {

@@ -120,32 +120,36 @@ void expect_tail(const HostTensor& t, int64_t cols, int64_t from, bool zero) {
   }
 }
 
+// fprop or dgrad: call(out, zero_tail) into a poisoned [T, cols] output, with and without a zeroed
+// tail, against the oracle's rows below S.
+template <class Call>
+void expect_rowwise_gemm(const Fp8Step& s, int64_t cols, const st::testing::OracleValues& want, const char* name,
+                         Call call) {
+  for (const bool zero_tail : {true, false}) {
+    HostTensor out(s.c.dtype, {s.c.T, cols});
+    out.poison();
+    call(out.view(), zero_tail);
+    expect_ok(st::testing::compare_with_oracle(out, want, s.c.dtype, 1, name));
+    expect_tail(out, cols, s.S(), zero_tail);
+  }
+}
+
 class Fp8Gemm : public ::testing::TestWithParam<GemmCase> {};
 
 TEST_P(Fp8Gemm, FpropMatchesTheOracleOfTheDequantizedOperands) {
   const Fp8Step s(GetParam());
-  const GemmCase& c = s.c;
-  for (const bool zero_tail : {true, false}) {
-    HostTensor y(c.dtype, {c.T, c.out});
-    y.poison();
-    st::testing::fp8_ref().fprop({s.problem(), s.xq.view(), s.weights(false), y.view(), zero_tail},
-                                 s.scratch.data(), st::Stream{});
-    expect_ok(st::testing::compare_with_oracle(y, s.oracle(false, false).forward(), c.dtype, 1, "y"));
-    expect_tail(y, c.out, s.S(), zero_tail);
-  }
+  expect_rowwise_gemm(s, s.c.out, s.oracle(false, false).forward(), "y", [&](st::TensorView y, bool zero_tail) {
+    st::testing::fp8_ref().fprop({s.problem(), s.xq.view(), s.weights(false), y, zero_tail}, s.scratch.data(),
+                                 st::Stream{});
+  });
 }
 
 TEST_P(Fp8Gemm, DgradReadsTheTransposedWeightsAndMatchesTheOracle) {
   const Fp8Step s(GetParam());
-  const GemmCase& c = s.c;
-  for (const bool zero_tail : {true, false}) {
-    HostTensor dx(c.dtype, {c.T, c.in});
-    dx.poison();
-    st::testing::fp8_ref().dgrad({s.problem(), s.dyq.view(), s.weights(true), dx.view(), zero_tail},
-                                 s.scratch.data(), st::Stream{});
-    expect_ok(st::testing::compare_with_oracle(dx, s.oracle(false, true).dgrad(), c.dtype, 1, "dx"));
-    expect_tail(dx, c.in, s.S(), zero_tail);
-  }
+  expect_rowwise_gemm(s, s.c.in, s.oracle(false, true).dgrad(), "dx", [&](st::TensorView dx, bool zero_tail) {
+    st::testing::fp8_ref().dgrad({s.problem(), s.dyq.view(), s.weights(true), dx, zero_tail}, s.scratch.data(),
+                                 st::Stream{});
+  });
 }
 
 TEST_P(Fp8Gemm, WgradIntoEachTargetMatchesTheOracle) {
