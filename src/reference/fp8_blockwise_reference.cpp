@@ -69,8 +69,9 @@ class ReferenceFp8Backend final : public Fp8BlockwiseBackend {
       for (int64_t t = 0; t < fp8_tiles(gr.rows); ++t) {
         const int64_t r0 = gr.begin + t * kFp8Tile, r1 = std::min(gr.begin + gr.rows, r0 + kFp8Tile);
         for (int64_t c = 0; c < C; ++c)
-          scales(p.dst)[fp8_columnwise_scale_index(base, t, C, c)] = quantize_tile(
-              p.src, r0, r1, c, c + 1, [&](int64_t r, int64_t j, uint8_t v) { q[fp8_columnwise_data_index(T, r, j)] = v; });
+          scales(p.dst)[fp8_columnwise_scale_index(base, t, C, c)] =
+              quantize_tile(p.src, r0, r1, c, c + 1,
+                            [&](int64_t r, int64_t j, uint8_t v) { q[fp8_columnwise_data_index(T, r, j)] = v; });
       }
     }
   }
@@ -99,9 +100,10 @@ class ReferenceFp8Backend final : public Fp8BlockwiseBackend {
     for (int64_t g = 0; g < p.groups.num_groups; ++g) {
       const GroupRows gr = group_rows(p.groups, g);
       for (int64_t r = gr.begin; r < gr.begin + gr.rows; ++r)
-        for (int64_t k = 0; k < K; ++k)
-          at(p.dst, r, k) = fp8_dequantize(codes(p.src)[r * K + k],
-                                           scales(p.src)[fp8_rowwise_scale_index(gr.begin, gr.rows, KB, r, k / kFp8Tile)]);
+        for (int64_t k = 0; k < K; ++k) {
+          const float scale = scales(p.src)[fp8_rowwise_scale_index(gr.begin, gr.rows, KB, r, k / kFp8Tile)];
+          at(p.dst, r, k) = fp8_dequantize(codes(p.src)[r * K + k], scale);
+        }
     }
   }
 
@@ -111,9 +113,10 @@ class ReferenceFp8Backend final : public Fp8BlockwiseBackend {
       const GroupRows gr = group_rows(p.groups, g);
       const int64_t base = fp8_columnwise_tile_base(p.groups.offsets, g);
       for (int64_t r = gr.begin; r < gr.begin + gr.rows; ++r)
-        for (int64_t c = 0; c < C; ++c)
-          at(p.dst, r, c) = fp8_dequantize(codes(p.src)[fp8_columnwise_data_index(T, r, c)],
-                                           scales(p.src)[fp8_columnwise_scale_index(base, (r - gr.begin) / kFp8Tile, C, c)]);
+        for (int64_t c = 0; c < C; ++c) {
+          const float scale = scales(p.src)[fp8_columnwise_scale_index(base, (r - gr.begin) / kFp8Tile, C, c)];
+          at(p.dst, r, c) = fp8_dequantize(codes(p.src)[fp8_columnwise_data_index(T, r, c)], scale);
+        }
     }
   }
 
@@ -198,14 +201,12 @@ class ReferenceFp8Backend final : public Fp8BlockwiseBackend {
   static void run_gemm(void (GroupedLinearBackend::*gemm)(const Params&, void*, Stream), Params f,
                        TensorView Params::*out, float* rows, void* gemm_scratch, Stream stream) {
     const TensorView dst = f.*out;
-    const bool zero_tail = f.zero_tail;
     if (dst.dtype() == DType::kFP32) return (reference_backend().*gemm)(f, gemm_scratch, stream);
     f.*out = f32_view(rows, f.problem.num_rows, dst.size(1));
-    f.zero_tail = false;
     (reference_backend().*gemm)(f, gemm_scratch, stream);
     const int64_t S = f.problem.offsets[f.problem.num_groups];
     round_rows(rows, dst, S);
-    if (zero_tail && S < dst.size(0)) reference_backend().fill_zero(dst.rows(S, dst.size(0)), stream);
+    if (f.zero_tail && S < dst.size(0)) reference_backend().fill_zero(dst.rows(S, dst.size(0)), stream);
   }
 };
 

@@ -26,6 +26,9 @@ using st::testing::offsets_of;
 
 namespace {
 
+// Matrix shapes for the block layouts: one element, partial edges both ways, exact blocks.
+const std::vector<std::pair<int64_t, int64_t>> kBlockShapes = {{1, 1}, {200, 130}, {129, 300}, {128, 128}, {257, 5}};
+
 constexpr int kMin = st::kFp8ScaleExpMin, kMax = st::kFp8ScaleExpMax;
 constexpr uint32_t kNaNScaleBits = 0x7fc00000u;
 
@@ -173,7 +176,7 @@ TEST(Fp8Layout, ColumnwiseTileBoundHoldsForTheWorstSplits) {
 }
 
 TEST(Fp8Layout, BlockScalesAreABijectionInBothOrientations) {
-  for (const auto& [R, C] : std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {200, 130}, {129, 300}, {128, 128}, {257, 5}}) {
+  for (const auto& [R, C] : kBlockShapes) {
     Hits h(st::fp8_block_scale_count(R, C)), ht(st::fp8_block_scale_count(C, R));
     for (int64_t i = 0; i < R; i += 128)
       for (int64_t j = 0; j < C; j += 128) {
@@ -183,7 +186,8 @@ TEST(Fp8Layout, BlockScalesAreABijectionInBothOrientations) {
     h.expect_exactly_first(st::fp8_block_scale_count(R, C), "blocks");
     ht.expect_exactly_first(st::fp8_block_scale_count(C, R), "transposed blocks");
     for (int64_t i = 0; i < R; ++i)  // every element in its block's slot: the grid is row-major
-      for (int64_t j = 0; j < C; ++j) ASSERT_EQ(st::fp8_block_scale_index(C, i, j), (i / 128) * ((C + 127) / 128) + j / 128);
+      for (int64_t j = 0; j < C; ++j)
+        ASSERT_EQ(st::fp8_block_scale_index(C, i, j), (i / 128) * ((C + 127) / 128) + j / 128);
   }
 }
 
@@ -321,11 +325,12 @@ INSTANTIATE_TEST_SUITE_P(Reference, Fp8Quantizers, ::testing::ValuesIn(kQuantCas
 TEST(Fp8Weights, BothCopiesMatchTheDefinitionAndEachOtherBitwise) {
   std::mt19937_64 rng(20260306);
   for (const st::DType dtype : {st::DType::kBF16, st::DType::kFP16, st::DType::kFP32})
-    for (const auto& [out, in] : std::vector<std::pair<int64_t, int64_t>>{{1, 1}, {200, 130}, {129, 300}, {128, 128}, {257, 5}}) {
+    for (const auto& [out, in] : kBlockShapes) {
       SCOPED_TRACE(std::string(st::dtype_name(dtype)) + " out " + std::to_string(out) + " in " + std::to_string(in));
       const HostTensor w = random_matrix(dtype, out, in, rng);
       const st::testing::Fp8WeightPair p = st::testing::quantize_weight(w.view());
-      const HostTensor d = st::testing::dequantize_blocks(p.w, out, in), dt = st::testing::dequantize_blocks(p.wt, in, out);
+      const HostTensor d = st::testing::dequantize_blocks(p.w, out, in);
+      const HostTensor dt = st::testing::dequantize_blocks(p.wt, in, out);
       const int64_t IB = (in + 127) / 128, OB = (out + 127) / 128;
       const TileCheck check{p.w, &d, "weight"};
       for (int64_t i0 = 0; i0 < out; i0 += 128)
