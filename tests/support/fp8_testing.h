@@ -57,8 +57,9 @@ inline std::vector<int64_t> offsets_of(const std::vector<int64_t>& splits, int64
   return off;
 }
 
-// A quantized operand: uint8 codes and fp32 scales, both poisoned (0xFF bytes: code 0xFF, which
-// the quantizers never write, and a NaN scale that is not theirs, 0x7FC00000) until written.
+// A quantized operand: uint8 codes and fp32 scales, poisoned with 0xFF bytes until written: code
+// 0xFF, a NaN the quantizers never write (theirs is 0x7F), and scale bits 0xFFFFFFFF, a NaN other
+// than theirs (0x7FC00000), so an unwritten slot shows even where NaN is the right value.
 struct Fp8Operand {
   HostTensor data, scale;
   Fp8Operand(std::vector<int64_t> data_shape, int64_t scales)
