@@ -10,7 +10,9 @@
 //   rowwise   [T, K] operands of fprop / dgrad: 1 x 128 tiles along K, the last one of a row
 //             possibly shorter; codes [T, K]; scales grouped M-major (per group [KB, M_g])
 //   columnwise the [T, C] operands of wgrad: 128 x 1 tiles of one expert's tokens (restarting at
-//             its first row); codes transposed, [C, T]; scales [tiles, C], experts' tiles in order
+//             its first row); codes transposed, [C, columns], each expert's tokens from column
+//             128 * (its first tile), the rest of its last tile zero codes; scales [tiles, C],
+//             experts' tiles in order
 //   weights   128 x 128 blocks of [out, in]; codes and a row-major block grid, plus the transpose
 //             (codes [in, out], grid transposed): the same bytes, one pass writes both
 // Rows from S = offsets[G] on (a padded tail) belong to no group and are not quantized.
@@ -102,8 +104,17 @@ ST_HOST_DEVICE inline int64_t fp8_columnwise_scale_index(int64_t tile_base, int6
 ST_HOST_DEVICE inline int64_t fp8_columnwise_scale_count(int64_t rows, int64_t channels, int64_t num_groups) {
   return fp8_columnwise_max_tiles(rows, num_groups) * channels;
 }
-// The code of (row r, channel c) of a [T, C] operand: codes [C, T], tokens contiguous.
-ST_HOST_DEVICE inline int64_t fp8_columnwise_data_index(int64_t rows, int64_t r, int64_t c) { return c * rows + r; }
+// The columns of the codes [C, columns]: whole tiles, from the shapes alone. Each expert's tokens
+// start a tile (column kFp8Tile * tile_base), so that its block starts on a 16-byte boundary, as
+// the wgrad GEMM's TMA loads need (one descriptor per expert, at a token offset of any value).
+ST_HOST_DEVICE inline int64_t fp8_columnwise_columns(int64_t rows, int64_t num_groups) {
+  return kFp8Tile * fp8_columnwise_max_tiles(rows, num_groups);
+}
+// The code of (row r of the group starting at row group_begin, channel c): tokens contiguous.
+ST_HOST_DEVICE inline int64_t fp8_columnwise_data_index(int64_t columns, int64_t tile_base, int64_t group_begin,
+                                                        int64_t r, int64_t c) {
+  return c * columns + kFp8Tile * tile_base + (r - group_begin);
+}
 
 // Weights: the scale of element (i, j) of a [rows, cols] matrix quantized in 128 x 128 blocks, a
 // row-major grid [fp8_tiles(rows), fp8_tiles(cols)]. W [out, in] and its transposed copy [in, out]

@@ -26,7 +26,8 @@ struct Fp8Groups {
 };
 
 // Rowwise: src [T, K] -> data uint8 [T, K], scale fp32 [fp8_rowwise_scale_count(T, K)].
-// Columnwise: src [T, C] -> data uint8 [C, T], scale fp32 [fp8_columnwise_scale_count(T, C, G)].
+// Columnwise: src [T, C] -> data uint8 [C, fp8_columnwise_columns(T, G)] (the rest of each expert's
+// last tile: zero codes), scale fp32 [fp8_columnwise_scale_count(T, C, G)].
 // src is bf16, fp16 or fp32. Slots of no tile are not written.
 struct Fp8QuantizeParams {
   Fp8Groups groups;

@@ -61,18 +61,21 @@ class ReferenceFp8Backend final : public Fp8BlockwiseBackend {
   }
 
   void quantize_columnwise(const Fp8QuantizeParams& p, Stream) override {
-    const int64_t T = p.src.size(0), C = p.src.size(1);
+    const int64_t C = p.src.size(1), columns = p.dst.data.size(1);
     uint8_t* q = codes(p.dst);
     for (int64_t g = 0; g < p.groups.num_groups; ++g) {
       const GroupRows gr = group_rows(p.groups, g);
       const int64_t base = fp8_columnwise_tile_base(p.groups.offsets, g);
-      for (int64_t t = 0; t < fp8_tiles(gr.rows); ++t) {
+      auto index = [&](int64_t r, int64_t c) { return fp8_columnwise_data_index(columns, base, gr.begin, r, c); };
+      const int64_t tiles = fp8_tiles(gr.rows);
+      for (int64_t t = 0; t < tiles; ++t) {
         const int64_t r0 = gr.begin + t * kFp8Tile, r1 = std::min(gr.begin + gr.rows, r0 + kFp8Tile);
         for (int64_t c = 0; c < C; ++c)
           scales(p.dst)[fp8_columnwise_scale_index(base, t, C, c)] =
-              quantize_tile(p.src, r0, r1, c, c + 1,
-                            [&](int64_t r, int64_t j, uint8_t v) { q[fp8_columnwise_data_index(T, r, j)] = v; });
+              quantize_tile(p.src, r0, r1, c, c + 1, [&](int64_t r, int64_t j, uint8_t v) { q[index(r, j)] = v; });
       }
+      for (int64_t r = gr.begin + gr.rows; r < gr.begin + tiles * kFp8Tile; ++r)
+        for (int64_t c = 0; c < C; ++c) q[index(r, c)] = 0;
     }
   }
 
@@ -108,14 +111,15 @@ class ReferenceFp8Backend final : public Fp8BlockwiseBackend {
   }
 
   void dequantize_columnwise(const Fp8DequantizeParams& p, Stream) override {
-    const int64_t T = p.dst.size(0), C = p.dst.size(1);
+    const int64_t C = p.dst.size(1), columns = p.src.data.size(1);
     for (int64_t g = 0; g < p.groups.num_groups; ++g) {
       const GroupRows gr = group_rows(p.groups, g);
       const int64_t base = fp8_columnwise_tile_base(p.groups.offsets, g);
       for (int64_t r = gr.begin; r < gr.begin + gr.rows; ++r)
         for (int64_t c = 0; c < C; ++c) {
           const float scale = scales(p.src)[fp8_columnwise_scale_index(base, (r - gr.begin) / kFp8Tile, C, c)];
-          at(p.dst, r, c) = fp8_dequantize(codes(p.src)[fp8_columnwise_data_index(T, r, c)], scale);
+          at(p.dst, r, c) =
+              fp8_dequantize(codes(p.src)[fp8_columnwise_data_index(columns, base, gr.begin, r, c)], scale);
         }
     }
   }

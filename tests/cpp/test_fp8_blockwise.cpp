@@ -148,21 +148,29 @@ TEST(Fp8Layout, ColumnwiseTilesRestartPerExpertAndTheirScalesAreABijection) {
     }
     ASSERT_EQ(st::fp8_columnwise_tile_base(off.data(), G), tiles);
     ASSERT_LE(tiles, st::fp8_columnwise_max_tiles(T, G));
+    const int64_t columns = st::fp8_columnwise_columns(T, G);
+    ASSERT_EQ(columns % 16, 0) << "rows of codes on 16-byte boundaries";
     for (const int64_t C : {1, 3, 130}) {
-      Hits scales(st::fp8_columnwise_scale_count(T, C, G)), data(C * T);
+      Hits scales(st::fp8_columnwise_scale_count(T, C, G)), data(C * columns);
       for (int64_t g = 0; g < G; ++g) {
         const int64_t base = st::fp8_columnwise_tile_base(off.data(), g);
         for (int64_t t = 0; t < st::fp8_tiles(splits[size_t(g)]); ++t)
           for (int64_t c = 0; c < C; ++c) scales.add(st::fp8_columnwise_scale_index(base, t, C, c));
+        for (int64_t r = off[size_t(g)]; r < off[size_t(g) + 1]; ++r)
+          for (int64_t c = 0; c < C; ++c) {
+            const int64_t i = st::fp8_columnwise_data_index(columns, base, off[size_t(g)], r, c);
+            ASSERT_EQ(i, c * columns + 128 * base + r - off[size_t(g)]);
+            ASSERT_EQ((c * columns + 128 * base) % 16, 0) << "an expert's codes start on a 16-byte boundary";
+            data.add(i);
+          }
       }
-      for (int64_t r = 0; r < S; ++r)
-        for (int64_t c = 0; c < C; ++c) {
-          data.add(st::fp8_columnwise_data_index(T, r, c));
-          ASSERT_EQ(st::fp8_columnwise_data_index(T, r, c), c * T + r);
-        }
       scales.expect_exactly_first(tiles * C, "columnwise scales C " + std::to_string(C));
-      for (int64_t c = 0; c < C; ++c)
-        for (int64_t r = 0; r < T; ++r) ASSERT_EQ(data.count[size_t(c * T + r)], r < S ? 1 : 0);
+      int64_t hits = 0;
+      for (const int n : data.count) {
+        ASSERT_LE(n, 1);
+        hits += n;
+      }
+      ASSERT_EQ(hits, S * C);
     }
   });
 }
@@ -293,23 +301,41 @@ TEST_P(Fp8Quantizers, ColumnwiseMatchesTheDefinitionAndLeavesTheTail) {
   const HostTensor d = st::testing::dequantize_columnwise(q, off, c.T, C);
   const int64_t S = off.back();
   const TileCheck check{q, &d, "columnwise"};
+  // Codes [C, columns]: expert g's tokens from column 128 * (its first tile), the rest of its last
+  // tile zero codes, every column past the experts' tiles untouched.
+  const int64_t columns = q.data.view().size(1);
+  ASSERT_EQ(columns % 128, 0);
+  ASSERT_GE(columns, 128 * (c.T / 128 + int64_t(c.splits.size())));
+  std::vector<bool> written(size_t(C * columns), false);
   int64_t tile = 0;  // global tile index: experts' tiles in order
-  for (size_t g = 0; g < c.splits.size(); ++g)
+  for (size_t g = 0; g < c.splits.size(); ++g) {
+    const int64_t col0 = 128 * tile;
     for (int64_t r0 = off[g]; r0 < off[g + 1]; r0 += 128, ++tile)
       for (int64_t ch = 0; ch < C; ++ch) {
         std::vector<double> v;
         std::vector<int64_t> code_at, deq_at;
         for (int64_t r = r0; r < std::min(off[g + 1], r0 + 128); ++r) {
           v.push_back(x.get(r * C + ch));
-          code_at.push_back(ch * c.T + r);  // codes [C, T]
+          code_at.push_back(ch * columns + col0 + (r - off[g]));
           deq_at.push_back(r * C + ch);
         }
         check(v, code_at, deq_at, tile * C + ch);
         if (HasFatalFailure()) return;
       }
-  for (int64_t ch = 0; ch < C; ++ch)
-    for (int64_t r = S; r < c.T; ++r) ASSERT_EQ(q.code(ch * c.T + r), 0xFF) << "tail code written";
+    for (int64_t ch = 0; ch < C; ++ch)
+      for (int64_t col = col0; col < 128 * tile; ++col) {
+        written[size_t(ch * columns + col)] = true;
+        if (col - col0 >= off[g + 1] - off[g]) {
+          ASSERT_EQ(q.code(ch * columns + col), 0) << "padding code " << col;
+        }
+      }
+  }
+  for (int64_t i = 0; i < C * columns; ++i)
+    if (!written[size_t(i)]) {
+      ASSERT_EQ(q.code(i), 0xFF) << "code " << i << " past the experts' tiles written";
+    }
   for (int64_t i = tile * C; i < q.scale.numel(); ++i) ASSERT_EQ(q.scale_bits(i), kPoisonScaleBits) << "slot " << i;
+  for (int64_t i = S * C; i < c.T * C; ++i) ASSERT_TRUE(std::isnan(d.get(i))) << "tail dequantized";
 }
 
 const QuantCase kQuantCases[] = {
@@ -389,12 +415,15 @@ TEST(Fp8NonFinite, ANonFiniteElementTurnsItsTileNaNAndNoOther) {
   EXPECT_FALSE(std::isnan(d.get(0)));
 
   const Fp8Operand c = st::testing::quantize_columnwise(x, off);
-  for (int64_t ch = 0; ch < K; ++ch) {  // one tile per expert and channel
+  const int64_t columns = c.data.view().size(1);
+  for (int64_t ch = 0; ch < K; ++ch) {  // one tile per expert and channel: columns 0.. and 128..
     const bool hit0 = ch == 130, hit1 = ch == 290 || ch == 0;
     ASSERT_EQ(c.scale_bits(0 * K + ch) == kNaNScaleBits, hit0) << ch;
     ASSERT_EQ(c.scale_bits(1 * K + ch) == kNaNScaleBits, hit1) << ch;
-    for (int64_t r = 0; r < T; ++r)
-      ASSERT_EQ(c.code(ch * T + r) == st::kE4M3NaN, r < 2 ? hit0 : hit1) << ch << " " << r;
+    for (int64_t r = 0; r < T; ++r) {
+      const int64_t col = r < 2 ? r : 128 + r - 2;
+      ASSERT_EQ(c.code(ch * columns + col) == st::kE4M3NaN, r < 2 ? hit0 : hit1) << ch << " " << r;
+    }
   }
 
   HostTensor w = random_matrix(st::DType::kFP32, 130, 140, rng);

@@ -86,7 +86,7 @@ inline Fp8Operand quantize_rowwise(const HostTensor& x, const std::vector<int64_
 inline Fp8Operand quantize_columnwise(const HostTensor& x, const std::vector<int64_t>& offsets) {
   const TensorView v = x.view();
   const int64_t G = int64_t(offsets.size()) - 1;
-  Fp8Operand q({v.size(1), v.size(0)}, fp8_columnwise_scale_count(v.size(0), v.size(1), G));
+  Fp8Operand q({v.size(1), fp8_columnwise_columns(v.size(0), G)}, fp8_columnwise_scale_count(v.size(0), v.size(1), G));
   fp8_ref().quantize_columnwise({{G, offsets.data()}, v, q.view()}, Stream{});
   return q;
 }
