@@ -18,8 +18,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <map>
-#include <mutex>
 #include <type_traits>
 
 #include "cute/tensor.hpp"
@@ -34,6 +32,7 @@
 #include "cutlass/util/packed_stride.hpp"
 #include "cuda/cuda_check.h"
 #include "cuda/device_cache.h"
+#include "cuda/grouped_linear/grouped_gemm_launch_sm90.cuh"
 #include "cuda/grouped_linear/grouped_gemm_params.h"
 #include "sparsetrain/dtype.h"
 #include "sparsetrain/error.h"
@@ -170,7 +169,7 @@ struct Sm90GroupedGemm {
       fusion.alpha = 1.f;
       fusion.beta = beta;
     }
-    const cutlass::KernelHardwareInfo hw = hardware_info(device);
+    const cutlass::KernelHardwareInfo hw = hardware_info<Kernel>(device);
     args = typename Gemm::Arguments{cutlass::gemm::GemmUniversalMode::kGrouped,
                                     {int(p.num_groups), a.problems, nullptr},
                                     {a.a, a.stride_a, a.b, a.stride_b},
@@ -182,21 +181,6 @@ struct Sm90GroupedGemm {
     return args;
   }
 
-  // SM count (the library's device cache) and the kernel's occupancy in clusters: queried once per
-  // device (the occupancy query takes tens of microseconds, which a small MoE GEMM would pay on
-  // every call otherwise).
-  static cutlass::KernelHardwareInfo hardware_info(int device) {
-    static std::mutex mutex;
-    static std::map<int, cutlass::KernelHardwareInfo> cache;
-    const std::lock_guard<std::mutex> lock(mutex);
-    auto it = cache.find(device);
-    if (it == cache.end()) {
-      const int sms = ::sparsetrain::cuda::sm_count(device);
-      it = cache.emplace(device, cutlass::KernelHardwareInfo::make_kernel_hardware_info<Kernel>(device, sms)).first;
-    }
-    return it->second;
-  }
-
   static size_t workspace_bytes(int64_t g) {
     GroupedGemmParams p{};
     p.num_groups = g;
@@ -205,34 +189,10 @@ struct Sm90GroupedGemm {
   }
 
   static void run(const GroupedGemmParams& p, const Tuning& t, void* workspace, size_t bytes, void* stream);
-
-  // GemmUniversalAdapter's initialize + run less the two cudaFuncSetAttribute calls they make on
-  // every call (~1.2 us of host time each, against ~17 us for a whole small MoE GEMM): the
-  // shared-memory opt-in goes through the library's per-device cache, and the non-portable
-  // cluster-size permission is not needed by a 2x1 cluster.
-  static void launch(const typename Kernel::Params& params, cudaStream_t s) {
-    const void* kernel = reinterpret_cast<const void*>(&cutlass::device_kernel<Kernel>);
-    constexpr int kSmem = int(Kernel::SharedStorageSize);
-    ::sparsetrain::cuda::opt_in_smem(kernel, kSmem);
-    cudaLaunchConfig_t config{};
-    config.gridDim = Gemm::get_grid_shape(params);
-    config.blockDim = Kernel::get_block_shape();
-    config.dynamicSmemBytes = kSmem;
-    config.stream = s;
-    cudaLaunchAttribute cluster{};
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = size<0>(ClusterShape{});
-    cluster.val.clusterDim.y = size<1>(ClusterShape{});
-    cluster.val.clusterDim.z = size<2>(ClusterShape{});
-    config.attrs = &cluster;
-    config.numAttrs = 1;
-    void* args[] = {const_cast<typename Kernel::Params*>(&params)};
-    ST_CUDA_CHECK(cudaLaunchKernelExC(&config, kernel, args), "sm90 grouped GEMM launch");
-  }
 };
 
 // One thread per group: that group's problem, pointers and strides. A wgrad group with no rows
-// gets M = 0; zero_empty_groups_kernel writes its zeros.
+// gets M = 0; zero_empty_groups writes its zeros.
 template <typename S, int Cap>
 __global__ void sm90_setup_kernel(const __grid_constant__ CappedGemmParams<Cap> p, typename S::Arrays a) {
   using E = typename S::Element;
@@ -276,26 +236,6 @@ __global__ void sm90_setup_kernel(const __grid_constant__ CappedGemmParams<Cap> 
   a.stride_d[g] = cutlass::make_cute_packed_stride(typename S::StrideD{}, cute::make_shape(m, n, 1));
 }
 
-// dW_g = 0 for the groups with no rows (a weight grad, or main_grad being overwritten); a main_grad
-// being accumulated is left untouched. Grid (blocks, G); groups with rows return at once.
-template <int Cap>
-struct DwTable {
-  void* ptr[Cap];
-};
-template <typename T, int Cap>
-__global__ void zero_empty_groups_kernel(const int64_t* offsets, const __grid_constant__ DwTable<Cap> dw, int64_t numel) {
-  const int64_t g = blockIdx.y;
-  if (offsets[g + 1] != offsets[g]) return;
-  T* out = static_cast<T*>(dw.ptr[g]);
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < numel; i += int64_t(gridDim.x) * blockDim.x)
-    out[i] = T(0.f);
-}
-
-inline void check_status(cutlass::Status status, const char* step) {
-  if (status != cutlass::Status::kSuccess)
-    ST_FAIL("sm90 grouped GEMM: ", step, " failed: ", cutlassGetStatusString(status));
-}
-
 template <Variant V, typename E>
 void Sm90GroupedGemm<V, E>::run(const GroupedGemmParams& p, const Tuning& t, void* workspace, size_t bytes,
                                    void* stream) {
@@ -320,20 +260,12 @@ void Sm90GroupedGemm<V, E>::run(const GroupedGemmParams& p, const Tuning& t, voi
   });
   ST_CUDA_CHECK(cudaGetLastError(), "sm90 grouped GEMM: sm90_setup_kernel launch");
   if constexpr (kComputes == Variant::kWgrad || kComputes == Variant::kWgradF32) {
-    if (p.wgrad_store != WgradStore::kMainGradAccumulate) {
-      with_group_cap(p.num_groups, [&](auto cap) {
-        constexpr int kCap = decltype(cap)::value;
-        DwTable<kCap> t;
-        std::copy(p.dw, p.dw + p.num_groups, t.ptr);
-        const dim3 grid(64, unsigned(p.num_groups));
-        zero_empty_groups_kernel<ElementD, kCap><<<grid, 256, 0, s>>>(p.offsets, t, p.out * p.in);
-      });
-      ST_CUDA_CHECK(cudaGetLastError(), "sm90 grouped GEMM: zero_empty_groups_kernel launch");
-    }
+    if (p.wgrad_store != WgradStore::kMainGradAccumulate)
+      zero_empty_groups<ElementD>(p.offsets, p.num_groups, p.dw, p.out * p.in, s);
   }
   void* cutlass_ws = static_cast<char*>(workspace) + arrays_bytes(p.num_groups);
   check_status(Kernel::initialize_workspace(args, cutlass_ws, s, nullptr), "initialize_workspace");
-  launch(Kernel::to_underlying_arguments(args, cutlass_ws), s);
+  launch_gemm<Gemm>(Kernel::to_underlying_arguments(args, cutlass_ws), s);
 }
 
 // The explicit specialisation of one (variant, element); CMake generates one .cu each.
