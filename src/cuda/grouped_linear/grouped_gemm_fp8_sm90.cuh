@@ -10,9 +10,8 @@
 //                 [k/128][rows_g] block at offset o_g * ceil(k/128)); B's: 128 x 128 blocks,
 //                 [n/128][k/128] per group (K-major). The quantized weights are one packed buffer:
 //                 group g at b + g * b_group_stride, its scales at sfb + g * sfb_group_stride.
-//   wgrad         D_g [out, in] = dy_g^T . x_g   A = dy^T [out, cols], B = x^T [in, cols]: group
-//                 g's tokens are columns [128 tb_g, 128 tb_g + rows_g) with tb_g = sum over earlier
-//                 groups of ceil(rows/128) (no 128-token scale tile spans two experts), scales
+//   wgrad         D_g [out, in] = dy_g^T . x_g   A = dy^T [out, cols], B = x^T [in, cols], the
+//                 columnwise copies: group g's tokens from column 128 tb_g (fp8_blockwise.h), scales
 //                 1 x 128 along tokens, [tiles][out] and [tiles][in] (M- and N-major). D: the
 //                 weight grad (bf16 / fp16) or the fp32 main_grad (C = D, beta 1 or 0).
 //
@@ -36,7 +35,7 @@
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
-#include "common/host_device.h"
+#include "common/fp8_blockwise.h"
 #include "cuda/grouped_linear/grouped_gemm_launch_sm90.cuh"
 #include "cuda/grouped_linear/grouped_gemm_params.h"
 #include "sparsetrain/dtype.h"
@@ -68,14 +67,6 @@ struct Fp8GemmParams {
   int64_t d_ld;
   void* dw[Cap];  // wgrad: [m, n] contiguous, the weight's dtype or fp32 main_grad
 };
-
-// The first 128-token tile of group g in the wgrad's token-major copies: the tiles of the groups
-// before it (ceil(rows / 128) each). Host and device (the quantizing pass places rows by it).
-ST_HOST_DEVICE inline int64_t fp8_wgrad_tile_base(const int64_t* offsets, int64_t g) {
-  int64_t tiles = 0;
-  for (int64_t h = 0; h < g; ++h) tiles += (offsets[h + 1] - offsets[h] + 127) / 128;
-  return tiles;
-}
 
 template <Fp8Variant V, typename E>
 struct Sm90Fp8GroupedGemm {
@@ -211,7 +202,7 @@ __global__ void sm90_fp8_setup_kernel(const __grid_constant__ Fp8GemmParams<Cap>
   int m, n, k;
   int64_t a_ld, b_ld;
   if constexpr (S::kWgrad) {
-    const int64_t col = 128 * fp8_wgrad_tile_base(offsets, g), tile = col / 128;
+    const int64_t tile = fp8_columnwise_tile_base(offsets, g), col = kFp8Tile * tile;
     m = rows > 0 ? int(p.m) : 0;
     n = int(p.n);
     k = int(rows);
