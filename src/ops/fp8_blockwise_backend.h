@@ -97,5 +97,8 @@ class Fp8BlockwiseBackend {
 };
 
 Fp8BlockwiseBackend& fp8_blockwise_reference_backend();
+#if SPARSETRAIN_WITH_CUDA
+Fp8BlockwiseBackend& fp8_blockwise_cuda_backend();
+#endif
 
 }  // namespace sparsetrain::backend

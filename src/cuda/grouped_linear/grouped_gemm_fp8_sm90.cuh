@@ -8,8 +8,7 @@
 //                 fprop: A = x, B_g = W_g [out, in]; dgrad: A = dy, B_g = W_g^T [in, out], the
 //                 weight's transposed copy. A's scales: 1 x 128 tiles, grouped M-major (group g's
 //                 [k/128][rows_g] block at offset o_g * ceil(k/128)); B's: 128 x 128 blocks,
-//                 [n/128][k/128] per group (K-major). The quantized weights are one packed buffer:
-//                 group g at b + g * b_group_stride, its scales at sfb + g * sfb_group_stride.
+//                 [n/128][k/128] per group (K-major), one pointer each in the parameters.
 //   wgrad         D_g [out, in] = dy_g^T . x_g   A = dy^T [out, cols], B = x^T [in, cols], the
 //                 columnwise copies: group g's tokens from column 128 tb_g (fp8_blockwise.h), scales
 //                 1 x 128 along tokens, [tiles][out] and [tiles][in] (M- and N-major). D: the
@@ -37,7 +36,7 @@
 #include "cutlass/util/packed_stride.hpp"
 #include "common/fp8_blockwise.h"
 #include "cuda/grouped_linear/grouped_gemm_launch_sm90.cuh"
-#include "cuda/grouped_linear/grouped_gemm_params.h"
+#include "cuda/grouped_linear/grouped_gemm_fp8_params.h"
 #include "sparsetrain/dtype.h"
 #include "sparsetrain/error.h"
 
@@ -45,34 +44,11 @@ namespace sparsetrain::cuda::sm90 {
 
 using namespace cute;
 
-enum class Fp8Variant : int { kActWeight, kWgrad, kWgradF32 };
-
-// One launch's operands (the struct the set-up kernel takes by value). Unused fields are zero.
-template <int Cap>
-struct Fp8GemmParams {
-  Fp8Variant variant;
-  WgradStore wgrad_store;  // kWgradF32
-  int64_t num_groups;
-  int64_t m, n, k;  // act x weight: n, k (m is each group's rows); wgrad: m = out, n = in
-  const int64_t* offsets;  // [G + 1] in device memory, read unless host offsets are folded in
-  int64_t* write_offsets;  // folded host splits: where host_offsets go; else null
-  int64_t host_offsets[Cap + 1];
-  const void* a;  // e4m3: act x weight [rows, k]; wgrad dy^T [m, cols]
-  const float* sfa;
-  int64_t a_ld;
-  const void* b;  // e4m3: act x weight the packed weights; wgrad x^T [n, cols]
-  const float* sfb;
-  int64_t b_ld, b_group_stride, sfb_group_stride;  // strides: act x weight
-  void* d;  // act x weight: [rows, n]
-  int64_t d_ld;
-  void* dw[Cap];  // wgrad: [m, n] contiguous, the weight's dtype or fp32 main_grad
-};
-
-template <Fp8Variant V, typename E>
+template <Fp8Variant V>
 struct Sm90Fp8GroupedGemm {
   static constexpr bool kWgrad = V != Fp8Variant::kActWeight;
   using Element = cutlass::float_e4m3_t;
-  using ElementOut = std::conditional_t<std::is_same_v<E, bf16_t>, cutlass::bfloat16_t, cutlass::half_t>;
+  using ElementOut = cutlass::bfloat16_t;
   using ElementD = std::conditional_t<V == Fp8Variant::kWgradF32, float, ElementOut>;
   using ElementC = std::conditional_t<V == Fp8Variant::kWgradF32, float, void>;
   using LayoutA = cutlass::layout::RowMajor;     // [M, K], K contiguous
@@ -158,8 +134,7 @@ struct Sm90Fp8GroupedGemm {
     return a;
   }
 
-  static typename Gemm::Arguments arguments(int64_t num_groups, const Tuning& t, const Arrays& a, int device,
-                                            float beta) {
+  static typename Gemm::Arguments arguments(int64_t num_groups, const Arrays& a, int device, float beta) {
     typename Gemm::Arguments args;
     decltype(args.epilogue.thread) fusion;
     fusion.alpha = 1.f;
@@ -169,19 +144,15 @@ struct Sm90Fp8GroupedGemm {
                                     {a.a, a.stride_a, a.b, a.stride_b, a.sfa, a.layout_sfa, a.sfb, a.layout_sfb},
                                     {fusion, a.c, a.stride_c, a.d, a.stride_d},
                                     hardware_info<Kernel>(device)};
-    using RasterOrder = cutlass::gemm::kernel::detail::RasterOrderOptions;
-    args.scheduler.raster_order = t.raster == Raster::kAlongN ? RasterOrder::AlongN : RasterOrder::AlongM;
-    args.scheduler.max_swizzle_size = t.swizzle;
     return args;
   }
 
   static size_t workspace_bytes(int64_t g) {
     const int device = ::sparsetrain::cuda::current_device();
-    return arrays_bytes(g) + align_up(Gemm::get_workspace_size(arguments(g, Tuning{}, Arrays{}, device, 0.f)));
+    return arrays_bytes(g) + align_up(Gemm::get_workspace_size(arguments(g, Arrays{}, device, 0.f)));
   }
 
-  template <int Cap>
-  static void run(const Fp8GemmParams<Cap>& p, const Tuning& t, void* workspace, size_t bytes, cudaStream_t s);
+  static void run(const Fp8GemmArgs& p, void* workspace, size_t bytes, cudaStream_t s);
 };
 
 // One thread per group: that group's problem, pointers, strides and scale layouts. A group with
@@ -191,11 +162,7 @@ __global__ void sm90_fp8_setup_kernel(const __grid_constant__ Fp8GemmParams<Cap>
   using E = typename S::Element;
   const int64_t g = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (g >= p.num_groups) return;
-  const int64_t* offsets = p.write_offsets != nullptr ? p.host_offsets : p.offsets;
-  if (p.write_offsets != nullptr) {  // host splits: later kernels read their offsets from the workspace
-    p.write_offsets[g] = offsets[g];
-    if (g == p.num_groups - 1) p.write_offsets[g + 1] = offsets[g + 1];
-  }
+  const int64_t* offsets = p.offsets;
   const int64_t row = offsets[g], rows = offsets[g + 1] - row;
   const E* a_base = static_cast<const E*>(p.a);
   const E* b_base = static_cast<const E*>(p.b);
@@ -218,9 +185,9 @@ __global__ void sm90_fp8_setup_kernel(const __grid_constant__ Fp8GemmParams<Cap>
     n = int(p.n);
     k = int(p.k);
     a.a[g] = a_base + row * p.a_ld;
-    a.b[g] = b_base + g * p.b_group_stride;
-    a.sfa[g] = p.sfa + row * ((p.k + 127) / 128);
-    a.sfb[g] = p.sfb + g * p.sfb_group_stride;
+    a.b[g] = static_cast<const E*>(p.weight[g]);
+    a.sfa[g] = p.sfa + row * fp8_tiles(p.k);
+    a.sfb[g] = p.weight_scale[g];
     a.d[g] = static_cast<typename S::ElementD*>(p.d) + row * p.d_ld;
     a.c[g] = nullptr;
     a_ld = p.a_ld, b_ld = p.k;
@@ -237,30 +204,40 @@ __global__ void sm90_fp8_setup_kernel(const __grid_constant__ Fp8GemmParams<Cap>
   a.layout_sfb[g] = S::ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(m, n, k, 1));
 }
 
-template <Fp8Variant V, typename E>
-template <int Cap>
-void Sm90Fp8GroupedGemm<V, E>::run(const Fp8GemmParams<Cap>& p, const Tuning& t, void* workspace, size_t bytes,
-                                   cudaStream_t s) {
+template <Fp8Variant V>
+void Sm90Fp8GroupedGemm<V>::run(const Fp8GemmArgs& p, void* workspace, size_t bytes, cudaStream_t s) {
   const Arrays a = carve(workspace, p.num_groups);
   const int device = ::sparsetrain::cuda::current_device();
   const float beta = V == Fp8Variant::kWgradF32 && p.wgrad_store == WgradStore::kMainGradAccumulate ? 1.f : 0.f;
-  const auto args = arguments(p.num_groups, t, a, device, beta);
+  const auto args = arguments(p.num_groups, a, device, beta);
   // Every check before the first launch (can_implement reads only host-side arguments).
   if (arrays_bytes(p.num_groups) + Gemm::get_workspace_size(args) > bytes)
     ST_FAIL("sm90 FP8 grouped GEMM: workspace too small");
   check_status(Gemm::can_implement(args), "can_implement");
-  sm90_fp8_setup_kernel<Sm90Fp8GroupedGemm, Cap>
-      <<<unsigned((p.num_groups + 127) / 128), 128, 0, s>>>(p, a);
+  with_group_cap(p.num_groups, [&](auto cap) {
+    constexpr int kCap = decltype(cap)::value;
+    sm90_fp8_setup_kernel<Sm90Fp8GroupedGemm, kCap>
+        <<<unsigned((p.num_groups + 127) / 128), 128, 0, s>>>(capped_params<kCap>(p), a);
+  });
   ST_CUDA_CHECK(cudaGetLastError(), "sm90 FP8 grouped GEMM: sm90_fp8_setup_kernel launch");
   if constexpr (kWgrad) {
-    if (V == Fp8Variant::kWgrad || p.wgrad_store != WgradStore::kMainGradAccumulate) {
-      const int64_t* offsets = p.write_offsets != nullptr ? p.write_offsets : p.offsets;
-      zero_empty_groups<ElementD>(offsets, p.num_groups, p.dw, p.m * p.n, s);
-    }
+    if (V == Fp8Variant::kWgrad || p.wgrad_store != WgradStore::kMainGradAccumulate)
+      zero_empty_groups<ElementD>(p.offsets, p.num_groups, p.dw, p.m * p.n, s);
   }
   void* cutlass_ws = static_cast<char*>(workspace) + arrays_bytes(p.num_groups);
   check_status(Kernel::initialize_workspace(args, cutlass_ws, s, nullptr), "initialize_workspace");
   launch_gemm<Gemm>(Kernel::to_underlying_arguments(args, cutlass_ws), s);
 }
+
+// The explicit specialisation of one variant; CMake generates one .cu each.
+#define SPARSETRAIN_SM90_FP8_INSTANTIATE(V)                                          \
+  template <>                                                                        \
+  size_t fp8_workspace_bytes<V>(int64_t num_groups) {                                \
+    return Sm90Fp8GroupedGemm<V>::workspace_bytes(num_groups);                       \
+  }                                                                                  \
+  template <>                                                                        \
+  void run_fp8<V>(const Fp8GemmArgs& p, void* workspace, size_t bytes, void* stream) { \
+    Sm90Fp8GroupedGemm<V>::run(p, workspace, bytes, static_cast<cudaStream_t>(stream)); \
+  }
 
 }  // namespace sparsetrain::cuda::sm90

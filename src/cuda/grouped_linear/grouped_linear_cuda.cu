@@ -17,6 +17,7 @@
 #include "common/gpu_arch.h"
 #include "common/group_offsets.h"
 #include "cuda/cuda_check.h"
+#include "cuda/cuda_stream.h"
 #include "cuda/device_cache.h"
 #include "cuda/grouped_linear/grouped_gemm_params.h"
 #include "cuda/runtime_cuda.h"
@@ -31,7 +32,7 @@ namespace {
 using cuda::GemmKind;
 using cuda::GroupedGemmParams;
 
-cudaStream_t as_cuda(Stream s) { return static_cast<cudaStream_t>(s.handle); }
+using cuda::as_cuda;
 
 // One block (G is at most cuda::kMaxGroups = 128 threads x 4 entries): valid splits (every entry in
 // range, the sum within num_rows: common/group_offsets.h's splits_valid) take their offsets from a

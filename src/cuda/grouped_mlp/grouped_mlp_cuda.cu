@@ -12,6 +12,7 @@
 #include "common/dispatch_dtype.h"
 #include "common/group_offsets.h"
 #include "cuda/cuda_check.h"
+#include "cuda/cuda_stream.h"
 #include "cuda/element.cuh"
 #include "cuda/grouped_linear/grouped_gemm_params.h"  // kMaxGroups
 #include "cuda/runtime_cuda.h"
@@ -167,7 +168,7 @@ bool vectorisable(DType dtype, int64_t ffn, int64_t interleave, std::initializer
   return true;
 }
 
-cudaStream_t as_cuda(Stream s) { return static_cast<cudaStream_t>(s.handle); }
+using cuda::as_cuda;
 
 class CudaMLPBackend final : public GroupedMLPBackend {
  public:

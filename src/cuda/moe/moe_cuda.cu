@@ -8,6 +8,7 @@
 
 #include "common/moe_routing.h"
 #include "cuda/cuda_check.h"
+#include "cuda/cuda_stream.h"
 #include "cuda/element.cuh"
 #include "cuda/runtime_cuda.h"
 #include "ops/moe_backend.h"
@@ -193,7 +194,7 @@ __global__ void permute_f32_kernel(const float* __restrict__ src, const int32_t*
   }
 }
 
-cudaStream_t stream_of(Stream s) { return static_cast<cudaStream_t>(s.handle); }
+using cuda::as_cuda;
 
 class MoECuda final : public backend::MoEBackend {
  public:
@@ -221,7 +222,7 @@ size_t MoECuda::route_scratch_bytes(int64_t N, int32_t E) const {
 void MoECuda::route(const RouterRule& r, const float* logits, int64_t stride, const float* bias, int64_t N,
                     const backend::RouteOutputs& out, void* scratch, Device device, Stream stream) {
   cuda::DeviceGuard guard(device.index);
-  const cudaStream_t s = stream_of(stream);
+  const cudaStream_t s = as_cuda(stream);
   const int32_t E = r.num_experts, K = r.top_k;
   const int64_t chunks = (N + kChunk - 1) / kChunk;
   auto* rows = static_cast<SoftmaxRow*>(scratch);
@@ -250,7 +251,7 @@ void MoECuda::route_backward(const RouterRule& r, const float* logits, int64_t s
                              const float* dscore_sum, int64_t N, float* dlogits, Device device, Stream stream) {
   if (N <= 0) return;
   cuda::DeviceGuard guard(device.index);
-  route_backward_kernel<<<blocks_for(N), kThreads, 0, stream_of(stream)>>>(
+  route_backward_kernel<<<blocks_for(N), kThreads, 0, as_cuda(stream)>>>(
       r, logits, stride, experts, experts_stride, dprobs, dprobs_stride, dscore_sum, N, dlogits);
   ST_CUDA_CHECK(cudaGetLastError(), "route_backward_kernel launch");
 }
@@ -260,7 +261,7 @@ void MoECuda::gather_rows(DType dtype, const void* x, int64_t x_stride, const in
   if (R * H <= 0) return;
   cuda::DeviceGuard guard(device.index);
   const unsigned grid = row_blocks(R);
-  const cudaStream_t s = stream_of(stream);
+  const cudaStream_t s = as_cuda(stream);
   const int64_t es = dtype_size(dtype), row_bytes = H * es;
   // Rows are moved, not converted: their bits travel as 16-byte units, or as 16- or 32-bit words.
   if (vec16(x, x_stride * es, row_bytes) && vec16(rows, row_bytes, row_bytes)) {
@@ -280,7 +281,7 @@ void MoECuda::combine_rows(DType dtype, const void* rows, int64_t rows_stride, c
                            int32_t K, int64_t H, void* out, Device device, Stream stream) {
   if (N * H <= 0) return;
   cuda::DeviceGuard guard(device.index);
-  const cudaStream_t s = stream_of(stream);
+  const cudaStream_t s = as_cuda(stream);
   if (dtype == DType::kBF16) {
     combine_rows_launch<bf16_t>(rows, rows_stride, row_of, N, K, H, out, s);
   } else if (dtype == DType::kFP16) {
@@ -295,7 +296,7 @@ void MoECuda::permute_f32(const float* src, const int32_t* index, int64_t n, flo
                           Device device, Stream stream) {
   if (n <= 0) return;
   cuda::DeviceGuard guard(device.index);
-  permute_f32_kernel<<<blocks_for(n), kThreads, 0, stream_of(stream)>>>(src, index, n, dst, scatter);
+  permute_f32_kernel<<<blocks_for(n), kThreads, 0, as_cuda(stream)>>>(src, index, n, dst, scatter);
   ST_CUDA_CHECK(cudaGetLastError(), "permute_f32_kernel launch");
 }
 

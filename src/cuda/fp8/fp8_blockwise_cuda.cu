@@ -1,0 +1,239 @@
+// The CUDA backend of the FP8 recipe (ops/fp8_blockwise_backend.h): the quantizers of
+// fp8_quantize_cuda.cuh, plain elementwise dequantizers (the exact inverses, for tests and
+// debugging), and the three GEMMs through the sm90 FP8 grouped GEMMs (built in ALL builds;
+// elsewhere they are refused with an error that says so). Outputs are bf16, the recipe's layer
+// dtype. No host sync: group offsets stay on the device.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "common/dispatch_dtype.h"
+#include "common/fp8_blockwise.h"
+#include "cuda/cuda_check.h"
+#include "cuda/cuda_stream.h"
+#include "cuda/fp8/fp8_quantize_cuda.cuh"
+#include "cuda/grouped_linear/grouped_gemm_fp8_params.h"
+#include "cuda/runtime_cuda.h"
+#include "ops/fp8_blockwise_backend.h"
+#include "sparsetrain/error.h"
+
+namespace sparsetrain::backend {
+namespace {
+
+using cuda::Fp8GemmArgs;
+using cuda::Fp8Variant;
+using cuda::as_cuda;
+
+unsigned blocks_for(int64_t work, int per_block) {
+  return unsigned(std::max<int64_t>(1, std::min<int64_t>((work + per_block - 1) / per_block, 65535)));
+}
+
+// Dequantizers: one thread an element, rows below S (the tail is left as it is).
+__global__ void dequantize_rowwise_kernel(const int64_t* offsets, int64_t G, const uint8_t* q, const float* scale,
+                                          int64_t T, int64_t K, float* dst, int64_t ld0, int64_t ld1) {
+  const int64_t KB = fp8_tiles(K);
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < T * K; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / K, k = i % K;
+    if (r >= offsets[G]) return;
+    const int64_t g = group_of_row(offsets, G, r);
+    const float s = scale[fp8_rowwise_scale_index(offsets[g], offsets[g + 1] - offsets[g], KB, r, k / kFp8Tile)];
+    dst[r * ld0 + k * ld1] = fp8_dequantize(q[i], s);
+  }
+}
+
+__global__ void dequantize_columnwise_kernel(const int64_t* offsets, int64_t G, const uint8_t* q, const float* scale,
+                                             int64_t T, int64_t C, int64_t columns, float* dst, int64_t ld0,
+                                             int64_t ld1) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < T * C; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / C, c = i % C;
+    if (r >= offsets[G]) return;
+    const int64_t g = group_of_row(offsets, G, r), base = fp8_columnwise_tile_base(offsets, g);
+    const float s = scale[fp8_columnwise_scale_index(base, (r - offsets[g]) / kFp8Tile, C, c)];
+    dst[r * ld0 + c * ld1] = fp8_dequantize(q[fp8_columnwise_data_index(columns, base, offsets[g], r, c)], s);
+  }
+}
+
+__global__ void dequantize_blocks_kernel(const uint8_t* q, const float* scale, int64_t R, int64_t C, float* dst,
+                                         int64_t ld0, int64_t ld1) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < R * C; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / C, c = i % C;
+    dst[r * ld0 + c * ld1] = fp8_dequantize(q[i], scale[fp8_block_scale_index(C, r, c)]);
+  }
+}
+
+template <typename E>
+void launch_rowwise(const Fp8QuantizeParams& p, cudaStream_t s) {
+  const int64_t T = p.src.size(0), K = p.src.size(1);
+  cuda::fp8::quantize_rowwise_kernel<E><<<blocks_for(T * fp8_tiles(K), 8), 256, 0, s>>>(
+      p.groups.offsets, p.groups.num_groups, p.src.data_as<const E>(), p.src.stride(0), T, K,
+      p.dst.data.data_as<uint8_t>(), p.dst.scale.data_as<float>());
+}
+
+template <typename E>
+void launch_columnwise(const Fp8QuantizeParams& p, cudaStream_t s) {
+  const int64_t T = p.src.size(0), C = p.src.size(1), G = p.groups.num_groups;
+  const dim3 grid(unsigned(fp8_columnwise_max_tiles(T, G)),
+                  unsigned((C + cuda::fp8::kColChannels - 1) / cuda::fp8::kColChannels));
+  cuda::fp8::quantize_columnwise_kernel<E><<<grid, 256, 0, s>>>(p.groups.offsets, G, p.src.data_as<const E>(),
+                                                                p.src.stride(0), C, p.dst.data.size(1),
+                                                                p.dst.data.data_as<uint8_t>(),
+                                                                p.dst.scale.data_as<float>());
+}
+
+template <typename E>
+void launch_weights(const Fp8WeightQuantizeParams& p, cudaStream_t s) {
+  const int64_t G = int64_t(p.w.size()), out = p.w[0].size(0), in = p.w[0].size(1);
+  cuda::with_group_cap(G, [&](auto cap) {
+    constexpr int kCap = decltype(cap)::value;
+    cuda::fp8::WeightTables<kCap> t;
+    for (int64_t g = 0; g < G; ++g) {
+      t.w[g] = p.w[g].data();
+      t.q[g] = p.wq[g].data.data_as<uint8_t>();
+      t.qt[g] = p.wtq[g].data.data_as<uint8_t>();
+      t.s[g] = p.wq[g].scale.data_as<float>();
+      t.st[g] = p.wtq[g].scale.data_as<float>();
+    }
+    const dim3 grid(unsigned(fp8_tiles(out)), unsigned(fp8_tiles(in)), unsigned(G));
+    cuda::fp8::quantize_weights_kernel<E, kCap><<<grid, 256, 0, s>>>(t, out, in);
+  });
+}
+
+// The GEMMs' group limit: the per-group tables are kernel parameters.
+void check_groups(int64_t G) {
+  ST_CHECK_ARG(G <= cuda::kMaxGroups, "num_groups", "<= " + std::to_string(cuda::kMaxGroups) + " (CUDA FP8 GEMMs)",
+               G);
+}
+
+void check_bf16(DType dtype) {
+  ST_CHECK_ARG(dtype == DType::kBF16, "dtype", "bf16 (the FP8 recipe's layer dtype on CUDA)", dtype_name(dtype));
+}
+
+#if SPARSETRAIN_WITH_FP8_GEMMS
+template <Fp8Variant V>
+void run_gemm(const Fp8GemmArgs& a, void* scratch, size_t bytes, cudaStream_t s) {
+  cuda::sm90::run_fp8<V>(a, scratch, bytes, s);
+}
+size_t gemm_workspace(int64_t G) {
+  return std::max({cuda::sm90::fp8_workspace_bytes<Fp8Variant::kActWeight>(G),
+                   cuda::sm90::fp8_workspace_bytes<Fp8Variant::kWgrad>(G),
+                   cuda::sm90::fp8_workspace_bytes<Fp8Variant::kWgradF32>(G)});
+}
+#else
+template <Fp8Variant>
+void run_gemm(const Fp8GemmArgs&, void*, size_t, cudaStream_t) {
+  ST_FAIL("CUDA FP8 GEMMs: not in this build (SPARSETRAIN_SM90_KERNELS=ALL builds them)");
+}
+size_t gemm_workspace(int64_t) { return 0; }
+#endif
+
+class CudaFp8Backend final : public Fp8BlockwiseBackend {
+ public:
+  void quantize_rowwise(const Fp8QuantizeParams& p, Stream stream) override {
+    if (p.src.size(0) == 0 || p.src.size(1) == 0) return;
+    cuda::DeviceGuard guard(p.src.device().index);
+    dispatch_dtype(p.src.dtype(), "CUDA FP8 quantize", [&](auto e) { launch_rowwise<decltype(e)>(p, as_cuda(stream)); });
+    ST_CUDA_CHECK(cudaGetLastError(), "quantize_rowwise_kernel launch");
+  }
+  void quantize_columnwise(const Fp8QuantizeParams& p, Stream stream) override {
+    if (p.src.size(1) == 0 || fp8_columnwise_max_tiles(p.src.size(0), p.groups.num_groups) == 0) return;
+    cuda::DeviceGuard guard(p.src.device().index);
+    dispatch_dtype(p.src.dtype(), "CUDA FP8 quantize",
+                   [&](auto e) { launch_columnwise<decltype(e)>(p, as_cuda(stream)); });
+    ST_CUDA_CHECK(cudaGetLastError(), "quantize_columnwise_kernel launch");
+  }
+  void quantize_weights(const Fp8WeightQuantizeParams& p, Stream stream) override {
+    if (p.w.empty() || p.w[0].numel() == 0) return;
+    check_groups(int64_t(p.w.size()));
+    cuda::DeviceGuard guard(p.w[0].device().index);
+    dispatch_dtype(p.w[0].dtype(), "CUDA FP8 quantize",
+                   [&](auto e) { launch_weights<decltype(e)>(p, as_cuda(stream)); });
+    ST_CUDA_CHECK(cudaGetLastError(), "quantize_weights_kernel launch");
+  }
+
+  void dequantize_rowwise(const Fp8DequantizeParams& p, Stream stream) override {
+    const int64_t T = p.dst.size(0), K = p.dst.size(1);
+    if (T * K == 0) return;
+    cuda::DeviceGuard guard(p.dst.device().index);
+    dequantize_rowwise_kernel<<<blocks_for(T * K, 256), 256, 0, as_cuda(stream)>>>(
+        p.groups.offsets, p.groups.num_groups, p.src.data.data_as<const uint8_t>(), p.src.scale.data_as<const float>(),
+        T, K, p.dst.data_as<float>(), p.dst.stride(0), p.dst.stride(1));
+    ST_CUDA_CHECK(cudaGetLastError(), "dequantize_rowwise_kernel launch");
+  }
+  void dequantize_columnwise(const Fp8DequantizeParams& p, Stream stream) override {
+    const int64_t T = p.dst.size(0), C = p.dst.size(1);
+    if (T * C == 0) return;
+    cuda::DeviceGuard guard(p.dst.device().index);
+    dequantize_columnwise_kernel<<<blocks_for(T * C, 256), 256, 0, as_cuda(stream)>>>(
+        p.groups.offsets, p.groups.num_groups, p.src.data.data_as<const uint8_t>(), p.src.scale.data_as<const float>(),
+        T, C, p.src.data.size(1), p.dst.data_as<float>(), p.dst.stride(0), p.dst.stride(1));
+    ST_CUDA_CHECK(cudaGetLastError(), "dequantize_columnwise_kernel launch");
+  }
+  void dequantize_blocks(const Fp8Tensor& src, const TensorView& dst, Stream stream) override {
+    const int64_t R = dst.size(0), C = dst.size(1);
+    if (R * C == 0) return;
+    cuda::DeviceGuard guard(dst.device().index);
+    dequantize_blocks_kernel<<<blocks_for(R * C, 256), 256, 0, as_cuda(stream)>>>(
+        src.data.data_as<const uint8_t>(), src.scale.data_as<const float>(), R, C, dst.data_as<float>(),
+        dst.stride(0), dst.stride(1));
+    ST_CUDA_CHECK(cudaGetLastError(), "dequantize_blocks_kernel launch");
+  }
+
+  size_t gemm_scratch_bytes(DType, int64_t num_groups, int64_t, int64_t, int64_t) const override {
+    return gemm_workspace(num_groups);
+  }
+
+  void fprop(const Fp8FpropParams& p, void* scratch, Stream stream) override {
+    act_weight(p.problem, p.x, p.weight, p.y, p.problem.out, p.problem.in, p.zero_tail, scratch, stream);
+  }
+  void dgrad(const Fp8DgradParams& p, void* scratch, Stream stream) override {
+    act_weight(p.problem, p.dy, p.weight_t, p.dx, p.problem.in, p.problem.out, p.zero_tail, scratch, stream);
+  }
+  void wgrad(const Fp8WgradParams& p, void* scratch, Stream stream) override {
+    const GroupedProblem& pr = p.problem;
+    check_bf16(pr.dtype);
+    check_groups(pr.num_groups);
+    cuda::DeviceGuard guard(p.x.data.device().index);
+    Fp8GemmArgs a{};
+    a.wgrad_store = p.target == WgradTarget::kWeightGrad           ? cuda::WgradStore::kWeightGrad
+                    : p.target == WgradTarget::kMainGradAccumulate ? cuda::WgradStore::kMainGradAccumulate
+                                                                   : cuda::WgradStore::kMainGradOverwrite;
+    a.num_groups = pr.num_groups, a.m = pr.out, a.n = pr.in, a.k = 0;
+    a.offsets = pr.offsets;
+    a.a = p.dy.data.data(), a.sfa = p.dy.scale.data_as<const float>(), a.a_ld = p.dy.data.size(1);
+    a.b = p.x.data.data(), a.sfb = p.x.scale.data_as<const float>(), a.b_ld = p.x.data.size(1);
+    for (int64_t g = 0; g < pr.num_groups; ++g) a.dw[g] = p.dw[size_t(g)].data();
+    const size_t bytes = gemm_workspace(pr.num_groups);
+    if (p.target == WgradTarget::kWeightGrad) run_gemm<Fp8Variant::kWgrad>(a, scratch, bytes, as_cuda(stream));
+    else run_gemm<Fp8Variant::kWgradF32>(a, scratch, bytes, as_cuda(stream));
+  }
+
+ private:
+  // D [rows, n] = A [rows, k] . B_g^T per group, then the tail rows' zeros where asked.
+  void act_weight(const GroupedProblem& pr, const Fp8Tensor& act, const std::vector<Fp8Tensor>& weight,
+                  const TensorView& d, int64_t n, int64_t k, bool zero_tail, void* scratch, Stream stream) {
+    check_bf16(pr.dtype);
+    check_groups(pr.num_groups);
+    cuda::DeviceGuard guard(d.device().index);
+    Fp8GemmArgs a{};
+    a.num_groups = pr.num_groups, a.n = n, a.k = k;
+    a.offsets = pr.offsets;
+    a.a = act.data.data(), a.sfa = act.scale.data_as<const float>(), a.a_ld = act.data.stride(0);
+    a.d = d.data(), a.d_ld = d.stride(0);
+    for (int64_t g = 0; g < pr.num_groups; ++g) {
+      a.weight[g] = weight[size_t(g)].data.data();
+      a.weight_scale[g] = weight[size_t(g)].scale.data_as<const float>();
+    }
+    run_gemm<Fp8Variant::kActWeight>(a, scratch, gemm_workspace(pr.num_groups), as_cuda(stream));
+    if (zero_tail)
+      cuda::launch_zero_tail<bf16_t>(pr.offsets, pr.num_groups, d.data(), d.size(0), n, as_cuda(stream));
+  }
+};
+
+}  // namespace
+
+Fp8BlockwiseBackend& fp8_blockwise_cuda_backend() {
+  static CudaFp8Backend backend;
+  return backend;
+}
+
+}  // namespace sparsetrain::backend
