@@ -20,6 +20,10 @@
 
 namespace sparsetrain {
 
+namespace ops {
+struct Fp8Layer;
+}  // namespace ops
+
 // One parameter of G groups: G views of the per-group shape, or one packed view [G, ...].
 class GroupedParam {
  public:
@@ -38,6 +42,11 @@ class GroupedParam {
   bool packed_ = false;
 };
 
+// The GEMMs' precision: the layer's dtype, or FP8 with blockwise scales (docs/DESIGN.md section
+// 12): e4m3 operands quantized as each GEMM reads them, fp32 accumulation, outputs in the layer's
+// dtype (bf16), fp32 main_grad as without it.
+enum class Fp8Recipe { kOff, kBlockwise };
+
 struct GroupedLinearOptions {
   int64_t num_groups = 0;
   int64_t in_features = 0;
@@ -47,6 +56,7 @@ struct GroupedLinearOptions {
   bool overwrite_main_grad = false;      // with fusion: main_grad = wgrad (a group with no rows: 0)
   bool delay_wgrad_compute = false;      // backward computes dgrad only; wgrad in backward_dw()
   bool check_device_splits = false;      // debug: sync, read device splits and raise if invalid
+  Fp8Recipe fp8 = Fp8Recipe::kOff;       // kBlockwise: bf16 layers, in / out multiples of 16, no bias
 };
 
 // Non-owning references to the caller's parameters.
@@ -148,6 +158,8 @@ class GroupedLinear {
   // wgrad and bias grad with the group offsets already in the workspace.
   GroupedLinearGrads compute_wgrad(const TensorView& x, const TensorView& dy, const int64_t* offsets,
                                    void* scratch, Stream stream);
+  // What the FP8 GEMMs read of the layer (ops/grouped_linear_fp8.h).
+  ops::Fp8Layer fp8_layer() const;
   // A zero tensor of the weight's shape: the cached one, or a new one (CallArgs::cache_dummy_wgrad).
   Tensor dummy_wgrad(bool cached, Stream stream);
 

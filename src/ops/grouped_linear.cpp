@@ -7,6 +7,7 @@
 
 #include "ops/grouped_args.h"
 #include "ops/grouped_linear_backend.h"
+#include "ops/grouped_linear_fp8.h"
 #include "sparsetrain/error.h"
 
 namespace sparsetrain {
@@ -63,12 +64,13 @@ struct WorkspacePlan {
   size_t offsets = 0, status = 0, scratch = 0, total = 0;
 };
 
-WorkspacePlan plan_workspace(const GroupedLinearOptions& o, int64_t T, const GroupedLinearBackend& be) {
+WorkspacePlan plan_workspace(const GroupedLinearOptions& o, int64_t T, const GroupedLinearBackend& be, Device dev) {
   WorkspacePlan p;
   p.status = round_up(size_t(o.num_groups + 1) * sizeof(int64_t), kAllocAlignment);
   p.scratch = p.status + kAllocAlignment;
-  p.total = p.scratch + round_up(be.scratch_bytes(o.dtype, o.num_groups, T, o.in_features, o.out_features),
-                                 kAllocAlignment);
+  const size_t scratch = std::max(be.scratch_bytes(o.dtype, o.num_groups, T, o.in_features, o.out_features),
+                                  ops::fp8_scratch_bytes(o, T, dev));
+  p.total = p.scratch + round_up(scratch, kAllocAlignment);
   return p;
 }
 
@@ -114,6 +116,7 @@ GroupedLinear::GroupedLinear(const GroupedLinearOptions& o, const GroupedLinearP
   if (params.bias.present())
     check_grouped_param(params.bias, "bias", G, {o.out_features}, std::to_string(o.out_features), o.dtype, dev);
   if (o.fuse_wgrad_accumulation) set_main_grad(params.main_grad);
+  ops::check_fp8_layer(o, params.bias.present());
 }
 
 void GroupedLinear::set_main_grad(const GroupedParam& main_grad) {
@@ -128,8 +131,10 @@ void GroupedLinear::set_main_grad(const GroupedParam& main_grad) {
 
 Device GroupedLinear::device() const { return params_.weight.views()[0].device(); }
 
+ops::Fp8Layer GroupedLinear::fp8_layer() const { return {options_, params_.weight, *allocator_, device()}; }
+
 size_t GroupedLinear::workspace_size(int64_t T) const {
-  return plan_workspace(options_, T, backend_for(device(), "weight")).total;
+  return plan_workspace(options_, T, backend_for(device(), "weight"), device()).total;
 }
 
 Tensor GroupedLinear::forward(const TensorView& x, const Splits& splits, const TensorView& out,
@@ -143,13 +148,19 @@ Tensor GroupedLinear::forward(const TensorView& x, const Splits& splits, const T
   if (out.defined())
     check_out_buffer(out, "out", o.dtype, dev, o.out_features, ops::min_out_rows(S, T),
                      ops::min_out_rows_rule(S));
-  const WorkspacePlan plan = plan_workspace(o, T, be);
+  const WorkspacePlan plan = plan_workspace(o, T, be, dev);
   ops::check_workspace(plan.total, args.workspace);
 
   // Everything is valid: from here on outputs may be written.
   Tensor y = out.defined() ? Tensor::borrowed(out)
                            : Tensor::empty(o.dtype, {T, o.out_features}, dev, *allocator_, args.stream);
   CallWorkspace ws(plan, args.workspace, dev, *allocator_, args.stream);
+  const bool zero_tail = !out.defined() && ops::has_tail_rows(S, T);
+  if (o.fp8 != Fp8Recipe::kOff) {  // its kernels read the offsets from the device: none folded
+    ops::prepare_offsets(splits, T, ws.offsets, ws.status, be, dev, args.stream);
+    ops::fp8_fprop(fp8_layer(), x, ws.offsets, y.view(), zero_tail, ws.scratch, args.stream);
+    return y;
+  }
   std::vector<int64_t> host_offsets;
   const int64_t* fold = ops::prepare_offsets(splits, T, ws.offsets, ws.status, be, dev, args.stream, &host_offsets);
   backend::FpropParams p{{o.dtype, o.num_groups, T, o.in_features, o.out_features, ws.offsets, fold},
@@ -157,7 +168,7 @@ Tensor GroupedLinear::forward(const TensorView& x, const Splits& splits, const T
                          group_views(params_.weight, o.num_groups),
                          group_views(params_.bias, o.num_groups),
                          y.view(),
-                         !out.defined() && ops::has_tail_rows(S, T)};
+                         zero_tail};
   be.fprop(p, ws.scratch, args.stream);
   return y;
 }
@@ -205,7 +216,8 @@ GroupedLinearGrads GroupedLinear::compute_wgrad(const TensorView& x, const Tenso
     grads.bias_grad = Tensor::empty(o.dtype, {G, o.out_features}, device(), *allocator_, stream);
     for (int64_t g = 0; g < G; ++g) p.db.push_back(grads.bias_grad.view().select(g));
   }
-  be.wgrad(p, scratch, stream);
+  if (o.fp8 != Fp8Recipe::kOff) ops::fp8_wgrad(fp8_layer(), x, dy, offsets, p.target, p.dw, scratch, stream);
+  else be.wgrad(p, scratch, stream);
   return grads;
 }
 
@@ -221,7 +233,7 @@ GroupedLinearGrads GroupedLinear::backward(const TensorView& x, const TensorView
   if (grad_input.defined())
     check_out_buffer(grad_input, "grad_input", o.dtype, dev, o.in_features, ops::min_out_rows(S, T),
                      ops::min_out_rows_rule(S));
-  const WorkspacePlan plan = plan_workspace(o, T, be);
+  const WorkspacePlan plan = plan_workspace(o, T, be, dev);
   ops::check_workspace(plan.total, args.workspace);
   const WeightGradDisposition disp =
       weight_grad_disposition(o.delay_wgrad_compute, o.fuse_wgrad_accumulation, params_.has_grad_added_to_main_grad);
@@ -232,14 +244,21 @@ GroupedLinearGrads GroupedLinear::backward(const TensorView& x, const TensorView
                          ? Tensor::borrowed(grad_input)
                          : Tensor::empty(o.dtype, {T, o.in_features}, dev, *allocator_, args.stream);
   CallWorkspace ws(plan, args.workspace, dev, *allocator_, args.stream);
-  std::vector<int64_t> host_offsets;  // dgrad's first kernel writes them; wgrad's then read them
-  const int64_t* fold = ops::prepare_offsets(splits, T, ws.offsets, ws.status, be, dev, args.stream, &host_offsets);
-  backend::DgradParams p{{o.dtype, o.num_groups, T, o.in_features, o.out_features, ws.offsets, fold},
-                         dy,
-                         group_views(params_.weight, o.num_groups),
-                         grads.grad_input.view(),
-                         !grad_input.defined() && ops::has_tail_rows(S, T)};
-  be.dgrad(p, ws.scratch, args.stream);
+  const bool zero_tail = !grad_input.defined() && ops::has_tail_rows(S, T);
+  if (o.fp8 != Fp8Recipe::kOff) {  // its kernels read the offsets from the device: none folded
+    ops::prepare_offsets(splits, T, ws.offsets, ws.status, be, dev, args.stream);
+    ops::fp8_dgrad(fp8_layer(), dy, ws.offsets, grads.grad_input.view(), zero_tail, ws.scratch, args.stream);
+  } else {
+    std::vector<int64_t> host_offsets;  // dgrad's first kernel writes them; wgrad's then read them
+    const int64_t* fold =
+        ops::prepare_offsets(splits, T, ws.offsets, ws.status, be, dev, args.stream, &host_offsets);
+    backend::DgradParams p{{o.dtype, o.num_groups, T, o.in_features, o.out_features, ws.offsets, fold},
+                           dy,
+                           group_views(params_.weight, o.num_groups),
+                           grads.grad_input.view(),
+                           zero_tail};
+    be.dgrad(p, ws.scratch, args.stream);
+  }
 
   if (o.delay_wgrad_compute) {
     pending_.push_back({x, dy, splits, args.keep_alive});  // references: the caller keeps x and dy alive
@@ -278,7 +297,7 @@ GroupedLinearGrads GroupedLinear::backward_dw(const CallArgs& args) {
   const Pending& pd = pending_.front();
   GroupedLinearBackend& be = backend_for(device(), "x");
   const int64_t T = pd.x.size(0);
-  const WorkspacePlan plan = plan_workspace(options_, T, be);
+  const WorkspacePlan plan = plan_workspace(options_, T, be, device());
   ops::check_workspace(plan.total, args.workspace);
   CallWorkspace ws(plan, args.workspace, device(), *allocator_, args.stream);
   ops::prepare_offsets(pd.splits, T, ws.offsets, ws.status, be, device(), args.stream);

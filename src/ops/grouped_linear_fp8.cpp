@@ -1,0 +1,119 @@
+#include "ops/grouped_linear_fp8.h"
+
+#include <algorithm>
+#include <string>
+
+#include "common/fp8_blockwise.h"
+#include "ops/grouped_args.h"
+#include "ops/pick_backend.h"
+#include "sparsetrain/error.h"
+
+namespace sparsetrain::ops {
+namespace {
+
+backend::Fp8BlockwiseBackend& fp8_backend(Device device) {
+  return pick_backend(device, "x", backend::fp8_blockwise_reference_backend,
+                      ST_CUDA_BACKEND(backend::fp8_blockwise_cuda_backend));
+}
+
+// A quantized operand that owns its codes and scales.
+struct Quantized {
+  Tensor data, scale;
+  backend::Fp8Tensor view() const { return {data.view(), scale.view()}; }
+};
+
+Quantized quantized(const Fp8Layer& l, std::initializer_list<int64_t> data_shape, int64_t scales, Stream stream) {
+  return {Tensor::empty(DType::kUInt8, data_shape, l.device, l.alloc, stream),
+          Tensor::empty(DType::kFP32, {std::max<int64_t>(scales, 1)}, l.device, l.alloc, stream)};
+}
+
+backend::Fp8Groups groups(const Fp8Layer& l, const int64_t* offsets) { return {l.options.num_groups, offsets}; }
+
+Quantized rowwise(const Fp8Layer& l, const TensorView& src, const int64_t* offsets, Stream stream) {
+  const int64_t T = src.size(0), K = src.size(1);
+  Quantized q = quantized(l, {T, K}, fp8_rowwise_scale_count(T, K), stream);
+  fp8_backend(l.device).quantize_rowwise({groups(l, offsets), src, q.view()}, stream);
+  return q;
+}
+
+Quantized columnwise(const Fp8Layer& l, const TensorView& src, const int64_t* offsets, Stream stream) {
+  const int64_t T = src.size(0), C = src.size(1), G = l.options.num_groups;
+  Quantized q = quantized(l, {C, fp8_columnwise_columns(T, G)}, fp8_columnwise_scale_count(T, C, G), stream);
+  fp8_backend(l.device).quantize_columnwise({groups(l, offsets), src, q.view()}, stream);
+  return q;
+}
+
+// Every expert's weight and its transposed copy, packed ([G, out, in] and [G, in, out] codes,
+// [G, blocks] grids): four allocations whatever G.
+struct QuantizedWeights {
+  Quantized w, wt;
+  std::vector<backend::Fp8Tensor> per_group(bool transposed, const GroupedLinearOptions& o) const {
+    const Quantized& q = transposed ? wt : w;
+    const int64_t rows = transposed ? o.in_features : o.out_features, cols = transposed ? o.out_features : o.in_features;
+    const int64_t blocks = fp8_block_scale_count(rows, cols);
+    std::vector<backend::Fp8Tensor> v;
+    for (int64_t g = 0; g < o.num_groups; ++g) {
+      const TensorView d = q.data.view().select(g);
+      const TensorView s(q.scale.view().data_as<float>() + g * blocks, DType::kFP32, {blocks}, d.device());
+      v.push_back({d, s});
+    }
+    return v;
+  }
+};
+
+QuantizedWeights weights(const Fp8Layer& l, Stream stream) {
+  const GroupedLinearOptions& o = l.options;
+  const int64_t G = o.num_groups, out = o.out_features, in = o.in_features, blocks = fp8_block_scale_count(out, in);
+  QuantizedWeights q{quantized(l, {G, out, in}, G * blocks, stream), quantized(l, {G, in, out}, G * blocks, stream)};
+  backend::Fp8WeightQuantizeParams p;
+  p.w = group_views(l.weight, G);
+  p.wq = q.per_group(false, o);
+  p.wtq = q.per_group(true, o);
+  fp8_backend(l.device).quantize_weights(p, stream);
+  return q;
+}
+
+backend::GroupedProblem problem(const Fp8Layer& l, int64_t T, const int64_t* offsets) {
+  const GroupedLinearOptions& o = l.options;
+  return {o.dtype, o.num_groups, T, o.in_features, o.out_features, offsets, nullptr};
+}
+
+}  // namespace
+
+void check_fp8_layer(const GroupedLinearOptions& o, bool has_bias) {
+  if (o.fp8 == Fp8Recipe::kOff) return;
+  ST_CHECK_ARG(o.dtype == DType::kBF16, "dtype", "bf16 with fp8 (the recipe's layer dtype)", dtype_name(o.dtype));
+  // Rows of e4m3 codes on 16-byte boundaries: what the FP8 GEMMs' TMA loads need.
+  ST_CHECK_ARG(o.in_features % 16 == 0, "in_features", "a multiple of 16 with fp8", o.in_features);
+  ST_CHECK_ARG(o.out_features % 16 == 0, "out_features", "a multiple of 16 with fp8", o.out_features);
+  ST_CHECK_ARG(!has_bias, "bias", "none with fp8 (the FP8 GEMMs have no bias epilogue)", "a bias");
+}
+
+size_t fp8_scratch_bytes(const GroupedLinearOptions& o, int64_t T, Device device) {
+  if (o.fp8 == Fp8Recipe::kOff) return 0;
+  return fp8_backend(device).gemm_scratch_bytes(o.dtype, o.num_groups, T, o.in_features, o.out_features);
+}
+
+void fp8_fprop(const Fp8Layer& l, const TensorView& x, const int64_t* offsets, const TensorView& y, bool zero_tail,
+               void* scratch, Stream stream) {
+  const Quantized xq = rowwise(l, x, offsets, stream);
+  const QuantizedWeights w = weights(l, stream);
+  fp8_backend(l.device).fprop({problem(l, x.size(0), offsets), xq.view(), w.per_group(false, l.options), y, zero_tail},
+                              scratch, stream);
+}
+
+void fp8_dgrad(const Fp8Layer& l, const TensorView& dy, const int64_t* offsets, const TensorView& dx,
+               bool zero_tail, void* scratch, Stream stream) {
+  const Quantized dyq = rowwise(l, dy, offsets, stream);
+  const QuantizedWeights w = weights(l, stream);
+  fp8_backend(l.device).dgrad(
+      {problem(l, dy.size(0), offsets), dyq.view(), w.per_group(true, l.options), dx, zero_tail}, scratch, stream);
+}
+
+void fp8_wgrad(const Fp8Layer& l, const TensorView& x, const TensorView& dy, const int64_t* offsets,
+               backend::WgradTarget target, const std::vector<TensorView>& dw, void* scratch, Stream stream) {
+  const Quantized xc = columnwise(l, x, offsets, stream), dyc = columnwise(l, dy, offsets, stream);
+  fp8_backend(l.device).wgrad({problem(l, x.size(0), offsets), xc.view(), dyc.view(), target, dw}, scratch, stream);
+}
+
+}  // namespace sparsetrain::ops

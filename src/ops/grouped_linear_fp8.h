@@ -1,0 +1,39 @@
+// GroupedLinear's three GEMMs under the FP8 recipe (docs/DESIGN.md section 12): each operand is
+// quantized as its GEMM reads it (x and dy rowwise for fprop and dgrad, columnwise for wgrad; the
+// weights with their transposed copies, in one pass), into memory from the layer's allocator,
+// then the FP8 backend's GEMM runs. Arguments arrive validated by ops/grouped_linear.cpp.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "ops/fp8_blockwise_backend.h"
+#include "sparsetrain/grouped_linear.h"
+
+namespace sparsetrain::ops {
+
+// What the FP8 GEMMs read of the layer.
+struct Fp8Layer {
+  const GroupedLinearOptions& options;
+  const GroupedParam& weight;
+  Allocator& alloc;
+  Device device;
+};
+
+// The recipe's conditions on the layer, checked by the constructor: an Error naming the option.
+void check_fp8_layer(const GroupedLinearOptions& o, bool has_bias);
+
+// Scratch of the FP8 GEMMs for T rows (the quantized operands are allocated apart).
+size_t fp8_scratch_bytes(const GroupedLinearOptions& o, int64_t T, Device device);
+
+// y = x W^T, dx = dy W, dW = dy^T x per group, as the backend's fprop / dgrad / wgrad. offsets:
+// the call's device-resident group offsets [G + 1].
+void fp8_fprop(const Fp8Layer& l, const TensorView& x, const int64_t* offsets, const TensorView& y, bool zero_tail,
+               void* scratch, Stream stream);
+void fp8_dgrad(const Fp8Layer& l, const TensorView& dy, const int64_t* offsets, const TensorView& dx,
+               bool zero_tail, void* scratch, Stream stream);
+void fp8_wgrad(const Fp8Layer& l, const TensorView& x, const TensorView& dy, const int64_t* offsets,
+               backend::WgradTarget target, const std::vector<TensorView>& dw, void* scratch, Stream stream);
+
+}  // namespace sparsetrain::ops

@@ -1,0 +1,186 @@
+// GroupedLinear with the FP8 recipe on the CPU backend: the layer's forward, dgrad and wgrad
+// (weight grad, fused main_grad, delayed) against the double-precision oracle on the operands
+// quantized as each GEMM reads them (a tight bound: fp32 accumulation and one rounding), against
+// the bf16 layer (a loose bound: the quantization), the recipe's refusals, and empty experts,
+// tiny experts and padded tails with poisoned outputs.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "expect_error.h"
+#include "fp8_testing.h"
+#include "grouped_linear_case.h"
+
+namespace st = sparsetrain;
+using st::testing::GroupedLinearCase;
+using st::testing::HostTensor;
+
+namespace {
+
+GroupedLinearCase fp8_case(std::vector<int64_t> splits, int64_t T, int64_t in, int64_t out, uint64_t seed = 1) {
+  GroupedLinearCase c;
+  c.dtype = st::DType::kBF16;
+  c.G = int64_t(splits.size());
+  c.T = T, c.in = in, c.out = out;
+  c.splits = std::move(splits);
+  c.packed_weight = true;
+  c.seed = seed;
+  c.make();
+  return c;
+}
+
+st::GroupedLinearOptions fp8_options(const GroupedLinearCase& c) {
+  st::GroupedLinearOptions o = c.options();
+  o.fp8 = st::Fp8Recipe::kBlockwise;
+  return o;
+}
+
+std::vector<double> finite_or_zero(const HostTensor& t) {
+  std::vector<double> v = t.to_double();
+  for (double& e : v)
+    if (std::isnan(e)) e = 0;  // rows of no expert: never read by the oracle
+  return v;
+}
+
+// The oracle on the operands as the FP8 GEMMs read them: x and dy rowwise (fprop, dgrad) or
+// columnwise (wgrad), W (fprop, wgrad unused) or W^T read back in [out, in] order (dgrad).
+st::testing::GroupedLinearOracle quantized_oracle(const GroupedLinearCase& c, bool columnwise, bool transposed) {
+  const std::vector<int64_t> off = st::testing::offsets_of(c.splits, c.T);
+  st::testing::GroupedLinearOracle o{c.G, c.T, c.in, c.out, c.splits, {}, {}, {}, {}};
+  auto deq = [&](const HostTensor& t, int64_t K) {
+    return finite_or_zero(columnwise ? st::testing::dequantize_columnwise(st::testing::quantize_columnwise(t, off),
+                                                                          off, c.T, K)
+                                     : st::testing::dequantize_rowwise(st::testing::quantize_rowwise(t, off), off,
+                                                                       c.T, K));
+  };
+  o.x = deq(c.x, c.in);
+  o.dy = deq(c.dy, c.out);
+  for (int64_t g = 0; g < c.G; ++g) {
+    const st::testing::Fp8WeightPair p = st::testing::quantize_weight(c.w.view().select(g));
+    if (!transposed) {
+      o.w.push_back(finite_or_zero(st::testing::dequantize_blocks(p.w, c.out, c.in)));
+      continue;
+    }
+    const std::vector<double> wt = finite_or_zero(st::testing::dequantize_blocks(p.wt, c.in, c.out));
+    std::vector<double> back(size_t(c.out * c.in));
+    for (int64_t i = 0; i < c.in; ++i)
+      for (int64_t j = 0; j < c.out; ++j) back[size_t(j * c.in + i)] = wt[size_t(i * c.out + j)];
+    o.w.push_back(back);
+  }
+  return o;
+}
+
+void expect_ok(const st::testing::CompareResult& r) { EXPECT_TRUE(r.ok) << r.first_failure; }
+
+// ||a - b|| / ||b|| over rows [0, rows).
+double relative_error(const HostTensor& a, const HostTensor& b, int64_t elements) {
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < elements; ++i) {
+    num += (a.get(i) - b.get(i)) * (a.get(i) - b.get(i));
+    den += b.get(i) * b.get(i);
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+struct Shape {
+  std::vector<int64_t> splits;
+  int64_t T, in, out;
+};
+const Shape kShapes[] = {
+    {{129, 0, 1, 150}, 300, 256, 144},  // empty and 1-row experts, a 129-row one, a padded tail
+    {{0, 64, 0}, 64, 16, 1024},
+    {{3, 5}, 8, 32, 48},
+    {{0, 0}, 10, 16, 16},  // only a padded tail
+};
+
+TEST(GroupedLinearFp8, ForwardAndBackwardMatchTheOracleOfTheQuantizedOperands) {
+  for (const Shape& s : kShapes) {
+    const GroupedLinearCase c = fp8_case(s.splits, s.T, s.in, s.out);
+    SCOPED_TRACE(c.name());
+    const st::Splits sp = st::Splits::host(c.splits);
+    st::GroupedLinear layer(fp8_options(c), c.params());
+    const st::Tensor y = layer.forward(c.x.view(), sp);
+    expect_ok(st::testing::compare_with_oracle(HostTensor::copy_of(y.view()), quantized_oracle(c, false, false).forward(),
+                                               c.dtype, 1, "y"));
+    const st::GroupedLinearGrads g = layer.backward(c.x.view(), c.dy.view(), sp);
+    expect_ok(st::testing::compare_with_oracle(HostTensor::copy_of(g.grad_input.view()),
+                                               quantized_oracle(c, false, true).dgrad(), c.dtype, 1, "dx"));
+    ASSERT_EQ(g.weight.kind, st::WeightGradKind::kWgrad);
+    const st::testing::GroupedLinearOracle ow = quantized_oracle(c, true, false);
+    for (int64_t e = 0; e < c.G; ++e)
+      expect_ok(st::testing::compare_with_oracle(HostTensor::copy_of(g.weight.per_group[size_t(e)].view()),
+                                                 ow.wgrad(e, nullptr), c.dtype, 1, "dw[" + std::to_string(e) + "]"));
+  }
+}
+
+// The quantization's cost against the bf16 layer: a few percent (e4m3's 3 mantissa bits), the
+// bound this test states.
+TEST(GroupedLinearFp8, StaysCloseToTheBf16Layer) {
+  const GroupedLinearCase c = fp8_case({100, 0, 37, 120}, 260, 256, 128, 7);
+  const st::Splits sp = st::Splits::host(c.splits);
+  st::GroupedLinear fp8(fp8_options(c), c.params()), bf16(c.options(), c.params());
+  const int64_t S = 257;
+  const HostTensor y8 = HostTensor::copy_of(fp8.forward(c.x.view(), sp).view());
+  const HostTensor y16 = HostTensor::copy_of(bf16.forward(c.x.view(), sp).view());
+  const double ey = relative_error(y8, y16, S * c.out);
+  EXPECT_LT(ey, 0.06);
+  EXPECT_GT(ey, 1e-3) << "the FP8 GEMMs ran (e4m3 cannot give the bf16 layer's results)";
+  const auto g8 = fp8.backward(c.x.view(), c.dy.view(), sp), g16 = bf16.backward(c.x.view(), c.dy.view(), sp);
+  EXPECT_LT(relative_error(HostTensor::copy_of(g8.grad_input.view()), HostTensor::copy_of(g16.grad_input.view()),
+                           S * c.in),
+            0.06);
+  EXPECT_LT(relative_error(HostTensor::copy_of(g8.weight.packed.view()), HostTensor::copy_of(g16.weight.packed.view()),
+                           c.G * c.out * c.in),
+            0.06);
+}
+
+// Fused main_grad (accumulated; an empty expert's untouched) and delayed wgrad (bitwise the
+// non-delayed one).
+TEST(GroupedLinearFp8, MainGradFusionAndDelayedWgrad) {
+  GroupedLinearCase c = fp8_case({40, 0, 88}, 130, 128, 64, 3);
+  c.fuse = true;
+  c.packed_main_grad = true;
+  const HostTensor before = c.main_grad;
+  const st::Splits sp = st::Splits::host(c.splits);
+  {
+    st::GroupedLinear layer(fp8_options(c), c.params());
+    const auto g = layer.backward(c.x.view(), c.dy.view(), sp);
+    EXPECT_EQ(g.weight.kind, st::WeightGradKind::kNone);
+  }
+  const st::testing::GroupedLinearOracle ow = quantized_oracle(c, true, false);
+  for (int64_t e = 0; e < c.G; ++e) {
+    const HostTensor got = HostTensor::copy_of(c.main_grad.view().select(e));
+    const HostTensor base = HostTensor::copy_of(before.view().select(e));
+    if (c.splits[size_t(e)] == 0) {
+      EXPECT_TRUE(got.bytes_equal(base)) << "an empty expert's main_grad is left bit for bit";
+      continue;
+    }
+    const std::vector<double> b = base.to_double();
+    expect_ok(st::testing::compare_with_oracle(got, ow.wgrad(e, &b), st::DType::kFP32, 1, "main_grad"));
+  }
+  const HostTensor eager = c.main_grad;
+  c.main_grad = before;
+  c.delay = true;
+  st::GroupedLinear delayed(fp8_options(c), c.params());
+  delayed.backward(c.x.view(), c.dy.view(), sp);
+  delayed.backward_dw();
+  EXPECT_TRUE(c.main_grad.bytes_equal(eager)) << "delayed FP8 wgrad equals the eager one bitwise";
+}
+
+TEST(GroupedLinearFp8, RefusesWhatTheRecipeCannotRun) {
+  using st::testing::expect_error;
+  GroupedLinearCase c = fp8_case({4, 4}, 8, 32, 32);
+  c.bias = true;
+  expect_error([&] { st::GroupedLinear(fp8_options(c), c.params()); }, {"bias", "none with fp8", "a bias"});
+  const GroupedLinearCase odd = fp8_case({4, 4}, 8, 24, 32);
+  expect_error([&] { st::GroupedLinear(fp8_options(odd), odd.params()); },
+               {"in_features", "a multiple of 16 with fp8", "24"});
+  GroupedLinearCase half = fp8_case({4, 4}, 8, 32, 32);
+  half.dtype = st::DType::kFP16;
+  half.make();
+  expect_error([&] { st::GroupedLinear(fp8_options(half), half.params()); }, {"dtype", "bf16 with fp8", "fp16"});
+}
+
+}  // namespace
