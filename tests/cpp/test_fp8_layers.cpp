@@ -1,8 +1,8 @@
-// GroupedLinear with the FP8 recipe on the CPU backend: the layer's forward, dgrad and wgrad
+// The layers with the FP8 recipe on the CPU backend. GroupedLinear: forward, dgrad and wgrad
 // (weight grad, fused main_grad, delayed) against the double-precision oracle on the operands
 // quantized as each GEMM reads them (a tight bound: fp32 accumulation and one rounding), against
-// the bf16 layer (a loose bound: the quantization), the recipe's refusals, and empty experts,
-// tiny experts and padded tails with poisoned outputs.
+// the bf16 layer (a loose bound: the quantization), the recipe's refusals, empty and tiny experts
+// and padded tails. GroupedMLP: both layers in FP8, against the bf16 MLP.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -12,6 +12,7 @@
 #include "expect_error.h"
 #include "fp8_testing.h"
 #include "grouped_linear_case.h"
+#include "grouped_mlp_case.h"
 
 namespace st = sparsetrain;
 using st::testing::GroupedLinearCase;
@@ -181,6 +182,40 @@ TEST(GroupedLinearFp8, RefusesWhatTheRecipeCannotRun) {
   half.dtype = st::DType::kFP16;
   half.make();
   expect_error([&] { st::GroupedLinear(fp8_options(half), half.params()); }, {"dtype", "bf16 with fp8", "fp16"});
+}
+
+// Both of GroupedMLP's layers in FP8 (fc2's bias is the MLP's own, so it stays): outputs and every
+// gradient through a GEMM within the quantization's few percent of the bf16 MLP, and not equal
+// to it.
+TEST(GroupedMLPFp8, BothLayersRunTheRecipe) {
+  const st::testing::GroupedMLPCase c =
+      st::testing::random_mlp_case(st::DType::kBF16, 3, 70, 64, 64, 32, 48, 0, {1}, true, false, true, 5);
+  st::GroupedMLPOptions o8 = c.options();
+  o8.fp8 = st::Fp8Recipe::kBlockwise;
+  st::GroupedMLP fp8(o8, c.params()), bf16(c.options(), c.params());
+  const st::Splits sp = st::Splits::host(c.splits);
+  const auto f8 = fp8.forward(c.x.view(), sp, c.probs.view()), f16 = bf16.forward(c.x.view(), sp, c.probs.view());
+  const auto g8 = fp8.backward(c.x.view(), f8.fc1_out.view(), c.probs.view(), c.dy.view(), sp);
+  const auto g16 = bf16.backward(c.x.view(), f16.fc1_out.view(), c.probs.view(), c.dy.view(), sp);
+  const int64_t S = 64;
+  auto close = [&](const st::TensorView& a, const st::TensorView& b, int64_t n, const char* what) {
+    const double e = relative_error(HostTensor::copy_of(a), HostTensor::copy_of(b), n);
+    EXPECT_LT(e, 0.08) << what;
+    EXPECT_GT(e, 1e-4) << what << ": the FP8 GEMMs ran";
+  };
+  close(f8.out.view(), f16.out.view(), S * c.out, "out");
+  close(g8.grad_input.view(), g16.grad_input.view(), S * c.in, "dx");
+  close(g8.dprobs.view(), g16.dprobs.view(), S, "dprobs");
+  close(g8.fc1.weight.packed.view(), g16.fc1.weight.packed.view(), c.G * 2 * c.F * c.in, "fc1 dw");
+  close(g8.fc2.weight.packed.view(), g16.fc2.weight.packed.view(), c.G * c.out * c.F, "fc2 dw");
+  EXPECT_TRUE(HostTensor::copy_of(g8.fc2.bias_grad.view()).bytes_equal(HostTensor::copy_of(g16.fc2.bias_grad.view())))
+      << "fc2's bias grad (a probs-scaled sum of dy) passes through no GEMM: the bf16 MLP's bits";
+
+  const st::testing::GroupedMLPCase b =
+      st::testing::random_mlp_case(st::DType::kBF16, 2, 8, 8, 32, 16, 16, 0, {}, true, true, false, 6);
+  st::GroupedMLPOptions ob = b.options();
+  ob.fp8 = st::Fp8Recipe::kBlockwise;
+  st::testing::expect_error([&] { st::GroupedMLP(ob, b.params()); }, {"fc1.bias", "none with fp8"});
 }
 
 }  // namespace
