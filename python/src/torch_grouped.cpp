@@ -105,6 +105,7 @@ class TorchGroupedLinear final : public ModuleLayer<st::GroupedLinear> {
     st::GroupedLinearOptions o = o_;
     o.dtype = p.weight.views()[0].dtype();
     o.overwrite_main_grad = overwrite_main_grad(flags);
+    o.fp8 = fp8_recipe(flags);
     return std::make_unique<st::GroupedLinear>(o, p, &alloc_);
   }
   void set_main_grads(st::GroupedLinear& l, const std::vector<st::GroupedParam>& mg) override {
@@ -179,6 +180,7 @@ class TorchGroupedMLP final : public ModuleLayer<st::GroupedMLP> {
     st::GroupedMLPOptions o = o_;
     o.dtype = p.fc1.weight.views()[0].dtype();
     o.overwrite_main_grad = overwrite_main_grad(flags);
+    o.fp8 = fp8_recipe(flags);
     return std::make_unique<st::GroupedMLP>(o, p, &alloc_);
   }
   void set_main_grads(st::GroupedMLP& m, const std::vector<st::GroupedParam>& mg) override {

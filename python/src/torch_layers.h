@@ -43,8 +43,14 @@ using torch::autograd::variable_list;
 
 // --- the module's parameters -------------------------------------------------------------------
 
+// An operator's flags: bit 0 overwrite_main_grad, bit 1 + layer that layer's weights carry
+// grad_added_to_main_grad, bit kFp8Bit the FP8 recipe (sparsetrain/torch/fp8.py sets it).
+constexpr int kFp8Bit = 8;
 inline bool overwrite_main_grad(int64_t flags) { return (flags & 1) != 0; }
 inline bool has_grad_added_attr(int64_t flags, size_t layer) { return ((flags >> (1 + layer)) & 1) != 0; }
+inline st::Fp8Recipe fp8_recipe(int64_t flags) {
+  return ((flags >> kFp8Bit) & 1) != 0 ? st::Fp8Recipe::kBlockwise : st::Fp8Recipe::kOff;
+}
 
 // The options a module fixes at construction that both layers' options carry (the rest but
 // dtype and overwrite_main_grad, which come with the parameters, are set by each layer).

@@ -238,6 +238,7 @@ class TorchMoELayer final : public st::torch_ops::ModuleLayer<st::MoELayer> {
     st::MoELayerOptions o = o_;
     o.mlp.dtype = p.fc1.weight.views()[0].dtype();
     o.mlp.overwrite_main_grad = st::torch_ops::overwrite_main_grad(flags);
+    o.mlp.fp8 = st::torch_ops::fp8_recipe(flags);
     return std::make_unique<st::MoELayer>(o, p, &alloc_);
   }
   void set_main_grads(st::MoELayer& l, const std::vector<st::GroupedParam>& mg) override {

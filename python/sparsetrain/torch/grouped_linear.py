@@ -26,6 +26,7 @@ from .._arrays import host_split_values as _host_split_values
 from .._arrays import name_of_dtype as _name_of_dtype
 
 from . import native
+from .fp8 import FP8_FLAG, fp8_enabled
 
 _requires_grad = attrgetter("requires_grad")
 
@@ -313,7 +314,7 @@ class GroupedLinear(DelayedWgrad, nn.Module):
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = True, *,
                  params_dtype: Optional[torch.dtype] = None, device: Union[torch.device, str, None] = None,
                  single_grouped_weight: bool = False, fuse_wgrad_accumulation: bool = False,
-                 delay_wgrad_compute: bool = False, check_device_splits: bool = False):
+                 delay_wgrad_compute: bool = False, check_device_splits: bool = False, fp8: Optional[bool] = None):
         super().__init__()
         if num_gemms < 1:
             raise ValueError(f"num_gemms: expected >= 1, got {num_gemms}")
@@ -323,6 +324,8 @@ class GroupedLinear(DelayedWgrad, nn.Module):
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.delay_wgrad_compute = delay_wgrad_compute
         self.check_device_splits = check_device_splits
+        self.fp8 = fp8
+        self._fp8_active = False  # the last forward's choice (fp8.py), which its backward_dw follows
         dtype = params_dtype or torch.get_default_dtype()
         kw = dict(dtype=dtype, device=device)
         bound = 1.0 / math.sqrt(in_features)  # nn.Linear's default init, per expert
@@ -396,9 +399,9 @@ class GroupedLinear(DelayedWgrad, nn.Module):
 
     def _op_args(self) -> Tuple[List[Tensor], List[Tensor], int]:
         """(params, main_grads, flags) as the operators take them: flags bit 0 overwrite_main_grad,
-        bit 1 grad_added_to_main_grad."""
+        bit 1 grad_added_to_main_grad, FP8_FLAG the last forward's FP8 choice."""
         params, main_grads, overwrite, has_attr = self._layer_args()
-        return params, main_grads, int(overwrite) | int(has_attr) << 1
+        return params, main_grads, int(overwrite) | int(has_attr) << 1 | (FP8_FLAG if self._fp8_active else 0)
 
     def _make_native(self) -> Any:
         return native.TORCH_OPS.GroupedLinear(
@@ -457,6 +460,7 @@ class GroupedLinear(DelayedWgrad, nn.Module):
         tensor, the buffer's rows then zeros. A non-leaf x hands dx to its producer's backward."""
         check_buffer_args(x, out, grad_input)
         splits = self._normalize_splits(m_splits)
+        self._fp8_active = fp8_enabled(self.fp8)
         params, main_grads, flags = self._op_args()
         self._record((x,), params)
         status = status_for(splits, self)

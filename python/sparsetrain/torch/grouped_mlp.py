@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from . import native
+from .fp8 import FP8_FLAG, fp8_enabled
 from .grouped_linear import (DelayedWgrad, GroupedLinear, accumulate_layer_grads, call, check_buffer_args,
                              fake_check_devices, has_grad_added_flag, layer_grads_fake, layer_of, status_for)
 
@@ -74,7 +75,7 @@ class GroupedMLP(DelayedWgrad, nn.Module):
                  params_dtype: Optional[torch.dtype] = None, device: Union[torch.device, str, None] = None,
                  glu_interleave_size: int = 0, single_grouped_weight: bool = False,
                  fuse_wgrad_accumulation: bool = False, delay_wgrad_compute: bool = False,
-                 check_device_splits: bool = False):
+                 check_device_splits: bool = False, fp8: Optional[bool] = None):
         super().__init__()
         out_features = in_features if out_features is None else out_features
         kw = dict(bias=bias, params_dtype=params_dtype, device=device, single_grouped_weight=single_grouped_weight,
@@ -87,6 +88,8 @@ class GroupedMLP(DelayedWgrad, nn.Module):
         self.use_bias, self.single_grouped_weight = bias, single_grouped_weight
         self.fuse_wgrad_accumulation, self.delay_wgrad_compute = fuse_wgrad_accumulation, delay_wgrad_compute
         self.check_device_splits = check_device_splits
+        self.fp8 = fp8
+        self._fp8_active = False  # the last forward's choice (fp8.py), which its backward_dw follows
         self._init_layer_state()
 
     @property
@@ -117,13 +120,15 @@ class GroupedMLP(DelayedWgrad, nn.Module):
 
     def _op_args(self) -> Tuple[List[Tensor], List[Tensor], int]:
         """(params, main_grads, flags) as the operators take them: flags bit 0 overwrite_main_grad
-        (the two layers' must agree), bits 1 and 2 each layer's grad_added_to_main_grad."""
+        (the two layers' must agree), bits 1 and 2 each layer's grad_added_to_main_grad, FP8_FLAG
+        the last forward's FP8 choice (both layers)."""
         fc1, fc2 = self._layers()
         p1, m1, overwrite1, has1 = fc1._layer_args("fc1.")
         p2, m2, overwrite2, has2 = fc2._layer_args("fc2.")
         if overwrite1 != overwrite2:
             raise ValueError(f"fc2 weights' overwrite_main_grad: expected {overwrite1} (as fc1's), got {overwrite2}")
-        return p1 + p2, m1 + m2, int(overwrite1) | int(has1) << 1 | int(has2) << 2
+        fp8 = FP8_FLAG if self._fp8_active else 0
+        return p1 + p2, m1 + m2, int(overwrite1) | int(has1) << 1 | int(has2) << 2 | fp8
 
     def forward(self, x: Tensor, m_splits: Union[Sequence[int], Tensor], probs: Tensor,
                 out: Optional[Tensor] = None, grad_input: Optional[Tensor] = None) -> Tensor:
@@ -135,6 +140,7 @@ class GroupedMLP(DelayedWgrad, nn.Module):
         torch's copy at exactly T, a new tensor at S)."""
         check_buffer_args(x, out, grad_input)
         splits = self._layers()[0]._normalize_splits(m_splits)
+        self._fp8_active = fp8_enabled(self.fp8)
         params, main_grads, flags = self._op_args()
         self._record((x, probs), params)
         status = status_for(splits, self)

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from .._moe import ROUTER_SCORES
 from . import native
+from .fp8 import fp8_enabled
 from .grouped_linear import DelayedWgrad, accumulate_layer_grads, call, fake_check_devices, has_grad_added_flag, \
     layer_grads_fake, layer_of
 from .grouped_mlp import GroupedMLP
@@ -124,7 +125,7 @@ class MoELayer(DelayedWgrad, nn.Module):
                  params_dtype: Optional[torch.dtype] = None, device: Union[torch.device, str, None] = None,
                  glu_interleave_size: int = 0, single_grouped_weight: bool = False,
                  fuse_wgrad_accumulation: bool = False, delay_wgrad_compute: bool = False,
-                 recompute_expert_input: bool = True):
+                 recompute_expert_input: bool = True, fp8: Optional[bool] = None):
         super().__init__()
         if score not in ROUTER_SCORES:
             raise ValueError(f"score: expected one of {', '.join(ROUTER_SCORES)}, got {score}")
@@ -138,7 +139,7 @@ class MoELayer(DelayedWgrad, nn.Module):
                                   params_dtype=params_dtype, device=device, glu_interleave_size=glu_interleave_size,
                                   single_grouped_weight=single_grouped_weight,
                                   fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-                                  delay_wgrad_compute=delay_wgrad_compute)
+                                  delay_wgrad_compute=delay_wgrad_compute, fp8=fp8)
         self._init_layer_state()
 
     def _make_native(self) -> Any:
@@ -160,6 +161,7 @@ class MoELayer(DelayedWgrad, nn.Module):
     def forward(self, x: Tensor, logits: Tensor, expert_bias: Optional[Tensor] = None) -> MoEOutput:
         """x [N, hidden] (the experts' dtype), logits fp32 [N, E], expert_bias optional fp32 [E]."""
         check_layer_inputs(self, x, logits)
+        self.experts._fp8_active = fp8_enabled(self.experts.fp8)  # the experts' fp8 argument is the layer's
         params, main_grads, flags = self._op_args()
         self._record((x, logits), params)
         r = call("moe_layer_forward", self._id, x, logits, expert_bias, params, main_grads, flags)

@@ -1,0 +1,117 @@
+"""The torch front's FP8 recipe (sparsetrain.torch.fp8): the `fp8` argument of GroupedLinear,
+GroupedMLP and MoELayer and fp8_autocast, one rule behind both (the argument wins, None follows the
+innermost autocast), a forward's choice kept by its backward and delayed wgrad, the recipe's
+refusals by name, and the FP8 results against the bf16 module (a loose bound: the quantization;
+the kernels' exact rules are the C++ tests'). On the CPU backend; the CUDA runs are the GPU suite's."""
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed: torch tests skipped")
+
+import sparsetrain.torch as stt  # noqa: E402
+from sparsetrain.torch.fp8 import fp8_autocast, fp8_enabled  # noqa: E402
+
+SPLITS = [40, 0, 3, 57]  # an empty and a 3-row expert
+T, IN, OUT = 104, 64, 48  # rows past sum(SPLITS) are a padded tail
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _linear(fp8=None, **kw):
+    torch.manual_seed(0)
+    return stt.GroupedLinear(len(SPLITS), IN, OUT, bias=False, params_dtype=torch.bfloat16, fp8=fp8, **kw)
+
+
+def _step(m, x, dy, splits=SPLITS):
+    x = x.detach().clone().requires_grad_(True)
+    y = m(x, splits)
+    y.backward(dy)
+    return y.detach(), x.grad, [p.grad.clone() for p in m.parameters()]
+
+
+def _data(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(T, IN, generator=g).to(torch.bfloat16),
+            torch.randn(T, OUT, generator=g).to(torch.bfloat16))
+
+
+def test_the_rule_argument_wins_none_follows_the_innermost_autocast():
+    assert fp8_enabled(None) is False
+    with fp8_autocast():
+        assert fp8_enabled(None) is True and fp8_enabled(False) is False
+        with fp8_autocast(enabled=False):
+            assert fp8_enabled(None) is False and fp8_enabled(True) is True
+        assert fp8_enabled(None) is True
+    assert fp8_enabled(None) is False
+
+
+def test_grouped_linear_fp8_is_close_to_bf16_and_autocast_gives_the_same_bits():
+    x, dy = _data()
+    ref = _step(_linear(), x, dy)
+    forced = _step(_linear(fp8=True), x, dy)
+    with fp8_autocast():
+        auto = _step(_linear(), x, dy)
+        off = _step(_linear(fp8=False), x, dy)
+    S = sum(SPLITS)
+    for got, want, what in ((forced[0][:S], ref[0][:S], "y"), (forced[1][:S], ref[1][:S], "dx"),
+                            (forced[2][0], ref[2][0], "dW")):
+        e = _rel(got, want)
+        assert 1e-3 < e < 0.06, f"{what}: relative error {e} (FP8 against bf16)"
+    assert torch.equal(forced[0][S:], torch.zeros_like(forced[0][S:])), "the padded tail's rows are zero"
+    for a, b in zip((auto[0], auto[1], *auto[2]), (forced[0], forced[1], *forced[2])):
+        assert torch.equal(a, b), "fp8=None under fp8_autocast is fp8=True"
+    for a, b in zip((off[0], off[1], *off[2]), (ref[0], ref[1], *ref[2])):
+        assert torch.equal(a, b), "fp8=False ignores fp8_autocast"
+
+
+def test_a_delayed_wgrad_follows_its_forward_after_the_autocast_ends():
+    x, dy = _data(2)
+    eager = _step(_linear(fp8=True), x, dy)
+    m = _linear(delay_wgrad_compute=True)
+    xx = x.detach().clone().requires_grad_(True)
+    with fp8_autocast():
+        y = m(xx, SPLITS)
+    y.backward(dy)
+    assert m.weight0.grad is None, "delayed"
+    m.backward_dw()  # outside the block: the layer keeps its forward's choice
+    assert torch.equal(xx.grad, eager[1])
+    assert torch.equal(m.weight0.grad, eager[2][0])
+
+
+def test_mlp_and_moe_layer_take_the_recipe():
+    torch.manual_seed(0)
+    mlp8 = stt.GroupedMLP(len(SPLITS), IN, 32, OUT, params_dtype=torch.bfloat16, fp8=True)
+    torch.manual_seed(0)
+    mlp = stt.GroupedMLP(len(SPLITS), IN, 32, OUT, params_dtype=torch.bfloat16)
+    x, _ = _data(3)
+    probs = torch.rand(T)
+    S = sum(SPLITS)
+    e = _rel(mlp8(x, SPLITS, probs)[:S], mlp(x, SPLITS, probs)[:S])
+    assert 1e-3 < e < 0.08, f"GroupedMLP: relative error {e}"
+
+    N, E, hidden = 50, 4, 64
+    torch.manual_seed(1)
+    moe = stt.MoELayer(E, hidden, 32, 2, params_dtype=torch.bfloat16)
+    torch.manual_seed(1)
+    moe8 = stt.MoELayer(E, hidden, 32, 2, params_dtype=torch.bfloat16)
+    xs = torch.randn(N, hidden).to(torch.bfloat16)
+    logits = torch.randn(N, E)
+    with fp8_autocast():
+        out8 = moe8(xs, logits).out
+    out = moe(xs, logits).out
+    e = _rel(out8, out)
+    assert 1e-3 < e < 0.08, f"MoELayer: relative error {e}"
+
+
+def test_the_recipe_refuses_by_name():
+    x, _ = _data()
+    with pytest.raises(ValueError, match="bias: expected none with fp8"):
+        stt.GroupedLinear(len(SPLITS), IN, OUT, bias=True, params_dtype=torch.bfloat16, fp8=True)(x, SPLITS)
+    with pytest.raises(ValueError, match="in_features: expected a multiple of 16 with fp8, got 24"):
+        stt.GroupedLinear(2, 24, 16, bias=False, params_dtype=torch.bfloat16, fp8=True)(
+            torch.zeros(4, 24, dtype=torch.bfloat16), [2, 2])
+    with pytest.raises(ValueError, match="dtype: expected bf16 with fp8"):
+        stt.GroupedLinear(2, 16, 16, bias=False, params_dtype=torch.float16, fp8=True)(
+            torch.zeros(4, 16, dtype=torch.float16), [2, 2])
