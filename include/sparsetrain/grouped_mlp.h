@@ -31,6 +31,7 @@ struct GroupedMLPOptions {
   bool overwrite_main_grad = false;
   bool delay_wgrad_compute = false;
   bool check_device_splits = false;
+  Fp8Recipe fp8 = Fp8Recipe::kOff;  // both layers' GEMMs (grouped_linear.h; fc1 then takes no bias)
 };
 
 // Non-owning references to the caller's parameters of both layers: fc1.weight G x [2F, in],

@@ -68,6 +68,7 @@ GroupedLinearOptions layer_options(const GroupedMLPOptions& o, int64_t in, int64
   l.overwrite_main_grad = o.overwrite_main_grad;
   l.delay_wgrad_compute = o.delay_wgrad_compute;
   l.check_device_splits = o.check_device_splits;
+  l.fp8 = o.fp8;
   return l;
 }
 
