@@ -22,6 +22,7 @@ namespace sparsetrain {
 
 namespace ops {
 struct Fp8Layer;
+struct Fp8WeightCache;
 }  // namespace ops
 
 // One parameter of G groups: G views of the per-group shape, or one packed view [G, ...].
@@ -79,6 +80,12 @@ struct CallArgs {
   // a new zero tensor from the allocator on each call. A binding whose outputs are owned by a
   // memory pool the layer must not keep memory of (torch's CUDA graph trees) asks for new ones.
   bool cache_dummy_wgrad = true;
+  // FP8 (options.fp8): the parameters' version as the caller counts it (torch: their version
+  // counters). A call whose non-zero version equals the one the layer's quantized weights were
+  // made at reuses them (fprop and dgrad of a step, micro-batches between optimizer steps); 0
+  // quantizes anew and drops what the layer kept (what a captured graph must do: its replays
+  // follow weights updated behind any counter, and the memory of a capture belongs to its pool).
+  uint64_t weight_version = 0;
 };
 
 // Per-group stride (elements) of the packed weight-grad buffer: out*in rounded up so that each
@@ -158,8 +165,8 @@ class GroupedLinear {
   // wgrad and bias grad with the group offsets already in the workspace.
   GroupedLinearGrads compute_wgrad(const TensorView& x, const TensorView& dy, const int64_t* offsets,
                                    void* scratch, Stream stream);
-  // What the FP8 GEMMs read of the layer (ops/grouped_linear_fp8.h).
-  ops::Fp8Layer fp8_layer() const;
+  // What the FP8 GEMMs read of the layer (ops/grouped_linear_fp8.h), at a call's weight version.
+  ops::Fp8Layer fp8_layer(uint64_t weight_version);
   // A zero tensor of the weight's shape: the cached one, or a new one (CallArgs::cache_dummy_wgrad).
   Tensor dummy_wgrad(bool cached, Stream stream);
 
@@ -168,6 +175,7 @@ class GroupedLinear {
   Allocator* allocator_;
   std::deque<Pending> pending_;
   Tensor dummy_;  // cached zero tensor of the weight's shape and dtype; never aliases main_grad
+  std::shared_ptr<ops::Fp8WeightCache> fp8_weights_;  // FP8: the quantized weights of the last version
 };
 
 }  // namespace sparsetrain

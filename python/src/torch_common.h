@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 
 #ifdef SPARSETRAIN_TORCH_CUDA
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 

@@ -100,13 +100,15 @@ inline st::Splits splits_of(const at::Tensor& splits, const OptTensor& status) {
 
 // The call's stream and, for a backward that may queue a delayed wgrad, the tensors the queue
 // entry refers to (held by the C++ layer's queue until backward_dw pops it). cache_dummy_wgrad:
-// st::CallArgs' (a backward operator's `cached_dummy`).
+// st::CallArgs' (a backward operator's `cached_dummy`); weight_version: st::CallArgs' (the
+// module layer's weight_version()).
 inline st::CallArgs call_args(const at::Tensor& on, std::vector<at::Tensor> keep = {},
-                              bool cache_dummy_wgrad = true) {
+                              bool cache_dummy_wgrad = true, uint64_t weight_version = 0) {
   st::CallArgs a;
   a.stream = stream_of(on);
   if (!keep.empty()) a.keep_alive = std::make_shared<const std::vector<at::Tensor>>(std::move(keep));
   a.cache_dummy_wgrad = cache_dummy_wgrad;
+  a.weight_version = weight_version;
   return a;
 }
 
@@ -282,11 +284,36 @@ class ModuleLayer : public RegisteredLayer {
     return std::tuple_cat(layer_grads(fc1.weight, fc1.bias_grad, like), layer_grads(fc2.weight, fc2.bias_grad, like));
   }
 
+  // st::CallArgs::weight_version of a call over `params`: a number that changes exactly when a
+  // parameter's storage or version counter does (an optimizer's in-place step bumps it), so that
+  // FP8 weights are quantized once a version; 0, nothing reused or kept, while the stream is being
+  // captured (a graph's replays must quantize the weights they find) or for inference tensors (no
+  // version counter). The caller holds mutex_.
+  uint64_t weight_version(at::TensorList params) {
+    std::vector<std::pair<const void*, int64_t>> now;
+    for (const at::Tensor& p : params) {
+      if (p.is_inference()) return 0;
+      now.emplace_back(p.data_ptr(), int64_t(p._version()));
+    }
+#ifdef SPARSETRAIN_TORCH_CUDA
+    if (!params.empty() && params[0].is_cuda() &&
+        c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None)
+      return 0;
+#endif
+    if (now != versions_seen_) {
+      versions_seen_ = std::move(now);
+      ++weight_version_;
+    }
+    return weight_version_;
+  }
+
   // The device the layer computes on (its first parameter's), for calls without activations.
   const at::Tensor& first_param() const { return held_.at(0); }
 
   std::mutex mutex_;
   TorchAllocator alloc_;  // declared before layer_: the layer's cached tensors are returned to it
+  std::vector<std::pair<const void*, int64_t>> versions_seen_;  // weight_version()'s last parameters
+  uint64_t weight_version_ = 0;
 
  private:
   void hold(at::TensorList params, at::TensorList main_grads, int64_t flags) {

@@ -131,7 +131,10 @@ void GroupedLinear::set_main_grad(const GroupedParam& main_grad) {
 
 Device GroupedLinear::device() const { return params_.weight.views()[0].device(); }
 
-ops::Fp8Layer GroupedLinear::fp8_layer() const { return {options_, params_.weight, *allocator_, device()}; }
+ops::Fp8Layer GroupedLinear::fp8_layer(uint64_t weight_version) {
+  if (!fp8_weights_) fp8_weights_ = std::make_shared<ops::Fp8WeightCache>();
+  return {options_, params_.weight, *allocator_, device(), *fp8_weights_, weight_version};
+}
 
 size_t GroupedLinear::workspace_size(int64_t T) const {
   return plan_workspace(options_, T, backend_for(device(), "weight"), device()).total;
@@ -158,7 +161,7 @@ Tensor GroupedLinear::forward(const TensorView& x, const Splits& splits, const T
   const bool zero_tail = !out.defined() && ops::has_tail_rows(S, T);
   if (o.fp8 != Fp8Recipe::kOff) {  // its kernels read the offsets from the device: none folded
     ops::prepare_offsets(splits, T, ws.offsets, ws.status, be, dev, args.stream);
-    ops::fp8_fprop(fp8_layer(), x, ws.offsets, y.view(), zero_tail, ws.scratch, args.stream);
+    ops::fp8_fprop(fp8_layer(args.weight_version), x, ws.offsets, y.view(), zero_tail, ws.scratch, args.stream);
     return y;
   }
   std::vector<int64_t> host_offsets;
@@ -216,7 +219,7 @@ GroupedLinearGrads GroupedLinear::compute_wgrad(const TensorView& x, const Tenso
     grads.bias_grad = Tensor::empty(o.dtype, {G, o.out_features}, device(), *allocator_, stream);
     for (int64_t g = 0; g < G; ++g) p.db.push_back(grads.bias_grad.view().select(g));
   }
-  if (o.fp8 != Fp8Recipe::kOff) ops::fp8_wgrad(fp8_layer(), x, dy, offsets, p.target, p.dw, scratch, stream);
+  if (o.fp8 != Fp8Recipe::kOff) ops::fp8_wgrad(fp8_layer(0), x, dy, offsets, p.target, p.dw, scratch, stream);
   else be.wgrad(p, scratch, stream);
   return grads;
 }
@@ -247,7 +250,8 @@ GroupedLinearGrads GroupedLinear::backward(const TensorView& x, const TensorView
   const bool zero_tail = !grad_input.defined() && ops::has_tail_rows(S, T);
   if (o.fp8 != Fp8Recipe::kOff) {  // its kernels read the offsets from the device: none folded
     ops::prepare_offsets(splits, T, ws.offsets, ws.status, be, dev, args.stream);
-    ops::fp8_dgrad(fp8_layer(), dy, ws.offsets, grads.grad_input.view(), zero_tail, ws.scratch, args.stream);
+    ops::fp8_dgrad(fp8_layer(args.weight_version), dy, ws.offsets, grads.grad_input.view(), zero_tail, ws.scratch,
+                   args.stream);
   } else {
     std::vector<int64_t> host_offsets;  // dgrad's first kernel writes them; wgrad's then read them
     const int64_t* fold =

@@ -9,18 +9,19 @@
 #include "sparsetrain/error.h"
 
 namespace sparsetrain::ops {
-namespace {
-
-backend::Fp8BlockwiseBackend& fp8_backend(Device device) {
-  return pick_backend(device, "x", backend::fp8_blockwise_reference_backend,
-                      ST_CUDA_BACKEND(backend::fp8_blockwise_cuda_backend));
-}
 
 // A quantized operand that owns its codes and scales.
 struct Quantized {
   Tensor data, scale;
   backend::Fp8Tensor view() const { return {data.view(), scale.view()}; }
 };
+
+namespace {
+
+backend::Fp8BlockwiseBackend& fp8_backend(Device device) {
+  return pick_backend(device, "x", backend::fp8_blockwise_reference_backend,
+                      ST_CUDA_BACKEND(backend::fp8_blockwise_cuda_backend));
+}
 
 Quantized quantized(const Fp8Layer& l, std::initializer_list<int64_t> data_shape, int64_t scales, Stream stream) {
   return {Tensor::empty(DType::kUInt8, data_shape, l.device, l.alloc, stream),
@@ -43,6 +44,8 @@ Quantized columnwise(const Fp8Layer& l, const TensorView& src, const int64_t* of
   return q;
 }
 
+}  // namespace
+
 // Every expert's weight and its transposed copy, packed ([G, out, in] and [G, in, out] codes,
 // [G, blocks] grids): four allocations whatever G.
 struct QuantizedWeights {
@@ -61,15 +64,22 @@ struct QuantizedWeights {
   }
 };
 
-QuantizedWeights weights(const Fp8Layer& l, Stream stream) {
+namespace {
+
+// The weights at the call's version: the cached ones when the version matches, else quantized now
+// (and cached when the version is not 0).
+std::shared_ptr<const QuantizedWeights> weights(const Fp8Layer& l, Stream stream) {
+  if (l.version != 0 && l.cache.version == l.version && l.cache.weights) return l.cache.weights;
   const GroupedLinearOptions& o = l.options;
   const int64_t G = o.num_groups, out = o.out_features, in = o.in_features, blocks = fp8_block_scale_count(out, in);
-  QuantizedWeights q{quantized(l, {G, out, in}, G * blocks, stream), quantized(l, {G, in, out}, G * blocks, stream)};
+  auto q = std::make_shared<QuantizedWeights>(
+      QuantizedWeights{quantized(l, {G, out, in}, G * blocks, stream), quantized(l, {G, in, out}, G * blocks, stream)});
   backend::Fp8WeightQuantizeParams p;
   p.w = group_views(l.weight, G);
-  p.wq = q.per_group(false, o);
-  p.wtq = q.per_group(true, o);
+  p.wq = q->per_group(false, o);
+  p.wtq = q->per_group(true, o);
   fp8_backend(l.device).quantize_weights(p, stream);
+  l.cache = l.version != 0 ? Fp8WeightCache{l.version, q} : Fp8WeightCache{};
   return q;
 }
 
@@ -97,17 +107,17 @@ size_t fp8_scratch_bytes(const GroupedLinearOptions& o, int64_t T, Device device
 void fp8_fprop(const Fp8Layer& l, const TensorView& x, const int64_t* offsets, const TensorView& y, bool zero_tail,
                void* scratch, Stream stream) {
   const Quantized xq = rowwise(l, x, offsets, stream);
-  const QuantizedWeights w = weights(l, stream);
-  fp8_backend(l.device).fprop({problem(l, x.size(0), offsets), xq.view(), w.per_group(false, l.options), y, zero_tail},
+  const auto w = weights(l, stream);
+  fp8_backend(l.device).fprop({problem(l, x.size(0), offsets), xq.view(), w->per_group(false, l.options), y, zero_tail},
                               scratch, stream);
 }
 
 void fp8_dgrad(const Fp8Layer& l, const TensorView& dy, const int64_t* offsets, const TensorView& dx,
                bool zero_tail, void* scratch, Stream stream) {
   const Quantized dyq = rowwise(l, dy, offsets, stream);
-  const QuantizedWeights w = weights(l, stream);
+  const auto w = weights(l, stream);
   fp8_backend(l.device).dgrad(
-      {problem(l, dy.size(0), offsets), dyq.view(), w.per_group(true, l.options), dx, zero_tail}, scratch, stream);
+      {problem(l, dy.size(0), offsets), dyq.view(), w->per_group(true, l.options), dx, zero_tail}, scratch, stream);
 }
 
 void fp8_wgrad(const Fp8Layer& l, const TensorView& x, const TensorView& dy, const int64_t* offsets,

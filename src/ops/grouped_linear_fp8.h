@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "ops/fp8_blockwise_backend.h"
@@ -13,12 +14,22 @@
 
 namespace sparsetrain::ops {
 
+struct QuantizedWeights;
+
+// The weights quantized at one version (CallArgs::weight_version), both copies.
+struct Fp8WeightCache {
+  uint64_t version = 0;
+  std::shared_ptr<const QuantizedWeights> weights;
+};
+
 // What the FP8 GEMMs read of the layer.
 struct Fp8Layer {
   const GroupedLinearOptions& options;
   const GroupedParam& weight;
   Allocator& alloc;
   Device device;
+  Fp8WeightCache& cache;
+  uint64_t version;  // the call's CallArgs::weight_version
 };
 
 // The recipe's conditions on the layer, checked by the constructor: an Error naming the option.

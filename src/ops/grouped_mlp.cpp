@@ -105,12 +105,17 @@ struct WorkspacePlan {
 };
 
 struct CallWorkspace {
-  CallWorkspace(const WorkspacePlan& plan, const Workspace& given, Device device, Allocator& alloc, Stream stream)
-      : memory(plan.total, given, device, alloc, stream),
+  // layer_args: the call's own but its workspace (the layers' region) and keep_alive (the MLP
+  // keeps its delayed wgrads' tensors itself).
+  CallWorkspace(const WorkspacePlan& plan, const CallArgs& args, Device device, Allocator& alloc)
+      : memory(plan.total, args.workspace, device, alloc, args.stream),
         offsets(reinterpret_cast<int64_t*>(memory.at(plan.offsets))),
         status(reinterpret_cast<int32_t*>(memory.at(plan.status))),
         scratch(memory.at(plan.scratch)),
-        layer_args{stream, {memory.at(plan.layers), plan.layer_bytes}, nullptr} {}
+        layer_args(args) {
+    layer_args.workspace = {memory.at(plan.layers), plan.layer_bytes};
+    layer_args.keep_alive = nullptr;
+  }
   ops::WorkspaceMemory memory;
   int64_t* offsets;
   int32_t* status;
@@ -166,7 +171,7 @@ GroupedMLPForward GroupedMLP::forward(const TensorView& x, const Splits& splits,
   ops::check_workspace(plan.total, args.workspace);
 
   // Everything is valid: from here on outputs may be written.
-  CallWorkspace ws(plan, args.workspace, dev, *allocator_, args.stream);
+  CallWorkspace ws(plan, args, dev, *allocator_);
   ops::prepare_offsets(splits, T, ws.offsets, ws.status, gemm, dev, args.stream);
   const backend::MLPRows rows{o.dtype, o.num_groups, T, ws.offsets};
   GroupedMLPForward result;
@@ -220,8 +225,7 @@ GroupedMLPGrads GroupedMLP::backward(const TensorView& x, const TensorView& fc1_
           .bias_grad_now;
 
   // Everything is valid: from here on outputs may be written.
-  CallWorkspace ws(plan, args.workspace, dev, *allocator_, args.stream);
-  ws.layer_args.cache_dummy_wgrad = args.cache_dummy_wgrad;
+  CallWorkspace ws(plan, args, dev, *allocator_);
   ops::prepare_offsets(splits, T, ws.offsets, ws.status, gemm, dev, args.stream);
   const backend::MLPRows rows{o.dtype, o.num_groups, T, ws.offsets};
   GroupedMLPGrads grads;
@@ -267,8 +271,7 @@ GroupedMLPGrads GroupedMLP::backward_dw(const CallArgs& args) {
   const WorkspacePlan plan = plan_workspace(o, T, be, fc1_, fc2_);
   ops::check_workspace(plan.total, args.workspace);
 
-  CallWorkspace ws(plan, args.workspace, dev, *allocator_, args.stream);
-  ws.layer_args.cache_dummy_wgrad = args.cache_dummy_wgrad;
+  CallWorkspace ws(plan, args, dev, *allocator_);
   GroupedMLPGrads grads;
   GroupedLinearGrads g2 = fc2_.backward_dw(ws.layer_args);
   grads.fc2.weight = std::move(g2.weight);

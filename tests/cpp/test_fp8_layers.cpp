@@ -170,6 +170,29 @@ TEST(GroupedLinearFp8, MainGradFusionAndDelayedWgrad) {
   EXPECT_TRUE(c.main_grad.bytes_equal(eager)) << "delayed FP8 wgrad equals the eager one bitwise";
 }
 
+// Weights are quantized once a version (CallArgs::weight_version): a call at the version of the
+// last quantization reuses it (so a change behind the counter is not seen: what the counter is
+// for), another version quantizes anew, and 0 quantizes anew and drops what the layer kept.
+TEST(GroupedLinearFp8, WeightsAreQuantizedOnceAVersion) {
+  GroupedLinearCase c = fp8_case({20, 12}, 32, 32, 48, 9);
+  const st::Splits sp = st::Splits::host(c.splits);
+  st::GroupedLinear layer(fp8_options(c), c.params());
+  auto run = [&](uint64_t version) {
+    st::CallArgs a;
+    a.weight_version = version;
+    return HostTensor::copy_of(layer.forward(c.x.view(), sp, {}, a).view());
+  };
+  const HostTensor y1 = run(7);
+  for (int64_t i = 0; i < c.w.numel(); ++i) c.w.set(i, 2 * c.w.get(i));  // in place, behind the counter
+  EXPECT_TRUE(run(7).bytes_equal(y1)) << "version 7 again: the cached weights";
+  const HostTensor y2 = run(8);
+  EXPECT_FALSE(y2.bytes_equal(y1)) << "a new version: quantized anew";
+  EXPECT_TRUE(run(0).bytes_equal(y2)) << "version 0: quantized anew (the same weights)";
+  for (int64_t i = 0; i < c.w.numel(); ++i) c.w.set(i, 0.5 * c.w.get(i));
+  EXPECT_TRUE(run(0).bytes_equal(y1)) << "version 0 keeps nothing: the weights as they are now";
+  EXPECT_TRUE(run(8).bytes_equal(y1)) << "version 0 dropped the cache: version 8 quantizes the weights as they are";
+}
+
 TEST(GroupedLinearFp8, RefusesWhatTheRecipeCannotRun) {
   using st::testing::expect_error;
   GroupedLinearCase c = fp8_case({4, 4}, 8, 32, 32);

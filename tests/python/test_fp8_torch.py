@@ -80,6 +80,25 @@ def test_a_delayed_wgrad_follows_its_forward_after_the_autocast_ends():
     assert torch.equal(m.weight0.grad, eager[2][0])
 
 
+def test_an_in_place_weight_update_is_seen_by_the_next_forward():
+    """The quantized weights are kept per parameter version: an optimizer's in-place step bumps it,
+    so the next forward quantizes the new weights (as a fresh module with them computes)."""
+    x, _ = _data(4)
+    m = _linear(fp8=True)
+    y1 = m(x, SPLITS)
+    assert torch.equal(m(x, SPLITS), y1), "the same version: the same result"
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(0.5)
+    fresh = _linear(fp8=True)
+    with torch.no_grad():
+        for p, q in zip(fresh.parameters(), m.parameters()):
+            p.copy_(q)
+    y2 = m(x, SPLITS)
+    assert not torch.equal(y2, y1)
+    assert torch.equal(y2, fresh(x, SPLITS))
+
+
 def test_mlp_and_moe_layer_take_the_recipe():
     torch.manual_seed(0)
     mlp8 = stt.GroupedMLP(len(SPLITS), IN, 32, OUT, params_dtype=torch.bfloat16, fp8=True)
