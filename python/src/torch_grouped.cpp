@@ -295,6 +295,7 @@ class GroupedLinearBackward final : public GroupedBackward {
     const OptTensor status = s[2].defined() ? OptTensor(s[2]) : std::nullopt;
     const at::Tensor dy = dy_of(grads[0], x, Registry::get().find<TorchGroupedLinear>(layer_)->out_features());
     at::Tensor dx, dw, db;
+    const EagerCall scope(eager(s));
     if (grad_input_.has_value()) {
       std::tie(dw, db) =
           linear_backward_into_op().call(layer_, x, dy, splits, params, main_grads, flags_, *grad_input_, status,
@@ -326,6 +327,7 @@ class GroupedMLPBackward final : public GroupedBackward {
     const OptTensor status = s[4].defined() ? OptTensor(s[4]) : std::nullopt;
     const at::Tensor dy = dy_of(grads[0], x, Registry::get().find<TorchGroupedMLP>(layer_)->out_features());
     const bool last = last_use(s), cached = eager(s);
+    const EagerCall scope(cached);
     at::Tensor dx, dprobs, dw1, db1, dw2, db2;
     if (grad_input_.has_value()) {
       std::tie(dprobs, dw1, db1, dw2, db2) = mlp_backward_into_op().call(
@@ -449,18 +451,22 @@ void register_entries(pybind11::module_& m) {
   using O = const OptTensor&;
   m.def("grouped_linear_forward", [](int64_t layer, T x, T splits, Tensors params, Tensors main_grads, int64_t flags,
                                      O status, O grad_input) {
+    const EagerCall eager;
     return linear_forward_op().call(layer, x, splits, params, main_grads, flags, status, grad_input);
   });
   m.def("grouped_linear_forward_into", [](int64_t layer, T x, T splits, Tensors params, Tensors main_grads,
                                           int64_t flags, T out, O status, O grad_input) {
+    const EagerCall eager;
     linear_forward_into_op().call(layer, x, splits, params, main_grads, flags, out, status, grad_input);
   });
   m.def("grouped_mlp_forward", [](int64_t layer, T x, T splits, T probs, Tensors params, Tensors main_grads,
                                   int64_t flags, O status, O grad_input) {
+    const EagerCall eager;
     return mlp_forward_op().call(layer, x, splits, probs, params, main_grads, flags, status, grad_input);
   });
   m.def("grouped_mlp_forward_into", [](int64_t layer, T x, T splits, T probs, Tensors params, Tensors main_grads,
                                        int64_t flags, T out, O status, O grad_input) {
+    const EagerCall eager;
     return mlp_forward_into_op().call(layer, x, splits, probs, params, main_grads, flags, out, status, grad_input);
   });
 }

@@ -112,6 +112,26 @@ inline st::CallArgs call_args(const at::Tensor& on, std::vector<at::Tensor> keep
   return a;
 }
 
+// Whether the operator call running on this thread comes from eager code: a module's C++ entry, or
+// an eager autograd node (GroupedBackward::eager). Only such a call may leave the layer holding
+// memory it made (FP8 weights quantized for later calls): a graph's calls (torch.compile, CUDA
+// graph trees, whose warm-up runs in the graph's pool) must own all they allocate.
+inline bool& eager_call() {
+  thread_local bool on = false;
+  return on;
+}
+// Marks the calls made in its scope as eager (or not), restoring the outer mark on exit.
+class EagerCall {
+ public:
+  explicit EagerCall(bool on = true) : outer_(eager_call()) { eager_call() = on; }
+  ~EagerCall() { eager_call() = outer_; }
+  EagerCall(const EagerCall&) = delete;
+  EagerCall& operator=(const EagerCall&) = delete;
+
+ private:
+  bool outer_;
+};
+
 // --- the layers and their registry -------------------------------------------------------------
 
 class RegisteredLayer;
@@ -286,10 +306,11 @@ class ModuleLayer : public RegisteredLayer {
 
   // st::CallArgs::weight_version of a call over `params`: a number that changes exactly when a
   // parameter's storage or version counter does (an optimizer's in-place step bumps it), so that
-  // FP8 weights are quantized once a version; 0, nothing reused or kept, while the stream is being
-  // captured (a graph's replays must quantize the weights they find) or for inference tensors (no
-  // version counter). The caller holds mutex_.
+  // FP8 weights are quantized once a version; 0, nothing reused or kept, for a call that is not
+  // eager (eager_call), while the stream is being captured (a graph's replays must quantize the
+  // weights they find) or for inference tensors (no version counter). The caller holds mutex_.
   uint64_t weight_version(at::TensorList params) {
+    if (!eager_call()) return 0;
     std::vector<std::pair<const void*, int64_t>> now;
     for (const at::Tensor& p : params) {
       if (p.is_inference()) return 0;

@@ -297,6 +297,7 @@ class MoELayerBackward final : public st::torch_ops::GroupedBackward {
     const at::Tensor dout =
         dy_of(grads[0], x, st::torch_ops::Registry::get().find<TorchMoELayer>(layer_)->hidden());
     const OptTensor dscore_sum = grads[1].defined() ? OptTensor(grads[1].contiguous()) : std::nullopt;
+    const st::torch_ops::EagerCall scope(eager(s));
     const auto [dx, dlogits, dw1, db1, dw2, db2] = moe_layer_backward_op().call(
         layer_, x, logits, s[2], s[3], s[4], s[5], s[6], s[7], s[8], dout, dscore_sum, params, main_grads, flags_,
         eager(s));
@@ -335,6 +336,7 @@ void st::torch_ops::register_moe_layer(pybind11::module_& m) {
   m.def("moe_layer_forward", [](int64_t layer, const at::Tensor& x, const at::Tensor& logits,
                                 const OptTensor& expert_bias, const std::vector<at::Tensor>& params,
                                 const std::vector<at::Tensor>& main_grads, int64_t flags) {
+    const st::torch_ops::EagerCall eager;
     return moe_layer_forward_op().call(layer, x, logits, expert_bias, params, main_grads, flags);
   });
 }

@@ -99,6 +99,31 @@ def test_an_in_place_weight_update_is_seen_by_the_next_forward():
     assert torch.equal(y2, fresh(x, SPLITS))
 
 
+def test_eager_calls_reuse_the_quantized_weights_within_a_version():
+    """A change made behind the version counter (through .data) is not seen until the counter
+    moves: the weights quantized at a version are reused by the eager calls at that version."""
+    x, _ = _data(5)
+    m = _linear(fp8=True)
+    y1 = m(x, SPLITS)
+    m.weight0.data.mul_(0.5)  # .data: the parameter's version counter does not move
+    assert torch.equal(m(x, SPLITS), y1), "the weights quantized at this version, reused"
+    with torch.no_grad():
+        m.weight0.add_(0.0)  # an in-place op moves it
+    assert not torch.equal(m(x, SPLITS)[:40], y1[:40]), "expert 0's weights, quantized anew"
+
+
+def test_a_compiled_graph_quantizes_the_weights_at_every_call():
+    """torch.compile's calls keep nothing in the layer (a graph owns what it allocates; CUDA graph
+    trees replay it): every call quantizes the weights it finds, .data changes included."""
+    x, _ = _data(6)
+    m = _linear(fp8=True)
+    cm = torch.compile(m, fullgraph=True)
+    y1 = cm(x, SPLITS)
+    assert torch.equal(y1, m(x, SPLITS))
+    m.weight0.data.mul_(0.5)
+    assert not torch.equal(cm(x, SPLITS)[:40], y1[:40])
+
+
 def test_mlp_and_moe_layer_take_the_recipe():
     torch.manual_seed(0)
     mlp8 = stt.GroupedMLP(len(SPLITS), IN, 32, OUT, params_dtype=torch.bfloat16, fp8=True)
