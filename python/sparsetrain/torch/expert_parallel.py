@@ -324,7 +324,7 @@ class ExpertParallelMoELayer(nn.Module):
                  device: Union[torch.device, str, None] = None, glu_interleave_size: int = 0,
                  single_grouped_weight: bool = False, fuse_wgrad_accumulation: bool = False,
                  delay_wgrad_compute: bool = False, exchange: str = "nccl",
-                 max_tokens_per_rank: Optional[int] = None):
+                 max_tokens_per_rank: Optional[int] = None, fp8: Optional[bool] = None):
         super().__init__()
         if exchange not in EXCHANGES:
             raise ValueError(f"exchange: expected one of {', '.join(EXCHANGES)}, got {exchange!r}")
@@ -349,7 +349,7 @@ class ExpertParallelMoELayer(nn.Module):
                                   params_dtype=params_dtype, device=device, glu_interleave_size=glu_interleave_size,
                                   single_grouped_weight=single_grouped_weight,
                                   fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-                                  delay_wgrad_compute=delay_wgrad_compute)
+                                  delay_wgrad_compute=delay_wgrad_compute, fp8=fp8)
         self.exchange, self.max_tokens_per_rank = exchange, max_tokens_per_rank
         self._symmetric: Optional[_SymmetricBuffers] = None
         if exchange == "symmetric_memory":
