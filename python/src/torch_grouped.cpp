@@ -75,14 +75,13 @@ class TorchGroupedLinear final : public ModuleLayer<st::GroupedLinear> {
   std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const at::Tensor& x, const at::Tensor& dy,
                                                           const at::Tensor& splits, const OptTensor& status,
                                                           const OptTensor& grad_input, at::TensorList params,
-                                                          at::TensorList main_grads, int64_t flags,
-                                                          bool cached_dummy) {
+                                                          at::TensorList main_grads, int64_t flags) {
     return translated([&] {
       const std::lock_guard<std::mutex> lock(mutex_);
       st::GroupedLinear& l = bound(params, main_grads, flags);
       const st::GroupedLinearGrads g =
           l.backward(view_of(x, "x"), view_of(dy, "dy"), splits_of(splits, status), view_of(grad_input, "grad_input"),
-                     call_args(x, {x, dy, splits, status.value_or(at::Tensor())}, cached_dummy,
+                     call_args(x, {x, dy, splits, status.value_or(at::Tensor())}, eager_call(),
                                weight_version(params)));
       auto [dw, db] = layer_grads(g.weight, g.bias_grad, x);
       return std::make_tuple(alloc_.take(g.grad_input, grad_input), dw, db);
@@ -155,7 +154,7 @@ class TorchGroupedMLP final : public ModuleLayer<st::GroupedMLP> {
   std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
       const at::Tensor& x, const at::Tensor& fc1_out, const at::Tensor& probs, const at::Tensor& dy,
       const at::Tensor& splits, const OptTensor& status, const OptTensor& grad_input, bool last_use,
-      bool cached_dummy, at::TensorList params, at::TensorList main_grads, int64_t flags) {
+      at::TensorList params, at::TensorList main_grads, int64_t flags) {
     return translated([&] {
       const std::lock_guard<std::mutex> lock(mutex_);
       st::GroupedMLP& m = bound(params, main_grads, flags);
@@ -164,7 +163,7 @@ class TorchGroupedMLP final : public ModuleLayer<st::GroupedMLP> {
       const st::GroupedMLPGrads g = m.backward(
           view_of(x, "x"), view_of(fc1_out, "fc1_out"), view_of(probs, "probs"), view_of(dy, "dy"),
           splits_of(splits, status), view_of(grad_input, "grad_input"),
-          call_args(x, std::move(keep), cached_dummy, weight_version(params)),
+          call_args(x, std::move(keep), eager_call(), weight_version(params)),
           last_use ? st::Fc1OutUse::kReuse : st::Fc1OutUse::kKeep);
       return std::tuple_cat(std::make_tuple(alloc_.take(g.grad_input, grad_input), alloc_.take(g.dprobs)),
                             mlp_grads(g.fc1, g.fc2, x));
@@ -212,19 +211,17 @@ void linear_forward_into(int64_t layer, const at::Tensor& x, const at::Tensor& s
 std::tuple<at::Tensor, at::Tensor, at::Tensor> linear_backward(int64_t layer, const at::Tensor& x,
                                                                const at::Tensor& dy, const at::Tensor& splits,
                                                                at::TensorList params, at::TensorList main_grads,
-                                                               int64_t flags, const OptTensor& status,
-                                                               bool cached_dummy) {
+                                                               int64_t flags, const OptTensor& status) {
   return Registry::get().find<TorchGroupedLinear>(layer)->backward(x, dy, splits, status, std::nullopt, params,
-                                                                   main_grads, flags, cached_dummy);
+                                                                   main_grads, flags);
 }
 
 std::tuple<at::Tensor, at::Tensor> linear_backward_into(int64_t layer, const at::Tensor& x, const at::Tensor& dy,
                                                         const at::Tensor& splits, at::TensorList params,
                                                         at::TensorList main_grads, int64_t flags,
-                                                        const at::Tensor& grad_input, const OptTensor& status,
-                                                        bool cached_dummy) {
+                                                        const at::Tensor& grad_input, const OptTensor& status) {
   auto [dx, dw, db] = Registry::get().find<TorchGroupedLinear>(layer)->backward(
-      x, dy, splits, status, grad_input, params, main_grads, flags, cached_dummy);
+      x, dy, splits, status, grad_input, params, main_grads, flags);
   return {dw, db};
 }
 
@@ -247,18 +244,17 @@ using MLPGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::
 
 MLPGrads mlp_backward(int64_t layer, const at::Tensor& x, const at::Tensor& fc1_out, const at::Tensor& probs,
                       const at::Tensor& dy, const at::Tensor& splits, at::TensorList params,
-                      at::TensorList main_grads, int64_t flags, const OptTensor& status, bool last_use,
-                      bool cached_dummy) {
+                      at::TensorList main_grads, int64_t flags, const OptTensor& status, bool last_use) {
   return Registry::get().find<TorchGroupedMLP>(layer)->backward(x, fc1_out, probs, dy, splits, status, std::nullopt,
-                                                                last_use, cached_dummy, params, main_grads, flags);
+                                                                last_use, params, main_grads, flags);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> mlp_backward_into(
     int64_t layer, const at::Tensor& x, const at::Tensor& fc1_out, const at::Tensor& probs, const at::Tensor& dy,
     const at::Tensor& splits, at::TensorList params, at::TensorList main_grads, int64_t flags,
-    const at::Tensor& grad_input, const OptTensor& status, bool last_use, bool cached_dummy) {
+    const at::Tensor& grad_input, const OptTensor& status, bool last_use) {
   auto [dx, dprobs, dw1, db1, dw2, db2] = Registry::get().find<TorchGroupedMLP>(layer)->backward(
-      x, fc1_out, probs, dy, splits, status, grad_input, last_use, cached_dummy, params, main_grads, flags);
+      x, fc1_out, probs, dy, splits, status, grad_input, last_use, params, main_grads, flags);
   return {dprobs, dw1, db1, dw2, db2};
 }
 
@@ -298,11 +294,10 @@ class GroupedLinearBackward final : public GroupedBackward {
     const EagerCall scope(eager(s));
     if (grad_input_.has_value()) {
       std::tie(dw, db) =
-          linear_backward_into_op().call(layer_, x, dy, splits, params, main_grads, flags_, *grad_input_, status,
-                                         eager(s));
+          linear_backward_into_op().call(layer_, x, dy, splits, params, main_grads, flags_, *grad_input_, status);
     } else {
       std::tie(dx, dw, db) =
-          linear_backward_op().call(layer_, x, dy, splits, params, main_grads, flags_, status, eager(s));
+          linear_backward_op().call(layer_, x, dy, splits, params, main_grads, flags_, status);
     }
     variable_list out;
     if (out_edge_) out.emplace_back();
@@ -326,16 +321,15 @@ class GroupedMLPBackward final : public GroupedBackward {
     const at::Tensor &x = s[0], &fc1_out = s[1], &probs = s[2], &splits = s[3];
     const OptTensor status = s[4].defined() ? OptTensor(s[4]) : std::nullopt;
     const at::Tensor dy = dy_of(grads[0], x, Registry::get().find<TorchGroupedMLP>(layer_)->out_features());
-    const bool last = last_use(s), cached = eager(s);
-    const EagerCall scope(cached);
+    const bool last = last_use(s);
+    const EagerCall scope(eager(s));
     at::Tensor dx, dprobs, dw1, db1, dw2, db2;
     if (grad_input_.has_value()) {
       std::tie(dprobs, dw1, db1, dw2, db2) = mlp_backward_into_op().call(
-          layer_, x, fc1_out, probs, dy, splits, params, main_grads, flags_, *grad_input_, status, last, cached);
+          layer_, x, fc1_out, probs, dy, splits, params, main_grads, flags_, *grad_input_, status, last);
     } else {
       std::tie(dx, dprobs, dw1, db1, dw2, db2) =
-          mlp_backward_op().call(layer_, x, fc1_out, probs, dy, splits, params, main_grads, flags_, status, last,
-                                 cached);
+          mlp_backward_op().call(layer_, x, fc1_out, probs, dy, splits, params, main_grads, flags_, status, last);
     }
     variable_list out;
     if (out_edge_) out.emplace_back();
@@ -494,11 +488,9 @@ TORCH_LIBRARY_FRAGMENT(sparsetrain, m) {
   m.def("grouped_linear_forward_into(int layer_id, Tensor x, Tensor splits, Tensor[] params, Tensor[] main_grads, "
         "int flags, Tensor(a!) out, Tensor? status=None, Tensor? grad_input=None) -> ()");
   m.def("grouped_linear_backward(int layer_id, Tensor x, Tensor dy, Tensor splits, Tensor[] params, "
-        "Tensor(a!)[] main_grads, int flags, Tensor? status=None, bool cached_dummy=False) "
-        "-> (Tensor, Tensor, Tensor)");
+        "Tensor(a!)[] main_grads, int flags, Tensor? status=None) -> (Tensor, Tensor, Tensor)");
   m.def("grouped_linear_backward_into(int layer_id, Tensor x, Tensor dy, Tensor splits, Tensor[] params, "
-        "Tensor(a!)[] main_grads, int flags, Tensor(b!) grad_input, Tensor? status=None, "
-        "bool cached_dummy=False) -> (Tensor, Tensor)");
+        "Tensor(a!)[] main_grads, int flags, Tensor(b!) grad_input, Tensor? status=None) -> (Tensor, Tensor)");
   m.set_python_module("sparsetrain.torch.grouped_mlp");
   m.def("grouped_mlp_forward(int layer_id, Tensor x, Tensor splits, Tensor probs, Tensor[] params, "
         "Tensor[] main_grads, int flags, Tensor? status=None, Tensor? grad_input=None) -> (Tensor, Tensor)");
@@ -506,15 +498,14 @@ TORCH_LIBRARY_FRAGMENT(sparsetrain, m) {
         "Tensor[] main_grads, int flags, Tensor(a!) out, Tensor? status=None, Tensor? grad_input=None) -> Tensor");
   // last_use: the caller's promise that nothing reads fc1_out after this call (the node's, in an
   // eager backward that does not retain the graph): its gradient is then written over it.
-  // cached_dummy (the backward operators'): a dummy weight grad is the layer's cached zero tensor,
-  // handed back on every call (the eager node's choice); by default a new one, as any output.
+  // A backward operator's dummy weight grad is the layer's cached zero tensor in an eager call
+  // (EagerCall: the eager node's), a new one otherwise, as any output a graph owns.
   m.def("grouped_mlp_backward(int layer_id, Tensor x, Tensor fc1_out, Tensor probs, Tensor dy, Tensor splits, "
-        "Tensor[] params, Tensor(a!)[] main_grads, int flags, Tensor? status=None, bool last_use=False, "
-        "bool cached_dummy=False) "
+        "Tensor[] params, Tensor(a!)[] main_grads, int flags, Tensor? status=None, bool last_use=False) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("grouped_mlp_backward_into(int layer_id, Tensor x, Tensor fc1_out, Tensor probs, Tensor dy, Tensor splits, "
         "Tensor[] params, Tensor(a!)[] main_grads, int flags, Tensor(b!) grad_input, Tensor? status=None, "
-        "bool last_use=False, bool cached_dummy=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "bool last_use=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(sparsetrain, CompositeExplicitAutograd, m) {

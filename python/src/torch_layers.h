@@ -100,7 +100,7 @@ inline st::Splits splits_of(const at::Tensor& splits, const OptTensor& status) {
 
 // The call's stream and, for a backward that may queue a delayed wgrad, the tensors the queue
 // entry refers to (held by the C++ layer's queue until backward_dw pops it). cache_dummy_wgrad:
-// st::CallArgs' (a backward operator's `cached_dummy`); weight_version: st::CallArgs' (the
+// st::CallArgs' (eager_call() for a backward operator); weight_version: st::CallArgs' (the
 // module layer's weight_version()).
 inline st::CallArgs call_args(const at::Tensor& on, std::vector<at::Tensor> keep = {},
                               bool cache_dummy_wgrad = true, uint64_t weight_version = 0) {
@@ -114,8 +114,9 @@ inline st::CallArgs call_args(const at::Tensor& on, std::vector<at::Tensor> keep
 
 // Whether the operator call running on this thread comes from eager code: a module's C++ entry, or
 // an eager autograd node (GroupedBackward::eager). Only such a call may leave the layer holding
-// memory it made (FP8 weights quantized for later calls): a graph's calls (torch.compile, CUDA
-// graph trees, whose warm-up runs in the graph's pool) must own all they allocate.
+// memory it made or hand it out (the cached dummy weight grad, FP8 weights quantized for later
+// calls): a graph's calls (torch.compile, CUDA graph trees, whose warm-up runs in the graph's
+// pool and which free a replay's outputs at the next one) must own all they allocate.
 inline bool& eager_call() {
   thread_local bool on = false;
   return on;

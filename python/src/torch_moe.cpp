@@ -202,7 +202,7 @@ class TorchMoELayer final : public st::torch_ops::ModuleLayer<st::MoELayer> {
                           const at::Tensor& counts, const at::Tensor& row_of, const at::Tensor& token_of_row,
                           const at::Tensor& rows, const at::Tensor& row_probs, const at::Tensor& fc1_out,
                           const at::Tensor& dout, const OptTensor& dscore_sum, at::TensorList params,
-                          at::TensorList main_grads, int64_t flags, bool cached_dummy) {
+                          at::TensorList main_grads, int64_t flags) {
     return translated([&] {
       const c10::DeviceGuard guard(x.device());
       const std::lock_guard<std::mutex> lock(mutex_);
@@ -221,7 +221,7 @@ class TorchMoELayer final : public st::torch_ops::ModuleLayer<st::MoELayer> {
           l.backward(view_of(x, "x"), view_of(logits, "logits"), saved, view_of(dout, "dout"),
                      view_of(dscore_sum, "dscore_sum"),
                      call_args(x, {x, logits, experts, counts, row_of, token_of_row, rows, row_probs, fc1_out, dout},
-                               cached_dummy, weight_version(params)));
+                               st::torch_ops::eager_call(), weight_version(params)));
       return std::tuple_cat(std::make_tuple(alloc_.take(g.grad_input), alloc_.take(g.dlogits)),
                             mlp_grads(g.fc1, g.fc2, x));
     });
@@ -260,11 +260,10 @@ MoEGradTensors moe_layer_backward(int64_t layer, const at::Tensor& x, const at::
                                   const at::Tensor& experts, const at::Tensor& counts, const at::Tensor& row_of,
                                   const at::Tensor& token_of_row, const at::Tensor& rows, const at::Tensor& row_probs,
                                   const at::Tensor& fc1_out, const at::Tensor& dout, const OptTensor& dscore_sum,
-                                  at::TensorList params, at::TensorList main_grads, int64_t flags,
-                                  bool cached_dummy) {
+                                  at::TensorList params, at::TensorList main_grads, int64_t flags) {
   return st::torch_ops::Registry::get().find<TorchMoELayer>(layer)->backward(
       x, logits, experts, counts, row_of, token_of_row, rows, row_probs, fc1_out, dout, dscore_sum, params,
-      main_grads, flags, cached_dummy);
+      main_grads, flags);
 }
 
 const c10::TypedOperatorHandle<decltype(moe_layer_forward)>& moe_layer_forward_op() {
@@ -299,8 +298,7 @@ class MoELayerBackward final : public st::torch_ops::GroupedBackward {
     const OptTensor dscore_sum = grads[1].defined() ? OptTensor(grads[1].contiguous()) : std::nullopt;
     const st::torch_ops::EagerCall scope(eager(s));
     const auto [dx, dlogits, dw1, db1, dw2, db2] = moe_layer_backward_op().call(
-        layer_, x, logits, s[2], s[3], s[4], s[5], s[6], s[7], s[8], dout, dscore_sum, params, main_grads, flags_,
-        eager(s));
+        layer_, x, logits, s[2], s[3], s[4], s[5], s[6], s[7], s[8], dout, dscore_sum, params, main_grads, flags_);
     variable_list out{dx, dlogits};
     size_t at = 0;
     append_param_grads(out, 0, dw1, db1, params, at);
@@ -350,7 +348,7 @@ TORCH_LIBRARY_FRAGMENT(sparsetrain, m) {
         "Tensor)");
   m.def("moe_layer_backward(int layer_id, Tensor x, Tensor logits, Tensor experts, Tensor counts, Tensor row_of, "
         "Tensor token_of_row, Tensor rows, Tensor row_probs, Tensor fc1_out, Tensor dout, Tensor? dscore_sum, "
-        "Tensor[] params, Tensor(a!)[] main_grads, int flags, bool cached_dummy=False) "
+        "Tensor[] params, Tensor(a!)[] main_grads, int flags) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("moe_route(Tensor logits, Tensor? expert_bias, int top_k, str score, bool normalize) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");

@@ -296,7 +296,7 @@ def test_the_dummy_wgrad_is_cached_eagerly_and_new_from_the_operator(kind):
     """Megatron's dummy weight grad (fused main_grad, grad_added_to_main_grad): an eager backward
     hands autograd the layer's cached zero tensor (the same memory every step, as
     TransformerEngine's), while the backward operator called as a compiled graph calls it (no
-    cached_dummy) returns a new zero tensor each call: an operator's output never aliases memory
+    eager call) returns a new zero tensor each call: an operator's output never aliases memory
     the layer keeps (CUDA graph trees free a replay's outputs at the next one)."""
     m = _make(kind, 0, single_grouped_weight=True, fuse_wgrad_accumulation=True)
     weight = m.fc1.weight if kind == "GroupedMLP" else m.weight

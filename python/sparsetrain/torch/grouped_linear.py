@@ -153,13 +153,13 @@ def _(layer_id, x, splits, params, main_grads, flags, out, status=None, grad_inp
 
 
 @torch.library.register_fake("sparsetrain::grouped_linear_backward")
-def _(layer_id, x, dy, splits, params, main_grads, flags, status=None, cached_dummy=False):
+def _(layer_id, x, dy, splits, params, main_grads, flags, status=None):
     fake_check_devices(layer_id, x, params, main_grads, dy=dy)
     return (x.new_empty(x.shape), *layer_grads_fake(layer_of(layer_id), x, has_grad_added_flag(flags, 0)))
 
 
 @torch.library.register_fake("sparsetrain::grouped_linear_backward_into")
-def _(layer_id, x, dy, splits, params, main_grads, flags, grad_input, status=None, cached_dummy=False):
+def _(layer_id, x, dy, splits, params, main_grads, flags, grad_input, status=None):
     fake_check_devices(layer_id, x, params, main_grads, dy=dy, grad_input=grad_input)
     return layer_grads_fake(layer_of(layer_id), x, has_grad_added_flag(flags, 0))
 

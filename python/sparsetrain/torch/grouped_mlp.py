@@ -41,15 +41,13 @@ def _mlp_grads_fake(layer_id, x, probs, flags):
 
 
 @torch.library.register_fake("sparsetrain::grouped_mlp_backward")
-def _(layer_id, x, fc1_out, probs, dy, splits, params, main_grads, flags, status=None, last_use=False,
-      cached_dummy=False):
+def _(layer_id, x, fc1_out, probs, dy, splits, params, main_grads, flags, status=None, last_use=False):
     fake_check_devices(layer_id, x, params, main_grads, fc1_out=fc1_out, probs=probs, dy=dy)
     return (x.new_empty(x.shape), *_mlp_grads_fake(layer_id, x, probs, flags))
 
 
 @torch.library.register_fake("sparsetrain::grouped_mlp_backward_into")
-def _(layer_id, x, fc1_out, probs, dy, splits, params, main_grads, flags, grad_input, status=None, last_use=False,
-      cached_dummy=False):
+def _(layer_id, x, fc1_out, probs, dy, splits, params, main_grads, flags, grad_input, status=None, last_use=False):
     fake_check_devices(layer_id, x, params, main_grads, fc1_out=fc1_out, probs=probs, dy=dy, grad_input=grad_input)
     return _mlp_grads_fake(layer_id, x, probs, flags)
 

@@ -59,7 +59,7 @@ def _(layer_id, x, logits, expert_bias, params, main_grads, flags):
 
 @torch.library.register_fake("sparsetrain::moe_layer_backward")
 def _(layer_id, x, logits, experts, counts, row_of, token_of_row, rows, row_probs, fc1_out, dout, dscore_sum,
-      params, main_grads, flags, cached_dummy=False):
+      params, main_grads, flags):
     """(dx, dlogits, fc1's dw, db, fc2's dw, db)."""
     fake_check_devices(layer_id, x, params, main_grads, logits=logits, dout=dout)
     m = layer_of(layer_id).experts
