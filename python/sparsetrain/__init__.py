@@ -155,6 +155,8 @@ class GroupedLinear(_CoreLayer):
     weight: one packed array [G, out, in] or a list of G arrays [out, in]; bias likewise
     ([G, out] or G x [out]); main_grad (fp32, same layouts) when fuse_wgrad_accumulation.
     The layer keeps references to these arrays (no copies) and computes on their device.
+    fp8: the GEMMs in FP8 with blockwise scales (docs/DESIGN.md section 12: bf16 layers, in and
+    out multiples of 16, no bias), quantizing the weights at every call.
 
     splits: a list of whole numbers (7 or 7.0; 7.5 is refused, never truncated) or an int32 /
     int64 host array (validated at once: entries >= 0, sum <= rows of x), a CUDA tensor, or
@@ -169,7 +171,7 @@ class GroupedLinear(_CoreLayer):
     def __init__(self, weight: Any, bias: Any = None, main_grad: Any = None, *,
                  fuse_wgrad_accumulation: bool = False, overwrite_main_grad: bool = False,
                  delay_wgrad_compute: bool = False, has_grad_added_to_main_grad: bool = False,
-                 check_device_splits: bool = False):
+                 check_device_splits: bool = False, fp8: bool = False):
         fw, groups, out_f, in_f, dtype = _grouped_shape(weight, "weight")
         super().__init__(fw, (weight, bias, main_grad), _first(weight))
         self.num_groups, self.in_features, self.out_features, self.dtype = groups, in_f, out_f, dtype
@@ -177,7 +179,7 @@ class GroupedLinear(_CoreLayer):
             self.num_groups, self.in_features, self.out_features, self.dtype,
             _param_to_core(weight), _param_to_core(bias), _param_to_core(main_grad), fuse_wgrad_accumulation,
             overwrite_main_grad, delay_wgrad_compute, has_grad_added_to_main_grad,
-            check_device_splits, self._fw.allocate)
+            check_device_splits, bool(fp8), self._fw.allocate)
 
     def forward(self, x: Any, splits: Any, out: Any = None, *, stream: Optional[int] = None,
                 workspace: Any = None) -> Any:
@@ -219,7 +221,7 @@ class GroupedMLP(_CoreLayer):
                  fc1_main_grad: Any = None, fc2_main_grad: Any = None, glu_interleave_size: int = 0,
                  fuse_wgrad_accumulation: bool = False, overwrite_main_grad: bool = False,
                  delay_wgrad_compute: bool = False, has_grad_added_to_main_grad: Any = False,
-                 check_device_splits: bool = False):
+                 check_device_splits: bool = False, fp8: bool = False):
         fw, groups, two_f, in_f, dtype = _grouped_shape(fc1_weight, "fc1.weight")
         _, _, out_f, ffn, _ = _grouped_shape(fc2_weight, "fc2.weight")
         super().__init__(fw, (fc1_weight, fc2_weight, fc1_bias, fc2_bias, fc1_main_grad, fc2_main_grad),
@@ -233,7 +235,7 @@ class GroupedMLP(_CoreLayer):
         # The core checks fc1's width against 2 * ffn_features (taken from fc2) and every other size.
         self._core = _C.GroupedMLP(
             groups, in_f, ffn, out_f, dtype, self.glu_interleave_size, fc1, fc2, fuse_wgrad_accumulation,
-            overwrite_main_grad, delay_wgrad_compute, check_device_splits, self._fw.allocate)
+            overwrite_main_grad, delay_wgrad_compute, check_device_splits, bool(fp8), self._fw.allocate)
 
     def forward(self, x: Any, splits: Any, probs: Any, out: Any = None, *, stream: Optional[int] = None,
                 workspace: Any = None):

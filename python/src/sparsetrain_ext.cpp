@@ -279,7 +279,7 @@ class PyGroupedLinear {
   PyGroupedLinear(int64_t num_groups, int64_t in_features, int64_t out_features, const std::string& dtype,
                   nb::object weight, nb::object bias, nb::object main_grad, bool fuse_wgrad_accumulation,
                   bool overwrite_main_grad, bool delay_wgrad_compute, bool has_grad_added_to_main_grad,
-                  bool check_device_splits, nb::callable allocator)
+                  bool check_device_splits, bool fp8, nb::callable allocator)
       : alloc_(std::move(allocator)), params_keep_(nb::make_tuple(weight, bias, main_grad)) {
     st::GroupedLinearOptions o;
     o.num_groups = num_groups;
@@ -290,6 +290,7 @@ class PyGroupedLinear {
     o.overwrite_main_grad = overwrite_main_grad;
     o.delay_wgrad_compute = delay_wgrad_compute;
     o.check_device_splits = check_device_splits;
+    o.fp8 = fp8 ? st::Fp8Recipe::kBlockwise : st::Fp8Recipe::kOff;
     layer_ = std::make_unique<st::GroupedLinear>(
         o, linear_params(weight, bias, main_grad, has_grad_added_to_main_grad), &alloc_);
   }
@@ -336,7 +337,7 @@ class PyGroupedMLP {
   PyGroupedMLP(int64_t num_groups, int64_t in_features, int64_t ffn_features, int64_t out_features,
                const std::string& dtype, int64_t glu_interleave_size, nb::tuple fc1, nb::tuple fc2,
                bool fuse_wgrad_accumulation, bool overwrite_main_grad, bool delay_wgrad_compute,
-               bool check_device_splits, nb::callable allocator)
+               bool check_device_splits, bool fp8, nb::callable allocator)
       : alloc_(std::move(allocator)), params_keep_(nb::make_tuple(fc1, fc2)) {
     st::GroupedMLPOptions o;
     o.num_groups = num_groups;
@@ -349,6 +350,7 @@ class PyGroupedMLP {
     o.overwrite_main_grad = overwrite_main_grad;
     o.delay_wgrad_compute = delay_wgrad_compute;
     o.check_device_splits = check_device_splits;
+    o.fp8 = fp8 ? st::Fp8Recipe::kBlockwise : st::Fp8Recipe::kOff;
     st::GroupedMLPParams p;
     p.fc1 = layer(fc1, "fc1.");
     p.fc2 = layer(fc2, "fc2.");
@@ -683,11 +685,12 @@ NB_MODULE(_C, m) {
 
   nb::class_<PyGroupedLinear>(m, "GroupedLinear")
       .def(nb::init<int64_t, int64_t, int64_t, const std::string&, nb::object, nb::object, nb::object, bool, bool,
-                    bool, bool, bool, nb::callable>(),
+                    bool, bool, bool, bool, nb::callable>(),
            nb::arg("num_groups"), nb::arg("in_features"), nb::arg("out_features"), nb::arg("dtype"),
            nb::arg("weight"), nb::arg("bias").none(), nb::arg("main_grad").none(),
            nb::arg("fuse_wgrad_accumulation"), nb::arg("overwrite_main_grad"), nb::arg("delay_wgrad_compute"),
-           nb::arg("has_grad_added_to_main_grad"), nb::arg("check_device_splits"), nb::arg("allocator"))
+           nb::arg("has_grad_added_to_main_grad"), nb::arg("check_device_splits"), nb::arg("fp8"),
+           nb::arg("allocator"))
       .def("forward", &PyGroupedLinear::forward, nb::arg("x"), nb::arg("splits"), nb::arg("out").none(),
            nb::arg("stream"), nb::arg("workspace").none())
       .def("backward", &PyGroupedLinear::backward, nb::arg("x"), nb::arg("dy"), nb::arg("splits"),
@@ -700,11 +703,11 @@ NB_MODULE(_C, m) {
 
   nb::class_<PyGroupedMLP>(m, "GroupedMLP")
       .def(nb::init<int64_t, int64_t, int64_t, int64_t, const std::string&, int64_t, nb::tuple, nb::tuple, bool,
-                    bool, bool, bool, nb::callable>(),
+                    bool, bool, bool, bool, nb::callable>(),
            nb::arg("num_groups"), nb::arg("in_features"), nb::arg("ffn_features"), nb::arg("out_features"),
            nb::arg("dtype"), nb::arg("glu_interleave_size"), nb::arg("fc1"), nb::arg("fc2"),
            nb::arg("fuse_wgrad_accumulation"), nb::arg("overwrite_main_grad"), nb::arg("delay_wgrad_compute"),
-           nb::arg("check_device_splits"), nb::arg("allocator"))
+           nb::arg("check_device_splits"), nb::arg("fp8"), nb::arg("allocator"))
       .def("forward", &PyGroupedMLP::forward, nb::arg("x"), nb::arg("splits"), nb::arg("probs"),
            nb::arg("out").none(), nb::arg("stream"), nb::arg("workspace").none())
       .def("backward", &PyGroupedMLP::backward, nb::arg("x"), nb::arg("fc1_out"), nb::arg("probs"), nb::arg("dy"),

@@ -124,6 +124,18 @@ def test_a_compiled_graph_quantizes_the_weights_at_every_call():
     assert not torch.equal(cm(x, SPLITS)[:40], y1[:40])
 
 
+def test_the_array_front_runs_the_same_recipe():
+    """sparsetrain.GroupedLinear(fp8=True) over the module's torch tensors: the same layer, the
+    same bits as the torch module's FP8 forward."""
+    import sparsetrain as st
+
+    x, _ = _data(7)
+    m = _linear(fp8=True)
+    weights = [p.detach() for p in m.parameters()]
+    core = st.GroupedLinear(weights, fp8=True)
+    assert torch.equal(core.forward(x, SPLITS), m(x, SPLITS).detach())
+
+
 def test_mlp_and_moe_layer_take_the_recipe():
     torch.manual_seed(0)
     mlp8 = stt.GroupedMLP(len(SPLITS), IN, 32, OUT, params_dtype=torch.bfloat16, fp8=True)
