@@ -105,33 +105,20 @@ struct Sm90Fp8GroupedGemm {
   };
 
   static size_t align_up(size_t n) { return (n + 255) / 256 * 256; }
-  static size_t arrays_bytes(int64_t g) {
-    const size_t n = size_t(g);
-    return align_up(sizeof(Shape3) * n) + 6 * align_up(sizeof(void*) * n) + align_up(sizeof(StrideA) * n) +
-           align_up(sizeof(StrideB) * n) + align_up(sizeof(StrideC) * n) + align_up(sizeof(StrideD) * n) +
-           align_up(sizeof(LayoutSFA) * n) + align_up(sizeof(LayoutSFB) * n);
-  }
-  static Arrays carve(void* ws, int64_t g) {
-    char* p = static_cast<char*>(ws);
+  // The arrays in the workspace (GroupArrays; over a null one, only their size in *bytes).
+  static Arrays carve(void* ws, int64_t g, size_t* bytes = nullptr) {
+    GroupArrays c(ws, g);
     Arrays a;
-    auto take = [&](auto*& ptr, size_t each) {
-      ptr = reinterpret_cast<std::remove_reference_t<decltype(ptr)>>(p);
-      p += align_up(each * size_t(g));
-    };
-    take(a.problems, sizeof(Shape3));
-    take(a.a, sizeof(void*));
-    take(a.b, sizeof(void*));
-    take(a.sfa, sizeof(void*));
-    take(a.sfb, sizeof(void*));
-    take(a.c, sizeof(void*));
-    take(a.d, sizeof(void*));
-    take(a.stride_a, sizeof(StrideA));
-    take(a.stride_b, sizeof(StrideB));
-    take(a.stride_c, sizeof(StrideC));
-    take(a.stride_d, sizeof(StrideD));
-    take(a.layout_sfa, sizeof(LayoutSFA));
-    take(a.layout_sfb, sizeof(LayoutSFB));
+    c.take(a.problems), c.take(a.a), c.take(a.b), c.take(a.sfa), c.take(a.sfb), c.take(a.c), c.take(a.d);
+    c.take(a.stride_a), c.take(a.stride_b), c.take(a.stride_c), c.take(a.stride_d);
+    c.take(a.layout_sfa), c.take(a.layout_sfb);
+    if (bytes != nullptr) *bytes = c.bytes();
     return a;
+  }
+  static size_t arrays_bytes(int64_t g) {
+    size_t bytes = 0;
+    carve(nullptr, g, &bytes);
+    return bytes;
   }
 
   static typename Gemm::Arguments arguments(int64_t num_groups, const Arrays& a, int device, float beta) {

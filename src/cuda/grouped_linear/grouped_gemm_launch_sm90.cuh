@@ -20,6 +20,24 @@
 
 namespace sparsetrain::cuda::sm90 {
 
+// A launch's per-group device arrays (one entry a group) laid out one after another in the
+// workspace, each on a 256-byte boundary; over a null workspace it only measures them.
+class GroupArrays {
+ public:
+  GroupArrays(void* workspace, int64_t num_groups) : base_(static_cast<char*>(workspace)), n_(size_t(num_groups)) {}
+  template <class T>
+  void take(T*& array) {
+    array = base_ == nullptr ? nullptr : reinterpret_cast<T*>(base_ + bytes_);
+    bytes_ += (sizeof(T) * n_ + 255) / 256 * 256;
+  }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  char* base_;
+  size_t n_;
+  size_t bytes_ = 0;
+};
+
 // SM count (the library's device cache) and the kernel's occupancy in clusters: queried once per
 // device and kernel (the occupancy query takes tens of microseconds, which a small MoE GEMM would
 // pay on every call otherwise).
