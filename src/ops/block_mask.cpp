@@ -4,6 +4,7 @@
 // tensors are full width (Nk / Mq), sized by shapes alone — except the function builder's
 // bitmasks, whose width is the largest partial count (a host-only builder: the function is host code).
 #include <algorithm>
+#include <array>
 #include <climits>
 #include <tuple>
 #include <sstream>
@@ -296,6 +297,29 @@ Tensor new_tensor(DType dtype, std::initializer_list<int64_t> shape, Allocator& 
   return Tensor::empty(dtype, shape, Device::cpu(), alloc, Stream{});
 }
 
+// Contiguous int32 tensors of the given shapes carved from one allocation, each on a 256-byte
+// boundary. A device build's host time is mostly per-allocation cost in the bindings (under torch
+// a Python callback, a stream lookup and torch.empty each), so a build's outputs share one.
+template <size_t N>
+std::array<Tensor, N> int32_tensors(const std::array<std::vector<int64_t>, N>& shapes, Device device,
+                                    Allocator& alloc, Stream stream) {
+  constexpr int64_t kAlignWords = 256 / int64_t(sizeof(int32_t));
+  std::array<int64_t, N> at{};
+  int64_t words = 0;
+  for (size_t i = 0; i < N; ++i) {
+    at[i] = words;
+    int64_t n = 1;
+    for (int64_t d : shapes[i]) n *= d;
+    words += (n + kAlignWords - 1) / kAlignWords * kAlignWords;
+  }
+  const Tensor all = Tensor::empty(DType::kInt32, {std::max<int64_t>(words, 1)}, device, alloc, stream);
+  std::array<Tensor, N> out;
+  for (size_t i = 0; i < N; ++i)
+    out[i] = all.with_view(TensorView::contiguous(all.view().data_as<int32_t>() + at[i], DType::kInt32,
+                                                  shapes[i].data(), int(shapes[i].size()), device));
+  return out;
+}
+
 void check_options(const BlockMaskOptions& o, int64_t seq_q, int64_t seq_kv) {
   ST_CHECK_ARG(seq_q >= 1, "seq_q", ">= 1", seq_q);
   ST_CHECK_ARG(seq_kv >= 1, "seq_kv", ">= 1", seq_kv);
@@ -359,23 +383,18 @@ BlockMaskTensors build_on_device(const MaskSpec& spec, int64_t B, int64_t seq_q,
   check_schedule(schedule, Nk);
   checks::device_runs(o.device, checks::Kernels::kGeneric, "BlockMaskOptions device");
   Allocator& a = alloc_or_default(o.allocator);
-  const auto dev = [&](std::initializer_list<int64_t> shape) {
-    return Tensor::empty(DType::kInt32, shape, o.device, a, o.stream);
-  };
-  t.kv_num_blocks = dev({B, 1, Mq});
-  t.kv_indices = dev({B, 1, Mq, Nk});
-  t.full_kv_num_blocks = dev({B, 1, Mq});
-  t.full_kv_indices = dev({B, 1, Mq, Nk});
-  t.q_num_blocks = dev({B, 1, Nk});
-  t.q_indices = dev({B, 1, Nk, Mq});
-  t.full_q_num_blocks = dev({B, 1, Nk});
-  t.full_q_indices = dev({B, 1, Nk, Mq});
-  t.dq_write_order = dev({B, 1, Nk, Mq});
-  t.dq_write_order_full = dev({B, 1, Nk, Mq});
+  const std::vector<int64_t> rows{B, 1, Mq}, lists{B, 1, Mq, Nk}, cols{B, 1, Nk}, transposed{B, 1, Nk, Mq};
+  std::tie(t.kv_num_blocks, t.kv_indices, t.full_kv_num_blocks, t.full_kv_indices, t.q_num_blocks, t.q_indices,
+           t.full_q_num_blocks, t.full_q_indices, t.dq_write_order, t.dq_write_order_full) =
+      std::tuple_cat(int32_tensors<10>({rows, lists, rows, lists, cols, transposed, cols, transposed, transposed,
+                                        transposed},
+                                       o.device, a, o.stream));
   const bool doc = spec.kind == MaskKind::kDocument || spec.kind == MaskKind::kDocumentCausal;
   const int64_t doc_q_batch = doc ? spec.doc_q.size(0) : 1, doc_kv_batch = doc ? spec.doc_kv.size(0) : 1;
-  // The permutation, the per-block records, the document-id spans (block_mask_internal.h).
-  const Tensor scratch = dev({device_mask_build_scratch(B, Mq, Nk, doc_q_batch, doc_kv_batch, doc)});
+  // The permutation, the per-block records, the document-id spans (block_mask_internal.h): apart
+  // from the outputs, so that the mask does not keep it.
+  const Tensor scratch = Tensor::empty(
+      DType::kInt32, {device_mask_build_scratch(B, Mq, Nk, doc_q_batch, doc_kv_batch, doc)}, o.device, a, o.stream);
   m.kv_num_blocks = t.kv_num_blocks.view();
   m.kv_indices = t.kv_indices.view();
   m.full_kv_num_blocks = t.full_kv_num_blocks.view();
@@ -461,8 +480,7 @@ BlockMaskTensors build_doc_padded_on_device(const MaskSpec& spec, int64_t B, int
   checks::device_runs(o.device, checks::Kernels::kGeneric, "BlockMaskOptions device");
   const int64_t padded = doc_padded_length_bound(seq, min_length);
   Allocator& a = alloc_or_default(o.allocator);
-  auto dev = [&] { return Tensor::empty(DType::kInt32, {B, padded}, o.device, a, o.stream); };
-  Tensor doc_q = dev(), doc_kv = dev(), real_rows = dev();
+  auto [doc_q, doc_kv, real_rows] = int32_tensors<3>({{{B, padded}, {B, padded}, {B, padded}}}, o.device, a, o.stream);
   const Tensor scratch = Tensor::empty(DType::kInt64, {doc_pad_layout_scratch_words(B, seq)}, o.device, a, o.stream);
   DocPadLayoutArgs args{};
   args.ids_q = q.data_as<const int32_t>(), args.ids_kv = kv.data_as<const int32_t>();
