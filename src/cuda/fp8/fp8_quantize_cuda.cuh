@@ -150,6 +150,10 @@ __global__ void __launch_bounds__(256) quantize_weights_kernel(const __grid_cons
     p.st[g][fp8_block_scale_index(out, j0, i0)] = block_scale;
   }
   __syncthreads();
+  // W's codes from the registers' rows (lanes along a row: coalesced), staged in shared memory so
+  // that W^T's rows go out coalesced too (lanes along a column of the block). A row of 132 bytes
+  // (33 words) puts a column's 32 bytes in 32 banks.
+  __shared__ uint8_t codes[kTile][kTile + 4];
   const float s = block_scale;
   for (int i = warp; i < kTile; i += 8)
     for (int j = lane; j < kTile; j += 32) {
@@ -157,8 +161,14 @@ __global__ void __launch_bounds__(256) quantize_weights_kernel(const __grid_cons
       if (r < out && c < in) {
         const uint8_t code = fp8_quantize(load_f32(w + r * in, c), s);
         p.q[g][r * in + c] = code;
-        p.qt[g][c * out + r] = code;  // strided: the transposed copy (weights are quantized once a step)
+        codes[i][j] = code;
       }
+    }
+  __syncthreads();
+  for (int j = warp; j < kTile; j += 8)
+    for (int i = lane; i < kTile; i += 32) {
+      const int64_t r = i0 + i, c = j0 + j;
+      if (r < out && c < in) p.qt[g][c * out + r] = codes[i][j];
     }
 }
 
