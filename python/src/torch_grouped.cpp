@@ -66,7 +66,8 @@ class TorchGroupedLinear final : public ModuleLayer<st::GroupedLinear> {
       const st::TensorView xv = view_of(x, "x");
       const st::Splits s = splits_of(splits, status);
       if (grad_input.has_value()) l.check_grad_input(xv, s, view_of(grad_input, "grad_input"));
-      return alloc_.take(l.forward(xv, s, view_of(out, "out"), call_args(x, {}, true, weight_version(params))), out);
+      const st::CallArgs a = call_args(x, {}, true, weight_version(params, flags));
+      return alloc_.take(l.forward(xv, s, view_of(out, "out"), a), out);
     });
   }
 
@@ -82,7 +83,7 @@ class TorchGroupedLinear final : public ModuleLayer<st::GroupedLinear> {
       const st::GroupedLinearGrads g =
           l.backward(view_of(x, "x"), view_of(dy, "dy"), splits_of(splits, status), view_of(grad_input, "grad_input"),
                      call_args(x, {x, dy, splits, status.value_or(at::Tensor())}, eager_call(),
-                               weight_version(params)));
+                               weight_version(params, flags)));
       auto [dw, db] = layer_grads(g.weight, g.bias_grad, x);
       return std::make_tuple(alloc_.take(g.grad_input, grad_input), dw, db);
     });
@@ -144,7 +145,8 @@ class TorchGroupedMLP final : public ModuleLayer<st::GroupedMLP> {
       const st::Splits s = splits_of(splits, status);
       if (grad_input.has_value()) m.check_grad_input(xv, s, view_of(grad_input, "grad_input"));
       const st::GroupedMLPForward r =
-          m.forward(xv, s, view_of(probs, "probs"), view_of(out, "out"), call_args(x, {}, true, weight_version(params)));
+          m.forward(xv, s, view_of(probs, "probs"), view_of(out, "out"),
+                    call_args(x, {}, true, weight_version(params, flags)));
       return std::make_tuple(alloc_.take(r.out, out), alloc_.take(r.fc1_out));
     });
   }
@@ -163,7 +165,7 @@ class TorchGroupedMLP final : public ModuleLayer<st::GroupedMLP> {
       const st::GroupedMLPGrads g = m.backward(
           view_of(x, "x"), view_of(fc1_out, "fc1_out"), view_of(probs, "probs"), view_of(dy, "dy"),
           splits_of(splits, status), view_of(grad_input, "grad_input"),
-          call_args(x, std::move(keep), eager_call(), weight_version(params)),
+          call_args(x, std::move(keep), eager_call(), weight_version(params, flags)),
           last_use ? st::Fc1OutUse::kReuse : st::Fc1OutUse::kKeep);
       return std::tuple_cat(std::make_tuple(alloc_.take(g.grad_input, grad_input), alloc_.take(g.dprobs)),
                             mlp_grads(g.fc1, g.fc2, x));

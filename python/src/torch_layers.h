@@ -307,11 +307,12 @@ class ModuleLayer : public RegisteredLayer {
 
   // st::CallArgs::weight_version of a call over `params`: a number that changes exactly when a
   // parameter's storage or version counter does (an optimizer's in-place step bumps it), so that
-  // FP8 weights are quantized once a version; 0, nothing reused or kept, for a call that is not
-  // eager (eager_call), while the stream is being captured (a graph's replays must quantize the
-  // weights they find) or for inference tensors (no version counter). The caller holds mutex_.
-  uint64_t weight_version(at::TensorList params) {
-    if (!eager_call()) return 0;
+  // FP8 weights are quantized once a version; 0, nothing reused or kept, without FP8 in `flags`
+  // (no host work then), for a call that is not eager (eager_call), while the stream is being
+  // captured (a graph's replays must quantize the weights they find) or for inference tensors (no
+  // version counter). The caller holds mutex_.
+  uint64_t weight_version(at::TensorList params, int64_t flags) {
+    if (fp8_recipe(flags) == st::Fp8Recipe::kOff || !eager_call()) return 0;
     std::vector<std::pair<const void*, int64_t>> now;
     for (const at::Tensor& p : params) {
       if (p.is_inference()) return 0;

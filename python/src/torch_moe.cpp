@@ -188,7 +188,7 @@ class TorchMoELayer final : public st::torch_ops::ModuleLayer<st::MoELayer> {
       st::MoELayer& l = bound(params, main_grads, flags);
       const st::MoEForward f = l.forward(view_of(x, "x"), view_of(logits, "logits"),
                                          view_of(expert_bias, "expert_bias"),
-                                         call_args(x, {}, true, weight_version(params)));
+                                         call_args(x, {}, true, weight_version(params, flags)));
       const st::RouterOutput& r = f.route;
       return std::make_tuple(alloc_.take(f.out), alloc_.take(r.experts), alloc_.take(r.probs), alloc_.take(r.counts),
                              alloc_.take(r.row_of), alloc_.take(r.token_of_row), alloc_.take(r.score_sum),
@@ -221,7 +221,7 @@ class TorchMoELayer final : public st::torch_ops::ModuleLayer<st::MoELayer> {
           l.backward(view_of(x, "x"), view_of(logits, "logits"), saved, view_of(dout, "dout"),
                      view_of(dscore_sum, "dscore_sum"),
                      call_args(x, {x, logits, experts, counts, row_of, token_of_row, rows, row_probs, fc1_out, dout},
-                               st::torch_ops::eager_call(), weight_version(params)));
+                               st::torch_ops::eager_call(), weight_version(params, flags)));
       return std::tuple_cat(std::make_tuple(alloc_.take(g.grad_input), alloc_.take(g.dlogits)),
                             mlp_grads(g.fc1, g.fc2, x));
     });
