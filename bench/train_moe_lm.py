@@ -1,0 +1,146 @@
+"""A small MoE language model trained on real text, twice from the same weights and batches: the
+experts in bf16 and in FP8 (blockwise e4m3, docs/DESIGN.md section 12). Bytes of the Python
+standard library's sources; each block pre-norm causal attention (sparsetrain's
+block_sparse_attention, causal BlockMask) and an MoE layer (sparsetrain.torch.MoELayer, softmax
+top-k router); bf16 weights, AdamW. Prints each run's loss every 50 steps, the final losses (mean of
+the last 20 steps), their relative difference (the FP8 recipe's check: within 1 %) and the median
+step time of each.
+
+    python bench/train_moe_lm.py [--steps 300] [--json out.json]
+"""
+
+import argparse
+import glob
+import json
+import os
+import statistics
+import sysconfig
+import time
+
+import numpy as np
+import torch
+from torch import nn
+
+import sparsetrain.torch as stt
+
+
+def corpus(max_bytes=32 << 20):
+    """The standard library's .py files as one byte array (sorted paths: the same text everywhere)."""
+    root = sysconfig.get_paths()["stdlib"]
+    parts, size = [], 0
+    for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
+        with open(path, "rb") as fh:
+            parts.append(fh.read())
+        size += len(parts[-1])
+        if size >= max_bytes:
+            break
+    return np.frombuffer(b"\n".join(parts), dtype=np.uint8)
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads, experts, ffn, top_k, fp8, device):
+        super().__init__()
+        self.heads = heads
+        kw = dict(device=device, dtype=torch.bfloat16)
+        self.norm1, self.norm2 = nn.RMSNorm(d, **kw), nn.RMSNorm(d, **kw)
+        self.qkv, self.proj = nn.Linear(d, 3 * d, bias=False, **kw), nn.Linear(d, d, bias=False, **kw)
+        self.router = nn.Linear(d, experts, bias=False, device=device)  # fp32: the MoE layer's logits
+        self.moe = stt.MoELayer(experts, d, ffn, top_k, normalize=True, params_dtype=torch.bfloat16, device=device,
+                                fp8=fp8)
+
+    def forward(self, x, mask):
+        B, S, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(B, S, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = stt.block_sparse_attention(q, k, v, mask)
+        x = x + self.proj(a.transpose(1, 2).reshape(B, S, d))
+        h = self.norm2(x).reshape(B * S, d)
+        return x + self.moe(h, self.router(h.float())).out.view(B, S, d)
+
+
+class MoELM(nn.Module):
+    def __init__(self, d, heads, layers, experts, ffn, top_k, fp8, device):
+        super().__init__()
+        kw = dict(device=device, dtype=torch.bfloat16)
+        self.embed = nn.Embedding(256, d, **kw)
+        self.blocks = nn.ModuleList(Block(d, heads, experts, ffn, top_k, fp8, device) for _ in range(layers))
+        self.norm, self.head = nn.RMSNorm(d, **kw), nn.Linear(d, 256, bias=False, **kw)
+
+    def forward(self, tokens, mask):
+        x = self.embed(tokens)
+        for b in self.blocks:
+            x = b(x, mask)
+        return self.head(self.norm(x))
+
+
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def train(model, data, steps, batch, seq, lr, device, seed=0):
+    """Losses of each step and the median step time (ms); batches from `seed`, the same each run."""
+    mask = stt.BlockMask.build("causal", seq, device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 30))
+    rng = np.random.default_rng(seed)
+    losses, times = [], []
+    for step in range(steps):
+        starts = rng.integers(0, len(data) - seq - 1, batch)
+        chunk = torch.from_numpy(np.stack([data[s:s + seq + 1] for s in starts]).astype(np.int64)).to(device)
+        sync(device)
+        t0 = time.perf_counter()
+        logits = model(chunk[:, :-1], mask)
+        loss = nn.functional.cross_entropy(logits.float().reshape(-1, 256), chunk[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(loss.item())  # syncs
+        times.append((time.perf_counter() - t0) * 1e3)
+        if step % 50 == 0 or step == steps - 1:
+            print(f"  step {step:4d} loss {losses[-1]:.4f}", flush=True)
+    return losses, statistics.median(times[min(5, steps - 1):])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--model", default="512,8,4,16,1024,2",
+                    help="d, heads, layers, experts, ffn, top_k (default %(default)s)")
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("train_moe_lm: skipped, no CUDA GPU (the FP8 recipe's kernels are Hopper's; --device cpu runs the "
+              "CPU reference, slowly)")
+        return
+    dims = [int(v) for v in args.model.split(",")]
+    data = corpus()
+    torch.manual_seed(0)
+    state = {k: v.clone() for k, v in MoELM(*dims, False, args.device).state_dict().items()}
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    result = {"device": device_name, "bytes": int(len(data)), **vars(args)}
+    for tag, fp8 in (("bf16", False), ("fp8", True)):
+        print(f"{tag}:", flush=True)
+        model = MoELM(*dims, fp8, args.device)
+        model.load_state_dict(state)
+        losses, ms = train(model, data, args.steps, args.batch, args.seq, args.lr, args.device)
+        result[f"{tag}_final_loss"] = statistics.mean(losses[-20:])
+        result[f"{tag}_step_ms"] = ms
+        result[f"{tag}_losses"] = losses
+    rel = abs(result["fp8_final_loss"] - result["bf16_final_loss"]) / result["bf16_final_loss"]
+    result["final_loss_rel_diff"] = rel
+    print(f"final loss (mean of the last 20 steps): bf16 {result['bf16_final_loss']:.4f}, "
+          f"fp8 {result['fp8_final_loss']:.4f}, relative difference {100 * rel:.2f} % "
+          f"({'within' if rel <= 0.01 else 'OUTSIDE'} 1 %); step {result['bf16_step_ms']:.1f} ms bf16, "
+          f"{result['fp8_step_ms']:.1f} ms fp8")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
