@@ -93,7 +93,6 @@ def bench_gemm(name, shape, reps):
         row["torch_rowwise_tflops"] = flops / row["torch_rowwise_b2b_ms"] * 1e-9
     except (RuntimeError, AttributeError) as e:  # an older torch: no rowwise grouped GEMM
         print(f"{name}: torch._scaled_grouped_mm skipped: {e}".splitlines()[0])
-    del xq, wq
 
     layers = {fp8: stt.GroupedLinear(G, K, N, bias=False, params_dtype=torch.bfloat16, device="cuda", fp8=fp8)
               for fp8 in (True, False)}
