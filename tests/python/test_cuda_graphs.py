@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed: CUDA graph 
 
 import sparsetrain as st  # noqa: E402
 import sparsetrain.torch as stt  # noqa: E402
-from training_steps import DEV, BF16, AttentionStep, LayerStep, assert_same, splits  # noqa: E402
+from training_steps import DEV, BF16, AttentionStep, LayerStep, assert_same, fp8_missing, splits  # noqa: E402
 
 if not torch.cuda.is_available() or not st.built_with_cuda():
     pytest.skip("no CUDA device (or a CPU-only build): CUDA graph tests skipped", allow_module_level=True)
@@ -25,11 +25,14 @@ if not torch.cuda.is_available() or not st.built_with_cuda():
 hopper = pytest.mark.skipif(torch.cuda.get_device_capability(0) != (9, 0),
                             reason="not a Hopper GPU (compute capability 9.0): attention capture tests skipped")
 
-LAYER_VARIANTS = ["plain", "fused", "fused_dummy", "delayed", "buffers", "bias"]
+# The FP8 recipe's variants: a replay quantizes the weights it finds (nothing cached at capture).
+fp8 = pytest.mark.skipif(fp8_missing() is not None, reason=f"FP8 capture tests skipped: {fp8_missing()}")
+FP8_VARIANTS = [pytest.param("fp8", marks=fp8), pytest.param("fp8_fused", marks=fp8)]
+LAYER_VARIANTS = ["plain", "fused", "fused_dummy", "delayed", "buffers", "bias", *FP8_VARIANTS]
 # make_graphed_callables and torch.compile replay the backward without running our host code, so a
 # delayed wgrad queued at capture would never be queued again; they take the other variants (the
 # caller-buffer ones through torch.cuda.graph only: their in-place writes are the caller's).
-GRAPHED_VARIANTS = ["plain", "fused", "fused_dummy", "bias"]
+GRAPHED_VARIANTS = ["plain", "fused", "fused_dummy", "bias", *FP8_VARIANTS]
 
 
 def _compare(case, step, replayed, seed):
@@ -152,7 +155,9 @@ def test_make_graphed_callables(op, variant):
 
 
 @pytest.mark.parametrize("op,variant", [("linear", "plain"), ("linear", "fused"), ("mlp", "bias"),
-                                        ("mlp", "fused_dummy"), ("moe", "plain")])
+                                        ("mlp", "fused_dummy"), ("moe", "plain"),
+                                        pytest.param("linear", "fp8", marks=fp8),
+                                        pytest.param("moe", "fp8_fused", marks=fp8)])
 def test_torch_compile_reduce_overhead(op, variant):
     _run_compiled(f"{op}/{variant}/reduce-overhead", LayerStep(op, variant))
 
@@ -172,6 +177,27 @@ def test_attention_make_graphed_callables():
 @hopper
 def test_attention_torch_compile_reduce_overhead():
     _run_compiled("attention/reduce-overhead", AttentionStep(True, build_inside=False))
+
+
+@fp8
+def test_an_fp8_replay_reads_the_weights_as_they_are_now():
+    """The FP8 weights are quantized inside the graph: an optimizer's in-place update between
+    replays is seen by the next replay (compared bitwise with an eager step on the new weights)."""
+    step = LayerStep("linear", "fp8")
+    step.reset(poison=False)
+    graph = torch.cuda.CUDAGraph()
+    step.clear_grads()
+    with torch.cuda.graph(graph):
+        y = step.step()
+    y = step.detached(y)
+    for seed in (7, 8):
+        with torch.no_grad():
+            step.m.weight.mul_(0.5).add_(0.01 * seed)  # in place, as an optimizer step
+        step.load(seed)
+        step.reset(poison=True)
+        graph.replay()
+        torch.cuda.synchronize()
+        _compare("linear/fp8/weights updated between replays", step, step.results(y), seed)
 
 
 def test_the_issue_program_captures_and_replays():

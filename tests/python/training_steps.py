@@ -12,7 +12,18 @@ import sparsetrain.torch as stt
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
 G, T, IN, FFN, OUT = 11, 1031, 392, 136, 200
+FP8_IN, FP8_FFN, FP8_OUT = 400, 144, 208  # the FP8 recipe's features: multiples of 16
 S_ATTN, H, D = 1031, 4, 128
+
+
+def fp8_missing():
+    """Why the CUDA FP8 recipe cannot run here (None when it can): its GEMMs are Hopper kernels of
+    ALL builds only."""
+    if torch.cuda.get_device_capability(0) != (9, 0):
+        return "not a Hopper GPU (compute capability 9.0): the FP8 GEMMs are sm90a kernels"
+    if st.build_info()["sm90_kernels"] != "an ALL build":
+        return f"the CUDA FP8 GEMMs are in ALL builds only (this one: {st.build_info()['sm90_kernels']})"
+    return None
 
 
 def splits(seed, total, groups=G):
@@ -56,17 +67,21 @@ class LayerStep:
     graph reads), and what it produces: outputs, input grads, parameter grads and main_grads."""
 
     def __init__(self, op, variant, seed=0):
+        """variant: plain, fused (main_grad), fused_dummy, delayed, buffers, bias, fp8 (the FP8
+        recipe, packed weights) or fp8_fused (with main_grad)."""
         self.op, self.variant = op, variant
         torch.manual_seed(seed)
-        fuse = variant in ("fused", "fused_dummy", "delayed")
+        fuse = variant in ("fused", "fused_dummy", "delayed", "fp8_fused")
+        fp8 = variant.startswith("fp8")
         kw = dict(bias=variant == "bias", params_dtype=BF16, device=DEV, fuse_wgrad_accumulation=fuse,
-                  delay_wgrad_compute=variant == "delayed", single_grouped_weight=variant != "plain")
+                  delay_wgrad_compute=variant == "delayed", single_grouped_weight=variant != "plain", fp8=fp8)
+        n_in, n_ffn, n_out = (FP8_IN, FP8_FFN, FP8_OUT) if fp8 else (IN, FFN, OUT)
         if op == "linear":
-            self.m = stt.GroupedLinear(G, IN, OUT, **kw)
+            self.m = stt.GroupedLinear(G, n_in, n_out, **kw)
         elif op == "mlp":
-            self.m = stt.GroupedMLP(G, IN, FFN, OUT, **kw)
+            self.m = stt.GroupedMLP(G, n_in, n_ffn, n_out, **kw)
         else:
-            self.m = stt.MoELayer(G, IN, FFN, 3, normalize=True, **kw)
+            self.m = stt.MoELayer(G, n_in, n_ffn, 3, normalize=True, **kw)
         self.params = [p for p in self.m.parameters() if p.requires_grad]
         self.weights = [p for n, p in self.m.named_parameters() if "weight" in n]
         self.dummies = {id(w) for w in self.weights} if variant == "fused_dummy" else set()
@@ -78,8 +93,8 @@ class LayerStep:
         rows = T if op != "moe" else T // 3
         # dy as y: with a caller `out` of more rows, y is that buffer (the library reads T rows).
         dy_rows = rows + 5 if variant == "buffers" else rows
-        s = {"x": torch.empty(rows, IN, device=DEV, dtype=BF16, requires_grad=True),
-             "dy": torch.empty(dy_rows, OUT if op != "moe" else IN, device=DEV, dtype=BF16)}
+        s = {"x": torch.empty(rows, n_in, device=DEV, dtype=BF16, requires_grad=True),
+             "dy": torch.empty(dy_rows, n_out if op != "moe" else n_in, device=DEV, dtype=BF16)}
         if op == "moe":
             s["logits"] = torch.empty(rows, G, device=DEV, requires_grad=True)
         else:
@@ -87,8 +102,8 @@ class LayerStep:
         if op == "mlp":
             s["probs"] = torch.empty(rows, device=DEV, requires_grad=True)
         if variant == "buffers":
-            s["out"] = torch.empty(rows + 5, OUT, device=DEV, dtype=BF16)
-            s["grad_input"] = torch.empty(rows + 3, IN, device=DEV, dtype=BF16)
+            s["out"] = torch.empty(rows + 5, n_out, device=DEV, dtype=BF16)
+            s["grad_input"] = torch.empty(rows + 3, n_in, device=DEV, dtype=BF16)
         self.s = s
         self.load(seed + 1)
 
