@@ -39,7 +39,7 @@ def _linear_step(device, splits, x, dy, seed=0):
                           device=device, fp8=True)
     with torch.no_grad():
         m.weight.copy_(w)
-    x = x.to(device).requires_grad_(True)
+    x = x.to(device).detach().requires_grad_(True)  # a leaf of its own on either device
     y = m(x, splits.to(device) if isinstance(splits, torch.Tensor) else splits)
     y.backward(dy.to(device))
     return [t.detach().cpu() for t in (y, x.grad, m.weight.grad)]
