@@ -23,6 +23,10 @@
 #include "common/fp8_e4m3.h"
 #include "common/host_device.h"
 
+#if defined(__CUDACC__)
+#include <cuda_fp8.h>
+#endif
+
 namespace sparsetrain {
 
 constexpr int64_t kFp8Tile = 128;  // the tile's length (rowwise, columnwise) and the block's side
@@ -61,10 +65,22 @@ ST_HOST_DEVICE inline float fp8_scale(float amax) {
 }
 
 // The code of x in a tile of scale `scale` (from fp8_scale): e read back from the scale's bits.
+// On GPUs with an e4m3 conversion (sm_89 and up) the hardware's cvt.rn.satfinite of x * 2^-e,
+// which is the same code: the product by a power of two is exact wherever it can matter (a
+// product below fp32's normals, where bits could drop, is below half e4m3's smallest subnormal and
+// rounds to a signed zero either way; this build never flushes subnormals), round to nearest even
+// and satfinite are the encoder's rules (inf and past 464 -> +-448, NaN -> 0x7F); the CUDA tests
+// compare the two bitwise. It is ~10x fewer instructions than the encoder's integer steps, which
+// bound the quantizers' speed.
 ST_HOST_DEVICE inline uint8_t fp8_quantize(float x, float scale) {
   const uint32_t s = hd_float_bits(scale);
   if ((s & 0x7fffffffu) > 0x7f800000u) return kE4M3NaN;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  const float inverse = __uint_as_float((254u - ((s >> 23) & 0xffu)) << 23);  // 2^-e, e in [-126, 126]
+  return uint8_t(__nv_cvt_float_to_fp8(__fmul_rn(x, inverse), __NV_SATFINITE, __NV_E4M3));
+#else
   return e4m3_encode_scaled(x, int32_t((s >> 23) & 0xffu) - 127);
+#endif
 }
 
 // Exact in fp32 (a product by a power of two, no rounding) as long as subnormal results, which

@@ -6,6 +6,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <type_traits>
 
 #include "common/dispatch_dtype.h"
 #include "common/fp8_blockwise.h"
@@ -61,23 +63,45 @@ __global__ void dequantize_blocks_kernel(const uint8_t* q, const float* scale, i
   }
 }
 
+// The quantizers' 16-byte loads of 2-byte elements: rows of a multiple of 8 elements (K and the
+// stride), 16-byte aligned bases (then the codes' rows, K bytes each, are 8-byte aligned).
+bool vector_loads(const TensorView& src, int64_t K, const void* codes) {
+  return K % 8 == 0 && src.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(src.data()) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(codes) % 16 == 0;
+}
+
 template <typename E>
 void launch_rowwise(const Fp8QuantizeParams& p, cudaStream_t s) {
   const int64_t T = p.src.size(0), K = p.src.size(1);
-  cuda::fp8::quantize_rowwise_kernel<E><<<blocks_for(T * fp8_tiles(K), 8), 256, 0, s>>>(
-      p.groups.offsets, p.groups.num_groups, p.src.data_as<const E>(), p.src.stride(0), T, K,
-      p.dst.data.data_as<uint8_t>(), p.dst.scale.data_as<float>());
+  auto launch = [&](auto vec) {
+    cuda::fp8::quantize_rowwise_kernel<E, decltype(vec)::value>
+        <<<blocks_for(T * fp8_tiles(K), 256 / cuda::fp8::kRowThreads), 256, 0, s>>>(
+            p.groups.offsets, p.groups.num_groups, p.src.data_as<const E>(), p.src.stride(0), T, K,
+            p.dst.data.data_as<uint8_t>(), p.dst.scale.data_as<float>());
+  };
+  if constexpr (sizeof(E) == 2) {
+    if (vector_loads(p.src, K, p.dst.data.data())) return launch(std::true_type{});
+  }
+  launch(std::false_type{});
 }
 
 template <typename E>
 void launch_columnwise(const Fp8QuantizeParams& p, cudaStream_t s) {
   const int64_t T = p.src.size(0), C = p.src.size(1), G = p.groups.num_groups;
+  // 16 codes a store: columns and tile bases are multiples of 128, the base must be 16-byte aligned.
+  ST_CHECK_ARG(reinterpret_cast<uintptr_t>(p.dst.data.data()) % 16 == 0, "columnwise codes", "a 16-byte aligned base",
+               "an address of " + std::to_string(reinterpret_cast<uintptr_t>(p.dst.data.data()) % 16) + " mod 16");
   const dim3 grid(unsigned(fp8_columnwise_max_tiles(T, G)),
                   unsigned((C + cuda::fp8::kColChannels - 1) / cuda::fp8::kColChannels));
-  cuda::fp8::quantize_columnwise_kernel<E><<<grid, 256, 0, s>>>(p.groups.offsets, G, p.src.data_as<const E>(),
-                                                                p.src.stride(0), C, p.dst.data.size(1),
-                                                                p.dst.data.data_as<uint8_t>(),
-                                                                p.dst.scale.data_as<float>());
+  auto launch = [&](auto vec) {
+    cuda::fp8::quantize_columnwise_kernel<E, decltype(vec)::value><<<grid, 256, 0, s>>>(
+        p.groups.offsets, G, p.src.data_as<const E>(), p.src.stride(0), C, p.dst.data.size(1),
+        p.dst.data.data_as<uint8_t>(), p.dst.scale.data_as<float>());
+  };
+  if constexpr (sizeof(E) == 2) {
+    if (vector_loads(p.src, C, p.dst.data.data())) return launch(std::true_type{});
+  }
+  launch(std::false_type{});
 }
 
 template <typename E>

@@ -4,11 +4,12 @@
 // G only, so a captured graph replays with new splits. A tile's amax is a reduction of a
 // maximum, exact in any order: the results are deterministic.
 //
-//   rowwise     one warp per (row, 128-channel tile): each lane holds 4 channels, the amax a
-//               shuffle reduction; codes [T, K], scales grouped M-major
-//   columnwise  one block per (128-token tile, 32 channels): the tile staged in shared memory,
+//   rowwise     16 threads per (row, 128-channel tile), 8 channels each (16-byte loads), the
+//               amax a shuffle reduction; codes [T, K], scales grouped M-major
+//   columnwise  one block per (128-token tile, 64 channels): the tile staged in shared memory,
 //               a channel's amax over its 128 tokens, codes written transposed ([C, columns],
-//               tokens contiguous), the rest of an expert's last tile zero codes
+//               tokens contiguous, 16 bytes a store), the rest of an expert's last tile zero codes
+// Both are bound by memory traffic once the encoding is the hardware's (fp8_quantize).
 //   weights     one block per (expert, 128 x 128 block): both copies (W and W^T) and both grids
 #pragma once
 
@@ -30,51 +31,88 @@ __device__ inline float warp_amax(float a) {
   return a;
 }
 
-// Rows [0, S) of src [T, K] (row stride src_ld): codes q [T, K], scales (fp8_rowwise_scale_index).
-template <typename E>
+// Eight consecutive elements k0 .. k0 + 7 of a row as fp32, zeros past K. kVec: one 16-byte load
+// (the caller checked that E is 2 bytes, K and the row stride multiples of 8, the base 16-byte
+// aligned; k0 is a multiple of 8, so k0 < K means all eight are in the row).
+template <typename E, bool kVec>
+__device__ inline void load8(const E* row, int64_t k0, int64_t K, float (&v)[8]) {
+  if constexpr (kVec) {
+    if (k0 < K) {
+      Pack<E, 8> p;
+      p.load(row + k0);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] = p.v[i];
+      return;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = 0.f;
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = k0 + i < K ? load_f32(row, k0 + i) : 0.f;
+  }
+}
+
+// Rowwise: rows [0, S) of src [T, K] (row stride src_ld): codes q [T, K], scales
+// (fp8_rowwise_scale_index). Sixteen threads a (row, 128-channel tile), eight channels each; the
+// tile's amax a shuffle reduction within the half warp (its two tiles may leave the loop apart:
+// the masks are the halves'). kVec: 16-byte loads, 8-byte code stores (also K a multiple of 8).
+constexpr int kRowThreads = 16;
+template <typename E, bool kVec>
 __global__ void __launch_bounds__(256) quantize_rowwise_kernel(const int64_t* offsets, int64_t G, const E* src,
                                                                int64_t src_ld, int64_t T, int64_t K, uint8_t* q,
                                                                float* scale) {
   const int64_t KB = fp8_tiles(K);
-  const int lane = int(threadIdx.x) % 32;
+  const int sub = int(threadIdx.x) % kRowThreads;
+  const unsigned half = 0xffffu << (threadIdx.x & 16u);
   const int64_t S = offsets[G];
-  for (int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; w < T * KB;
-       w += int64_t(gridDim.x) * blockDim.x / 32) {
+  for (int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kRowThreads; w < T * KB;
+       w += int64_t(gridDim.x) * blockDim.x / kRowThreads) {
     const int64_t r = w / KB, kb = w % KB;
-    if (r >= S) break;  // warps walk rows in order: every later one is in the tail too
-    const E* row = src + r * src_ld;
-    float v[4];
+    if (r >= S) break;  // tiles walk rows in order: every later one is in the tail too
+    const int64_t k0 = kb * kTile + sub * 8;
+    float v[8];
+    load8<E, kVec>(src + r * src_ld, k0, K, v);
     float amax = 0.f;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int64_t k = kb * kTile + i * 32 + lane;
-      v[i] = k < K ? load_f32(row, k) : 0.f;
-      amax = fp8_amax(amax, v[i]);
-    }
-    amax = warp_amax(amax);
-    const float s = fp8_scale(amax);
+    for (int i = 0; i < 8; ++i) amax = fp8_amax(amax, v[i]);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int64_t k = kb * kTile + i * 32 + lane;
-      if (k < K) q[r * K + k] = fp8_quantize(v[i], s);
+    for (int o = kRowThreads / 2; o > 0; o /= 2) amax = fp8_amax(amax, __shfl_xor_sync(half, amax, o));
+    const float s = fp8_scale(amax);
+    uint8_t* out = q + r * K + k0;
+    if constexpr (kVec) {
+      if (k0 < K) {
+        uint32_t lo = 0, hi = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          lo |= uint32_t(fp8_quantize(v[i], s)) << (8 * i);
+          hi |= uint32_t(fp8_quantize(v[i + 4], s)) << (8 * i);
+        }
+        *reinterpret_cast<uint2*>(out) = make_uint2(lo, hi);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        if (k0 + i < K) out[i] = fp8_quantize(v[i], s);
     }
-    if (lane == 0) {
+    if (sub == 0) {
       const int64_t g = group_of_row(offsets, G, r);
       scale[fp8_rowwise_scale_index(offsets[g], offsets[g + 1] - offsets[g], KB, r, kb)] = s;
     }
   }
 }
 
-// Columnwise: grid (max tiles, ceil(C / 32)); block 256 = 8 warps, each warp 16 of the tile's 128
-// tokens. A block past the experts' tiles returns.
-constexpr int kColChannels = 32;
-template <typename E>
+// Columnwise: grid (max tiles, ceil(C / 64)); block 256. The block's (128-token tile of one
+// expert, 64 channels) is staged in shared memory (rows loaded eight channels a thread, 16-byte
+// loads with kVec), then each channel's 128 tokens are eight threads' 16 (adjacent lanes: the
+// amax a 3-step shuffle), written as 16 codes in one 16-byte store (columns and the tile base
+// are multiples of 128), tokens past the expert's rows zero codes. A block past the experts'
+// tiles returns.
+constexpr int kColChannels = 64;
+template <typename E, bool kVec>
 __global__ void __launch_bounds__(256) quantize_columnwise_kernel(const int64_t* offsets, int64_t G, const E* src,
                                                                   int64_t src_ld, int64_t C, int64_t columns,
                                                                   uint8_t* q, float* scale) {
   __shared__ float tile[kTile][kColChannels + 1];
-  __shared__ float amax_part[8][kColChannels];
-  __shared__ float tile_scale[kColChannels];
   // The expert owning this tile and the tile's place in it: the experts' tiles in order.
   const int64_t global_tile = blockIdx.x;
   int64_t g = 0, base = 0;
@@ -85,32 +123,38 @@ __global__ void __launch_bounds__(256) quantize_columnwise_kernel(const int64_t*
   }
   if (g == G) return;
   const int64_t begin = offsets[g], rows = offsets[g + 1] - begin, t = global_tile - base;
-  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
-  const int64_t c = int64_t(blockIdx.y) * kColChannels + lane;
-  float amax = 0.f;
-  for (int i = warp; i < kTile; i += 8) {  // token i of the tile, channel c
-    const int64_t r = t * kTile + i;
-    const float v = r < rows && c < C ? load_f32(src + (begin + r) * src_ld, c) : 0.f;
-    tile[i][lane] = v;
-    amax = fp8_amax(amax, v);
-  }
-  amax_part[warp][lane] = amax;
-  __syncthreads();
-  if (warp == 0) {
-    float a = 0.f;
-    for (int w = 0; w < 8; ++w) a = fp8_amax(a, amax_part[w][lane]);
-    const float s = fp8_scale(a);
-    tile_scale[lane] = s;
-    if (c < C) scale[fp8_columnwise_scale_index(base, t, C, c)] = s;
+  const int64_t c0 = int64_t(blockIdx.y) * kColChannels;
+  const int tid = int(threadIdx.x);
+  for (int i = tid / 8; i < kTile; i += 32) {  // row i of the tile, channels c0 + (tid % 8) * 8 ..
+    const int cc = (tid % 8) * 8;
+    float v[8];
+    if (t * kTile + i < rows) {
+      load8<E, kVec>(src + (begin + t * kTile + i) * src_ld, c0 + cc, C, v);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) v[k] = 0.f;
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) tile[i][cc + k] = v[k];
   }
   __syncthreads();
-  // Codes, transposed: warp w writes channels w, w + 8, ..., lanes along the 128 tokens (4 each);
-  // tokens past the expert's rows are zero codes.
-  for (int j = warp; j < kColChannels; j += 8) {
-    const int64_t cj = int64_t(blockIdx.y) * kColChannels + j;
-    if (cj >= C) break;
-    uint8_t* out = q + fp8_columnwise_data_index(columns, base, begin, begin + t * kTile, cj);
-    for (int i = lane; i < kTile; i += 32) out[i] = t * kTile + i < rows ? fp8_quantize(tile[i][j], tile_scale[j]) : 0;
+  for (int j = tid / 8; j < kColChannels; j += 32) {  // channel c0 + j, tokens i0 .. i0 + 15
+    const int i0 = (tid % 8) * 16;
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) amax = fp8_amax(amax, tile[i0 + i][j]);
+#pragma unroll
+    for (int o = 4; o > 0; o /= 2) amax = fp8_amax(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float s = fp8_scale(amax);
+    const int64_t c = c0 + j;
+    if (c >= C) continue;  // the same for the eight threads of the channel, after the shuffles
+    uint32_t w[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+      if (t * kTile + i0 + i < rows) w[i / 4] |= uint32_t(fp8_quantize(tile[i0 + i][j], s)) << (8 * (i % 4));
+    *reinterpret_cast<uint4*>(q + fp8_columnwise_data_index(columns, base, begin, begin + t * kTile + i0, c)) =
+        make_uint4(w[0], w[1], w[2], w[3]);
+    if (tid % 8 == 0) scale[fp8_columnwise_scale_index(base, t, C, c)] = s;
   }
 }
 
