@@ -102,13 +102,4 @@ inline int64_t attention_spin_limit_ns() {
   return (ms > 0 ? ms : 10000) * 1000000;
 }
 
-// The backward's dQ adds (bulk reduce-adds into the fp32 accumulator) with an L2 evict-last hint
-// (FlashAttention-3's; FA4 has it commented out): a q tile's accumulator is added to by every
-// column that visits it, so keeping it in L2 may save its re-reads from HBM on short columns. Off
-// unless SPARSETRAIN_ATTN_DQ_EVICT_LAST=1, until an A / B on the GPU says it pays.
-inline bool attention_dq_evict_last() {
-  const char* v = std::getenv("SPARSETRAIN_ATTN_DQ_EVICT_LAST");
-  return v != nullptr && std::string(v) == "1";
-}
-
 }  // namespace sparsetrain::cuda::tuning

@@ -63,14 +63,3 @@ TEST(Sm90Tuning, EnvironmentOverridesOnlyValidValues) {
   unsetenv("SPARSETRAIN_SM90_RASTER");
   unsetenv("SPARSETRAIN_SM90_SWIZZLE");
 }
-
-TEST(AttentionTuning, DqEvictLastOnlyWhenAskedFor) {
-  namespace tuning = sparsetrain::cuda::tuning;
-  unsetenv("SPARSETRAIN_ATTN_DQ_EVICT_LAST");
-  EXPECT_FALSE(tuning::attention_dq_evict_last());
-  setenv("SPARSETRAIN_ATTN_DQ_EVICT_LAST", "1", 1);
-  EXPECT_TRUE(tuning::attention_dq_evict_last());
-  setenv("SPARSETRAIN_ATTN_DQ_EVICT_LAST", "0", 1);
-  EXPECT_FALSE(tuning::attention_dq_evict_last());
-  unsetenv("SPARSETRAIN_ATTN_DQ_EVICT_LAST");
-}

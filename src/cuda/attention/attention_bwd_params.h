@@ -72,7 +72,6 @@ struct BwdArgs {
   int32_t grid;             // persistent CTAs
   bool deterministic;
   int64_t spin_limit_ns;    // a dQ wait longer than this reports and gives up (no hang)
-  bool dq_evict_last;       // the dQ adds with an L2 evict-last hint (tuning.h)
 };
 
 // The token at mask position `pos` of batch b: -1 for a padding position or one at or past

@@ -342,7 +342,6 @@ class AttentionCuda final : public backend::AttentionBackend {
     }
     a.deterministic = bp.deterministic;
     a.spin_limit_ns = cuda::tuning::attention_spin_limit_ns();
-    a.dq_evict_last = cuda::tuning::attention_dq_evict_last();
     dispatch_bwd(p.dtype, p.head_dim, a, bp.dq.data(), stream.handle);
 
   }

@@ -66,17 +66,6 @@ __device__ __forceinline__ void bulk_reduce_add(float* gmem, const float* smem, 
                : "memory");
 }
 
-// The same add, its global lines marked evict-last in L2 (the policy made by createpolicy).
-__device__ __forceinline__ void bulk_reduce_add_evict_last(float* gmem, const float* smem, uint32_t bytes) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.L2::cache_hint.add.f32 [%0], [%1], %2, %3;" ::"l"(
-                   gmem),
-               "r"(s), "r"(bytes), "l"(policy)
-               : "memory");
-}
-
 // Waits until at most N bulk groups of this thread are pending (their global writes included).
 template <int N>
 __device__ __forceinline__ void bulk_wait() {
@@ -122,7 +111,6 @@ __device__ void bwd_write_dq(const typename T::Params& p, typename T::SharedStor
       float* dst = a.dq_accum + int64_t(tile) * (T::kBlockM * T::kHeadDim);
       const float* src = ss.dq.data() + buf * (T::kBlockM * T::kHeadDim);
       if (store) bulk_store(dst, src, T::kDqBytes);
-      else if (a.dq_evict_last) bulk_reduce_add_evict_last(dst, src, T::kDqBytes);
       else bulk_reduce_add(dst, src, T::kDqBytes);
       tma_store_arrive();
       tma_store_wait<0>();  // shared memory read: the buffer goes back to the consumers at once

@@ -252,7 +252,7 @@ __device__ void bwd_compute(const typename T::Params& p, typename T::SharedStora
         const float lse = ss.lse[st][get<1>(S_coord(0, j))];
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size<0>(S); ++i)
-          S(i, j) = fast_exp2(S(i, j) * scale_log2 - lse);
+          S(i, j) = S(i, j) == -INFINITY ? 0.f : fast_exp2(S(i, j) * scale_log2 - lse);
       }
       warpgroup_wait<0>();
       warpgroup_fence_operand(tPrP);
