@@ -5,8 +5,8 @@ tokens concatenated in rank order: out, dx, dlogits and every expert's weight gr
 from the ranks) must be bitwise equal. Cases: fp32 and bf16, softmax and sigmoid, top_k 1 and 2, token counts per rank
 that are multiples of nothing (one rank with none), empty experts, a rank whose tokens all go to
 other ranks and a rank that receives no rows, single grouped weights with main_grad and delayed
-wgrad. Each world size is launched once for all its cases (processes cost seconds to start);
-the exchanges' receive buffers are poisoned with NaN; a failing rank fails its case with the
+wgrad, the experts in FP8 (blockwise e4m3). Each world size is launched once for all its cases
+(processes cost seconds to start); the exchanges' receive buffers are poisoned with NaN; a failing rank fails its case with the
 rank's traceback, and a launch that outlives its timeout (a deadlock) fails every case left.
 exchange="symmetric_memory" (torch's NVSHMEM all-to-all with device splits): the same cases on
 GPUs where NVSHMEM is available (its symmetric buffers poisoned too, capacity above every rank's
@@ -37,6 +37,7 @@ import sparsetrain.torch as stt  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 H, F = 16, 8
+FP8_F = 16  # the FP8 recipe's features are multiples of 16 (fc2's in)
 LAUNCH_TIMEOUT_S = 240  # 4 processes on CI's 2 cores; a deadlock ends here, not in CI's own timeout
 
 
@@ -53,6 +54,7 @@ class Case(NamedTuple):
     expert_bias: bool = False
     grouped_main_grad_delayed: bool = False  # single_grouped_weight, bias, main_grad, delayed wgrad
     seed: int = 0
+    fp8: bool = False  # the experts in FP8 (bf16, no bias, ffn FP8_F)
 
 
 CASES = [
@@ -69,6 +71,8 @@ CASES = [
     Case("fp32_softmax_k2_E4_N3_0_8_5", 4, "float32", "softmax", 2, 4, (3, 0, 8, 5), seed=9),
     Case("bf16_sigmoid_k2_E12_grouped_main_grad_delayed", 4, "bfloat16", "sigmoid", 2, 12, (9, 4, 7, 5),
          grouped_main_grad_delayed=True, seed=10),
+    Case("bf16_softmax_k2_E4_N13_7_fp8", 2, "bfloat16", "softmax", 2, 4, (13, 7), normalize=True, seed=11, fp8=True),
+    Case("bf16_sigmoid_k2_E8_skewed_fp8", 4, "bfloat16", "sigmoid", 2, 8, (6, 3, 11, 2), "skewed", seed=12, fp8=True),
 ]
 
 
@@ -139,10 +143,11 @@ def _layers(case, device, exchange):
     fused = case.grouped_main_grad_delayed
     options = dict(score=case.score, normalize=case.normalize, params_dtype=getattr(torch, case.dtype),
                    bias=fused, single_grouped_weight=fused, fuse_wgrad_accumulation=fused, delay_wgrad_compute=fused,
-                   device=device)
+                   device=device, fp8=case.fp8)
+    ffn = FP8_F if case.fp8 else F
     torch.manual_seed(case.seed)
-    full = stt.MoELayer(case.num_experts, H, F, case.top_k, **options)
-    ep = stt.ExpertParallelMoELayer(case.num_experts, H, F, case.top_k, **options, **_exchange_options(case, exchange))
+    full = stt.MoELayer(case.num_experts, H, ffn, case.top_k, **options)
+    ep = stt.ExpertParallelMoELayer(case.num_experts, H, ffn, case.top_k, **options, **_exchange_options(case, exchange))
     ep.load_full_state_dict(full.state_dict())
     if fused:
         for p in list(full.experts.parameters()) + list(ep.experts.parameters()):
