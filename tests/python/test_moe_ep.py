@@ -6,8 +6,8 @@ from the ranks) must be bitwise equal. Cases: fp32 and bf16, softmax and sigmoid
 that are multiples of nothing (one rank with none), empty experts, a rank whose tokens all go to
 other ranks and a rank that receives no rows, single grouped weights with main_grad and delayed
 wgrad, the experts in FP8 (blockwise e4m3). Each world size is launched once for all its cases
-(processes cost seconds to start); the exchanges' receive buffers are poisoned with NaN; a failing rank fails its case with the
-rank's traceback, and a launch that outlives its timeout (a deadlock) fails every case left.
+(processes cost seconds to start); the exchanges' receive buffers are poisoned with NaN; a
+failing rank fails its case with the rank's traceback, and a launch that outlives its timeout (a deadlock) fails every case left.
 exchange="symmetric_memory" (torch's NVSHMEM all-to-all with device splits): the same cases on
 GPUs where NVSHMEM is available (its symmetric buffers poisoned too, capacity above every rank's
 tokens so the padded tail is exercised), N > max_tokens_per_rank refused before anything runs,
@@ -147,7 +147,8 @@ def _layers(case, device, exchange):
     ffn = FP8_F if case.fp8 else F
     torch.manual_seed(case.seed)
     full = stt.MoELayer(case.num_experts, H, ffn, case.top_k, **options)
-    ep = stt.ExpertParallelMoELayer(case.num_experts, H, ffn, case.top_k, **options, **_exchange_options(case, exchange))
+    ep = stt.ExpertParallelMoELayer(case.num_experts, H, ffn, case.top_k, **options,
+                                    **_exchange_options(case, exchange))
     ep.load_full_state_dict(full.state_dict())
     if fused:
         for p in list(full.experts.parameters()) + list(ep.experts.parameters()):
