@@ -7,7 +7,8 @@ that are multiples of nothing (one rank with none), empty experts, a rank whose 
 other ranks and a rank that receives no rows, single grouped weights with main_grad and delayed
 wgrad, the experts in FP8 (blockwise e4m3). Each world size is launched once for all its cases
 (processes cost seconds to start); the exchanges' receive buffers are poisoned with NaN; a
-failing rank fails its case with the rank's traceback, and a launch that outlives its timeout (a deadlock) fails every case left.
+failing rank fails its case with the rank's traceback, and a launch that outlives its timeout (a
+deadlock) fails every case left.
 exchange="symmetric_memory" (torch's NVSHMEM all-to-all with device splits): the same cases on
 GPUs where NVSHMEM is available (its symmetric buffers poisoned too, capacity above every rank's
 tokens so the padded tail is exercised), N > max_tokens_per_rank refused before anything runs,
