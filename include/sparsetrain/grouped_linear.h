@@ -23,6 +23,7 @@ namespace sparsetrain {
 namespace ops {
 struct Fp8Layer;
 struct Fp8WeightCache;
+struct Fp8Operand;
 }  // namespace ops
 
 // One parameter of G groups: G views of the per-group shape, or one packed view [G, ...].
@@ -162,9 +163,10 @@ class GroupedLinear {
     Splits splits;
     std::shared_ptr<const void> keep_alive;  // CallArgs::keep_alive of the backward
   };
-  // wgrad and bias grad with the group offsets already in the workspace.
+  // wgrad and bias grad with the group offsets already in the workspace. dy_columnwise: FP8, dy's
+  // wgrad layout when the dgrad's quantization already wrote it (else quantized here).
   GroupedLinearGrads compute_wgrad(const TensorView& x, const TensorView& dy, const int64_t* offsets,
-                                   void* scratch, Stream stream);
+                                   void* scratch, Stream stream, const ops::Fp8Operand* dy_columnwise = nullptr);
   // What the FP8 GEMMs read of the layer (ops/grouped_linear_fp8.h), at a call's weight version.
   ops::Fp8Layer fp8_layer(uint64_t weight_version);
   // A zero tensor of the weight's shape: the cached one, or a new one (CallArgs::cache_dummy_wgrad).

@@ -35,6 +35,15 @@ struct Fp8QuantizeParams {
   Fp8Tensor dst;
 };
 
+// Both layouts of src [T, K] from one read of it (a gradient that dgrad reads rowwise and wgrad
+// columnwise): bitwise what quantize_rowwise into `rowwise` and quantize_columnwise into
+// `columnwise` write.
+struct Fp8QuantizeBothParams {
+  Fp8Groups groups;
+  TensorView src;
+  Fp8Tensor rowwise, columnwise;
+};
+
 // The inverse: dst fp32 [T, K] (any strides) gets rows below S, exactly.
 struct Fp8DequantizeParams {
   Fp8Groups groups;
@@ -82,6 +91,7 @@ class Fp8BlockwiseBackend {
 
   virtual void quantize_rowwise(const Fp8QuantizeParams& p, Stream stream) = 0;
   virtual void quantize_columnwise(const Fp8QuantizeParams& p, Stream stream) = 0;
+  virtual void quantize_both(const Fp8QuantizeBothParams& p, Stream stream) = 0;
   virtual void quantize_weights(const Fp8WeightQuantizeParams& p, Stream stream) = 0;
   virtual void dequantize_rowwise(const Fp8DequantizeParams& p, Stream stream) = 0;
   virtual void dequantize_columnwise(const Fp8DequantizeParams& p, Stream stream) = 0;

@@ -188,7 +188,8 @@ Tensor GroupedLinear::dummy_wgrad(bool cached, Stream stream) {
 }
 
 GroupedLinearGrads GroupedLinear::compute_wgrad(const TensorView& x, const TensorView& dy,
-                                                const int64_t* offsets, void* scratch, Stream stream) {
+                                                const int64_t* offsets, void* scratch, Stream stream,
+                                                const ops::Fp8Operand* dy_columnwise) {
   const GroupedLinearOptions& o = options_;
   const int64_t G = o.num_groups;
   GroupedLinearBackend& be = backend_for(device(), "x");
@@ -219,7 +220,8 @@ GroupedLinearGrads GroupedLinear::compute_wgrad(const TensorView& x, const Tenso
     grads.bias_grad = Tensor::empty(o.dtype, {G, o.out_features}, device(), *allocator_, stream);
     for (int64_t g = 0; g < G; ++g) p.db.push_back(grads.bias_grad.view().select(g));
   }
-  if (o.fp8 != Fp8Recipe::kOff) ops::fp8_wgrad(fp8_layer(0), x, dy, offsets, p.target, p.dw, scratch, stream);
+  if (o.fp8 != Fp8Recipe::kOff)
+    ops::fp8_wgrad(fp8_layer(0), x, dy, offsets, p.target, p.dw, scratch, stream, dy_columnwise);
   else be.wgrad(p, scratch, stream);
   return grads;
 }
@@ -248,10 +250,13 @@ GroupedLinearGrads GroupedLinear::backward(const TensorView& x, const TensorView
                          : Tensor::empty(o.dtype, {T, o.in_features}, dev, *allocator_, args.stream);
   CallWorkspace ws(plan, args.workspace, dev, *allocator_, args.stream);
   const bool zero_tail = !grad_input.defined() && ops::has_tail_rows(S, T);
-  if (o.fp8 != Fp8Recipe::kOff) {  // its kernels read the offsets from the device: none folded
+  // FP8 with the wgrad now: dy's two layouts from one read, by the dgrad's quantization.
+  ops::Fp8Operand dy_columnwise;
+  const bool fp8 = o.fp8 != Fp8Recipe::kOff, fp8_wgrad_now = fp8 && !o.delay_wgrad_compute;
+  if (fp8) {  // its kernels read the offsets from the device: none folded
     ops::prepare_offsets(splits, T, ws.offsets, ws.status, be, dev, args.stream);
     ops::fp8_dgrad(fp8_layer(args.weight_version), dy, ws.offsets, grads.grad_input.view(), zero_tail, ws.scratch,
-                   args.stream);
+                   args.stream, fp8_wgrad_now ? &dy_columnwise : nullptr);
   } else {
     std::vector<int64_t> host_offsets;  // dgrad's first kernel writes them; wgrad's then read them
     const int64_t* fold =
@@ -267,7 +272,8 @@ GroupedLinearGrads GroupedLinear::backward(const TensorView& x, const TensorView
   if (o.delay_wgrad_compute) {
     pending_.push_back({x, dy, splits, args.keep_alive});  // references: the caller keeps x and dy alive
   } else {
-    GroupedLinearGrads w = compute_wgrad(x, dy, ws.offsets, ws.scratch, args.stream);
+    GroupedLinearGrads w =
+        compute_wgrad(x, dy, ws.offsets, ws.scratch, args.stream, fp8_wgrad_now ? &dy_columnwise : nullptr);
     if (disp.weight == WeightGradKind::kWgrad) grads.weight = std::move(w.weight);
     if (disp.bias_grad_now) grads.bias_grad = std::move(w.bias_grad);
   }

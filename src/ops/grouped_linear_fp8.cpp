@@ -10,12 +10,6 @@
 
 namespace sparsetrain::ops {
 
-// A quantized operand that owns its codes and scales.
-struct Quantized {
-  Tensor data, scale;
-  backend::Fp8Tensor view() const { return {data.view(), scale.view()}; }
-};
-
 namespace {
 
 backend::Fp8BlockwiseBackend& fp8_backend(Device device) {
@@ -23,23 +17,31 @@ backend::Fp8BlockwiseBackend& fp8_backend(Device device) {
                       ST_CUDA_BACKEND(backend::fp8_blockwise_cuda_backend));
 }
 
-Quantized quantized(const Fp8Layer& l, std::initializer_list<int64_t> data_shape, int64_t scales, Stream stream) {
+Fp8Operand quantized(const Fp8Layer& l, std::initializer_list<int64_t> data_shape, int64_t scales, Stream stream) {
   return {Tensor::empty(DType::kUInt8, data_shape, l.device, l.alloc, stream),
           Tensor::empty(DType::kFP32, {std::max<int64_t>(scales, 1)}, l.device, l.alloc, stream)};
 }
 
 backend::Fp8Groups groups(const Fp8Layer& l, const int64_t* offsets) { return {l.options.num_groups, offsets}; }
 
-Quantized rowwise(const Fp8Layer& l, const TensorView& src, const int64_t* offsets, Stream stream) {
+Fp8Operand rowwise_buffers(const Fp8Layer& l, const TensorView& src, Stream stream) {
   const int64_t T = src.size(0), K = src.size(1);
-  Quantized q = quantized(l, {T, K}, fp8_rowwise_scale_count(T, K), stream);
+  return quantized(l, {T, K}, fp8_rowwise_scale_count(T, K), stream);
+}
+
+Fp8Operand rowwise(const Fp8Layer& l, const TensorView& src, const int64_t* offsets, Stream stream) {
+  Fp8Operand q = rowwise_buffers(l, src, stream);
   fp8_backend(l.device).quantize_rowwise({groups(l, offsets), src, q.view()}, stream);
   return q;
 }
 
-Quantized columnwise(const Fp8Layer& l, const TensorView& src, const int64_t* offsets, Stream stream) {
+Fp8Operand columnwise_buffers(const Fp8Layer& l, const TensorView& src, Stream stream) {
   const int64_t T = src.size(0), C = src.size(1), G = l.options.num_groups;
-  Quantized q = quantized(l, {C, fp8_columnwise_columns(T, G)}, fp8_columnwise_scale_count(T, C, G), stream);
+  return quantized(l, {C, fp8_columnwise_columns(T, G)}, fp8_columnwise_scale_count(T, C, G), stream);
+}
+
+Fp8Operand columnwise(const Fp8Layer& l, const TensorView& src, const int64_t* offsets, Stream stream) {
+  Fp8Operand q = columnwise_buffers(l, src, stream);
   fp8_backend(l.device).quantize_columnwise({groups(l, offsets), src, q.view()}, stream);
   return q;
 }
@@ -49,9 +51,9 @@ Quantized columnwise(const Fp8Layer& l, const TensorView& src, const int64_t* of
 // Every expert's weight and its transposed copy, packed ([G, out, in] and [G, in, out] codes,
 // [G, blocks] grids): four allocations whatever G.
 struct QuantizedWeights {
-  Quantized w, wt;
+  Fp8Operand w, wt;
   std::vector<backend::Fp8Tensor> per_group(bool transposed, const GroupedLinearOptions& o) const {
-    const Quantized& q = transposed ? wt : w;
+    const Fp8Operand& q = transposed ? wt : w;
     const int64_t rows = transposed ? o.in_features : o.out_features, cols = transposed ? o.out_features : o.in_features;
     const int64_t blocks = fp8_block_scale_count(rows, cols);
     std::vector<backend::Fp8Tensor> v;
@@ -106,24 +108,35 @@ size_t fp8_scratch_bytes(const GroupedLinearOptions& o, int64_t T, Device device
 
 void fp8_fprop(const Fp8Layer& l, const TensorView& x, const int64_t* offsets, const TensorView& y, bool zero_tail,
                void* scratch, Stream stream) {
-  const Quantized xq = rowwise(l, x, offsets, stream);
+  const Fp8Operand xq = rowwise(l, x, offsets, stream);
   const auto w = weights(l, stream);
   fp8_backend(l.device).fprop({problem(l, x.size(0), offsets), xq.view(), w->per_group(false, l.options), y, zero_tail},
                               scratch, stream);
 }
 
 void fp8_dgrad(const Fp8Layer& l, const TensorView& dy, const int64_t* offsets, const TensorView& dx,
-               bool zero_tail, void* scratch, Stream stream) {
-  const Quantized dyq = rowwise(l, dy, offsets, stream);
+               bool zero_tail, void* scratch, Stream stream, Fp8Operand* dy_columnwise) {
+  Fp8Operand dyq;
+  if (dy_columnwise) {
+    dyq = rowwise_buffers(l, dy, stream);
+    *dy_columnwise = columnwise_buffers(l, dy, stream);
+    fp8_backend(l.device).quantize_both({groups(l, offsets), dy, dyq.view(), dy_columnwise->view()}, stream);
+  } else {
+    dyq = rowwise(l, dy, offsets, stream);
+  }
   const auto w = weights(l, stream);
   fp8_backend(l.device).dgrad(
       {problem(l, dy.size(0), offsets), dyq.view(), w->per_group(true, l.options), dx, zero_tail}, scratch, stream);
 }
 
 void fp8_wgrad(const Fp8Layer& l, const TensorView& x, const TensorView& dy, const int64_t* offsets,
-               backend::WgradTarget target, const std::vector<TensorView>& dw, void* scratch, Stream stream) {
-  const Quantized xc = columnwise(l, x, offsets, stream), dyc = columnwise(l, dy, offsets, stream);
-  fp8_backend(l.device).wgrad({problem(l, x.size(0), offsets), xc.view(), dyc.view(), target, dw}, scratch, stream);
+               backend::WgradTarget target, const std::vector<TensorView>& dw, void* scratch, Stream stream,
+               const Fp8Operand* dy_columnwise) {
+  const Fp8Operand xc = columnwise(l, x, offsets, stream);
+  const Fp8Operand dyc = dy_columnwise ? Fp8Operand{} : columnwise(l, dy, offsets, stream);
+  fp8_backend(l.device).wgrad(
+      {problem(l, x.size(0), offsets), xc.view(), (dy_columnwise ? *dy_columnwise : dyc).view(), target, dw}, scratch,
+      stream);
 }
 
 }  // namespace sparsetrain::ops

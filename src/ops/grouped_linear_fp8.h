@@ -38,13 +38,22 @@ void check_fp8_layer(const GroupedLinearOptions& o, bool has_bias);
 // Scratch of the FP8 GEMMs for T rows (the quantized operands are allocated apart).
 size_t fp8_scratch_bytes(const GroupedLinearOptions& o, int64_t T, Device device);
 
+// A quantized operand that owns its codes and scales (from the layer's allocator).
+struct Fp8Operand {
+  Tensor data, scale;
+  backend::Fp8Tensor view() const { return {data.view(), scale.view()}; }
+};
+
 // y = x W^T, dx = dy W, dW = dy^T x per group, as the backend's fprop / dgrad / wgrad. offsets:
-// the call's device-resident group offsets [G + 1].
+// the call's device-resident group offsets [G + 1]. dy_columnwise (dgrad): where given, dy's wgrad
+// layout is written there from the same read of dy (quantize_both); wgrad then takes it instead
+// of quantizing dy again.
 void fp8_fprop(const Fp8Layer& l, const TensorView& x, const int64_t* offsets, const TensorView& y, bool zero_tail,
                void* scratch, Stream stream);
 void fp8_dgrad(const Fp8Layer& l, const TensorView& dy, const int64_t* offsets, const TensorView& dx,
-               bool zero_tail, void* scratch, Stream stream);
+               bool zero_tail, void* scratch, Stream stream, Fp8Operand* dy_columnwise = nullptr);
 void fp8_wgrad(const Fp8Layer& l, const TensorView& x, const TensorView& dy, const int64_t* offsets,
-               backend::WgradTarget target, const std::vector<TensorView>& dw, void* scratch, Stream stream);
+               backend::WgradTarget target, const std::vector<TensorView>& dw, void* scratch, Stream stream,
+               const Fp8Operand* dy_columnwise = nullptr);
 
 }  // namespace sparsetrain::ops

@@ -80,6 +80,11 @@ class ReferenceFp8Backend final : public Fp8BlockwiseBackend {
   }
 
   // One pass per block writes both copies: a block's scale does not depend on its orientation.
+  // The definition: the two quantizers one after the other (the GPU's reads src once).
+  void quantize_both(const Fp8QuantizeBothParams& p, Stream stream) override {
+    quantize_rowwise({p.groups, p.src, p.rowwise}, stream);
+    quantize_columnwise({p.groups, p.src, p.columnwise}, stream);
+  }
   void quantize_weights(const Fp8WeightQuantizeParams& p, Stream) override {
     for (size_t g = 0; g < p.w.size(); ++g) {
       const TensorView& w = p.w[g];

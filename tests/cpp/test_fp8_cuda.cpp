@@ -1,5 +1,6 @@
 // GPU tests of the FP8 recipe's CUDA backend (skipped, visibly, without a GPU): the quantizers'
-// codes and scales bitwise the CPU reference's (the same rules run on both sides) on fresh random
+// codes and scales (rowwise, columnwise, and both layouts from one read) bitwise the CPU
+// reference's (the same rules run on both sides) on fresh random
 // data with NaN / inf, empty and tiny experts, padded tails and odd widths, outputs poisoned
 // alike; the three GEMMs (where this build has them) against the reference GEMMs on the same
 // quantized operands, within fp32 accumulation order and one bf16 rounding, and bitwise
@@ -60,6 +61,7 @@ const QuantCase kQuantCases[] = {
     {st::DType::kFP32, {257, 0}, 257, 1000},
     {st::DType::kBF16, {0, 0}, 9, 129},  // only a padded tail
     {st::DType::kBF16, {5, 130, 1}, 136, 40},
+    {st::DType::kBF16, {1000, 0, 1, 777}, 1800, 384},  // several 128-channel tiles and many token tiles
 };
 
 HostTensor random_with_nonfinite(const QuantCase& c, uint64_t seed) {
@@ -95,6 +97,13 @@ TEST(Fp8Cuda, QuantizersMatchTheReferenceBitwise) {
     DeviceFp8 col_d(Fp8Operand({c.K, col.data.view().size(1)}, col.scale.numel()));
     cuda_fp8().quantize_columnwise({groups, xd.view(), col_d.view()}, st::Stream{});
     expect_same(col_d, col, "columnwise");
+
+    // Both layouts from one read (bf16 / fp16: one kernel; fp32: the two passes): the same bytes.
+    DeviceFp8 both_row(Fp8Operand({c.T, c.K}, row.scale.numel()));
+    DeviceFp8 both_col(Fp8Operand({c.K, col.data.view().size(1)}, col.scale.numel()));
+    cuda_fp8().quantize_both({groups, xd.view(), both_row.view(), both_col.view()}, st::Stream{});
+    expect_same(both_row, row, "both, rowwise");
+    expect_same(both_col, col, "both, columnwise");
     if (HasFatalFailure()) return;
   }
 }

@@ -70,6 +70,13 @@ bool vector_loads(const TensorView& src, int64_t K, const void* codes) {
          reinterpret_cast<uintptr_t>(codes) % 16 == 0;
 }
 
+// 16 codes a store: columns and tile bases are multiples of 128, the base must be 16-byte aligned.
+void check_columnwise_codes(const Fp8Tensor& codes) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(codes.data.data());
+  ST_CHECK_ARG(a % 16 == 0, "columnwise codes", "a 16-byte aligned base",
+               "an address of " + std::to_string(a % 16) + " mod 16");
+}
+
 template <typename E>
 void launch_rowwise(const Fp8QuantizeParams& p, cudaStream_t s) {
   const int64_t T = p.src.size(0), K = p.src.size(1);
@@ -88,9 +95,7 @@ void launch_rowwise(const Fp8QuantizeParams& p, cudaStream_t s) {
 template <typename E>
 void launch_columnwise(const Fp8QuantizeParams& p, cudaStream_t s) {
   const int64_t T = p.src.size(0), C = p.src.size(1), G = p.groups.num_groups;
-  // 16 codes a store: columns and tile bases are multiples of 128, the base must be 16-byte aligned.
-  ST_CHECK_ARG(reinterpret_cast<uintptr_t>(p.dst.data.data()) % 16 == 0, "columnwise codes", "a 16-byte aligned base",
-               "an address of " + std::to_string(reinterpret_cast<uintptr_t>(p.dst.data.data()) % 16) + " mod 16");
+  check_columnwise_codes(p.dst);
   const dim3 grid(unsigned(fp8_columnwise_max_tiles(T, G)),
                   unsigned((C + cuda::fp8::kColChannels - 1) / cuda::fp8::kColChannels));
   auto launch = [&](auto vec) {
@@ -102,6 +107,26 @@ void launch_columnwise(const Fp8QuantizeParams& p, cudaStream_t s) {
     if (vector_loads(p.src, C, p.dst.data.data())) return launch(std::true_type{});
   }
   launch(std::false_type{});
+}
+
+template <typename E>
+void launch_both(const Fp8QuantizeBothParams& p, cudaStream_t s) {
+  if constexpr (sizeof(E) != 2) {  // fp32: the tile would not fit as read; two passes
+    launch_rowwise<E>({p.groups, p.src, p.rowwise}, s);
+    launch_columnwise<E>({p.groups, p.src, p.columnwise}, s);
+  } else {
+    const int64_t T = p.src.size(0), K = p.src.size(1), G = p.groups.num_groups;
+    check_columnwise_codes(p.columnwise);
+    const dim3 grid(unsigned(fp8_columnwise_max_tiles(T, G)), unsigned(fp8_tiles(K)));
+    auto launch = [&](auto vec) {
+      cuda::fp8::quantize_both_kernel<E, decltype(vec)::value><<<grid, 256, 0, s>>>(
+          p.groups.offsets, G, p.src.data_as<const E>(), p.src.stride(0), K, p.rowwise.data.data_as<uint8_t>(),
+          p.rowwise.scale.data_as<float>(), p.columnwise.data.size(1), p.columnwise.data.data_as<uint8_t>(),
+          p.columnwise.scale.data_as<float>());
+    };
+    if (vector_loads(p.src, K, p.rowwise.data.data())) return launch(std::true_type{});
+    launch(std::false_type{});
+  }
 }
 
 template <typename E>
@@ -164,6 +189,12 @@ class CudaFp8Backend final : public Fp8BlockwiseBackend {
     dispatch_dtype(p.src.dtype(), "CUDA FP8 quantize",
                    [&](auto e) { launch_columnwise<decltype(e)>(p, as_cuda(stream)); });
     ST_CUDA_CHECK(cudaGetLastError(), "quantize_columnwise_kernel launch");
+  }
+  void quantize_both(const Fp8QuantizeBothParams& p, Stream stream) override {
+    if (p.src.size(0) == 0 || p.src.size(1) == 0) return;
+    cuda::DeviceGuard guard(p.src.device().index);
+    dispatch_dtype(p.src.dtype(), "CUDA FP8 quantize", [&](auto e) { launch_both<decltype(e)>(p, as_cuda(stream)); });
+    ST_CUDA_CHECK(cudaGetLastError(), "quantize_both_kernel launch");
   }
   void quantize_weights(const Fp8WeightQuantizeParams& p, Stream stream) override {
     if (p.w.empty() || p.w[0].numel() == 0) return;

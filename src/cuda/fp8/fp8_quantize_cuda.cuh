@@ -10,6 +10,8 @@
 //               a channel's amax over its 128 tokens, codes written transposed ([C, columns],
 //               tokens contiguous, 16 bytes a store), the rest of an expert's last tile zero codes
 // Both are bound by memory traffic once the encoding is the hardware's (fp8_quantize).
+//   both        one block per (128-token tile, 128 channels): rowwise from the registers as the
+//               tile is read, columnwise from shared memory; one read for a gradient's two layouts
 //   weights     one block per (expert, 128 x 128 block): both copies (W and W^T) and both grids
 #pragma once
 
@@ -101,6 +103,21 @@ __global__ void __launch_bounds__(256) quantize_rowwise_kernel(const int64_t* of
   }
 }
 
+// The expert owning columnwise tile `global_tile` (the experts' tiles in order) and its first
+// tile's number; g == G for a tile past them all.
+struct ExpertTile {
+  int64_t g, base;
+};
+__device__ inline ExpertTile expert_tile(const int64_t* offsets, int64_t G, int64_t global_tile) {
+  int64_t g = 0, base = 0;
+  for (; g < G; ++g) {
+    const int64_t n = fp8_tiles(offsets[g + 1] - offsets[g]);
+    if (global_tile < base + n) break;
+    base += n;
+  }
+  return {g, base};
+}
+
 // Columnwise: grid (max tiles, ceil(C / 64)); block 256. The block's (128-token tile of one
 // expert, 64 channels) is staged in shared memory (rows loaded eight channels a thread, 16-byte
 // loads with kVec), then each channel's 128 tokens are eight threads' 16 (adjacent lanes: the
@@ -113,16 +130,9 @@ __global__ void __launch_bounds__(256) quantize_columnwise_kernel(const int64_t*
                                                                   int64_t src_ld, int64_t C, int64_t columns,
                                                                   uint8_t* q, float* scale) {
   __shared__ float tile[kTile][kColChannels + 1];
-  // The expert owning this tile and the tile's place in it: the experts' tiles in order.
-  const int64_t global_tile = blockIdx.x;
-  int64_t g = 0, base = 0;
-  for (; g < G; ++g) {
-    const int64_t n = fp8_tiles(offsets[g + 1] - offsets[g]);
-    if (global_tile < base + n) break;
-    base += n;
-  }
-  if (g == G) return;
-  const int64_t begin = offsets[g], rows = offsets[g + 1] - begin, t = global_tile - base;
+  const ExpertTile et = expert_tile(offsets, G, blockIdx.x);
+  if (et.g == G) return;
+  const int64_t base = et.base, begin = offsets[et.g], rows = offsets[et.g + 1] - begin, t = blockIdx.x - base;
   const int64_t c0 = int64_t(blockIdx.y) * kColChannels;
   const int tid = int(threadIdx.x);
   for (int i = tid / 8; i < kTile; i += 32) {  // row i of the tile, channels c0 + (tid % 8) * 8 ..
@@ -155,6 +165,89 @@ __global__ void __launch_bounds__(256) quantize_columnwise_kernel(const int64_t*
     *reinterpret_cast<uint4*>(q + fp8_columnwise_data_index(columns, base, begin, begin + t * kTile + i0, c)) =
         make_uint4(w[0], w[1], w[2], w[3]);
     if (tid % 8 == 0) scale[fp8_columnwise_scale_index(base, t, C, c)] = s;
+  }
+}
+
+// Both layouts from one read (a gradient dgrad reads rowwise and wgrad columnwise), 2-byte
+// elements: grid (max tiles, ceil(K / 128)); block 256. The block's (128-token tile of one expert,
+// 128-channel tile) is read sixteen threads a row, eight channels each: the row's tile is quantized
+// rowwise from the registers (the rowwise kernel's steps) and kept in shared memory as read; then
+// each channel's 128 tokens are quantized columnwise from there (the columnwise kernel's steps).
+// The experts' tiles cover rows [0, S) once, so every rowwise code below S is written once.
+constexpr int kBothRowStride = kTile + 2;  // elements: 65 words a row, a column's words spread over banks
+template <typename E, bool kVec>
+__global__ void __launch_bounds__(256) quantize_both_kernel(const int64_t* offsets, int64_t G, const E* src,
+                                                            int64_t src_ld, int64_t K, uint8_t* q_row,
+                                                            float* s_row, int64_t columns, uint8_t* q_col,
+                                                            float* s_col) {
+  static_assert(sizeof(E) == 2, "the tile is kept as 2-byte elements");
+  __shared__ uint16_t raw[kTile * kBothRowStride];
+  E* tile = reinterpret_cast<E*>(raw);
+  const ExpertTile et = expert_tile(offsets, G, blockIdx.x);
+  if (et.g == G) return;
+  const int64_t base = et.base, begin = offsets[et.g], rows = offsets[et.g + 1] - begin, t = blockIdx.x - base;
+  const int64_t KB = fp8_tiles(K), kb = blockIdx.y, k0 = kb * kTile;
+  const int tid = int(threadIdx.x), sub = tid % kRowThreads;
+  for (int i = tid / kRowThreads; i < kTile; i += 256 / kRowThreads) {  // row t * 128 + i of the expert
+    const int64_t r = t * kTile + i, k = k0 + sub * 8;
+    const bool live = r < rows;
+    float v[8];
+    if (live) {
+      load8<E, kVec>(src + (begin + r) * src_ld, k, K, v);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = 0.f;
+    }
+    float amax = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) amax = fp8_amax(amax, v[j]);
+#pragma unroll
+    for (int o = kRowThreads / 2; o > 0; o /= 2) amax = fp8_amax(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float s = fp8_scale(amax);
+    if (live) {
+      uint8_t* out = q_row + (begin + r) * K + k;
+      if constexpr (kVec) {
+        if (k < K) {
+          uint32_t lo = 0, hi = 0;
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            lo |= uint32_t(fp8_quantize(v[j], s)) << (8 * j);
+            hi |= uint32_t(fp8_quantize(v[j + 4], s)) << (8 * j);
+          }
+          *reinterpret_cast<uint2*>(out) = make_uint2(lo, hi);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+          if (k + j < K) out[j] = fp8_quantize(v[j], s);
+      }
+      if (sub == 0) s_row[fp8_rowwise_scale_index(begin, rows, KB, begin + r, kb)] = s;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) store_f32(tile + i * kBothRowStride, sub * 8 + j, v[j]);  // exact: read as E
+  }
+  __syncthreads();
+  for (int j = tid / 8; j < kTile; j += 32) {  // channel k0 + j, tokens i0 .. i0 + 15
+    const int i0 = (tid % 8) * 16;
+    float v[16];
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      v[i] = load_f32(tile + (i0 + i) * kBothRowStride, j);
+      amax = fp8_amax(amax, v[i]);
+    }
+#pragma unroll
+    for (int o = 4; o > 0; o /= 2) amax = fp8_amax(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float s = fp8_scale(amax);
+    const int64_t c = k0 + j;
+    if (c >= K) continue;  // the same for the eight threads of the channel, after the shuffles
+    uint32_t w[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+      if (t * kTile + i0 + i < rows) w[i / 4] |= uint32_t(fp8_quantize(v[i], s)) << (8 * (i % 4));
+    *reinterpret_cast<uint4*>(q_col + fp8_columnwise_data_index(columns, base, begin, begin + t * kTile + i0, c)) =
+        make_uint4(w[0], w[1], w[2], w[3]);
+    if (tid % 8 == 0) s_col[fp8_columnwise_scale_index(base, t, K, c)] = s;
   }
 }
 
