@@ -81,10 +81,10 @@ template <typename E>
 void launch_rowwise(const Fp8QuantizeParams& p, cudaStream_t s) {
   const int64_t T = p.src.size(0), K = p.src.size(1);
   auto launch = [&](auto vec) {
-    cuda::fp8::quantize_rowwise_kernel<E, decltype(vec)::value>
-        <<<blocks_for(T * fp8_tiles(K), 256 / cuda::fp8::kRowThreads), 256, 0, s>>>(
-            p.groups.offsets, p.groups.num_groups, p.src.data_as<const E>(), p.src.stride(0), T, K,
-            p.dst.data.data_as<uint8_t>(), p.dst.scale.data_as<float>());
+    const dim3 grid(unsigned((T + cuda::fp8::kRowsPerBlock - 1) / cuda::fp8::kRowsPerBlock), unsigned(fp8_tiles(K)));
+    cuda::fp8::quantize_rowwise_kernel<E, decltype(vec)::value><<<grid, 256, 0, s>>>(
+        p.groups.offsets, p.groups.num_groups, p.src.data_as<const E>(), p.src.stride(0), K,
+        p.dst.data.data_as<uint8_t>(), p.dst.scale.data_as<float>());
   };
   if constexpr (sizeof(E) == 2) {
     if (vector_loads(p.src, K, p.dst.data.data())) return launch(std::true_type{});

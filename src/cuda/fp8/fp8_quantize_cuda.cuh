@@ -4,8 +4,8 @@
 // G only, so a captured graph replays with new splits. A tile's amax is a reduction of a
 // maximum, exact in any order: the results are deterministic.
 //
-//   rowwise     16 threads per (row, 128-channel tile), 8 channels each (16-byte loads), the
-//               amax a shuffle reduction; codes [T, K], scales grouped M-major
+//   rowwise     16 threads per (row, 128-channel tile), 8 channels each (16-byte loads), two
+//               rows a thread, the amax a shuffle reduction; codes [T, K], scales grouped M-major
 //   columnwise  one block per (128-token tile, 64 channels): the tile staged in shared memory,
 //               a channel's amax over its 128 tokens, codes written transposed ([C, columns],
 //               tokens contiguous, 16 bytes a store), the rest of an expert's last tile zero codes
@@ -54,49 +54,64 @@ __device__ inline void load8(const E* row, int64_t k0, int64_t K, float (&v)[8])
   }
 }
 
+// The codes of eight consecutive elements k .. k + 7 of a row (scale s), none past K; kVec: one
+// 8-byte store (k and K multiples of 8, the row 8-byte aligned).
+template <bool kVec>
+__device__ inline void store8_codes(uint8_t* out, int64_t k, int64_t K, const float (&v)[8], float s) {
+  if constexpr (kVec) {
+    if (k < K) {
+      uint32_t lo = 0, hi = 0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        lo |= uint32_t(fp8_quantize(v[j], s)) << (8 * j);
+        hi |= uint32_t(fp8_quantize(v[j + 4], s)) << (8 * j);
+      }
+      *reinterpret_cast<uint2*>(out) = make_uint2(lo, hi);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (k + j < K) out[j] = fp8_quantize(v[j], s);
+  }
+}
+
 // Rowwise: rows [0, S) of src [T, K] (row stride src_ld): codes q [T, K], scales
-// (fp8_rowwise_scale_index). Sixteen threads a (row, 128-channel tile), eight channels each; the
-// tile's amax a shuffle reduction within the half warp (its two tiles may leave the loop apart:
-// the masks are the halves'). kVec: 16-byte loads, 8-byte code stores (also K a multiple of 8).
-constexpr int kRowThreads = 16;
+// (fp8_rowwise_scale_index). Grid (ceil(T / 32), KB), block 256: sixteen threads a (row, 128-channel
+// tile), eight channels each, two rows a thread (both loads in flight before either is used); the
+// tile's amax a shuffle reduction within the half warp. No integer division: the tile is the
+// block's y, the row its x and the thread's place. kVec: 16-byte loads, 8-byte code stores (K a
+// multiple of 8 too).
+constexpr int kRowThreads = 16, kRowsPerThread = 2, kRowsPerBlock = 256 / kRowThreads * kRowsPerThread;
 template <typename E, bool kVec>
 __global__ void __launch_bounds__(256) quantize_rowwise_kernel(const int64_t* offsets, int64_t G, const E* src,
-                                                               int64_t src_ld, int64_t T, int64_t K, uint8_t* q,
-                                                               float* scale) {
-  const int64_t KB = fp8_tiles(K);
-  const int sub = int(threadIdx.x) % kRowThreads;
-  const unsigned half = 0xffffu << (threadIdx.x & 16u);
-  const int64_t S = offsets[G];
-  for (int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kRowThreads; w < T * KB;
-       w += int64_t(gridDim.x) * blockDim.x / kRowThreads) {
-    const int64_t r = w / KB, kb = w % KB;
-    if (r >= S) break;  // tiles walk rows in order: every later one is in the tail too
-    const int64_t k0 = kb * kTile + sub * 8;
-    float v[8];
-    load8<E, kVec>(src + r * src_ld, k0, K, v);
-    float amax = 0.f;
+                                                               int64_t src_ld, int64_t K, uint8_t* q, float* scale) {
+  const int64_t S = offsets[G], first = int64_t(blockIdx.x) * kRowsPerBlock;
+  if (first >= S) return;  // the whole block in the padded tail
+  const int64_t KB = fp8_tiles(K), kb = blockIdx.y, k = kb * kTile + int(threadIdx.x) % kRowThreads * 8;
+  const int64_t r0 = first + int(threadIdx.x) / kRowThreads;
+  float v[kRowsPerThread][8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) amax = fp8_amax(amax, v[i]);
-#pragma unroll
-    for (int o = kRowThreads / 2; o > 0; o /= 2) amax = fp8_amax(amax, __shfl_xor_sync(half, amax, o));
-    const float s = fp8_scale(amax);
-    uint8_t* out = q + r * K + k0;
-    if constexpr (kVec) {
-      if (k0 < K) {
-        uint32_t lo = 0, hi = 0;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          lo |= uint32_t(fp8_quantize(v[i], s)) << (8 * i);
-          hi |= uint32_t(fp8_quantize(v[i + 4], s)) << (8 * i);
-        }
-        *reinterpret_cast<uint2*>(out) = make_uint2(lo, hi);
-      }
+  for (int p = 0; p < kRowsPerThread; ++p) {
+    const int64_t r = r0 + p * (256 / kRowThreads);
+    if (r < S) {
+      load8<E, kVec>(src + r * src_ld, k, K, v[p]);
     } else {
 #pragma unroll
-      for (int i = 0; i < 8; ++i)
-        if (k0 + i < K) out[i] = fp8_quantize(v[i], s);
+      for (int j = 0; j < 8; ++j) v[p][j] = 0.f;
     }
-    if (sub == 0) {
+  }
+#pragma unroll
+  for (int p = 0; p < kRowsPerThread; ++p) {
+    const int64_t r = r0 + p * (256 / kRowThreads);
+    float amax = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) amax = fp8_amax(amax, v[p][j]);
+#pragma unroll
+    for (int o = kRowThreads / 2; o > 0; o /= 2) amax = fp8_amax(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if (r >= S) continue;  // after the shuffles, which every lane joins
+    const float s = fp8_scale(amax);
+    store8_codes<kVec>(q + r * K + k, k, K, v[p], s);
+    if (threadIdx.x % kRowThreads == 0) {
       const int64_t g = group_of_row(offsets, G, r);
       scale[fp8_rowwise_scale_index(offsets[g], offsets[g + 1] - offsets[g], KB, r, kb)] = s;
     }
@@ -104,18 +119,32 @@ __global__ void __launch_bounds__(256) quantize_rowwise_kernel(const int64_t* of
 }
 
 // The expert owning columnwise tile `global_tile` (the experts' tiles in order) and its first
-// tile's number; g == G for a tile past them all.
+// tile's number, g == G for a tile past them all; by a whole warp, 32 experts a step (a scan of
+// their tile counts and a ballot: G / 32 steps, not G dependent ones), the same on every lane.
 struct ExpertTile {
   int64_t g, base;
 };
 __device__ inline ExpertTile expert_tile(const int64_t* offsets, int64_t G, int64_t global_tile) {
-  int64_t g = 0, base = 0;
-  for (; g < G; ++g) {
-    const int64_t n = fp8_tiles(offsets[g + 1] - offsets[g]);
-    if (global_tile < base + n) break;
-    base += n;
+  const int lane = int(threadIdx.x) % 32;
+  int64_t base = 0;
+  for (int64_t g0 = 0; g0 < G; g0 += 32) {
+    const int64_t g = g0 + lane;
+    const int64_t n = g < G ? fp8_tiles(offsets[g + 1] - offsets[g]) : 0;
+    int64_t inclusive = n;
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) {
+      const int64_t up = __shfl_up_sync(0xffffffffu, inclusive, o);
+      if (lane >= o) inclusive += up;
+    }
+    const int64_t own_first = base + inclusive - n;
+    const unsigned hit = __ballot_sync(0xffffffffu, global_tile >= own_first && global_tile < own_first + n);
+    if (hit != 0) {
+      const int owner = __ffs(int(hit)) - 1;
+      return {g0 + owner, __shfl_sync(0xffffffffu, own_first, owner)};
+    }
+    base += __shfl_sync(0xffffffffu, inclusive, 31);
   }
-  return {g, base};
+  return {G, base};
 }
 
 // Columnwise: grid (max tiles, ceil(C / 64)); block 256. The block's (128-token tile of one
@@ -205,22 +234,7 @@ __global__ void __launch_bounds__(256) quantize_both_kernel(const int64_t* offse
     for (int o = kRowThreads / 2; o > 0; o /= 2) amax = fp8_amax(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     const float s = fp8_scale(amax);
     if (live) {
-      uint8_t* out = q_row + (begin + r) * K + k;
-      if constexpr (kVec) {
-        if (k < K) {
-          uint32_t lo = 0, hi = 0;
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            lo |= uint32_t(fp8_quantize(v[j], s)) << (8 * j);
-            hi |= uint32_t(fp8_quantize(v[j + 4], s)) << (8 * j);
-          }
-          *reinterpret_cast<uint2*>(out) = make_uint2(lo, hi);
-        }
-      } else {
-#pragma unroll
-        for (int j = 0; j < 8; ++j)
-          if (k + j < K) out[j] = fp8_quantize(v[j], s);
-      }
+      store8_codes<kVec>(q_row + (begin + r) * K + k, k, K, v, s);
       if (sub == 0) s_row[fp8_rowwise_scale_index(begin, rows, KB, begin + r, kb)] = s;
     }
 #pragma unroll
