@@ -147,6 +147,13 @@ __device__ inline ExpertTile expert_tile(const int64_t* offsets, int64_t G, int6
   return {G, base};
 }
 
+// The column where a staged tile keeps element (token i, channel j) of a row of `width` elements:
+// rotated by `shift` elements per 16 tokens. The columnwise reads have eight threads a channel,
+// 16 tokens apart (i0 = 0, 16, .., 112), over a row stride of an odd number of words: unrotated,
+// i0 = 0, 32, 64, 96 fall in one bank (4-way conflicts); rotated by 4 words per 16 tokens they
+// fall in eight distinct ones (20 m mod 32 over m = 0..7).
+__device__ inline int staged_column(int i, int j, int shift, int width) { return (j + shift * (i / 16)) % width; }
+
 // Columnwise: grid (max tiles, ceil(C / 64)); block 256. The block's (128-token tile of one
 // expert, 64 channels) is staged in shared memory (rows loaded eight channels a thread, 16-byte
 // loads with kVec), then each channel's 128 tokens are eight threads' 16 (adjacent lanes: the
@@ -174,14 +181,14 @@ __global__ void __launch_bounds__(256) quantize_columnwise_kernel(const int64_t*
       for (int k = 0; k < 8; ++k) v[k] = 0.f;
     }
 #pragma unroll
-    for (int k = 0; k < 8; ++k) tile[i][cc + k] = v[k];
+    for (int k = 0; k < 8; ++k) tile[i][staged_column(i, cc + k, 4, kColChannels)] = v[k];
   }
   __syncthreads();
   for (int j = tid / 8; j < kColChannels; j += 32) {  // channel c0 + j, tokens i0 .. i0 + 15
     const int i0 = (tid % 8) * 16;
     float amax = 0.f;
 #pragma unroll
-    for (int i = 0; i < 16; ++i) amax = fp8_amax(amax, tile[i0 + i][j]);
+    for (int i = 0; i < 16; ++i) amax = fp8_amax(amax, tile[i0 + i][staged_column(i0 + i, j, 4, kColChannels)]);
 #pragma unroll
     for (int o = 4; o > 0; o /= 2) amax = fp8_amax(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     const float s = fp8_scale(amax);
@@ -190,7 +197,8 @@ __global__ void __launch_bounds__(256) quantize_columnwise_kernel(const int64_t*
     uint32_t w[4] = {0, 0, 0, 0};
 #pragma unroll
     for (int i = 0; i < 16; ++i)
-      if (t * kTile + i0 + i < rows) w[i / 4] |= uint32_t(fp8_quantize(tile[i0 + i][j], s)) << (8 * (i % 4));
+      if (t * kTile + i0 + i < rows)
+        w[i / 4] |= uint32_t(fp8_quantize(tile[i0 + i][staged_column(i0 + i, j, 4, kColChannels)], s)) << (8 * (i % 4));
     *reinterpret_cast<uint4*>(q + fp8_columnwise_data_index(columns, base, begin, begin + t * kTile + i0, c)) =
         make_uint4(w[0], w[1], w[2], w[3]);
     if (tid % 8 == 0) scale[fp8_columnwise_scale_index(base, t, C, c)] = s;
@@ -203,7 +211,7 @@ __global__ void __launch_bounds__(256) quantize_columnwise_kernel(const int64_t*
 // rowwise from the registers (the rowwise kernel's steps) and kept in shared memory as read; then
 // each channel's 128 tokens are quantized columnwise from there (the columnwise kernel's steps).
 // The experts' tiles cover rows [0, S) once, so every rowwise code below S is written once.
-constexpr int kBothRowStride = kTile + 2;  // elements: 65 words a row, a column's words spread over banks
+constexpr int kBothRowStride = kTile + 2;  // elements: 65 words a row (staged_column)
 template <typename E, bool kVec>
 __global__ void __launch_bounds__(256) quantize_both_kernel(const int64_t* offsets, int64_t G, const E* src,
                                                             int64_t src_ld, int64_t K, uint8_t* q_row,
@@ -238,7 +246,8 @@ __global__ void __launch_bounds__(256) quantize_both_kernel(const int64_t* offse
       if (sub == 0) s_row[fp8_rowwise_scale_index(begin, rows, KB, begin + r, kb)] = s;
     }
 #pragma unroll
-    for (int j = 0; j < 8; ++j) store_f32(tile + i * kBothRowStride, sub * 8 + j, v[j]);  // exact: read as E
+    for (int j = 0; j < 8; ++j)  // exact: read back as E
+      store_f32(tile + i * kBothRowStride, staged_column(i, sub * 8 + j, 8, kTile), v[j]);
   }
   __syncthreads();
   for (int j = tid / 8; j < kTile; j += 32) {  // channel k0 + j, tokens i0 .. i0 + 15
@@ -247,7 +256,7 @@ __global__ void __launch_bounds__(256) quantize_both_kernel(const int64_t* offse
     float amax = 0.f;
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
-      v[i] = load_f32(tile + (i0 + i) * kBothRowStride, j);
+      v[i] = load_f32(tile + (i0 + i) * kBothRowStride, staged_column(i0 + i, j, 8, kTile));
       amax = fp8_amax(amax, v[i]);
     }
 #pragma unroll
