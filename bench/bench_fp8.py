@@ -7,7 +7,8 @@ e4m3, fast accumulation, its inputs quantized beforehand: the GEMM alone) agains
 fprop with fp8=True, whole (x's quantization included, the weights' cached: their version does not
 change between calls) and its GEMM kernels alone (the kernels' own times from torch.profiler, the
 quantization kernels left out); then ours in FP8 against ours in bf16, forward and forward +
-backward (dgrad and wgrad, every quantization included).
+backward (dgrad and wgrad, every quantization included), and the time of the weights'
+quantization that each optimizer step adds (fp8_weight_quantize_kernel_ms).
 
 MoE layers (bench_moe's SonicMoE and Qwen3 shapes): MoELayer(fp8=True) against the same layer in
 bf16, forward + backward.
@@ -117,6 +118,15 @@ def bench_gemm(name, shape, reps):
         if fp8:
             k = kernel_ms(fwd)
             row["fp8_fwd_gemm_kernel_ms"], row["fp8_fwd_quantize_kernel_ms"] = k["gemm"], k["quantize"]
+
+            def fwd_new_weights(layer=layer):
+                with torch.no_grad():  # a new version (as an optimizer step makes): quantized anew
+                    for w in layer.weights():
+                        w.add_(0)
+                fwd()
+
+            # What an optimizer step adds: the weights' quantization (both copies), once a step.
+            row["fp8_weight_quantize_kernel_ms"] = kernel_ms(fwd_new_weights)["quantize"] - k["quantize"]
             row["fp8_fwd_gemm_tflops"] = flops / k["gemm"] * 1e-9 if k["gemm"] else None
             kb = kernel_ms(fwd_bwd)
             row["fp8_fwdbwd_quantize_kernel_ms"] = kb["quantize"]

@@ -143,7 +143,17 @@ void launch_weights(const Fp8WeightQuantizeParams& p, cudaStream_t s) {
       t.st[g] = p.wtq[g].scale.data_as<float>();
     }
     const dim3 grid(unsigned(fp8_tiles(out)), unsigned(fp8_tiles(in)), unsigned(G));
-    cuda::fp8::quantize_weights_kernel<E, kCap><<<grid, 256, 0, s>>>(t, out, in);
+    bool vec = false;
+    if constexpr (sizeof(E) == 2) {
+      vec = in % 8 == 0;
+      for (int64_t g = 0; g < G; ++g)
+        vec = vec && p.w[g].stride(0) == in && reinterpret_cast<uintptr_t>(p.w[g].data()) % 16 == 0 &&
+              reinterpret_cast<uintptr_t>(t.q[g]) % 8 == 0;
+    }
+    if (vec)
+      cuda::fp8::quantize_weights_kernel<E, kCap, (sizeof(E) == 2)><<<grid, 256, 0, s>>>(t, out, in);
+    else
+      cuda::fp8::quantize_weights_kernel<E, kCap, false><<<grid, 256, 0, s>>>(t, out, in);
   });
 }
 

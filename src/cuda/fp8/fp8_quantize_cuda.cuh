@@ -9,10 +9,11 @@
 //   columnwise  one block per (128-token tile, 64 channels): the tile staged in shared memory,
 //               a channel's amax over its 128 tokens, codes written transposed ([C, columns],
 //               tokens contiguous, 16 bytes a store), the rest of an expert's last tile zero codes
-// Both are bound by memory traffic once the encoding is the hardware's (fp8_quantize).
 //   both        one block per (128-token tile, 128 channels): rowwise from the registers as the
 //               tile is read, columnwise from shared memory; one read for a gradient's two layouts
-//   weights     one block per (expert, 128 x 128 block): both copies (W and W^T) and both grids
+//   weights     one block per (expert, 128 x 128 block), read once into registers: both copies (W
+//               and W^T) and both grids
+// All are bound by memory traffic once the encoding is the hardware's (fp8_quantize).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -284,25 +285,39 @@ struct WeightTables {
   float* s[Cap];
   float* st[Cap];
 };
-template <typename E, int Cap>
+// Thread (tid / 16 + 16 p, (tid % 16) * 8) holds rows i0 + tid / 16 + 16 p, p < 8, eight columns
+// each: the block's 128 x 128 elements in registers, read once (16-byte loads with kVec: in a
+// multiple of 8, the bases aligned); its amax, then W's codes from the registers (8-byte stores)
+// and, staged in shared memory, W^T's (lanes along a column of the block: coalesced rows of W^T).
+template <typename E, int Cap, bool kVec>
 __global__ void __launch_bounds__(256) quantize_weights_kernel(const __grid_constant__ WeightTables<Cap> p,
                                                                int64_t out, int64_t in) {
+  constexpr int kRows = kTile / 16;  // rows a thread
   __shared__ float amax_part[8];
   __shared__ float block_scale;
+  // A row of 132 bytes (33 words) puts a column's 32 bytes in 32 banks.
+  __shared__ uint8_t codes[kTile][kTile + 4];
   const int64_t g = blockIdx.z, i0 = int64_t(blockIdx.x) * kTile, j0 = int64_t(blockIdx.y) * kTile;
   const E* w = static_cast<const E*>(p.w[g]);
-  const int lane = int(threadIdx.x) % 32, warp = int(threadIdx.x) / 32;
-  // Rows i0 + warp, + 8, ...; lanes along the row (4 columns each).
+  const int tid = int(threadIdx.x), lane = tid % 32, warp = tid / 32, col = (tid % 16) * 8;
+  float v[kRows][8];
   float amax = 0.f;
-  for (int i = warp; i < kTile; i += 8)
-    for (int j = lane; j < kTile; j += 32) {
-      const int64_t r = i0 + i, c = j0 + j;
-      if (r < out && c < in) amax = fp8_amax(amax, load_f32(w + r * in, c));
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) {
+    const int64_t r = i0 + tid / 16 + 16 * k;
+    if (r < out) {
+      load8<E, kVec>(w + r * in, j0 + col, in, v[k]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[k][j] = 0.f;
     }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) amax = fp8_amax(amax, v[k][j]);
+  }
   amax = warp_amax(amax);
   if (lane == 0) amax_part[warp] = amax;
   __syncthreads();
-  if (threadIdx.x == 0) {
+  if (tid == 0) {
     float a = 0.f;
     for (int k = 0; k < 8; ++k) a = fp8_amax(a, amax_part[k]);
     block_scale = fp8_scale(a);
@@ -310,20 +325,14 @@ __global__ void __launch_bounds__(256) quantize_weights_kernel(const __grid_cons
     p.st[g][fp8_block_scale_index(out, j0, i0)] = block_scale;
   }
   __syncthreads();
-  // W's codes from the registers' rows (lanes along a row: coalesced), staged in shared memory so
-  // that W^T's rows go out coalesced too (lanes along a column of the block). A row of 132 bytes
-  // (33 words) puts a column's 32 bytes in 32 banks.
-  __shared__ uint8_t codes[kTile][kTile + 4];
   const float s = block_scale;
-  for (int i = warp; i < kTile; i += 8)
-    for (int j = lane; j < kTile; j += 32) {
-      const int64_t r = i0 + i, c = j0 + j;
-      if (r < out && c < in) {
-        const uint8_t code = fp8_quantize(load_f32(w + r * in, c), s);
-        p.q[g][r * in + c] = code;
-        codes[i][j] = code;
-      }
-    }
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) {
+    const int i = tid / 16 + 16 * k;
+    if (i0 + i < out) store8_codes<kVec>(p.q[g] + (i0 + i) * in + j0 + col, j0 + col, in, v[k], s);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) codes[i][col + j] = fp8_quantize(v[k][j], s);
+  }
   __syncthreads();
   for (int j = warp; j < kTile; j += 8)
     for (int i = lane; i < kTile; i += 32) {
