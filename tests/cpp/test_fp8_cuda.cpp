@@ -112,7 +112,8 @@ TEST(Fp8Cuda, WeightQuantizerWritesBothCopiesAsTheReference) {
   REQUIRE_GPU();
   std::mt19937_64 rng(20261129);
   for (const st::DType dtype : {st::DType::kBF16, st::DType::kFP32})
-    for (const auto& [out, in] : std::vector<std::pair<int64_t, int64_t>>{{128, 128}, {130, 200}, {8, 1000}, {136, 131}}) {
+    for (const auto& [out, in] :
+         std::vector<std::pair<int64_t, int64_t>>{{128, 128}, {130, 200}, {8, 1000}, {136, 131}}) {
       SCOPED_TRACE(std::string(st::dtype_name(dtype)) + " " + std::to_string(out) + " x " + std::to_string(in));
       const int64_t G = 3;
       HostTensor w(dtype, {G, out, in});
