@@ -20,6 +20,8 @@
 
 namespace sparsetrain {
 
+class GroupedMLP;
+
 namespace ops {
 struct Fp8Layer;
 struct Fp8WeightCache;
@@ -158,6 +160,8 @@ class GroupedLinear {
   void set_main_grad(const GroupedParam& main_grad);
 
  private:
+  friend class GroupedMLP;  // its FP8 forward hands fc2 h' already quantized (forward_quantized)
+
   struct Pending {
     TensorView x, dy;
     Splits splits;
@@ -167,6 +171,12 @@ class GroupedLinear {
   // wgrad layout when the dgrad's quantization already wrote it (else quantized here).
   GroupedLinearGrads compute_wgrad(const TensorView& x, const TensorView& dy, const int64_t* offsets,
                                    void* scratch, Stream stream, const ops::Fp8Operand* dy_columnwise = nullptr);
+  // forward with x already quantized rowwise (FP8, T = its rows); forward_rows: both, after the
+  // input's own check (x, or xq when given).
+  Tensor forward_quantized(const ops::Fp8Operand& xq, const Splits& splits, const TensorView& out,
+                           const CallArgs& args);
+  Tensor forward_rows(const TensorView& x, const ops::Fp8Operand* xq, int64_t T, const Splits& splits,
+                      const TensorView& out, const CallArgs& args);
   // What the FP8 GEMMs read of the layer (ops/grouped_linear_fp8.h), at a call's weight version.
   ops::Fp8Layer fp8_layer(uint64_t weight_version);
   // A zero tensor of the weight's shape: the cached one, or a new one (CallArgs::cache_dummy_wgrad).

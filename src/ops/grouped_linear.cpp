@@ -142,11 +142,22 @@ size_t GroupedLinear::workspace_size(int64_t T) const {
 
 Tensor GroupedLinear::forward(const TensorView& x, const Splits& splits, const TensorView& out,
                               const CallArgs& args) {
+  check_activation(x, "x", options_.dtype, device(), -1, options_.in_features, "in_features");
+  return forward_rows(x, nullptr, x.size(0), splits, out, args);
+}
+
+Tensor GroupedLinear::forward_quantized(const ops::Fp8Operand& xq, const Splits& splits, const TensorView& out,
+                                        const CallArgs& args) {
+  if (options_.fp8 == Fp8Recipe::kOff || xq.data.view().dim() != 2 || xq.data.view().size(1) != options_.in_features)
+    ST_FAIL("GroupedLinear::forward_quantized: expected an FP8 layer and rowwise codes [T, in_features]");
+  return forward_rows({}, &xq, xq.data.view().size(0), splits, out, args);
+}
+
+Tensor GroupedLinear::forward_rows(const TensorView& x, const ops::Fp8Operand* xq, int64_t T, const Splits& splits,
+                                   const TensorView& out, const CallArgs& args) {
   const GroupedLinearOptions& o = options_;
   const Device dev = device();
   GroupedLinearBackend& be = backend_for(dev, "x");
-  check_activation(x, "x", o.dtype, dev, -1, o.in_features, "in_features");
-  const int64_t T = x.size(0);
   const int64_t S = check_splits(splits, o.num_groups, T, dev, o.check_device_splits, be, args.stream);
   if (out.defined())
     check_out_buffer(out, "out", o.dtype, dev, o.out_features, ops::min_out_rows(S, T),
@@ -161,7 +172,11 @@ Tensor GroupedLinear::forward(const TensorView& x, const Splits& splits, const T
   const bool zero_tail = !out.defined() && ops::has_tail_rows(S, T);
   if (o.fp8 != Fp8Recipe::kOff) {  // its kernels read the offsets from the device: none folded
     ops::prepare_offsets(splits, T, ws.offsets, ws.status, be, dev, args.stream);
-    ops::fp8_fprop(fp8_layer(args.weight_version), x, ws.offsets, y.view(), zero_tail, ws.scratch, args.stream);
+    if (xq)
+      ops::fp8_fprop_quantized(fp8_layer(args.weight_version), *xq, ws.offsets, y.view(), zero_tail, ws.scratch,
+                               args.stream);
+    else
+      ops::fp8_fprop(fp8_layer(args.weight_version), x, ws.offsets, y.view(), zero_tail, ws.scratch, args.stream);
     return y;
   }
   std::vector<int64_t> host_offsets;

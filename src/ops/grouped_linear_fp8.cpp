@@ -17,16 +17,19 @@ backend::Fp8BlockwiseBackend& fp8_backend(Device device) {
                       ST_CUDA_BACKEND(backend::fp8_blockwise_cuda_backend));
 }
 
+Fp8Operand quantized(Allocator& alloc, Device device, std::initializer_list<int64_t> data_shape, int64_t scales,
+                     Stream stream) {
+  return {Tensor::empty(DType::kUInt8, data_shape, device, alloc, stream),
+          Tensor::empty(DType::kFP32, {std::max<int64_t>(scales, 1)}, device, alloc, stream)};
+}
 Fp8Operand quantized(const Fp8Layer& l, std::initializer_list<int64_t> data_shape, int64_t scales, Stream stream) {
-  return {Tensor::empty(DType::kUInt8, data_shape, l.device, l.alloc, stream),
-          Tensor::empty(DType::kFP32, {std::max<int64_t>(scales, 1)}, l.device, l.alloc, stream)};
+  return quantized(l.alloc, l.device, data_shape, scales, stream);
 }
 
 backend::Fp8Groups groups(const Fp8Layer& l, const int64_t* offsets) { return {l.options.num_groups, offsets}; }
 
 Fp8Operand rowwise_buffers(const Fp8Layer& l, const TensorView& src, Stream stream) {
-  const int64_t T = src.size(0), K = src.size(1);
-  return quantized(l, {T, K}, fp8_rowwise_scale_count(T, K), stream);
+  return fp8_rowwise_buffers(l.alloc, l.device, src.size(0), src.size(1), stream);
 }
 
 Fp8Operand rowwise(const Fp8Layer& l, const TensorView& src, const int64_t* offsets, Stream stream) {
@@ -106,12 +109,21 @@ size_t fp8_scratch_bytes(const GroupedLinearOptions& o, int64_t T, Device device
   return fp8_backend(device).gemm_scratch_bytes(o.dtype, o.num_groups, T, o.in_features, o.out_features);
 }
 
+Fp8Operand fp8_rowwise_buffers(Allocator& alloc, Device device, int64_t T, int64_t K, Stream stream) {
+  return quantized(alloc, device, {T, K}, fp8_rowwise_scale_count(T, K), stream);
+}
+
 void fp8_fprop(const Fp8Layer& l, const TensorView& x, const int64_t* offsets, const TensorView& y, bool zero_tail,
                void* scratch, Stream stream) {
-  const Fp8Operand xq = rowwise(l, x, offsets, stream);
+  fp8_fprop_quantized(l, rowwise(l, x, offsets, stream), offsets, y, zero_tail, scratch, stream);
+}
+
+void fp8_fprop_quantized(const Fp8Layer& l, const Fp8Operand& xq, const int64_t* offsets, const TensorView& y,
+                         bool zero_tail, void* scratch, Stream stream) {
   const auto w = weights(l, stream);
-  fp8_backend(l.device).fprop({problem(l, x.size(0), offsets), xq.view(), w->per_group(false, l.options), y, zero_tail},
-                              scratch, stream);
+  fp8_backend(l.device).fprop(
+      {problem(l, xq.data.view().size(0), offsets), xq.view(), w->per_group(false, l.options), y, zero_tail}, scratch,
+      stream);
 }
 
 void fp8_dgrad(const Fp8Layer& l, const TensorView& dy, const int64_t* offsets, const TensorView& dx,

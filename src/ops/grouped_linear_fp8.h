@@ -44,12 +44,18 @@ struct Fp8Operand {
   backend::Fp8Tensor view() const { return {data.view(), scale.view()}; }
 };
 
+// Codes [T, K] and scales for a rowwise operand of T rows, from `alloc` (unwritten).
+Fp8Operand fp8_rowwise_buffers(Allocator& alloc, Device device, int64_t T, int64_t K, Stream stream);
+
 // y = x W^T, dx = dy W, dW = dy^T x per group, as the backend's fprop / dgrad / wgrad. offsets:
 // the call's device-resident group offsets [G + 1]. dy_columnwise (dgrad): where given, dy's wgrad
 // layout is written there from the same read of dy (quantize_both); wgrad then takes it instead
 // of quantizing dy again.
 void fp8_fprop(const Fp8Layer& l, const TensorView& x, const int64_t* offsets, const TensorView& y, bool zero_tail,
                void* scratch, Stream stream);
+// fprop on x already quantized rowwise (a producer that wrote the codes, e.g. GroupedMLP's SwiGLU).
+void fp8_fprop_quantized(const Fp8Layer& l, const Fp8Operand& xq, const int64_t* offsets, const TensorView& y,
+                         bool zero_tail, void* scratch, Stream stream);
 void fp8_dgrad(const Fp8Layer& l, const TensorView& dy, const int64_t* offsets, const TensorView& dx,
                bool zero_tail, void* scratch, Stream stream, Fp8Operand* dy_columnwise = nullptr);
 void fp8_wgrad(const Fp8Layer& l, const TensorView& x, const TensorView& dy, const int64_t* offsets,

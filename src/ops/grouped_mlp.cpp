@@ -10,6 +10,7 @@
 
 #include "ops/checks.h"
 #include "ops/grouped_args.h"
+#include "ops/grouped_linear_fp8.h"
 #include "ops/grouped_mlp_backend.h"
 #include "ops/pick_backend.h"
 
@@ -176,10 +177,17 @@ GroupedMLPForward GroupedMLP::forward(const TensorView& x, const Splits& splits,
   const backend::MLPRows rows{o.dtype, o.num_groups, T, ws.offsets};
   GroupedMLPForward result;
   result.fc1_out = fc1_.forward(x, splits, {}, ws.layer_args);
-  Tensor h = Tensor::empty(o.dtype, {T, o.ffn_features}, dev, *allocator_, args.stream);
-  be.swiglu_forward({rows, o.ffn_features, o.glu_interleave_size, result.fc1_out.view(), probs, h.view()},
-                    ws.scratch, args.stream);
-  result.out = fc2_.forward(h.view(), splits, out, ws.layer_args);
+  if (o.fp8 != Fp8Recipe::kOff) {  // h' straight to fc2's rowwise codes: never in memory in the dtype
+    const ops::Fp8Operand hq = ops::fp8_rowwise_buffers(*allocator_, dev, T, o.ffn_features, args.stream);
+    be.swiglu_forward({rows, o.ffn_features, o.glu_interleave_size, result.fc1_out.view(), probs, {}, hq.view()},
+                      ws.scratch, args.stream);
+    result.out = fc2_.forward_quantized(hq, splits, out, ws.layer_args);
+  } else {
+    Tensor h = Tensor::empty(o.dtype, {T, o.ffn_features}, dev, *allocator_, args.stream);
+    be.swiglu_forward({rows, o.ffn_features, o.glu_interleave_size, result.fc1_out.view(), probs, h.view(), {}},
+                      ws.scratch, args.stream);
+    result.out = fc2_.forward(h.view(), splits, out, ws.layer_args);
+  }
   if (fc2_bias_.present())
     be.scaled_bias_add({rows, o.out_features, result.out.view(), probs, ops::group_views(fc2_bias_, o.num_groups)},
                        ws.scratch, args.stream);
@@ -232,7 +240,7 @@ GroupedMLPGrads GroupedMLP::backward(const TensorView& x, const TensorView& fc1_
 
   // fc2: its input h' = probs * silu(a) * b is recomputed rather than saved.
   Tensor h = Tensor::empty(o.dtype, {T, F}, dev, *allocator_, args.stream);
-  be.swiglu_forward({rows, F, o.glu_interleave_size, fc1_out, probs, h.view()}, ws.scratch, args.stream);
+  be.swiglu_forward({rows, F, o.glu_interleave_size, fc1_out, probs, h.view(), {}}, ws.scratch, args.stream);
   GroupedLinearGrads g2 = fc2_.backward(h.view(), dy, splits, {}, ws.layer_args);
   // Its only reader was fc2's wgrad: freed now (stream-ordered), not at the end, it is one [T, F]
   // less at the step's peak (fc1's backward). A delayed wgrad keeps it for backward_dw.

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "common/host_device.h"
+#include "ops/fp8_blockwise_backend.h"  // Fp8Tensor
 #include "sparsetrain/allocator.h"
 #include "sparsetrain/tensor.h"
 
@@ -37,6 +38,10 @@ struct SwigluForwardParams {
   TensorView fc1_out;  // [T, 2F], rows contiguous
   TensorView probs;    // fp32 [T]
   TensorView h;        // [T, F] contiguous
+  // FP8 (h_fp8.data defined, h then unused): h' in the layer's dtype quantized rowwise, codes [T, F]
+  // and scales as Fp8BlockwiseBackend::quantize_rowwise writes them from h' (rows below S), with
+  // no h' in memory (fc2's forward reads nothing else of it).
+  Fp8Tensor h_fp8;
 };
 
 // From h = silu(a) * b (recomputed) and dh' (the fc2 input's gradient), for rows < S:

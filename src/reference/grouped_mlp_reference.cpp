@@ -4,6 +4,7 @@
 // stages must match.
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "ops/grouped_mlp_backend.h"
 #include "sparsetrain/error.h"
@@ -21,27 +22,40 @@ void zero_rows(const TensorView& t, int64_t begin) {
   for (int64_t r = begin; r < t.size(0); ++r) std::memset(row_mut(t, r), 0, size_t(t.size(1)) * t.element_size());
 }
 
+// h'[t] = probs[t] * silu(a) * b into h (the layer's dtype) for rows < S; rows >= S zero.
+void swiglu_rows(const SwigluForwardParams& p, const TensorView& h_out) {
+  const DType dt = p.rows.dtype;
+  const int64_t S = p.rows.offsets[p.rows.num_groups];
+  const int64_t b_off = glu_b_offset(p.ffn, p.interleave);
+  for (int64_t t = 0; t < S; ++t) {
+    const void* z = row(p.fc1_out, t);
+    void* h = row_mut(h_out, t);
+    const float pr = prob(p.probs, t);
+    for (int64_t j = 0; j < p.ffn; ++j) {
+      const int64_t ca = glu_a_column(j, p.interleave);
+      const float a = load_float(z, dt, ca), b = load_float(z, dt, ca + b_off);
+      store_float(h, dt, j, pr * (a * sigmoid(a) * b));
+    }
+  }
+  zero_rows(h_out, S);
+}
+
 class ReferenceMLPBackend final : public GroupedMLPBackend {
  public:
   size_t scratch_bytes(DType, int64_t, int64_t, int64_t, int64_t out) const override {
     return size_t(out) * sizeof(float);  // the bias grad's fp32 accumulators
   }
 
-  void swiglu_forward(const SwigluForwardParams& p, void*, Stream) override {
-    const DType dt = p.rows.dtype;
-    const int64_t S = p.rows.offsets[p.rows.num_groups];
-    const int64_t b_off = glu_b_offset(p.ffn, p.interleave);
-    for (int64_t t = 0; t < S; ++t) {
-      const void* z = row(p.fc1_out, t);
-      void* h = row_mut(p.h, t);
-      const float pr = prob(p.probs, t);
-      for (int64_t j = 0; j < p.ffn; ++j) {
-        const int64_t ca = glu_a_column(j, p.interleave);
-        const float a = load_float(z, dt, ca), b = load_float(z, dt, ca + b_off);
-        store_float(h, dt, j, pr * (a * sigmoid(a) * b));
-      }
-    }
-    zero_rows(p.h, S);
+  void swiglu_forward(const SwigluForwardParams& p, void*, Stream stream) override {
+    if (!p.h_fp8.data.defined()) return swiglu_rows(p, p.h);
+    // FP8: the definition, h' in the layer's dtype then the rowwise quantizer (host memory here;
+    // the CUDA kernel keeps h' in registers).
+    const int64_t T = p.rows.num_rows;
+    std::vector<unsigned char> h(size_t(T * p.ffn) * dtype_size(p.rows.dtype));
+    const int64_t shape[2] = {T, p.ffn}, strides[2] = {p.ffn, 1};
+    const TensorView hv(h.data(), p.rows.dtype, shape, strides, 2, p.fc1_out.device());
+    swiglu_rows(p, hv);
+    fp8_blockwise_reference_backend().quantize_rowwise({{p.rows.num_groups, p.rows.offsets}, hv, p.h_fp8}, stream);
   }
 
   void swiglu_backward(const SwigluBackwardParams& p, void*, Stream) override {

@@ -17,6 +17,7 @@
 
 #include "device_tensor.h"
 #include "fp8_testing.h"
+#include "ops/grouped_mlp_backend.h"
 
 namespace st = sparsetrain;
 namespace be = sparsetrain::backend;
@@ -147,6 +148,43 @@ TEST(Fp8Cuda, WeightQuantizerWritesBothCopiesAsTheReference) {
         expect_same(qt[size_t(g)], want[size_t(g)].wt, "W^T[" + std::to_string(g) + "]");
       }
     }
+}
+
+// GroupedMLP's FP8 forward: the SwiGLU kernel that writes fc2's rowwise codes (h' never in memory)
+// against the bf16 SwiGLU kernel followed by the rowwise quantizer, bitwise; halves and
+// interleaved gate / up columns (16-byte packs), an interleave of 4 (element loads), an empty
+// expert and a padded tail.
+TEST(Fp8Cuda, SwigluWritesFc2sCodesAsTheQuantizerWould) {
+  REQUIRE_GPU();
+  for (const int64_t k : {int64_t(0), int64_t(32), int64_t(4)}) {
+    SCOPED_TRACE("interleave " + std::to_string(k));
+    const int64_t T = 300, F = 160, G = 4;
+    const std::vector<int64_t> splits = {100, 0, 1, 189};
+    std::mt19937_64 rng(uint64_t(77 + k));
+    HostTensor z(st::DType::kBF16, {T, 2 * F}), probs(st::DType::kFP32, {T});
+    z.fill_random(rng, 2.0);
+    probs.fill_random(rng, 1.0);
+    const std::vector<int64_t> off = st::testing::offsets_of(splits, T);
+    HostTensor off_h(st::DType::kInt64, {G + 1});
+    for (int64_t g = 0; g <= G; ++g) off_h.set(g, double(off[size_t(g)]));
+    const DeviceTensor zd(z), pd(probs), offd(off_h);
+    const be::MLPRows rows{st::DType::kBF16, G, T, offd.view().data_as<const int64_t>()};
+    be::GroupedMLPBackend& mlp = be::grouped_mlp_backend_for(st::Device::cuda(), "x");
+
+    const DeviceTensor h(HostTensor(st::DType::kBF16, {T, F}), false);
+    mlp.swiglu_forward({rows, F, k, zd.view(), pd.view(), h.view(), {}}, nullptr, st::Stream{});
+    DeviceFp8 want(Fp8Operand({T, F}, st::fp8_rowwise_scale_count(T, F)));
+    cuda_fp8().quantize_rowwise({{G, rows.offsets}, h.view(), want.view()}, st::Stream{});
+
+    DeviceFp8 got(Fp8Operand({T, F}, st::fp8_rowwise_scale_count(T, F)));
+    mlp.swiglu_forward({rows, F, k, zd.view(), pd.view(), {}, got.view()}, nullptr, st::Stream{});
+    const int64_t S = off.back();
+    const HostTensor gd = to_host(got.data.view()), wd = to_host(want.data.view());
+    const auto* a = static_cast<const uint8_t*>(gd.data());
+    const auto* b = static_cast<const uint8_t*>(wd.data());
+    for (int64_t i = 0; i < S * F; ++i) ASSERT_EQ(unsigned(a[i]), unsigned(b[i])) << "code " << i;  // rows < S
+    expect_same_bytes(to_host(got.scale.view()), to_host(want.scale.view()), "scales");
+  }
 }
 
 // ---- the GEMMs -----------------------------------------------------------------------------

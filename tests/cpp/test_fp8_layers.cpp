@@ -13,6 +13,7 @@
 #include "fp8_testing.h"
 #include "grouped_linear_case.h"
 #include "grouped_mlp_case.h"
+#include "ops/grouped_mlp_backend.h"
 
 namespace st = sparsetrain;
 using st::testing::GroupedLinearCase;
@@ -239,6 +240,32 @@ TEST(GroupedMLPFp8, BothLayersRunTheRecipe) {
   st::GroupedMLPOptions ob = b.options();
   ob.fp8 = st::Fp8Recipe::kBlockwise;
   st::testing::expect_error([&] { st::GroupedMLP(ob, b.params()); }, {"fc1.bias", "none with fp8"});
+}
+
+// fc2 reads h' quantized straight from the SwiGLU (h' never in memory in the dtype): the same
+// bits as an FP8 GroupedLinear run on the h' the bf16 SwiGLU writes, interleaved gate / up
+// columns, an empty expert and a padded tail included.
+TEST(GroupedMLPFp8, Fc2ReadsTheSwigluOutputAsAnFp8LayerWould) {
+  const st::testing::GroupedMLPCase c =
+      st::testing::random_mlp_case(st::DType::kBF16, 4, 300, 290, 64, 160, 48, 32, {2}, true, false, false, 7);
+  st::GroupedMLPOptions o8 = c.options();
+  o8.fp8 = st::Fp8Recipe::kBlockwise;
+  st::GroupedMLP mlp(o8, c.params());
+  const st::Splits sp = st::Splits::host(c.splits);
+  const auto f = mlp.forward(c.x.view(), sp, c.probs.view());
+
+  const std::vector<int64_t> off = st::testing::offsets_of(c.splits, c.T);
+  HostTensor h(st::DType::kBF16, {c.T, c.F});
+  st::backend::grouped_mlp_backend_for(st::Device::cpu(), "x")
+      .swiglu_forward({{st::DType::kBF16, c.G, c.T, off.data()}, c.F, c.k, f.fc1_out.view(), c.probs.view(), h.view(),
+                       {}},
+                      nullptr, st::Stream{});
+  st::GroupedLinearOptions o2;
+  o2.num_groups = c.G, o2.in_features = c.F, o2.out_features = c.out, o2.dtype = st::DType::kBF16;
+  o2.fp8 = st::Fp8Recipe::kBlockwise;
+  st::GroupedLinear fc2(o2, c.params().fc2);
+  const st::Tensor y = fc2.forward(h.view(), sp);
+  EXPECT_TRUE(HostTensor::copy_of(f.out.view()).bytes_equal(HostTensor::copy_of(y.view())));
 }
 
 }  // namespace

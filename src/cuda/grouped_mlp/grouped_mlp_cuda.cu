@@ -14,6 +14,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/cuda_stream.h"
 #include "cuda/element.cuh"
+#include "cuda/fp8/fp8_quantize_cuda.cuh"
 #include "cuda/grouped_linear/grouped_gemm_params.h"  // kMaxGroups
 #include "cuda/runtime_cuda.h"
 #include "ops/grouped_mlp_backend.h"
@@ -33,6 +34,17 @@ struct PtrTable {  // per-group pointers by value: a captured graph holds them
 };
 
 __device__ inline float sigmoid(float v) { return 1.f / (1.f + __expf(-v)); }
+
+// h'_j = probs * silu(a_j) * b_j, one expression for the bf16 and the FP8 forward (the same bits).
+__device__ inline float swiglu_value(float a, float b, float pr) { return pr * (a * sigmoid(a) * b); }
+
+// v as the layer's dtype holds it (exact round trip through E).
+template <typename E>
+__device__ inline float rounded(float v) {
+  E e;
+  store_f32(&e, 0, v);
+  return load_f32(&e, 0);
+}
 
 // Sum over the block in a fixed pattern (shuffle tree, then warp partials in order): the same
 // inputs in the same threads give the same bits on every run.
@@ -73,8 +85,61 @@ __global__ void __launch_bounds__(kRowThreads)
     a.load(zr + ca);
     b.load(zr + ca + L.b_off);
 #pragma unroll
-    for (int i = 0; i < V; ++i) out.v[i] = pr * (a.v[i] * sigmoid(a.v[i]) * b.v[i]);
+    for (int i = 0; i < V; ++i) out.v[i] = swiglu_value(a.v[i], b.v[i], pr);
     out.store(hr + j);
+  }
+}
+
+// The FP8 forward: h' quantized rowwise as it is made (h' never in memory). One block per row;
+// sixteen threads a 128-column tile of h', eight columns each (the rowwise quantizer's mapping:
+// the tile's amax a shuffle within the half warp), each value rounded to E first, so that the
+// codes are those of quantize_rowwise over the h' that swiglu_forward_kernel writes. Rows >= S
+// write nothing (the rowwise layout has no tail). kVec: a and b by 16-byte packs.
+template <typename E, bool kVec>
+__global__ void __launch_bounds__(kRowThreads)
+    swiglu_forward_fp8_kernel(const int64_t* offsets, int64_t G, GluLayout L, const E* z, int64_t z_ld,
+                              const float* probs, int64_t probs_stride, uint8_t* q, float* scale) {
+  constexpr int kTileThreads = cuda::fp8::kRowThreads;
+  const int64_t t = blockIdx.x;
+  if (t >= offsets[G]) return;
+  const E* zr = z + t * z_ld;
+  const float pr = probs[t * probs_stride];
+  const int64_t KB = fp8_tiles(L.ffn);
+  const int sub = int(threadIdx.x) % kTileThreads;
+  const unsigned half = 0xffffu << (threadIdx.x & 16u);
+  for (int64_t tile = int(threadIdx.x) / kTileThreads; tile < KB; tile += kRowThreads / kTileThreads) {
+    const int64_t j = tile * kFp8Tile + sub * 8;
+    float v[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = 0.f;
+    if constexpr (kVec) {
+      if (j < L.ffn) {
+        const int64_t ca = backend::glu_a_column(j, L.interleave);
+        Pack<E, 8> a, b;
+        a.load(zr + ca);
+        b.load(zr + ca + L.b_off);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = rounded<E>(swiglu_value(a.v[i], b.v[i], pr));
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        if (j + i < L.ffn) {
+          const int64_t ca = backend::glu_a_column(j + i, L.interleave);
+          v[i] = rounded<E>(swiglu_value(load_f32(zr, ca), load_f32(zr, ca + L.b_off), pr));
+        }
+    }
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) amax = fp8_amax(amax, v[i]);
+#pragma unroll
+    for (int o = kTileThreads / 2; o > 0; o /= 2) amax = fp8_amax(amax, __shfl_xor_sync(half, amax, o));
+    const float s = fp8_scale(amax);
+    cuda::fp8::store8_codes<kVec>(q + t * L.ffn + j, j, L.ffn, v, s);
+    if (sub == 0) {
+      const int64_t g = group_of_row(offsets, G, t);
+      scale[fp8_rowwise_scale_index(offsets[g], offsets[g + 1] - offsets[g], KB, t, tile)] = s;
+    }
   }
 }
 
@@ -176,6 +241,7 @@ class CudaMLPBackend final : public GroupedMLPBackend {
 
   void swiglu_forward(const SwigluForwardParams& p, void*, Stream stream) override {
     if (p.rows.num_rows == 0) return;
+    if (p.h_fp8.data.defined()) return swiglu_forward_fp8(p, stream);
     cuda::DeviceGuard guard(p.h.device().index);
     const GluLayout L{p.ffn, p.interleave, glu_b_offset(p.ffn, p.interleave)};
     const bool vec = vectorisable(p.rows.dtype, p.ffn, p.interleave, {&p.fc1_out, &p.h});
@@ -191,6 +257,30 @@ class CudaMLPBackend final : public GroupedMLPBackend {
       else launch(swiglu_forward_kernel<E, 1>);
     });
     ST_CUDA_CHECK(cudaGetLastError(), "swiglu_forward_kernel launch");
+  }
+
+  void swiglu_forward_fp8(const SwigluForwardParams& p, Stream stream) {
+    cuda::DeviceGuard guard(p.fc1_out.device().index);
+    const GluLayout L{p.ffn, p.interleave, glu_b_offset(p.ffn, p.interleave)};
+    // 8-byte code stores: the codes' rows (ffn bytes) on 8-byte boundaries.
+    const bool vec = vectorisable(p.rows.dtype, p.ffn, p.interleave, {&p.fc1_out}) &&
+                     reinterpret_cast<uintptr_t>(p.h_fp8.data.data()) % 8 == 0;
+    dispatch_dtype(p.rows.dtype, "CUDA GroupedMLP", [&](auto e) {
+      using E = decltype(e);
+      if constexpr (sizeof(E) != 2) {
+        ST_FAIL("CUDA GroupedMLP: the FP8 SwiGLU forward takes a 2-byte dtype (the FP8 recipe's layer is bf16)");
+      } else {
+        auto launch = [&](auto kernel) {
+          kernel<<<unsigned(p.rows.num_rows), kRowThreads, 0, as_cuda(stream)>>>(
+              p.rows.offsets, p.rows.num_groups, L, p.fc1_out.data_as<const E>(), p.fc1_out.stride(0),
+              p.probs.data_as<const float>(), p.probs.stride(0), p.h_fp8.data.data_as<uint8_t>(),
+              p.h_fp8.scale.data_as<float>());
+        };
+        if (vec) launch(swiglu_forward_fp8_kernel<E, true>);
+        else launch(swiglu_forward_fp8_kernel<E, false>);
+      }
+    });
+    ST_CUDA_CHECK(cudaGetLastError(), "swiglu_forward_fp8_kernel launch");
   }
 
   void swiglu_backward(const SwigluBackwardParams& p, void*, Stream stream) override {
