@@ -155,6 +155,27 @@ __device__ inline ExpertTile expert_tile(const int64_t* offsets, int64_t G, int6
 // fall in eight distinct ones (20 m mod 32 over m = 0..7).
 __device__ inline int staged_column(int i, int j, int shift, int width) { return (j + shift * (i / 16)) % width; }
 
+// One channel of a columnwise tile, by eight adjacent threads holding 16 consecutive tokens each
+// (v): the channel's amax over the eight (every lane shuffles), its scale, and where `write` (the
+// channel exists) 16 codes in one 16-byte store at `codes` (16-byte aligned), zero codes from token
+// `live` on (past the expert's rows), the scale by the first of the eight.
+__device__ inline void channel_codes(const float (&v)[16], int64_t live, bool write, uint8_t* codes,
+                                     float* scale_slot) {
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) amax = fp8_amax(amax, v[i]);
+#pragma unroll
+  for (int o = 4; o > 0; o /= 2) amax = fp8_amax(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float s = fp8_scale(amax);
+  if (!write) return;
+  uint32_t w[4] = {0, 0, 0, 0};
+#pragma unroll
+  for (int i = 0; i < 16; ++i)
+    if (i < live) w[i / 4] |= uint32_t(fp8_quantize(v[i], s)) << (8 * (i % 4));
+  *reinterpret_cast<uint4*>(codes) = make_uint4(w[0], w[1], w[2], w[3]);
+  if (threadIdx.x % 8 == 0) *scale_slot = s;
+}
+
 // Columnwise: grid (max tiles, ceil(C / 64)); block 256. The block's (128-token tile of one
 // expert, 64 channels) is staged in shared memory (rows loaded eight channels a thread, 16-byte
 // loads with kVec), then each channel's 128 tokens are eight threads' 16 (adjacent lanes: the
@@ -187,22 +208,13 @@ __global__ void __launch_bounds__(256) quantize_columnwise_kernel(const int64_t*
   __syncthreads();
   for (int j = tid / 8; j < kColChannels; j += 32) {  // channel c0 + j, tokens i0 .. i0 + 15
     const int i0 = (tid % 8) * 16;
-    float amax = 0.f;
+    float v[16];
 #pragma unroll
-    for (int i = 0; i < 16; ++i) amax = fp8_amax(amax, tile[i0 + i][staged_column(i0 + i, j, 4, kColChannels)]);
-#pragma unroll
-    for (int o = 4; o > 0; o /= 2) amax = fp8_amax(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float s = fp8_scale(amax);
+    for (int i = 0; i < 16; ++i) v[i] = tile[i0 + i][staged_column(i0 + i, j, 4, kColChannels)];
     const int64_t c = c0 + j;
-    if (c >= C) continue;  // the same for the eight threads of the channel, after the shuffles
-    uint32_t w[4] = {0, 0, 0, 0};
-#pragma unroll
-    for (int i = 0; i < 16; ++i)
-      if (t * kTile + i0 + i < rows)
-        w[i / 4] |= uint32_t(fp8_quantize(tile[i0 + i][staged_column(i0 + i, j, 4, kColChannels)], s)) << (8 * (i % 4));
-    *reinterpret_cast<uint4*>(q + fp8_columnwise_data_index(columns, base, begin, begin + t * kTile + i0, c)) =
-        make_uint4(w[0], w[1], w[2], w[3]);
-    if (tid % 8 == 0) scale[fp8_columnwise_scale_index(base, t, C, c)] = s;
+    channel_codes(v, rows - (t * kTile + i0), c < C,
+                  q + fp8_columnwise_data_index(columns, base, begin, begin + t * kTile + i0, c),
+                  scale + fp8_columnwise_scale_index(base, t, C, c));
   }
 }
 
@@ -254,24 +266,12 @@ __global__ void __launch_bounds__(256) quantize_both_kernel(const int64_t* offse
   for (int j = tid / 8; j < kTile; j += 32) {  // channel k0 + j, tokens i0 .. i0 + 15
     const int i0 = (tid % 8) * 16;
     float v[16];
-    float amax = 0.f;
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      v[i] = load_f32(tile + (i0 + i) * kBothRowStride, staged_column(i0 + i, j, 8, kTile));
-      amax = fp8_amax(amax, v[i]);
-    }
-#pragma unroll
-    for (int o = 4; o > 0; o /= 2) amax = fp8_amax(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float s = fp8_scale(amax);
+    for (int i = 0; i < 16; ++i) v[i] = load_f32(tile + (i0 + i) * kBothRowStride, staged_column(i0 + i, j, 8, kTile));
     const int64_t c = k0 + j;
-    if (c >= K) continue;  // the same for the eight threads of the channel, after the shuffles
-    uint32_t w[4] = {0, 0, 0, 0};
-#pragma unroll
-    for (int i = 0; i < 16; ++i)
-      if (t * kTile + i0 + i < rows) w[i / 4] |= uint32_t(fp8_quantize(v[i], s)) << (8 * (i % 4));
-    *reinterpret_cast<uint4*>(q_col + fp8_columnwise_data_index(columns, base, begin, begin + t * kTile + i0, c)) =
-        make_uint4(w[0], w[1], w[2], w[3]);
-    if (tid % 8 == 0) s_col[fp8_columnwise_scale_index(base, t, K, c)] = s;
+    channel_codes(v, rows - (t * kTile + i0), c < K,
+                  q_col + fp8_columnwise_data_index(columns, base, begin, begin + t * kTile + i0, c),
+                  s_col + fp8_columnwise_scale_index(base, t, K, c));
   }
 }
 
