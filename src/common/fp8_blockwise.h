@@ -64,24 +64,38 @@ ST_HOST_DEVICE inline float fp8_scale(float amax) {
   return hd_bits_float(uint32_t(fp8_scale_exponent(amax) + 127) << 23);
 }
 
+// A NaN scale: its tile had a NaN or inf, and every code of the tile is NaN (kE4M3NaN).
+ST_HOST_DEVICE inline bool fp8_scale_is_nan(float scale) {
+  return (hd_float_bits(scale) & 0x7fffffffu) > 0x7f800000u;
+}
+
 // The code of x in a tile of scale `scale` (from fp8_scale): e read back from the scale's bits.
-// On GPUs with an e4m3 conversion (sm_89 and up) the hardware's cvt.rn.satfinite of x * 2^-e,
-// which is the same code: the product by a power of two is exact wherever it can matter (a
-// product below fp32's normals, where bits could drop, is below half e4m3's smallest subnormal and
-// rounds to a signed zero either way; this build never flushes subnormals), round to nearest even
-// and satfinite are the encoder's rules (inf and past 464 -> +-448, NaN -> 0x7F); the CUDA tests
+// On GPUs with an e4m3 conversion (sm_89 and up) the hardware's cvt.rn.satfinite of x * 2^-e
+// (fp8_quantize2), which is the same code: the product by a power of two is exact wherever it can
+// matter (a product below fp32's normals, where bits could drop, is below half e4m3's smallest
+// subnormal and rounds to a signed zero either way; this build never flushes subnormals), round to
+// nearest even and satfinite are the encoder's rules (inf and past 464 -> +-448); the CUDA tests
 // compare the two bitwise. It is ~10x fewer instructions than the encoder's integer steps, which
 // bound the quantizers' speed.
-ST_HOST_DEVICE inline uint8_t fp8_quantize(float x, float scale) {
-  const uint32_t s = hd_float_bits(scale);
-  if ((s & 0x7fffffffu) > 0x7f800000u) return kE4M3NaN;
+// fp8_quantize2: the codes of two elements of one tile, a's in the low byte (on the GPU one
+// conversion for the pair).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  const float inverse = __uint_as_float((254u - ((s >> 23) & 0xffu)) << 23);  // 2^-e, e in [-126, 126]
-  return uint8_t(__nv_cvt_float_to_fp8(__fmul_rn(x, inverse), __NV_SATFINITE, __NV_E4M3));
-#else
-  return e4m3_encode_scaled(x, int32_t((s >> 23) & 0xffu) - 127);
-#endif
+__device__ inline uint16_t fp8_quantize2(float a, float b, float scale) {
+  if (fp8_scale_is_nan(scale)) return uint16_t(kE4M3NaN * 0x101u);
+  const float inverse = __uint_as_float((254u - (__float_as_uint(scale) >> 23)) << 23);  // 2^-e, e in [-126, 126]
+  return __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(a, inverse), __fmul_rn(b, inverse)), __NV_SATFINITE,
+                                  __NV_E4M3);
 }
+ST_HOST_DEVICE inline uint8_t fp8_quantize(float x, float scale) { return uint8_t(fp8_quantize2(x, 0.f, scale)); }
+#else
+ST_HOST_DEVICE inline uint8_t fp8_quantize(float x, float scale) {
+  if (fp8_scale_is_nan(scale)) return kE4M3NaN;
+  return e4m3_encode_scaled(x, int32_t((hd_float_bits(scale) >> 23) & 0xffu) - 127);
+}
+ST_HOST_DEVICE inline uint16_t fp8_quantize2(float a, float b, float scale) {
+  return uint16_t(fp8_quantize(a, scale) | fp8_quantize(b, scale) << 8);
+}
+#endif
 
 // Exact in fp32 (a product by a power of two, no rounding) as long as subnormal results, which
 // tiles of e < -117 can give, are not flushed to zero.

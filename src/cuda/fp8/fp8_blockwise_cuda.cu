@@ -77,55 +77,61 @@ void check_columnwise_codes(const Fp8Tensor& codes) {
                "an address of " + std::to_string(a % 16) + " mod 16");
 }
 
+// Nothing to quantize: no channels, or no 128-token tile (no rows).
+bool no_tiles(const TensorView& src, const Fp8Groups& groups) {
+  return src.size(1) == 0 || fp8_columnwise_max_tiles(src.size(0), groups.num_groups) == 0;
+}
+
+// The tile kernel for the layouts asked for (codes where non-null; columnwise: 2-byte elements).
 template <typename E>
-void launch_rowwise(const Fp8QuantizeParams& p, cudaStream_t s) {
-  const int64_t T = p.src.size(0), K = p.src.size(1);
-  auto launch = [&](auto vec) {
-    const dim3 grid(unsigned((T + cuda::fp8::kRowsPerBlock - 1) / cuda::fp8::kRowsPerBlock), unsigned(fp8_tiles(K)));
-    cuda::fp8::quantize_rowwise_kernel<E, decltype(vec)::value><<<grid, 256, 0, s>>>(
-        p.groups.offsets, p.groups.num_groups, p.src.data_as<const E>(), p.src.stride(0), K,
-        p.dst.data.data_as<uint8_t>(), p.dst.scale.data_as<float>());
+void launch_tile(const Fp8Groups& groups, const TensorView& src, const Fp8Tensor* rowwise, const Fp8Tensor* columnwise,
+                 cudaStream_t s) {
+  const int64_t T = src.size(0), K = src.size(1), G = groups.num_groups;
+  if (columnwise) check_columnwise_codes(*columnwise);
+  const dim3 grid(unsigned(fp8_columnwise_max_tiles(T, G)), unsigned(fp8_tiles(K)));
+  auto launch = [&](auto vec, auto row, auto col) {
+    cuda::fp8::quantize_tile_kernel<E, decltype(vec)::value, decltype(row)::value, decltype(col)::value>
+        <<<grid, 256, 0, s>>>(groups.offsets, G, src.data_as<const E>(), src.stride(0), K,
+                              row ? rowwise->data.data_as<uint8_t>() : nullptr,
+                              row ? rowwise->scale.data_as<float>() : nullptr, col ? columnwise->data.size(1) : 0,
+                              col ? columnwise->data.data_as<uint8_t>() : nullptr,
+                              col ? columnwise->scale.data_as<float>() : nullptr);
   };
-  if constexpr (sizeof(E) == 2) {
-    if (vector_loads(p.src, K, p.dst.data.data())) return launch(std::true_type{});
-  }
-  launch(std::false_type{});
+  auto layouts = [&](auto vec) {
+    if constexpr (sizeof(E) == 2) {
+      if (rowwise && columnwise) return launch(vec, std::true_type{}, std::true_type{});
+      if (columnwise) return launch(vec, std::false_type{}, std::true_type{});
+    }
+    launch(vec, std::true_type{}, std::false_type{});
+  };
+  if (sizeof(E) == 2 && vector_loads(src, K, (rowwise ? rowwise : columnwise)->data.data()))
+    return layouts(std::true_type{});
+  layouts(std::false_type{});
 }
 
 template <typename E>
 void launch_columnwise(const Fp8QuantizeParams& p, cudaStream_t s) {
-  const int64_t T = p.src.size(0), C = p.src.size(1), G = p.groups.num_groups;
-  check_columnwise_codes(p.dst);
-  const dim3 grid(unsigned(fp8_columnwise_max_tiles(T, G)),
-                  unsigned((C + cuda::fp8::kColChannels - 1) / cuda::fp8::kColChannels));
-  auto launch = [&](auto vec) {
-    cuda::fp8::quantize_columnwise_kernel<E, decltype(vec)::value><<<grid, 256, 0, s>>>(
-        p.groups.offsets, G, p.src.data_as<const E>(), p.src.stride(0), C, p.dst.data.size(1),
-        p.dst.data.data_as<uint8_t>(), p.dst.scale.data_as<float>());
-  };
   if constexpr (sizeof(E) == 2) {
-    if (vector_loads(p.src, C, p.dst.data.data())) return launch(std::true_type{});
+    launch_tile<E>(p.groups, p.src, nullptr, &p.dst, s);
+  } else {
+    const int64_t T = p.src.size(0), C = p.src.size(1), G = p.groups.num_groups;
+    check_columnwise_codes(p.dst);
+    const dim3 grid(unsigned(fp8_columnwise_max_tiles(T, G)),
+                    unsigned((C + cuda::fp8::kColChannels - 1) / cuda::fp8::kColChannels));
+    cuda::fp8::quantize_columnwise_kernel<E><<<grid, 256, 0, s>>>(p.groups.offsets, G, p.src.data_as<const E>(),
+                                                                   p.src.stride(0), C, p.dst.data.size(1),
+                                                                   p.dst.data.data_as<uint8_t>(),
+                                                                   p.dst.scale.data_as<float>());
   }
-  launch(std::false_type{});
 }
 
 template <typename E>
 void launch_both(const Fp8QuantizeBothParams& p, cudaStream_t s) {
-  if constexpr (sizeof(E) != 2) {  // fp32: the tile would not fit as read; two passes
-    launch_rowwise<E>({p.groups, p.src, p.rowwise}, s);
+  if constexpr (sizeof(E) == 2) {
+    launch_tile<E>(p.groups, p.src, &p.rowwise, &p.columnwise, s);
+  } else {  // fp32: no staged tile; two passes
+    launch_tile<E>(p.groups, p.src, &p.rowwise, nullptr, s);
     launch_columnwise<E>({p.groups, p.src, p.columnwise}, s);
-  } else {
-    const int64_t T = p.src.size(0), K = p.src.size(1), G = p.groups.num_groups;
-    check_columnwise_codes(p.columnwise);
-    const dim3 grid(unsigned(fp8_columnwise_max_tiles(T, G)), unsigned(fp8_tiles(K)));
-    auto launch = [&](auto vec) {
-      cuda::fp8::quantize_both_kernel<E, decltype(vec)::value><<<grid, 256, 0, s>>>(
-          p.groups.offsets, G, p.src.data_as<const E>(), p.src.stride(0), K, p.rowwise.data.data_as<uint8_t>(),
-          p.rowwise.scale.data_as<float>(), p.columnwise.data.size(1), p.columnwise.data.data_as<uint8_t>(),
-          p.columnwise.scale.data_as<float>());
-    };
-    if (vector_loads(p.src, K, p.rowwise.data.data())) return launch(std::true_type{});
-    launch(std::false_type{});
   }
 }
 
@@ -188,23 +194,24 @@ size_t gemm_workspace(int64_t) { return 0; }
 class CudaFp8Backend final : public Fp8BlockwiseBackend {
  public:
   void quantize_rowwise(const Fp8QuantizeParams& p, Stream stream) override {
-    if (p.src.size(0) == 0 || p.src.size(1) == 0) return;
+    if (no_tiles(p.src, p.groups)) return;
     cuda::DeviceGuard guard(p.src.device().index);
-    dispatch_dtype(p.src.dtype(), "CUDA FP8 quantize", [&](auto e) { launch_rowwise<decltype(e)>(p, as_cuda(stream)); });
-    ST_CUDA_CHECK(cudaGetLastError(), "quantize_rowwise_kernel launch");
+    dispatch_dtype(p.src.dtype(), "CUDA FP8 quantize",
+                   [&](auto e) { launch_tile<decltype(e)>(p.groups, p.src, &p.dst, nullptr, as_cuda(stream)); });
+    ST_CUDA_CHECK(cudaGetLastError(), "quantize_rowwise launch");
   }
   void quantize_columnwise(const Fp8QuantizeParams& p, Stream stream) override {
-    if (p.src.size(1) == 0 || fp8_columnwise_max_tiles(p.src.size(0), p.groups.num_groups) == 0) return;
+    if (no_tiles(p.src, p.groups)) return;
     cuda::DeviceGuard guard(p.src.device().index);
     dispatch_dtype(p.src.dtype(), "CUDA FP8 quantize",
                    [&](auto e) { launch_columnwise<decltype(e)>(p, as_cuda(stream)); });
-    ST_CUDA_CHECK(cudaGetLastError(), "quantize_columnwise_kernel launch");
+    ST_CUDA_CHECK(cudaGetLastError(), "quantize_columnwise launch");
   }
   void quantize_both(const Fp8QuantizeBothParams& p, Stream stream) override {
-    if (p.src.size(0) == 0 || p.src.size(1) == 0) return;
+    if (no_tiles(p.src, p.groups)) return;
     cuda::DeviceGuard guard(p.src.device().index);
     dispatch_dtype(p.src.dtype(), "CUDA FP8 quantize", [&](auto e) { launch_both<decltype(e)>(p, as_cuda(stream)); });
-    ST_CUDA_CHECK(cudaGetLastError(), "quantize_both_kernel launch");
+    ST_CUDA_CHECK(cudaGetLastError(), "quantize_both launch");
   }
   void quantize_weights(const Fp8WeightQuantizeParams& p, Stream stream) override {
     if (p.w.empty() || p.w[0].numel() == 0) return;

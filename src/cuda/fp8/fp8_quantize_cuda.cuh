@@ -6,19 +6,24 @@
 //
 //   rowwise     16 threads per (row, 128-channel tile), 8 channels each (16-byte loads), two
 //               rows a thread, the amax a shuffle reduction; codes [T, K], scales grouped M-major
-//   columnwise  one block per (128-token tile, 64 channels): the tile staged in shared memory,
-//               a channel's amax over its 128 tokens, codes written transposed ([C, columns],
-//               tokens contiguous, 16 bytes a store), the rest of an expert's last tile zero codes
-//   both        one block per (128-token tile, 128 channels): rowwise from the registers as the
-//               tile is read, columnwise from shared memory; one read for a gradient's two layouts
+//   tile        2-byte elements: one block per (128-token tile of one expert, 128 channels), read
+//               once, staged in shared memory as read; the columnwise codes from there (a thread
+//               two channels x 16 tokens: codes written transposed, [C, columns], tokens
+//               contiguous, 16 bytes a store; the rest of an expert's last tile zero codes), and
+//               with `rowwise` the rowwise codes too from the registers as the tile is read: a
+//               gradient's two layouts from one read
+//   columnwise  fp32 elements: the same, 64 channels a block, staged as floats
 //   weights     one block per (expert, 128 x 128 block), read once into registers: both copies (W
 //               and W^T) and both grids
-// All are bound by memory traffic once the encoding is the hardware's (fp8_quantize).
+// Two-byte elements stay as read (Chunk): the amax is a 16-bit-pair maximum of their bits and the
+// codes come two a conversion (fp8_quantize2). At about four instructions an element the kernels
+// are bound by memory traffic, not by issue.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/fp8_blockwise.h"
 #include "common/group_offsets.h"
@@ -34,90 +39,100 @@ __device__ inline float warp_amax(float a) {
   return a;
 }
 
-// Eight consecutive elements k0 .. k0 + 7 of a row as fp32, zeros past K. kVec: one 16-byte load
-// (the caller checked that E is 2 bytes, K and the row stride multiples of 8, the base 16-byte
-// aligned; k0 is a multiple of 8, so k0 < K means all eight are in the row).
-template <typename E, bool kVec>
-__device__ inline void load8(const E* row, int64_t k0, int64_t K, float (&v)[8]) {
-  if constexpr (kVec) {
-    if (k0 < K) {
-      Pack<E, 8> p;
-      p.load(row + k0);
+// The codes of eight values of one tile (scale s), value i in byte i: two a conversion.
+__device__ inline uint2 codes8(const float* v, float s) {
+  uint32_t w[4];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) v[i] = p.v[i];
-      return;
+  for (int j = 0; j < 4; ++j) w[j] = fp8_quantize2(v[2 * j], v[2 * j + 1], s);
+  return make_uint2(w[0] | w[1] << 16, w[2] | w[3] << 16);
+}
+
+// A 2-byte element's bits (the low 16 of `bits`) as fp32, exactly.
+template <typename E>
+__device__ inline float widen(uint32_t bits) {
+  static_assert(sizeof(E) == 2, "2-byte elements");
+  if constexpr (std::is_same_v<E, bf16_t>) return __uint_as_float(bits << 16);
+  else return __half2float(__ushort_as_half(uint16_t(bits)));
+}
+
+// |x|'s bits of two 2-byte elements of a word folded into m, one 16-bit-pair maximum: fp8_amax's
+// order (|x|'s bits order finite values as their magnitudes and put inf and NaN above them).
+__device__ inline uint32_t abs_bits_max2(uint32_t m, uint32_t w) { return __vmaxu2(m, w & 0x7fff7fffu); }
+
+// Eight consecutive elements k0 .. k0 + 7 of a row as a quantizer holds them, zeros past K (and
+// where not loaded). 2-byte E: the four words as read, element 2i in the low half of w[i] (the
+// amax a pair maximum a word, the codes two a conversion); fp32: the eight floats. kVec: one
+// 16-byte load (the caller checked that E is 2 bytes, K and the row stride multiples of 8, the
+// base 16-byte aligned; k0 is a multiple of 8, so k0 < K means all eight are in the row).
+template <typename E, bool kTwoBytes = sizeof(E) == 2>
+struct Chunk {
+  uint32_t w[4];
+  template <bool kVec>
+  __device__ void load(const E* row, int64_t k0, int64_t K) {
+    if constexpr (kVec) {
+      if (k0 < K) {
+        const uint4 r = *reinterpret_cast<const uint4*>(row + k0);
+        w[0] = r.x, w[1] = r.y, w[2] = r.z, w[3] = r.w;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        if (k0 + i < K) w[i / 2] |= uint32_t(row[k0 + i].bits) << (16 * (i % 2));
     }
+  }
+  __device__ float amax() const {
+    uint32_t m = 0;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = 0.f;
-  } else {
+    for (int i = 0; i < 4; ++i) m = abs_bits_max2(m, w[i]);
+    return widen<E>(max(m & 0xffffu, m >> 16));
+  }
+  __device__ uint2 codes(float s) const {
+    float v[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[2 * i] = widen<E>(w[i] & 0xffffu), v[2 * i + 1] = widen<E>(w[i] >> 16);
+    return codes8(v, s);
+  }
+  __device__ uint4 raw() const { return make_uint4(w[0], w[1], w[2], w[3]); }
+};
+template <typename E>
+struct Chunk<E, false> {
+  float v[8];
+  template <bool>
+  __device__ void load(const E* row, int64_t k0, int64_t K) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) v[i] = k0 + i < K ? load_f32(row, k0 + i) : 0.f;
   }
-}
-
-// The codes of eight consecutive elements k .. k + 7 of a row (scale s), none past K; kVec: one
-// 8-byte store (k and K multiples of 8, the row 8-byte aligned).
-template <bool kVec>
-__device__ inline void store8_codes(uint8_t* out, int64_t k, int64_t K, const float (&v)[8], float s) {
-  if constexpr (kVec) {
-    if (k < K) {
-      uint32_t lo = 0, hi = 0;
+  __device__ float amax() const {
+    float a = 0.f;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        lo |= uint32_t(fp8_quantize(v[j], s)) << (8 * j);
-        hi |= uint32_t(fp8_quantize(v[j + 4], s)) << (8 * j);
-      }
-      *reinterpret_cast<uint2*>(out) = make_uint2(lo, hi);
-    }
+    for (int i = 0; i < 8; ++i) a = fp8_amax(a, v[i]);
+    return a;
+  }
+  __device__ uint2 codes(float s) const { return codes8(v, s); }
+};
+
+// Eight codes of a row, byte i for element k + i, none past K; kVec: one 8-byte store (k and K
+// multiples of 8, the row 8-byte aligned).
+template <bool kVec>
+__device__ inline void store8_codes(uint8_t* out, int64_t k, int64_t K, uint2 c) {
+  if constexpr (kVec) {
+    if (k < K) *reinterpret_cast<uint2*>(out) = c;
   } else {
 #pragma unroll
     for (int j = 0; j < 8; ++j)
-      if (k + j < K) out[j] = fp8_quantize(v[j], s);
+      if (k + j < K) out[j] = uint8_t((j < 4 ? c.x : c.y) >> (8 * (j % 4)));
   }
 }
 
-// Rowwise: rows [0, S) of src [T, K] (row stride src_ld): codes q [T, K], scales
-// (fp8_rowwise_scale_index). Grid (ceil(T / 32), KB), block 256: sixteen threads a (row, 128-channel
-// tile), eight channels each, two rows a thread (both loads in flight before either is used); the
-// tile's amax a shuffle reduction within the half warp. No integer division: the tile is the
-// block's y, the row its x and the thread's place. kVec: 16-byte loads, 8-byte code stores (K a
-// multiple of 8 too).
-constexpr int kRowThreads = 16, kRowsPerThread = 2, kRowsPerBlock = 256 / kRowThreads * kRowsPerThread;
-template <typename E, bool kVec>
-__global__ void __launch_bounds__(256) quantize_rowwise_kernel(const int64_t* offsets, int64_t G, const E* src,
-                                                               int64_t src_ld, int64_t K, uint8_t* q, float* scale) {
-  const int64_t S = offsets[G], first = int64_t(blockIdx.x) * kRowsPerBlock;
-  if (first >= S) return;  // the whole block in the padded tail
-  const int64_t KB = fp8_tiles(K), kb = blockIdx.y, k = kb * kTile + int(threadIdx.x) % kRowThreads * 8;
-  const int64_t r0 = first + int(threadIdx.x) / kRowThreads;
-  float v[kRowsPerThread][8];
+// A 128-channel tile's amax from its sixteen threads' own (a shuffle within the half warp; every
+// lane joins).
+__device__ inline float tile_amax(float a) {
 #pragma unroll
-  for (int p = 0; p < kRowsPerThread; ++p) {
-    const int64_t r = r0 + p * (256 / kRowThreads);
-    if (r < S) {
-      load8<E, kVec>(src + r * src_ld, k, K, v[p]);
-    } else {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) v[p][j] = 0.f;
-    }
-  }
-#pragma unroll
-  for (int p = 0; p < kRowsPerThread; ++p) {
-    const int64_t r = r0 + p * (256 / kRowThreads);
-    float amax = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) amax = fp8_amax(amax, v[p][j]);
-#pragma unroll
-    for (int o = kRowThreads / 2; o > 0; o /= 2) amax = fp8_amax(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    if (r >= S) continue;  // after the shuffles, which every lane joins
-    const float s = fp8_scale(amax);
-    store8_codes<kVec>(q + r * K + k, k, K, v[p], s);
-    if (threadIdx.x % kRowThreads == 0) {
-      const int64_t g = group_of_row(offsets, G, r);
-      scale[fp8_rowwise_scale_index(offsets[g], offsets[g + 1] - offsets[g], KB, r, kb)] = s;
-    }
-  }
+  for (int o = 8; o > 0; o /= 2) a = fp8_amax(a, __shfl_xor_sync(0xffffffffu, a, o));
+  return a;
 }
+
+constexpr int kRowThreads = 16;  // threads a row of a 128-channel tile, eight channels each
 
 // The expert owning columnwise tile `global_tile` (the experts' tiles in order) and its first
 // tile's number, g == G for a tile past them all; by a whole warp, 32 experts a step (a scan of
@@ -148,42 +163,123 @@ __device__ inline ExpertTile expert_tile(const int64_t* offsets, int64_t G, int6
   return {G, base};
 }
 
-// The column where a staged tile keeps element (token i, channel j) of a row of `width` elements:
-// rotated by `shift` elements per 16 tokens. The columnwise reads have eight threads a channel,
-// 16 tokens apart (i0 = 0, 16, .., 112), over a row stride of an odd number of words: unrotated,
-// i0 = 0, 32, 64, 96 fall in one bank (4-way conflicts); rotated by 4 words per 16 tokens they
-// fall in eight distinct ones (20 m mod 32 over m = 0..7).
-__device__ inline int staged_column(int i, int j, int shift, int width) { return (j + shift * (i / 16)) % width; }
+// The column (in words) where a staged tile keeps word j of token i's row of `width` words,
+// rotated by 4 words per 16 tokens. The columnwise reads have eight threads a column, 16 tokens
+// apart (i0 = 0, 16, .., 112), four columns a warp: over a row stride of a multiple of 32 words
+// (the 2-byte tile) all eight would read one bank, over an odd one (the fp32 tile, 65 words) i0 =
+// 0, 32, 64, 96 would; rotated, the warp's 32 reads fall in 32 distinct banks (4 tg + j mod 32,
+// resp. 20 m + j mod 32 over m = 0..7). Whole 16-byte groups move together (rows are written in them).
+__device__ inline int staged_column(int i, int j, int width) { return (j + 4 * (i / 16)) % width; }
 
-// One channel of a columnwise tile, by eight adjacent threads holding 16 consecutive tokens each
-// (v): the channel's amax over the eight (every lane shuffles), its scale, and where `write` (the
-// channel exists) 16 codes in one 16-byte store at `codes` (16-byte aligned), zero codes from token
-// `live` on (past the expert's rows), the scale by the first of the eight.
-__device__ inline void channel_codes(const float (&v)[16], int64_t live, bool write, uint8_t* codes,
-                                     float* scale_slot) {
-  float amax = 0.f;
+// 16 codes of one channel of a columnwise tile (tokens i0 .. i0 + 15, token i0 + i in byte i of
+// c) in one 16-byte store at `codes` (16-byte aligned), zero codes from token `live` on (past the
+// expert's rows).
+__device__ inline void store16_codes(uint32_t (&c)[4], int64_t live, uint8_t* codes) {
+  if (live < 16) {
 #pragma unroll
-  for (int i = 0; i < 16; ++i) amax = fp8_amax(amax, v[i]);
-#pragma unroll
-  for (int o = 4; o > 0; o /= 2) amax = fp8_amax(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  const float s = fp8_scale(amax);
-  if (!write) return;
-  uint32_t w[4] = {0, 0, 0, 0};
-#pragma unroll
-  for (int i = 0; i < 16; ++i)
-    if (i < live) w[i / 4] |= uint32_t(fp8_quantize(v[i], s)) << (8 * (i % 4));
-  *reinterpret_cast<uint4*>(codes) = make_uint4(w[0], w[1], w[2], w[3]);
-  if (threadIdx.x % 8 == 0) *scale_slot = s;
+    for (int j = 0; j < 4; ++j) {
+      const int64_t n = live - 4 * j;  // this word's live bytes
+      c[j] &= n >= 4 ? ~0u : n <= 0 ? 0u : (1u << (8 * n)) - 1u;
+    }
+  }
+  *reinterpret_cast<uint4*>(codes) = make_uint4(c[0], c[1], c[2], c[3]);
 }
 
-// Columnwise: grid (max tiles, ceil(C / 64)); block 256. The block's (128-token tile of one
-// expert, 64 channels) is staged in shared memory (rows loaded eight channels a thread, 16-byte
-// loads with kVec), then each channel's 128 tokens are eight threads' 16 (adjacent lanes: the
-// amax a 3-step shuffle), written as 16 codes in one 16-byte store (columns and the tile base
-// are multiples of 128), tokens past the expert's rows zero codes. A block past the experts'
-// tiles returns.
+constexpr int kTileWords = kTile / 2;  // a staged row of 2-byte elements: 128 in 64 words
+
+// The columnwise codes of a staged 2-byte tile (128 tokens of tile t of the expert at rows
+// [begin, begin + rows), channels k0 ..): a thread takes one word column (two channels) x 16
+// tokens; both channels' amaxes a pair maximum, then over the column's eight threads a 3-step
+// shuffle; each channel's 16 codes one store.
+template <typename E>
+__device__ inline void columnwise_from_stage(const uint32_t* tile, int64_t base, int64_t begin, int64_t rows,
+                                             int64_t t, int64_t K, int64_t k0, int64_t columns, uint8_t* q_col,
+                                             float* s_col) {
+  const int tid = int(threadIdx.x), i0 = (tid % 8) * 16;
+  for (int j = tid / 8; j < kTileWords; j += 32) {  // channels k0 + 2j and k0 + 2j + 1, tokens i0 .. i0 + 15
+    uint32_t w[16], m = 0;
+    const int col = staged_column(i0, j, kTileWords);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) m = abs_bits_max2(m, w[i] = tile[(i0 + i) * kTileWords + col]);
+#pragma unroll
+    for (int o = 4; o > 0; o /= 2) m = __vmaxu2(m, __shfl_xor_sync(0xffffffffu, m, o));
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t ch = k0 + 2 * j + h;
+      const float s = fp8_scale(widen<E>(h ? m >> 16 : m & 0xffffu));
+      if (ch >= K) continue;
+      uint32_t codes[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        float v[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) v[u] = widen<E>(h ? w[4 * q + u] >> 16 : w[4 * q + u] & 0xffffu);
+        codes[q] = fp8_quantize2(v[0], v[1], s) | uint32_t(fp8_quantize2(v[2], v[3], s)) << 16;
+      }
+      store16_codes(codes, rows - (t * kTile + i0),
+                    q_col + fp8_columnwise_data_index(columns, base, begin, begin + t * kTile + i0, ch));
+      if (i0 == 0) s_col[fp8_columnwise_scale_index(base, t, K, ch)] = s;
+    }
+  }
+}
+
+// The tile kernel: grid (max tiles, KB); block 256. The block's (128-token tile of one expert,
+// 128-channel tile) is read sixteen threads a row, eight channels each, a thread's eight rows all
+// in flight (a block past the experts' tiles returns). kRowwise: each row's tile quantized from
+// the registers, its amax a shuffle within the half warp. kColumnwise (2-byte elements): the words
+// staged in shared memory as read (rows past the expert's: zeros), then columnwise_from_stage.
+// Both: a gradient's two layouts from one read. The experts' tiles cover rows [0, S) once, so
+// every code below S is written once; the tile's expert comes from expert_tile, no search per row.
+// kVec: 16-byte loads, 8-byte rowwise code stores (K and the row stride multiples of 8).
+template <typename E, bool kVec, bool kRowwise, bool kColumnwise>
+__global__ void __launch_bounds__(256) quantize_tile_kernel(const int64_t* offsets, int64_t G, const E* src,
+                                                            int64_t src_ld, int64_t K, uint8_t* q_row,
+                                                            float* s_row, int64_t columns, uint8_t* q_col,
+                                                            float* s_col) {
+  static_assert(!kColumnwise || sizeof(E) == 2, "the tile is staged as 2-byte elements");
+  constexpr int kRowsPerPass = 256 / kRowThreads, kPasses = kTile / kRowsPerPass;
+  __shared__ uint4 staged[kColumnwise ? kTile * kTileWords / 4 : 1];
+  const ExpertTile et = expert_tile(offsets, G, blockIdx.x);
+  if (et.g == G) return;
+  const int64_t base = et.base, begin = offsets[et.g], rows = offsets[et.g + 1] - begin, t = blockIdx.x - base;
+  const int64_t KB = fp8_tiles(K), kb = blockIdx.y, k0 = kb * kTile;
+  const int tid = int(threadIdx.x), sub = tid % kRowThreads;
+  const int64_t k = k0 + sub * 8;
+  Chunk<E> c[kPasses] = {};
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    const int64_t r = t * kTile + tid / kRowThreads + kRowsPerPass * p;  // a row of the expert
+    if (r < rows) c[p].template load<kVec>(src + (begin + r) * src_ld, k, K);
+  }
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    const int i = tid / kRowThreads + kRowsPerPass * p;
+    if constexpr (kRowwise) {
+      const float amax = tile_amax(c[p].amax());
+      const int64_t r = t * kTile + i;
+      if (r < rows) {
+        const float s = fp8_scale(amax);
+        store8_codes<kVec>(q_row + (begin + r) * K + k, k, K, c[p].codes(s));
+        if (sub == 0) s_row[fp8_rowwise_scale_index(begin, rows, KB, begin + r, kb)] = s;
+      }
+    }
+    if constexpr (kColumnwise) staged[(i * kTileWords + staged_column(i, sub * 4, kTileWords)) / 4] = c[p].raw();
+  }
+  if constexpr (kColumnwise) {
+    __syncthreads();
+    columnwise_from_stage<E>(reinterpret_cast<const uint32_t*>(staged), base, begin, rows, t, K, k0, columns, q_col,
+                             s_col);
+  }
+}
+
+// Columnwise, fp32 elements: grid (max tiles, ceil(C / 64)); block 256. The block's (128-token
+// tile of one expert, 64 channels) is staged in shared memory as floats (rows loaded eight channels
+// a thread), then each channel's 128 tokens are eight threads' 16 (adjacent lanes: the amax a
+// 3-step shuffle), written as 16 codes in one 16-byte store (columns and the tile base are
+// multiples of 128), tokens past the expert's rows zero codes. A block past the experts' tiles
+// returns.
 constexpr int kColChannels = 64;
-template <typename E, bool kVec>
+template <typename E>
 __global__ void __launch_bounds__(256) quantize_columnwise_kernel(const int64_t* offsets, int64_t G, const E* src,
                                                                   int64_t src_ld, int64_t C, int64_t columns,
                                                                   uint8_t* q, float* scale) {
@@ -195,83 +291,27 @@ __global__ void __launch_bounds__(256) quantize_columnwise_kernel(const int64_t*
   const int tid = int(threadIdx.x);
   for (int i = tid / 8; i < kTile; i += 32) {  // row i of the tile, channels c0 + (tid % 8) * 8 ..
     const int cc = (tid % 8) * 8;
-    float v[8];
-    if (t * kTile + i < rows) {
-      load8<E, kVec>(src + (begin + t * kTile + i) * src_ld, c0 + cc, C, v);
-    } else {
+    Chunk<E> v = {};
+    if (t * kTile + i < rows) v.template load<false>(src + (begin + t * kTile + i) * src_ld, c0 + cc, C);
 #pragma unroll
-      for (int k = 0; k < 8; ++k) v[k] = 0.f;
-    }
-#pragma unroll
-    for (int k = 0; k < 8; ++k) tile[i][staged_column(i, cc + k, 4, kColChannels)] = v[k];
+    for (int k = 0; k < 8; ++k) tile[i][staged_column(i, cc + k, kColChannels)] = v.v[k];
   }
   __syncthreads();
   for (int j = tid / 8; j < kColChannels; j += 32) {  // channel c0 + j, tokens i0 .. i0 + 15
     const int i0 = (tid % 8) * 16;
-    float v[16];
+    float v[16], amax = 0.f;
 #pragma unroll
-    for (int i = 0; i < 16; ++i) v[i] = tile[i0 + i][staged_column(i0 + i, j, 4, kColChannels)];
-    const int64_t c = c0 + j;
-    channel_codes(v, rows - (t * kTile + i0), c < C,
-                  q + fp8_columnwise_data_index(columns, base, begin, begin + t * kTile + i0, c),
-                  scale + fp8_columnwise_scale_index(base, t, C, c));
-  }
-}
-
-// Both layouts from one read (a gradient dgrad reads rowwise and wgrad columnwise), 2-byte
-// elements: grid (max tiles, ceil(K / 128)); block 256. The block's (128-token tile of one expert,
-// 128-channel tile) is read sixteen threads a row, eight channels each: the row's tile is quantized
-// rowwise from the registers (the rowwise kernel's steps) and kept in shared memory as read; then
-// each channel's 128 tokens are quantized columnwise from there (the columnwise kernel's steps).
-// The experts' tiles cover rows [0, S) once, so every rowwise code below S is written once.
-constexpr int kBothRowStride = kTile + 2;  // elements: 65 words a row (staged_column)
-template <typename E, bool kVec>
-__global__ void __launch_bounds__(256) quantize_both_kernel(const int64_t* offsets, int64_t G, const E* src,
-                                                            int64_t src_ld, int64_t K, uint8_t* q_row,
-                                                            float* s_row, int64_t columns, uint8_t* q_col,
-                                                            float* s_col) {
-  static_assert(sizeof(E) == 2, "the tile is kept as 2-byte elements");
-  __shared__ uint16_t raw[kTile * kBothRowStride];
-  E* tile = reinterpret_cast<E*>(raw);
-  const ExpertTile et = expert_tile(offsets, G, blockIdx.x);
-  if (et.g == G) return;
-  const int64_t base = et.base, begin = offsets[et.g], rows = offsets[et.g + 1] - begin, t = blockIdx.x - base;
-  const int64_t KB = fp8_tiles(K), kb = blockIdx.y, k0 = kb * kTile;
-  const int tid = int(threadIdx.x), sub = tid % kRowThreads;
-  for (int i = tid / kRowThreads; i < kTile; i += 256 / kRowThreads) {  // row t * 128 + i of the expert
-    const int64_t r = t * kTile + i, k = k0 + sub * 8;
-    const bool live = r < rows;
-    float v[8];
-    if (live) {
-      load8<E, kVec>(src + (begin + r) * src_ld, k, K, v);
-    } else {
+    for (int i = 0; i < 16; ++i) amax = fp8_amax(amax, v[i] = tile[i0 + i][staged_column(i0 + i, j, kColChannels)]);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) v[j] = 0.f;
-    }
-    float amax = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) amax = fp8_amax(amax, v[j]);
-#pragma unroll
-    for (int o = kRowThreads / 2; o > 0; o /= 2) amax = fp8_amax(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    for (int o = 4; o > 0; o /= 2) amax = fp8_amax(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     const float s = fp8_scale(amax);
-    if (live) {
-      store8_codes<kVec>(q_row + (begin + r) * K + k, k, K, v, s);
-      if (sub == 0) s_row[fp8_rowwise_scale_index(begin, rows, KB, begin + r, kb)] = s;
-    }
-#pragma unroll
-    for (int j = 0; j < 8; ++j)  // exact: read back as E
-      store_f32(tile + i * kBothRowStride, staged_column(i, sub * 8 + j, 8, kTile), v[j]);
-  }
-  __syncthreads();
-  for (int j = tid / 8; j < kTile; j += 32) {  // channel k0 + j, tokens i0 .. i0 + 15
-    const int i0 = (tid % 8) * 16;
-    float v[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) v[i] = load_f32(tile + (i0 + i) * kBothRowStride, staged_column(i0 + i, j, 8, kTile));
-    const int64_t c = k0 + j;
-    channel_codes(v, rows - (t * kTile + i0), c < K,
-                  q_col + fp8_columnwise_data_index(columns, base, begin, begin + t * kTile + i0, c),
-                  s_col + fp8_columnwise_scale_index(base, t, K, c));
+    const int64_t c = c0 + j;
+    if (c >= C) continue;
+    const uint2 lo = codes8(v, s), hi = codes8(v + 8, s);
+    uint32_t codes[4] = {lo.x, lo.y, hi.x, hi.y};
+    store16_codes(codes, rows - (t * kTile + i0),
+                  q + fp8_columnwise_data_index(columns, base, begin, begin + t * kTile + i0, c));
+    if (i0 == 0) scale[fp8_columnwise_scale_index(base, t, C, c)] = s;
   }
 }
 
@@ -296,24 +336,19 @@ __global__ void __launch_bounds__(256) quantize_weights_kernel(const __grid_cons
   __shared__ float amax_part[8];
   __shared__ float block_scale;
   // A row of 132 bytes (33 words) puts a column's 32 bytes in 32 banks.
-  __shared__ uint8_t codes[kTile][kTile + 4];
+  __shared__ uint32_t codes[kTile][(kTile + 4) / 4];
   const int64_t g = blockIdx.z, i0 = int64_t(blockIdx.x) * kTile, j0 = int64_t(blockIdx.y) * kTile;
   const E* w = static_cast<const E*>(p.w[g]);
   const int tid = int(threadIdx.x), lane = tid % 32, warp = tid / 32, col = (tid % 16) * 8;
-  float v[kRows][8];
+  Chunk<E> v[kRows] = {};
   float amax = 0.f;
 #pragma unroll
   for (int k = 0; k < kRows; ++k) {
     const int64_t r = i0 + tid / 16 + 16 * k;
-    if (r < out) {
-      load8<E, kVec>(w + r * in, j0 + col, in, v[k]);
-    } else {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) v[k][j] = 0.f;
-    }
-#pragma unroll
-    for (int j = 0; j < 8; ++j) amax = fp8_amax(amax, v[k][j]);
+    if (r < out) v[k].template load<kVec>(w + r * in, j0 + col, in);
   }
+#pragma unroll
+  for (int k = 0; k < kRows; ++k) amax = fp8_amax(amax, v[k].amax());
   amax = warp_amax(amax);
   if (lane == 0) amax_part[warp] = amax;
   __syncthreads();
@@ -329,15 +364,17 @@ __global__ void __launch_bounds__(256) quantize_weights_kernel(const __grid_cons
 #pragma unroll
   for (int k = 0; k < kRows; ++k) {
     const int i = tid / 16 + 16 * k;
-    if (i0 + i < out) store8_codes<kVec>(p.q[g] + (i0 + i) * in + j0 + col, j0 + col, in, v[k], s);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) codes[i][col + j] = fp8_quantize(v[k][j], s);
+    const uint2 c = v[k].codes(s);
+    if (i0 + i < out) store8_codes<kVec>(p.q[g] + (i0 + i) * in + j0 + col, j0 + col, in, c);
+    codes[i][col / 4] = c.x;
+    codes[i][col / 4 + 1] = c.y;
   }
   __syncthreads();
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(codes);
   for (int j = warp; j < kTile; j += 8)
     for (int i = lane; i < kTile; i += 32) {
       const int64_t r = i0 + i, c = j0 + j;
-      if (r < out && c < in) p.qt[g][c * out + r] = codes[i][j];
+      if (r < out && c < in) p.qt[g][c * out + r] = bytes[i * (kTile + 4) + j];
     }
 }
 

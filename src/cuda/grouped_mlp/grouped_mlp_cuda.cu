@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(kRowThreads)
 #pragma unroll
     for (int o = kTileThreads / 2; o > 0; o /= 2) amax = fp8_amax(amax, __shfl_xor_sync(half, amax, o));
     const float s = fp8_scale(amax);
-    cuda::fp8::store8_codes<kVec>(q + t * L.ffn + j, j, L.ffn, v, s);
+    cuda::fp8::store8_codes<kVec>(q + t * L.ffn + j, j, L.ffn, cuda::fp8::codes8(v, s));
     if (sub == 0) {
       const int64_t g = group_of_row(offsets, G, t);
       scale[fp8_rowwise_scale_index(offsets[g], offsets[g + 1] - offsets[g], KB, t, tile)] = s;
