@@ -11,9 +11,10 @@ backward (dgrad and wgrad, every quantization included), and the time of the wei
 quantization that each optimizer step adds (fp8_weight_quantize_kernel_ms).
 
 MoE layers (bench_moe's SonicMoE and Qwen3 shapes): MoELayer(fp8=True) against the same layer in
-bf16, forward + backward.
+bf16, forward + backward. --top N adds each timed step's N costliest kernels (GPU ms a step, from
+torch.profiler): where the time goes, before tuning.
 
-    python bench/bench_fp8.py [--only gemm,moe] [--reps 20] [--json out.json]
+    python bench/bench_fp8.py [--only gemm,moe] [--reps 20] [--top N] [--json out.json]
 """
 
 import argparse
@@ -42,10 +43,11 @@ def timings(fn, reps):
     return ba.time_ms(fn, reps)[0], ba.queued_ms(fn, reps)
 
 
-def kernel_ms(fn, reps=10):
-    """The GPU time per call of fn's kernels by class, from torch.profiler: {"gemm", "quantize",
-    "other"} in ms (a kernel's class from its name: ours are quantize_*; CUTLASS's and torch's
-    GEMMs are device_kernel / gemm / sm90 ones)."""
+TOP = 0  # --top: kernels listed per profiled step
+
+
+def kernels_ms(fn, reps=10):
+    """{kernel name: GPU ms per call} of fn's kernels, from torch.profiler."""
     fn()
     torch.cuda.synchronize()
     acts = [torch.profiler.ProfilerActivity.CUDA]
@@ -53,15 +55,34 @@ def kernel_ms(fn, reps=10):
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    out = {"gemm": 0.0, "quantize": 0.0, "other": 0.0}
+    out = {}
     for e in prof.key_averages():
         us = getattr(e, "device_time_total", None)
         if us is None:
             us = e.cuda_time_total
-        name = e.key.lower()
+        if us:
+            out[e.key] = out.get(e.key, 0.0) + us / reps / 1e3
+    return out
+
+
+def top_kernels(ms):
+    """The TOP costliest of kernels_ms' {name: ms}, as [name (200 characters at most), ms]."""
+    return [[k[:200], round(v, 4)] for k, v in sorted(ms.items(), key=lambda kv: -kv[1])[:TOP]]
+
+
+def kernel_ms(fn, reps=10, top_key=None, row=None):
+    """The GPU time per call of fn's kernels by class: {"gemm", "quantize", "other"} in ms (a
+    kernel's class from its name: ours are quantize_*; CUTLASS's and torch's GEMMs are
+    device_kernel / gemm / sm90 ones). With --top, row[top_key] lists the costliest."""
+    ms = kernels_ms(fn, reps)
+    out = {"gemm": 0.0, "quantize": 0.0, "other": 0.0}
+    for key, v in ms.items():
+        name = key.lower()
         cls = ("quantize" if "quantize" in name else
                "gemm" if any(s in name for s in ("device_kernel", "gemm", "sm90_", "cutlass")) else "other")
-        out[cls] += us / reps / 1e3
+        out[cls] += v
+    if TOP and row is not None:
+        row[top_key] = top_kernels(ms)
     return out
 
 
@@ -116,8 +137,9 @@ def bench_gemm(name, shape, reps):
         row[f"{tag}_fwd_tflops"] = flops / row[f"{tag}_fwd_b2b_ms"] * 1e-9
         row[f"{tag}_fwdbwd_tflops"] = 3 * flops / row[f"{tag}_fwdbwd_b2b_ms"] * 1e-9
         if fp8:
-            k = kernel_ms(fwd)
+            k = kernel_ms(fwd, top_key="fp8_fwd_top_kernels", row=row)
             row["fp8_fwd_gemm_kernel_ms"], row["fp8_fwd_quantize_kernel_ms"] = k["gemm"], k["quantize"]
+            row["fp8_fwd_other_kernel_ms"] = k["other"]
 
             def fwd_new_weights(layer=layer):
                 with torch.no_grad():  # a new version (as an optimizer step makes): quantized anew
@@ -128,8 +150,9 @@ def bench_gemm(name, shape, reps):
             # What an optimizer step adds: the weights' quantization (both copies), once a step.
             row["fp8_weight_quantize_kernel_ms"] = kernel_ms(fwd_new_weights)["quantize"] - k["quantize"]
             row["fp8_fwd_gemm_tflops"] = flops / k["gemm"] * 1e-9 if k["gemm"] else None
-            kb = kernel_ms(fwd_bwd)
+            kb = kernel_ms(fwd_bwd, top_key="fp8_fwdbwd_top_kernels", row=row)
             row["fp8_fwdbwd_quantize_kernel_ms"] = kb["quantize"]
+            row["fp8_fwdbwd_gemm_kernel_ms"], row["fp8_fwdbwd_other_kernel_ms"] = kb["gemm"], kb["other"]
     with torch.no_grad():
         ref = layers[False](x, dev_splits).float()
         got = layers[True](x, dev_splits).float()
@@ -165,6 +188,10 @@ def bench_moe(name, reps):
 
         row[f"{tag}_fwdbwd_ms"], row[f"{tag}_fwdbwd_b2b_ms"] = timings(fwd_bwd, reps)
         row[f"{tag}_tflops"] = 3 * flops_fwd / row[f"{tag}_fwdbwd_b2b_ms"] * 1e-9
+        if TOP:
+            ms = kernels_ms(fwd_bwd, reps=5)
+            row[f"{tag}_fwdbwd_kernels_ms"] = sum(ms.values())
+            row[f"{tag}_fwdbwd_top_kernels"] = top_kernels(ms)
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         y = layer(x, logits).out
@@ -184,7 +211,10 @@ def main():
     ap.add_argument("--only", default="gemm,moe")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--top", type=int, default=0, help="list each profiled step's N costliest kernels")
     args = ap.parse_args()
+    global TOP
+    TOP = args.top
     if not torch.cuda.is_available():
         print("bench_fp8: skipped, no CUDA GPU (the FP8 kernels are Hopper's)")
         return
@@ -208,6 +238,11 @@ def main():
             return f"{v:.3f}" if isinstance(v, float) else "-"
         print(f"{r['case']:24s} {f('gemm_vs_torch_rowwise'):>10s} {f('fwd_vs_torch_rowwise'):>9s} "
               f"{f('fp8_vs_bf16_fwd'):>10s} {f('fp8_vs_bf16_fwdbwd'):>10s} {f('fp8_rel_err_vs_bf16'):>8s}")
+    for r in rows:
+        for key in (k for k in r if k.endswith("_top_kernels")):
+            print(f"{r['case']} {key}:")
+            for name, ms in r[key]:
+                print(f"  {ms:8.3f} ms  {name[:150]}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1)
