@@ -1,8 +1,21 @@
 """Hugging Face transformers (5.x) on sparsetrain's kernels: importing this module registers
-`experts_implementation="sparsetrain"` in transformers' ExpertsInterface.
+`attn_implementation="sparsetrain"` (AttentionInterface, with its mask rule in
+AttentionMaskInterface) and `experts_implementation="sparsetrain"` (ExpertsInterface).
 
     import sparsetrain.integrations.transformers  # noqa: F401  (registers "sparsetrain")
-    model = AutoModelForCausalLM.from_config(config, experts_implementation="sparsetrain")
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sparsetrain",
+                                             experts_implementation="sparsetrain")
+
+Attention: sparsetrain.torch.block_sparse_attention over a BlockMask made from what the model
+passes: causal (bottom-right when a cache makes the keys outnumber the queries), bidirectional, a
+sliding window (`sliding_window` W: the last W keys, Mistral's and Gemma's layers), packed
+documents (transformers' flash-attention kwargs cu_seq_lens_q / cu_seq_lens_k, or position_ids
+that restart at 0, as DataCollatorWithFlattening gives them), padding (the 2-D mask: padded keys
+are a document of their own), GQA without repeating k and v; the backward deterministic (the
+library's default). Masks are made once per shape and kept (documents: once per position_ids).
+Refused with an error that names it: attention dropout, logit softcapping, attention sinks
+(gpt-oss), a sliding window with documents or padding, or with a cache. Head dims and dtypes are
+the kernels' (CUDA: bf16 / fp16, D 64, 96 or 128; the CPU reference: any).
 
 The experts of a family decorated with `@use_experts_implementation` (Qwen3-MoE, Mixtral,
 DeepSeek-V3 and most MoE families) then run as one sparsetrain GroupedMLP over the module's own
@@ -23,7 +36,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
+from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+from transformers.modeling_utils import AttentionInterface
 
+from .._block_mask import BlockMask
+from ..torch.attention import block_sparse_attention
 from ..torch.grouped_mlp import GroupedMLP
 from ..torch.token_rows import Rows
 
@@ -112,4 +129,82 @@ def sparsetrain_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_in
     return Rows.apply(y, r.row_of, r.token_of_row)
 
 
+# --- attention ----------------------------------------------------------------------------------
+
+_MASKS: "dict[tuple, BlockMask]" = {}  # masks without documents, by (kind, seq_q, seq_kv, window, device)
+_DOC_MASK: "list[tuple]" = []  # the last documents' mask: [(key, the tensor it came from, mask)]
+
+
+def _shape_mask(kind: str, seq_q: int, seq_kv: int, window_left: int, device: torch.device) -> BlockMask:
+    key = (kind, seq_q, seq_kv, window_left, device)
+    mask = _MASKS.get(key)
+    if mask is None:
+        if len(_MASKS) >= 64:
+            _MASKS.clear()
+        mask = _MASKS[key] = BlockMask.build(kind, seq_q, seq_kv, window_left=window_left, window_right=0,
+                                             device=device)
+    return mask
+
+
+def _documents_mask(source: Tensor, key: tuple, build) -> BlockMask:
+    """A documents' mask made once per source tensor (every layer of a forward passes the same)."""
+    if _DOC_MASK and _DOC_MASK[0][0] == key and _DOC_MASK[0][1] is source:
+        return _DOC_MASK[0][2]
+    mask = build()
+    _DOC_MASK[:] = [(key, source, mask)]
+    return mask
+
+
+def _attention_mask(module: nn.Module, query: Tensor, key: Tensor, attention_mask: Tensor | None,
+                    sliding_window: int | None, kwargs: dict) -> BlockMask:
+    B, seq_q, seq_kv, dev = query.shape[0], query.shape[2], key.shape[2], query.device
+    causal = bool(getattr(module, "is_causal", True))
+    cu_q = kwargs.get("cu_seq_lens_q")
+    position_ids = kwargs.get("position_ids")
+    documents = cu_q is not None or attention_mask is not None or (
+        position_ids is not None and B == 1 and seq_q == seq_kv)
+    if sliding_window is not None and (documents or seq_q != seq_kv or not causal):
+        raise ValueError(f'attn_implementation="{NAME}": a sliding window is supported on causal, unpacked, '
+                         "unpadded sequences without a cache (no sliding window within documents yet)")
+    if sliding_window is not None:
+        return _shape_mask("sliding_window", seq_q, seq_kv, int(sliding_window) - 1, dev)
+    kind = "document_causal" if causal else "document"
+    if cu_q is not None:  # transformers' flash-attention kwargs: one packed row
+        cu_k = kwargs.get("cu_seq_lens_k", cu_q)
+        return _documents_mask(cu_q, ("cu", seq_q, seq_kv, causal), lambda: BlockMask.from_cu_seqlens(
+            cu_q.to(torch.int32), cu_k.to(torch.int32), seq_q=seq_q, seq_kv=seq_kv, causal=causal, device=dev))
+    if attention_mask is not None:  # flash_attention_mask's 2-D mask [B, seq_kv]: padded keys a document apart
+        if attention_mask.dim() != 2 or seq_q != seq_kv:
+            raise ValueError(f'attn_implementation="{NAME}": expected a 2-D padding mask and no cache, got a '
+                             f"{attention_mask.dim()}-D mask with {seq_q} queries and {seq_kv} keys")
+        return _documents_mask(attention_mask, ("pad", seq_q, causal), lambda: BlockMask.build(
+            kind, seq_q, document_ids=(~attention_mask.bool()).to(torch.int32), device=dev))
+    if documents:  # position_ids that restart at 0: DataCollatorWithFlattening's packed row
+        return _documents_mask(position_ids, ("pos", seq_q, causal), lambda: BlockMask.build(
+            kind, seq_q, document_ids=(torch.cumsum(position_ids.reshape(1, -1) == 0, 1) - 1).to(torch.int32),
+            device=dev))
+    if not causal:
+        return _shape_mask("full", seq_q, seq_kv, -1, dev)
+    return _shape_mask("causal" if seq_q == seq_kv else "causal_bottom_right", seq_q, seq_kv, -1, dev)
+
+
+def sparsetrain_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                                  attention_mask: Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                                  sliding_window: int | None = None, softcap: float | None = None,
+                                  **kwargs) -> tuple[Tensor, None]:
+    """transformers' attention function: query [B, Hq, Sq, D], key and value [B, Hkv, Skv, D] ->
+    ([B, Sq, Hq, D], no weights)."""
+    for what, present in (("attention dropout (set attention_dropout=0)", dropout and module.training),
+                          ("logit softcapping", softcap is not None),
+                          ("attention sinks (s_aux: gpt-oss)", kwargs.get("s_aux") is not None)):
+        if present:
+            raise ValueError(f'attn_implementation="{NAME}" does not support {what}; use another attn_implementation')
+    mask = _attention_mask(module, query, key, attention_mask, sliding_window, kwargs)
+    out = block_sparse_attention(query, key, value, mask, scale=scaling)
+    return out.transpose(1, 2), None
+
+
+AttentionInterface.register(NAME, sparsetrain_attention_forward)
+# The mask transformers makes for us: flash-attention's (None, or the 2-D padding mask).
+AttentionMaskInterface.register(NAME, flash_attention_mask)
 ExpertsInterface.register(NAME, sparsetrain_experts_forward)
