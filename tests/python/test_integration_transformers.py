@@ -18,8 +18,8 @@ torch = pytest.importorskip("torch", reason="torch is not installed: torch tests
 transformers = pytest.importorskip("transformers", reason="transformers is not installed: integration tests skipped")
 
 import sparsetrain.integrations.transformers as sti  # noqa: E402
-from transformers import (AutoModelForCausalLM, DeepseekV3Config, GptOssConfig, MixtralConfig,  # noqa: E402
-                          Qwen3MoeConfig)
+from transformers import (AutoModelForCausalLM, DeepseekV3Config, GptOssConfig, MistralConfig,  # noqa: E402
+                          MixtralConfig, Qwen3MoeConfig)
 
 VOCAB = 97
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
@@ -33,20 +33,24 @@ def qwen3_moe(**kw):
 
 
 def mixtral(**kw):
-    return MixtralConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+    return MixtralConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, num_local_experts=6, num_experts_per_tok=2,
                          **kw)
 
 
 def deepseek_v3(**kw):
     return DeepseekV3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16,
-                            num_experts_per_tok=4, n_shared_experts=1, first_k_dense_replace=1, n_group=4,
+                            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=16,
+                            num_experts_per_tok=4, n_shared_experts=1, first_k_dense_replace=0, n_group=4,
                             topk_group=2, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=16, qk_nope_head_dim=48,
                             v_head_dim=64, **kw)
 
 
-FAMILIES = {"qwen3_moe": qwen3_moe, "mixtral": mixtral, "deepseek_v3": deepseek_v3}
+# The experts' cases: one MoE layer, so that both sides' routers see the same hidden states (a
+# later layer's router, after our rounding, could choose otherwise at a near tie).
+FAMILIES = {"qwen3_moe": lambda: qwen3_moe(num_hidden_layers=1), "mixtral": mixtral, "deepseek_v3": deepseek_v3}
+# The attention's cases: dense MLPs (no router to flip), two layers.
+DENSE = [0, 1]
 
 
 def tolerance(dtype):
@@ -115,7 +119,7 @@ def test_experts_with_empty_and_tiny_experts(device):
     """32 experts, 3 tokens x top-2: most experts get no row, the rest one or two."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     seed = fresh_seed()
-    ref, got = pair(qwen3_moe(num_experts=32), device, dtype, experts="sparsetrain", seed=seed)
+    ref, got = pair(qwen3_moe(num_experts=32, num_hidden_layers=1), device, dtype, experts="sparsetrain", seed=seed)
     compare_step(ref, got, seed, dtype, dict(input_ids=torch.randint(0, VOCAB, (1, 3), device=device)))
 
 
@@ -123,7 +127,7 @@ def test_experts_with_empty_and_tiny_experts(device):
 def test_attention_causal_gqa_and_padding(device):
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     seed = fresh_seed()
-    ref, got = pair(qwen3_moe(), device, dtype, attn="sparsetrain", experts="sparsetrain", seed=seed)
+    ref, got = pair(qwen3_moe(mlp_only_layers=DENSE), device, dtype, attn="sparsetrain", seed=seed)
     ids = torch.randint(0, VOCAB, (2, 45), device=device)
     compare_step(ref, got, seed, dtype, dict(input_ids=ids))
     ref.zero_grad(), got.zero_grad()
@@ -138,7 +142,7 @@ def test_attention_causal_gqa_and_padding(device):
 def test_attention_packed_documents_match_each_document_alone(packing, device):
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     seed = fresh_seed()
-    ref, got = pair(qwen3_moe(), device, dtype, attn="sparsetrain", seed=seed)
+    ref, got = pair(qwen3_moe(mlp_only_layers=DENSE), device, dtype, attn="sparsetrain", seed=seed)
     lengths = [20, 1, 13, 11]
     ids = torch.randint(0, VOCAB, (1, sum(lengths)), device=device)
     position_ids = torch.cat([torch.arange(n, device=device) for n in lengths]).unsqueeze(0)
@@ -158,8 +162,15 @@ def test_attention_packed_documents_match_each_document_alone(packing, device):
 def test_attention_sliding_window(device):
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     seed = fresh_seed()
-    ref, got = pair(mixtral(sliding_window=16), device, dtype, attn="sparsetrain", seed=seed)
-    compare_step(ref, got, seed, dtype, dict(input_ids=torch.randint(0, VOCAB, (2, 53), device=device)))
+    def mistral(window):  # dense, every layer windowed (Mistral's sliding_window)
+        return MistralConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=1, sliding_window=window)
+
+    ref, got = pair(mistral(16), device, dtype, attn="sparsetrain", seed=seed)
+    ids = torch.randint(0, VOCAB, (2, 53), device=device)
+    compare_step(ref, got, seed, dtype, dict(input_ids=ids))
+    _, causal = pair(mistral(None), device, dtype, attn="sparsetrain", seed=seed)
+    assert not torch.allclose(causal(input_ids=ids).logits, got(input_ids=ids).logits), "the window had no effect"
 
 
 def test_attention_generation_with_a_cache():
