@@ -156,6 +156,10 @@ def test_attention_packed_documents_match_each_document_alone(packing, device):
     starts = np.cumsum([0] + lengths)
     alone = torch.cat([ref(input_ids=ids[:, s:e]).logits for s, e in zip(starts[:-1], starts[1:])], 1)
     torch.testing.assert_close(out.float(), alone.float(), **tolerance(dtype), msg=f"seed {seed}")
+    # transformers' own packed rule (position_ids, no cache), also over two rows packed differently
+    ids2 = torch.randint(0, VOCAB, (2, sum(lengths)), device=device)
+    pos2 = torch.stack([position_ids[0], torch.cat([torch.arange(n, device=device) for n in (7, 30, 8)])])
+    compare_step(ref, got, seed, dtype, dict(input_ids=ids2, position_ids=pos2, use_cache=False))
 
 
 @pytest.mark.parametrize("device", DEVICES)

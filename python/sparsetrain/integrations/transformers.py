@@ -36,7 +36,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 from transformers.integrations.moe import ExpertsInterface, _default_apply_gate
-from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+from transformers.masking_utils import AttentionMaskInterface, find_packed_sequence_indices, flash_attention_mask
 from transformers.modeling_utils import AttentionInterface
 
 from .._block_mask import BlockMask
@@ -155,14 +155,30 @@ def _documents_mask(source: Tensor, key: tuple, build) -> BlockMask:
     return mask
 
 
+_PACKED: "list[tuple]" = []  # the last position_ids and their documents (None: not packed)
+
+
+def _packed_documents(position_ids: Tensor, seq: int) -> Tensor | None:
+    """The documents [B, S] of packed rows, or None: transformers' rule (find_packed_sequence_indices:
+    a new document where a position does not follow the previous one; it reads the result back,
+    once per position_ids, i.e. once per forward, as transformers does for its own masks)."""
+    if _PACKED and _PACKED[0][0] is position_ids:
+        return _PACKED[0][1]
+    packed = find_packed_sequence_indices(position_ids.reshape(-1, seq))
+    _PACKED[:] = [(position_ids, packed)]
+    return packed
+
+
 def _attention_mask(module: nn.Module, query: Tensor, key: Tensor, attention_mask: Tensor | None,
                     sliding_window: int | None, kwargs: dict) -> BlockMask:
-    B, seq_q, seq_kv, dev = query.shape[0], query.shape[2], key.shape[2], query.device
+    seq_q, seq_kv, dev = query.shape[2], key.shape[2], query.device
     causal = bool(getattr(module, "is_causal", True))
     cu_q = kwargs.get("cu_seq_lens_q")
     position_ids = kwargs.get("position_ids")
-    documents = cu_q is not None or attention_mask is not None or (
-        position_ids is not None and B == 1 and seq_q == seq_kv)
+    packed = None
+    if cu_q is None and attention_mask is None and position_ids is not None and seq_q == seq_kv:
+        packed = _packed_documents(position_ids, seq_q)
+    documents = cu_q is not None or attention_mask is not None or packed is not None
     if sliding_window is not None and (documents or seq_q != seq_kv or not causal):
         raise ValueError(f'attn_implementation="{NAME}": a sliding window is supported on causal, unpacked, '
                          "unpadded sequences without a cache (no sliding window within documents yet)")
@@ -179,10 +195,9 @@ def _attention_mask(module: nn.Module, query: Tensor, key: Tensor, attention_mas
                              f"{attention_mask.dim()}-D mask with {seq_q} queries and {seq_kv} keys")
         return _documents_mask(attention_mask, ("pad", seq_q, causal), lambda: BlockMask.build(
             kind, seq_q, document_ids=(~attention_mask.bool()).to(torch.int32), device=dev))
-    if documents:  # position_ids that restart at 0: DataCollatorWithFlattening's packed row
+    if packed is not None:  # DataCollatorWithFlattening's rows
         return _documents_mask(position_ids, ("pos", seq_q, causal), lambda: BlockMask.build(
-            kind, seq_q, document_ids=(torch.cumsum(position_ids.reshape(1, -1) == 0, 1) - 1).to(torch.int32),
-            device=dev))
+            kind, seq_q, document_ids=packed.to(torch.int32), device=dev))
     if not causal:
         return _shape_mask("full", seq_q, seq_kv, -1, dev)
     return _shape_mask("causal" if seq_q == seq_kv else "causal_bottom_right", seq_q, seq_kv, -1, dev)
