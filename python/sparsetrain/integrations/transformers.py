@@ -9,16 +9,17 @@ AttentionMaskInterface) and `experts_implementation="sparsetrain"` (ExpertsInter
 Attention: sparsetrain.torch.block_sparse_attention over a BlockMask made from what the model
 passes: causal (bottom-right when a cache makes the keys outnumber the queries), bidirectional, a
 sliding window (`sliding_window` W: the last W keys, Mistral's and Gemma's layers), packed
-documents (transformers' flash-attention kwargs cu_seq_lens_q / cu_seq_lens_k, or position_ids
-that restart at 0, as DataCollatorWithFlattening gives them), padding (the 2-D mask: padded keys
+documents (transformers' flash-attention kwargs cu_seq_lens_q / cu_seq_lens_k, or packed
+position_ids as DataCollatorWithFlattening gives them, found by transformers' own rule, which reads
+one flag back per forward as it does for its own masks), padding (the 2-D mask: padded keys
 are a document of their own), GQA without repeating k and v; the backward deterministic (the
 library's default). Masks are made once per shape and kept (documents: once per position_ids).
 Refused with an error that names it: attention dropout, logit softcapping, attention sinks
 (gpt-oss), a sliding window with documents or padding, or with a cache. Head dims and dtypes are
 the kernels' (CUDA: bf16 / fp16, D 64, 96 or 128; the CPU reference: any).
 
-The experts of a family decorated with `@use_experts_implementation` (Qwen3-MoE, Mixtral,
-DeepSeek-V3 and most MoE families) then run as one sparsetrain GroupedMLP over the module's own
+Experts: those of a family decorated with `@use_experts_implementation` (Qwen3-MoE, Mixtral,
+DeepSeek-V3 and most MoE families) run as one sparsetrain GroupedMLP over the module's own
 parameters (`gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I], no copies; their biases where the
 family has them): the tokens' rows laid out by expert and summed back by gathers (deterministic),
 the router probability applied inside the fused SwiGLU, device splits (no host sync). The family's
