@@ -1,0 +1,130 @@
+"""A small Qwen3-MoE-like model from Hugging Face transformers trained on packed real text, twice
+from the same weights and batches: transformers' own implementations (attention --baseline-attn,
+default sdpa; experts --baseline-experts, default grouped_mm) and sparsetrain's
+(attn_implementation / experts_implementation "sparsetrain", sparsetrain.integrations.transformers).
+Bytes of the Python standard library's sources, each file a document; a batch is rows of
+--seq bytes cut at random and packed as DataCollatorWithFlattening packs them (position_ids that
+restart at each file's first byte, no attention mask), so both sides attend within documents;
+bf16 weights, AdamW. Prints each run's loss every 50 steps, the final losses (mean of the last 20
+steps), their relative difference (the check: within 1 %) and the median step times and their
+ratio (baseline over sparsetrain: above 1, sparsetrain faster).
+
+    python bench/train_hf_moe.py [--steps 300] [--json out.json] [--device cuda]
+"""
+
+import argparse
+import copy
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from train_moe_lm import corpus, sync
+
+import sparsetrain.integrations.transformers  # noqa: F401  (registers "sparsetrain")
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+
+def config(d, heads, kv_heads, layers, experts, ffn, top_k):
+    return Qwen3MoeConfig(vocab_size=256, hidden_size=d, intermediate_size=2 * ffn, moe_intermediate_size=ffn,
+                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                          head_dim=d // heads, num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True,
+                          max_position_embeddings=1 << 16, use_cache=False, tie_word_embeddings=False)
+
+
+def documents(data):
+    """The first byte of each file (corpus joins them with a newline)."""
+    starts = np.flatnonzero(data == ord("\n")) + 1
+    return np.concatenate([[0], starts])
+
+
+def batch_of(data, file_starts, rng, batch, seq, device):
+    """(input_ids, position_ids, labels): rows of seq bytes at random offsets, each position counted
+    from its document's first byte in the row (a file's, or the row's): DataCollatorWithFlattening's
+    packed form."""
+    offsets = rng.integers(0, len(data) - seq - 1, batch)
+    ids = np.stack([data[o:o + seq + 1] for o in offsets]).astype(np.int64)
+    index = offsets[:, None] + np.arange(seq)[None, :]
+    first = file_starts[np.searchsorted(file_starts, index, side="right") - 1]
+    pos = index - np.maximum(first, offsets[:, None])
+    t = torch.from_numpy
+    return t(ids[:, :-1]).to(device), t(pos).to(device), t(ids[:, 1:]).to(device)
+
+
+def train(model, data, steps, batch, seq, lr, device, seed=0):
+    """Losses of each step and the median step time (ms); batches from `seed`, the same each run."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 30))
+    rng = np.random.default_rng(seed)
+    file_starts = documents(data)
+    losses, times = [], []
+    for step in range(steps):
+        ids, pos, labels = batch_of(data, file_starts, rng, batch, seq, device)
+        sync(device)
+        t0 = time.perf_counter()
+        logits = model(input_ids=ids, position_ids=pos).logits
+        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 256), labels.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(loss.item())  # syncs
+        times.append((time.perf_counter() - t0) * 1e3)
+        if step % 50 == 0 or step == steps - 1:
+            print(f"  step {step:4d} loss {losses[-1]:.4f}", flush=True)
+    return losses, statistics.median(times[min(5, steps - 1):])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--baseline-attn", default="sdpa")
+    ap.add_argument("--baseline-experts", default="grouped_mm")
+    ap.add_argument("--model", default="512,8,2,4,16,512,2",
+                    help="d, heads, kv heads, layers, experts, ffn, top_k (default %(default)s)")
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("train_hf_moe: skipped, no CUDA GPU (--device cpu runs the CPU reference, slowly)")
+        return
+    cfg = config(*[int(v) for v in args.model.split(",")])
+    data = corpus()
+    torch.manual_seed(0)
+    state = None
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    result = {"device": device_name, "bytes": int(len(data)), **vars(args)}
+    runs = (("baseline", args.baseline_attn, args.baseline_experts), ("sparsetrain", "sparsetrain", "sparsetrain"))
+    for tag, attn, experts in runs:
+        print(f"{tag} (attention {attn}, experts {experts}):", flush=True)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=attn,
+                                                 experts_implementation=experts, dtype=torch.bfloat16)
+        model.to(args.device).train()
+        if state is None:
+            state = {k: v.clone() for k, v in model.state_dict().items()}
+        model.load_state_dict(state)
+        losses, ms = train(model, data, args.steps, args.batch, args.seq, args.lr, args.device)
+        result[f"{tag}_final_loss"] = statistics.mean(losses[-20:])
+        result[f"{tag}_step_ms"] = ms
+        result[f"{tag}_losses"] = losses
+        del model
+    rel = abs(result["sparsetrain_final_loss"] - result["baseline_final_loss"]) / result["baseline_final_loss"]
+    result["final_loss_rel_diff"] = rel
+    result["step_time_ratio"] = result["baseline_step_ms"] / result["sparsetrain_step_ms"]
+    print(f"final loss (mean of the last 20 steps): baseline {result['baseline_final_loss']:.4f}, "
+          f"sparsetrain {result['sparsetrain_final_loss']:.4f}, relative difference {100 * rel:.2f} % "
+          f"({'within' if rel <= 0.01 else 'OUTSIDE'} 1 %); step {result['baseline_step_ms']:.1f} ms baseline, "
+          f"{result['sparsetrain_step_ms']:.1f} ms sparsetrain ({result['step_time_ratio']:.2f}x)")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
