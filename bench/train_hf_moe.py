@@ -16,12 +16,11 @@ import argparse
 import copy
 import json
 import statistics
-import time
 
 import numpy as np
 import torch
 
-from train_moe_lm import corpus, sync
+from train_moe_lm import byte_loss, corpus, train
 
 import sparsetrain.integrations.transformers  # noqa: F401  (registers "sparsetrain")
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
@@ -51,30 +50,6 @@ def batch_of(data, file_starts, rng, batch, seq, device):
     pos = index - np.maximum(first, offsets[:, None])
     t = torch.from_numpy
     return t(ids[:, :-1]).to(device), t(pos).to(device), t(ids[:, 1:]).to(device)
-
-
-def train(model, data, steps, batch, seq, lr, device, seed=0):
-    """Losses of each step and the median step time (ms); batches from `seed`, the same each run."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 30))
-    rng = np.random.default_rng(seed)
-    file_starts = documents(data)
-    losses, times = [], []
-    for step in range(steps):
-        ids, pos, labels = batch_of(data, file_starts, rng, batch, seq, device)
-        sync(device)
-        t0 = time.perf_counter()
-        logits = model(input_ids=ids, position_ids=pos).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 256), labels.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
-        losses.append(loss.item())  # syncs
-        times.append((time.perf_counter() - t0) * 1e3)
-        if step % 50 == 0 or step == steps - 1:
-            print(f"  step {step:4d} loss {losses[-1]:.4f}", flush=True)
-    return losses, statistics.median(times[min(5, steps - 1):])
 
 
 def main():
@@ -109,11 +84,13 @@ def main():
         if state is None:
             state = {k: v.clone() for k, v in model.state_dict().items()}
         model.load_state_dict(state)
-        losses, ms = train(model, data, args.steps, args.batch, args.seq, args.lr, args.device)
+        file_starts = documents(data)
+        losses, ms = train(model, lambda rng: batch_of(data, file_starts, rng, args.batch, args.seq, args.device),
+                           lambda b: byte_loss(model(input_ids=b[0], position_ids=b[1]).logits, b[2]),
+                           args.steps, args.lr, args.device)
         result[f"{tag}_final_loss"] = statistics.mean(losses[-20:])
         result[f"{tag}_step_ms"] = ms
         result[f"{tag}_losses"] = losses
-        del model
     rel = abs(result["sparsetrain_final_loss"] - result["baseline_final_loss"]) / result["baseline_final_loss"]
     result["final_loss_rel_diff"] = rel
     result["step_time_ratio"] = result["baseline_step_ms"] / result["sparsetrain_step_ms"]

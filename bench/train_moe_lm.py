@@ -77,20 +77,19 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def train(model, data, steps, batch, seq, lr, device, seed=0):
-    """Losses of each step and the median step time (ms); batches from `seed`, the same each run."""
-    mask = stt.BlockMask.build("causal", seq, device=device)
+def train(model, next_batch, loss_of, steps, lr, device, seed=0):
+    """Losses of each step and the median step time (ms): next_batch(rng) draws a batch (the same
+    ones each run, from `seed`; not timed), loss_of(batch) is the model's loss on it; AdamW with a
+    30-step warm-up."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 30))
     rng = np.random.default_rng(seed)
     losses, times = [], []
     for step in range(steps):
-        starts = rng.integers(0, len(data) - seq - 1, batch)
-        chunk = torch.from_numpy(np.stack([data[s:s + seq + 1] for s in starts]).astype(np.int64)).to(device)
+        batch = next_batch(rng)
         sync(device)
         t0 = time.perf_counter()
-        logits = model(chunk[:, :-1], mask)
-        loss = nn.functional.cross_entropy(logits.float().reshape(-1, 256), chunk[:, 1:].reshape(-1))
+        loss = loss_of(batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -100,6 +99,10 @@ def train(model, data, steps, batch, seq, lr, device, seed=0):
         if step % 50 == 0 or step == steps - 1:
             print(f"  step {step:4d} loss {losses[-1]:.4f}", flush=True)
     return losses, statistics.median(times[min(5, steps - 1):])
+
+
+def byte_loss(logits, targets):
+    return nn.functional.cross_entropy(logits.float().reshape(-1, 256), targets.reshape(-1))
 
 
 def main():
@@ -127,7 +130,15 @@ def main():
         print(f"{tag}:", flush=True)
         model = MoELM(*dims, fp8, args.device)
         model.load_state_dict(state)
-        losses, ms = train(model, data, args.steps, args.batch, args.seq, args.lr, args.device)
+        mask = stt.BlockMask.build("causal", args.seq, device=args.device)
+
+        def next_batch(rng):
+            starts = rng.integers(0, len(data) - args.seq - 1, args.batch)
+            return torch.from_numpy(np.stack([data[s:s + args.seq + 1] for s in starts]).astype(np.int64)).to(
+                args.device)
+
+        losses, ms = train(model, next_batch, lambda chunk: byte_loss(model(chunk[:, :-1], mask), chunk[:, 1:]),
+                           args.steps, args.lr, args.device)
         result[f"{tag}_final_loss"] = statistics.mean(losses[-20:])
         result[f"{tag}_step_ms"] = ms
         result[f"{tag}_losses"] = losses
