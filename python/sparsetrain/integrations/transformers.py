@@ -102,9 +102,10 @@ def _mlp_for(experts: nn.Module, x: Tensor) -> GroupedMLP:
     if tuple(w2.shape) != (E, H, two_i // 2) or two_i % 2:
         raise ValueError(f"{type(experts).__name__}: expected gate_up_proj [E, 2I, H] and down_proj [E, H, I], "
                          f"got {list(w1.shape)} and {list(w2.shape)}")
-    interleave = 0 if getattr(experts, "is_concatenated", True) else 1
+    # The gate is transformers' default (_unsupported): silu of gate_up's first half times its second,
+    # GroupedMLP's layout with no interleave (whatever the class's is_concatenated says).
     mlp = GroupedMLP(E, H, two_i // 2, H, bias=has_bias, params_dtype=w1.dtype, device="meta",
-                     glu_interleave_size=interleave, single_grouped_weight=True)
+                     single_grouped_weight=True)
     mlp.fc1.weight, mlp.fc2.weight = w1, w2
     if has_bias:
         mlp.fc1.bias, mlp.fc2.bias = experts.gate_up_proj_bias, experts.down_proj_bias
