@@ -20,7 +20,7 @@ import statistics
 import numpy as np
 import torch
 
-from train_moe_lm import byte_loss, corpus, train
+from train_moe_lm import byte_loss, corpus_files, train
 
 import sparsetrain.integrations.transformers  # noqa: F401  (registers "sparsetrain")
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
@@ -31,12 +31,6 @@ def config(d, heads, kv_heads, layers, experts, ffn, top_k):
                           num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                           head_dim=d // heads, num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True,
                           max_position_embeddings=1 << 16, use_cache=False, tie_word_embeddings=False)
-
-
-def documents(data):
-    """The first byte of each file (corpus joins them with a newline)."""
-    starts = np.flatnonzero(data == ord("\n")) + 1
-    return np.concatenate([[0], starts])
 
 
 def batch_of(data, file_starts, rng, batch, seq, device):
@@ -71,7 +65,7 @@ def main():
         print("train_hf_moe: skipped, no CUDA GPU (--device cpu runs the CPU reference, slowly)")
         return
     cfg = config(*[int(v) for v in args.model.split(",")])
-    data = corpus()
+    data, file_starts = corpus_files()
     torch.manual_seed(0)
     state = None
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
@@ -86,7 +80,6 @@ def main():
         if state is None:
             state = {k: v.clone() for k, v in model.state_dict().items()}
         model.load_state_dict(state)
-        file_starts = documents(data)
         losses, ms = train(model, lambda rng: batch_of(data, file_starts, rng, args.batch, args.seq, args.device),
                            lambda b: byte_loss(model(input_ids=b[0], position_ids=b[1]).logits, b[2]),
                            args.steps, args.lr, args.device)

@@ -24,8 +24,9 @@ from torch import nn
 import sparsetrain.torch as stt
 
 
-def corpus(max_bytes=32 << 20):
-    """The standard library's .py files as one byte array (sorted paths: the same text everywhere)."""
+def corpus_files(max_bytes=32 << 20):
+    """The standard library's .py files as one byte array, joined by a newline (sorted paths: the
+    same text everywhere), and the offset of each file's first byte."""
     root = sysconfig.get_paths()["stdlib"]
     parts, size = [], 0
     for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
@@ -34,7 +35,12 @@ def corpus(max_bytes=32 << 20):
         size += len(parts[-1])
         if size >= max_bytes:
             break
-    return np.frombuffer(b"\n".join(parts), dtype=np.uint8)
+    starts = np.cumsum([0] + [len(p) + 1 for p in parts[:-1]])
+    return np.frombuffer(b"\n".join(parts), dtype=np.uint8), starts
+
+
+def corpus(max_bytes=32 << 20):
+    return corpus_files(max_bytes)[0]
 
 
 class Block(nn.Module):

@@ -1,0 +1,266 @@
+"""torchtitan (0.2) on sparsetrain's kernels: a model converter named "sparsetrain", registered
+when this module is imported, which torchtitan's job config selects:
+
+    --experimental.custom_import sparsetrain.integrations.torchtitan --model.converters sparsetrain
+
+(or `[experimental] custom_import` and `[model] converters` in a TOML config); in Python,
+`sparsetrain.integrations.torchtitan.convert(model)` does the same to a torchtitan model.
+
+Experts: each `GroupedExperts` (the MoE of llama4, qwen3, deepseek_v3, ...) runs as one
+sparsetrain GroupedMLP over its rows, which torchtitan has already grouped by expert (and scaled
+by the router's scores when score_before_experts; the MLP's probabilities are then 1), with its
+counts as device splits: no host sync, and none of torchtitan's padding of each expert's rows to a
+multiple of 8 (its indices_padding_wrapper). torchtitan keeps the gate and up weights apart (w1
+and w3 [E, F, D]); sparsetrain's GroupedMLP reads them as one [E, 2F, D] tensor, so each forward
+copies them into one (torch.cat: 2 E F D elements, its backward two views). The router, the
+token reordering and the combine stay torchtitan's: only the experts' computation changes.
+
+Attention: each inner attention module runs sparsetrain's block_sparse_attention (deterministic
+backward) over a sparsetrain BlockMask made from what the model passes:
+- ScaledDotProductAttentionWrapper (attn_type "sdpa"): causal (is_causal) or full;
+- FlexAttentionWrapper ("flex"): the model's masks of attn_mask_type "causal" and "block_causal"
+  (documents between eos tokens, torchtitan's rule) are built by sparsetrain on the device from
+  the batch, beside the flex mask torchtitan makes (the converter wraps the model's
+  get_attention_masks); any other flex BlockMask is converted with BlockMask.from_torch, once per
+  mask object (it reads the mask back to the host);
+- VarlenAttentionWrapper ("varlen"): the batch's cu_seqlens as packed documents (causal within
+  each), once per batch.
+Refused with an error that names it: torchtitan's expert parallelism and context parallelism, a
+flex score_mod, return_lse, query / key and value head dims that differ (deepseek_v3's MLA);
+head dims and dtypes are the kernels' (CUDA: bf16 / fp16, D 64, 96 or 128; the CPU reference: any).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.nn.attention.flex_attention import BlockMask as FlexBlockMask
+from torchtitan.models.attention import (FlexAttentionWrapper, ScaledDotProductAttentionWrapper,
+                                         VarlenAttentionWrapper, VarlenMetadata)
+from torchtitan.models.moe.moe import GroupedExperts
+from torchtitan.protocols.model_converter import register_model_converter
+
+from .._block_mask import BlockMask
+from ..torch.attention import block_sparse_attention
+from ..torch.grouped_mlp import GroupedMLP
+
+NAME = "sparsetrain"
+
+
+def _refuse(what: str) -> ValueError:
+    return ValueError(f'model converter "{NAME}" does not support {what}; leave "{NAME}" out of model.converters '
+                      "for this model")
+
+
+# --- experts ------------------------------------------------------------------------------------
+
+
+def _local(w: Tensor) -> Tensor:
+    """A weight as this rank computes with it (torchtitan's own rule: a DTensor's local shard)."""
+    if isinstance(w, DTensor):
+        if "ep" in (w.device_mesh.mesh_dim_names or ()):
+            raise _refuse("torchtitan's expert parallelism (sparsetrain.torch.ExpertParallelMoELayer is "
+                          "sparsetrain's own)")
+        return w.to_local()
+    return w
+
+
+def _mlp_for(experts: GroupedExperts, x: Tensor, w1: Tensor, w2: Tensor) -> GroupedMLP:
+    """The GroupedMLP that runs `experts` (made at its first call, again when the shapes, dtype or
+    device change). Its parameters are placeholders: each forward hands it the experts' weights
+    (_experts_forward). It is not a submodule: the model's parameters and state dict are unchanged."""
+    E, F, D = w1.shape
+    mlp = experts.__dict__.get("_sparsetrain_mlp")
+    key = (E, F, D, w2.shape[1], w1.dtype, x.device)
+    if mlp is not None and mlp._sparsetrain_key == key:
+        return mlp
+    mlp = GroupedMLP(E, D, F, w2.shape[1], params_dtype=w1.dtype, device="meta", single_grouped_weight=True)
+    for layer in (mlp.fc1, mlp.fc2):
+        layer.splits_status = torch.zeros(1, dtype=torch.int32, device=x.device)
+    mlp._sparsetrain_key = key
+    experts.__dict__["_sparsetrain_mlp"] = mlp
+    return mlp
+
+
+def _experts_forward(self: GroupedExperts, x: Tensor, num_tokens_per_expert: Tensor) -> Tensor:
+    """GroupedExperts.forward: x [T, D] grouped by expert (num_tokens_per_expert [E] rows each, any
+    numeric dtype; rows past their sum, if any, are the caller's padding) -> [T, D]."""
+    w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+    E, F, D = w1.shape
+    if tuple(w3.shape) != (E, F, D) or tuple(w2.shape) != (E, D, F):
+        raise ValueError(f"{type(self).__name__}: expected w1 and w3 [E, F, D] and w2 [E, D, F], got "
+                         f"{list(w1.shape)}, {list(w3.shape)} and {list(w2.shape)}")
+    mlp = _mlp_for(self, x, w1, w2)
+    # The GroupedMLP's weights for this call (placed in _parameters directly: the gate and up
+    # halves are one tensor made from two parameters, not a parameter itself); autograd takes the
+    # gradients through the cat back to w1 and w3, and to w2.
+    mlp.fc1._parameters["weight"] = torch.cat((w1, w3), dim=1)
+    mlp.fc2._parameters["weight"] = w2
+    # The splits: torch.histc of int64 indices (int64 on CUDA), or EP's counts; converted on the device.
+    splits = num_tokens_per_expert.to(torch.int64)
+    probs = torch.ones(x.shape[0], dtype=torch.float32, device=x.device)
+    return mlp(x.to(w1.dtype), splits, probs).to(x.dtype)
+
+
+class SparsetrainGroupedExperts(GroupedExperts):
+    """A GroupedExperts whose forward is sparsetrain's (convert() sets a module's class to this;
+    its parameters, buffers and state dict are the same)."""
+
+    forward = _experts_forward
+
+
+# --- attention ----------------------------------------------------------------------------------
+
+_SHAPE_MASKS: "dict[tuple, BlockMask]" = {}  # by (kind, seq_q, seq_kv, device)
+_LAST: "list[tuple]" = []  # the last per-batch mask: [(the object it was made for, mask)]
+
+
+def _shape_mask(kind: str, seq_q: int, seq_kv: int, device: torch.device) -> BlockMask:
+    key = (kind, seq_q, seq_kv, device)
+    mask = _SHAPE_MASKS.get(key)
+    if mask is None:
+        if len(_SHAPE_MASKS) >= 64:
+            _SHAPE_MASKS.clear()
+        mask = _SHAPE_MASKS[key] = BlockMask.build(kind, seq_q, seq_kv, device=device)
+    return mask
+
+
+def _per_batch(source: object, build) -> BlockMask:
+    """A batch's mask made once (every layer of a forward passes the same object), the last kept."""
+    if _LAST and _LAST[0][0] is source:
+        return _LAST[0][1]
+    mask = build()
+    _LAST[:] = [(source, mask)]
+    return mask
+
+
+def document_ids(tokens: Tensor, eos_id: int) -> Tensor:
+    """torchtitan's documents of a batch [B, S] of token ids (get_document_mask_mod's rule): a
+    document ends at each eos token and at the row's end; ids count documents from 0 per row."""
+    ends = tokens == eos_id
+    ends[:, -1] = True
+    ids = torch.zeros_like(tokens, dtype=torch.int32)
+    ids[:, 1:] = torch.cumsum(ends.to(torch.int32), dim=1, dtype=torch.int32)[:, :-1]
+    return ids
+
+
+def _check_heads(q: Tensor, k: Tensor, v: Tensor) -> None:
+    if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
+        raise _refuse(f"query, key and value head dims that differ (got {q.shape[-1]}, {k.shape[-1]} and "
+                      f"{v.shape[-1]}: e.g. deepseek_v3's MLA); its attention stays torchtitan's only without "
+                      "the converter")
+
+
+class SparsetrainSDPA(ScaledDotProductAttentionWrapper):
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, enable_gqa: bool = False,
+                is_causal: bool = True) -> Tensor:
+        _check_heads(q, k, v)
+        seq_q, seq_kv = q.shape[2], k.shape[2]
+        kind = ("causal" if seq_q == seq_kv else "causal_bottom_right") if is_causal else "full"
+        return block_sparse_attention(q, k, v, _shape_mask(kind, seq_q, seq_kv, q.device), scale=scale)
+
+
+class SparsetrainFlex(FlexAttentionWrapper):
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, score_mod=None, block_mask: FlexBlockMask | None = None,
+                scale: float | None = None, return_lse: bool = False, enable_gqa: bool = False) -> Tensor:
+        if score_mod is not None:
+            raise _refuse("a flex score_mod")
+        if return_lse:
+            raise _refuse("return_lse")
+        _check_heads(q, k, v)
+        if block_mask is None:
+            mask = _shape_mask("full", q.shape[2], k.shape[2], q.device)
+        else:
+            mask = getattr(block_mask, "_sparsetrain_mask", None)
+            if mask is None:
+                b, h = q.shape[0], q.shape[1]
+                mask = _per_batch(block_mask, lambda: BlockMask.from_torch(block_mask, batch=b, heads=h,
+                                                                            device=q.device))
+        return block_sparse_attention(q, k, v, mask, scale=scale)
+
+
+class SparsetrainVarlen(VarlenAttentionWrapper):
+    def forward(self, xq: Tensor, xk: Tensor, xv: Tensor, attention_masks: VarlenMetadata,
+                scale: float | None = None) -> Tensor:
+        """[B, H, S, D] inputs packed as one row of B * S tokens (torchtitan's varlen form) ->
+        [B * S, Hq, D], causal within each document of cu_seq_q / cu_seq_k."""
+        _check_heads(xq, xk, xv)
+        B, _, S, D = xq.shape
+
+        def packed(t: Tensor) -> Tensor:  # [B, H, S, D] -> [1, H, B * S, D] (a view of [B, S, H, D] storage)
+            return t.transpose(1, 2).reshape(1, B * S, t.shape[1], D).transpose(1, 2)
+
+        m = attention_masks
+        mask = _per_batch(m.cu_seq_q, lambda: BlockMask.from_cu_seqlens(
+            m.cu_seq_q.to(torch.int32), m.cu_seq_k.to(torch.int32), seq_q=B * S, seq_kv=B * S, causal=True,
+            device=xq.device))
+        out = block_sparse_attention(packed(xq), packed(xk), packed(xv), mask, scale=scale)
+        return out[0].transpose(0, 1)
+
+
+_ATTENTION_CLASSES = {ScaledDotProductAttentionWrapper: SparsetrainSDPA, FlexAttentionWrapper: SparsetrainFlex,
+                      VarlenAttentionWrapper: SparsetrainVarlen}
+
+
+def _with_sparsetrain_masks(get_attention_masks):
+    """The model's get_attention_masks, its flex masks of attn_mask_type "causal" / "block_causal"
+    carrying sparsetrain's mask built on the device from the batch (SparsetrainFlex reads it)."""
+
+    def wrapped(self, input_batch: Tensor, tokenizer, extra_inputs=None):
+        masks = get_attention_masks(input_batch, tokenizer, extra_inputs)
+        args = getattr(self, "model_args", None)
+        kind = getattr(args, "attn_mask_type", None)
+        if isinstance(masks, FlexBlockMask) and kind in ("causal", "block_causal"):
+            seq = input_batch.shape[1]
+            if kind == "causal":
+                mask = _shape_mask("causal", seq, seq, input_batch.device)
+            else:
+                mask = BlockMask.build("document_causal", seq, document_ids=document_ids(input_batch, tokenizer.eos_id),
+                                       device=input_batch.device)
+            masks._sparsetrain_mask = mask
+        return masks
+
+    return wrapped
+
+
+# --- the converter ------------------------------------------------------------------------------
+
+
+def convert(model: nn.Module) -> nn.Module:
+    """`model` (a torchtitan model, on any device, meta included, before parallelisation) with its
+    experts and attention on sparsetrain (in place; returned for chaining): the module classes of
+    GroupedExperts and of torchtitan's attention wrappers are set to sparsetrain's subclasses, so
+    parameters, buffers, state dict keys and torchtitan's parallelisation plans are unchanged."""
+    for module in model.modules():
+        if type(module) is GroupedExperts:
+            module.__class__ = SparsetrainGroupedExperts
+        elif type(module) in _ATTENTION_CLASSES:
+            module.__class__ = _ATTENTION_CLASSES[type(module)]
+    get_masks = getattr(model, "get_attention_masks", None)
+    if get_masks is not None and not model.__dict__.get("_sparsetrain_masks", False):
+        model.get_attention_masks = types.MethodType(_with_sparsetrain_masks(get_masks), model)
+        model.__dict__["_sparsetrain_masks"] = True
+    return model
+
+
+class SparsetrainConverter:
+    """torchtitan's ModelConverter protocol (torchtitan.protocols.model_converter)."""
+
+    def __init__(self, job_config, parallel_dims) -> None:
+        for flag, what in (("ep_enabled", "torchtitan's expert parallelism"),
+                           ("etp_enabled", "torchtitan's expert tensor parallelism"),
+                           ("cp_enabled", "context parallelism")):
+            if getattr(parallel_dims, flag, False):
+                raise _refuse(f"{what} ({flag})")
+
+    def convert(self, model: nn.Module) -> None:
+        convert(model)
+
+    def post_optimizer_hook(self, model) -> None:
+        pass
+
+
+register_model_converter(SparsetrainConverter, NAME)
