@@ -107,6 +107,34 @@ def train(model, next_batch, loss_of, steps, lr, device, seed=0):
     return losses, statistics.median(times[min(5, steps - 1):])
 
 
+def record_run(result, tag, losses, ms):
+    """One training run of `tag` into result["runs"][tag]: its final loss (the mean of the last 20
+    steps), median step time (ms) and losses."""
+    result.setdefault("runs", {}).setdefault(tag, []).append(
+        {"final_loss": statistics.mean(losses[-20:]), "step_ms": ms, "losses": losses})
+
+
+def report(result, base, ours):
+    """The loss check and the step time ratio of `ours` (one run: deterministic) against `base` (one
+    run or more: a stack's own implementations are not deterministic, and two of its runs can end
+    further apart than the 1 % the check allows). Passes when ours lies within 1 % of the range of
+    the baseline's final losses; prints and stores the numbers."""
+    runs = result["runs"]
+    finals = [r["final_loss"] for r in runs[base]]
+    mine = runs[ours][0]["final_loss"]
+    lo, hi = min(finals), max(finals)
+    result["baseline_spread"] = (hi - lo) / statistics.mean(finals)
+    result["final_loss_rel_diff"] = abs(mine - statistics.mean(finals)) / statistics.mean(finals)
+    result["loss_check"] = lo * 0.99 <= mine <= hi * 1.01
+    base_ms = statistics.median(r["step_ms"] for r in runs[base])
+    ours_ms = runs[ours][0]["step_ms"]
+    result["step_time_ratio"] = base_ms / ours_ms
+    print(f"final loss (mean of the last 20 steps): {base} {', '.join(f'{f:.4f}' for f in finals)} (its runs "
+          f"{100 * result['baseline_spread']:.2f} % apart), {ours} {mine:.4f} "
+          f"({'within' if result['loss_check'] else 'OUTSIDE'} 1 % of the {base}'s range); step {base_ms:.1f} ms "
+          f"{base}, {ours_ms:.1f} ms {ours} ({result['step_time_ratio']:.2f}x)")
+
+
 def byte_loss(logits, targets):
     return nn.functional.cross_entropy(logits.float().reshape(-1, 256), targets.reshape(-1))
 

@@ -1,25 +1,23 @@
-"""A small Qwen3-MoE model from torchtitan (its Qwen3Model, MoE on) trained on real text, twice from
-the same weights and batches: torchtitan's own implementations (attention --attn, default sdpa:
+"""A small Qwen3-MoE model from torchtitan (its Qwen3Model, MoE on) trained on real text from the
+same weights and batches: torchtitan's own implementations (--baseline-runs times: they are not
+deterministic) (attention --attn, default sdpa:
 causal, cuDNN / flash; experts torch._grouped_mm) and the same model converted by sparsetrain's
 model converter (sparsetrain.integrations.torchtitan.convert). Bytes of the Python standard
 library's sources, each file a document ending in an eos token (id 256); with --attn flex or
 varlen the model's attn_mask_type is block_causal (attention within documents), with sdpa causal.
-bf16 weights, AdamW, as bench/train_hf_moe.py. Prints each run's loss every 50 steps, the final
-losses (mean of the last 20 steps), their relative difference (the check: within 1 %) and the
-median step times and their ratio (torchtitan over sparsetrain: above 1, sparsetrain faster).
+bf16 weights, AdamW; the check and the report are bench/train_hf_moe.py's (train_moe_lm.report).
 
     python bench/train_titan_moe.py [--steps 300] [--attn sdpa|flex|varlen] [--json out.json]
 """
 
 import argparse
 import json
-import statistics
 import types
 
 import numpy as np
 import torch
 
-from train_moe_lm import corpus_files, train
+from train_moe_lm import corpus_files, record_run, report, train
 
 import sparsetrain.integrations.torchtitan as stt
 from torchtitan.models.moe import MoEArgs
@@ -45,6 +43,8 @@ def main():
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--attn", default="sdpa", choices=["sdpa", "flex", "varlen"])
+    ap.add_argument("--baseline-runs", type=int, default=2,
+                    help="train torchtitan's model this many times: its own run-to-run spread (default %(default)s)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--model", default="1024,8,2,4,64,512,8",
                     help="d, heads, kv heads, layers, experts, ffn, top_k (default %(default)s, as train_hf_moe.py)")
@@ -65,7 +65,7 @@ def main():
 
     result = {"device": torch.cuda.get_device_name(), "bytes": int(len(data)), **vars(args)}
     state = None
-    for tag in ("torchtitan", "sparsetrain"):
+    for tag in ["torchtitan"] * args.baseline_runs + ["sparsetrain"]:
         print(f"{tag} (attention {args.attn}):", flush=True)
         torch.manual_seed(0)
         model = Qwen3Model(margs)
@@ -84,17 +84,8 @@ def main():
             return torch.nn.functional.cross_entropy(logits.float().reshape(-1, EOS + 1), b[1].reshape(-1))
 
         losses, ms = train(model, next_batch, loss_of, args.steps, args.lr, "cuda")
-        result[f"{tag}_final_loss"] = statistics.mean(losses[-20:])
-        result[f"{tag}_step_ms"] = ms
-        result[f"{tag}_losses"] = losses
-    base, ours = result["torchtitan_final_loss"], result["sparsetrain_final_loss"]
-    rel = abs(ours - base) / base
-    result["final_loss_rel_diff"] = rel
-    result["step_time_ratio"] = result["torchtitan_step_ms"] / result["sparsetrain_step_ms"]
-    print(f"final loss (mean of the last 20 steps): torchtitan {base:.4f}, sparsetrain {ours:.4f}, relative "
-          f"difference {100 * rel:.2f} % ({'within' if rel <= 0.01 else 'OUTSIDE'} 1 %); step "
-          f"{result['torchtitan_step_ms']:.1f} ms torchtitan, {result['sparsetrain_step_ms']:.1f} ms sparsetrain "
-          f"({result['step_time_ratio']:.2f}x)")
+        record_run(result, tag, losses, ms)
+    report(result, "torchtitan", "sparsetrain")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1)
