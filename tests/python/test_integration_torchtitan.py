@@ -215,6 +215,44 @@ def test_the_registered_converter_converts():
             build_model_converters(job, types.SimpleNamespace(**{**vars(dims), flag: True}))
 
 
+def test_the_experts_converter_leaves_the_attention():
+    from torchtitan.config import JobConfig
+    from torchtitan.protocols.model_converter import build_model_converters
+
+    job = JobConfig()
+    job.model.converters = ["sparsetrain_experts"]
+    dims = types.SimpleNamespace(ep_enabled=False, etp_enabled=False, cp_enabled=False)
+    model = model_of(args(n_layers=1), "cpu", torch.float32, 0)
+    build_model_converters(job, dims).convert(model)
+    layer = model.layers["0"]
+    assert type(layer.moe.experts) is stt.SparsetrainGroupedExperts
+    assert type(layer.attention.inner_attention) is tt_attention.ScaledDotProductAttentionWrapper
+
+
+def test_experts_compute_in_the_activations_dtype():
+    """fp32 parameters and bf16 rows (torchtitan under autocast): the experts compute in bf16, as
+    torchtitan's grouped_mm path does, and the gradients reach the fp32 parameters."""
+    from torchtitan.models.moe.moe import GroupedExperts, _run_experts_for_loop
+
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    experts = GroupedExperts(dim=64, hidden_dim=48, num_experts=5, use_grouped_mm=False)
+    with torch.no_grad():
+        for w in (experts.w1, experts.w2, experts.w3):
+            w.copy_(torch.randn(w.shape, generator=g) * 0.1)
+    counts = torch.tensor([7, 0, 1, 12, 3])
+    x = torch.randn(int(counts.sum()), 64, generator=g).bfloat16()
+    want = _run_experts_for_loop(*(w.detach().bfloat16().float() for w in (experts.w1, experts.w2, experts.w3)),
+                                 x.float(), counts)
+    stt.convert(experts)
+    got = experts(x, counts)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, **tolerance(torch.bfloat16), msg=lambda m: f"seed {seed}: {m}")
+    got.float().sum().backward()
+    for w in (experts.w1, experts.w2, experts.w3):
+        assert w.grad is not None and w.grad.dtype == torch.float32 and torch.isfinite(w.grad).all()
+
+
 def test_unsupported_attention_is_refused_by_name():
     q = torch.randn(1, 2, 16, 64)
     mask = create_block_mask(lambda b, h, qi, ki: ki <= qi, 1, None, 16, 16, device="cpu")
@@ -223,7 +261,7 @@ def test_unsupported_attention_is_refused_by_name():
         inner(q, q, q, block_mask=mask, score_mod=lambda s, b, h, qi, ki: s)
     with pytest.raises(ValueError, match="return_lse"):
         inner(q, q, q, block_mask=mask, return_lse=True)
-    with pytest.raises(ValueError, match="head dims that differ"):
+    with pytest.raises(ValueError, match="head dims that differ.*sparsetrain_experts"):
         stt.SparsetrainSDPA()(torch.randn(1, 2, 16, 96), torch.randn(1, 2, 16, 96), q)
 
 

@@ -1,5 +1,6 @@
-"""torchtitan (0.2) on sparsetrain's kernels: a model converter named "sparsetrain", registered
-when this module is imported, which torchtitan's job config selects:
+"""torchtitan (0.2) on sparsetrain's kernels: model converters named "sparsetrain" (experts and
+attention) and "sparsetrain_experts" (the experts alone), registered when this module is
+imported, which torchtitan's job config selects:
 
     --experimental.custom_import sparsetrain.integrations.torchtitan --model.converters sparsetrain
 
@@ -26,7 +27,8 @@ backward) over a sparsetrain BlockMask made from what the model passes:
 - VarlenAttentionWrapper ("varlen"): the batch's cu_seqlens as packed documents (causal within
   each), once per batch.
 Refused with an error that names it: torchtitan's expert parallelism and context parallelism, a
-flex score_mod, return_lse, query / key and value head dims that differ (deepseek_v3's MLA);
+flex score_mod, return_lse, query / key and value head dims that differ (deepseek_v3's MLA: its
+experts convert alone with "sparsetrain_experts");
 head dims and dtypes are the kernels' (CUDA: bf16 / fp16, D 64, 96 or 128; the CPU reference: any).
 """
 
@@ -68,16 +70,16 @@ def _local(w: Tensor) -> Tensor:
     return w
 
 
-def _mlp_for(experts: GroupedExperts, x: Tensor, w1: Tensor, w2: Tensor) -> GroupedMLP:
+def _mlp_for(experts: GroupedExperts, x: Tensor, w1: Tensor, w2: Tensor, dtype: torch.dtype) -> GroupedMLP:
     """The GroupedMLP that runs `experts` (made at its first call, again when the shapes, dtype or
     device change). Its parameters are placeholders: each forward hands it the experts' weights
     (_experts_forward). It is not a submodule: the model's parameters and state dict are unchanged."""
     E, F, D = w1.shape
     mlp = experts.__dict__.get("_sparsetrain_mlp")
-    key = (E, F, D, w2.shape[1], w1.dtype, x.device)
+    key = (E, F, D, w2.shape[1], dtype, x.device)
     if mlp is not None and mlp._sparsetrain_key == key:
         return mlp
-    mlp = GroupedMLP(E, D, F, w2.shape[1], params_dtype=w1.dtype, device="meta", single_grouped_weight=True)
+    mlp = GroupedMLP(E, D, F, w2.shape[1], params_dtype=dtype, device="meta", single_grouped_weight=True)
     for layer in (mlp.fc1, mlp.fc2):
         layer.splits_status = torch.zeros(1, dtype=torch.int32, device=x.device)
     mlp._sparsetrain_key = key
@@ -93,16 +95,19 @@ def _experts_forward(self: GroupedExperts, x: Tensor, num_tokens_per_expert: Ten
     if tuple(w3.shape) != (E, F, D) or tuple(w2.shape) != (E, D, F):
         raise ValueError(f"{type(self).__name__}: expected w1 and w3 [E, F, D] and w2 [E, D, F], got "
                          f"{list(w1.shape)}, {list(w3.shape)} and {list(w2.shape)}")
-    mlp = _mlp_for(self, x, w1, w2)
+    # The computation's dtype: the activations' when 16-bit (torchtitan's grouped_mm path computes
+    # in bf16 whatever the parameters' dtype, e.g. fp32 parameters under autocast), else theirs.
+    dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else w1.dtype
+    mlp = _mlp_for(self, x, w1, w2, dtype)
     # The GroupedMLP's weights for this call (placed in _parameters directly: the gate and up
     # halves are one tensor made from two parameters, not a parameter itself); autograd takes the
-    # gradients through the cat back to w1 and w3, and to w2.
-    mlp.fc1._parameters["weight"] = torch.cat((w1, w3), dim=1)
-    mlp.fc2._parameters["weight"] = w2
+    # gradients through the cat (and casts) back to w1 and w3, and to w2.
+    mlp.fc1._parameters["weight"] = torch.cat((w1, w3), dim=1).to(dtype)
+    mlp.fc2._parameters["weight"] = w2.to(dtype)
     # The splits: torch.histc of int64 indices (int64 on CUDA), or EP's counts; converted on the device.
     splits = num_tokens_per_expert.to(torch.int64)
     probs = torch.ones(x.shape[0], dtype=torch.float32, device=x.device)
-    return mlp(x.to(w1.dtype), splits, probs).to(x.dtype)
+    return mlp(x.to(dtype), splits, probs)
 
 
 class SparsetrainGroupedExperts(GroupedExperts):
@@ -149,9 +154,10 @@ def document_ids(tokens: Tensor, eos_id: int) -> Tensor:
 
 def _check_heads(q: Tensor, k: Tensor, v: Tensor) -> None:
     if not (q.shape[-1] == k.shape[-1] == v.shape[-1]):
-        raise _refuse(f"query, key and value head dims that differ (got {q.shape[-1]}, {k.shape[-1]} and "
-                      f"{v.shape[-1]}: e.g. deepseek_v3's MLA); its attention stays torchtitan's only without "
-                      "the converter")
+        raise ValueError(f'model converter "{NAME}" does not support query, key and value head dims that differ '
+                         f"(got {q.shape[-1]}, {k.shape[-1]} and {v.shape[-1]}: e.g. deepseek_v3's MLA); the "
+                         f'converter "{NAME}_experts" (convert(model, attention=False)) leaves the attention '
+                         "torchtitan's")
 
 
 class SparsetrainSDPA(ScaledDotProductAttentionWrapper):
@@ -229,25 +235,28 @@ def _with_sparsetrain_masks(get_attention_masks):
 # --- the converter ------------------------------------------------------------------------------
 
 
-def convert(model: nn.Module) -> nn.Module:
+def convert(model: nn.Module, *, experts: bool = True, attention: bool = True) -> nn.Module:
     """`model` (a torchtitan model, on any device, meta included, before parallelisation) with its
-    experts and attention on sparsetrain (in place; returned for chaining): the module classes of
-    GroupedExperts and of torchtitan's attention wrappers are set to sparsetrain's subclasses, so
+    experts and / or attention on sparsetrain (in place; returned for chaining): the module classes
+    of GroupedExperts and of torchtitan's attention wrappers are set to sparsetrain's subclasses, so
     parameters, buffers, state dict keys and torchtitan's parallelisation plans are unchanged."""
     for module in model.modules():
-        if type(module) is GroupedExperts:
+        if experts and type(module) is GroupedExperts:
             module.__class__ = SparsetrainGroupedExperts
-        elif type(module) in _ATTENTION_CLASSES:
+        elif attention and type(module) in _ATTENTION_CLASSES:
             module.__class__ = _ATTENTION_CLASSES[type(module)]
     get_masks = getattr(model, "get_attention_masks", None)
-    if get_masks is not None and not model.__dict__.get("_sparsetrain_masks", False):
+    if attention and get_masks is not None and not model.__dict__.get("_sparsetrain_masks", False):
         model.get_attention_masks = types.MethodType(_with_sparsetrain_masks(get_masks), model)
         model.__dict__["_sparsetrain_masks"] = True
     return model
 
 
 class SparsetrainConverter:
-    """torchtitan's ModelConverter protocol (torchtitan.protocols.model_converter)."""
+    """torchtitan's ModelConverter protocol (torchtitan.protocols.model_converter): experts and
+    attention."""
+
+    parts = dict(experts=True, attention=True)
 
     def __init__(self, job_config, parallel_dims) -> None:
         for flag, what in (("ep_enabled", "torchtitan's expert parallelism"),
@@ -257,10 +266,17 @@ class SparsetrainConverter:
                 raise _refuse(f"{what} ({flag})")
 
     def convert(self, model: nn.Module) -> None:
-        convert(model)
+        convert(model, **self.parts)
 
     def post_optimizer_hook(self, model) -> None:
         pass
 
 
+class SparsetrainExpertsConverter(SparsetrainConverter):
+    """The experts alone (e.g. deepseek_v3, whose MLA attention has head dims that differ)."""
+
+    parts = dict(experts=True, attention=False)
+
+
 register_model_converter(SparsetrainConverter, NAME)
+register_model_converter(SparsetrainExpertsConverter, f"{NAME}_experts")
