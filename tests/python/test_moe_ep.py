@@ -1,5 +1,5 @@
-"""sparsetrain.torch.ExpertParallelMoELayer on 2 and 4 gloo processes (one machine, CPU), and on 2
-and 4 GPUs with NCCL where the machine has them (skipped, visibly, elsewhere), against the
+"""sparsetrain.torch.ExpertParallelMoELayer on 2, 4 and 8 gloo processes (one machine, CPU), and on
+2, 4 and 8 GPUs with NCCL where the machine has them (skipped, visibly, elsewhere), against the
 single-process MoELayer holding all the experts (on the rank's own device), run on the ranks'
 tokens concatenated in rank order: out, dx, dlogits and every expert's weight gradients (gathered
 from the ranks) must be bitwise equal. Cases: fp32 and bf16, softmax and sigmoid, top_k 1 and 2, token counts per rank
@@ -39,7 +39,7 @@ import sparsetrain.torch as stt  # noqa: E402
 REPO = Path(__file__).resolve().parents[2]
 H, F = 16, 8
 FP8_F = 16  # the FP8 recipe's features are multiples of 16 (fc2's in)
-LAUNCH_TIMEOUT_S = 240  # 4 processes on CI's 2 cores; a deadlock ends here, not in CI's own timeout
+LAUNCH_TIMEOUT_S = 480  # 8 processes on CI's 2 cores; a deadlock ends here, not in CI's own timeout
 
 
 class Case(NamedTuple):
@@ -74,6 +74,14 @@ CASES = [
          grouped_main_grad_delayed=True, seed=10),
     Case("bf16_softmax_k2_E4_N13_7_fp8", 2, "bfloat16", "softmax", 2, 4, (13, 7), normalize=True, seed=11, fp8=True),
     Case("bf16_sigmoid_k2_E8_skewed_fp8", 4, "bfloat16", "sigmoid", 2, 8, (6, 3, 11, 2), "skewed", seed=12, fp8=True),
+    Case("fp32_softmax_k2_E8_N5_0_9_3_1_7_2_11_bias", 8, "float32", "softmax", 2, 8, (5, 0, 9, 3, 1, 7, 2, 11),
+         expert_bias=True, seed=13),
+    # (skewed without an expert bias: a bias can lift an expert the skewed logits rule out)
+    Case("bf16_sigmoid_k2_E16_skewed", 8, "bfloat16", "sigmoid", 2, 16, (6, 3, 11, 2, 4, 0, 8, 5), "skewed",
+         normalize=True, seed=14),
+    Case("bf16_softmax_k2_E16_grouped_main_grad_delayed", 8, "bfloat16", "softmax", 2, 16, (9, 4, 7, 5, 1, 3, 6, 2),
+         grouped_main_grad_delayed=True, seed=15),
+    Case("bf16_softmax_k1_E8_fp8", 8, "bfloat16", "softmax", 1, 8, (4, 7, 0, 5, 9, 2, 6, 3), seed=16, fp8=True),
 ]
 
 
@@ -445,8 +453,10 @@ def _nvshmem_available():
     return symm_mem.is_nvshmem_available()
 
 
-@pytest.mark.parametrize("case", [*CASES, *(Case(GRAPH_CASE, w, "bfloat16", "softmax", 2, 2 * w, ()) for w in (2, 4))],
-                         ids=lambda c: f"symm_W{c.world}_{c.name}")
+GRAPH_CASES = [Case(GRAPH_CASE, w, "bfloat16", "softmax", 2, 2 * w, ()) for w in (2, 4, 8)]
+
+
+@pytest.mark.parametrize("case", [*CASES, *GRAPH_CASES], ids=lambda c: f"symm_W{c.world}_{c.name}")
 def test_symmetric_memory_layer_on_gpus_equals_the_single_gpu_layer_bitwise(case):
     """exchange="symmetric_memory" on the same cases (NCCL group, one GPU per rank, NVSHMEM): the
     rows land grouped by local expert in a receive buffer padded to capacity (an empty expert's
