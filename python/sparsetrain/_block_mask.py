@@ -591,7 +591,13 @@ class BlockMask:
         if self._other is None:
             import torch  # noqa: PLC0415
 
-            self._other = self._convert(Framework(torch), torch.from_numpy)
+            other = self._convert(Framework(torch), torch.from_numpy)
+            if torch.compiler.is_compiling():
+                # Not kept: torch.compile replays an attribute set during its trace after the call, and
+                # rebuilt this way the copy's MaskSpec came back empty (seen with torch 2.11), which
+                # broke the mask's next eager use.
+                return other
+            self._other = other
             self._other._other = self
         return self._other
 

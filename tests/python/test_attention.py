@@ -458,6 +458,20 @@ def test_torch_compile_fullgraph_forward_backward():
         assert torch.equal(t.grad, r)
 
 
+def test_a_numpy_mask_stays_usable_eagerly_after_a_compiled_call():
+    """A mask built over numpy arrays (framework "numpy", or a CPU build's default) converts to torch
+    inside the op; a trace must leave no such conversion behind on the mask: replayed after the
+    call it came back with an empty MaskSpec, and the mask's next eager use failed."""
+    S, D = 45, 16
+    mask = st.BlockMask.build("causal", S, block_size=16, framework="numpy")
+    q, k, v, _ = _inputs(1, 2, 1, S, S, D)
+    compiled = torch.compile(lambda q, k, v: stt.block_sparse_attention(q, k, v, mask), fullgraph=True,
+                             backend="aot_eager")
+    got = compiled(q, k, v)
+    assert torch.equal(stt.block_sparse_attention(q, k, v, mask), got)
+    assert len(mask.to_torch().spec) == len(mask.spec)
+
+
 def test_traced_graphs_hold_the_attention_ops():
     """torch.compile(fullgraph=True) through AOT autograd: its forward graph calls
     sparsetrain.block_sparse_attention and its backward graph sparsetrain.block_sparse_attention_backward

@@ -26,6 +26,9 @@ backward) over a sparsetrain BlockMask made from what the model passes:
   mask object (it reads the mask back to the host);
 - VarlenAttentionWrapper ("varlen"): the batch's cu_seqlens as packed documents (causal within
   each), once per batch.
+torch.compile (torchtitan's compile.enable, fullgraph blocks): the experts, and the attention of
+attn_type "sdpa" (its causal mask made by a forward pre-hook of the model, outside the compiled
+blocks); flex and varlen masks change every batch, so the converter refuses compile with them.
 Refused with an error that names it: torchtitan's expert parallelism and context parallelism, a
 flex score_mod, return_lse, query / key and value head dims that differ (deepseek_v3's MLA: its
 experts convert alone with "sparsetrain_experts");
@@ -47,6 +50,7 @@ from torchtitan.protocols.model_converter import register_model_converter
 
 from .._block_mask import BlockMask
 from ..torch.attention import block_sparse_attention
+from ..torch.grouped_linear import call
 from ..torch.grouped_mlp import GroupedMLP
 
 NAME = "sparsetrain"
@@ -70,20 +74,13 @@ def _local(w: Tensor) -> Tensor:
     return w
 
 
-def _mlp_for(experts: GroupedExperts, x: Tensor, w1: Tensor, w2: Tensor, dtype: torch.dtype) -> GroupedMLP:
-    """The GroupedMLP that runs `experts` (made at its first call, again when the shapes, dtype or
-    device change). Its parameters are placeholders: each forward hands it the experts' weights
-    (_experts_forward). It is not a submodule: the model's parameters and state dict are unchanged."""
-    E, F, D = w1.shape
-    mlp = experts.__dict__.get("_sparsetrain_mlp")
-    key = (E, F, D, w2.shape[1], dtype, x.device)
-    if mlp is not None and mlp._sparsetrain_key == key:
-        return mlp
-    mlp = GroupedMLP(E, D, F, w2.shape[1], params_dtype=dtype, device="meta", single_grouped_weight=True)
-    for layer in (mlp.fc1, mlp.fc2):
-        layer.splits_status = torch.zeros(1, dtype=torch.int32, device=x.device)
-    mlp._sparsetrain_key = key
-    experts.__dict__["_sparsetrain_mlp"] = mlp
+def _holder(E: int, F: int, D: int, D_out: int, dtype: torch.dtype) -> GroupedMLP:
+    """The GroupedMLP whose C++ layer runs a GroupedExperts (its id names the layer to the
+    operator): parameters are meta placeholders, never read (each forward passes the experts' own
+    weights to the operator), and it is not a submodule (the model's parameters and state dict are
+    unchanged)."""
+    mlp = GroupedMLP(E, D, F, D_out, params_dtype=dtype, device="meta", single_grouped_weight=True)
+    mlp._sparsetrain_shape = (E, F, D, D_out)
     return mlp
 
 
@@ -92,29 +89,46 @@ def _experts_forward(self: GroupedExperts, x: Tensor, num_tokens_per_expert: Ten
     numeric dtype; rows past their sum, if any, are the caller's padding) -> [T, D]."""
     w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
     E, F, D = w1.shape
-    if tuple(w3.shape) != (E, F, D) or tuple(w2.shape) != (E, D, F):
-        raise ValueError(f"{type(self).__name__}: expected w1 and w3 [E, F, D] and w2 [E, D, F], got "
+    if tuple(w3.shape) != (E, F, D) or tuple(w2.shape) != (E, w2.shape[1], F):
+        raise ValueError(f"{type(self).__name__}: expected w1 and w3 [E, F, D] and w2 [E, D_out, F], got "
                          f"{list(w1.shape)}, {list(w3.shape)} and {list(w2.shape)}")
+    mlp = self.__dict__["_sparsetrain_mlp"]
+    if mlp._sparsetrain_shape != (E, F, D, w2.shape[1]):  # a tensor-parallel shard: its local shapes
+        mlp = self.__dict__["_sparsetrain_mlp"] = _holder(E, F, D, w2.shape[1], w1.dtype)
     # The computation's dtype: the activations' when 16-bit (torchtitan's grouped_mm path computes
     # in bf16 whatever the parameters' dtype, e.g. fp32 parameters under autocast), else theirs.
     dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else w1.dtype
-    mlp = _mlp_for(self, x, w1, w2, dtype)
-    # The GroupedMLP's weights for this call (placed in _parameters directly: the gate and up
-    # halves are one tensor made from two parameters, not a parameter itself); autograd takes the
-    # gradients through the cat (and casts) back to w1 and w3, and to w2.
-    mlp.fc1._parameters["weight"] = torch.cat((w1, w3), dim=1).to(dtype)
-    mlp.fc2._parameters["weight"] = w2.to(dtype)
-    # The splits: torch.histc of int64 indices (int64 on CUDA), or EP's counts; converted on the device.
+    # GroupedMLP's operator on the experts' weights: the gate and up halves as one [E, 2F, D]
+    # tensor (a copy: torchtitan keeps them as two parameters); autograd takes the gradients
+    # through the cat (and casts) back to w1 and w3, and to w2. The splits: torch.histc of int64
+    # indices (int64 on CUDA), or EP's counts, converted on the device; the status word reports
+    # invalid CUDA splits on the device (no sync).
+    params = [torch.cat((w1, w3), dim=1).to(dtype), w2.to(dtype)]
     splits = num_tokens_per_expert.to(torch.int64)
+    status = self._sparsetrain_status if splits.is_cuda and self._sparsetrain_status.device == splits.device else None
     probs = torch.ones(x.shape[0], dtype=torch.float32, device=x.device)
-    return mlp(x.to(dtype), splits, probs)
+    return call("grouped_mlp_forward", mlp._id, x.to(dtype), splits, probs, params, [], 0, status, None)[0]
 
 
 class SparsetrainGroupedExperts(GroupedExperts):
-    """A GroupedExperts whose forward is sparsetrain's (convert() sets a module's class to this;
-    its parameters, buffers and state dict are the same)."""
+    """A GroupedExperts whose forward is sparsetrain's (convert() sets a module's class to this and
+    gives it its GroupedMLP holder and a status word, a non-persistent buffer; its parameters and
+    state dict are unchanged)."""
 
     forward = _experts_forward
+
+    def init_weights(self, init_std: float):
+        super().init_weights(init_std)
+        with torch.no_grad():
+            self._sparsetrain_status.zero_()  # after to_empty(): the word starts clear
+
+
+def _convert_experts(module: GroupedExperts) -> None:
+    E, F, D = module.w1.shape
+    module.__class__ = SparsetrainGroupedExperts
+    module.__dict__["_sparsetrain_mlp"] = _holder(E, F, D, module.w2.shape[1], module.w1.dtype)
+    module.register_buffer("_sparsetrain_status", torch.zeros(1, dtype=torch.int32, device=module.w1.device),
+                           persistent=False)
 
 
 # --- attention ----------------------------------------------------------------------------------
@@ -235,16 +249,29 @@ def _with_sparsetrain_masks(get_attention_masks):
 # --- the converter ------------------------------------------------------------------------------
 
 
+def _causal_masks_before_forward(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """A forward pre-hook of the model: the causal mask of its input's length, made (once) outside
+    the blocks that torchtitan compiles, whose SparsetrainSDPA then finds it made."""
+    t = args[0] if args else kwargs.get("tokens")
+    if isinstance(t, Tensor) and t.dim() >= 2:
+        _shape_mask("causal", t.shape[1], t.shape[1], t.device)
+
+
 def convert(model: nn.Module, *, experts: bool = True, attention: bool = True) -> nn.Module:
     """`model` (a torchtitan model, on any device, meta included, before parallelisation) with its
     experts and / or attention on sparsetrain (in place; returned for chaining): the module classes
     of GroupedExperts and of torchtitan's attention wrappers are set to sparsetrain's subclasses, so
     parameters, buffers, state dict keys and torchtitan's parallelisation plans are unchanged."""
+    sdpa = False
     for module in model.modules():
         if experts and type(module) is GroupedExperts:
-            module.__class__ = SparsetrainGroupedExperts
+            _convert_experts(module)
         elif attention and type(module) in _ATTENTION_CLASSES:
+            sdpa |= type(module) is ScaledDotProductAttentionWrapper
             module.__class__ = _ATTENTION_CLASSES[type(module)]
+    if sdpa and not model.__dict__.get("_sparsetrain_causal_hook", False):
+        model.register_forward_pre_hook(_causal_masks_before_forward, with_kwargs=True)
+        model.__dict__["_sparsetrain_causal_hook"] = True
     get_masks = getattr(model, "get_attention_masks", None)
     if attention and get_masks is not None and not model.__dict__.get("_sparsetrain_masks", False):
         model.get_attention_masks = types.MethodType(_with_sparsetrain_masks(get_masks), model)
@@ -264,8 +291,17 @@ class SparsetrainConverter:
                            ("cp_enabled", "context parallelism")):
             if getattr(parallel_dims, flag, False):
                 raise _refuse(f"{what} ({flag})")
+        compile_cfg = getattr(job_config, "compile", None)
+        self.compiled = bool(getattr(compile_cfg, "enable", False)) and "model" in getattr(compile_cfg, "components",
+                                                                                           ["model"])
 
     def convert(self, model: nn.Module) -> None:
+        attn_type = getattr(getattr(model, "model_args", None), "attn_type", "sdpa")
+        if self.compiled and self.parts["attention"] and attn_type != "sdpa":
+            # A batch's documents make a new mask each step: under torch.compile each would be a
+            # new guard, a recompilation a step.
+            raise _refuse(f'torch.compile (compile.enable) with attn_type "{attn_type}" (a new mask each batch); '
+                          f'"{NAME}_experts" converts the experts alone, or turn compile off')
         convert(model, **self.parts)
 
     def post_optimizer_hook(self, model) -> None:
