@@ -16,7 +16,6 @@ sparsetrain faster).
 
 import argparse
 import copy
-import json
 
 import numpy as np
 import torch
@@ -87,10 +86,7 @@ def main():
                            lambda b: byte_loss(model(input_ids=b[0], position_ids=b[1]).logits, b[2]),
                            args.steps, args.lr, args.device)
         record_run(result, tag, losses, ms)
-    report(result, "baseline", "sparsetrain")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=1)
+    report(result, "baseline", "sparsetrain", args.json)
 
 
 if __name__ == "__main__":

@@ -114,11 +114,11 @@ def record_run(result, tag, losses, ms):
         {"final_loss": statistics.mean(losses[-20:]), "step_ms": ms, "losses": losses})
 
 
-def report(result, base, ours):
+def report(result, base, ours, json_path=None):
     """The loss check and the step time ratio of `ours` (one run: deterministic) against `base` (one
     run or more: a stack's own implementations are not deterministic, and two of its runs can end
     further apart than the 1 % the check allows). Passes when ours lies within 1 % of the range of
-    the baseline's final losses; prints and stores the numbers."""
+    the baseline's final losses; prints and stores the numbers, and writes `result` to json_path."""
     runs = result["runs"]
     finals = [r["final_loss"] for r in runs[base]]
     mine = runs[ours][0]["final_loss"]
@@ -133,6 +133,9 @@ def report(result, base, ours):
           f"{100 * result['baseline_spread']:.2f} % apart), {ours} {mine:.4f} "
           f"({'within' if result['loss_check'] else 'OUTSIDE'} 1 % of the {base}'s range); step {base_ms:.1f} ms "
           f"{base}, {ours_ms:.1f} ms {ours} ({result['step_time_ratio']:.2f}x)")
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump(result, fh, indent=1)
 
 
 def byte_loss(logits, targets):

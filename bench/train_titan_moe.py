@@ -11,7 +11,6 @@ bf16 weights, AdamW; the check and the report are bench/train_hf_moe.py's (train
 """
 
 import argparse
-import json
 import types
 
 import numpy as np
@@ -85,10 +84,7 @@ def main():
 
         losses, ms = train(model, next_batch, loss_of, args.steps, args.lr, "cuda")
         record_run(result, tag, losses, ms)
-    report(result, "torchtitan", "sparsetrain")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(result, fh, indent=1)
+    report(result, "torchtitan", "sparsetrain", args.json)
 
 
 if __name__ == "__main__":

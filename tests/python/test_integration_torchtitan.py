@@ -201,31 +201,35 @@ def test_document_ids_follow_torchtitan_rule():
     assert stt.document_ids(tokens, EOS).tolist() == [[0, 0, 1, 1, 1, 2, 3], [0, 1, 1, 1, 1, 1, 1]]
 
 
-def test_the_registered_converter_converts():
+DIMS = types.SimpleNamespace(ep_enabled=False, etp_enabled=False, cp_enabled=False)  # torchtitan's ParallelDims
+
+
+def job_with(converter):
     from torchtitan.config import JobConfig
-    from torchtitan.protocols.model_converter import build_model_converters
 
     job = JobConfig()
-    job.model.converters = ["sparsetrain"]
-    dims = types.SimpleNamespace(ep_enabled=False, etp_enabled=False, cp_enabled=False)
+    job.model.converters = [converter]
+    return job
+
+
+def test_the_registered_converter_converts():
+    from torchtitan.protocols.model_converter import build_model_converters
+
+    job = job_with("sparsetrain")
     model = model_of(args(n_layers=1), "cpu", torch.float32, 0)
-    build_model_converters(job, dims).convert(model)
+    build_model_converters(job, DIMS).convert(model)
     assert type(model.layers["0"].moe.experts) is stt.SparsetrainGroupedExperts
     assert set(model.state_dict()) == set(model_of(args(n_layers=1), "cpu", torch.float32, 0).state_dict())
     for flag, match in (("ep_enabled", "expert parallelism"), ("cp_enabled", "context parallelism")):
         with pytest.raises(ValueError, match=match):
-            build_model_converters(job, types.SimpleNamespace(**{**vars(dims), flag: True}))
+            build_model_converters(job, types.SimpleNamespace(**{**vars(DIMS), flag: True}))
 
 
 def test_the_experts_converter_leaves_the_attention():
-    from torchtitan.config import JobConfig
     from torchtitan.protocols.model_converter import build_model_converters
 
-    job = JobConfig()
-    job.model.converters = ["sparsetrain_experts"]
-    dims = types.SimpleNamespace(ep_enabled=False, etp_enabled=False, cp_enabled=False)
     model = model_of(args(n_layers=1), "cpu", torch.float32, 0)
-    build_model_converters(job, dims).convert(model)
+    build_model_converters(job_with("sparsetrain_experts"), DIMS).convert(model)
     layer = model.layers["0"]
     assert type(layer.moe.experts) is stt.SparsetrainGroupedExperts
     assert type(layer.attention.inner_attention) is tt_attention.ScaledDotProductAttentionWrapper
@@ -273,16 +277,13 @@ def test_compiled_blocks_match_eager(device):
 
 
 def test_compile_with_per_batch_masks_is_refused():
-    from torchtitan.config import JobConfig
-
-    job = JobConfig()
+    job = job_with("sparsetrain")
     job.compile.enable = True
-    dims = types.SimpleNamespace(ep_enabled=False, etp_enabled=False, cp_enabled=False)
     with pytest.raises(ValueError, match='torch.compile.*"flex".*sparsetrain_experts'):
-        stt.SparsetrainConverter(job, dims).convert(model_of(args("flex", "block_causal", n_layers=1), "cpu",
+        stt.SparsetrainConverter(job, DIMS).convert(model_of(args("flex", "block_causal", n_layers=1), "cpu",
                                                              torch.float32, 0))
     model = model_of(args("flex", "block_causal", n_layers=1), "cpu", torch.float32, 0)
-    stt.SparsetrainExpertsConverter(job, dims).convert(model)  # the experts alone: fine
+    stt.SparsetrainExpertsConverter(job, DIMS).convert(model)  # the experts alone: fine
     assert type(model.layers["0"].moe.experts) is stt.SparsetrainGroupedExperts
 
 
