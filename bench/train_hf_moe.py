@@ -14,13 +14,12 @@ sparsetrain faster).
     python bench/train_hf_moe.py [--steps 300] [--json out.json] [--device cuda]
 """
 
-import argparse
 import copy
 
 import numpy as np
 import torch
 
-from train_moe_lm import byte_loss, corpus_files, record_run, report, train
+from train_moe_lm import byte_loss, corpus_files, record_run, report, train, training_args
 
 import sparsetrain.integrations.transformers  # noqa: F401  (registers "sparsetrain")
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
@@ -47,12 +46,7 @@ def batch_of(data, file_starts, rng, batch, seq, device):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--json", default=None)
+    ap = training_args(__doc__, batch=8, seq=4096)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--baseline-attn", default="sdpa")
     ap.add_argument("--baseline-experts", default="grouped_mm")

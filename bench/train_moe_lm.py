@@ -138,17 +138,24 @@ def report(result, base, ours, json_path=None):
             json.dump(result, fh, indent=1)
 
 
+def training_args(doc, batch, seq):
+    """The training benches' command line: steps, batch rows of seq tokens, the learning rate, the
+    JSON path (each bench adds its own)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batch", type=int, default=batch)
+    ap.add_argument("--seq", type=int, default=seq)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--json", default=None)
+    return ap
+
+
 def byte_loss(logits, targets):
     return nn.functional.cross_entropy(logits.float().reshape(-1, 256), targets.reshape(-1))
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--json", default=None)
+    ap = training_args(__doc__, batch=16, seq=1024)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--model", default="512,8,4,16,1024,2",
                     help="d, heads, layers, experts, ffn, top_k (default %(default)s)")

@@ -10,13 +10,12 @@ bf16 weights, AdamW; the check and the report are bench/train_hf_moe.py's (train
     python bench/train_titan_moe.py [--steps 300] [--attn sdpa|flex|varlen] [--json out.json]
 """
 
-import argparse
 import types
 
 import numpy as np
 import torch
 
-from train_moe_lm import corpus_files, record_run, report, train
+from train_moe_lm import corpus_files, record_run, report, train, training_args
 
 import sparsetrain.integrations.torchtitan as stt
 from torchtitan.models.moe import MoEArgs
@@ -36,15 +35,10 @@ def model_args(d, heads, kv_heads, layers, experts, ffn, top_k, attn, seq):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap = training_args(__doc__, batch=8, seq=4096)
     ap.add_argument("--attn", default="sdpa", choices=["sdpa", "flex", "varlen"])
     ap.add_argument("--baseline-runs", type=int, default=2,
                     help="train torchtitan's model this many times: its own run-to-run spread (default %(default)s)")
-    ap.add_argument("--json", default=None)
     ap.add_argument("--model", default="1024,8,2,4,64,512,8",
                     help="d, heads, kv heads, layers, experts, ffn, top_k (default %(default)s, as train_hf_moe.py)")
     args = ap.parse_args()
