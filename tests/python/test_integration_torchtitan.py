@@ -260,31 +260,44 @@ def test_experts_compute_in_the_activations_dtype():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_compiled_blocks_match_eager(device):
-    """torchtitan's torch.compile (each block, fullgraph) over a converted model (experts and sdpa
-    attention: the causal mask made by the model's pre-hook, outside the blocks): no graph break,
-    the same logits and gradients as the converted model run eagerly."""
+@pytest.mark.parametrize("attn", ["sdpa", "flex"])
+def test_compiled_blocks_match_eager(attn, device):
+    """torchtitan's torch.compile (each block, fullgraph) over a converted model: no graph break, the
+    same logits and gradients as the converted model run eagerly, and a second batch with other
+    documents runs the compiled blocks again without a recompilation (the masks are made outside
+    them: sdpa's by the model's pre-hook, flex's in get_attention_masks)."""
     seed = fresh_seed()
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    eager = stt.convert(model_of(args(n_layers=1), device, dtype, seed))
+    eager = stt.convert(model_of(args(attn, "causal" if attn == "sdpa" else "block_causal", n_layers=1), device,
+                                 dtype, seed))
     compiled = copy.deepcopy(eager)
     for name, block in compiled.layers.named_children():
         compiled.layers.register_module(name, torch.compile(block, backend="aot_eager", fullgraph=True))
-    tokens = batch(seed, 2, 72, device)
-    stt._SHAPE_MASKS.clear()  # the compiled model first, with no mask made: its pre-hook makes it
-    got = step(compiled, tokens)
-    compare(step(eager, tokens), got, seed, dtype)
+    stt._SHAPE_MASKS.clear()  # the compiled model first, with no mask made: its own hooks make them
+    for step_seed, every in ((seed, 40), (seed + 1, 90)):
+        tokens = batch(step_seed, 2, 256, device, eos_every=every)
+        with torch._dynamo.config.patch(error_on_recompile=step_seed != seed):
+            got = step(compiled, tokens, TOKENIZER)
+        compare(step(eager, tokens, TOKENIZER), got, seed, dtype)
 
 
-def test_compile_with_per_batch_masks_is_refused():
+def test_varlen_under_compile_is_refused():
     job = job_with("sparsetrain")
     job.compile.enable = True
-    with pytest.raises(ValueError, match='torch.compile.*"flex".*sparsetrain_experts'):
-        stt.SparsetrainConverter(job, DIMS).convert(model_of(args("flex", "block_causal", n_layers=1), "cpu",
+    with pytest.raises(ValueError, match='"varlen" under torch.compile.*sparsetrain_experts'):
+        stt.SparsetrainConverter(job, DIMS).convert(model_of(args("varlen", "block_causal", n_layers=1), "cpu",
                                                              torch.float32, 0))
-    model = model_of(args("flex", "block_causal", n_layers=1), "cpu", torch.float32, 0)
+    model = model_of(args("varlen", "block_causal", n_layers=1), "cpu", torch.float32, 0)
     stt.SparsetrainExpertsConverter(job, DIMS).convert(model)  # the experts alone: fine
     assert type(model.layers["0"].moe.experts) is stt.SparsetrainGroupedExperts
+
+
+def test_a_flex_mask_of_another_kind_is_refused_under_compile():
+    q = torch.randn(1, 2, 256, 128)
+    mask = create_block_mask(lambda b, h, qi, ki: (ki <= qi) & (qi - ki < 50), 1, None, 256, 256, device="cpu")
+    inner = torch.compile(stt.SparsetrainFlex(), backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="another attn_mask_type"):
+        inner(q, q, q, block_mask=mask)
 
 
 def test_unsupported_attention_is_refused_by_name():

@@ -26,11 +26,13 @@ backward) over a sparsetrain BlockMask made from what the model passes:
   mask object (it reads the mask back to the host);
 - VarlenAttentionWrapper ("varlen"): the batch's cu_seqlens as packed documents (causal within
   each), once per batch.
-torch.compile (torchtitan's compile.enable, fullgraph blocks): the experts, and the attention of
-attn_type "sdpa" (its causal mask made by a forward pre-hook of the model, outside the compiled
-blocks); flex and varlen masks change every batch, so the converter refuses compile with them.
+torch.compile (torchtitan's compile.enable, fullgraph blocks): the experts, sdpa and flex
+attention. Their masks are made outside the compiled blocks (sdpa's by a forward pre-hook of the
+model, flex's in get_attention_masks) and reach them as inputs, so a new batch's documents do not
+recompile them.
 Refused with an error that names it: torchtitan's expert parallelism and context parallelism, a
-flex score_mod, return_lse, query / key and value head dims that differ (deepseek_v3's MLA: its
+flex score_mod, return_lse, under torch.compile varlen attention and a flex mask of another
+attn_mask_type, query / key and value head dims that differ (deepseek_v3's MLA: its
 experts convert alone with "sparsetrain_experts");
 head dims and dtypes are the kernels' (CUDA: bf16 / fp16, D 64, 96 or 128; the CPU reference: any).
 """
@@ -143,7 +145,7 @@ def _shape_mask(kind: str, seq_q: int, seq_kv: int, device: torch.device) -> Blo
     if mask is None:
         if len(_SHAPE_MASKS) >= 64:
             _SHAPE_MASKS.clear()
-        mask = _SHAPE_MASKS[key] = BlockMask.build(kind, seq_q, seq_kv, device=device)
+        mask = _SHAPE_MASKS[key] = BlockMask.build(kind, seq_q, seq_kv, device=device, framework="torch")
     return mask
 
 
@@ -196,10 +198,18 @@ class SparsetrainFlex(FlexAttentionWrapper):
         else:
             mask = getattr(block_mask, "_sparsetrain_mask", None)
             if mask is None:
+                if torch.compiler.is_compiling():
+                    raise _refuse("under torch.compile a flex mask of another attn_mask_type than causal or "
+                                  "block_causal (converted by BlockMask.from_torch, which reads it back to the host)")
                 b, h = q.shape[0], q.shape[1]
                 mask = _per_batch(block_mask, lambda: BlockMask.from_torch(block_mask, batch=b, heads=h,
                                                                             device=q.device))
         return block_sparse_attention(q, k, v, mask, scale=scale)
+
+
+# torchtitan's VarlenMetadata is a NamedTuple: a mask made beside it does not reach the compiled
+# blocks (dynamo reads its fields only), and one made inside them cannot be traced.
+_VARLEN_UNDER_COMPILE = 'attn_type "varlen" under torch.compile (use "flex" with attn_mask_type "block_causal")'
 
 
 class SparsetrainVarlen(VarlenAttentionWrapper):
@@ -213,10 +223,12 @@ class SparsetrainVarlen(VarlenAttentionWrapper):
         def packed(t: Tensor) -> Tensor:  # [B, H, S, D] -> [1, H, B * S, D] (a view of [B, S, H, D] storage)
             return t.transpose(1, 2).reshape(1, B * S, t.shape[1], D).transpose(1, 2)
 
+        if torch.compiler.is_compiling():
+            raise _refuse(_VARLEN_UNDER_COMPILE)
         m = attention_masks
         mask = _per_batch(m.cu_seq_q, lambda: BlockMask.from_cu_seqlens(
             m.cu_seq_q.to(torch.int32), m.cu_seq_k.to(torch.int32), seq_q=B * S, seq_kv=B * S, causal=True,
-            device=xq.device))
+            device=xq.device, framework="torch"))
         out = block_sparse_attention(packed(xq), packed(xk), packed(xv), mask, scale=scale)
         return out[0].transpose(0, 1)
 
@@ -227,7 +239,8 @@ _ATTENTION_CLASSES = {ScaledDotProductAttentionWrapper: SparsetrainSDPA, FlexAtt
 
 def _with_sparsetrain_masks(get_attention_masks):
     """The model's get_attention_masks, its flex masks of attn_mask_type "causal" / "block_causal"
-    carrying sparsetrain's mask built on the device from the batch (SparsetrainFlex reads it)."""
+    carrying sparsetrain's mask, built on the device from the batch here, outside the blocks
+    torchtitan compiles (SparsetrainFlex reads it)."""
 
     def wrapped(self, input_batch: Tensor, tokenizer, extra_inputs=None):
         masks = get_attention_masks(input_batch, tokenizer, extra_inputs)
@@ -239,7 +252,7 @@ def _with_sparsetrain_masks(get_attention_masks):
                 mask = _shape_mask("causal", seq, seq, input_batch.device)
             else:
                 mask = BlockMask.build("document_causal", seq, document_ids=document_ids(input_batch, tokenizer.eos_id),
-                                       device=input_batch.device)
+                                       device=input_batch.device, framework="torch")
             masks._sparsetrain_mask = mask
         return masks
 
@@ -297,11 +310,8 @@ class SparsetrainConverter:
 
     def convert(self, model: nn.Module) -> None:
         attn_type = getattr(getattr(model, "model_args", None), "attn_type", "sdpa")
-        if self.compiled and self.parts["attention"] and attn_type != "sdpa":
-            # A batch's documents make a new mask each step: under torch.compile each would be a
-            # new guard, a recompilation a step.
-            raise _refuse(f'torch.compile (compile.enable) with attn_type "{attn_type}" (a new mask each batch); '
-                          f'"{NAME}_experts" converts the experts alone, or turn compile off')
+        if self.compiled and self.parts["attention"] and attn_type == "varlen":
+            raise _refuse(f'{_VARLEN_UNDER_COMPILE}; "{NAME}_experts" converts the experts alone')
         convert(model, **self.parts)
 
     def post_optimizer_hook(self, model) -> None:
