@@ -3,12 +3,13 @@ random-initialised Qwen3 models (torchtitan's Qwen3ModelArgs, MoE on; no downloa
 weights and batches through an unconverted and a converted model, logits and every parameter's
 gradient compared within the dtype's tolerance (fp32 tight, bf16 loose); fresh random data each
 run (the seed is in the failure message). The oracle on the CPU is torchtitan's for-loop experts
-(fp32 matmuls; its grouped_mm path rounds to bf16) and eager FlexAttention (its compiled forms
-need a GPU build); varlen attention, CUDA-only in torch, is checked against flex block_causal of
-the same batch. Experts with empty and one-row groups; documents between eos tokens; a flex mask
-of another kind through BlockMask.from_torch; the converter through torchtitan's registry;
-refusals name what is not supported. CUDA cases run where a GPU is (bf16, torchtitan's compiled
-peers), and skip visibly without one."""
+(fp32 matmuls; its grouped_mm path rounds to bf16) and, for flex, torch's math SDPA over the
+mask_mod evaluated densely (flex has no CPU backward); varlen attention, CUDA-only in torch, is
+checked against flex block_causal of the same batch. Experts with empty and one-row groups;
+documents between eos tokens; a flex mask of another kind through BlockMask.from_torch; the
+converters through torchtitan's registry; torchtitan's torch.compile of each block (fullgraph,
+no recompilation for a new batch's documents); refusals name what is not supported. CUDA cases
+run where a GPU is (bf16, torchtitan's compiled peers), and skip visibly without one."""
 
 import copy
 import functools
