@@ -22,6 +22,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed: torch tests
 pytest.importorskip("torchtitan", reason="torchtitan is not installed: integration tests skipped")
 
 import sparsetrain.integrations.torchtitan as stt  # noqa: E402
+from sparsetrain.integrations import _masks  # noqa: E402
 from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention  # noqa: E402
 from torchtitan.models import attention as tt_attention  # noqa: E402
 from torchtitan.models.moe import MoEArgs  # noqa: E402
@@ -185,7 +186,7 @@ def test_a_flex_mask_of_another_kind_is_converted(device):
     flex_mask = create_block_mask(lambda b, h, qi, ki: (ki <= qi) & (qi - ki < 50), 1, None, 300, 300, device=device)
     inner = stt.SparsetrainFlex()
     out = inner(q, k, v, block_mask=flex_mask, scale=0.1)
-    assert stt._LAST[0][0] is flex_mask
+    assert stt._BATCH.entry[1] is flex_mask
     peer = flex_attention if device == "cuda" else dense_flex
     ref = peer(q, k, v, block_mask=flex_mask, scale=0.1, enable_gqa=True)
     tol = tolerance(dtype)
@@ -274,7 +275,7 @@ def test_compiled_blocks_match_eager(attn, device):
     compiled = copy.deepcopy(eager)
     for name, block in compiled.layers.named_children():
         compiled.layers.register_module(name, torch.compile(block, backend="aot_eager", fullgraph=True))
-    stt._SHAPE_MASKS.clear()  # the compiled model first, with no mask made: its own hooks make them
+    _masks._SHAPES.clear()  # the compiled model first, with no mask made: its own hooks make them
     for step_seed, every in ((seed, 40), (seed + 1, 90)):
         tokens = batch(step_seed, 2, 256, device, eos_every=every)
         with torch._dynamo.config.patch(error_on_recompile=step_seed != seed):

@@ -51,6 +51,7 @@ from torchtitan.models.moe.moe import GroupedExperts
 from torchtitan.protocols.model_converter import register_model_converter
 
 from .._block_mask import BlockMask
+from ._masks import LastMade, shape_mask
 from ..torch.attention import block_sparse_attention
 from ..torch.grouped_linear import call
 from ..torch.grouped_mlp import GroupedMLP
@@ -135,27 +136,7 @@ def _convert_experts(module: GroupedExperts) -> None:
 
 # --- attention ----------------------------------------------------------------------------------
 
-_SHAPE_MASKS: "dict[tuple, BlockMask]" = {}  # by (kind, seq_q, seq_kv, device)
-_LAST: "list[tuple]" = []  # the last per-batch mask: [(the object it was made for, mask)]
-
-
-def _shape_mask(kind: str, seq_q: int, seq_kv: int, device: torch.device) -> BlockMask:
-    key = (kind, seq_q, seq_kv, device)
-    mask = _SHAPE_MASKS.get(key)
-    if mask is None:
-        if len(_SHAPE_MASKS) >= 64:
-            _SHAPE_MASKS.clear()
-        mask = _SHAPE_MASKS[key] = BlockMask.build(kind, seq_q, seq_kv, device=device, framework="torch")
-    return mask
-
-
-def _per_batch(source: object, build) -> BlockMask:
-    """A batch's mask made once (every layer of a forward passes the same object), the last kept."""
-    if _LAST and _LAST[0][0] is source:
-        return _LAST[0][1]
-    mask = build()
-    _LAST[:] = [(source, mask)]
-    return mask
+_BATCH = LastMade()  # the last batch's mask, by the object it came from
 
 
 def document_ids(tokens: Tensor, eos_id: int) -> Tensor:
@@ -182,7 +163,7 @@ class SparsetrainSDPA(ScaledDotProductAttentionWrapper):
         _check_heads(q, k, v)
         seq_q, seq_kv = q.shape[2], k.shape[2]
         kind = ("causal" if seq_q == seq_kv else "causal_bottom_right") if is_causal else "full"
-        return block_sparse_attention(q, k, v, _shape_mask(kind, seq_q, seq_kv, q.device), scale=scale)
+        return block_sparse_attention(q, k, v, shape_mask(kind, seq_q, seq_kv, q.device), scale=scale)
 
 
 class SparsetrainFlex(FlexAttentionWrapper):
@@ -194,7 +175,7 @@ class SparsetrainFlex(FlexAttentionWrapper):
             raise _refuse("return_lse")
         _check_heads(q, k, v)
         if block_mask is None:
-            mask = _shape_mask("full", q.shape[2], k.shape[2], q.device)
+            mask = shape_mask("full", q.shape[2], k.shape[2], q.device)
         else:
             mask = getattr(block_mask, "_sparsetrain_mask", None)
             if mask is None:
@@ -202,7 +183,7 @@ class SparsetrainFlex(FlexAttentionWrapper):
                     raise _refuse("under torch.compile a flex mask of another attn_mask_type than causal or "
                                   "block_causal (converted by BlockMask.from_torch, which reads it back to the host)")
                 b, h = q.shape[0], q.shape[1]
-                mask = _per_batch(block_mask, lambda: BlockMask.from_torch(block_mask, batch=b, heads=h,
+                mask = _BATCH.get(block_mask, lambda: BlockMask.from_torch(block_mask, batch=b, heads=h,
                                                                             device=q.device))
         return block_sparse_attention(q, k, v, mask, scale=scale)
 
@@ -226,7 +207,7 @@ class SparsetrainVarlen(VarlenAttentionWrapper):
         if torch.compiler.is_compiling():
             raise _refuse(_VARLEN_UNDER_COMPILE)
         m = attention_masks
-        mask = _per_batch(m.cu_seq_q, lambda: BlockMask.from_cu_seqlens(
+        mask = _BATCH.get(m.cu_seq_q, lambda: BlockMask.from_cu_seqlens(
             m.cu_seq_q.to(torch.int32), m.cu_seq_k.to(torch.int32), seq_q=B * S, seq_kv=B * S, causal=True,
             device=xq.device, framework="torch"))
         out = block_sparse_attention(packed(xq), packed(xk), packed(xv), mask, scale=scale)
@@ -249,7 +230,7 @@ def _with_sparsetrain_masks(get_attention_masks):
         if isinstance(masks, FlexBlockMask) and kind in ("causal", "block_causal"):
             seq = input_batch.shape[1]
             if kind == "causal":
-                mask = _shape_mask("causal", seq, seq, input_batch.device)
+                mask = shape_mask("causal", seq, seq, input_batch.device)
             else:
                 mask = BlockMask.build("document_causal", seq, document_ids=document_ids(input_batch, tokenizer.eos_id),
                                        device=input_batch.device, framework="torch")
@@ -267,7 +248,7 @@ def _causal_masks_before_forward(model: nn.Module, args: tuple, kwargs: dict) ->
     the blocks that torchtitan compiles, whose SparsetrainSDPA then finds it made."""
     t = args[0] if args else kwargs.get("tokens")
     if isinstance(t, Tensor) and t.dim() >= 2:
-        _shape_mask("causal", t.shape[1], t.shape[1], t.device)
+        shape_mask("causal", t.shape[1], t.shape[1], t.device)
 
 
 def convert(model: nn.Module, *, experts: bool = True, attention: bool = True) -> nn.Module:

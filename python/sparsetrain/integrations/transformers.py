@@ -41,6 +41,7 @@ from transformers.masking_utils import AttentionMaskInterface, find_packed_seque
 from transformers.modeling_utils import AttentionInterface
 
 from .._block_mask import BlockMask
+from ._masks import LastMade, shape_mask
 from ..torch.attention import block_sparse_attention
 from ..torch.grouped_mlp import GroupedMLP
 from ..torch.token_rows import Rows
@@ -133,42 +134,15 @@ def sparsetrain_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_in
 
 # --- attention ----------------------------------------------------------------------------------
 
-_MASKS: "dict[tuple, BlockMask]" = {}  # masks without documents, by (kind, seq_q, seq_kv, window, device)
-_DOC_MASK: "list[tuple]" = []  # the last documents' mask: [(key, the tensor it came from, mask)]
-
-
-def _shape_mask(kind: str, seq_q: int, seq_kv: int, window_left: int, device: torch.device) -> BlockMask:
-    key = (kind, seq_q, seq_kv, window_left, device)
-    mask = _MASKS.get(key)
-    if mask is None:
-        if len(_MASKS) >= 64:
-            _MASKS.clear()
-        mask = _MASKS[key] = BlockMask.build(kind, seq_q, seq_kv, window_left=window_left, window_right=0,
-                                             device=device)
-    return mask
-
-
-def _documents_mask(source: Tensor, key: tuple, build) -> BlockMask:
-    """A documents' mask made once per source tensor (every layer of a forward passes the same)."""
-    if _DOC_MASK and _DOC_MASK[0][0] == key and _DOC_MASK[0][1] is source:
-        return _DOC_MASK[0][2]
-    mask = build()
-    _DOC_MASK[:] = [(key, source, mask)]
-    return mask
-
-
-_PACKED: "list[tuple]" = []  # the last position_ids and their documents (None: not packed)
+_DOCUMENTS = LastMade()  # the last documents' mask, by (form, sizes) and the tensor it came from
+_PACKED = LastMade()  # the last position_ids' documents (None: not packed)
 
 
 def _packed_documents(position_ids: Tensor, seq: int) -> Tensor | None:
     """The documents [B, S] of packed rows, or None: transformers' rule (find_packed_sequence_indices:
     a new document where a position does not follow the previous one; it reads the result back,
     once per position_ids, i.e. once per forward, as transformers does for its own masks)."""
-    if _PACKED and _PACKED[0][0] is position_ids:
-        return _PACKED[0][1]
-    packed = find_packed_sequence_indices(position_ids.reshape(-1, seq))
-    _PACKED[:] = [(position_ids, packed)]
-    return packed
+    return _PACKED.get(position_ids, lambda: find_packed_sequence_indices(position_ids.reshape(-1, seq)))
 
 
 def _attention_mask(module: nn.Module, query: Tensor, key: Tensor, attention_mask: Tensor | None,
@@ -185,24 +159,24 @@ def _attention_mask(module: nn.Module, query: Tensor, key: Tensor, attention_mas
         raise ValueError(f'attn_implementation="{NAME}": a sliding window is supported on causal, unpacked, '
                          "unpadded sequences without a cache (no sliding window within documents yet)")
     if sliding_window is not None:
-        return _shape_mask("sliding_window", seq_q, seq_kv, int(sliding_window) - 1, dev)
+        return shape_mask("sliding_window", seq_q, seq_kv, dev, window_left=int(sliding_window) - 1)
     kind = "document_causal" if causal else "document"
     if cu_q is not None:  # transformers' flash-attention kwargs: one packed row
         cu_k = kwargs.get("cu_seq_lens_k", cu_q)
-        return _documents_mask(cu_q, ("cu", seq_q, seq_kv, causal), lambda: BlockMask.from_cu_seqlens(
+        return _DOCUMENTS.get(cu_q, key=("cu", seq_q, seq_kv, causal), build=lambda: BlockMask.from_cu_seqlens(
             cu_q.to(torch.int32), cu_k.to(torch.int32), seq_q=seq_q, seq_kv=seq_kv, causal=causal, device=dev))
     if attention_mask is not None:  # flash_attention_mask's 2-D mask [B, seq_kv]: padded keys a document apart
         if attention_mask.dim() != 2 or seq_q != seq_kv:
             raise ValueError(f'attn_implementation="{NAME}": expected a 2-D padding mask and no cache, got a '
                              f"{attention_mask.dim()}-D mask with {seq_q} queries and {seq_kv} keys")
-        return _documents_mask(attention_mask, ("pad", seq_q, causal), lambda: BlockMask.build(
+        return _DOCUMENTS.get(attention_mask, key=("pad", seq_q, causal), build=lambda: BlockMask.build(
             kind, seq_q, document_ids=(~attention_mask.bool()).to(torch.int32), device=dev))
     if packed is not None:  # DataCollatorWithFlattening's rows
-        return _documents_mask(position_ids, ("pos", seq_q, causal), lambda: BlockMask.build(
+        return _DOCUMENTS.get(position_ids, key=("pos", seq_q, causal), build=lambda: BlockMask.build(
             kind, seq_q, document_ids=packed.to(torch.int32), device=dev))
     if not causal:
-        return _shape_mask("full", seq_q, seq_kv, -1, dev)
-    return _shape_mask("causal" if seq_q == seq_kv else "causal_bottom_right", seq_q, seq_kv, -1, dev)
+        return shape_mask("full", seq_q, seq_kv, dev)
+    return shape_mask("causal" if seq_q == seq_kv else "causal_bottom_right", seq_q, seq_kv, dev)
 
 
 def sparsetrain_attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor,
