@@ -58,13 +58,14 @@ void check_rows(const IndexRows& r, int64_t rows, int64_t width, int64_t range, 
                  "a count <= the number of " + std::string(entry_kind) + "s (" + std::to_string(range) + ")", c);
     for (int32_t k = 0; k < c; ++k) {
       const int32_t v = r.at(i, k);
-      const std::string where = entry(iname, b, h, row_kind, i) + " entry " + std::to_string(k);
-      ST_CHECK_ARG(v >= 0 && v < range, where.c_str(),
+      // The entry's name is built only for a failure: this loop visits every index of the mask.
+      const auto where = [&] { return entry(iname, b, h, row_kind, i) + " entry " + std::to_string(k); };
+      ST_CHECK_ARG(v >= 0 && v < range, where().c_str(),
                    std::string("a ") + entry_kind + " in [0, " + std::to_string(range) + ")", v);
       if (k > 0) {
         const int32_t prev = r.at(i, k - 1);
-        ST_CHECK_ARG(v != prev, where.c_str(), std::string("no duplicate ") + entry_kind + "s", v, " twice");
-        ST_CHECK_ARG(v > prev, where.c_str(),
+        ST_CHECK_ARG(v != prev, where().c_str(), std::string("no duplicate ") + entry_kind + "s", v, " twice");
+        ST_CHECK_ARG(v > prev, where().c_str(),
                      std::string("ascending ") + entry_kind + "s (the walk order), after " + std::to_string(prev), v);
       }
     }
