@@ -165,9 +165,9 @@ def test_bench_moe_ep_runs_on_the_cpu(tmp_path):
         assert row["world"] == 2 and row["ep_ms"] > 0 and row["single_ms"] > 0, row
 
 
-def test_bench_bwd_ab_imports_and_shows_its_usage():
-    """The backward A / B (bench_bwd_ab.py) needs a GPU to run; without arguments it imports its
+def test_bench_attn_ab_imports_and_shows_its_usage():
+    """The attention A / B (bench_attn_ab.py) needs a GPU to run; without arguments it imports its
     helpers from the other benchmarks and prints how to run it, so a renamed helper shows here."""
-    bench = os.path.join(os.path.dirname(BENCH), "bench_bwd_ab.py")
+    bench = os.path.join(os.path.dirname(BENCH), "bench_attn_ab.py")
     r = subprocess.run([sys.executable, bench], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 1 and "A / B of the attention backward" in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.returncode == 1 and "A / B of the attention forward and backward" in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
