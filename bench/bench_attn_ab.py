@@ -50,13 +50,15 @@ def main(tag, names):
         mask = ba.build_our_mask(c.kind, S, g, doc, doc_cpu, B, Hq, Hkv, SCHEDULE, WALK, {})
         outs = [stt.block_sparse_attention(q, k, v, mask, deterministic=d) for d in (True, False)]
 
-        def forward():
+        def forward(q=q, k=k, v=v):
             with torch.no_grad():
                 return stt.block_sparse_attention(q, k, v, mask)
 
-        med, _ = ba.interleaved_ms([forward] + [lambda o=o: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
-                                                for o in outs], 5, 20)
-        g1, g2 = (torch.autograd.grad(outs[0], (q, k, v), do, retain_graph=True) for _ in range(2))
+        def backward(o, qkv=(q, k, v), do=do):
+            return torch.autograd.grad(o, qkv, do, retain_graph=True)
+
+        med, _ = ba.interleaved_ms([forward] + [lambda o=o: backward(o) for o in outs], 5, 20)
+        g1, g2 = (backward(outs[0]) for _ in range(2))
         with torch.no_grad():
             o, lse = stt.block_sparse_attention(q, k, v, mask, return_lse=True)
         print(json.dumps({"tag": tag, "case": name, "device": torch.cuda.get_device_name(),
