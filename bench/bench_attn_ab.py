@@ -41,32 +41,34 @@ def digest(*tensors):
     return h.hexdigest()[:12]
 
 
-def main(tag, names):
+def case_row(tag, name):
+    """One case's JSON row (its tensors freed on return)."""
     import sparsetrain.torch as stt
 
-    for name in names:
-        c, g, doc_cpu, doc, q, k, v, do = backward_inputs(name)
-        B, S, Hq, Hkv = g.B, g.S, c.Hq, c.Hkv
-        mask = ba.build_our_mask(c.kind, S, g, doc, doc_cpu, B, Hq, Hkv, SCHEDULE, WALK, {})
-        outs = [stt.block_sparse_attention(q, k, v, mask, deterministic=d) for d in (True, False)]
+    c, g, doc_cpu, doc, q, k, v, do = backward_inputs(name)
+    mask = ba.build_our_mask(c.kind, g.S, g, doc, doc_cpu, g.B, c.Hq, c.Hkv, SCHEDULE, WALK, {})
+    outs = [stt.block_sparse_attention(q, k, v, mask, deterministic=d) for d in (True, False)]
 
-        def forward(q=q, k=k, v=v):
-            with torch.no_grad():
-                return stt.block_sparse_attention(q, k, v, mask)
-
-        def backward(o, qkv=(q, k, v), do=do):
-            return torch.autograd.grad(o, qkv, do, retain_graph=True)
-
-        med, _ = ba.interleaved_ms([forward] + [lambda o=o: backward(o) for o in outs], 5, 20)
-        g1, g2 = (backward(outs[0]) for _ in range(2))
+    def forward():
         with torch.no_grad():
-            o, lse = stt.block_sparse_attention(q, k, v, mask, return_lse=True)
-        print(json.dumps({"tag": tag, "case": name, "device": torch.cuda.get_device_name(),
-                          "schedule": mask.schedule, "walk": mask.walk, "fwd_ms": med[0], "det_ms": med[1],
-                          "nondet_ms": med[2], "bitwise": all(torch.equal(x, y) for x, y in zip(g1, g2)),
-                          "fwd_digest": digest(o, lse), "bwd_digest": digest(*g1)}),
-              flush=True)
-        del outs, q, k, v, do, g1, g2, o, lse
+            return stt.block_sparse_attention(q, k, v, mask)
+
+    def backward(o):
+        return torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+
+    med, _ = ba.interleaved_ms([forward] + [lambda o=o: backward(o) for o in outs], 5, 20)
+    g1, g2 = (backward(outs[0]) for _ in range(2))
+    with torch.no_grad():
+        o, lse = stt.block_sparse_attention(q, k, v, mask, return_lse=True)
+    return {"tag": tag, "case": name, "device": torch.cuda.get_device_name(), "schedule": mask.schedule,
+            "walk": mask.walk, "fwd_ms": med[0], "det_ms": med[1], "nondet_ms": med[2],
+            "bitwise": all(torch.equal(x, y) for x, y in zip(g1, g2)), "fwd_digest": digest(o, lse),
+            "bwd_digest": digest(*g1)}
+
+
+def main(tag, names):
+    for name in names:
+        print(json.dumps(case_row(tag, name)), flush=True)
         torch.cuda.empty_cache()
 
 
