@@ -21,11 +21,15 @@ rows travel, and starts the first half's return while the second half's experts 
 only: the backward runs as autograd orders it (an exchange of the backward waits on the stream).
 This lives in the bench, from the layer's parts: the layer's API would need micro-batch state.
 
+--chunks N adds the row "nccl_chunksN": the layer's own overlap, overlap_chunks=N (N groups of a
+rank's experts, every dispatch started at once, chunk c's experts under the later chunks' rows,
+its return behind them; at most the experts a rank holds).
+
 --quick: small shapes; --device cpu (with --quick) runs W gloo processes on the CPU: a smoke test
 of the script, no timings worth reading.
 
     python bench/bench_moe_ep.py [--world 2] [--only mixtral,qwen3] [--quick] [--device cuda|cpu]
-                                 [--exchange nccl,symmetric_memory] [--overlap]
+                                 [--exchange nccl,symmetric_memory] [--overlap] [--chunks N]
                                  [--reps 10] [--rounds 3] [--json out.json]
 """
 
@@ -78,29 +82,6 @@ def _time_steps(fn, reps, rounds, device):
     return out
 
 
-class _StartExchange(torch.autograd.Function):
-    """The layer's _AllToAll with async_op=True in the forward: the outputs come back before their
-    rows have arrived (`works` collects the handles; _Arrived waits). Backward: the layer's
-    synchronous reverse exchange."""
-
-    @staticmethod
-    def forward(ctx, group, send, receive, works, *tensors):
-        ctx.group, ctx.send, ctx.receive = group, send, receive
-        outs = []
-        for t in tensors:
-            out = t.new_empty((sum(receive), *t.shape[1:]))
-            works.append(dist.all_to_all_single(out, t.contiguous(), list(receive), list(send), group=group,
-                                                async_op=True))
-            outs.append(out)
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        from sparsetrain.torch.expert_parallel import _exchange  # noqa: PLC0415
-
-        return (None, None, None, None, *(_exchange(g, ctx.receive, ctx.send, ctx.group) for g in grads))
-
-
 class _Arrived(torch.autograd.Function):
     """Waits for `works` (the current stream waits for the exchange; the host does not), identity."""
 
@@ -118,7 +99,7 @@ class _Arrived(torch.autograd.Function):
 def _overlapped_forward(layer, parts):
     """The layer's nccl forward on two micro-batches, the second half's dispatch under the first
     half's experts and the first half's return under the second half's experts."""
-    from sparsetrain.torch.expert_parallel import _exchange_plan  # noqa: PLC0415
+    from sparsetrain.torch.expert_parallel import _StartAllToAll, _exchange_plan  # noqa: PLC0415
     from sparsetrain.torch.moe import moe_route
     from sparsetrain.torch.token_rows import Rows, combine, expert_rows  # noqa: PLC0415
 
@@ -128,7 +109,7 @@ def _overlapped_forward(layer, parts):
         rows = expert_rows(x, r)
         plan = _exchange_plan(r.counts, layer.world_size, layer.group)
         works = []
-        staged.append((rows, plan, works, _StartExchange.apply(layer.group, plan.send, plan.receive, works,
+        staged.append((rows, plan, works, _StartAllToAll.apply(layer.group, plan.send, plan.receive, works,
                                                                rows.x, rows.probs)))
     backs = []
     for rows, plan, works, got in staged:
@@ -136,7 +117,7 @@ def _overlapped_forward(layer, parts):
         y = layer.experts(Rows.apply(got_x, plan.by_expert, plan.by_source), plan.local_counts,
                           Rows.apply(got_probs, plan.by_expert, plan.by_source))
         back_works = []
-        backs.append((back_works, _StartExchange.apply(layer.group, plan.receive, plan.send, back_works,
+        backs.append((back_works, _StartAllToAll.apply(layer.group, plan.receive, plan.send, back_works,
                                                        Rows.apply(y, plan.by_source, plan.by_expert))))
     return [combine(_Arrived.apply(w, *back)[0], rows) for (w, back), (rows, *_) in zip(backs, staged)]
 
@@ -180,6 +161,8 @@ def _ep_worker(rank, world, init_file, shape, variants, reps, rounds, device_kin
             torch.manual_seed(0)
             exchange = dict(exchange="symmetric_memory", max_tokens_per_rank=per_rank) \
                 if variant == "symmetric_memory" else {}
+            if variant.startswith("nccl_chunks"):
+                exchange = dict(overlap_chunks=int(variant[len("nccl_chunks"):]))
             layer = stt.ExpertParallelMoELayer(experts, hidden, ffn, top_k, params_dtype=torch.bfloat16,
                                                device=device, **exchange)
             if variant in ("nccl_halves", "nccl_overlap"):
@@ -238,6 +221,8 @@ def main():
     ap.add_argument("--exchange", default=None, metavar="NAMES",
                     help="comma-separated: nccl, symmetric_memory (default: both where available)")
     ap.add_argument("--overlap", action="store_true", help="add the two-micro-batch rows (nccl_halves, nccl_overlap)")
+    ap.add_argument("--chunks", type=int, default=0, metavar="N",
+                    help="add the row nccl_chunksN: the layer with overlap_chunks=N")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None, metavar="PATH")
@@ -265,6 +250,11 @@ def main():
             print(f"{name:20s} skipped: {experts} experts / {tokens} tokens not divisible by W = {a.world}")
             continue
         variants = exchanges + (["nccl_halves", "nccl_overlap"] if a.overlap else [])
+        if a.chunks > 1:
+            if a.chunks > experts // a.world:
+                print(f"{name:20s} nccl_chunks{a.chunks} skipped: {experts // a.world} experts per rank")
+            else:
+                variants.append(f"nccl_chunks{a.chunks}")
         if "symmetric_memory" in variants and experts // a.world > 16:
             print(f"{name:20s} symmetric_memory skipped: {experts // a.world} experts per rank > 16 "
                   "(torch's all_to_all_vdev_2d)")
@@ -286,7 +276,7 @@ def main():
                   f"{row['ep_tflops_per_gpu']:15.1f} {row['single_tflops']:14.1f}", flush=True)
     if a.json:
         info = {"device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu", "torch": torch.__version__,
-                "world": a.world, "exchanges": exchanges, "overlap": a.overlap,
+                "world": a.world, "exchanges": exchanges, "overlap": a.overlap, "chunks": a.chunks,
                 "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE", "0 (set by the bench)")}
         with open(a.json, "w") as f:
             json.dump({"info": info, "rows": rows}, f, indent=1)

@@ -148,19 +148,20 @@ def test_bench_moe_runs_on_the_cpu(tmp_path):
 
 def test_bench_moe_ep_runs_on_the_cpu(tmp_path):
     """The expert-parallel benchmark end to end at --quick with 2 gloo processes: both sides run
-    and the JSON holds a row per case and exchange, the two-micro-batch rows of --overlap included
+    and the JSON holds a row per case and exchange, the two-micro-batch rows of --overlap and the
+    overlap_chunks row of --chunks included
     (symmetric memory is CUDA-only: not a default here); its timings are not the point here."""
     import json
 
     out = tmp_path / "moe_ep.json"
     bench = os.path.join(os.path.dirname(BENCH), "bench_moe_ep.py")
     r = subprocess.run([sys.executable, bench, "--quick", "--device", "cpu", "--world", "2", "--reps", "1",
-                        "--rounds", "1", "--only", "mixtral", "--overlap", "--json", str(out)], capture_output=True,
-                       text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                        "--rounds", "1", "--only", "mixtral", "--overlap", "--chunks", "2", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [(row["case"], row["exchange"]) for row in rows] == [("mixtral", "nccl"), ("mixtral", "nccl_halves"),
-                                                                ("mixtral", "nccl_overlap")]
+    assert [(row["case"], row["exchange"]) for row in rows] == [
+        ("mixtral", "nccl"), ("mixtral", "nccl_halves"), ("mixtral", "nccl_overlap"), ("mixtral", "nccl_chunks2")]
     for row in rows:
         assert row["world"] == 2 and row["ep_ms"] > 0 and row["single_ms"] > 0, row
 
@@ -170,4 +171,5 @@ def test_bench_attn_ab_imports_and_shows_its_usage():
     helpers from the other benchmarks and prints how to run it, so a renamed helper shows here."""
     bench = os.path.join(os.path.dirname(BENCH), "bench_attn_ab.py")
     r = subprocess.run([sys.executable, bench], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 1 and "A / B of the attention forward and backward" in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.returncode == 1 and "A / B of the attention forward and backward" in r.stderr, \
+        r.stdout[-2000:] + r.stderr[-2000:]

@@ -8,7 +8,8 @@ other ranks and a rank that receives no rows, single grouped weights with main_g
 wgrad, the experts in FP8 (blockwise e4m3). Each world size is launched once for all its cases
 (processes cost seconds to start); the exchanges' receive buffers are poisoned with NaN; a
 failing rank fails its case with the rank's traceback, and a launch that outlives its timeout (a
-deadlock) fails every case left.
+deadlock) fails every case left. The same cases with overlap_chunks (each local expert its own
+chunk of the NCCL exchange, on gloo here) and its refusals.
 exchange="symmetric_memory" (torch's NVSHMEM all-to-all with device splits): the same cases on
 GPUs where NVSHMEM is available (its symmetric buffers poisoned too, capacity above every rank's
 tokens so the padded tail is exercised), N > max_tokens_per_rank refused before anything runs,
@@ -139,11 +140,16 @@ def _global_name(name, source, local):
     return f"{stem}{source * local + int(name[len(stem):])}" if stem != name else name
 
 
+CHUNKED = "nccl_chunks"  # the NCCL exchange with overlap_chunks: every local expert its own chunk
+
+
 def _exchange_options(case, exchange):
     """The EP layer's exchange arguments; the symmetric buffers' capacity is above every rank's
     tokens, so every rank's receive buffer has a padded tail."""
     if exchange == "nccl":
         return {}
+    if exchange == CHUNKED:
+        return dict(overlap_chunks=case.num_experts // case.world)
     return dict(exchange=exchange, max_tokens_per_rank=max(case.tokens) + 2)
 
 
@@ -229,6 +235,21 @@ def _check_symmetric_arguments(world):
         with pytest.raises(RuntimeError, match="exchange='symmetric_memory' is not available here: .*use "
                                                "exchange='nccl'"):
             stt.ExpertParallelMoELayer(2 * world, H, F, 1, exchange="symmetric_memory", max_tokens_per_rank=8)
+
+
+def _check_chunk_arguments(world):
+    """overlap_chunks' refusals, each before anything runs."""
+    for chunks, extra, match in ((0, {}, "overlap_chunks: expected an int >= 1, got 0"),
+                                 (3, {}, "overlap_chunks: expected at most the 2 experts of a rank"),
+                                 (2, dict(exchange="symmetric_memory", max_tokens_per_rank=4),
+                                  "overlap_chunks: expected 1 with exchange='symmetric_memory'")):
+        with pytest.raises(ValueError, match=match):
+            stt.ExpertParallelMoELayer(2 * world, H, F, 1, overlap_chunks=chunks, **extra)
+    layer = stt.ExpertParallelMoELayer(2 * world, H, F, 1, overlap_chunks=2, fuse_wgrad_accumulation=True)
+    for p in layer.experts.parameters():
+        p.main_grad, p.overwrite_main_grad = torch.zeros_like(p, dtype=torch.float32), True
+    with pytest.raises(ValueError, match="overlap_chunks: expected expert parameters without overwrite_main_grad"):
+        layer(torch.zeros(3, H), torch.zeros(3, 2 * world))
 
 
 def _gather(t):
@@ -358,6 +379,8 @@ def _worker(rank, world, init_file, done_dir, cases, backend, exchange="nccl"):
                 stt.ExpertParallelMoELayer(world + 1, H, F, 1)
             if exchange == "nccl":
                 _check_symmetric_arguments(world)
+            if exchange == CHUNKED:
+                _check_chunk_arguments(world)
         if exchange == "symmetric_memory":
             layer = stt.ExpertParallelMoELayer(2 * world, H, F, 1, exchange=exchange, max_tokens_per_rank=4,
                                                params_dtype=torch.bfloat16, device=device)
@@ -423,6 +446,15 @@ def test_symmetric_memory_layer_logic_with_emulated_ops_on_gloo(case):
     runs the real ops."""
     done, error = _launch(case.world, "gloo", "symmetric_memory")
     assert case.name in done, f"{case.name} did not pass on every rank (emulated symmetric memory):\n{error}"
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.num_experts // c.world > 1],
+                         ids=lambda c: f"W{c.world}_{c.name}")
+def test_layer_with_overlap_chunks_equals_the_single_process_layer_bitwise(case):
+    """overlap_chunks = the experts a rank holds (each expert its own chunk, dispatches started
+    ahead, their receive buffers poisoned): bitwise the full layer, as unchunked."""
+    done, error = _launch(case.world, "gloo", CHUNKED)
+    assert case.name in done, f"{case.name} did not pass on every rank (overlap_chunks):\n{error}"
 
 
 def _nccl_gpus():

@@ -29,11 +29,17 @@ def _receive_buffer(like: Tensor, rows: int) -> Tensor:
     return like.new_empty((rows, *like.shape[1:]))
 
 
-def _exchange(t: Tensor, send: Sequence[int], receive: Sequence[int], group: Optional[dist.ProcessGroup]) -> Tensor:
+def _exchange(t: Tensor, send: Sequence[int], receive: Sequence[int], group: Optional[dist.ProcessGroup],
+              works: Optional[list] = None) -> Tensor:
     """t's rows [sum(send), ...] out, send[d] of them to rank d in rank order; [sum(receive), ...]
-    back, receive[s] from rank s in rank order. Every rank calls it, zero-size parts included."""
+    back, receive[s] from rank s in rank order. Every rank calls it, zero-size parts included. With
+    `works`, the exchange is started, not waited for: its handle is appended there, to be waited on
+    before the result is read."""
     out = _receive_buffer(t, sum(receive))
-    dist.all_to_all_single(out, t.contiguous(), list(receive), list(send), group=group)
+    work = dist.all_to_all_single(out, t.contiguous(), list(receive), list(send), group=group,
+                                  async_op=works is not None)
+    if works is not None:
+        works.append(work)
     return out
 
 
@@ -52,21 +58,56 @@ class _AllToAll(torch.autograd.Function):
         return (None, None, None, *(_exchange(g, ctx.receive, ctx.send, ctx.group) for g in grads))
 
 
+class _StartAllToAll(torch.autograd.Function):
+    """_AllToAll's exchange started, not waited for: the outputs are returned at once and the
+    collective's work handles appended to `works`; wait on them before reading the outputs (NCCL:
+    the current stream waits, the host does not; gloo: the host waits). Started exchanges run in
+    the order they were started. The backward exchanges the gradients in reverse, waited (as
+    _AllToAll's)."""
+
+    @staticmethod
+    def forward(ctx, group: Optional[dist.ProcessGroup], send: List[int], receive: List[int], works: list,
+                *tensors: Tensor):
+        ctx.group, ctx.send, ctx.receive = group, send, receive
+        return tuple(_exchange(t, send, receive, group, works) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):
+        return (None, None, None, None, *(_exchange(g, ctx.receive, ctx.send, ctx.group) for g in grads))
+
+
 class _ExchangePlan(NamedTuple):
     """One step's exchange, from the per-expert counts of every rank. send[d]: rows this rank sends
     to rank d; receive[s]: rows it gets from rank s (in s's expert-major order: local expert 0's
     rows, then 1's, ...); local_counts[l]: rows of local expert l from all ranks. by_expert: the
     received rows' order regrouped by local expert, sources in rank order (a gather index into
-    the received rows); by_source: its inverse."""
+    the received rows); by_source: its inverse. mine: this rank's rows per expert [E]; received:
+    the rows each source sends it, [source, local expert] on the device, theirs on the host."""
     send: List[int]
     receive: List[int]
     local_counts: List[int]
     by_expert: Tensor
     by_source: Tensor
+    mine: List[int]
+    theirs: List[int]
+    received: Tensor
 
 
 def _exclusive_cumsum(t: Tensor) -> Tensor:
     return torch.cumsum(t, 0) - t
+
+
+def _by_expert(by_source_counts: Tensor, total: int) -> Tuple[Tensor, Tensor]:
+    """Rows received as [source, local expert] blocks (by_source_counts [W, L], on the device),
+    regrouped by local expert with the sources in rank order: the gather index and its inverse."""
+    W, L = by_source_counts.shape
+    start = _exclusive_cumsum(by_source_counts.reshape(-1)).view(W, L)  # row i of (s, l) at start[s, l] + i
+    counts_le, start_le = by_source_counts.t().reshape(-1), start.t().reshape(-1)  # (l, s) order
+    arange = torch.arange(total, device=by_source_counts.device)
+    by_expert = torch.repeat_interleave(start_le - _exclusive_cumsum(counts_le), counts_le, output_size=total) + arange
+    by_source = torch.empty_like(by_expert)
+    by_source[by_expert] = arange
+    return by_expert, by_source
 
 
 def _exchange_plan(counts: Tensor, world_size: int, group: Optional[dist.ProcessGroup]) -> _ExchangePlan:
@@ -80,16 +121,32 @@ def _exchange_plan(counts: Tensor, world_size: int, group: Optional[dist.Process
     send = [sum(mine[d * local:(d + 1) * local]) for d in range(world_size)]
     receive = [sum(theirs[s * local:(s + 1) * local]) for s in range(world_size)]
     local_counts = [sum(theirs[s * local + l] for s in range(world_size)) for l in range(local)]
-    total = sum(receive)
-    # Row i of local expert l from source s sits at start[s, l] + i in the received order.
-    by_source_counts = received.view(world_size, local)
-    start = _exclusive_cumsum(by_source_counts.reshape(-1)).view(world_size, local)
-    counts_le, start_le = by_source_counts.t().reshape(-1), start.t().reshape(-1)  # (l, s) order
-    arange = torch.arange(total, device=counts.device)
-    by_expert = torch.repeat_interleave(start_le - _exclusive_cumsum(counts_le), counts_le, output_size=total) + arange
-    by_source = torch.empty_like(by_expert)
-    by_source[by_expert] = arange
-    return _ExchangePlan(send, receive, local_counts, by_expert, by_source)
+    by_expert, by_source = _by_expert(received.view(world_size, local), sum(receive))
+    return _ExchangePlan(send, receive, local_counts, by_expert, by_source, mine, theirs, received)
+
+
+def _chunk_bounds(local: int, chunks: int) -> List[Tuple[int, int]]:
+    """The local experts [a, b) of each chunk: contiguous, as even as the count allows."""
+    return [(c * local // chunks, (c + 1) * local // chunks) for c in range(chunks)]
+
+
+def _chunk_order(plan: _ExchangePlan, world: int, local: int, bounds: List[Tuple[int, int]],
+                 device: torch.device) -> Tensor:
+    """The rows this rank sends, chunk-major: for each chunk, for each destination rank d, the
+    expert-major rows of d's experts in the chunk (a contiguous run of them). Position i holds
+    expert-major row order[i]; each chunk's rows to all ranks are then one contiguous slice."""
+    starts = [0]
+    for n in plan.mine:
+        starts.append(starts[-1] + n)
+    run_start, run_length = [], []
+    for a, b in bounds:
+        for d in range(world):
+            run_start.append(starts[d * local + a])
+            run_length.append(starts[d * local + b] - starts[d * local + a])
+    total = starts[-1]
+    lengths = torch.tensor(run_length, dtype=torch.int64, device=device)
+    shift = torch.tensor(run_start, dtype=torch.int64, device=device) - _exclusive_cumsum(lengths)
+    return torch.repeat_interleave(shift, lengths, output_size=total) + torch.arange(total, device=device)
 
 
 # --- exchange="symmetric_memory" ---------------------------------------------------------------
@@ -308,12 +365,21 @@ class ExpertParallelMoELayer(nn.Module):
     (a second forward before the first one's backward makes that backward fail, loudly), and
     backward_dw before the next forward.
 
+    overlap_chunks=C > 1 (NCCL exchange): the local experts in C contiguous groups, each its own
+    exchange and expert call; all C dispatches start at once (async all_to_all_single, on NCCL's
+    stream), chunk c's experts run once its rows are in, while later chunks' rows travel, and its
+    combine exchange starts behind them. Each expert still takes the same rows in the same order,
+    so results stay bitwise the unchunked layer's. Each chunk's expert call gives a weight gradient
+    for all local experts, zero outside the chunk, so autograd adds C of them (main_grad: C
+    accumulations, and `overwrite_main_grad` is refused). The backward's exchanges wait, unchunked
+    in time. Its speed is not yet measured on GPUs.
+
     Every rank must call forward and backward for every step (the exchanges are collectives), with
     the same requires_grad on its inputs. The symmetric exchange measured 18-20 % slower a step
-    than NCCL's, so it is the option for CUDA graphs, not the default. Not
-    done: overlap of the exchanges with expert compute in the layer (bench/bench_moe_ep.py --overlap:
-    two half batches with the second half's NCCL dispatch under the first half's experts were
-    slower than one batch); torch.compile (the NCCL exchange's host splits;
+    than NCCL's, so it is the option for CUDA graphs, not the default. (bench/bench_moe_ep.py
+    --overlap, two half batches with the second half's NCCL dispatch under the first half's
+    experts, was slower than one batch: halves of tokens change the experts' GEMMs and sums.) Not
+    done: the backward's exchanges in chunks; torch.compile (the NCCL exchange's host splits;
     the symmetric exchange is not tried under it); packing the probs into the rows' exchange (they
     travel by exchanges of their own: three exchanges a forward, three a backward).
     """
@@ -324,10 +390,15 @@ class ExpertParallelMoELayer(nn.Module):
                  device: Union[torch.device, str, None] = None, glu_interleave_size: int = 0,
                  single_grouped_weight: bool = False, fuse_wgrad_accumulation: bool = False,
                  delay_wgrad_compute: bool = False, exchange: str = "nccl",
-                 max_tokens_per_rank: Optional[int] = None, fp8: Optional[bool] = None):
+                 max_tokens_per_rank: Optional[int] = None, fp8: Optional[bool] = None, overlap_chunks: int = 1):
         super().__init__()
         if exchange not in EXCHANGES:
             raise ValueError(f"exchange: expected one of {', '.join(EXCHANGES)}, got {exchange!r}")
+        if not isinstance(overlap_chunks, int) or overlap_chunks < 1:
+            raise ValueError(f"overlap_chunks: expected an int >= 1, got {overlap_chunks!r}")
+        if overlap_chunks > 1 and exchange != "nccl":
+            raise ValueError(f"overlap_chunks: expected 1 with exchange={exchange!r} (chunks are the NCCL "
+                             f"exchange's), got {overlap_chunks}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ExpertParallelMoELayer: torch.distributed is not initialised "
                                "(call torch.distributed.init_process_group first)")
@@ -343,6 +414,10 @@ class ExpertParallelMoELayer(nn.Module):
         self.group, self.world_size, self.rank = group, world_size, rank
         self.num_experts, self.hidden_size, self.top_k = num_experts, hidden_size, top_k
         self.num_local_experts = num_experts // world_size
+        if overlap_chunks > self.num_local_experts:
+            raise ValueError(f"overlap_chunks: expected at most the {self.num_local_experts} experts of a rank "
+                             f"(a chunk is a group of them), got {overlap_chunks}")
+        self.overlap_chunks = overlap_chunks
         self.first_expert = rank * self.num_local_experts
         self.score, self.normalize = score, normalize
         self.experts = GroupedMLP(self.num_local_experts, hidden_size, ffn_hidden_size, hidden_size, bias=bias,
@@ -366,19 +441,56 @@ class ExpertParallelMoELayer(nn.Module):
         check_layer_inputs(self, x, logits)
         if self.exchange == "symmetric_memory":
             self._check_symmetric_inputs(x)
+        if self.overlap_chunks > 1 and any(getattr(p, "overwrite_main_grad", False) for p in self.experts.parameters()):
+            raise ValueError("overlap_chunks: expected expert parameters without overwrite_main_grad (each chunk's "
+                             "call would overwrite the experts of the others with zeros), got it set")
         r = moe_route(logits, self.top_k, score=self.score, normalize=self.normalize, expert_bias=expert_bias)
         if self.exchange == "symmetric_memory":
             bufs, maps = self._symmetric_buffers(x.device), row_maps(r)
             got_x, got_probs, groups = _SymmetricDispatch.apply(bufs, maps, r.counts, x, r.probs.reshape(-1))
             y = self.experts(got_x, groups, got_probs, out=bufs.y.detach(), grad_input=bufs.dx.detach())
             return MoEOutput(_SymmetricCombine.apply(bufs, maps, r.counts, y), r.score_sum, r.counts)
-        rows = expert_rows(x, r)  # expert-major, so destination-rank-major
         plan = _exchange_plan(r.counts, self.world_size, self.group)
+        if self.overlap_chunks > 1:
+            return MoEOutput(self._chunked(x, r, plan), r.score_sum, r.counts)
+        rows = expert_rows(x, r)  # expert-major, so destination-rank-major
         got_x, got_probs = _AllToAll.apply(self.group, plan.send, plan.receive, rows.x, rows.probs)
         y = self.experts(Rows.apply(got_x, plan.by_expert, plan.by_source), plan.local_counts,
                          Rows.apply(got_probs, plan.by_expert, plan.by_source))
         (back,) = _AllToAll.apply(self.group, plan.receive, plan.send, Rows.apply(y, plan.by_source, plan.by_expert))
         return MoEOutput(combine(back, rows), r.score_sum, r.counts)
+
+    def _chunked(self, x: Tensor, r, plan: _ExchangePlan) -> Tensor:
+        """The NCCL exchange in overlap_chunks chunks of local experts: every chunk's dispatch is
+        started first, then chunk c's experts run as soon as its rows are in while the later
+        chunks' rows travel, and its combine exchange starts behind them. Each expert's rows are
+        the same as unchunked, in the same order, so every result is bitwise the same."""
+        W, El = self.world_size, self.num_local_experts
+        bounds = _chunk_bounds(El, self.overlap_chunks)
+        rows = expert_rows(x, r, _chunk_order(plan, W, El, bounds, x.device))  # chunk-major
+        received = plan.received.view(W, El)
+        dispatched, works, offset = [], [], 0
+        for a, b in bounds:
+            send = [sum(plan.mine[d * El + a:d * El + b]) for d in range(W)]
+            receive = [sum(plan.theirs[s * El + a:s * El + b]) for s in range(W)]
+            part = slice(offset, offset + sum(send))
+            offset = part.stop
+            first = len(works)
+            got = _StartAllToAll.apply(self.group, send, receive, works, rows.x[part], rows.probs[part])
+            dispatched.append((send, receive, works[first:], got))
+        back, back_works = [], []
+        for (a, b), (send, receive, arrived, (got_x, got_probs)) in zip(bounds, dispatched):
+            for w in arrived:
+                w.wait()
+            by_expert, by_source = _by_expert(received[:, a:b], sum(receive))
+            counts = [n if a <= l < b else 0 for l, n in enumerate(plan.local_counts)]
+            y = self.experts(Rows.apply(got_x, by_expert, by_source), counts,
+                             Rows.apply(got_probs, by_expert, by_source))
+            back.extend(_StartAllToAll.apply(self.group, receive, send, back_works,
+                                             Rows.apply(y, by_source, by_expert)))
+        for w in back_works:
+            w.wait()
+        return combine(torch.cat(back), rows)
 
     def _check_symmetric_inputs(self, x: Tensor) -> None:
         if x.shape[0] > self.max_tokens_per_rank:
@@ -397,8 +509,10 @@ class ExpertParallelMoELayer(nn.Module):
         return self._symmetric
 
     def backward_dw(self) -> None:
-        """The local experts' delayed wgrads (GroupedMLP.backward_dw)."""
-        self.experts.backward_dw()
+        """The local experts' delayed wgrads (GroupedMLP.backward_dw; one a chunk's call with
+        overlap_chunks)."""
+        for _ in range(self.overlap_chunks):
+            self.experts.backward_dw()
 
     def load_full_state_dict(self, state_dict: Mapping[str, Tensor], strict: bool = True):
         """Loads this rank's experts from the state dict of the whole layer (a MoELayer's with the

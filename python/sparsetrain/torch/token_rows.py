@@ -4,7 +4,7 @@ atomic adds: deterministic on every device)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -81,9 +81,16 @@ def row_maps(r: RoutedTokens) -> RowMaps:
     return RowMaps(row_of, r.token_of_row.long(), flat_row, flat_of_row)
 
 
-def expert_rows(x: Tensor, r: RoutedTokens) -> ExpertRows:
-    """The rows the experts take, gathered from x and the (token, slot) probs by r's layout."""
+def expert_rows(x: Tensor, r: RoutedTokens, order: Optional[Tensor] = None) -> ExpertRows:
+    """The rows the experts take, gathered from x and the (token, slot) probs by r's layout; with
+    `order` (a permutation of the rows: position i takes expert-major row order[i]) in that order
+    instead, row_of renumbered to match, so that combine sums the same rows in the same slot order."""
     m = row_maps(r)
+    if order is not None:
+        position = torch.empty_like(order)
+        position[order] = torch.arange(order.numel(), device=order.device)
+        m = RowMaps(position[m.row_of.long()].to(torch.int32), m.token_of_row[order], position[m.flat_row],
+                    m.flat_of_row[order])
     return ExpertRows(Rows.apply(x, m.token_of_row, m.row_of),
                        Rows.apply(r.probs.reshape(-1), m.flat_of_row, m.flat_row), m.row_of, m.token_of_row)
 
