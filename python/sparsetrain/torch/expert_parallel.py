@@ -125,28 +125,29 @@ def _exchange_plan(counts: Tensor, world_size: int, group: Optional[dist.Process
     return _ExchangePlan(send, receive, local_counts, by_expert, by_source, mine, theirs, received)
 
 
+def _chunk_start(c, local: int, chunks: int):
+    """The first local expert of chunk c (an int, or a tensor of them): chunk c holds the local
+    experts [start(c), start(c + 1)), contiguous and as even as the count allows."""
+    return c * local // chunks
+
+
 def _chunk_bounds(local: int, chunks: int) -> List[Tuple[int, int]]:
-    """The local experts [a, b) of each chunk: contiguous, as even as the count allows."""
-    return [(c * local // chunks, (c + 1) * local // chunks) for c in range(chunks)]
+    return [(_chunk_start(c, local, chunks), _chunk_start(c + 1, local, chunks)) for c in range(chunks)]
 
 
-def _chunk_order(plan: _ExchangePlan, world: int, local: int, bounds: List[Tuple[int, int]],
-                 device: torch.device) -> Tensor:
-    """The rows this rank sends, chunk-major: for each chunk, for each destination rank d, the
-    expert-major rows of d's experts in the chunk (a contiguous run of them). Position i holds
-    expert-major row order[i]; each chunk's rows to all ranks are then one contiguous slice."""
-    starts = [0]
-    for n in plan.mine:
-        starts.append(starts[-1] + n)
-    run_start, run_length = [], []
-    for a, b in bounds:
-        for d in range(world):
-            run_start.append(starts[d * local + a])
-            run_length.append(starts[d * local + b] - starts[d * local + a])
-    total = starts[-1]
-    lengths = torch.tensor(run_length, dtype=torch.int64, device=device)
-    shift = torch.tensor(run_start, dtype=torch.int64, device=device) - _exclusive_cumsum(lengths)
-    return torch.repeat_interleave(shift, lengths, output_size=total) + torch.arange(total, device=device)
+def _chunk_order(counts: Tensor, world: int, local: int, chunks: int, total: int) -> Tensor:
+    """The rows this rank sends, chunk-major: for each chunk (_chunk_bounds), for each destination
+    rank d, the expert-major rows of d's experts in the chunk (a contiguous run of them). Position
+    i holds expert-major row order[i]; each chunk's rows to all ranks are then one contiguous
+    slice. From the device counts [E] with device ops only (no copy from the host, no sync)."""
+    dev = counts.device
+    starts = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])  # expert e's rows from starts[e]
+    c, d = torch.arange(chunks, device=dev)[:, None], torch.arange(world, device=dev)[None, :]
+    first = _chunk_start(c, local, chunks) + d * local  # [chunk, d]: the run's first expert
+    last = _chunk_start(c + 1, local, chunks) + d * local
+    run_start, run_length = starts[first].reshape(-1), (starts[last] - starts[first]).reshape(-1)
+    shift = run_start - _exclusive_cumsum(run_length)
+    return torch.repeat_interleave(shift, run_length, output_size=total) + torch.arange(total, device=dev)
 
 
 # --- exchange="symmetric_memory" ---------------------------------------------------------------
@@ -467,7 +468,7 @@ class ExpertParallelMoELayer(nn.Module):
         the same as unchunked, in the same order, so every result is bitwise the same."""
         W, El = self.world_size, self.num_local_experts
         bounds = _chunk_bounds(El, self.overlap_chunks)
-        rows = expert_rows(x, r, _chunk_order(plan, W, El, bounds, x.device))  # chunk-major
+        rows = expert_rows(x, r, _chunk_order(r.counts, W, El, len(bounds), sum(plan.mine)))  # chunk-major
         received = plan.received.view(W, El)
         dispatched, works, offset = [], [], 0
         for a, b in bounds:
