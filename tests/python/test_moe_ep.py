@@ -8,8 +8,8 @@ other ranks and a rank that receives no rows, single grouped weights with main_g
 wgrad, the experts in FP8 (blockwise e4m3). Each world size is launched once for all its cases
 (processes cost seconds to start); the exchanges' receive buffers are poisoned with NaN; a
 failing rank fails its case with the rank's traceback, and a launch that outlives its timeout (a
-deadlock) fails every case left. The same cases with overlap_chunks (each local expert its own
-chunk of the NCCL exchange, on gloo here) and its refusals.
+deadlock) fails every case left. The same cases with overlap_chunks=2 (the NCCL exchange in two
+groups of experts, on gloo here) and its refusals.
 exchange="symmetric_memory" (torch's NVSHMEM all-to-all with device splits): the same cases on
 GPUs where NVSHMEM is available (its symmetric buffers poisoned too, capacity above every rank's
 tokens so the padded tail is exercised), N > max_tokens_per_rank refused before anything runs,
@@ -140,7 +140,7 @@ def _global_name(name, source, local):
     return f"{stem}{source * local + int(name[len(stem):])}" if stem != name else name
 
 
-CHUNKED = "nccl_chunks"  # the NCCL exchange with overlap_chunks: every local expert its own chunk
+CHUNKED = "nccl_chunks"  # the NCCL exchange with overlap_chunks=2: 1 + 1 experts at 2 a rank, 1 + 2 at 3
 
 
 def _exchange_options(case, exchange):
@@ -149,7 +149,7 @@ def _exchange_options(case, exchange):
     if exchange == "nccl":
         return {}
     if exchange == CHUNKED:
-        return dict(overlap_chunks=case.num_experts // case.world)
+        return dict(overlap_chunks=min(2, case.num_experts // case.world))
     return dict(exchange=exchange, max_tokens_per_rank=max(case.tokens) + 2)
 
 
@@ -451,8 +451,9 @@ def test_symmetric_memory_layer_logic_with_emulated_ops_on_gloo(case):
 @pytest.mark.parametrize("case", [c for c in CASES if c.num_experts // c.world > 1],
                          ids=lambda c: f"W{c.world}_{c.name}")
 def test_layer_with_overlap_chunks_equals_the_single_process_layer_bitwise(case):
-    """overlap_chunks = the experts a rank holds (each expert its own chunk, dispatches started
-    ahead, their receive buffers poisoned): bitwise the full layer, as unchunked."""
+    """overlap_chunks=2 (one expert a chunk at 2 experts a rank, uneven chunks of 1 and 2 at 3;
+    the dispatches started ahead, their receive buffers poisoned): bitwise the full layer, as
+    unchunked."""
     done, error = _launch(case.world, "gloo", CHUNKED)
     assert case.name in done, f"{case.name} did not pass on every rank (overlap_chunks):\n{error}"
 
