@@ -76,6 +76,52 @@ class _StartAllToAll(torch.autograd.Function):
         return (None, None, None, None, *(_exchange(g, ctx.receive, ctx.send, ctx.group) for g in grads))
 
 
+class _WaitInBackward(torch.autograd.Function):
+    """Identity; its backward waits for the work handles in works[i] (appended later, by
+    _ReturnAll's backward) before handing the gradient on: the wait sits just before the
+    gradient's first reader."""
+
+    @staticmethod
+    def forward(ctx, works: list, i: int, t: Tensor) -> Tensor:
+        ctx.works, ctx.i = works, i
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        for w in ctx.works[ctx.i]:
+            w.wait()
+        return None, None, g
+
+
+class _ReturnAll(torch.autograd.Function):
+    """The chunks' return exchanges as one autograd node. Forward: they were started as each
+    chunk's experts finished (`started`: chunk c's (send, receive, result, works)); here they are
+    waited for and their results handed out. Backward: the reverse exchanges of every chunk are
+    started at once, the last chunk's first (its experts' backward runs first), and not waited
+    for: chunk c's handles go to bwd_works[c], which the chunk's _WaitInBackward waits on, so the
+    backward of one chunk's experts runs while the next chunks' gradients travel."""
+
+    @staticmethod
+    def forward(ctx, group: Optional[dist.ProcessGroup], started: list, bwd_works: list, *rows: Tensor):
+        ctx.group, ctx.plans, ctx.bwd_works = group, [(send, receive) for send, receive, _, _ in started], bwd_works
+        outs = []
+        for _, _, result, works in started:
+            for w in works:
+                w.wait()
+            outs.append(result)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):
+        got = [None] * len(grads)
+        for c in reversed(range(len(grads))):
+            send, receive = ctx.plans[c]
+            works = []
+            got[c] = _exchange(grads[c], receive, send, ctx.group, works)  # the return exchange reversed
+            ctx.bwd_works[c] = works
+        return (None, None, None, *got)
+
+
 class _ExchangePlan(NamedTuple):
     """One step's exchange, from the per-expert counts of every rank. send[d]: rows this rank sends
     to rank d; receive[s]: rows it gets from rank s (in s's expert-major order: local expert 0's
@@ -372,15 +418,18 @@ class ExpertParallelMoELayer(nn.Module):
     combine exchange starts behind them. Each expert still takes the same rows in the same order,
     so results stay bitwise the unchunked layer's. Each chunk's expert call gives a weight gradient
     for all local experts, zero outside the chunk, so autograd adds C of them (main_grad: C
-    accumulations, and `overwrite_main_grad` is refused). The backward's exchanges wait, unchunked
-    in time. Its speed is not yet measured on GPUs.
+    accumulations, and `overwrite_main_grad` is refused). Backward: the C return exchanges are
+    reversed all at once (one autograd node, _ReturnAll) and each chunk's experts wait only for
+    their own gradients (_WaitInBackward), so the experts' backward of one chunk runs while the
+    next chunks' gradients travel; the dispatch's reverse exchanges run as autograd reaches them,
+    after the experts. Its speed is not yet measured on GPUs.
 
     Every rank must call forward and backward for every step (the exchanges are collectives), with
     the same requires_grad on its inputs. The symmetric exchange measured 18-20 % slower a step
     than NCCL's, so it is the option for CUDA graphs, not the default. (bench/bench_moe_ep.py
     --overlap, two half batches with the second half's NCCL dispatch under the first half's
     experts, was slower than one batch: halves of tokens change the experts' GEMMs and sums.) Not
-    done: the backward's exchanges in chunks; torch.compile (the NCCL exchange's host splits;
+    done: the dispatch's reverse exchanges under the experts' backward; torch.compile (the NCCL exchange's host splits;
     the symmetric exchange is not tried under it); packing the probs into the rows' exchange (they
     travel by exchanges of their own: three exchanges a forward, three a backward).
     """
@@ -479,18 +528,20 @@ class ExpertParallelMoELayer(nn.Module):
             first = len(works)
             got = _StartAllToAll.apply(self.group, send, receive, works, rows.x[part], rows.probs[part])
             dispatched.append((send, receive, works[first:], got))
-        back, back_works = [], []
-        for (a, b), (send, receive, arrived, (got_x, got_probs)) in zip(bounds, dispatched):
+        returning, started = [], []
+        bwd_works = [[] for _ in bounds]  # the backward's handles, chunk by chunk (_ReturnAll)
+        for c, ((a, b), (send, receive, arrived, (got_x, got_probs))) in enumerate(zip(bounds, dispatched)):
             for w in arrived:
                 w.wait()
             by_expert, by_source = _by_expert(received[:, a:b], sum(receive))
             counts = [n if a <= l < b else 0 for l, n in enumerate(plan.local_counts)]
             y = self.experts(Rows.apply(got_x, by_expert, by_source), counts,
                              Rows.apply(got_probs, by_expert, by_source))
-            back.extend(_StartAllToAll.apply(self.group, receive, send, back_works,
-                                             Rows.apply(y, by_source, by_expert)))
-        for w in back_works:
-            w.wait()
+            y_rows = _WaitInBackward.apply(bwd_works, c, Rows.apply(y, by_source, by_expert))
+            returned = []  # the return exchange: this chunk's dispatch reversed, started now
+            started.append((receive, send, _exchange(y_rows.detach(), receive, send, self.group, returned), returned))
+            returning.append(y_rows)
+        back = _ReturnAll.apply(self.group, started, bwd_works, *returning)
         return combine(torch.cat(back), rows)
 
     def _check_symmetric_inputs(self, x: Tensor) -> None:
