@@ -99,7 +99,7 @@ class _Arrived(torch.autograd.Function):
 def _overlapped_forward(layer, parts):
     """The layer's nccl forward on two micro-batches, the second half's dispatch under the first
     half's experts and the first half's return under the second half's experts."""
-    from sparsetrain.torch.expert_parallel import _StartAllToAll, _exchange_plan  # noqa: PLC0415
+    from sparsetrain.torch.expert_parallel import _AllToAll, _exchange_plan  # noqa: PLC0415
     from sparsetrain.torch.moe import moe_route
     from sparsetrain.torch.token_rows import Rows, combine, expert_rows  # noqa: PLC0415
 
@@ -109,7 +109,7 @@ def _overlapped_forward(layer, parts):
         rows = expert_rows(x, r)
         plan = _exchange_plan(r.counts, layer.world_size, layer.group)
         works = []
-        staged.append((rows, plan, works, _StartAllToAll.apply(layer.group, plan.send, plan.receive, works,
+        staged.append((rows, plan, works, _AllToAll.apply(layer.group, plan.send, plan.receive, works,
                                                                rows.x, rows.probs)))
     backs = []
     for rows, plan, works, got in staged:
@@ -117,7 +117,7 @@ def _overlapped_forward(layer, parts):
         y = layer.experts(Rows.apply(got_x, plan.by_expert, plan.by_source), plan.local_counts,
                           Rows.apply(got_probs, plan.by_expert, plan.by_source))
         back_works = []
-        backs.append((back_works, _StartAllToAll.apply(layer.group, plan.receive, plan.send, back_works,
+        backs.append((back_works, _AllToAll.apply(layer.group, plan.receive, plan.send, back_works,
                                                        Rows.apply(y, plan.by_source, plan.by_expert))))
     return [combine(_Arrived.apply(w, *back)[0], rows) for (w, back), (rows, *_) in zip(backs, staged)]
 

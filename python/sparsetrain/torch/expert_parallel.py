@@ -45,29 +45,15 @@ def _exchange(t: Tensor, send: Sequence[int], receive: Sequence[int], group: Opt
 
 class _AllToAll(torch.autograd.Function):
     """_exchange of each tensor (the same splits for all); the backward exchanges the gradients in
-    reverse (receive <-> send). Gradients of unused outputs arrive as zeros (autograd materialises
-    them), so every rank joins every exchange of the backward."""
+    reverse (receive <-> send), waited. Gradients of unused outputs arrive as zeros (autograd
+    materialises them), so every rank joins every exchange of the backward. works: None (the
+    forward's exchanges waited), or a list: they are started, not waited for, their handles
+    appended there, to be waited on before the outputs are read (NCCL: the current stream waits,
+    the host does not; gloo: the host waits); started exchanges run in the order they started."""
 
     @staticmethod
-    def forward(ctx, group: Optional[dist.ProcessGroup], send: List[int], receive: List[int], *tensors: Tensor):
-        ctx.group, ctx.send, ctx.receive = group, send, receive
-        return tuple(_exchange(t, send, receive, group) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads: Tensor):
-        return (None, None, None, *(_exchange(g, ctx.receive, ctx.send, ctx.group) for g in grads))
-
-
-class _StartAllToAll(torch.autograd.Function):
-    """_AllToAll's exchange started, not waited for: the outputs are returned at once and the
-    collective's work handles appended to `works`; wait on them before reading the outputs (NCCL:
-    the current stream waits, the host does not; gloo: the host waits). Started exchanges run in
-    the order they were started. The backward exchanges the gradients in reverse, waited (as
-    _AllToAll's)."""
-
-    @staticmethod
-    def forward(ctx, group: Optional[dist.ProcessGroup], send: List[int], receive: List[int], works: list,
-                *tensors: Tensor):
+    def forward(ctx, group: Optional[dist.ProcessGroup], send: List[int], receive: List[int],
+                works: Optional[list], *tensors: Tensor):
         ctx.group, ctx.send, ctx.receive = group, send, receive
         return tuple(_exchange(t, send, receive, group, works) for t in tensors)
 
@@ -504,10 +490,11 @@ class ExpertParallelMoELayer(nn.Module):
         if self.overlap_chunks > 1:
             return MoEOutput(self._chunked(x, r, plan), r.score_sum, r.counts)
         rows = expert_rows(x, r)  # expert-major, so destination-rank-major
-        got_x, got_probs = _AllToAll.apply(self.group, plan.send, plan.receive, rows.x, rows.probs)
+        got_x, got_probs = _AllToAll.apply(self.group, plan.send, plan.receive, None, rows.x, rows.probs)
         y = self.experts(Rows.apply(got_x, plan.by_expert, plan.by_source), plan.local_counts,
                          Rows.apply(got_probs, plan.by_expert, plan.by_source))
-        (back,) = _AllToAll.apply(self.group, plan.receive, plan.send, Rows.apply(y, plan.by_source, plan.by_expert))
+        (back,) = _AllToAll.apply(self.group, plan.receive, plan.send, None,
+                                  Rows.apply(y, plan.by_source, plan.by_expert))
         return MoEOutput(combine(back, rows), r.score_sum, r.counts)
 
     def _chunked(self, x: Tensor, r, plan: _ExchangePlan) -> Tensor:
@@ -526,7 +513,7 @@ class ExpertParallelMoELayer(nn.Module):
             part = slice(offset, offset + sum(send))
             offset = part.stop
             first = len(works)
-            got = _StartAllToAll.apply(self.group, send, receive, works, rows.x[part], rows.probs[part])
+            got = _AllToAll.apply(self.group, send, receive, works, rows.x[part], rows.probs[part])
             dispatched.append((send, receive, works[first:], got))
         returning, started = [], []
         bwd_works = [[] for _ in bounds]  # the backward's handles, chunk by chunk (_ReturnAll)
