@@ -1,5 +1,6 @@
 # The C++ torch library sparsetrain._torch_ops: attention (python/src/torch_ops.cpp) and the MoE
-# router and combine (python/src/torch_moe.cpp) as C++ torch operators, and the grouped layers' C++
+# router and combine (python/src/torch_moe.cpp) as C++ torch operators, BlockMask.build's torch
+# route (python/src/torch_block_mask.cpp), and the grouped layers' C++
 # layers over torch tensors (python/src/torch_grouped.cpp, pybind11 with torch's tensor caster),
 # what the torch front sparsetrain.torch runs through (without it, importing sparsetrain.torch
 # raises an ImportError). Built next to the extension where the build's Python has torch with its
@@ -54,7 +55,7 @@ foreach(lib IN LISTS st_torch_libs)
   endif()
 endforeach()
 add_library(sparsetrain_torch_ops MODULE python/src/torch_ops.cpp python/src/torch_grouped.cpp
-            python/src/torch_moe.cpp)
+            python/src/torch_moe.cpp python/src/torch_block_mask.cpp)
 target_include_directories(sparsetrain_torch_ops SYSTEM PRIVATE ${st_torch_includes})
 target_compile_definitions(sparsetrain_torch_ops PRIVATE _GLIBCXX_USE_CXX11_ABI=${st_torch_abi})
 if(st_torch_cuda AND SPARSETRAIN_WITH_CUDA)

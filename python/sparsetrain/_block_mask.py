@@ -92,6 +92,21 @@ def _framework(name: Optional[str], *arrays: Any) -> Framework:
     raise ValueError(f"framework: expected 'numpy', 'torch' or None (from the inputs), got {name!r}")
 
 
+_TORCH_LIBRARY: List[Any] = []
+
+
+def _torch_library() -> Any:
+    """The C++ torch library (sparsetrain._torch_ops) when it is in the install and loads, else None
+    (torch masks are then built through `_C`)."""
+    if not _TORCH_LIBRARY:
+        try:
+            from .torch import native  # noqa: PLC0415  (imports torch; the library registers its operators)
+            _TORCH_LIBRARY.append(native.TORCH_OPS)
+        except ImportError:
+            _TORCH_LIBRARY.append(None)
+    return _TORCH_LIBRARY[0]
+
+
 def _block_size(block_size: Union[int, Sequence[int]]) -> Tuple[int, int]:
     if isinstance(block_size, (int, np.integer)):
         return int(block_size), int(block_size)
@@ -372,37 +387,38 @@ class BlockMask:
             raise ValueError(f"document_ids: expected none for kind {kind!r} (only document kinds take them)")
         spec = MaskSpec(kind, int(window_left), int(window_right), int(prefix_length), doc_q, doc_kv)
         bq, bkv = _block_size(block_size)
-        if dev is None:
-            d = _C.build_block_mask(spec._core(), int(seq_q), int(seq_kv), bq, bkv, _schedule_arg(schedule),
-                                    fw.allocate, walk=walk, problem=_problem_arg(auto_problem))
-        else:
-            stream = fw.torch.cuda.current_stream(dev).cuda_stream
-            d = _C.build_block_mask(spec._core(), int(seq_q), int(seq_kv), bq, bkv, _schedule_arg(schedule),
-                                    fw.allocate, "cuda", dev.index, stream, walk=walk)
-        mask = cls._from_core(d, fw, spec)
+        sched = _schedule_arg(schedule)
+        problem = _problem_arg(auto_problem)
+        permutation = isinstance(sched, list)  # "auto" never resolves to one
         if not explicit_padding:
             doc_padding = (_AUTO_DOC_PADDING if dev is not None and kind in _DOC_KINDS and seq_q == seq_kv
-                           and seq_q >= _AUTO_DOC_PADDING and mask.schedule != "permutation" else 0)
-        if doc_padding:
-            mask.backward_padded = mask._padded_form(int(doc_padding), dev)
-        return mask
-
-    def _padded_form(self, min_length: int, dev: Any) -> "BlockMask":
-        """The padded backward form of this document mask, for its resolved schedule and walk."""
-        if self.schedule == "permutation":
+                           and seq_q >= _AUTO_DOC_PADDING and not permutation else 0)
+        elif doc_padding and permutation:
             raise ValueError("doc_padding: expected the left_to_right or shortest_first schedule (a permutation "
                              "names the unpadded mask's columns), got a permutation")
-        args = (self.spec._core(), self.seq_q, min_length, self.block_q, self.block_kv, self.schedule,
-                self._fw.allocate)
+        doc_padding = int(doc_padding or 0)
+        lib = _torch_library() if fw.torch is not None else None
+        if lib is not None:  # torch tensors straight from C++ (torch_block_mask.cpp), the padded form with them
+            d = lib.build_block_mask(kind, int(seq_q), int(seq_kv), int(window_left), int(window_right),
+                                     int(prefix_length), doc_q, doc_kv, bq, bkv, "" if permutation else sched,
+                                     sched if permutation else [], walk or "", problem or [],
+                                     -1 if dev is None else dev.index, doc_padding)
+            return cls._from_core(d, fw, spec, view=lambda t: t)
+        args = (spec._core(), int(seq_q), int(seq_kv), bq, bkv, sched, fw.allocate)
         if dev is None:
-            d = _C.build_doc_padded_mask(*args, walk=self.walk)
+            d = _C.build_block_mask(*args, walk=walk, problem=problem)
         else:
-            stream = self._fw.torch.cuda.current_stream(dev).cuda_stream
-            d = _C.build_doc_padded_mask(*args, "cuda", dev.index, stream, walk=self.walk)
-        spec = self.spec._replace(doc_q=self._fw.view(d["doc_q"]), doc_kv=self._fw.view(d["doc_kv"]))
-        padded = BlockMask._from_core(d, self._fw, spec)
-        padded.real_rows = self._fw.view(d["real_rows"])
-        return padded
+            stream = fw.torch.cuda.current_stream(dev).cuda_stream
+            d = _C.build_block_mask(*args, "cuda", dev.index, stream, walk=walk, problem=problem)
+        mask = cls._from_core(d, fw, spec)
+        if doc_padding:
+            args = (spec._core(), int(seq_q), doc_padding, bq, bkv, mask.schedule, fw.allocate)
+            if dev is None:
+                d["padded"] = _C.build_doc_padded_mask(*args, walk=mask.walk)
+            else:
+                d["padded"] = _C.build_doc_padded_mask(*args, "cuda", dev.index, stream, walk=mask.walk)
+            mask.backward_padded = cls._padded_of(d["padded"], fw, spec, fw.view)
+        return mask
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens_q: Any, cu_seqlens_k: Any = None, max_seqlen_q: Optional[int] = None,
@@ -498,12 +514,25 @@ class BlockMask:
         return m
 
     @classmethod
-    def _from_core(cls, d: dict, fw: Framework, spec: MaskSpec) -> "BlockMask":
-        tensors = {n: fw.view(d[n]) for n in TENSOR_NAMES}
-        return cls(seq_q=d["seq_q"], seq_kv=d["seq_kv"], block_q=d["block_q"], block_kv=d["block_kv"],
+    def _from_core(cls, d: dict, fw: Framework, spec: MaskSpec, view: Any = None) -> "BlockMask":
+        """A built mask (the dict of `_C`'s export_mask, or of the torch library's build_block_mask
+        with torch tensors: `view` the identity), with its padded form under "padded" if any."""
+        view = fw.view if view is None else view
+        tensors = {n: view(d[n]) for n in TENSOR_NAMES}
+        mask = cls(seq_q=d["seq_q"], seq_kv=d["seq_kv"], block_q=d["block_q"], block_kv=d["block_kv"],
                    tensors=tensors, spec=spec, schedule=d["schedule"],
                    schedule_permutation=cls._permutation(d["schedule_permutation"], fw),
                    framework=fw, walk=d["schedule_walk"])
+        if d.get("padded") is not None:
+            mask.backward_padded = cls._padded_of(d["padded"], fw, spec, view)
+        return mask
+
+    @classmethod
+    def _padded_of(cls, d: dict, fw: Framework, spec: MaskSpec, view: Any) -> "BlockMask":
+        """The padded backward form (build_doc_padded_mask's dict) of a document mask of `spec`."""
+        padded = cls._from_core(d, fw, spec._replace(doc_q=view(d["doc_q"]), doc_kv=view(d["doc_kv"])), view)
+        padded.real_rows = view(d["real_rows"])
+        return padded
 
     @staticmethod
     def _permutation(perm: Optional[list], fw: Framework) -> Any:

@@ -23,6 +23,7 @@
 #include "sparsetrain/moe_layer.h"
 #include "sparsetrain/moe_router.h"
 #include "sparsetrain/runtime.h"
+#include "mask_options.h"
 #include "mask_wire.h"
 #include "router_options.h"
 
@@ -406,31 +407,19 @@ class PyGroupedMLP {
 // library builds comes back as a dict of exported tensors (export_mask). Specs and schedules
 // passed to the builders are read by spec_of and parse_schedule.
 
-// A walk order from Python: "descending_heads_inner" (the default, also for None) or
-// "ascending_heads_outer".
-st::WalkOrder parse_walk(nb::handle obj) {
-  return obj.is_none() ? st::WalkOrder::kDescendingHeadsInner : st::parse_walk_order(nb::cast<std::string>(obj));
-}
-
 // A schedule from Python: "left_to_right", "shortest_first", or a list of column ids ("auto" is
-// handled by the callers: it is a choice made when the mask is built), and its walk order.
+// handled by the callers: it is a choice made when the mask is built), and its walk order (None:
+// the default); mask_options.h reads them.
 st::ColumnSchedule parse_schedule(nb::handle obj, nb::handle walk = nb::none()) {
-  st::ColumnSchedule s;
-  s.walk = parse_walk(walk);
+  const std::string w = walk.is_none() ? std::string() : nb::cast<std::string>(walk);
   if (nb::isinstance<nb::str>(obj)) {
     const std::string name = nb::cast<std::string>(obj);
-    if (name != st::schedule_kind_name(st::ScheduleKind::kPermutation)) {
-      for (st::ScheduleKind k : {st::ScheduleKind::kLeftToRight, st::ScheduleKind::kShortestFirst})
-        if (name == st::schedule_kind_name(k)) {
-          s.kind = k;
-          return s;
-        }
-    }
-    st::detail::throw_arg_error("schedule", "\"auto\", \"left_to_right\", \"shortest_first\" or a permutation", name);
+    if (name.empty() || name == st::schedule_kind_name(st::ScheduleKind::kPermutation))
+      st::detail::throw_arg_error("schedule", "\"auto\", \"left_to_right\", \"shortest_first\" or a permutation",
+                                  name);
+    return st::wire::column_schedule(name, {}, w);
   }
-  s.kind = st::ScheduleKind::kPermutation;
-  s.permutation = nb::cast<std::vector<int32_t>>(obj);
-  return s;
+  return st::wire::column_schedule("", nb::cast<std::vector<int32_t>>(obj), w);
 }
 
 st::MaskSpec spec_of(const nb::dict& d) {
@@ -477,25 +466,17 @@ nb::dict export_mask(st::BlockMaskTensors& t, const PyAllocator& alloc) {
 
 // "auto"'s problem from Python: None, or (batch, heads_q, heads_kv, workers), 0 = the default.
 st::ScheduleProblem parse_problem(nb::handle obj) {
-  st::ScheduleProblem p;
-  if (obj.is_none()) return p;
+  if (obj.is_none()) return {};
   const auto v = nb::cast<std::vector<int64_t>>(obj);
-  if (v.size() != 4)
-    st::detail::throw_arg_error("auto_problem", "(batch, heads_q, heads_kv, workers)", std::to_string(v.size()) + " values");
-  p.batch = v[0], p.heads_q = v[1], p.heads_kv = v[2], p.workers = v[3];
-  return p;
+  if (v.empty()) st::detail::throw_arg_error("auto_problem", "(batch, heads_q, heads_kv, workers)", "0 values");
+  return st::wire::schedule_problem(v);
 }
 
 st::BlockMaskOptions mask_options(int64_t block_q, int64_t block_kv, nb::handle schedule, st::Allocator* alloc,
                                   nb::handle walk = nb::none(), nb::handle problem = nb::none()) {
-  st::BlockMaskOptions o;
-  o.block_q = block_q;
-  o.block_kv = block_kv;
-  o.auto_schedule = nb::isinstance<nb::str>(schedule) && nb::cast<std::string>(schedule) == "auto";
-  if (!o.auto_schedule) o.schedule = parse_schedule(schedule, walk);
-  o.problem = parse_problem(problem);
-  o.allocator = alloc;
-  return o;
+  const bool is_auto = nb::isinstance<nb::str>(schedule) && nb::cast<std::string>(schedule) == "auto";
+  return st::wire::mask_options(block_q, block_kv, is_auto, is_auto ? st::ColumnSchedule{} : parse_schedule(schedule, walk),
+                                parse_problem(problem), alloc);
 }
 
 // device "cpu" builds on the host; "cuda" (device_index) builds there on `stream` without a host

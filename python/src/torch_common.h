@@ -35,6 +35,9 @@ void register_attention(pybind11::module_& m);
 // Adds the MoE layer's C++ layer class and eager entry (torch_moe.cpp) to the same module.
 void register_moe_layer(pybind11::module_& m);
 
+// Adds BlockMask.build's torch route (torch_block_mask.cpp) to the same module.
+void register_block_mask(pybind11::module_& m);
+
 // The library's DType of a torch type, through the one table of element types
 // (dtype_of_element): fp64, bool, int8 ... too, so that the op's own check refuses them with its
 // rule and the library's names. False for a type no DType describes (fp8, complex32, quantized).

@@ -474,6 +474,7 @@ void register_entries(pybind11::module_& m) {
 PYBIND11_MODULE(_torch_ops, m) {
   st::torch_ops::register_attention(m);
   st::torch_ops::register_moe_layer(m);
+  st::torch_ops::register_block_mask(m);
   m.def("grad_accumulators_on_current_stream", &grad_accumulators_on_current_stream);
   register_layer<TorchGroupedLinear, int64_t, int64_t, int64_t, bool, bool, bool, bool, bool>(m, "GroupedLinear");
   register_layer<TorchGroupedMLP, int64_t, int64_t, int64_t, int64_t, int64_t, bool, bool, bool, bool, bool>(

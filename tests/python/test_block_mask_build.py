@@ -1,0 +1,126 @@
+"""BlockMask.build's two routes give the same masks: torch tensors come from the C++ torch library
+(python/src/torch_block_mask.cpp, one call with the padded backward form), numpy arrays (and torch
+tensors where that library is missing) through `_C`. Every kind, schedule and walk, "auto" with a
+problem, document masks with their padded form, on the CPU and (where there is one) a CUDA
+device; bad arguments are ValueErrors naming them, from either route."""
+
+import numpy as np
+import pytest
+
+import sparsetrain as st
+from sparsetrain import _block_mask
+from sparsetrain._block_mask import TENSOR_NAMES
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("sparsetrain.torch", reason="the C++ torch library is not built")
+
+CUDA = torch.cuda.is_available()
+
+
+def _ids(seq, seed):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 300, size=seq)
+    ids = np.repeat(np.arange(seq), lengths)[:seq]
+    ids[seq - rng.integers(0, 40):] = ids.max() + 1  # a tail document
+    return ids.astype(np.int32)[None]
+
+
+def _as_numpy(x):
+    if x is None:
+        return None
+    return x.cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+
+
+def _same(a, b, where):
+    """a and b: the same mask, tensors, schedule, walk and padded form."""
+    for name in TENSOR_NAMES:
+        x, y = _as_numpy(getattr(a, name)), _as_numpy(getattr(b, name))
+        assert (x is None) == (y is None), f"{where}: {name} present in one mask only"
+        if x is not None:
+            assert x.dtype == y.dtype and x.shape == y.shape, f"{where}: {name} {x.dtype}{x.shape} vs {y.dtype}{y.shape}"
+            assert np.array_equal(x, y), f"{where}: {name} differs"
+    assert (a.schedule, a.walk) == (b.schedule, b.walk), where
+    assert np.array_equal(_as_numpy(a.schedule_permutation), _as_numpy(b.schedule_permutation)) or (
+        a.schedule_permutation is None and b.schedule_permutation is None), where
+    assert (a.backward_padded is None) == (b.backward_padded is None), f"{where}: padded form in one mask only"
+    if a.backward_padded is not None:
+        _same(a.backward_padded, b.backward_padded, where + " (padded)")
+        for name in ("real_rows",):
+            assert np.array_equal(_as_numpy(getattr(a.backward_padded, name)),
+                                  _as_numpy(getattr(b.backward_padded, name))), f"{where}: padded {name}"
+        for side in ("doc_q", "doc_kv"):
+            assert np.array_equal(_as_numpy(getattr(a.backward_padded.spec, side)),
+                                  _as_numpy(getattr(b.backward_padded.spec, side))), f"{where}: padded {side}"
+
+
+CASES = [
+    ("causal", 1000, 1000, {}),
+    ("causal_bottom_right", 700, 1300, {}),
+    ("full", 300, 520, {}),
+    ("sliding_window", 1100, 1100, dict(window_left=200, window_right=37)),
+    ("prefix_lm", 900, 900, dict(prefix_length=301)),
+    ("document", 1024, 1024, dict(doc_padding=128)),
+    ("document_causal", 1333, 1333, dict(doc_padding=256)),
+    ("document_causal", 777, 777, {}),
+]
+SCHEDULES = [
+    dict(),
+    dict(schedule="left_to_right", walk="ascending_heads_outer"),
+    dict(schedule="shortest_first"),
+    dict(schedule="auto", auto_problem=(2, 16, 4, 132)),
+]
+
+
+@pytest.mark.parametrize("kind,sq,skv,extra", CASES)
+@pytest.mark.parametrize("sched", SCHEDULES, ids=["auto", "l2r_ascending", "shortest", "auto_problem"])
+@pytest.mark.parametrize("block", [128, (128, 256)])
+def test_torch_route_equals_the_numpy_route(kind, sq, skv, extra, sched, block):
+    kw = dict(extra, **sched, block_size=block)
+    if kind.startswith("document"):
+        kw["document_ids"] = _ids(sq, sq)
+    ref = st.BlockMask.build(kind, sq, skv, framework="numpy", **kw)
+    got = st.BlockMask.build(kind, sq, skv, framework="torch", **kw)
+    assert isinstance(got.kv_indices, torch.Tensor)
+    _same(got, ref, f"{kind} {sched} {block}")
+    if CUDA:
+        dev = st.BlockMask.build(kind, sq, skv, framework="torch", device="cuda", **kw)
+        assert dev.kv_indices.is_cuda
+        _same(dev, ref, f"{kind} {sched} {block} on cuda")
+
+
+def test_a_permutation_schedule_and_the_fallback_route(monkeypatch):
+    nk = 9
+    perm = list(np.random.default_rng(3).permutation(nk))
+    for fw in ("numpy", "torch"):
+        m = st.BlockMask.build("causal", 128 * nk, framework=fw, schedule=perm)
+        assert m.schedule == "permutation" and list(_as_numpy(m.schedule_permutation)) == perm
+    ref = st.BlockMask.build("document_causal", 1500, document_ids=_ids(1500, 7), framework="numpy", doc_padding=128)
+    via_torch = st.BlockMask.build("document_causal", 1500, document_ids=_ids(1500, 7), framework="torch",
+                                   doc_padding=128)
+    monkeypatch.setattr(_block_mask, "_TORCH_LIBRARY", [None])  # torch tensors through `_C`
+    via_c = st.BlockMask.build("document_causal", 1500, document_ids=_ids(1500, 7), framework="torch",
+                               doc_padding=128)
+    assert isinstance(via_c.kv_indices, torch.Tensor)
+    _same(via_torch, ref, "torch library")
+    _same(via_c, ref, "_C with torch tensors")
+
+
+@pytest.mark.parametrize("route", ["torch_library", "c"])
+def test_bad_arguments_name_themselves(route, monkeypatch):
+    if route == "c":
+        monkeypatch.setattr(_block_mask, "_TORCH_LIBRARY", [None])
+    build = st.BlockMask.build
+    cases = [
+        (lambda: build("causal", 512, framework="torch", schedule="bogus"), "schedule"),
+        (lambda: build("causal", 512, framework="torch", schedule="left_to_right", walk="sideways"), "walk"),
+        (lambda: build("causal", 512, framework="torch", schedule=[0, 1]), "schedule"),
+        (lambda: build("causal", 512, framework="torch", auto_problem=(1, 2, 3)), "auto_problem"),
+        (lambda: build("causal", 512, framework="torch", block_size=(128, 0)), "block"),
+        (lambda: build("causal", 512, framework="torch", schedule=[0, 1, 2, 3], doc_padding=128), "doc_padding"),
+        (lambda: build("document", 512, framework="torch", document_ids=np.zeros((1, 511), np.int32)), "doc"),
+        (lambda: build("document", 512, framework="torch", document_ids=np.zeros((1, 512), np.int32),
+                       schedule=[0, 1, 2, 3], doc_padding=128), "doc_padding"),
+    ]
+    for f, needle in cases:
+        with pytest.raises(ValueError, match=needle):
+            f()
