@@ -37,7 +37,7 @@ def _same(a, b, where):
         x, y = _as_numpy(getattr(a, name)), _as_numpy(getattr(b, name))
         assert (x is None) == (y is None), f"{where}: {name} present in one mask only"
         if x is not None:
-            assert x.dtype == y.dtype and x.shape == y.shape, f"{where}: {name} {x.dtype}{x.shape} vs {y.dtype}{y.shape}"
+            assert (x.dtype, x.shape) == (y.dtype, y.shape), f"{where}: {name} {x.dtype}{x.shape}, {y.dtype}{y.shape}"
             assert np.array_equal(x, y), f"{where}: {name} differs"
     assert (a.schedule, a.walk) == (b.schedule, b.walk), where
     assert np.array_equal(_as_numpy(a.schedule_permutation), _as_numpy(b.schedule_permutation)) or (
