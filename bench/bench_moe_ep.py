@@ -25,12 +25,22 @@ This lives in the bench, from the layer's parts: the layer's API would need micr
 rank's experts, every dispatch started at once, chunk c's experts under the later chunks' rows,
 its return behind them; at most the experts a rank holds).
 
+--torch adds the row "torch": the peer, a plain torch.distributed composition in the same
+processes (_TorchEP: softmax top-k routing, rows sorted by expert, the counts and rows by
+all_to_all_single, the local experts' SwiGLU MLP by torch._grouped_mm, the rows back, a weighted
+sum), with its own weights.
+
+--weak W1,W2,...: weak scaling instead: every GPU holds tokens / 2 tokens (the EP = 2 load of the
+shape) at each world size W (W = 1 a group of one: the same layer with all experts local), the
+experts fixed; rows "weak": ms a step per W and the efficiency t(1) / t(W) (ideal 1), for each
+exchange row (and "torch").
+
 --quick: small shapes; --device cpu (with --quick) runs W gloo processes on the CPU: a smoke test
 of the script, no timings worth reading.
 
     python bench/bench_moe_ep.py [--world 2] [--only mixtral,qwen3] [--quick] [--device cuda|cpu]
-                                 [--exchange nccl,symmetric_memory] [--overlap] [--chunks N]
-                                 [--reps 10] [--rounds 3] [--json out.json]
+                                 [--exchange nccl,symmetric_memory] [--overlap] [--chunks N] [--torch]
+                                 [--weak 1,2,4,8] [--reps 10] [--rounds 3] [--json out.json]
 """
 
 import argparse
@@ -129,6 +139,63 @@ def _halves_step(layer, x, logits, dout, overlap):
     torch.autograd.backward(outs, [dout[:half], dout[half:]])
 
 
+class _TorchEP(torch.nn.Module):
+    """The peer: expert parallelism as a plain torch.distributed composition (what a user writes
+    without this library). Softmax top-k routing; a token's rows sorted by expert; the counts by
+    all_to_all_single and read on the host (the splits); the rows there and back by
+    torch.distributed.nn's all_to_all_single (with autograd); on each rank its experts' SwiGLU MLP,
+    rows grouped by expert, by torch._grouped_mm; each token's rows weighted and summed."""
+
+    def __init__(self, experts, hidden, ffn, top_k, device, seed):
+        super().__init__()
+        self.world = dist.get_world_size()
+        self.experts, self.local, self.top_k, self.ffn = experts, experts // self.world, top_k, ffn
+        g = torch.Generator().manual_seed(seed)
+
+        def weight(*shape):
+            return torch.nn.Parameter((torch.randn(*shape, generator=g) / shape[-1] ** 0.5).to(device, torch.bfloat16))
+
+        self.w1 = weight(self.local, 2 * ffn, hidden)  # [E_local, out, in]: _grouped_mm takes it transposed
+        self.w2 = weight(self.local, hidden, ffn)
+
+    def forward(self, x, logits):
+        from torch.distributed.nn.functional import all_to_all_single  # noqa: PLC0415
+
+        W, L, k = self.world, self.local, self.top_k
+        probs, chosen = torch.topk(torch.softmax(logits.float(), dim=-1), k, dim=-1)
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token = order // k
+        counts = torch.bincount(flat, minlength=self.experts)
+        theirs = torch.empty_like(counts)
+        dist.all_to_all_single(theirs, counts)  # [source, local expert]: what each rank sends here
+        theirs = theirs.view(W, L)
+        send = counts.view(W, L).sum(1).tolist()  # host syncs: the splits
+        receive = theirs.sum(1).tolist()
+        got = all_to_all_single(x.new_empty(sum(receive), x.shape[1]), x[token], receive, send)
+        # got is source-major (each source's rows by expert); the GEMMs want expert-major rows.
+        per = theirs.reshape(-1)
+        start = torch.cumsum(per, 0) - per  # block (source, expert) in got
+        by_expert = theirs.t().reshape(-1)
+        first = torch.repeat_interleave(start.view(W, L).t().reshape(-1), by_expert)
+        rank_in = torch.arange(first.numel(), device=x.device) - torch.repeat_interleave(
+            torch.cumsum(by_expert, 0) - by_expert, by_expert)
+        idx = first + rank_in
+        offs = torch.cumsum(theirs.sum(0), 0).to(torch.int32)
+        h = torch._grouped_mm(got[idx], self.w1.transpose(-2, -1), offs=offs)
+        y = torch._grouped_mm(torch.nn.functional.silu(h[:, :self.ffn]) * h[:, self.ffn:], self.w2.transpose(-2, -1),
+                              offs=offs)
+        inverse = torch.empty_like(idx)
+        inverse[idx] = torch.arange(idx.numel(), device=x.device)
+        back = all_to_all_single(x.new_empty(sum(send), x.shape[1]), y[inverse], send, receive)
+        weighted = back.float() * probs.reshape(-1)[order, None]
+        return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add(0, token, weighted).to(x.dtype)
+
+
+def _torch_step(layer, x, logits, dout):
+    torch.autograd.backward(layer(x, logits), dout)
+
+
 def _symmetric_heap_bytes(tokens, hidden, experts, top_k, world):
     """NVSHMEM's symmetric heap for the layer's buffers (ExpertParallelMoELayer's docstring), with
     room to spare; NVSHMEM's default is 1 GiB."""
@@ -163,9 +230,14 @@ def _ep_worker(rank, world, init_file, shape, variants, reps, rounds, device_kin
                 if variant == "symmetric_memory" else {}
             if variant.startswith("nccl_chunks"):
                 exchange = dict(overlap_chunks=int(variant[len("nccl_chunks"):]))
-            layer = stt.ExpertParallelMoELayer(experts, hidden, ffn, top_k, params_dtype=torch.bfloat16,
-                                               device=device, **exchange)
-            if variant in ("nccl_halves", "nccl_overlap"):
+            if variant == "torch":
+                layer = _TorchEP(experts, hidden, ffn, top_k, device, seed=rank)
+            else:
+                layer = stt.ExpertParallelMoELayer(experts, hidden, ffn, top_k, params_dtype=torch.bfloat16,
+                                                   device=device, **exchange)
+            if variant == "torch":
+                fn = functools.partial(_torch_step, layer, x, logits, dout)
+            elif variant in ("nccl_halves", "nccl_overlap"):
                 fn = functools.partial(_halves_step, layer, x, logits, dout, variant == "nccl_overlap")
             else:
                 fn = functools.partial(_step, layer, x, logits, dout)
@@ -223,12 +295,16 @@ def main():
     ap.add_argument("--overlap", action="store_true", help="add the two-micro-batch rows (nccl_halves, nccl_overlap)")
     ap.add_argument("--chunks", type=int, default=0, metavar="N",
                     help="add the row nccl_chunksN: the layer with overlap_chunks=N")
+    ap.add_argument("--torch", action="store_true", help="add the row torch: a plain torch.distributed composition")
+    ap.add_argument("--weak", default=None, metavar="W1,W2,...",
+                    help="weak scaling over these world sizes (each GPU the EP = 2 load) instead of --world")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None, metavar="PATH")
     a = ap.parse_args()
-    if a.device == "cuda" and torch.cuda.device_count() < a.world:
-        sys.exit(f"--world {a.world} needs {a.world} GPUs; this machine has {torch.cuda.device_count()}")
+    worlds = [int(w) for w in a.weak.split(",")] if a.weak else [a.world]
+    if a.device == "cuda" and torch.cuda.device_count() < max(worlds):
+        sys.exit(f"world {max(worlds)} needs {max(worlds)} GPUs; this machine has {torch.cuda.device_count()}")
     if a.exchange is None:
         exchanges = ["nccl", "symmetric_memory"] if _symmetric_memory_here(a.device) else ["nccl"]
     else:
@@ -240,16 +316,61 @@ def main():
             sys.exit("--exchange symmetric_memory needs CUDA and torch with NVSHMEM (symm_mem.is_nvshmem_available())")
     cases = bench_moe.QUICK if a.quick else bench_moe.CASES
     names = a.only.split(",") if a.only else list(cases)
+    if a.weak:
+        variants = (exchanges if a.exchange else ["nccl"]) + (["torch"] if a.torch else [])
+        rows = weak_scaling(worlds, [(n, cases[n]) for n in names], variants, a.reps, a.rounds, a.device)
+        info = {"mode": "weak", "worlds": worlds}
+    else:
+        rows = strong_scaling(a, exchanges, [(n, cases[n]) for n in names])
+        info = {"world": a.world, "overlap": a.overlap, "chunks": a.chunks}
+    if a.json:
+        info.update({"device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu",
+                     "torch": torch.__version__, "exchanges": exchanges,
+                     "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE", "0 (set by the bench)")})
+        with open(a.json, "w") as f:
+            json.dump({"info": info, "rows": rows}, f, indent=1)
+
+
+def weak_scaling(worlds, shapes, variants, reps, rounds, device):
+    """Each GPU tokens / 2 tokens of a shape at every world size; ms a step and t(W_min) / t(W)."""
+    rows = []
+    print(f"{'case':20s} {'exchange':>10s} " + " ".join(f"{'W=' + str(w) + ' ms':>10s} {'eff':>5s}" for w in worlds))
+    for name, (tokens, hidden, ffn, experts, top_k) in shapes:
+        per_gpu = tokens // 2
+        ms = {v: {} for v in variants}
+        for w in worlds:
+            if experts % w:
+                print(f"{name:20s} W = {w} skipped: {experts} experts not divisible by it")
+                continue
+            here = [v for v in variants if not (v == "symmetric_memory" and experts // w > 16)]
+            got = run_ep(w, (per_gpu * w, hidden, ffn, experts, top_k), here, reps, rounds, device)
+            for v in here:
+                ms[v][w] = statistics.median(got[v]["rounds_ms"])
+        for v in variants:
+            if not ms[v]:
+                continue
+            base = ms[v][min(ms[v])]
+            eff = {w: base / t for w, t in ms[v].items()}
+            rows.append({"case": name, "mode": "weak", "exchange": v, "tokens_per_gpu": per_gpu, "hidden": hidden,
+                         "ffn": ffn, "experts": experts, "top_k": top_k, "reps": reps, "ms": ms[v],
+                         "efficiency": eff})
+            print(f"{name:20s} {v:>10s} " + " ".join(
+                f"{ms[v][w]:10.3f} {eff[w]:5.2f}" if w in ms[v] else f"{'-':>10s} {'-':>5s}" for w in worlds),
+                flush=True)
+    return rows
+
+
+def strong_scaling(a, exchanges, shapes):
+    """The layer on a.world GPUs against one GPU holding every expert, the same global batch."""
     rows = []
     print(f"{'case':20s} {'W':>2s} {'exchange':>16s} {'EP ms/step':>11s} {'1 GPU ms/step':>14s} {'speedup':>8s} "
           f"{'EP TFLOP/s/GPU':>15s} {'1 GPU TFLOP/s':>14s}")
-    for name in names:
-        shape = cases[name]
+    for name, shape in shapes:
         tokens, hidden, ffn, experts, top_k = shape
         if experts % a.world or tokens % a.world:
             print(f"{name:20s} skipped: {experts} experts / {tokens} tokens not divisible by W = {a.world}")
             continue
-        variants = exchanges + (["nccl_halves", "nccl_overlap"] if a.overlap else [])
+        variants = exchanges + (["nccl_halves", "nccl_overlap"] if a.overlap else []) + (["torch"] if a.torch else [])
         if a.chunks > 1:
             if a.chunks > experts // a.world:
                 print(f"{name:20s} nccl_chunks{a.chunks} skipped: {experts // a.world} experts per rank")
@@ -274,12 +395,7 @@ def main():
             rows.append(row)
             print(f"{name:20s} {a.world:2d} {variant:>16s} {ep_ms:11.3f} {single_ms:14.3f} {row['speedup']:7.2f}x "
                   f"{row['ep_tflops_per_gpu']:15.1f} {row['single_tflops']:14.1f}", flush=True)
-    if a.json:
-        info = {"device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu", "torch": torch.__version__,
-                "world": a.world, "exchanges": exchanges, "overlap": a.overlap, "chunks": a.chunks,
-                "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE", "0 (set by the bench)")}
-        with open(a.json, "w") as f:
-            json.dump({"info": info, "rows": rows}, f, indent=1)
+    return rows
 
 
 if __name__ == "__main__":

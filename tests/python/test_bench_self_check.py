@@ -173,3 +173,53 @@ def test_bench_attn_ab_imports_and_shows_its_usage():
     r = subprocess.run([sys.executable, bench], capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and "A / B of the attention forward and backward" in r.stderr, \
         r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def _ep_peer_worker(rank, world, store, result):
+    """bench_moe_ep's torch peer on `world` gloo ranks against a per-token loop over all experts."""
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, os.path.dirname(BENCH))
+    import bench_moe_ep
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        T, H, F, E, k = 48, 32, 16, 8, 2
+        m = bench_moe_ep._TorchEP(E, H, F, k, "cpu", seed=rank)
+        g = torch.Generator().manual_seed(100 + rank)
+        x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+        logits = torch.randn(T, E, generator=g)
+        logits[: T // 4, : E // 2] += 8  # a skewed routing: some ranks' experts get most rows
+        out = m(x, logits).float()
+        full = []
+        for w in (m.w1.data, m.w2.data):
+            parts = [torch.empty_like(w) for _ in range(world)]
+            dist.all_gather(parts, w)
+            full.append(torch.cat(parts).float())
+        p, e = torch.topk(torch.softmax(logits, -1), k, -1)
+        ref = torch.zeros(T, H)
+        for t in range(T):
+            for j in range(k):
+                h = full[0][e[t, j]] @ x[t].float()
+                ref[t] += p[t, j] * (full[1][e[t, j]] @ (torch.nn.functional.silu(h[:F]) * h[F:]))
+        err = ((out - ref).abs().max() / ref.abs().max()).item()
+        with open(f"{result}.{rank}", "w") as f:
+            f.write(repr(err))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_bench_moe_ep_torch_peer_computes_the_moe_layer(world, tmp_path):
+    """The expert-parallel bench's peer (a torch.distributed composition) routes every row to its
+    expert's rank and back: its output is a per-token loop over all ranks' experts (bf16 rounding)."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    mp.start_processes(_ep_peer_worker, args=(world, str(tmp_path / "store"), str(tmp_path / "err")), nprocs=world,
+                       join=True, start_method="spawn")
+    errs = [float((tmp_path / f"err.{r}").read_text()) for r in range(world)]
+    assert all(e < 3e-2 for e in errs), errs
