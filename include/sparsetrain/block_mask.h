@@ -118,6 +118,8 @@ struct BlockMaskTensors {
   std::vector<int32_t> schedule_permutation;
   Tensor doc_q, doc_kv, real_rows;  // build_doc_padded_mask: the padded ids and real_rows
 };
+// The built mask's tensor i in block_mask_tensor's order.
+const Tensor& block_mask_tensor(const BlockMaskTensors& t, int i);
 
 // Checks shapes, dtypes, broadcastable leading dims (against batch / heads when > 0), index
 // ranges, duplicates, sorted walks, a block listed as both partial and full, counts larger than

@@ -36,11 +36,10 @@ py::dict exported(const st::BlockMaskTensors& t, const TorchAllocator& alloc) {
   d["seq_kv"] = m.seq_kv;
   d["block_q"] = m.block_q;
   d["block_kv"] = m.block_kv;
-  const st::Tensor* owned[] = {&t.kv_num_blocks, &t.kv_indices, &t.full_kv_num_blocks, &t.full_kv_indices,
-                               &t.q_num_blocks, &t.q_indices, &t.full_q_num_blocks, &t.full_q_indices,
-                               &t.dq_write_order, &t.dq_write_order_full, &t.partial_bitmasks};
-  for (int i = 0; i < st::kBlockMaskTensors; ++i)
-    d[st::block_mask_tensor_name(i)] = owned[i]->defined() ? py::cast(alloc.take(*owned[i])) : py::none();
+  for (int i = 0; i < st::kBlockMaskTensors; ++i) {
+    const st::Tensor& owned = st::block_mask_tensor(t, i);
+    d[st::block_mask_tensor_name(i)] = owned.defined() ? py::cast(alloc.take(owned)) : py::none();
+  }
   d["schedule"] = st::schedule_kind_name(m.schedule.kind);
   d["schedule_walk"] = st::walk_order_name(m.schedule.walk);
   d["schedule_permutation"] =

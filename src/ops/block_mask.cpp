@@ -51,6 +51,14 @@ TensorView& block_mask_tensor(BlockMask& m, int i) {
   return *fields[i];
 }
 
+const Tensor& block_mask_tensor(const BlockMaskTensors& t, int i) {
+  const Tensor* fields[kBlockMaskTensors] = {&t.kv_num_blocks,  &t.kv_indices,        &t.full_kv_num_blocks,
+                                             &t.full_kv_indices, &t.q_num_blocks,     &t.q_indices,
+                                             &t.full_q_num_blocks, &t.full_q_indices, &t.dq_write_order,
+                                             &t.dq_write_order_full, &t.partial_bitmasks};
+  return *fields[i];
+}
+
 const char* walk_order_name(WalkOrder w) {
   switch (w) {
     case WalkOrder::kAscendingHeadsOuter: return "ascending_heads_outer";
