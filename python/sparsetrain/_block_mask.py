@@ -410,15 +410,13 @@ class BlockMask:
         else:
             stream = fw.torch.cuda.current_stream(dev).cuda_stream
             d = _C.build_block_mask(*args, "cuda", dev.index, stream, walk=walk, problem=problem)
-        mask = cls._from_core(d, fw, spec)
-        if doc_padding:
-            args = (spec._core(), int(seq_q), doc_padding, bq, bkv, mask.schedule, fw.allocate)
+        if doc_padding:  # for the schedule and walk the mask resolved to
+            args = (spec._core(), int(seq_q), doc_padding, bq, bkv, d["schedule"], fw.allocate)
             if dev is None:
-                d["padded"] = _C.build_doc_padded_mask(*args, walk=mask.walk)
+                d["padded"] = _C.build_doc_padded_mask(*args, walk=d["schedule_walk"])
             else:
-                d["padded"] = _C.build_doc_padded_mask(*args, "cuda", dev.index, stream, walk=mask.walk)
-            mask.backward_padded = cls._padded_of(d["padded"], fw, spec, fw.view)
-        return mask
+                d["padded"] = _C.build_doc_padded_mask(*args, "cuda", dev.index, stream, walk=d["schedule_walk"])
+        return cls._from_core(d, fw, spec)
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens_q: Any, cu_seqlens_k: Any = None, max_seqlen_q: Optional[int] = None,
