@@ -38,7 +38,8 @@ inline ScheduleProblem schedule_problem(const std::vector<int64_t>& v) {
   ScheduleProblem p;
   if (v.empty()) return p;
   if (v.size() != 4)
-    detail::throw_arg_error("auto_problem", "(batch, heads_q, heads_kv, workers)", std::to_string(v.size()) + " values");
+    detail::throw_arg_error("auto_problem", "(batch, heads_q, heads_kv, workers)",
+                            std::to_string(v.size()) + " values");
   p.batch = v[0], p.heads_q = v[1], p.heads_kv = v[2], p.workers = v[3];
   return p;
 }

@@ -473,8 +473,8 @@ st::ScheduleProblem parse_problem(nb::handle obj) {
 st::BlockMaskOptions mask_options(int64_t block_q, int64_t block_kv, nb::handle schedule, st::Allocator* alloc,
                                   nb::handle walk = nb::none(), nb::handle problem = nb::none()) {
   const bool is_auto = nb::isinstance<nb::str>(schedule) && nb::cast<std::string>(schedule) == "auto";
-  return st::wire::mask_options(block_q, block_kv, is_auto, is_auto ? st::ColumnSchedule{} : parse_schedule(schedule, walk),
-                                parse_problem(problem), alloc);
+  const st::ColumnSchedule s = is_auto ? st::ColumnSchedule{} : parse_schedule(schedule, walk);
+  return st::wire::mask_options(block_q, block_kv, is_auto, s, parse_problem(problem), alloc);
 }
 
 // device "cpu" builds on the host; "cuda" (device_index) builds there on `stream` without a host

@@ -66,9 +66,10 @@ py::dict build_block_mask_entry(const std::string& kind, int64_t seq_q, int64_t 
     spec.doc_q = st::torch_ops::view_of(doc_q, "doc_q");
     spec.doc_kv = st::torch_ops::view_of(doc_kv, "doc_kv");
     const bool is_auto = schedule == "auto";
-    st::BlockMaskOptions o = st::wire::mask_options(
-        block_q, block_kv, is_auto, is_auto ? st::ColumnSchedule{} : st::wire::column_schedule(schedule, permutation, walk),
-        st::wire::schedule_problem(problem), &alloc);
+    const st::ColumnSchedule s =
+        is_auto ? st::ColumnSchedule{} : st::wire::column_schedule(schedule, permutation, walk);
+    st::BlockMaskOptions o =
+        st::wire::mask_options(block_q, block_kv, is_auto, s, st::wire::schedule_problem(problem), &alloc);
     if (device_index >= 0) {
 #ifdef SPARSETRAIN_TORCH_CUDA
       o.device = st::Device::cuda(int(device_index));
