@@ -142,22 +142,18 @@ __device__ __forceinline__ void fwd_consume(const typename T::Params& p, typenam
   auto lane = [] { return int(threadIdx.x) % 128; };
   // Ping-pong (the two consumer warpgroups taking turns to issue their GEMMs through named
   // barriers 0 and 1, FlashAttention-3's inter-warpgroup overlap) is off (FwdTraits::kPingPong):
-  // 1-4 % slower, spill-free, at D = 64 and 128 (docs/PERF.md). Both warpgroups take the same
-  // number of turns when it is on (they walk the same items). The turns' barrier ids and the
-  // branches around the first and last turns come from canonical_warp_group_idx (a shuffle
-  // ptxas knows is warp-uniform): from threadIdx (wg()), a barrier under a branch ptxas cannot
-  // prove uniform moved the walk out of the uniform datapath and made the consumers spill.
+  // 1-4 % slower even spill-free (docs/PERF.md). Turned on as written here, the consumers spill:
+  // the barriers under `wg() == 1` (threadIdx, not provably warp-uniform) move the walk out of the
+  // uniform datapath; the spill-free form (ids from canonical_warp_group_idx, 240 / 24 registers)
+  // is the patch PERF names. Both warpgroups take the same number of turns when it is on (they
+  // walk the same items).
   auto wait_turn = [&] {
-    if constexpr (T::kPingPong) {
-      cutlass::arch::NamedBarrier::sync(T::kMmaThreads, cutlass::canonical_warp_group_idx() - 1);
-    }
+    if constexpr (T::kPingPong) cutlass::arch::NamedBarrier::sync(T::kMmaThreads, wg());
   };
   auto pass_turn = [&] {
-    if constexpr (T::kPingPong) {
-      cutlass::arch::NamedBarrier::arrive(T::kMmaThreads, 2 - cutlass::canonical_warp_group_idx());
-    }
+    if constexpr (T::kPingPong) cutlass::arch::NamedBarrier::arrive(T::kMmaThreads, 1 - wg());
   };
-  if (cutlass::canonical_warp_group_idx() == 2) pass_turn();
+  if (wg() == 1) pass_turn();
 
   // Document ids of a partial tile, loaded before its GEMMs are issued (the loads overlap them):
   // this thread's query rows, and one key id per thread, staged in shared memory for the whole
@@ -331,7 +327,7 @@ __device__ __forceinline__ void fwd_consume(const typename T::Params& p, typenam
     sm.reduce_sums();
     store_o(cur.b, cur.h, cur.q0, sm, n - 1);
   }
-  if (cutlass::canonical_warp_group_idx() == 1) wait_turn();  // warpgroup 1's last hand-over: none left pending
+  if (wg() == 0) wait_turn();  // takes warpgroup 1's last hand-over: no arrival is left pending
 }
 
 template <class T>

@@ -25,16 +25,15 @@ struct FwdTraits {
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kMmaThreads = 128 * kConsumerWarpgroups;
   static constexpr int kThreads = kMmaThreads + 128;  // + the producer warpgroup
-  // The consumer warpgroups taking turns to issue GEMMs (fwd_consume): off, 1-4 % slower.
-  static constexpr bool kPingPong = false;
   // setmaxnreg budgets (per thread; 2 x 128 x 232 + 128 x 40 <= the 168 x 384 the CTA starts
   // with): the consumers hold S, P and O (160 registers at D = 128) beside the walk and softmax
-  // state; the producer threads walk the mask's lists. Ping-pong's turns need 240 consumer
-  // registers (the producers then fit in 24). No instance spills: the build checks it
-  // (CMakeLists.txt).
-  static constexpr int kConsumerRegs = kPingPong ? 240 : 232;
-  static constexpr int kProducerRegs = kPingPong ? 24 : 40;
+  // state; the producer threads walk the mask's lists (they spilled at 24). No instance spills:
+  // the build checks it (CMakeLists.txt).
+  static constexpr int kConsumerRegs = 232;
+  static constexpr int kProducerRegs = 40;
   static_assert(register_split_fits(kThreads, kProducerRegs, kMmaThreads, kConsumerRegs), "setmaxnreg budgets");
+  // The consumer warpgroups taking turns to issue GEMMs (see fwd_consume): off, 1-4 % slower.
+  static constexpr bool kPingPong = false;
 
   using TileQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // S = Q K^T: M x N x K
   using TilePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;  // O += P V: M x D x N
