@@ -35,12 +35,17 @@ shape) at each world size W (W = 1 a group of one: the same layer with all exper
 experts fixed; rows "weak": ms a step per W and the efficiency t(1) / t(W) (ideal 1), for each
 exchange row (and "torch").
 
+--main-grad: our layers (EP and the single GPU) with fuse_wgrad_accumulation and an fp32
+main_grad on every expert weight, as Megatron's DDP trains them: the weight gradients are added
+into main_grad by the wgrad GEMMs' epilogue (a chunk of overlap_chunks then touches only its own
+experts' main_grad) instead of being handed to autograd as .grad. The torch row is unchanged.
+
 --quick: small shapes; --device cpu (with --quick) runs W gloo processes on the CPU: a smoke test
 of the script, no timings worth reading.
 
     python bench/bench_moe_ep.py [--world 2] [--only mixtral,qwen3] [--quick] [--device cuda|cpu]
                                  [--exchange nccl,symmetric_memory] [--overlap] [--chunks N] [--torch]
-                                 [--weak 1,2,4,8] [--reps 10] [--rounds 3] [--json out.json]
+                                 [--weak 1,2,4,8] [--main-grad] [--reps 10] [--rounds 3] [--json out.json]
 """
 
 import argparse
@@ -72,6 +77,18 @@ def _inputs(tokens, hidden, experts, device, seed):
     logits = torch.randn(tokens, experts, generator=g).to(device).requires_grad_()
     dout = torch.randn(tokens, hidden, generator=g).to(device=device, dtype=torch.bfloat16)
     return x, logits, dout
+
+
+def _main_grad_options(main_grad):
+    """Our layers' options for --main-grad."""
+    return dict(fuse_wgrad_accumulation=True) if main_grad else {}
+
+
+def _give_main_grads(layer, main_grad):
+    """An fp32 main_grad on each expert weight (--main-grad), as Megatron's DDP attaches them."""
+    if main_grad:
+        for w in layer.experts.parameters():
+            w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
 
 
 def _time_steps(fn, reps, rounds, device):
@@ -204,7 +221,7 @@ def _symmetric_heap_bytes(tokens, hidden, experts, top_k, world):
     return int(1.25 * ((2 * send + 3 * receive) * hidden * 2 + (2 * send + 2 * receive) * 4)) + (256 << 20)
 
 
-def _ep_worker(rank, world, init_file, shape, variants, reps, rounds, device_kind, result_file):
+def _ep_worker(rank, world, init_file, shape, variants, reps, rounds, device_kind, main_grad, result_file):
     import sparsetrain.torch as stt  # noqa: PLC0415  (each spawned process imports it)
 
     tokens, hidden, ffn, experts, top_k = shape
@@ -234,7 +251,8 @@ def _ep_worker(rank, world, init_file, shape, variants, reps, rounds, device_kin
                 layer = _TorchEP(experts, hidden, ffn, top_k, device, seed=rank)
             else:
                 layer = stt.ExpertParallelMoELayer(experts, hidden, ffn, top_k, params_dtype=torch.bfloat16,
-                                                   device=device, **exchange)
+                                                   device=device, **exchange, **_main_grad_options(main_grad))
+                _give_main_grads(layer, main_grad)
             if variant == "torch":
                 fn = functools.partial(_torch_step, layer, x, logits, dout)
             elif variant in ("nccl_halves", "nccl_overlap"):
@@ -254,12 +272,12 @@ def _ep_worker(rank, world, init_file, shape, variants, reps, rounds, device_kin
         dist.destroy_process_group()
 
 
-def run_ep(world, shape, variants, reps, rounds, device):
+def run_ep(world, shape, variants, reps, rounds, device, main_grad=False):
     """{variant: {"rounds_ms": [...]}} from one group of `world` processes."""
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result.json")
         mp.start_processes(_ep_worker, args=(world, os.path.join(tmp, "store"), shape, variants, reps, rounds, device,
-                                             result), nprocs=world, join=True, start_method="spawn")
+                                             main_grad, result), nprocs=world, join=True, start_method="spawn")
         with open(result) as f:
             return json.load(f)
 
@@ -274,12 +292,14 @@ def _symmetric_memory_here(device):
     return symm_mem.is_nvshmem_available()
 
 
-def run_single(shape, reps, rounds, device):
+def run_single(shape, reps, rounds, device, main_grad=False):
     import sparsetrain.torch as stt  # noqa: PLC0415
 
     tokens, hidden, ffn, experts, top_k = shape
     torch.manual_seed(0)
-    layer = stt.MoELayer(experts, hidden, ffn, top_k, params_dtype=torch.bfloat16, device=device)
+    layer = stt.MoELayer(experts, hidden, ffn, top_k, params_dtype=torch.bfloat16, device=device,
+                         **_main_grad_options(main_grad))
+    _give_main_grads(layer, main_grad)
     x, logits, dout = _inputs(tokens, hidden, experts, device, seed=0)
     return _time_steps(lambda: _step(layer, x, logits, dout), reps, rounds, device)
 
@@ -298,6 +318,8 @@ def main():
     ap.add_argument("--torch", action="store_true", help="add the row torch: a plain torch.distributed composition")
     ap.add_argument("--weak", default=None, metavar="W1,W2,...",
                     help="weak scaling over these world sizes (each GPU the EP = 2 load) instead of --world")
+    ap.add_argument("--main-grad", action="store_true",
+                    help="our layers with fuse_wgrad_accumulation and fp32 main_grad (Megatron's DDP)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None, metavar="PATH")
@@ -318,11 +340,12 @@ def main():
     names = a.only.split(",") if a.only else list(cases)
     if a.weak:
         variants = (exchanges if a.exchange else ["nccl"]) + (["torch"] if a.torch else [])
-        rows = weak_scaling(worlds, [(n, cases[n]) for n in names], variants, a.reps, a.rounds, a.device)
-        info = {"mode": "weak", "worlds": worlds}
+        rows = weak_scaling(worlds, [(n, cases[n]) for n in names], variants, a.reps, a.rounds, a.device,
+                            a.main_grad)
+        info = {"mode": "weak", "worlds": worlds, "main_grad": a.main_grad}
     else:
         rows = strong_scaling(a, exchanges, [(n, cases[n]) for n in names])
-        info = {"world": a.world, "overlap": a.overlap, "chunks": a.chunks}
+        info = {"world": a.world, "overlap": a.overlap, "chunks": a.chunks, "main_grad": a.main_grad}
     if a.json:
         info.update({"device": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu",
                      "torch": torch.__version__, "exchanges": exchanges,
@@ -331,7 +354,7 @@ def main():
             json.dump({"info": info, "rows": rows}, f, indent=1)
 
 
-def weak_scaling(worlds, shapes, variants, reps, rounds, device):
+def weak_scaling(worlds, shapes, variants, reps, rounds, device, main_grad):
     """Each GPU tokens / 2 tokens of a shape at every world size; ms a step and t(W_min) / t(W)."""
     rows = []
     print(f"{'case':20s} {'exchange':>10s} " + " ".join(f"{'W=' + str(w) + ' ms':>10s} {'eff':>5s}" for w in worlds))
@@ -343,7 +366,7 @@ def weak_scaling(worlds, shapes, variants, reps, rounds, device):
                 print(f"{name:20s} W = {w} skipped: {experts} experts not divisible by it")
                 continue
             here = [v for v in variants if not (v == "symmetric_memory" and experts // w > 16)]
-            got = run_ep(w, (per_gpu * w, hidden, ffn, experts, top_k), here, reps, rounds, device)
+            got = run_ep(w, (per_gpu * w, hidden, ffn, experts, top_k), here, reps, rounds, device, main_grad)
             for v in here:
                 ms[v][w] = statistics.median(got[v]["rounds_ms"])
         for v in variants:
@@ -380,8 +403,8 @@ def strong_scaling(a, exchanges, shapes):
             print(f"{name:20s} symmetric_memory skipped: {experts // a.world} experts per rank > 16 "
                   "(torch's all_to_all_vdev_2d)")
             variants.remove("symmetric_memory")
-        ep = run_ep(a.world, shape, variants, a.reps, a.rounds, a.device)
-        single = run_single(shape, a.reps, a.rounds, a.device)
+        ep = run_ep(a.world, shape, variants, a.reps, a.rounds, a.device, a.main_grad)
+        single = run_single(shape, a.reps, a.rounds, a.device, a.main_grad)
         single_ms = statistics.median(single)
         flops_per_rank = 18.0 * (tokens // a.world) * top_k * hidden * ffn  # fwd 6 + bwd 12 per row
         for variant in variants:

@@ -703,9 +703,8 @@ def _uint8_blocks(blocks: Any, fw: Framework) -> Any:
 # -- torch's flex_attention BlockMask --------------------------------------------------------------
 
 def _flex_lists(torch, counts: Any, indices: Any, name: str, mq: int) -> Tuple[Any, Any]:
-    """A flex (counts, indices) pair as int64 CPU tensors [B, H, Mq] / [B, H, Mq, W]."""
-    counts = counts.detach().to("cpu", torch.int64)
-    indices = indices.detach().to("cpu", torch.int64)
+    """A flex (counts, indices) pair as int64 tensors [B, H, Mq] / [B, H, Mq, W] on their device."""
+    counts, indices = counts.detach().to(torch.int64), indices.detach().to(torch.int64)
     while indices.dim() < 4:
         indices, counts = indices.unsqueeze(0), counts.unsqueeze(0)
     if indices.dim() != 4 or counts.shape != indices.shape[:3]:
@@ -717,26 +716,40 @@ def _flex_lists(torch, counts: Any, indices: Any, name: str, mq: int) -> Tuple[A
     return counts, indices
 
 
-def _flex_dense(torch, counts: Any, indices: Any, name: str, shape: Tuple[int, int, int, int]) -> Any:
-    """The blocks a flex list pair names, as a bool [B, H, Mq, Nk]; a ValueError for counts past
-    the width, ids out of range or duplicates (which a dense matrix would silently merge)."""
+def _flex_hits(torch, counts: Any, indices: Any, shape: Tuple[int, int, int, int]) -> Tuple[Any, Any]:
+    """(the blocks a flex list pair names as a bool [B, H, Mq, Nk], whether the pair is malformed:
+    counts past the width, ids out of range or duplicates, which a dense matrix would silently
+    merge), both on the lists' device, without a synchronisation."""
     B, H, mq, nk = shape
     width = indices.shape[-1]
+    counts, indices = counts.expand(B, H, mq), indices.expand(B, H, mq, width)
+    valid = torch.arange(width, device=indices.device) < counts[..., None]
+    in_range = (indices >= 0) & (indices < nk)
+    hits = torch.zeros(B, H, mq, nk + 1, dtype=torch.int32, device=indices.device)
+    hits.scatter_add_(-1, torch.where(valid & in_range, indices, nk), valid.to(torch.int32))
+    hits = hits[..., :nk]
+    bad = ((counts < 0) | (counts > width)).any() | (valid & ~in_range).any() | (hits > 1).any()
+    return hits > 0, bad
+
+
+def _flex_dense(torch, counts: Any, indices: Any, name: str, shape: Tuple[int, int, int, int]) -> Any:
+    """_flex_hits' blocks, or the ValueError that says what is wrong with the pair (a host check:
+    the error path of _from_flex)."""
+    B, H, mq, nk = shape
+    counts, indices = counts.cpu(), indices.cpu()
+    width = indices.shape[-1]
+    hits, _ = _flex_hits(torch, counts, indices, shape)
     counts, indices = counts.expand(B, H, mq), indices.expand(B, H, mq, width)
     if bool(((counts < 0) | (counts > width)).any()):
         raise ValueError(f"block_mask.{name}: expected counts in [0, {width}] (the width of the index tensor), "
                          f"got {counts.min().item()}..{counts.max().item()}")
-    valid = torch.arange(width) < counts[..., None]
-    ids = indices[valid]
+    ids = indices[torch.arange(width) < counts[..., None]]
     if bool(((ids < 0) | (ids >= nk)).any()):
         bad = ids[(ids < 0) | (ids >= nk)][0].item()
         raise ValueError(f"block_mask.{name}: expected kv block ids in [0, {nk}), got {bad}")
-    hits = torch.zeros(B, H, mq, nk + 1, dtype=torch.int32)
-    hits.scatter_add_(-1, torch.where(valid, indices, nk), torch.ones_like(indices, dtype=torch.int32))
-    hits = hits[..., :nk]
-    if bool((hits > 1).any()):
+    if int(hits.sum()) != ids.numel():
         raise ValueError(f"block_mask.{name}: expected no duplicate kv blocks in a row, got a block listed twice")
-    return hits > 0
+    return hits
 
 
 def _from_flex(cls, torch, m: Any, batch: Optional[int], heads: Optional[int], schedule: Any,
@@ -750,11 +763,10 @@ def _from_flex(cls, torch, m: Any, batch: Optional[int], heads: Optional[int], s
     bq, bkv = (int(bs), int(bs)) if isinstance(bs, int) else (int(bs[0]), int(bs[1]))
     sq, skv = (int(s) for s in m.seq_lengths)
     mq, nk = -(-sq // bq), -(-skv // bkv)
-    kvn, kvi = _flex_lists(torch, m.kv_num_blocks, m.kv_indices, "kv_indices", mq)
-    lists = [(kvn, kvi, "kv_indices")]
+    lists = [(*_flex_lists(torch, m.kv_num_blocks, m.kv_indices, "kv_indices", mq), "kv_indices")]
     if m.full_kv_num_blocks is not None:
-        fkvn, fkvi = _flex_lists(torch, m.full_kv_num_blocks, m.full_kv_indices, "full_kv_indices", mq)
-        lists.append((fkvn, fkvi, "full_kv_indices"))
+        lists.append((*_flex_lists(torch, m.full_kv_num_blocks, m.full_kv_indices, "full_kv_indices", mq),
+                      "full_kv_indices"))
     B = max(c.shape[0] for c, _, _ in lists)
     H = max(c.shape[1] for c, _, _ in lists)
     for arg, want, have in (("batch", batch, B), ("heads", heads, H)):
@@ -765,18 +777,25 @@ def _from_flex(cls, torch, m: Any, batch: Optional[int], heads: Optional[int], s
         if c.shape[0] not in (1, B) or c.shape[1] not in (1, H):
             raise ValueError(f"block_mask.{name}: expected leading dims broadcastable to [{B}, {H}], "
                              f"got {list(c.shape[:2])}")
-    partial = _flex_dense(torch, kvn, kvi, "kv_indices", (B, H, mq, nk))
+    # The dense block matrix where the lists are, and every check reduced there: one transfer to
+    # the host (the builder's side) for both, the only synchronisation with the flex mask's device.
+    shape = (B, H, mq, nk)
+    (partial, bad), *full = (_flex_hits(torch, c, i, shape) for c, i, _ in lists)
     blocks = partial.to(torch.uint8)
-    if len(lists) == 2:
-        full = _flex_dense(torch, fkvn, fkvi, "full_kv_indices", (B, H, mq, nk))
-        if bool((partial & full).any()):
+    if full:
+        blocks += full[0][0].to(torch.uint8) * 2
+        bad = bad | full[0][1] | (partial & full[0][0]).any()
+    host = torch.cat([blocks.reshape(-1), bad.reshape(1).to(torch.uint8)]).cpu()
+    if host[-1]:
+        dense = [_flex_dense(torch, c, i, name, shape) for c, i, name in lists]
+        if len(dense) == 2 and bool((dense[0] & dense[1]).any()):
             raise ValueError("block_mask.full_kv_indices: expected kv blocks not also partial (in kv_indices), "
                              "got a block in both")
-        blocks += full.to(torch.uint8) * 2
+        raise AssertionError("block_mask: the device checks and the host checks disagree")  # pragma: no cover
     target = m.kv_indices.device if device is None else _device_arg(device, "torch")
     target = torch.device("cpu") if target is None else target
     fw = Framework(torch)
-    d = _C.build_block_mask_from_blocks(to_core(blocks.contiguous()), sq, skv, bq, bkv, _schedule_arg(schedule),
+    d = _C.build_block_mask_from_blocks(to_core(host[:-1].view(shape)), sq, skv, bq, bkv, _schedule_arg(schedule),
                                         fw.allocate, problem=_problem_arg(auto_problem))
     mask = cls._from_core(d, fw, MaskSpec("bitmask"))
     mask.partial_bitmasks = _evaluate_bitmasks(torch, m.mask_mod, mask.kv_num_blocks, mask.kv_indices, bq, bkv, sq,
@@ -797,16 +816,20 @@ def _evaluate_bitmasks(torch, mask_mod, counts, indices, bq: int, bkv: int, sq: 
     """uint8 [B, H, Mq, W, ceil(bq * bkv / 8)] parallel to kv_indices (W = the largest partial
     count) on `out_device`: bit i * bkv + j (LSB first) = mask_mod at row i, column j of the block;
     positions past the sequences are 0. mask_mod runs on `device` (where its captured tensors
-    live); counts and indices are host tensors."""
+    live), over as many blocks at a time as a bounded number of elements allows; counts and
+    indices are host tensors. The blocks' coordinates travel in one copy."""
     B, H, mq = counts.shape
     width = max(1, int(counts.max()))
     nbytes = (bq * bkv + 7) // 8
     out = torch.zeros(B, H, mq, width, nbytes, dtype=torch.uint8, device=out_device)
     valid = torch.arange(width) < counts.to(torch.int64)[..., None]
     b_i, h_i, m_i, w_i = valid.nonzero(as_tuple=True)
-    n_i = indices.to(torch.int64)[b_i, h_i, m_i, w_i]
     if b_i.numel() == 0:
         return out
+    n_i = indices.to(torch.int64)[b_i, h_i, m_i, w_i]
+    slot = ((b_i * H + h_i) * mq + m_i) * width + w_i  # the block's row of out.view(-1, nbytes)
+    coords = torch.stack([b_i, h_i, m_i * bq, n_i * bkv]).to(device)
+    slot = slot.to(out_device)
     fn = _vmap_blocks(torch, mask_mod)
     try:  # flex's create_mask evaluates under this too: tensor[idx] with a batched idx becomes index()
         from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex  # noqa: PLC0415
@@ -816,23 +839,26 @@ def _evaluate_bitmasks(torch, mask_mod, counts, indices, bq: int, bkv: int, sq: 
         ctx = contextlib.nullcontext
     rq = torch.arange(bq, device=device)
     rk = torch.arange(bkv, device=device)
-    weights = (1 << torch.arange(8, device=device)).to(torch.int32)
+    weights = (1 << torch.arange(8, device=device)).to(torch.uint8)
     pad = nbytes * 8 - bq * bkv
-    chunk = max(1, (1 << 22) // (bq * bkv))  # bounds the evaluated elements per step
+    ragged = sq % bq != 0 or skv % bkv != 0  # positions past the sequences to clear
+    # Elements evaluated a step: mask_mod's temporaries are [blocks, bq, bkv] (int64 ones included).
+    chunk = max(1, (1 << (24 if torch.device(device).type == "cuda" else 22)) // (bq * bkv))
+    rows = out.view(-1, nbytes)
     for s in range(0, b_i.numel(), chunk):
-        sl = slice(s, s + chunk)
-        b, h = b_i[sl].to(device), h_i[sl].to(device)
-        q = m_i[sl].to(device)[:, None] * bq + rq
-        kv = n_i[sl].to(device)[:, None] * bkv + rk
+        b, h, q0, kv0 = coords[:, s:s + chunk]
+        q, kv = q0[:, None] + rq, kv0[:, None] + rk
+        if ragged:
+            q, kv = q.clamp(max=sq - 1), kv.clamp(max=skv - 1)
         with ctx():
-            allowed = fn(b, h, q.clamp(max=sq - 1), kv.clamp(max=skv - 1)).to(torch.bool)
-        allowed = allowed & (q < sq)[:, :, None] & (kv < skv)[:, None, :]
-        flat = allowed.reshape(allowed.shape[0], -1).to(torch.int32)
+            allowed = fn(b, h, q, kv).to(torch.bool)
+        if ragged:
+            allowed = allowed & (q0[:, None] + rq < sq)[:, :, None] & (kv0[:, None] + rk < skv)[:, None, :]
+        flat = allowed.reshape(allowed.shape[0], -1).view(torch.uint8)
         if pad:
             flat = torch.nn.functional.pad(flat, (0, pad))
-        packed = (flat.view(-1, nbytes, 8) * weights).sum(-1).to(torch.uint8)
-        idx = tuple(i[sl].to(out_device) for i in (b_i, h_i, m_i, w_i))
-        out[idx] = packed.to(out_device)
+        packed = (flat.view(-1, nbytes, 8) * weights).sum(-1, dtype=torch.uint8)
+        rows.index_copy_(0, slot[s:s + chunk], packed.to(out_device))
     return out
 
 
