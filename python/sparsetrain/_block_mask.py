@@ -598,9 +598,11 @@ class BlockMask:
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         m = self.to_torch()
-        if all(t is None or t.device == dev for t in m.tensors().values()):
+        tensors = [t for t in m.tensors().values() if t is not None]
+        if all(t.device == dev for t in tensors):
             return m
-        return m._convert(Framework(torch), lambda t: t.to(dev), convert_permutation=False)
+        moved = dict(zip(map(id, tensors), _packed_to(torch, tensors, dev)))
+        return m._convert(Framework(torch), lambda t: moved[id(t)], convert_permutation=False)
 
     def cuda(self, device: Any = None) -> "BlockMask":
         """to() the current CUDA device (or `device`)."""
@@ -700,11 +702,36 @@ def _uint8_blocks(blocks: Any, fw: Framework) -> Any:
     return a
 
 
+def _packed_to(torch, tensors: List[Any], dev: Any) -> List[Any]:
+    """`tensors` on `dev` through one copy per source device: a mask is a dozen small tensors, and
+    each copy between the host and a GPU is a synchronisation (pageable host memory) and a call
+    of ~10-40 us. Packed as bytes into one buffer where they are (each at a 256-byte boundary, as
+    an allocation of its own would be), the buffer copied, each result a view of the copy."""
+    out: List[Any] = [None] * len(tensors)
+    by_source: Dict[Any, List[int]] = {}
+    for i, t in enumerate(tensors):
+        by_source.setdefault(t.device, []).append(i)
+    for source, idx in by_source.items():
+        spans, total = [], 0
+        for i in idx:
+            spans.append(total)
+            total += -(-tensors[i].numel() * tensors[i].element_size() // 256) * 256
+        buf = torch.empty(total, dtype=torch.uint8, device=source)
+        for i, start in zip(idx, spans):
+            t = tensors[i]
+            buf[start:start + t.numel() * t.element_size()] = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        buf = buf.to(dev)
+        for i, start in zip(idx, spans):
+            t = tensors[i]
+            out[i] = buf[start:start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+    return out
+
+
 # -- torch's flex_attention BlockMask --------------------------------------------------------------
 
 def _flex_lists(torch, counts: Any, indices: Any, name: str, mq: int) -> Tuple[Any, Any]:
-    """A flex (counts, indices) pair as int64 tensors [B, H, Mq] / [B, H, Mq, W] on their device."""
-    counts, indices = counts.detach().to(torch.int64), indices.detach().to(torch.int64)
+    """A flex (counts, indices) pair as int64 CPU tensors [B, H, Mq] / [B, H, Mq, W]."""
+    counts, indices = counts.to(torch.int64), indices.to(torch.int64)
     while indices.dim() < 4:
         indices, counts = indices.unsqueeze(0), counts.unsqueeze(0)
     if indices.dim() != 4 or counts.shape != indices.shape[:3]:
@@ -716,40 +743,26 @@ def _flex_lists(torch, counts: Any, indices: Any, name: str, mq: int) -> Tuple[A
     return counts, indices
 
 
-def _flex_hits(torch, counts: Any, indices: Any, shape: Tuple[int, int, int, int]) -> Tuple[Any, Any]:
-    """(the blocks a flex list pair names as a bool [B, H, Mq, Nk], whether the pair is malformed:
-    counts past the width, ids out of range or duplicates, which a dense matrix would silently
-    merge), both on the lists' device, without a synchronisation."""
-    B, H, mq, nk = shape
-    width = indices.shape[-1]
-    counts, indices = counts.expand(B, H, mq), indices.expand(B, H, mq, width)
-    valid = torch.arange(width, device=indices.device) < counts[..., None]
-    in_range = (indices >= 0) & (indices < nk)
-    hits = torch.zeros(B, H, mq, nk + 1, dtype=torch.int32, device=indices.device)
-    hits.scatter_add_(-1, torch.where(valid & in_range, indices, nk), valid.to(torch.int32))
-    hits = hits[..., :nk]
-    bad = ((counts < 0) | (counts > width)).any() | (valid & ~in_range).any() | (hits > 1).any()
-    return hits > 0, bad
-
-
 def _flex_dense(torch, counts: Any, indices: Any, name: str, shape: Tuple[int, int, int, int]) -> Any:
-    """_flex_hits' blocks, or the ValueError that says what is wrong with the pair (a host check:
-    the error path of _from_flex)."""
+    """The blocks a flex list pair names, as a bool [B, H, Mq, Nk]; a ValueError for counts past
+    the width, ids out of range or duplicates (which a dense matrix would silently merge)."""
     B, H, mq, nk = shape
-    counts, indices = counts.cpu(), indices.cpu()
     width = indices.shape[-1]
-    hits, _ = _flex_hits(torch, counts, indices, shape)
     counts, indices = counts.expand(B, H, mq), indices.expand(B, H, mq, width)
     if bool(((counts < 0) | (counts > width)).any()):
         raise ValueError(f"block_mask.{name}: expected counts in [0, {width}] (the width of the index tensor), "
                          f"got {counts.min().item()}..{counts.max().item()}")
-    ids = indices[torch.arange(width) < counts[..., None]]
+    valid = torch.arange(width) < counts[..., None]
+    ids = indices[valid]
     if bool(((ids < 0) | (ids >= nk)).any()):
         bad = ids[(ids < 0) | (ids >= nk)][0].item()
         raise ValueError(f"block_mask.{name}: expected kv block ids in [0, {nk}), got {bad}")
-    if int(hits.sum()) != ids.numel():
+    hits = torch.zeros(B, H, mq, nk + 1, dtype=torch.int32)
+    hits.scatter_add_(-1, torch.where(valid, indices, nk), torch.ones_like(indices, dtype=torch.int32))
+    hits = hits[..., :nk]
+    if bool((hits > 1).any()):
         raise ValueError(f"block_mask.{name}: expected no duplicate kv blocks in a row, got a block listed twice")
-    return hits
+    return hits > 0
 
 
 def _from_flex(cls, torch, m: Any, batch: Optional[int], heads: Optional[int], schedule: Any,
@@ -763,10 +776,10 @@ def _from_flex(cls, torch, m: Any, batch: Optional[int], heads: Optional[int], s
     bq, bkv = (int(bs), int(bs)) if isinstance(bs, int) else (int(bs[0]), int(bs[1]))
     sq, skv = (int(s) for s in m.seq_lengths)
     mq, nk = -(-sq // bq), -(-skv // bkv)
-    lists = [(*_flex_lists(torch, m.kv_num_blocks, m.kv_indices, "kv_indices", mq), "kv_indices")]
-    if m.full_kv_num_blocks is not None:
-        lists.append((*_flex_lists(torch, m.full_kv_num_blocks, m.full_kv_indices, "full_kv_indices", mq),
-                      "full_kv_indices"))
+    names = ["kv_indices"] + (["full_kv_indices"] if m.full_kv_num_blocks is not None else [])
+    flex = [m.kv_num_blocks, m.kv_indices] + ([m.full_kv_num_blocks, m.full_kv_indices] if len(names) == 2 else [])
+    host = _packed_to(torch, flex, torch.device("cpu"))  # the lists are read on the host: one copy
+    lists = [(*_flex_lists(torch, host[2 * j], host[2 * j + 1], name, mq), name) for j, name in enumerate(names)]
     B = max(c.shape[0] for c, _, _ in lists)
     H = max(c.shape[1] for c, _, _ in lists)
     for arg, want, have in (("batch", batch, B), ("heads", heads, H)):
@@ -777,30 +790,36 @@ def _from_flex(cls, torch, m: Any, batch: Optional[int], heads: Optional[int], s
         if c.shape[0] not in (1, B) or c.shape[1] not in (1, H):
             raise ValueError(f"block_mask.{name}: expected leading dims broadcastable to [{B}, {H}], "
                              f"got {list(c.shape[:2])}")
-    # The dense block matrix where the lists are, and every check reduced there: one transfer to
-    # the host (the builder's side) for both, the only synchronisation with the flex mask's device.
-    shape = (B, H, mq, nk)
-    (partial, bad), *full = (_flex_hits(torch, c, i, shape) for c, i, _ in lists)
+    partial, *full = (_flex_dense(torch, c, i, name, (B, H, mq, nk)) for c, i, name in lists)
     blocks = partial.to(torch.uint8)
     if full:
-        blocks += full[0][0].to(torch.uint8) * 2
-        bad = bad | full[0][1] | (partial & full[0][0]).any()
-    host = torch.cat([blocks.reshape(-1), bad.reshape(1).to(torch.uint8)]).cpu()
-    if host[-1]:
-        dense = [_flex_dense(torch, c, i, name, shape) for c, i, name in lists]
-        if len(dense) == 2 and bool((dense[0] & dense[1]).any()):
+        if bool((partial & full[0]).any()):
             raise ValueError("block_mask.full_kv_indices: expected kv blocks not also partial (in kv_indices), "
                              "got a block in both")
-        raise AssertionError("block_mask: the device checks and the host checks disagree")  # pragma: no cover
+        blocks += full[0].to(torch.uint8) * 2
     target = m.kv_indices.device if device is None else _device_arg(device, "torch")
     target = torch.device("cpu") if target is None else target
     fw = Framework(torch)
-    d = _C.build_block_mask_from_blocks(to_core(host[:-1].view(shape)), sq, skv, bq, bkv, _schedule_arg(schedule),
-                                        fw.allocate, problem=_problem_arg(auto_problem))
+    d = _C.build_block_mask_from_blocks(to_core(blocks), sq, skv, bq, bkv, _schedule_arg(schedule), fw.allocate,
+                                        problem=_problem_arg(auto_problem))
     mask = cls._from_core(d, fw, MaskSpec("bitmask"))
-    mask.partial_bitmasks = _evaluate_bitmasks(torch, m.mask_mod, mask.kv_num_blocks, mask.kv_indices, bq, bkv, sq,
+    width, partial_blocks = _partial_blocks(torch, mask.kv_num_blocks, mask.kv_indices, bq, bkv)
+    mask = mask.to(target)
+    mask.partial_bitmasks = _evaluate_bitmasks(torch, m.mask_mod, width, partial_blocks, (B, H, mq), bq, bkv, sq,
                                                skv, m.kv_indices.device, target)
-    return mask.to(target)
+    return mask
+
+
+def _partial_blocks(torch, counts: Any, indices: Any, bq: int, bkv: int) -> Tuple[Any, Any]:
+    """(W', the partial blocks of host lists [B, H, Mq] / [B, H, Mq, W] in list order): W' the
+    largest count, the blocks an int64 [5, P]: each block's row of the bitmask tensor viewed as
+    [B * H * Mq * W', nbytes], then its b, h, first query and first key."""
+    B, H, mq = counts.shape
+    width = max(1, int(counts.max()))
+    valid = torch.arange(width) < counts.to(torch.int64)[..., None]
+    b, h, i, w = valid.nonzero(as_tuple=True)
+    n = indices.to(torch.int64)[b, h, i, w]
+    return width, torch.stack([((b * H + h) * mq + i) * width + w, b, h, i * bq, n * bkv])
 
 
 def _vmap_blocks(torch, mask_mod):
@@ -811,25 +830,18 @@ def _vmap_blocks(torch, mask_mod):
     return torch.vmap(fn, in_dims=(0, 0, 0, 0))
 
 
-def _evaluate_bitmasks(torch, mask_mod, counts, indices, bq: int, bkv: int, sq: int, skv: int, device,
-                       out_device) -> Any:
-    """uint8 [B, H, Mq, W, ceil(bq * bkv / 8)] parallel to kv_indices (W = the largest partial
-    count) on `out_device`: bit i * bkv + j (LSB first) = mask_mod at row i, column j of the block;
-    positions past the sequences are 0. mask_mod runs on `device` (where its captured tensors
-    live), over as many blocks at a time as a bounded number of elements allows; counts and
-    indices are host tensors. The blocks' coordinates travel in one copy."""
-    B, H, mq = counts.shape
-    width = max(1, int(counts.max()))
+def _evaluate_bitmasks(torch, mask_mod, width: int, blocks: Any, leading: Tuple[int, int, int], bq: int, bkv: int,
+                       sq: int, skv: int, device, out_device) -> Any:
+    """uint8 [B, H, Mq, width, ceil(bq * bkv / 8)] on `out_device`, the partial blocks `blocks`
+    (_partial_blocks, host) at their rows: bit i * bkv + j (LSB first) = mask_mod at row i, column
+    j of the block; positions past the sequences are 0; other rows 0. mask_mod runs on `device`
+    (where its captured tensors live), over as many blocks a step as a bounded number of
+    elements allows."""
     nbytes = (bq * bkv + 7) // 8
-    out = torch.zeros(B, H, mq, width, nbytes, dtype=torch.uint8, device=out_device)
-    valid = torch.arange(width) < counts.to(torch.int64)[..., None]
-    b_i, h_i, m_i, w_i = valid.nonzero(as_tuple=True)
-    if b_i.numel() == 0:
+    out = torch.zeros(*leading, width, nbytes, dtype=torch.uint8, device=out_device)
+    if blocks.shape[1] == 0:
         return out
-    n_i = indices.to(torch.int64)[b_i, h_i, m_i, w_i]
-    slot = ((b_i * H + h_i) * mq + m_i) * width + w_i  # the block's row of out.view(-1, nbytes)
-    coords = torch.stack([b_i, h_i, m_i * bq, n_i * bkv]).to(device)
-    slot = slot.to(out_device)
+    blocks = blocks.to(device)
     fn = _vmap_blocks(torch, mask_mod)
     try:  # flex's create_mask evaluates under this too: tensor[idx] with a batched idx becomes index()
         from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex  # noqa: PLC0415
@@ -845,8 +857,8 @@ def _evaluate_bitmasks(torch, mask_mod, counts, indices, bq: int, bkv: int, sq: 
     # Elements evaluated a step: mask_mod's temporaries are [blocks, bq, bkv] (int64 ones included).
     chunk = max(1, (1 << (24 if torch.device(device).type == "cuda" else 22)) // (bq * bkv))
     rows = out.view(-1, nbytes)
-    for s in range(0, b_i.numel(), chunk):
-        b, h, q0, kv0 = coords[:, s:s + chunk]
+    for s in range(0, blocks.shape[1], chunk):
+        slot, b, h, q0, kv0 = blocks[:, s:s + chunk]
         q, kv = q0[:, None] + rq, kv0[:, None] + rk
         if ragged:
             q, kv = q.clamp(max=sq - 1), kv.clamp(max=skv - 1)
@@ -858,7 +870,7 @@ def _evaluate_bitmasks(torch, mask_mod, counts, indices, bq: int, bkv: int, sq: 
         if pad:
             flat = torch.nn.functional.pad(flat, (0, pad))
         packed = (flat.view(-1, nbytes, 8) * weights).sum(-1, dtype=torch.uint8)
-        rows.index_copy_(0, slot[s:s + chunk], packed.to(out_device))
+        rows.index_copy_(0, slot.to(out_device), packed.to(out_device))
     return out
 
 
