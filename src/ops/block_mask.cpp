@@ -719,16 +719,27 @@ void transpose_block_mask(BlockMaskTensors& out, Allocator* allocator) {
     out.full_q_num_blocks = Tensor();
     out.full_q_indices = Tensor();
   }
+  // Column n of the transpose: the rows whose list holds n, ascending. One pass over the rows
+  // appends each row to the columns its list holds: O(entries), where searching every row for
+  // every column (O(Mq Nk log W)) was most of a host build from blocks. Ids outside [0, Nk) are
+  // skipped and a repeated id counts once.
+  auto transpose = [&](const IndexRows& rows, const Tensor& counts, const Tensor& indices, int64_t b, int64_t h) {
+    int32_t* count = row_ptr(counts, b, h, 0);
+    std::fill_n(count, Nk, 0);
+    for (int64_t r = 0; r < Mq; ++r)
+      for (int32_t i = 0, n_i = std::min(rows.count(r), rows.indices.width); i < n_i; ++i) {
+        const int32_t n = rows.at(r, i);
+        if (n < 0 || n >= Nk) continue;
+        int32_t* column = row_ptr(indices, b, h, n);
+        if (count[n] == 0 || column[count[n] - 1] != int32_t(r)) column[count[n]++] = int32_t(r);
+      }
+  };
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h) {
-      const IndexRows kv = mask_rows(m.kv_num_blocks, m.kv_indices, b, h);
-      const IndexRows fkv = mask_rows(m.full_kv_num_blocks, m.full_kv_indices, b, h);
-      for (int64_t n = 0; n < Nk; ++n) {
-        *row_ptr(out.q_num_blocks, b, h, n) = transpose_column(kv, Mq, int32_t(n), row_ptr(out.q_indices, b, h, n));
-        if (has_full)
-          *row_ptr(out.full_q_num_blocks, b, h, n) =
-              transpose_column(fkv, Mq, int32_t(n), row_ptr(out.full_q_indices, b, h, n));
-      }
+      transpose(mask_rows(m.kv_num_blocks, m.kv_indices, b, h), out.q_num_blocks, out.q_indices, b, h);
+      if (has_full)
+        transpose(mask_rows(m.full_kv_num_blocks, m.full_kv_indices, b, h), out.full_q_num_blocks,
+                  out.full_q_indices, b, h);
     }
   m.q_num_blocks = out.q_num_blocks.view();
   m.q_indices = out.q_indices.view();

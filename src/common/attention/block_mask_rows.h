@@ -1,7 +1,7 @@
 // The per-row steps of building a block mask (block_mask.h): classify the blocks of one row of
-// q blocks under a built-in spec, transpose one kv column, and give one row's columns their dQ
-// turns. Plain host/device code over raw int32 rows: the CPU builders call it once per row, and
-// a CUDA kernel can call it once per thread. Nothing here allocates; scratch is sized by shapes.
+// q blocks under a built-in spec and give one row's columns their dQ turns. Plain host/device
+// code over raw int32 rows: the CPU builders call it once per row, and a CUDA kernel can call it
+// once per thread. Nothing here allocates; scratch is sized by shapes.
 #pragma once
 
 #include <cstdint>
@@ -174,15 +174,6 @@ struct IndexRows {
   // Where `value` sits in row r's sorted list, or -1.
   ST_HOST_DEVICE int64_t find(int64_t r, int32_t value) const { return find_sorted(indices, 0, 0, r, count(r), value); }
 };
-
-// Column n of the transpose: the rows whose (sorted) list holds n, ascending, into out[]; returns
-// how many.
-ST_HOST_DEVICE inline int32_t transpose_column(const IndexRows& rows, int64_t num_rows, int32_t n, int32_t* out) {
-  int32_t k = 0;
-  for (int64_t r = 0; r < num_rows; ++r)
-    if (rows.find(r, n) >= 0) out[k++] = int32_t(r);
-  return k;
-}
 
 // The position of column n in a schedule's hand-out order, and the column at position p.
 // inverse / permutation: kPermutation only (inverse[n] = position of n).

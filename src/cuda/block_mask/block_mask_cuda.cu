@@ -13,7 +13,7 @@
 //     out before it, i.e. write_order_row's rank - 1. Class and rank go to the row's records.
 //   cols_kernel: one CTA per (b, kv block n), one thread per q block m: the same compaction down
 //     column n of the records gives the transposes (the rows m whose list holds n, ascending:
-//     transpose_column) and, next to each entry, its write order: the rank (write_order_row's);
+//     transpose_block_mask's) and, next to each entry, its write order: the rank (write_order_row's);
 //     padding zeroed.
 // Two launches (three for documents) on the caller's stream, no memsets, no host synchronisation.
 #include <cuda_runtime.h>
