@@ -408,7 +408,8 @@ class ExpertParallelMoELayer(nn.Module):
     reversed all at once (one autograd node, _ReturnAll) and each chunk's experts wait only for
     their own gradients (_WaitInBackward), so the experts' backward of one chunk runs while the
     next chunks' gradients travel; the dispatch's reverse exchanges run as autograd reaches them,
-    after the experts. Its speed is not yet measured on GPUs.
+    after the experts. On two H200s (NVLink) it is slower than one exchange: the exchange is a
+    small part of a step there, and the chunks' GEMMs take fewer rows a launch (docs/PERF.md).
 
     Every rank must call forward and backward for every step (the exchanges are collectives), with
     the same requires_grad on its inputs. The symmetric exchange measured 18-20 % slower a step
