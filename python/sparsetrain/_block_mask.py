@@ -706,11 +706,13 @@ def _packed_to(torch, tensors: List[Any], dev: Any) -> List[Any]:
     """`tensors` on `dev` through one copy per source device: a mask is a dozen small tensors, and
     each copy between the host and a GPU is a synchronisation (pageable host memory) and a call
     of ~10-40 us. Packed as bytes into one buffer where they are (each at a 256-byte boundary, as
-    an allocation of its own would be), the buffer copied, each result a view of the copy."""
-    out: List[Any] = [None] * len(tensors)
+    an allocation of its own would be), the buffer copied, each result a view of the copy; a
+    tensor already on `dev` is returned as it is, as Tensor.to does."""
+    out: List[Any] = [t if t.device == dev else None for t in tensors]
     by_source: Dict[Any, List[int]] = {}
     for i, t in enumerate(tensors):
-        by_source.setdefault(t.device, []).append(i)
+        if out[i] is None:
+            by_source.setdefault(t.device, []).append(i)
     for source, idx in by_source.items():
         spans, total = [], 0
         for i in idx:
@@ -874,7 +876,7 @@ def _evaluate_bitmasks(torch, mask_mod, width: int, blocks: Any, leading: Tuple[
             allowed = fn(b, h, q, kv).to(torch.bool)
         if ragged:
             allowed = allowed & (q0[:, None] + rq < sq)[:, :, None] & (kv0[:, None] + rk < skv)[:, None, :]
-        flat = allowed.reshape(allowed.shape[0], -1).view(torch.uint8)
+        flat = allowed.reshape(allowed.shape[0], -1).contiguous().view(torch.uint8)
         if pad:
             flat = torch.nn.functional.pad(flat, (0, pad))
         packed = (flat.view(-1, nbytes, 8) * weights).sum(-1, dtype=torch.uint8)
