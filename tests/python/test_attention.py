@@ -255,6 +255,15 @@ def _head_dependent(b, h, q, kv):
     return (kv <= q + h * 7) & (kv + 20 >= q)
 
 
+# Independent of one index: vmap hands the result back expanded along it (not contiguous).
+def _rows_above(b, h, q, kv):
+    return q < 30
+
+
+def _every_third_key(b, h, q, kv):
+    return kv % 3 == 0
+
+
 FLEX_CASES = {
     "causal": (_causal, 1, 1, 64, 64),
     "causal_odd": (_causal, 1, 1, 45, 45),
@@ -263,6 +272,8 @@ FLEX_CASES = {
     "checkerboard": (_checker, 1, 1, 64, 80),
     "document_causal": ("document", 2, 1, 57, 57),
     "per_head": (_head_dependent, 1, 3, 50, 50),
+    "rows_above": (_rows_above, 1, 1, 45, 45),
+    "every_third_key": (_every_third_key, 1, 1, 40, 45),
 }
 
 
