@@ -738,9 +738,8 @@ def _packed_to(torch, tensors: List[Any], dev: Any) -> List[Any]:
 
 # -- torch's flex_attention BlockMask --------------------------------------------------------------
 
-def _flex_lists(counts: Any, indices: Any, name: str, mq: int) -> Tuple[np.ndarray, np.ndarray]:
-    """A flex (counts, indices) pair (host tensors) as int64 arrays [B, H, Mq] / [B, H, Mq, W]."""
-    counts, indices = counts.numpy().astype(np.int64), indices.numpy().astype(np.int64)
+def _flex_lists(counts: np.ndarray, indices: np.ndarray, name: str, mq: int) -> Tuple[np.ndarray, np.ndarray]:
+    """A flex (counts, indices) pair (int64 arrays) as [B, H, Mq] / [B, H, Mq, W]."""
     while indices.ndim < 4:
         indices, counts = indices[None], counts[None]
     if indices.ndim != 4 or counts.shape != indices.shape[:3]:
@@ -787,7 +786,10 @@ def _from_flex(cls, torch, m: Any, batch: Optional[int], heads: Optional[int], s
     mq, nk = -(-sq // bq), -(-skv // bkv)
     names = ["kv_indices"] + (["full_kv_indices"] if m.full_kv_num_blocks is not None else [])
     flex = [m.kv_num_blocks, m.kv_indices] + ([m.full_kv_num_blocks, m.full_kv_indices] if len(names) == 2 else [])
-    host = _packed_to(torch, flex, torch.device("cpu"))  # the lists are read on the host: one copy
+    # The lists are read on the host: one concatenation and one copy (a copy to the host waits for the GPU).
+    flat = torch.cat([t.detach().reshape(-1) for t in flex]).cpu().numpy().astype(np.int64)
+    ends = np.cumsum([t.numel() for t in flex])
+    host = [a.reshape(t.shape) for a, t in zip(np.split(flat, ends[:-1]), flex)]
     lists = [(*_flex_lists(host[2 * j], host[2 * j + 1], name, mq), name) for j, name in enumerate(names)]
     B = max(c.shape[0] for c, _, _ in lists)
     H = max(c.shape[1] for c, _, _ in lists)
@@ -808,28 +810,38 @@ def _from_flex(cls, torch, m: Any, batch: Optional[int], heads: Optional[int], s
         blocks += full[0].astype(np.uint8) * 2
     target = m.kv_indices.device if device is None else _device_arg(device, "torch")
     target = torch.device("cpu") if target is None else target
+    if target.type == "cuda" and target.index is None:
+        target = torch.device("cuda", torch.cuda.current_device())
     fw = Framework(torch)
-    d = _C.build_block_mask_from_blocks(to_core(blocks), sq, skv, bq, bkv, _schedule_arg(schedule), fw.allocate,
-                                        problem=_problem_arg(auto_problem))
-    mask = cls._from_core(d, fw, MaskSpec("bitmask"))
-    width, partial_blocks = _partial_blocks(torch, mask.kv_num_blocks, mask.kv_indices, bq, bkv)
-    mask = mask.to(target)
+    sched, problem, lib = _schedule_arg(schedule), _problem_arg(auto_problem), _torch_library()
+    width, partial_blocks = _partial_blocks(partial, bq, bkv)
+    if lib is not None:  # built on the host and moved with the coordinates in one copy (torch_block_mask.cpp)
+        permutation = isinstance(sched, list)
+        d = lib.build_block_mask_from_blocks(torch.from_numpy(blocks), sq, skv, bq, bkv, "" if permutation else sched,
+                                             sched if permutation else [], "", problem or [],
+                                             -1 if target.type == "cpu" else target.index,
+                                             [torch.from_numpy(partial_blocks)])
+        mask = cls._from_core(d, fw, MaskSpec("bitmask"), view=lambda t: t)
+        partial_blocks = d["along"][0]
+    else:
+        d = _C.build_block_mask_from_blocks(to_core(blocks), sq, skv, bq, bkv, sched, fw.allocate, problem=problem)
+        mask = cls._from_core(d, fw, MaskSpec("bitmask")).to(target)
+        partial_blocks = torch.from_numpy(partial_blocks)
     mask.partial_bitmasks = _evaluate_bitmasks(torch, m.mask_mod, width, partial_blocks, (B, H, mq), bq, bkv, sq,
                                                skv, m.kv_indices.device, target)
     return mask
 
 
-def _partial_blocks(torch, counts: Any, indices: Any, bq: int, bkv: int) -> Tuple[Any, Any]:
-    """(W', the partial blocks of host lists [B, H, Mq] / [B, H, Mq, W] in list order): W' the
-    largest count, the blocks an int64 [5, P]: each block's row of the bitmask tensor viewed as
-    [B * H * Mq * W', nbytes], then its b, h, first query and first key."""
-    counts, indices = counts.numpy(), indices.numpy()
-    B, H, mq = counts.shape
-    width = max(1, int(counts.max()))
-    valid = np.arange(width) < counts[..., None]
-    b, h, i, w = np.nonzero(valid)
-    n = indices[b, h, i, w].astype(np.int64)
-    return width, torch.from_numpy(np.stack([((b * H + h) * mq + i) * width + w, b, h, i * bq, n * bkv]))
+def _partial_blocks(partial: np.ndarray, bq: int, bkv: int) -> Tuple[int, np.ndarray]:
+    """(W, where the partial blocks of a bool [B, H, Mq, Nk] go): W the longest row of partial
+    blocks (at least 1), and an int64 [5, P] of the blocks in list order (rows in order, ascending
+    kv blocks in a row): each block's row of the bitmask tensor viewed as [B * H * Mq * W, nbytes],
+    then its b, h, first query and first key."""
+    B, H, mq, _ = partial.shape
+    slot = np.cumsum(partial, axis=-1, dtype=np.int64) - 1  # a partial block's place in its row's list
+    width = max(1, int(slot[..., -1].max(initial=-1)) + 1)
+    b, h, i, n = np.nonzero(partial)
+    return width, np.stack([((b * H + h) * mq + i) * width + slot[b, h, i, n], b, h, i * bq, n * bkv])
 
 
 def _vmap_blocks(torch, mask_mod):
@@ -865,7 +877,8 @@ def _evaluate_bitmasks(torch, mask_mod, width: int, blocks: Any, leading: Tuple[
     pad = nbytes * 8 - bq * bkv
     ragged = sq % bq != 0 or skv % bkv != 0  # positions past the sequences to clear
     # Elements evaluated a step: mask_mod's temporaries are [blocks, bq, bkv] (int64 ones included).
-    chunk = max(1, (1 << (24 if torch.device(device).type == "cuda" else 22)) // (bq * bkv))
+    # 2^25 on a GPU: each step's launches cost host time (~0.3 ms), and a few thousand blocks is one step.
+    chunk = max(1, (1 << (25 if torch.device(device).type == "cuda" else 22)) // (bq * bkv))
     rows = out.view(-1, nbytes)
     for s in range(0, blocks.shape[1], chunk):
         slot, b, h, q0, kv0 = blocks[:, s:s + chunk]

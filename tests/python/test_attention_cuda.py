@@ -513,17 +513,25 @@ def test_block_mask_to_cuda_and_back():
 
 
 @pytest.mark.parametrize("mask_mod,B", [(_mod3, None), ("document", 2)], ids=["mod3", "document_causal"])
-def test_from_torch_on_a_cuda_flex_mask_gives_device_tensors(mask_mod, B):
+def test_from_torch_on_a_cuda_flex_mask_gives_device_tensors(mask_mod, B, monkeypatch):
     S = 640
     if mask_mod == "document":
         doc = _odd_documents(2, S, 9)
         mod_cpu, mod_dev = _flex_document_causal(doc), _flex_document_causal(doc.to(DEV))
     else:
         mod_cpu = mod_dev = mask_mod
-    on_dev = st.BlockMask.from_torch(flex.create_block_mask(mod_dev, B, None, S, S, device=DEV, BLOCK_SIZE=128))
+    fm_dev = flex.create_block_mask(mod_dev, B, None, S, S, device=DEV, BLOCK_SIZE=128)
+    on_dev = st.BlockMask.from_torch(fm_dev)
     on_host = st.BlockMask.from_torch(flex.create_block_mask(mod_cpu, B, None, S, S, device="cpu", BLOCK_SIZE=128))
     assert on_dev.device == DEV and on_host.device == torch.device("cpu")
     _assert_same_mask(on_dev, on_host)
+    # Built on the host and moved in one copy (the torch library's route): every list a view of one buffer, at
+    # 256-byte offsets. The route without the library (through `_C`) gives the same mask.
+    lists = [t for n, t in on_dev.tensors().items() if t is not None and n != "partial_bitmasks"]
+    assert len({t.untyped_storage().data_ptr() for t in lists}) == 1
+    assert all((t.data_ptr() - t.untyped_storage().data_ptr()) % 256 == 0 for t in lists)
+    monkeypatch.setattr(sys.modules["sparsetrain._block_mask"], "_TORCH_LIBRARY", [None])
+    _assert_same_mask(st.BlockMask.from_torch(fm_dev), on_host)
     to_host = st.BlockMask.from_torch(flex.create_block_mask(mod_dev, B, None, S, S, device=DEV, BLOCK_SIZE=128),
                                       device="cpu")
     _assert_same_mask(to_host, on_host, torch.device("cpu"))

@@ -1,8 +1,9 @@
-"""BlockMask.build's two routes give the same masks: torch tensors come from the C++ torch library
-(python/src/torch_block_mask.cpp, one call with the padded backward form), numpy arrays (and torch
-tensors where that library is missing) through `_C`. Every kind, schedule and walk, "auto" with a
-problem, document masks with their padded form, on the CPU and (where there is one) a CUDA
-device; bad arguments are ValueErrors naming them, from either route."""
+"""BlockMask.build's and BlockMask.from_torch's two routes give the same masks: torch tensors come
+from the C++ torch library (python/src/torch_block_mask.cpp, one call with the padded backward form,
+or with a flex mask's move to the GPU), numpy arrays (and torch tensors where that library is
+missing) through `_C`. Every kind, schedule and walk, "auto" with a problem, document masks with
+their padded form, on the CPU and (where there is one) a CUDA device; bad arguments are
+ValueErrors naming them, from either route."""
 
 import numpy as np
 import pytest
@@ -130,3 +131,47 @@ def test_bad_arguments_name_themselves(route, monkeypatch):
     for f, needle in cases:
         with pytest.raises(ValueError, match=needle):
             f()
+
+
+def _flex_masks():
+    """flex BlockMasks (host) of a mask_mod varying with b, h, q and kv: leading dims [2, 3] and
+    broadcast ones, ragged lengths, square and non-square blocks."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+
+    def mod(b, h, q, kv):
+        return ((q >= kv) | (kv < 100)) & ((h + b) % 3 != (q // 200) % 3) & (kv % 7 != 3)
+
+    return [flex.create_block_mask(mod, 2, 3, 1000, 900, device="cpu", BLOCK_SIZE=(128, 64)),
+            flex.create_block_mask(lambda b, h, q, kv: (q - kv < 300) & (kv <= q), None, None, 700, 700,
+                                   device="cpu", BLOCK_SIZE=128)]
+
+
+@pytest.mark.parametrize("schedule,problem", [("auto", None), ("auto", (2, 6, 3, 8)), ("shortest_first", None),
+                                              ([4, 0, 3, 1, 2, 5, 6, 7, 8, 9, 10, 11, 12, 13], None)])
+def test_from_torch_routes_agree(schedule, problem, monkeypatch):
+    """BlockMask.from_torch through the torch library (built and moved in one call) and through
+    `_C`: the same mask, bitmasks included, on the host and (where there is one) a CUDA device."""
+    for fm in _flex_masks():
+        perm = isinstance(schedule, list)
+        if perm and len(schedule) != -(-fm.seq_lengths[1] // fm.BLOCK_SIZE[1]):
+            continue
+        devices = ["cpu"] + (["cuda"] if CUDA else [])
+        via_lib = [st.BlockMask.from_torch(fm, schedule=schedule, auto_problem=problem, device=d) for d in devices]
+        with monkeypatch.context() as mp:
+            mp.setattr(_block_mask, "_TORCH_LIBRARY", [None])
+            via_c = [st.BlockMask.from_torch(fm, schedule=schedule, auto_problem=problem, device=d) for d in devices]
+        for d, a, b in zip(devices, via_lib, via_c):
+            assert a.kv_indices.device.type == d and b.kv_indices.device.type == d
+            assert a.partial_bitmasks.device.type == d
+            _same(a, b, f"from_torch {schedule} {problem} on {d}")
+
+
+@pytest.mark.parametrize("route", ["torch_library", "c"])
+def test_from_torch_bad_schedule_names_itself(route, monkeypatch):
+    if route == "c":
+        monkeypatch.setattr(_block_mask, "_TORCH_LIBRARY", [None])
+    fm = _flex_masks()[1]
+    for kw, needle in ((dict(schedule="bogus"), "schedule"), (dict(schedule=[0, 1]), "schedule"),
+                       (dict(auto_problem=(1, 2, 3)), "auto_problem")):
+        with pytest.raises(ValueError, match=needle):
+            st.BlockMask.from_torch(fm, **kw)
