@@ -90,7 +90,8 @@ std::vector<at::Tensor> to_device_packed(const std::vector<at::Tensor>& host, in
   device.copy_(pinned, /*non_blocking=*/true);  // the pinned block is held until the copy is done
   std::vector<at::Tensor> out;
   for (size_t i = 0; i < host.size(); ++i)
-    out.push_back(device.narrow(0, offsets[i], int64_t(host[i].nbytes())).view(host[i].scalar_type()).view(host[i].sizes()));
+    out.push_back(
+        device.narrow(0, offsets[i], int64_t(host[i].nbytes())).view(host[i].scalar_type()).view(host[i].sizes()));
   return out;
 }
 
