@@ -173,6 +173,27 @@ BlockMaskTensors build_doc_padded_mask(const MaskSpec& spec, int64_t seq, int64_
 // The mask's spec is kFull (nothing masked inside partial blocks): set mask.spec for another.
 BlockMaskTensors build_block_mask_from_blocks(const TensorView& blocks, int64_t seq_q, int64_t seq_kv,
                                               const BlockMaskOptions& options = {});
+// FlexAttention's form of a mask's blocks (torch.nn.attention.flex_attention.BlockMask), host
+// memory, int32 or int64: per row of q blocks the partial blocks' count and ids, kv_num_blocks
+// [B', H', Mq] and kv_indices [B', H', Mq, W] (the first count entries of a row are its ids, in any
+// order), and the full blocks' likewise (optional: both undefined); leading dims B', H' are 1 or
+// the mask's batch / heads.
+struct FlexBlockLists {
+  TensorView kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices;
+};
+// The dense block matrix uint8 [batch, heads, Mq, Nk] of `lists` (build_block_mask_from_blocks's
+// input). Everything is checked before the matrix is allocated; an error names the list and the
+// entry: a count outside [0, W], an id outside [0, Nk), an id twice in a row, a block both partial
+// and full.
+Tensor block_matrix_from_flex(const FlexBlockLists& lists, int64_t batch, int64_t heads, int64_t num_kv_blocks,
+                              Allocator* allocator = nullptr);
+// Where the partial blocks of a dense block matrix [B, H, Mq, Nk] go in a bitmask tensor
+// [B, H, Mq, W, nbytes] (build_block_mask_from_function's layout; *width = W, the longest row of
+// partial blocks, at least 1): int64 [5, P], the partial blocks in list order (rows in order, kv
+// blocks ascending), each one's row of that tensor viewed as [B * H * Mq * W, nbytes], then its b,
+// h, first query and first key. What the Python front evaluates a flex mask_mod on.
+Tensor partial_block_places(const TensorView& blocks, int64_t block_q, int64_t block_kv, int64_t* width,
+                            Allocator* allocator = nullptr);
 // From any mask function: allowed(b, h, q, kv) evaluated once per element; blocks with every
 // element allowed become full, with none skipped, the rest partial with a bitmask. Bits of
 // positions past the sequences are 0. The bitmask tensor's width is the largest partial count

@@ -738,41 +738,6 @@ def _packed_to(torch, tensors: List[Any], dev: Any) -> List[Any]:
 
 # -- torch's flex_attention BlockMask --------------------------------------------------------------
 
-def _flex_lists(counts: np.ndarray, indices: np.ndarray, name: str, mq: int) -> Tuple[np.ndarray, np.ndarray]:
-    """A flex (counts, indices) pair (int64 arrays) as [B, H, Mq] / [B, H, Mq, W]."""
-    while indices.ndim < 4:
-        indices, counts = indices[None], counts[None]
-    if indices.ndim != 4 or counts.shape != indices.shape[:3]:
-        raise ValueError(f"block_mask.{name}: expected [B, H, Mq, W] with counts [B, H, Mq], got "
-                         f"{list(indices.shape)} and {list(counts.shape)}")
-    if indices.shape[2] != mq:
-        raise ValueError(f"block_mask.{name}: expected {mq} rows of q blocks (ceil(seq_lengths[0] / BLOCK_SIZE[0])), "
-                         f"got shape {list(indices.shape)}")
-    return counts, indices
-
-
-def _flex_dense(counts: np.ndarray, indices: np.ndarray, name: str, shape: Tuple[int, int, int, int]) -> np.ndarray:
-    """The blocks a flex list pair names, as a bool [B, H, Mq, Nk]; a ValueError for counts past
-    the width, ids out of range or duplicates (which a dense matrix would silently merge). Numpy:
-    a few microseconds an operation on these small arrays, where torch's CPU ops take ~10."""
-    B, H, mq, nk = shape
-    width = indices.shape[-1]
-    counts, indices = np.broadcast_to(counts, (B, H, mq)), np.broadcast_to(indices, (B, H, mq, width))
-    if ((counts < 0) | (counts > width)).any():
-        raise ValueError(f"block_mask.{name}: expected counts in [0, {width}] (the width of the index tensor), "
-                         f"got {counts.min()}..{counts.max()}")
-    valid = np.arange(width) < counts[..., None]
-    ids = indices[valid]
-    if ((ids < 0) | (ids >= nk)).any():
-        bad = ids[(ids < 0) | (ids >= nk)][0]
-        raise ValueError(f"block_mask.{name}: expected kv block ids in [0, {nk}), got {bad}")
-    rows = np.broadcast_to(np.arange(B * H * mq).reshape(B, H, mq, 1), valid.shape)[valid]
-    hits = np.bincount(rows * nk + ids, minlength=B * H * mq * nk).reshape(B, H, mq, nk)
-    if (hits > 1).any():
-        raise ValueError(f"block_mask.{name}: expected no duplicate kv blocks in a row, got a block listed twice")
-    return hits > 0
-
-
 def _from_flex(cls, torch, m: Any, batch: Optional[int], heads: Optional[int], schedule: Any,
                device: Any, auto_problem: Optional[Sequence[int]]) -> BlockMask:
     needed = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "BLOCK_SIZE", "seq_lengths",
@@ -783,65 +748,48 @@ def _from_flex(cls, torch, m: Any, batch: Optional[int], heads: Optional[int], s
     bs = m.BLOCK_SIZE
     bq, bkv = (int(bs), int(bs)) if isinstance(bs, int) else (int(bs[0]), int(bs[1]))
     sq, skv = (int(s) for s in m.seq_lengths)
-    mq, nk = -(-sq // bq), -(-skv // bkv)
-    names = ["kv_indices"] + (["full_kv_indices"] if m.full_kv_num_blocks is not None else [])
-    flex = [m.kv_num_blocks, m.kv_indices] + ([m.full_kv_num_blocks, m.full_kv_indices] if len(names) == 2 else [])
-    # The lists are read on the host: one concatenation and one copy (a copy to the host waits for the GPU).
-    flat = torch.cat([t.detach().reshape(-1) for t in flex]).cpu().numpy().astype(np.int64)
-    ends = np.cumsum([t.numel() for t in flex])
-    host = [a.reshape(t.shape) for a, t in zip(np.split(flat, ends[:-1]), flex)]
-    lists = [(*_flex_lists(host[2 * j], host[2 * j + 1], name, mq), name) for j, name in enumerate(names)]
-    B = max(c.shape[0] for c, _, _ in lists)
-    H = max(c.shape[1] for c, _, _ in lists)
+    mq = -(-sq // bq)
+    names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+    flex = [getattr(m, n) for n in names]  # None for absent full lists (one of the pair alone: refused in C++)
+    for j, t in enumerate(flex):  # the rows here (leading dims may be missing), the rest in block_matrix_from_flex
+        dim = 3 if j % 2 == 0 else 4  # counts [B, H, Mq], ids [B, H, Mq, W]
+        if t is None:
+            continue
+        if not dim - 2 <= t.dim() <= dim or t.shape[t.dim() - dim + 2] != mq:
+            raise ValueError(f"block_mask.{names[j]}: expected [B, H, Mq={mq}{', W' if dim == 4 else ''}] "
+                             f"(Mq = ceil(seq_lengths[0] / BLOCK_SIZE[0])), got {list(t.shape)}")
+        flex[j] = t.reshape((1,) * (dim - t.dim()) + tuple(t.shape))
+    given = [t for t in flex if t is not None]
+    B, H = max(t.shape[0] for t in given), max(t.shape[1] for t in given)
     for arg, want, have in (("batch", batch, B), ("heads", heads, H)):
         if want is not None and (int(want) < 1 or (have != 1 and have != int(want))):
             raise ValueError(f"{arg}: expected a size the block mask's leading dim {have} broadcasts to, got {want}")
     B, H = (B if batch is None else int(batch)), (H if heads is None else int(heads))
-    for c, _, name in lists:
-        if c.shape[0] not in (1, B) or c.shape[1] not in (1, H):
-            raise ValueError(f"block_mask.{name}: expected leading dims broadcastable to [{B}, {H}], "
-                             f"got {list(c.shape[:2])}")
-    partial, *full = (_flex_dense(c, i, name, (B, H, mq, nk)) for c, i, name in lists)
-    blocks = partial.astype(np.uint8)
-    if full:
-        if (partial & full[0]).any():
-            raise ValueError("block_mask.full_kv_indices: expected kv blocks not also partial (in kv_indices), "
-                             "got a block in both")
-        blocks += full[0].astype(np.uint8) * 2
+    # The lists are read on the host: one concatenation and one copy (a copy to the host waits for the GPU).
+    parts = iter(torch.cat([t.detach().reshape(-1) for t in given]).cpu().split([t.numel() for t in given]))
+    host = [None if t is None else next(parts).view(t.shape) for t in flex]
     target = m.kv_indices.device if device is None else _device_arg(device, "torch")
     target = torch.device("cpu") if target is None else target
     if target.type == "cuda" and target.index is None:
         target = torch.device("cuda", torch.cuda.current_device())
     fw = Framework(torch)
     sched, problem, lib = _schedule_arg(schedule), _problem_arg(auto_problem), _torch_library()
-    width, partial_blocks = _partial_blocks(partial, bq, bkv)
-    if lib is not None:  # built on the host and moved with the coordinates in one copy (torch_block_mask.cpp)
+    if lib is not None:  # built on the host and moved with the partial blocks' places in one copy, in C++
         permutation = isinstance(sched, list)
-        d = lib.build_block_mask_from_blocks(torch.from_numpy(blocks), sq, skv, bq, bkv, "" if permutation else sched,
-                                             sched if permutation else [], "", problem or [],
-                                             -1 if target.type == "cpu" else target.index,
-                                             [torch.from_numpy(partial_blocks)])
+        d = lib.build_block_mask_from_flex(*host, B, H, sq, skv, bq, bkv, "" if permutation else sched,
+                                           sched if permutation else [], "", problem or [],
+                                           -1 if target.type == "cpu" else target.index)
         mask = cls._from_core(d, fw, MaskSpec("bitmask"), view=lambda t: t)
-        partial_blocks = d["along"][0]
-    else:
+        width, places = d["partial_width"], d["partial_blocks"]
+    else:  # the same functions through `_C` (a wheel without the torch library)
+        blocks = fw.view(_C.block_matrix_from_flex(*map(to_core, host), B, H, -(-skv // bkv), fw.allocate))
         d = _C.build_block_mask_from_blocks(to_core(blocks), sq, skv, bq, bkv, sched, fw.allocate, problem=problem)
         mask = cls._from_core(d, fw, MaskSpec("bitmask")).to(target)
-        partial_blocks = torch.from_numpy(partial_blocks)
-    mask.partial_bitmasks = _evaluate_bitmasks(torch, m.mask_mod, width, partial_blocks, (B, H, mq), bq, bkv, sq,
+        width, places = _C.partial_block_places(to_core(blocks), bq, bkv, fw.allocate)
+        places = fw.view(places)
+    mask.partial_bitmasks = _evaluate_bitmasks(torch, m.mask_mod, width, places, (B, H, mq), bq, bkv, sq,
                                                skv, m.kv_indices.device, target)
     return mask
-
-
-def _partial_blocks(partial: np.ndarray, bq: int, bkv: int) -> Tuple[int, np.ndarray]:
-    """(W, where the partial blocks of a bool [B, H, Mq, Nk] go): W the longest row of partial
-    blocks (at least 1), and an int64 [5, P] of the blocks in list order (rows in order, ascending
-    kv blocks in a row): each block's row of the bitmask tensor viewed as [B * H * Mq * W, nbytes],
-    then its b, h, first query and first key."""
-    B, H, mq, _ = partial.shape
-    slot = np.cumsum(partial, axis=-1, dtype=np.int64) - 1  # a partial block's place in its row's list
-    width = max(1, int(slot[..., -1].max(initial=-1)) + 1)
-    b, h, i, n = np.nonzero(partial)
-    return width, np.stack([((b * H + h) * mq + i) * width + slot[b, h, i, n], b, h, i * bq, n * bkv])
 
 
 def _vmap_blocks(torch, mask_mod):
@@ -855,7 +803,7 @@ def _vmap_blocks(torch, mask_mod):
 def _evaluate_bitmasks(torch, mask_mod, width: int, blocks: Any, leading: Tuple[int, int, int], bq: int, bkv: int,
                        sq: int, skv: int, device, out_device) -> Any:
     """uint8 [B, H, Mq, width, ceil(bq * bkv / 8)] on `out_device`, the partial blocks `blocks`
-    (_partial_blocks, host) at their rows: bit i * bkv + j (LSB first) = mask_mod at row i, column
+    (partial_block_places) at their rows: bit i * bkv + j (LSB first) = mask_mod at row i, column
     j of the block; positions past the sequences are 0; other rows 0. mask_mod runs on `device`
     (where its captured tensors live), over as many blocks a step as a bounded number of
     elements allows."""

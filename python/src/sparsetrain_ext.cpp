@@ -523,6 +523,28 @@ nb::dict build_mask_from_blocks(nb::handle blocks, int64_t seq_q, int64_t seq_kv
   return export_mask(t, alloc);
 }
 
+// A flex BlockMask's lists (host arrays; the full ones None when absent) as the dense block matrix
+// (block_mask.h block_matrix_from_flex), exported.
+nb::object block_matrix_from_flex(nb::handle kv_num_blocks, nb::handle kv_indices, nb::handle full_kv_num_blocks,
+                                  nb::handle full_kv_indices, int64_t batch, int64_t heads, int64_t num_kv_blocks,
+                                  nb::callable allocator) {
+  PyAllocator alloc(std::move(allocator));
+  st::FlexBlockLists l;
+  l.kv_num_blocks = view_of(kv_num_blocks, "kv_num_blocks");
+  l.kv_indices = view_of(kv_indices, "kv_indices");
+  if (!full_kv_num_blocks.is_none()) l.full_kv_num_blocks = view_of(full_kv_num_blocks, "full_kv_num_blocks");
+  if (!full_kv_indices.is_none()) l.full_kv_indices = view_of(full_kv_indices, "full_kv_indices");
+  return export_tensor(st::block_matrix_from_flex(l, batch, heads, num_kv_blocks, &alloc), alloc);
+}
+
+// (width, the partial blocks' places) of a dense block matrix (block_mask.h partial_block_places).
+nb::tuple partial_block_places(nb::handle blocks, int64_t block_q, int64_t block_kv, nb::callable allocator) {
+  PyAllocator alloc(std::move(allocator));
+  int64_t width = 0;
+  const st::Tensor places = st::partial_block_places(view_of(blocks, "blocks"), block_q, block_kv, &width, &alloc);
+  return nb::make_tuple(width, export_tensor(places, alloc));
+}
+
 // The transposes and write orders of a mask given by its forward lists (the caller's arrays):
 // a dict with q_*, dq_write_order(_full) and the schedule (other tensors None).
 nb::dict complete_mask(nb::tuple mask, nb::handle schedule, nb::callable allocator,
@@ -717,6 +739,11 @@ NB_MODULE(_C, m) {
         nb::arg("cu_seqlens_k"), nb::arg("seq_q"), nb::arg("seq_kv"), nb::arg("allocator"), nb::arg("stream") = 0);
   m.def("build_block_mask_from_blocks", &build_mask_from_blocks, nb::arg("blocks"), nb::arg("seq_q"),
         nb::arg("seq_kv"), nb::arg("block_q"), nb::arg("block_kv"), nb::arg("schedule"), nb::arg("allocator"), nb::arg("walk").none() = nb::none(), nb::arg("problem").none() = nb::none());
+  m.def("block_matrix_from_flex", &block_matrix_from_flex, nb::arg("kv_num_blocks"), nb::arg("kv_indices"),
+        nb::arg("full_kv_num_blocks").none(), nb::arg("full_kv_indices").none(), nb::arg("batch"), nb::arg("heads"),
+        nb::arg("num_kv_blocks"), nb::arg("allocator"));
+  m.def("partial_block_places", &partial_block_places, nb::arg("blocks"), nb::arg("block_q"), nb::arg("block_kv"),
+        nb::arg("allocator"));
   m.def("complete_block_mask", &complete_mask, nb::arg("mask"), nb::arg("schedule"), nb::arg("allocator"), nb::arg("walk").none() = nb::none(), nb::arg("problem").none() = nb::none());
   m.def("validate_block_mask", [](nb::tuple mask, int64_t batch, int64_t heads) {
     st::validate_block_mask(mask_of(mask).mask, batch, heads);

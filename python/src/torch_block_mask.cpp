@@ -137,39 +137,48 @@ py::dict build_block_mask_entry(const std::string& kind, int64_t seq_q, int64_t 
   });
 }
 
-// BlockMask.from_torch's route: build_block_mask_from_blocks on the host (blocks: a host uint8
-// [B, H, Mq, Nk]), then, for device_index >= 0, the whole mask and the host tensors `along` on
-// that CUDA device in one copy (to_device_packed); `along` comes back as "along" (moved or not).
-py::dict build_block_mask_from_blocks_entry(const at::Tensor& blocks, int64_t seq_q, int64_t seq_kv, int64_t block_q,
-                                            int64_t block_kv, const std::string& schedule,
-                                            const std::vector<int32_t>& permutation, const std::string& walk,
-                                            const std::vector<int64_t>& problem, int64_t device_index,
-                                            const std::vector<at::Tensor>& along) {
+// BlockMask.from_torch's route: a flex BlockMask's lists (host tensors; the full ones None when
+// absent, leading dims broadcast to [batch, heads]) as the dense block matrix
+// (block_matrix_from_flex), the mask built from it on the host (build_block_mask_from_blocks) and
+// the partial blocks' places (partial_block_places: "partial_blocks", "partial_width"); for
+// device_index >= 0 all of them then on that CUDA device in one copy (to_device_packed).
+py::dict build_block_mask_from_flex_entry(const at::Tensor& kv_num_blocks, const at::Tensor& kv_indices,
+                                          const std::optional<at::Tensor>& full_kv_num_blocks,
+                                          const std::optional<at::Tensor>& full_kv_indices, int64_t batch,
+                                          int64_t heads, int64_t seq_q, int64_t seq_kv, int64_t block_q,
+                                          int64_t block_kv, const std::string& schedule,
+                                          const std::vector<int32_t>& permutation, const std::string& walk,
+                                          const std::vector<int64_t>& problem, int64_t device_index) {
   return st::torch_ops::translated([&] {
     check_cuda_built(device_index);
-    for (const at::Tensor& t : along)
-      if (!t.device().is_cpu() || !t.is_contiguous())
-        st::detail::throw_arg_error("along", "contiguous host tensors", t.device().str());
     TorchAllocator alloc;
-    const st::BlockMaskTensors t = st::build_block_mask_from_blocks(
-        st::torch_ops::view_of(blocks, "blocks"), seq_q, seq_kv,
-        options_of(block_q, block_kv, schedule, permutation, walk, problem, &alloc));
+    const st::BlockMaskOptions o = options_of(block_q, block_kv, schedule, permutation, walk, problem, &alloc);
+    st::FlexBlockLists l;
+    l.kv_num_blocks = st::torch_ops::view_of(kv_num_blocks, "kv_num_blocks");
+    l.kv_indices = st::torch_ops::view_of(kv_indices, "kv_indices");
+    l.full_kv_num_blocks = st::torch_ops::view_of(full_kv_num_blocks, "full_kv_num_blocks");
+    l.full_kv_indices = st::torch_ops::view_of(full_kv_indices, "full_kv_indices");
+    ST_CHECK_ARG(block_q >= 1 && block_kv >= 1, "block_q / block_kv", ">= 1", block_q, ", ", block_kv);
+    const st::Tensor blocks = st::block_matrix_from_flex(l, batch, heads, (seq_kv + block_kv - 1) / block_kv, &alloc);
+    int64_t width = 0;
+    const at::Tensor places = alloc.take(st::partial_block_places(blocks.view(), block_q, block_kv, &width, &alloc));
+    const st::BlockMaskTensors t = st::build_block_mask_from_blocks(blocks.view(), seq_q, seq_kv, o);
     py::dict d = exported(t, alloc);
+    d["partial_width"] = width;
     if (device_index < 0) {
-      d["along"] = along;
+      d["partial_blocks"] = places;
       return d;
     }
-    std::vector<at::Tensor> host(along);
+    std::vector<at::Tensor> host{places};
     std::vector<const char*> names;
     for (int i = 0; i < st::kBlockMaskTensors; ++i)
       if (!d[st::block_mask_tensor_name(i)].is_none()) {
         names.push_back(st::block_mask_tensor_name(i));
         host.push_back(d[names.back()].cast<at::Tensor>());
       }
-    std::vector<at::Tensor> moved = to_device_packed(host, device_index);
-    for (size_t i = 0; i < names.size(); ++i) d[names[i]] = moved[along.size() + i];
-    moved.resize(along.size());
-    d["along"] = moved;
+    const std::vector<at::Tensor> moved = to_device_packed(host, device_index);
+    d["partial_blocks"] = moved[0];
+    for (size_t i = 0; i < names.size(); ++i) d[names[i]] = moved[i + 1];
     return d;
   });
 }
@@ -178,5 +187,5 @@ py::dict build_block_mask_from_blocks_entry(const at::Tensor& blocks, int64_t se
 
 void st::torch_ops::register_block_mask(py::module_& m) {
   m.def("build_block_mask", &build_block_mask_entry);
-  m.def("build_block_mask_from_blocks", &build_block_mask_from_blocks_entry);
+  m.def("build_block_mask_from_flex", &build_block_mask_from_flex_entry);
 }

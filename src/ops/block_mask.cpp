@@ -631,6 +631,128 @@ BlockMaskTensors build_block_mask_from_blocks(const TensorView& blocks, int64_t 
   return t;
 }
 
+namespace {
+// Entry (b, h, m, k) of a flex list tensor (int32 or int64), its leading dims broadcast.
+int64_t flex_entry(const TensorView& t, int64_t b, int64_t h, int64_t m, int64_t k = 0) {
+  const int64_t off = (t.size(0) == 1 ? 0 : b * t.stride(0)) + (t.size(1) == 1 ? 0 : h * t.stride(1)) +
+                      m * t.stride(2) + (t.dim() > 3 ? k * t.stride(3) : 0);
+  const char* p = t.byte_ptr(off);
+  return t.dtype() == DType::kInt32 ? int64_t(*reinterpret_cast<const int32_t*>(p))
+                                    : *reinterpret_cast<const int64_t*>(p);
+}
+
+std::string flex_row(const char* name, int64_t b, int64_t h, int64_t m) {
+  std::ostringstream os;
+  os << name << "[b=" << b << ", h=" << h << ", q block " << m << "]";
+  return os.str();
+}
+
+void check_flex_list(const TensorView& t, const char* name, int dim, int64_t batch, int64_t heads,
+                     const TensorView& rows_like) {
+  checks::device(t, name, Device::cpu());
+  ST_CHECK_ARG(t.dtype() == DType::kInt32 || t.dtype() == DType::kInt64, name, "int32 or int64",
+               dtype_name(t.dtype()));
+  ST_CHECK_ARG(t.dim() == dim, name, std::to_string(dim) + " dimensions", t.dim(), " (shape ", t.shape_str(), ")");
+  ST_CHECK_ARG((t.size(0) == 1 || t.size(0) == batch) && (t.size(1) == 1 || t.size(1) == heads), name,
+               "leading dims broadcastable to [B=" + std::to_string(batch) + ", H=" + std::to_string(heads) + "]",
+               t.shape_str());
+  ST_CHECK_ARG(t.size(2) == rows_like.size(2), name, "as many rows of q blocks as kv_num_blocks (" +
+               std::to_string(rows_like.size(2)) + ")", t.size(2));
+  checks::non_null(t, name);
+}
+}  // namespace
+
+Tensor block_matrix_from_flex(const FlexBlockLists& l, int64_t batch, int64_t heads, int64_t num_kv_blocks,
+                              Allocator* allocator) {
+  ST_CHECK_ARG(batch >= 1 && heads >= 1, "batch / heads", "sizes >= 1", batch, ", ", heads);
+  ST_CHECK_ARG(num_kv_blocks >= 1, "num_kv_blocks", ">= 1", num_kv_blocks);
+  checks::defined(l.kv_num_blocks, "kv_num_blocks", "int32 [B, H, Mq]");
+  checks::defined(l.kv_indices, "kv_indices", "int32 [B, H, Mq, W]");
+  const bool full = l.full_kv_num_blocks.defined() || l.full_kv_indices.defined();
+  if (full) {
+    checks::defined(l.full_kv_num_blocks, "full_kv_num_blocks", "int32 [B, H, Mq] (with full_kv_indices)");
+    checks::defined(l.full_kv_indices, "full_kv_indices", "int32 [B, H, Mq, W] (with full_kv_num_blocks)");
+  }
+  const TensorView& rows = l.kv_num_blocks;
+  check_flex_list(l.kv_num_blocks, "kv_num_blocks", 3, batch, heads, rows);
+  check_flex_list(l.kv_indices, "kv_indices", 4, batch, heads, rows);
+  if (full) {
+    check_flex_list(l.full_kv_num_blocks, "full_kv_num_blocks", 3, batch, heads, rows);
+    check_flex_list(l.full_kv_indices, "full_kv_indices", 4, batch, heads, rows);
+  }
+  const int64_t Mq = rows.size(2), Nk = num_kv_blocks;
+  // Validated and filled in one pass into a scratch matrix: the result is allocated only after.
+  std::vector<uint8_t> dense(size_t(batch * heads * Mq * Nk), 0);
+  const struct {
+    const TensorView *counts, *ids;
+    const char *cname, *iname;
+    uint8_t cls;
+  } lists[2] = {{&l.kv_num_blocks, &l.kv_indices, "kv_num_blocks", "kv_indices", uint8_t(kBlockPartial)},
+                {&l.full_kv_num_blocks, &l.full_kv_indices, "full_kv_num_blocks", "full_kv_indices",
+                 uint8_t(kBlockFull)}};
+  for (const auto& list : lists) {
+    if (!list.counts->defined()) continue;
+    const int64_t width = list.ids->size(3);
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t m = 0; m < Mq; ++m) {
+          uint8_t* row = dense.data() + ((b * heads + h) * Mq + m) * Nk;
+          const int64_t c = flex_entry(*list.counts, b, h, m);
+          ST_CHECK_ARG(c >= 0 && c <= width, flex_row(list.cname, b, h, m).c_str(),
+                       "a count in [0, " + std::to_string(width) + "] (the width of " + list.iname + ")", c);
+          for (int64_t k = 0; k < c; ++k) {
+            const int64_t n = flex_entry(*list.ids, b, h, m, k);
+            const auto where = [&] { return flex_row(list.iname, b, h, m) + " entry " + std::to_string(k); };
+            ST_CHECK_ARG(n >= 0 && n < Nk, where().c_str(), "a kv block in [0, " + std::to_string(Nk) + ")", n);
+            ST_CHECK_ARG(row[n] == 0, where().c_str(),
+                         row[n] == list.cls ? "no duplicate kv blocks in a row"
+                                            : "kv blocks that are not also partial (in kv_indices)",
+                         "kv block ", n, row[n] == list.cls ? " twice" : " in both");
+            row[n] = list.cls;
+          }
+        }
+  }
+  Tensor out = new_tensor(DType::kUInt8, {batch, heads, Mq, Nk}, alloc_or_default(allocator));
+  std::copy(dense.begin(), dense.end(), out.view().data_as<uint8_t>());
+  return out;
+}
+
+Tensor partial_block_places(const TensorView& blocks, int64_t block_q, int64_t block_kv, int64_t* width,
+                            Allocator* allocator) {
+  checks::defined(blocks, "blocks", "a uint8 block matrix [B, H, Mq, Nk]");
+  checks::dtype(blocks, "blocks", DType::kUInt8);
+  checks::device(blocks, "blocks", Device::cpu());
+  ST_CHECK_ARG(blocks.dim() == 4, "blocks", "4 dimensions [B, H, Mq, Nk]", blocks.shape_str());
+  ST_CHECK_ARG(block_q >= 1 && block_kv >= 1, "block_q / block_kv", ">= 1", block_q, ", ", block_kv);
+  const int64_t B = blocks.size(0), H = blocks.size(1), Mq = blocks.size(2), Nk = blocks.size(3);
+  const auto at = [&](int64_t r, int64_t n) {  // r: the row (b * H + h) * Mq + m
+    const int64_t b = r / (H * Mq), h = r / Mq % H, m = r % Mq;
+    return *reinterpret_cast<const uint8_t*>(
+        blocks.byte_ptr(b * blocks.stride(0) + h * blocks.stride(1) + m * blocks.stride(2) + n * blocks.stride(3)));
+  };
+  int64_t total = 0, w = 1;
+  for (int64_t r = 0; r < B * H * Mq; ++r) {
+    int64_t c = 0;
+    for (int64_t n = 0; n < Nk; ++n) c += at(r, n) == kBlockPartial;
+    total += c;
+    w = std::max(w, c);
+  }
+  Tensor out = new_tensor(DType::kInt64, {5, total}, alloc_or_default(allocator));
+  int64_t* p = out.view().data_as<int64_t>();
+  for (int64_t r = 0, i = 0; r < B * H * Mq; ++r)
+    for (int64_t n = 0, k = 0; n < Nk; ++n)
+      if (at(r, n) == kBlockPartial) {
+        p[i] = r * w + k++;
+        p[total + i] = r / (H * Mq);
+        p[2 * total + i] = r / Mq % H;
+        p[3 * total + i] = r % Mq * block_q;
+        p[4 * total + i] = n * block_kv;
+        ++i;
+      }
+  *width = w;
+  return out;
+}
+
 BlockMaskTensors build_block_mask_from_function(MaskFunction allowed, void* context, int64_t batch, int64_t heads,
                                                 int64_t seq_q, int64_t seq_kv, const BlockMaskOptions& options) {
   check_options(options, seq_q, seq_kv);

@@ -200,6 +200,102 @@ TEST(BlockMaskBuilders, FromBlocksRoundTripsRandomMatrices) {
   }
 }
 
+// FlexAttention's lists of random block matrices (ids shuffled within a row, garbage past the
+// counts, int32 and int64, the full lists present or not, leading dims broadcast) give the matrix
+// back; the partial blocks' places are the built mask's lists, in order.
+TEST(BlockMaskBuilders, FlexListsGiveTheirMatrixAndPlaces) {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 24; ++trial) {
+    const int64_t B = 1 + rng() % 3, H = 1 + rng() % 3, Mq = 1 + rng() % 6, Nk = 1 + rng() % 9;
+    const bool full_lists = trial % 3 != 0, wide = trial % 2 == 0, broadcast_h = trial % 4 == 1;
+    const int64_t Hl = broadcast_h ? 1 : H;  // the lists' own head dim
+    const st::DType dt = trial % 5 == 0 ? st::DType::kInt64 : st::DType::kInt32;
+    HostTensor want(st::DType::kUInt8, {B, H, Mq, Nk});
+    auto* w = static_cast<uint8_t*>(want.data());
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t h = 0; h < Hl; ++h)
+        for (int64_t i = 0; i < Mq * Nk; ++i) {
+          const uint8_t v = uint8_t(rng() % 3 == 0 ? 0 : (full_lists ? 1 + rng() % 2 : 1));
+          for (int64_t hh = broadcast_h ? 0 : h; hh < (broadcast_h ? H : h + 1); ++hh) w[((b * H + hh) * Mq) * Nk + i] = v;
+        }
+    const int64_t W = wide ? Nk + 2 : Nk;
+    HostTensor counts[2] = {HostTensor(dt, {B, Hl, Mq}), HostTensor(dt, {B, Hl, Mq})};
+    HostTensor ids[2] = {HostTensor(dt, {B, Hl, Mq, W}), HostTensor(dt, {B, Hl, Mq, W})};
+    for (int cls = 1; cls <= 2; ++cls)
+      for (int64_t r = 0; r < B * Hl * Mq; ++r) {
+        const int64_t b = r / (Hl * Mq), h = r / Mq % Hl, m = r % Mq;
+        std::vector<int64_t> row;
+        for (int64_t n = 0; n < Nk; ++n)
+          if (w[((b * H + h) * Mq + m) * Nk + n] == cls) row.push_back(n);
+        std::shuffle(row.begin(), row.end(), rng);
+        counts[cls - 1].set(r, double(row.size()));
+        for (int64_t k = 0; k < W; ++k)
+          ids[cls - 1].set(r * W + k, k < int64_t(row.size()) ? double(row[size_t(k)]) : double(rng() % 50));
+      }
+    st::FlexBlockLists l{counts[0].view(), ids[0].view(), {}, {}};
+    if (full_lists) l.full_kv_num_blocks = counts[1].view(), l.full_kv_indices = ids[1].view();
+    const st::Tensor got = st::block_matrix_from_flex(l, B, H, Nk);
+    ASSERT_EQ(got.view().dim(), 4);
+    ASSERT_EQ(std::memcmp(got.view().data(), want.data(), size_t(B * H * Mq * Nk)), 0) << "trial " << trial;
+
+    const int64_t bq = 1 + rng() % 64, bk = 1 + rng() % 64;
+    int64_t width = 0;
+    const st::Tensor places = st::partial_block_places(got.view(), bq, bk, &width);
+    st::BlockMaskOptions o;
+    o.block_q = bq, o.block_kv = bk;
+    const auto t = st::build_block_mask_from_blocks(want.view(), Mq * bq, Nk * bk, o);
+    const int32_t* num = i32(t.kv_num_blocks);
+    const int64_t P = places.view().size(1);
+    int64_t longest = 1, total = 0;
+    for (int64_t r = 0; r < B * H * Mq; ++r) longest = std::max<int64_t>(longest, num[r]), total += num[r];
+    ASSERT_EQ(width, longest);
+    ASSERT_EQ(P, total);
+    const int64_t* p = places.view().data_as<int64_t>();
+    for (int64_t r = 0, i = 0; r < B * H * Mq; ++r)
+      for (int32_t k = 0; k < num[r]; ++k, ++i) {
+        const int64_t b = r / (H * Mq), h = r / Mq % H, m = r % Mq;
+        ASSERT_EQ(p[i], r * width + k);
+        ASSERT_EQ(p[P + i], b);
+        ASSERT_EQ(p[2 * P + i], h);
+        ASSERT_EQ(p[3 * P + i], m * bq);
+        ASSERT_EQ(p[4 * P + i], int64_t(i32(t.kv_indices)[r * Nk + k]) * bk);
+      }
+  }
+}
+
+TEST(BlockMaskErrors, FlexListsAreCheckedEntryByEntry) {
+  HostTensor c(st::DType::kInt32, {1, 1, 2}), ids(st::DType::kInt32, {1, 1, 2, 2});
+  HostTensor fc(st::DType::kInt32, {1, 1, 2}), fids(st::DType::kInt32, {1, 1, 2, 2});
+  const auto lists = [&](bool full) {
+    return st::FlexBlockLists{c.view(), ids.view(), full ? fc.view() : st::TensorView(),
+                              full ? fids.view() : st::TensorView()};
+  };
+  const auto run = [&](bool full) { st::block_matrix_from_flex(lists(full), 1, 1, 3); };
+  c.set(0, 1), c.set(1, 3);
+  expect_error([&] { run(false); }, {"kv_num_blocks[b=0, h=0, q block 1]", "a count in [0, 2] (the width of kv_indices)", "got 3"});
+  c.set(1, -1);
+  expect_error([&] { run(false); }, {"kv_num_blocks[b=0, h=0, q block 1]", "got -1"});
+  c.set(1, 2), ids.set(2, 1), ids.set(3, 3);
+  expect_error([&] { run(false); }, {"kv_indices[b=0, h=0, q block 1] entry 1", "a kv block in [0, 3)", "got 3"});
+  ids.set(3, 1);
+  expect_error([&] { run(false); }, {"kv_indices[b=0, h=0, q block 1] entry 1", "no duplicate kv blocks in a row", "kv block 1 twice"});
+  ids.set(3, 0), fc.set(0, 1), fids.set(0, 0);
+  expect_error([&] { run(true); }, {"full_kv_indices[b=0, h=0, q block 0] entry 0", "not also partial (in kv_indices)", "kv block 0 in both"});
+  fids.set(0, 2);
+  EXPECT_NO_THROW(run(true));
+  expect_error([&] { st::block_matrix_from_flex({c.view(), ids.view(), fc.view(), {}}, 1, 1, 3); }, {"full_kv_indices", "with full_kv_num_blocks"});
+  EXPECT_NO_THROW(st::block_matrix_from_flex(lists(false), 2, 1, 3));  // B' = 1 broadcasts
+  HostTensor c2(st::DType::kInt32, {2, 1, 2});
+  expect_error([&] { st::block_matrix_from_flex({c2.view(), ids.view(), {}, {}}, 3, 1, 3); }, {"kv_num_blocks", "broadcastable to [B=3, H=1]", "[2, 1, 2]"});
+  HostTensor c3(st::DType::kInt32, {1, 1, 3});
+  expect_error([&] { st::block_matrix_from_flex({c.view(), ids.view(), c3.view(), fids.view()}, 1, 1, 3); }, {"full_kv_num_blocks", "as many rows of q blocks as kv_num_blocks (2)", "got 3"});
+  HostTensor f32(st::DType::kFP32, {1, 1, 2});
+  expect_error([&] { st::block_matrix_from_flex({f32.view(), ids.view(), {}, {}}, 1, 1, 3); }, {"kv_num_blocks", "int32 or int64", "fp32"});
+  HostTensor blocks(st::DType::kUInt8, {1, 1, 1});
+  int64_t width = 0;
+  expect_error([&] { st::partial_block_places(blocks.view(), 16, 16, &width); }, {"blocks", "4 dimensions"});
+}
+
 // A mask function with full, skipped and ragged partial blocks: a banded pattern that differs
 // per (b, h), plus a hole.
 struct Pattern {

@@ -8,6 +8,8 @@ of forward + backward; bad input; BlockMask.to(device). CPU tensors (the CUDA on
 test_attention_cuda.py); skipped visibly where torch is not installed."""
 
 import contextlib
+import sys
+import types
 import warnings
 
 import numpy as np
@@ -401,17 +403,48 @@ def test_from_torch_auto_walk_follows_the_problem():
         st.BlockMask.from_torch(fm, auto_problem=(2, 16, 16))
 
 
-def test_from_torch_rejects_bad_lists():
+def _flex_like(kv_num, kv_idx, full_num=None, full_idx=None, seq=(32, 32)):
+    """An object with a flex BlockMask's attributes (flex's own constructors reject some bad lists first)."""
+    t = lambda x: None if x is None else torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    return types.SimpleNamespace(kv_num_blocks=t(kv_num), kv_indices=t(kv_idx), full_kv_num_blocks=t(full_num),
+                                 full_kv_indices=t(full_idx), BLOCK_SIZE=(16, 16), seq_lengths=seq,
+                                 mask_mod=lambda b, h, q, kv: q >= kv)
+
+
+@pytest.mark.parametrize("route", ["torch_library", "c"])
+def test_from_torch_rejects_bad_lists(route, monkeypatch):
+    """Every rule of block_matrix_from_flex (block_mask.h), through both routes, before anything is built."""
+    if route == "c":
+        monkeypatch.setattr(sys.modules["sparsetrain._block_mask"], "_TORCH_LIBRARY", [None])
     kv_num = torch.tensor([[[1, 3]]], dtype=torch.int32)
     kv_idx = torch.tensor([[[[0, 0], [0, 1]]]], dtype=torch.int32)
     fm = flex.BlockMask.from_kv_blocks(kv_num, kv_idx, BLOCK_SIZE=16, seq_lengths=(32, 32))
-    with pytest.raises(ValueError, match=r"block_mask.kv_indices: expected counts in \[0, 2\]"):
+    with pytest.raises(ValueError, match=r"kv_num_blocks\[b=0, h=0, q block 1\]: expected a count in \[0, 2\] "
+                                         r"\(the width of kv_indices\), got 3"):
         st.BlockMask.from_torch(fm)
     kv_idx = torch.tensor([[[[0, 0], [1, 1]]]], dtype=torch.int32)
     fm = flex.BlockMask.from_kv_blocks(torch.tensor([[[1, 2]]], dtype=torch.int32), kv_idx, BLOCK_SIZE=16,
                                        seq_lengths=(32, 32))
-    with pytest.raises(ValueError, match="block_mask.kv_indices: expected no duplicate"):
+    with pytest.raises(ValueError, match=r"kv_indices\[b=0, h=0, q block 1\] entry 1: expected no duplicate kv "
+                                         "blocks in a row, got kv block 1 twice"):
         st.BlockMask.from_torch(fm)
+    cases = [
+        (_flex_like([[[1, 1]]], [[[[0], [2]]]]), r"kv_indices\[b=0, h=0, q block 1\] entry 0: expected a kv block "
+                                                 r"in \[0, 2\), got 2"),
+        (_flex_like([[[1, -1]]], [[[[0], [1]]]]), r"kv_num_blocks\[b=0, h=0, q block 1\]: expected a count in"),
+        (_flex_like([[[1, 1]]], [[[[0], [1]]]], [[[1, 0]]], [[[[0], [0]]]]),
+         r"full_kv_indices\[b=0, h=0, q block 0\] entry 0: expected kv blocks that are not also partial "
+         r"\(in kv_indices\), got kv block 0 in both"),
+        (_flex_like([[[1, 1]]], [[[[0], [1]]]], [[[1, 0]]], None), "full_kv_indices"),
+        (_flex_like([[[1, 1]]] * 2, [[[[0], [1]]]] * 3), r"kv_num_blocks: expected leading dims broadcastable to "
+                                                         r"\[B=3, H=1\], got \[2, 1, 2\]"),
+        (_flex_like([[[1, 1, 1]]], [[[[0], [1], [1]]]]), r"block_mask.kv_num_blocks: expected \[B, H, Mq=2\]"),
+        (_flex_like([[[1, 1]]], [[[[0]], [[1]]]]), r"block_mask.kv_indices: expected \[B, H, Mq=2, W\]"),
+    ]
+    for m, match in cases:
+        with pytest.raises(ValueError, match=match):
+            st.BlockMask.from_torch(m)
+    assert st.BlockMask.from_torch(_flex_like([[[1, 1]]], [[[[0], [1]]]])).kv_num_blocks.tolist() == [[[1, 1]]]
     with pytest.raises(ValueError, match="block_mask: expected a torch.nn.attention.flex_attention.BlockMask"):
         st.BlockMask.from_torch(object())
 
