@@ -12,13 +12,14 @@ bitmasks. `to(device)` moves a mask (torch tensors).
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from . import _C
+from . import _C, _mask_mod
 from ._arrays import Framework, _is_torch, name_of_dtype, to_core
 
 __all__ = ["BlockMask", "MaskSpec", "MASK_KINDS", "document_ids_from_cu_seqlens", "block_sparse_attention_forward",
@@ -792,12 +793,11 @@ def _from_flex(cls, torch, m: Any, batch: Optional[int], heads: Optional[int], s
     return mask
 
 
-def _vmap_blocks(torch, mask_mod):
-    """mask_mod(b, h, q, kv) over index tensors b [P], h [P], q [P, bq], kv [P, bkv] -> [P, bq, bkv]:
-    one vmap level per index as in flex's create_mask, the outer one over the partial blocks."""
-    fn = torch.vmap(mask_mod, in_dims=(None, None, None, 0))
-    fn = torch.vmap(fn, in_dims=(None, None, 0, None))
-    return torch.vmap(fn, in_dims=(0, 0, 0, 0))
+@functools.lru_cache(maxsize=16)
+def _block_offsets(torch, device: Any, bq: int, bkv: int) -> Tuple[Any, Any, Any]:
+    """(arange(bq), arange(bkv), the 8 bit weights) on `device`: made once, not three launches a call."""
+    return (torch.arange(bq, device=device), torch.arange(bkv, device=device),
+            (1 << torch.arange(8, device=device)).to(torch.uint8))
 
 
 def _evaluate_bitmasks(torch, mask_mod, width: int, blocks: Any, leading: Tuple[int, int, int], bq: int, bkv: int,
@@ -812,16 +812,9 @@ def _evaluate_bitmasks(torch, mask_mod, width: int, blocks: Any, leading: Tuple[
     if blocks.shape[1] == 0:
         return out
     blocks = blocks.to(device)
-    fn = _vmap_blocks(torch, mask_mod)
-    try:  # flex's create_mask evaluates under this too: tensor[idx] with a batched idx becomes index()
-        from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex  # noqa: PLC0415
-        ctx = TransformGetItemToIndex
-    except ImportError:  # pragma: no cover - older torch
-        import contextlib  # noqa: PLC0415
-        ctx = contextlib.nullcontext
-    rq = torch.arange(bq, device=device)
-    rk = torch.arange(bkv, device=device)
-    weights = (1 << torch.arange(8, device=device)).to(torch.uint8)
+    device = blocks.device  # resolved ("cuda" -> "cuda:0"): the key of _block_offsets
+    rq, rk, weights = _block_offsets(torch, device, bq, bkv)
+    elementwise = _mask_mod.is_elementwise(torch, mask_mod, device)
     pad = nbytes * 8 - bq * bkv
     ragged = sq % bq != 0 or skv % bkv != 0  # positions past the sequences to clear
     # Elements evaluated a step: mask_mod's temporaries are [blocks, bq, bkv] (int64 ones included).
@@ -833,8 +826,7 @@ def _evaluate_bitmasks(torch, mask_mod, width: int, blocks: Any, leading: Tuple[
         q, kv = q0[:, None] + rq, kv0[:, None] + rk
         if ragged:
             q, kv = q.clamp(max=sq - 1), kv.clamp(max=skv - 1)
-        with ctx():
-            allowed = fn(b, h, q, kv).to(torch.bool)
+        allowed = _mask_mod.evaluate(torch, mask_mod, b, h, q, kv, elementwise)
         if ragged:
             allowed = allowed & (q0[:, None] + rq < sq)[:, :, None] & (kv0[:, None] + rk < skv)[:, None, :]
         flat = allowed.reshape(allowed.shape[0], -1).contiguous().view(torch.uint8)

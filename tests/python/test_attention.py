@@ -266,6 +266,26 @@ def _every_third_key(b, h, q, kv):
     return kv % 3 == 0
 
 
+# Not shown elementwise (sparsetrain/_mask_mod.py): evaluated through vmap, as flex does. Broadcast
+# indices would give other values for the first two.
+def _reads_its_shape(b, h, q, kv):
+    return (q >= kv) if q.dim() == 0 else (q < kv)
+
+
+def _reduces(b, h, q, kv):
+    return (kv <= q.max()) & (kv + 9 >= q)
+
+
+def _float_constant(b, h, q, kv):
+    return (kv < torch.tensor(20.5)) | (q >= kv)
+
+
+def _in_place(b, h, q, kv):
+    k = kv.clone()
+    k.add_(3)
+    return q >= k
+
+
 FLEX_CASES = {
     "causal": (_causal, 1, 1, 64, 64),
     "causal_odd": (_causal, 1, 1, 45, 45),
@@ -276,7 +296,32 @@ FLEX_CASES = {
     "per_head": (_head_dependent, 1, 3, 50, 50),
     "rows_above": (_rows_above, 1, 1, 45, 45),
     "every_third_key": (_every_third_key, 1, 1, 40, 45),
+    "reads_its_shape": (_reads_its_shape, 1, 1, 45, 45),
+    "reduces": (_reduces, 1, 2, 45, 50),
+    "float_constant": (_float_constant, 1, 1, 45, 45),
+    "in_place": (_in_place, 1, 1, 45, 45),
 }
+NOT_ELEMENTWISE = ("reads_its_shape", "reduces", "float_constant", "in_place")
+
+
+@pytest.mark.parametrize("name", list(FLEX_CASES), ids=list(FLEX_CASES))
+def test_mask_mod_evaluation_broadcasts_only_what_is_shown_elementwise(name):
+    """The verdict of each case, and on random blocks (odd starts, every b and h) the broadcast
+    evaluation equals vmap's where it is taken."""
+    from sparsetrain import _mask_mod
+
+    mask_mod, B, H, Sq, Skv = _flex_case(name)
+    elementwise = _mask_mod.is_elementwise(torch, mask_mod, torch.device("cpu"))
+    assert elementwise == (name not in NOT_ELEMENTWISE)
+    g = torch.Generator().manual_seed(len(name))
+    P, bq, bkv = 7, 8, 5
+    b, h = torch.randint(0, B, (P,), generator=g), torch.randint(0, H, (P,), generator=g)
+    q = torch.randint(0, Sq - bq + 1, (P, 1), generator=g) + torch.arange(bq)
+    kv = torch.randint(0, Skv - bkv + 1, (P, 1), generator=g) + torch.arange(bkv)
+    via_vmap = _mask_mod.evaluate(torch, mask_mod, b, h, q, kv, False)
+    assert via_vmap.shape == (P, bq, bkv) and via_vmap.dtype == torch.bool
+    if elementwise:
+        assert torch.equal(_mask_mod.evaluate(torch, mask_mod, b, h, q, kv, True), via_vmap)
 
 
 def _flex_case(name):
