@@ -470,13 +470,16 @@ class BlockMask:
                    auto_problem: Optional[Sequence[int]] = None) -> "BlockMask":
         """torch.nn.attention.flex_attention.BlockMask as it is: its partial and full blocks
         (full_kv_* may be None: every listed block is then partial), BLOCK_SIZE and seq_lengths,
-        and its mask_mod evaluated once per partial block into bitmasks (vectorised with torch.vmap
-        over broadcast index tensors, as flex's create_mask does). torch's q_* are not used: the
+        and its mask_mod evaluated once per partial block into bitmasks, with flex's meaning
+        (create_mask's: vmapped over 0-d indices; on broadcast index tensors where one watched call
+        shows the mask_mod elementwise, sparsetrain/_mask_mod.py). The lists are checked before
+        anything is built (counts, ids, duplicates, a block both partial and full: ValueErrors
+        naming the entry). torch's q_* are not used: the
         transposes and dQ write orders are ours (for `schedule`). mask_mod sees the block mask's own
         batch / head indices; one that depends on b or h under a mask built with B or H = 1 (flex
         then broadcasts it) needs `batch` / `heads` here to be evaluated per batch row / head.
         The result holds torch tensors on `device`: by default the flex mask's own device (the
-        lists, transposes and write orders are built on the host and copied there; mask_mod always
+        lists, transposes and write orders are built on the host and copied there in one copy; mask_mod always
         runs on the flex mask's device, where the tensors it captures live). schedule and
         auto_problem as in build: "auto" runs the scheduler model on auto_problem (batch, heads_q,
         heads_kv, workers of the attention this mask serves; by default the mask's own leading

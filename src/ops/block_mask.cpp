@@ -725,23 +725,25 @@ Tensor partial_block_places(const TensorView& blocks, int64_t block_q, int64_t b
   ST_CHECK_ARG(blocks.dim() == 4, "blocks", "4 dimensions [B, H, Mq, Nk]", blocks.shape_str());
   ST_CHECK_ARG(block_q >= 1 && block_kv >= 1, "block_q / block_kv", ">= 1", block_q, ", ", block_kv);
   const int64_t B = blocks.size(0), H = blocks.size(1), Mq = blocks.size(2), Nk = blocks.size(3);
-  const auto at = [&](int64_t r, int64_t n) {  // r: the row (b * H + h) * Mq + m
-    const int64_t b = r / (H * Mq), h = r / Mq % H, m = r % Mq;
-    return *reinterpret_cast<const uint8_t*>(
-        blocks.byte_ptr(b * blocks.stride(0) + h * blocks.stride(1) + m * blocks.stride(2) + n * blocks.stride(3)));
+  const int64_t rows = B * H * Mq, sn = blocks.stride(3);
+  const auto row = [&](int64_t r) {  // r = (b * H + h) * Mq + m
+    return reinterpret_cast<const uint8_t*>(
+        blocks.byte_ptr(r / (H * Mq) * blocks.stride(0) + r / Mq % H * blocks.stride(1) + r % Mq * blocks.stride(2)));
   };
   int64_t total = 0, w = 1;
-  for (int64_t r = 0; r < B * H * Mq; ++r) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* v = row(r);
     int64_t c = 0;
-    for (int64_t n = 0; n < Nk; ++n) c += at(r, n) == kBlockPartial;
+    for (int64_t n = 0; n < Nk; ++n) c += v[n * sn] == kBlockPartial;
     total += c;
     w = std::max(w, c);
   }
   Tensor out = new_tensor(DType::kInt64, {5, total}, alloc_or_default(allocator));
   int64_t* p = out.view().data_as<int64_t>();
-  for (int64_t r = 0, i = 0; r < B * H * Mq; ++r)
+  for (int64_t r = 0, i = 0; r < rows; ++r) {
+    const uint8_t* v = row(r);
     for (int64_t n = 0, k = 0; n < Nk; ++n)
-      if (at(r, n) == kBlockPartial) {
+      if (v[n * sn] == kBlockPartial) {
         p[i] = r * w + k++;
         p[total + i] = r / (H * Mq);
         p[2 * total + i] = r / Mq % H;
@@ -749,6 +751,7 @@ Tensor partial_block_places(const TensorView& blocks, int64_t block_q, int64_t b
         p[4 * total + i] = n * block_kv;
         ++i;
       }
+  }
   *width = w;
   return out;
 }
