@@ -304,6 +304,23 @@ FLEX_CASES = {
 NOT_ELEMENTWISE = ("reads_its_shape", "reduces", "float_constant", "in_place")
 
 
+@pytest.mark.parametrize("mask_mod,elementwise", [
+    (lambda b, h, q, kv: (q >= kv) if len(q.shape) == 0 else (q < kv), False),
+    (lambda b, h, q, kv: (q >= kv) if q.ndim == 0 else (q < kv), False),
+    (lambda b, h, q, kv: (q >= kv) & (kv < q.numel() * 5), False),
+    (lambda b, h, q, kv: (q >= kv) if bool(q >= 0) else (q < kv), False),  # Python control flow on a value
+    (lambda b, h, q, kv: torch.where(q >= kv, 1, 0), False),  # int64 constants beside a bool condition
+    (lambda b, h, q, kv: True, False),  # not a tensor: vmap reports it
+    (lambda b, h, q, kv: torch.where(q >= kv, True, False), True),
+    (lambda b, h, q, kv: torch.maximum(q, kv) < 40, True),
+    (lambda b, h, q, kv: (q - kv).abs() <= 3, True),
+], ids=["shape", "ndim", "numel", "branch", "where_int", "python_bool", "where_bool", "maximum", "abs"])
+def test_mask_mod_verdicts(mask_mod, elementwise):
+    from sparsetrain import _mask_mod
+
+    assert _mask_mod.is_elementwise(torch, mask_mod, torch.device("cpu")) == elementwise
+
+
 @pytest.mark.parametrize("name", list(FLEX_CASES), ids=list(FLEX_CASES))
 def test_mask_mod_evaluation_broadcasts_only_what_is_shown_elementwise(name):
     """The verdict of each case, and on random blocks (odd starts, every b and h) the broadcast
