@@ -774,8 +774,6 @@ def _from_flex(cls, torch, m: Any, batch: Optional[int], heads: Optional[int], s
     host = [None if t is None else next(parts).view(t.shape) for t in flex]
     target = m.kv_indices.device if device is None else _device_arg(device, "torch")
     target = torch.device("cpu") if target is None else target
-    if target.type == "cuda" and target.index is None:
-        target = torch.device("cuda", torch.cuda.current_device())
     fw = Framework(torch)
     sched, problem, lib = _schedule_arg(schedule), _problem_arg(auto_problem), _torch_library()
     if lib is not None:  # built on the host and moved with the partial blocks' places in one copy, in C++
@@ -815,7 +813,6 @@ def _evaluate_bitmasks(torch, mask_mod, width: int, blocks: Any, leading: Tuple[
     if blocks.shape[1] == 0:
         return out
     blocks = blocks.to(device)
-    device = blocks.device  # resolved ("cuda" -> "cuda:0"): the key of _block_offsets
     rq, rk, weights = _block_offsets(torch, device, bq, bkv)
     elementwise = _mask_mod.is_elementwise(torch, mask_mod, device)
     pad = nbytes * 8 - bq * bkv
