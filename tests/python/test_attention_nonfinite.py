@@ -191,6 +191,7 @@ def _hopper():
 
 
 hopper = pytest.mark.skipif(not _hopper(), reason="no Hopper GPU (or a CPU-only build): CUDA non-finite tests skipped")
+CUDA_D = 128  # bf16 at D = 128 is in every build, a MINIMAL one too; the rule is the same at every head dim
 
 
 @hopper
@@ -198,7 +199,7 @@ hopper = pytest.mark.skipif(not _hopper(), reason="no Hopper GPU (or a CPU-only 
 @pytest.mark.parametrize("name", list(CASES))
 def test_cuda_results_are_non_finite_where_the_cpu_reference_says(name, injection):
     kind, Sq, Skv, params, doc = _case(name, 128)
-    B, Hq, Hkv, D = 1, 2, 1, 64
+    B, Hq, Hkv, D = 1, 2, 1, CUDA_D
     x = _inputs(B, Hq, Hkv, Sq, Skv, D, torch.bfloat16, "cuda", injection, seed=len(name))
     want = _run({n: t.cpu() for n, t in x.items()}, _mask(kind, Sq, Skv, 128, doc, "cpu", params))
     mask = _mask(kind, Sq, Skv, 128, doc, "cuda", params)
@@ -215,7 +216,7 @@ def test_cuda_padded_document_backward_hides_nothing(injection):
     """The padded backward's tiles are not the mask's blocks: at least every allowed pair's
     elements are non-finite (the oracle over the allowed pairs alone); the forward is exact."""
     kind, Sq, Skv, params, doc = _case("document_causal", 128, lengths=[150, 37, 209, 130])
-    B, Hq, Hkv, D = 1, 2, 1, 64
+    B, Hq, Hkv, D = 1, 2, 1, CUDA_D
     x = _inputs(B, Hq, Hkv, Sq, Skv, D, torch.bfloat16, "cuda", injection, seed=3)
     mask = _mask(kind, Sq, Skv, 128, doc, "cuda", params, doc_padding=128)
     assert mask.backward_padded is not None

@@ -1,15 +1,15 @@
 """The array API's `stream=`: everything the library allocates for a call belongs to the stream its
 kernels run on (seed 000's race). Kernels queued on a side stream behind a long sleep, while the
-current stream at once allocates and zero-fills memory of the sizes the call allocates (the
-workspace's, or every allocation's): had anything the call freed gone back to the current stream's
-pool, the fill would take it and our kernels, running later, would write into it (the filled memory
-must still read zero) or read it after the fill. Results must be bitwise those of the same calls on
-the current stream. GroupedLinear, GroupedMLP, the attention forward and backward over arrays, and
-BlockMask.build on a CUDA device (whose stream is torch's current one). Also the torch module's
-sticky status word of device splits read after CUDA-graph replays, a training step's forward and
-backward on different streams, two layers' steps on concurrent streams, and a layer never holding
-AccumulateGrad nodes made on a stream no longer current. GPU only: skipped visibly
-without one (the attention without a Hopper GPU)."""
+current stream at once allocates and zero-fills memory of every size the call allocated (torch's
+allocator's trace): had anything the call freed gone back to the current stream's pool, the fill
+would take it and our kernels, running later, would write into it (the filled memory must still
+read zero) or read it after the fill. Results must be bitwise those of the same calls on the
+current stream. GroupedLinear, GroupedMLP, the attention forward and backward over arrays, and
+BlockMask.build on a CUDA device (whose stream is torch's current one; both of its routes). Also
+the torch module's sticky status word of device splits read after CUDA-graph replays, a training
+step's forward and backward on different streams, two layers' steps on concurrent streams, and a
+layer never holding AccumulateGrad nodes made on a stream no longer current. GPU only: skipped
+visibly without one (the attention without a Hopper GPU)."""
 
 import contextlib
 
@@ -20,7 +20,6 @@ torch = pytest.importorskip("torch", reason="torch is not installed: stream test
 import sparsetrain  # noqa: E402
 import sparsetrain.torch as stt  # noqa: E402
 import sparsetrain.torch.native as stn  # noqa: E402
-from sparsetrain._arrays import Framework  # noqa: E402
 from training_steps import AttentionStep, LayerStep, assert_same  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available() or not sparsetrain.built_with_cuda(),
@@ -48,11 +47,11 @@ def _flatten(result):
     return []
 
 
-def _side_stream_run(nbytes, calls):
+def _side_stream_run(sizes, calls):
     """Runs `calls(stream)` on a sleeping side stream while the current stream reuses freed
-    memory at once (16 blocks of each size in `nbytes`, an int or a list, as the allocator callback
-    asks for them: + 256 bytes); returns its results after both streams are done, once that memory
-    is seen to be untouched by the calls' kernels."""
+    memory at once (16 blocks of each of `sizes`, as torch's allocator handed them out);
+    returns its results after both streams are done, once that memory is seen to be untouched by
+    the calls' kernels."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())  # the inputs are ready
     with torch.cuda.stream(side):
@@ -60,8 +59,7 @@ def _side_stream_run(nbytes, calls):
     results = calls(side.cuda_stream)
     assert not side.query(), "the side stream was done before the calls returned: the host waited, nothing raced"
     # Anything the calls freed and the current stream could take, taken and overwritten now.
-    sizes = [nbytes] if isinstance(nbytes, int) else list(nbytes)
-    junk = [torch.zeros(n + 256, dtype=torch.uint8, device="cuda") for n in sizes for _ in range(16)]
+    junk = [torch.zeros(n, dtype=torch.uint8, device="cuda") for n in sizes for _ in range(16)]
     torch.cuda.synchronize()
     written = sum(int(j.count_nonzero()) for j in junk)
     assert written == 0, (f"{written} bytes of memory the current stream took while the calls' kernels were pending "
@@ -71,20 +69,20 @@ def _side_stream_run(nbytes, calls):
 
 
 def _recording_allocations(calls):
-    """calls() on the current stream, and the sorted distinct sizes of every allocation it asked
-    the library's allocator callback (Framework.allocate) for: results and workspaces alike."""
-    sizes = []
-    allocate = Framework.allocate
-
-    def recording(self, nbytes, *args):
-        sizes.append(int(nbytes))
-        return allocate(self, nbytes, *args)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Framework, "allocate", recording)
+    """calls() on the current stream, and the sorted distinct sizes of every block torch's caching
+    allocator handed out meanwhile (its trace): results and workspaces alike, whether the library
+    asked through its allocator callback (Framework.allocate) or allocated in its C++ torch library."""
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history("all", context=None, stacks="python")
+    try:
         results = calls()
-    assert sizes, "the calls allocated nothing through Framework.allocate: nothing to race on"
-    return results, sorted(set(sizes))
+        trace = torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()]
+    finally:
+        torch.cuda.memory._record_memory_history(None)
+    sizes = sorted({int(e["size"]) for e in trace if e["action"] == "alloc"})
+    assert sizes, "the calls allocated nothing through torch's allocator: nothing to race on"
+    torch.cuda.synchronize()
+    return results, sizes
 
 
 def _check_same(got, want):
@@ -107,9 +105,8 @@ def test_grouped_linear_on_a_side_stream_keeps_its_memory_from_the_current_strea
         kw = {} if stream is None else {"stream": stream}
         return layer.forward(x, SPLITS, **kw), layer.backward(x, dy, SPLITS, **kw)
 
-    want = calls()
-    torch.cuda.synchronize()
-    _check_same(_side_stream_run(layer.workspace_size(T), calls), want)
+    want, sizes = _recording_allocations(calls)
+    _check_same(_side_stream_run(sizes, calls), want)
 
 
 @cuda
@@ -127,9 +124,8 @@ def test_grouped_mlp_on_a_side_stream_keeps_its_memory_from_the_current_stream()
         y, fc1_out = mlp.forward(x, SPLITS, probs, **kw)
         return y, fc1_out, mlp.backward(x, fc1_out, probs, dy, SPLITS, **kw)
 
-    want = calls()
-    torch.cuda.synchronize()
-    _check_same(_side_stream_run(mlp.workspace_size(T), calls), want)
+    want, sizes = _recording_allocations(calls)
+    _check_same(_side_stream_run(sizes, calls), want)
 
 
 @hopper
@@ -151,16 +147,20 @@ def test_attention_arrays_on_a_side_stream_keep_their_memory_from_the_current_st
         return o, lse, sparsetrain.block_sparse_attention_backward(q, k, v, o, lse, do, mask, **kw)
 
     want, sizes = _recording_allocations(calls)
-    torch.cuda.synchronize()
     _check_same(_side_stream_run(sizes, calls), want)
 
 
 @cuda
-def test_block_mask_build_on_a_side_stream_keeps_its_memory_from_the_current_stream():
+@pytest.mark.parametrize("route", ["torch library", "_C"])
+def test_block_mask_build_on_a_side_stream_keeps_its_memory_from_the_current_stream(route, monkeypatch):
     """BlockMask.build(..., device="cuda") with a sleeping side stream as torch's current stream
     (document_causal over device document ids, shortest-first schedule; a two-sided sliding
     window, "auto" schedule): every tensor of both masks bitwise those of the same builds on the
-    current stream, and no memory the current stream takes at once written by the build's kernels."""
+    current stream, and no memory the current stream takes at once written by the build's kernels.
+    Through the C++ torch library (its own allocations), and through `_C` (the allocator callback),
+    the route of an install without that library."""
+    if route == "_C":
+        monkeypatch.setattr(sparsetrain._block_mask, "_torch_library", lambda: None)
     B, S = 2, 3000
     gen = torch.Generator().manual_seed(3)
     doc = torch.empty(B, S, dtype=torch.int32)
@@ -181,7 +181,6 @@ def test_block_mask_build_on_a_side_stream_keeps_its_memory_from_the_current_str
         return [t for m in masks for t in m.tensors().values() if t is not None]
 
     want, sizes = _recording_allocations(calls)
-    torch.cuda.synchronize()
     _check_same(_side_stream_run(sizes, calls), want)
 
 
