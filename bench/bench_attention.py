@@ -4,10 +4,11 @@ masks causal, sliding window 2048 (causal) and document-causal (documents of ran
 classes of DESIGN section 9: document-causal with lengths drawn from 1..3000 on a long packed
 sequence (B=2, S=16384) beside dense causal at the same shape, sliding windows 512 and 1024
 (causal), causal at S=2048 and S=4096 with B*H = 128 (B=8, H=16: short rows), causal GQA 8:1 at
-D=64; a 128k-token packed row of documents of 1..8192 tokens, GQA 8:2 (B=1); and two masks a
+D=64; a 128k-token packed row of documents of 1..8192 tokens, GQA 8:2 (B=1); and masks a
 FlexAttention user brings as a mask_mod (a prefix LM over the first S / 4 keys; 64 attention sinks with a causal
-window of 1024), ours taken over from flex's BlockMask by BlockMask.from_torch (bitmask partial
-blocks). Forward of
+window of 1024; landmarks with a causal window; and, with many partial blocks, B=1 S=16384:
+chunked-causal in chunks of 2048, a causal window of 640, a dilated window of 1536, stride 3),
+ours taken over from flex's BlockMask by BlockMask.from_torch (bitmask partial blocks). Forward of
 ours (sparsetrain.torch.block_sparse_attention) against FlexAttention
 (torch.compile(flex_attention, dynamic=False) on the same mask from create_block_mask(...,
 _compile=True)) and, for the dense-causal cases, cuDNN SDPA (sdpa_kernel(CUDNN_ATTENTION),
@@ -126,17 +127,28 @@ CASES = {
     "flexmod_sinks_window_1024": Case("flex_sinks_window", 16, 16, 128, window=1024),
     "flexmod_sinks_window_1024_gqa8": Case("flex_sinks_window", 32, 4, 128, window=1024),
     "flexmod_landmarks_window_1024": Case("flex_landmarks_window", 16, 16, 128, window=1024),
+    # Masks with many partial blocks (issue 58's deliverable 4), B1 H16 S16384: chunked-causal
+    # attention (chunks of `window` keys), a causal window of 640 (not a multiple of 128) and a
+    # dilated window (every DILATION-th key within 1536), each as a mask_mod.
+    "flexmod_chunked_causal_2048": Case("flex_chunked_causal", 16, 16, 128, B=1, S=16384, window=2048),
+    "flexmod_window_640": Case("flex_window", 16, 16, 128, B=1, S=16384, window=640),
+    "flexmod_dilated_window_1536": Case("flex_dilated_window", 16, 16, 128, B=1, S=16384, window=1536),
 }
 # The mask_mod kinds: a prefix LM (causal, plus the first S / PREFIX_DIV keys for every query) and
 # attention sinks with a causal window (the first SINKS keys, plus keys at most `window` back),
 # and landmarks with a causal window (the first LANDMARKS keys of every LANDMARK_PERIOD, plus the
-# window: a long kv column every 8 blocks, as in strided or global-token attention).
-FLEX_KINDS = ("flex_prefix_lm", "flex_sinks_window", "flex_landmarks_window")
+# window: a long kv column every 8 blocks, as in strided or global-token attention); chunked-causal
+# (causal within chunks of `window` keys), a causal window, and a dilated causal window (keys at
+# most `window` back and a multiple of DILATION away).
+FLEX_KINDS = ("flex_prefix_lm", "flex_sinks_window", "flex_landmarks_window", "flex_chunked_causal", "flex_window",
+              "flex_dilated_window")
 PREFIX_DIV, SINKS = 4, 64
 LANDMARK_PERIOD, LANDMARKS = 1024, 64
-# The build rows: ours built from the kind on the device (BlockMask.build), and for the mask_mod
-# kinds ours taken over from flex's mask (BlockMask.from_torch), against create_block_mask.
-BUILDS = {f"build_{k}": k for k in ("causal", "sliding_window", "document_causal", *FLEX_KINDS)}
+DILATION = 3
+# The build rows: ours built from the kind on the device (BlockMask.build), and for the first three
+# mask_mod kinds ours taken over from flex's mask (BlockMask.from_torch), against create_block_mask
+# (each of its compiles takes ~100 s of the lent GPU's host).
+BUILDS = {f"build_{k}": k for k in ("causal", "sliding_window", "document_causal", *FLEX_KINDS[:3])}
 
 
 class Geometry(NamedTuple):
@@ -196,6 +208,12 @@ def flex_kind_allowed(kind, g, q, kv, const=lambda x: x):
         return causal & ((q - kv <= const(g.window)) | (kv < const(SINKS)))
     if kind == "flex_landmarks_window":
         return causal & ((q - kv <= const(g.window)) | (kv % const(LANDMARK_PERIOD) < const(LANDMARKS)))
+    if kind == "flex_chunked_causal":
+        return causal & (q // const(g.window) == kv // const(g.window))
+    if kind == "flex_window":
+        return causal & (q - kv <= const(g.window))
+    if kind == "flex_dilated_window":  # (q - kv) % d only where q >= kv: CuTe's remainder and torch's agree there
+        return causal & (q - kv <= const(g.window)) & ((q - kv) % const(DILATION) == const(0))
     raise ValueError(kind)
 
 
@@ -248,6 +266,14 @@ def pairs_per_batch(kind, g, doc_cpu):
             return (x // LANDMARK_PERIOD) * LANDMARKS + min(x % LANDMARK_PERIOD, LANDMARKS)
         w = g.window
         return [sum(min(q, w) + 1 + landmarks_below(max(0, q - w)) for q in range(S))] * B
+    if kind == "flex_chunked_causal":  # causal within each chunk (the last one possibly shorter)
+        c = g.window
+        return [(S // c) * (c * (c + 1) // 2) + (S % c) * (S % c + 1) // 2] * B
+    if kind == "flex_window":  # as sliding_window
+        w = min(g.window, S - 1)
+        return [w * (w + 1) // 2 + (S - w) * (w + 1)] * B
+    if kind == "flex_dilated_window":  # keys q, q - d, q - 2d, ... down to q - min(q, w)
+        return [sum(min(q, g.window) // DILATION + 1 for q in range(S))] * B
     raise ValueError(kind)
 
 
