@@ -245,7 +245,7 @@ def pairs_per_batch(kind, g, doc_cpu):
     B, S = g.B, g.S
     if kind == "causal":
         return [S * (S + 1) // 2] * B
-    if kind == "sliding_window":
+    if kind in ("sliding_window", "flex_window"):
         w = min(g.window, S - 1)  # rows q < w see q + 1 keys, the others w + 1
         return [w * (w + 1) // 2 + (S - w) * (w + 1)] * B
     if kind == "document_causal":
@@ -269,9 +269,6 @@ def pairs_per_batch(kind, g, doc_cpu):
     if kind == "flex_chunked_causal":  # causal within each chunk (the last one possibly shorter)
         c = g.window
         return [(S // c) * (c * (c + 1) // 2) + (S % c) * (S % c + 1) // 2] * B
-    if kind == "flex_window":  # as sliding_window
-        w = min(g.window, S - 1)
-        return [w * (w + 1) // 2 + (S - w) * (w + 1)] * B
     if kind == "flex_dilated_window":  # keys q, q - d, q - 2d, ... down to q - min(q, w)
         return [sum(min(q, g.window) // DILATION + 1 for q in range(S))] * B
     raise ValueError(kind)
