@@ -160,7 +160,8 @@ class GroupedLinear {
   void set_main_grad(const GroupedParam& main_grad);
 
  private:
-  friend class GroupedMLP;  // its FP8 forward hands fc2 h' already quantized (forward_quantized)
+  friend class GroupedMLP;  // its FP8 forward hands fc2 h' already quantized (forward_quantized), fc1
+                            // the MoE layer's tokens and rows (forward_gathered, backward_rows)
 
   struct Pending {
     TensorView x, dy;
@@ -168,15 +169,24 @@ class GroupedLinear {
     std::shared_ptr<const void> keep_alive;  // CallArgs::keep_alive of the backward
   };
   // wgrad and bias grad with the group offsets already in the workspace. dy_columnwise: FP8, dy's
-  // wgrad layout when the dgrad's quantization already wrote it (else quantized here).
-  GroupedLinearGrads compute_wgrad(const TensorView& x, const TensorView& dy, const int64_t* offsets,
-                                   void* scratch, Stream stream, const ops::Fp8Operand* dy_columnwise = nullptr);
-  // forward with x already quantized rowwise (FP8, T = its rows); forward_rows: both, after the
-  // input's own check (x, or xq when given).
+  // wgrad layout when the dgrad's quantization already wrote it (else quantized here). x_rows as
+  // backward_rows'.
+  GroupedLinearGrads compute_wgrad(const TensorView& x, const TensorView& x_rows, const TensorView& dy,
+                                   const int64_t* offsets, void* scratch, Stream stream,
+                                   const ops::Fp8Operand* dy_columnwise = nullptr);
+  // backward on x's rows x_rows (int32 [T]) when given: FP8 with the wgrad now only (its columnwise
+  // quantizer gathers them); backward: without x_rows.
+  GroupedLinearGrads backward_rows(const TensorView& x, const TensorView& x_rows, const TensorView& dy,
+                                   const Splits& splits, const TensorView& grad_input, const CallArgs& args);
+  // forward with x already quantized rowwise (FP8, T = its rows); forward_gathered (FP8): on x's
+  // rows x_rows (int32 [T], valid indices: the caller's), gathered by the quantizer; forward_rows:
+  // all three, after the input's own check (x, or xq when given).
   Tensor forward_quantized(const ops::Fp8Operand& xq, const Splits& splits, const TensorView& out,
                            const CallArgs& args);
-  Tensor forward_rows(const TensorView& x, const ops::Fp8Operand* xq, int64_t T, const Splits& splits,
-                      const TensorView& out, const CallArgs& args);
+  Tensor forward_gathered(const TensorView& x, const TensorView& x_rows, const Splits& splits, const TensorView& out,
+                          const CallArgs& args);
+  Tensor forward_rows(const TensorView& x, const TensorView& x_rows, const ops::Fp8Operand* xq, int64_t T,
+                      const Splits& splits, const TensorView& out, const CallArgs& args);
   // What the FP8 GEMMs read of the layer (ops/grouped_linear_fp8.h), at a call's weight version.
   ops::Fp8Layer fp8_layer(uint64_t weight_version);
   // A zero tensor of the weight's shape: the cached one, or a new one (CallArgs::cache_dummy_wgrad).

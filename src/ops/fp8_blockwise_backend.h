@@ -29,20 +29,31 @@ struct Fp8Groups {
 // Columnwise: src [T, C] -> data uint8 [C, fp8_columnwise_columns(T, G)] (the rest of each expert's
 // last tile: zero codes), scale fp32 [fp8_columnwise_scale_count(T, C, G)].
 // src is bf16, fp16 or fp32. Slots of no tile are not written.
+// src_rows (optional): int32 [T] on the compute device, entries in [0, src rows): the operand's
+// row r is src's row src_rows[r] (rows may repeat), so the quantizer gathers as it reads (the MoE
+// layer's expert-major rows straight from its tokens, never written in the dtype). The codes and
+// scales are bitwise those of the gathered matrix; T is src_rows' length, src's rows any number.
 struct Fp8QuantizeParams {
   Fp8Groups groups;
   TensorView src;
   Fp8Tensor dst;
+  TensorView src_rows = {};
 };
 
 // Both layouts of src [T, K] from one read of it (a gradient that dgrad reads rowwise and wgrad
 // columnwise): bitwise what quantize_rowwise into `rowwise` and quantize_columnwise into
-// `columnwise` write.
+// `columnwise` write. src_rows as above.
 struct Fp8QuantizeBothParams {
   Fp8Groups groups;
   TensorView src;
   Fp8Tensor rowwise, columnwise;
+  TensorView src_rows = {};
 };
+
+// The operand's rows T: src_rows' length when given, else src's rows.
+inline int64_t fp8_operand_rows(const TensorView& src, const TensorView& src_rows) {
+  return src_rows.defined() ? src_rows.size(0) : src.size(0);
+}
 
 // The inverse: dst fp32 [T, K] (any strides) gets rows below S, exactly.
 struct Fp8DequantizeParams {

@@ -143,18 +143,26 @@ size_t GroupedLinear::workspace_size(int64_t T) const {
 Tensor GroupedLinear::forward(const TensorView& x, const Splits& splits, const TensorView& out,
                               const CallArgs& args) {
   check_activation(x, "x", options_.dtype, device(), -1, options_.in_features, "in_features");
-  return forward_rows(x, nullptr, x.size(0), splits, out, args);
+  return forward_rows(x, {}, nullptr, x.size(0), splits, out, args);
 }
 
 Tensor GroupedLinear::forward_quantized(const ops::Fp8Operand& xq, const Splits& splits, const TensorView& out,
                                         const CallArgs& args) {
   if (options_.fp8 == Fp8Recipe::kOff || xq.data.view().dim() != 2 || xq.data.view().size(1) != options_.in_features)
     ST_FAIL("GroupedLinear::forward_quantized: expected an FP8 layer and rowwise codes [T, in_features]");
-  return forward_rows({}, &xq, xq.data.view().size(0), splits, out, args);
+  return forward_rows({}, {}, &xq, xq.data.view().size(0), splits, out, args);
 }
 
-Tensor GroupedLinear::forward_rows(const TensorView& x, const ops::Fp8Operand* xq, int64_t T, const Splits& splits,
-                                   const TensorView& out, const CallArgs& args) {
+Tensor GroupedLinear::forward_gathered(const TensorView& x, const TensorView& x_rows, const Splits& splits,
+                                       const TensorView& out, const CallArgs& args) {
+  if (options_.fp8 == Fp8Recipe::kOff)
+    ST_FAIL("GroupedLinear::forward_gathered: expected an FP8 layer (the quantizer gathers)");
+  check_activation(x, "x", options_.dtype, device(), -1, options_.in_features, "in_features");
+  return forward_rows(x, x_rows, nullptr, x_rows.size(0), splits, out, args);
+}
+
+Tensor GroupedLinear::forward_rows(const TensorView& x, const TensorView& x_rows, const ops::Fp8Operand* xq,
+                                   int64_t T, const Splits& splits, const TensorView& out, const CallArgs& args) {
   const GroupedLinearOptions& o = options_;
   const Device dev = device();
   GroupedLinearBackend& be = backend_for(dev, "x");
@@ -176,7 +184,8 @@ Tensor GroupedLinear::forward_rows(const TensorView& x, const ops::Fp8Operand* x
       ops::fp8_fprop_quantized(fp8_layer(args.weight_version), *xq, ws.offsets, y.view(), zero_tail, ws.scratch,
                                args.stream);
     else
-      ops::fp8_fprop(fp8_layer(args.weight_version), x, ws.offsets, y.view(), zero_tail, ws.scratch, args.stream);
+      ops::fp8_fprop(fp8_layer(args.weight_version), x, x_rows, ws.offsets, y.view(), zero_tail, ws.scratch,
+                     args.stream);
     return y;
   }
   std::vector<int64_t> host_offsets;
@@ -202,14 +211,14 @@ Tensor GroupedLinear::dummy_wgrad(bool cached, Stream stream) {
   return d;
 }
 
-GroupedLinearGrads GroupedLinear::compute_wgrad(const TensorView& x, const TensorView& dy,
+GroupedLinearGrads GroupedLinear::compute_wgrad(const TensorView& x, const TensorView& x_rows, const TensorView& dy,
                                                 const int64_t* offsets, void* scratch, Stream stream,
                                                 const ops::Fp8Operand* dy_columnwise) {
   const GroupedLinearOptions& o = options_;
   const int64_t G = o.num_groups;
   GroupedLinearBackend& be = backend_for(device(), "x");
   GroupedLinearGrads grads;
-  backend::WgradParams p{{o.dtype, G, x.size(0), o.in_features, o.out_features, offsets},
+  backend::WgradParams p{{o.dtype, G, dy.size(0), o.in_features, o.out_features, offsets},
                          x, dy, backend::WgradTarget::kWeightGrad, {}, {}};
   if (o.fuse_wgrad_accumulation) {
     p.target = o.overwrite_main_grad ? backend::WgradTarget::kMainGradOverwrite
@@ -236,18 +245,26 @@ GroupedLinearGrads GroupedLinear::compute_wgrad(const TensorView& x, const Tenso
     for (int64_t g = 0; g < G; ++g) p.db.push_back(grads.bias_grad.view().select(g));
   }
   if (o.fp8 != Fp8Recipe::kOff)
-    ops::fp8_wgrad(fp8_layer(0), x, dy, offsets, p.target, p.dw, scratch, stream, dy_columnwise);
+    ops::fp8_wgrad(fp8_layer(0), x, x_rows, dy, offsets, p.target, p.dw, scratch, stream, dy_columnwise);
   else be.wgrad(p, scratch, stream);
   return grads;
 }
 
 GroupedLinearGrads GroupedLinear::backward(const TensorView& x, const TensorView& dy, const Splits& splits,
                                            const TensorView& grad_input, const CallArgs& args) {
+  return backward_rows(x, {}, dy, splits, grad_input, args);
+}
+
+GroupedLinearGrads GroupedLinear::backward_rows(const TensorView& x, const TensorView& x_rows, const TensorView& dy,
+                                                const Splits& splits, const TensorView& grad_input,
+                                                const CallArgs& args) {
   const GroupedLinearOptions& o = options_;
   const Device dev = device();
   GroupedLinearBackend& be = backend_for(dev, "x");
   check_activation(x, "x", o.dtype, dev, -1, o.in_features, "in_features");
-  const int64_t T = x.size(0);
+  if (x_rows.defined() && (o.fp8 == Fp8Recipe::kOff || o.delay_wgrad_compute))
+    ST_FAIL("GroupedLinear::backward_rows: x_rows needs the FP8 recipe and the wgrad now (its quantizer gathers)");
+  const int64_t T = x_rows.defined() ? x_rows.size(0) : x.size(0);
   check_activation(dy, "dy", o.dtype, dev, T, o.out_features, "out_features");
   const int64_t S = check_splits(splits, o.num_groups, T, dev, o.check_device_splits, be, args.stream);
   if (grad_input.defined())
@@ -288,7 +305,7 @@ GroupedLinearGrads GroupedLinear::backward(const TensorView& x, const TensorView
     pending_.push_back({x, dy, splits, args.keep_alive});  // references: the caller keeps x and dy alive
   } else {
     GroupedLinearGrads w =
-        compute_wgrad(x, dy, ws.offsets, ws.scratch, args.stream, fp8_wgrad_now ? &dy_columnwise : nullptr);
+        compute_wgrad(x, x_rows, dy, ws.offsets, ws.scratch, args.stream, fp8_wgrad_now ? &dy_columnwise : nullptr);
     if (disp.weight == WeightGradKind::kWgrad) grads.weight = std::move(w.weight);
     if (disp.bias_grad_now) grads.bias_grad = std::move(w.bias_grad);
   }
@@ -326,7 +343,7 @@ GroupedLinearGrads GroupedLinear::backward_dw(const CallArgs& args) {
   ops::check_workspace(plan.total, args.workspace);
   CallWorkspace ws(plan, args.workspace, device(), *allocator_, args.stream);
   ops::prepare_offsets(pd.splits, T, ws.offsets, ws.status, be, device(), args.stream);
-  GroupedLinearGrads grads = compute_wgrad(pd.x, pd.dy, ws.offsets, ws.scratch, args.stream);
+  GroupedLinearGrads grads = compute_wgrad(pd.x, {}, pd.dy, ws.offsets, ws.scratch, args.stream);
   pending_.pop_front();
   return grads;
 }

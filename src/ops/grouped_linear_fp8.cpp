@@ -28,24 +28,27 @@ Fp8Operand quantized(const Fp8Layer& l, std::initializer_list<int64_t> data_shap
 
 backend::Fp8Groups groups(const Fp8Layer& l, const int64_t* offsets) { return {l.options.num_groups, offsets}; }
 
-Fp8Operand rowwise_buffers(const Fp8Layer& l, const TensorView& src, Stream stream) {
-  return fp8_rowwise_buffers(l.alloc, l.device, src.size(0), src.size(1), stream);
+Fp8Operand rowwise_buffers(const Fp8Layer& l, const TensorView& src, Stream stream, const TensorView& src_rows = {}) {
+  return fp8_rowwise_buffers(l.alloc, l.device, backend::fp8_operand_rows(src, src_rows), src.size(1), stream);
 }
 
-Fp8Operand rowwise(const Fp8Layer& l, const TensorView& src, const int64_t* offsets, Stream stream) {
-  Fp8Operand q = rowwise_buffers(l, src, stream);
-  fp8_backend(l.device).quantize_rowwise({groups(l, offsets), src, q.view()}, stream);
+Fp8Operand rowwise(const Fp8Layer& l, const TensorView& src, const int64_t* offsets, Stream stream,
+                   const TensorView& src_rows = {}) {
+  Fp8Operand q = rowwise_buffers(l, src, stream, src_rows);
+  fp8_backend(l.device).quantize_rowwise({groups(l, offsets), src, q.view(), src_rows}, stream);
   return q;
 }
 
-Fp8Operand columnwise_buffers(const Fp8Layer& l, const TensorView& src, Stream stream) {
-  const int64_t T = src.size(0), C = src.size(1), G = l.options.num_groups;
+Fp8Operand columnwise_buffers(const Fp8Layer& l, const TensorView& src, Stream stream,
+                              const TensorView& src_rows = {}) {
+  const int64_t T = backend::fp8_operand_rows(src, src_rows), C = src.size(1), G = l.options.num_groups;
   return quantized(l, {C, fp8_columnwise_columns(T, G)}, fp8_columnwise_scale_count(T, C, G), stream);
 }
 
-Fp8Operand columnwise(const Fp8Layer& l, const TensorView& src, const int64_t* offsets, Stream stream) {
-  Fp8Operand q = columnwise_buffers(l, src, stream);
-  fp8_backend(l.device).quantize_columnwise({groups(l, offsets), src, q.view()}, stream);
+Fp8Operand columnwise(const Fp8Layer& l, const TensorView& src, const int64_t* offsets, Stream stream,
+                      const TensorView& src_rows = {}) {
+  Fp8Operand q = columnwise_buffers(l, src, stream, src_rows);
+  fp8_backend(l.device).quantize_columnwise({groups(l, offsets), src, q.view(), src_rows}, stream);
   return q;
 }
 
@@ -113,9 +116,9 @@ Fp8Operand fp8_rowwise_buffers(Allocator& alloc, Device device, int64_t T, int64
   return quantized(alloc, device, {T, K}, fp8_rowwise_scale_count(T, K), stream);
 }
 
-void fp8_fprop(const Fp8Layer& l, const TensorView& x, const int64_t* offsets, const TensorView& y, bool zero_tail,
-               void* scratch, Stream stream) {
-  fp8_fprop_quantized(l, rowwise(l, x, offsets, stream), offsets, y, zero_tail, scratch, stream);
+void fp8_fprop(const Fp8Layer& l, const TensorView& x, const TensorView& x_rows, const int64_t* offsets,
+               const TensorView& y, bool zero_tail, void* scratch, Stream stream) {
+  fp8_fprop_quantized(l, rowwise(l, x, offsets, stream, x_rows), offsets, y, zero_tail, scratch, stream);
 }
 
 void fp8_fprop_quantized(const Fp8Layer& l, const Fp8Operand& xq, const int64_t* offsets, const TensorView& y,
@@ -141,13 +144,13 @@ void fp8_dgrad(const Fp8Layer& l, const TensorView& dy, const int64_t* offsets, 
       {problem(l, dy.size(0), offsets), dyq.view(), w->per_group(true, l.options), dx, zero_tail}, scratch, stream);
 }
 
-void fp8_wgrad(const Fp8Layer& l, const TensorView& x, const TensorView& dy, const int64_t* offsets,
-               backend::WgradTarget target, const std::vector<TensorView>& dw, void* scratch, Stream stream,
-               const Fp8Operand* dy_columnwise) {
-  const Fp8Operand xc = columnwise(l, x, offsets, stream);
+void fp8_wgrad(const Fp8Layer& l, const TensorView& x, const TensorView& x_rows, const TensorView& dy,
+               const int64_t* offsets, backend::WgradTarget target, const std::vector<TensorView>& dw, void* scratch,
+               Stream stream, const Fp8Operand* dy_columnwise) {
+  const Fp8Operand xc = columnwise(l, x, offsets, stream, x_rows);
   const Fp8Operand dyc = dy_columnwise ? Fp8Operand{} : columnwise(l, dy, offsets, stream);
   fp8_backend(l.device).wgrad(
-      {problem(l, x.size(0), offsets), xc.view(), (dy_columnwise ? *dy_columnwise : dyc).view(), target, dw}, scratch,
+      {problem(l, dy.size(0), offsets), xc.view(), (dy_columnwise ? *dy_columnwise : dyc).view(), target, dw}, scratch,
       stream);
 }
 

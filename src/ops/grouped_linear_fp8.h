@@ -51,15 +51,18 @@ Fp8Operand fp8_rowwise_buffers(Allocator& alloc, Device device, int64_t T, int64
 // the call's device-resident group offsets [G + 1]. dy_columnwise (dgrad): where given, dy's wgrad
 // layout is written there from the same read of dy (quantize_both); wgrad then takes it instead
 // of quantizing dy again.
-void fp8_fprop(const Fp8Layer& l, const TensorView& x, const int64_t* offsets, const TensorView& y, bool zero_tail,
-               void* scratch, Stream stream);
+// x_rows (optional, int32 [T]): fprop of x's rows gathered in that order (x then has any number
+// of rows), the gather done by the quantizer (Fp8QuantizeParams::src_rows).
+void fp8_fprop(const Fp8Layer& l, const TensorView& x, const TensorView& x_rows, const int64_t* offsets,
+               const TensorView& y, bool zero_tail, void* scratch, Stream stream);
 // fprop on x already quantized rowwise (a producer that wrote the codes, e.g. GroupedMLP's SwiGLU).
 void fp8_fprop_quantized(const Fp8Layer& l, const Fp8Operand& xq, const int64_t* offsets, const TensorView& y,
                          bool zero_tail, void* scratch, Stream stream);
 void fp8_dgrad(const Fp8Layer& l, const TensorView& dy, const int64_t* offsets, const TensorView& dx,
                bool zero_tail, void* scratch, Stream stream, Fp8Operand* dy_columnwise = nullptr);
-void fp8_wgrad(const Fp8Layer& l, const TensorView& x, const TensorView& dy, const int64_t* offsets,
-               backend::WgradTarget target, const std::vector<TensorView>& dw, void* scratch, Stream stream,
-               const Fp8Operand* dy_columnwise = nullptr);
+// x_rows (optional, int32 [T]): x's rows gathered by the columnwise quantizer, as fp8_fprop's.
+void fp8_wgrad(const Fp8Layer& l, const TensorView& x, const TensorView& x_rows, const TensorView& dy,
+               const int64_t* offsets, backend::WgradTarget target, const std::vector<TensorView>& dw, void* scratch,
+               Stream stream, const Fp8Operand* dy_columnwise = nullptr);
 
 }  // namespace sparsetrain::ops

@@ -157,12 +157,19 @@ size_t GroupedMLP::workspace_size(int64_t T) const {
 
 GroupedMLPForward GroupedMLP::forward(const TensorView& x, const Splits& splits, const TensorView& probs,
                                       const TensorView& out, const CallArgs& args) {
+  return forward_rows(x, {}, splits, probs, out, args);
+}
+
+GroupedMLPForward GroupedMLP::forward_rows(const TensorView& x, const TensorView& x_rows, const Splits& splits,
+                                           const TensorView& probs, const TensorView& out, const CallArgs& args) {
   const GroupedMLPOptions& o = options_;
   const Device dev = device();
   backend::GroupedLinearBackend& gemm = backend::backend_for(dev, "x");
   GroupedMLPBackend& be = backend::grouped_mlp_backend_for(dev, "x");
   ops::check_activation(x, "x", o.dtype, dev, -1, o.in_features, "in_features");
-  const int64_t T = x.size(0);
+  if (x_rows.defined() && o.fp8 == Fp8Recipe::kOff)
+    ST_FAIL("GroupedMLP::forward_rows: x_rows needs the FP8 recipe (its quantizer gathers)");
+  const int64_t T = x_rows.defined() ? x_rows.size(0) : x.size(0);
   check_probs(probs, T, dev);
   const int64_t S = ops::check_splits(splits, o.num_groups, T, dev, o.check_device_splits, gemm, args.stream);
   if (out.defined())
@@ -176,7 +183,8 @@ GroupedMLPForward GroupedMLP::forward(const TensorView& x, const Splits& splits,
   ops::prepare_offsets(splits, T, ws.offsets, ws.status, gemm, dev, args.stream);
   const backend::MLPRows rows{o.dtype, o.num_groups, T, ws.offsets};
   GroupedMLPForward result;
-  result.fc1_out = fc1_.forward(x, splits, {}, ws.layer_args);
+  result.fc1_out = x_rows.defined() ? fc1_.forward_gathered(x, x_rows, splits, {}, ws.layer_args)
+                                    : fc1_.forward(x, splits, {}, ws.layer_args);
   if (o.fp8 != Fp8Recipe::kOff) {  // h' straight to fc2's rowwise codes: never in memory in the dtype
     const ops::Fp8Operand hq = ops::fp8_rowwise_buffers(*allocator_, dev, T, o.ffn_features, args.stream);
     be.swiglu_forward({rows, o.ffn_features, o.glu_interleave_size, result.fc1_out.view(), probs, {}, hq.view()},
@@ -209,13 +217,22 @@ Tensor GroupedMLP::scaled_bias_grad(const TensorView& dy, const TensorView& prob
 GroupedMLPGrads GroupedMLP::backward(const TensorView& x, const TensorView& fc1_out, const TensorView& probs,
                                      const TensorView& dy, const Splits& splits, const TensorView& grad_input,
                                      const CallArgs& args, Fc1OutUse fc1_out_use) {
+  return backward_rows(x, {}, fc1_out, probs, dy, splits, grad_input, args, fc1_out_use);
+}
+
+GroupedMLPGrads GroupedMLP::backward_rows(const TensorView& x, const TensorView& x_rows, const TensorView& fc1_out,
+                                          const TensorView& probs, const TensorView& dy, const Splits& splits,
+                                          const TensorView& grad_input, const CallArgs& args,
+                                          Fc1OutUse fc1_out_use) {
   const GroupedMLPOptions& o = options_;
   const Device dev = device();
   const int64_t F = o.ffn_features;
   backend::GroupedLinearBackend& gemm = backend::backend_for(dev, "x");
   GroupedMLPBackend& be = backend::grouped_mlp_backend_for(dev, "x");
   ops::check_activation(x, "x", o.dtype, dev, -1, o.in_features, "in_features");
-  const int64_t T = x.size(0);
+  if (x_rows.defined() && (o.fp8 == Fp8Recipe::kOff || o.delay_wgrad_compute))
+    ST_FAIL("GroupedMLP::backward_rows: x_rows needs the FP8 recipe and the wgrad now (fc1's quantizer gathers)");
+  const int64_t T = x_rows.defined() ? x_rows.size(0) : x.size(0);
   ops::check_activation(fc1_out, "fc1_out", o.dtype, dev, T, 2 * F, "2 * ffn_features");
   check_probs(probs, T, dev);
   ops::check_activation(dy, "dy", o.dtype, dev, T, o.out_features, "out_features");
@@ -259,7 +276,7 @@ GroupedMLPGrads GroupedMLP::backward(const TensorView& x, const TensorView& fc1_
                      ws.scratch, args.stream);
   g2.grad_input = Tensor();  // dh' is no longer needed
 
-  GroupedLinearGrads g1 = fc1_.backward(x, dz.view(), splits, grad_input, ws.layer_args);
+  GroupedLinearGrads g1 = fc1_.backward_rows(x, x_rows, dz.view(), splits, grad_input, ws.layer_args);
   grads.grad_input = std::move(g1.grad_input);
   grads.fc1 = {std::move(g1.weight), std::move(g1.bias_grad)};
   // The layers queued references to h' and dz: keep them alive until backward_dw.

@@ -105,13 +105,20 @@ MoEForward MoELayer::forward(const TensorView& x, const TensorView& logits, cons
                "N = " + std::to_string(x.size(0)) + " rows (x's tokens)", logits.shape_str());
   MoEForward f;
   f.route = route(options_.router, logits, expert_bias, allocator_, args.stream);  // checks logits, bias
-  f.rows = gather_rows(x, f.route.token_of_row, *allocator_, args.stream);
   f.row_probs = permute_probs(f.route.probs.view(), f.route.row_of, true, *allocator_, args.stream);
-  GroupedMLPForward m =
-      mlp_.forward(f.rows.view(), Splits::device(f.route.counts.view()), f.row_probs.view(), {}, args);
+  const Splits splits = Splits::device(f.route.counts.view());
+  // FP8 with the rows not kept for backward: fc1's quantizer reads x's tokens in the layout's
+  // order, the rows never written in the dtype (bitwise the codes of the gathered rows).
+  GroupedMLPForward m;
+  if (options_.mlp.fp8 != Fp8Recipe::kOff && options_.recompute_expert_input) {
+    m = mlp_.forward_rows(x, f.route.token_of_row.view(), splits, f.row_probs.view(), {}, args);
+  } else {
+    f.rows = gather_rows(x, f.route.token_of_row, *allocator_, args.stream);
+    m = mlp_.forward(f.rows.view(), splits, f.row_probs.view(), {}, args);
+    if (options_.recompute_expert_input) f.rows = Tensor();  // gathered again by backward
+  }
   f.fc1_out = std::move(m.fc1_out);
   f.out = combine_rows(m.out.view(), f.route.row_of.view(), allocator_, args.stream);
-  if (options_.recompute_expert_input) f.rows = Tensor();  // gathered again by backward
   return f;
 }
 
@@ -128,17 +135,27 @@ MoEGrads MoELayer::backward(const TensorView& x, const TensorView& logits, const
   ST_CHECK_ARG(logits.size(0) == N, "logits", "N = " + std::to_string(N) + " rows (x's tokens)", logits.shape_str());
   // Everything is valid: from here on outputs may be written.
   // dout's rows in the layout: row row_of[n, i] gets dout[n] (each row exactly once); x's rows
-  // again if forward dropped them.
+  // again if forward dropped them, except with FP8 and the wgrad now: then fc1's columnwise
+  // quantizer reads x's tokens in the layout's order (a delayed wgrad runs after backward has
+  // returned, when x may have changed: it gets the rows gathered now).
   Tensor drows = gather_rows(dout, saved.route.token_of_row, *allocator_, args.stream);
-  const Tensor rows =
-      saved.rows.defined() ? saved.rows : gather_rows(x, saved.route.token_of_row, *allocator_, args.stream);
+  const bool gathered_by_quantizer =
+      !saved.rows.defined() && options_.mlp.fp8 != Fp8Recipe::kOff && !options_.mlp.delay_wgrad_compute;
+  const Tensor rows = saved.rows.defined() || gathered_by_quantizer
+                          ? saved.rows
+                          : gather_rows(x, saved.route.token_of_row, *allocator_, args.stream);
   // The MLP's delayed wgrad keeps references to its inputs and splits: they stay alive with the
   // pending entry.
   CallArgs mlp_args = args;
   mlp_args.keep_alive = std::make_shared<std::tuple<Tensor, Tensor, Tensor, Tensor, std::shared_ptr<const void>>>(
       rows, saved.row_probs, saved.route.counts, drows, args.keep_alive);
-  GroupedMLPGrads m = mlp_.backward(rows.view(), saved.fc1_out.view(), saved.row_probs.view(), drows.view(),
-                                    Splits::device(saved.route.counts.view()), {}, mlp_args);
+  const Splits splits = Splits::device(saved.route.counts.view());
+  GroupedMLPGrads m =
+      gathered_by_quantizer
+          ? mlp_.backward_rows(x, saved.route.token_of_row.view(), saved.fc1_out.view(), saved.row_probs.view(),
+                               drows.view(), splits, {}, mlp_args, Fc1OutUse::kKeep)
+          : mlp_.backward(rows.view(), saved.fc1_out.view(), saved.row_probs.view(), drows.view(), splits, {},
+                          mlp_args);
   MoEGrads g;
   g.grad_input = combine_rows(m.grad_input.view(), saved.route.row_of.view(), allocator_, args.stream);
   const Tensor dprobs = permute_probs(m.dprobs.view(), saved.route.row_of, false, *allocator_, args.stream);

@@ -16,15 +16,24 @@ float& at(const TensorView& t, int64_t r, int64_t c) { return t.data_as<float>()
 uint8_t* codes(const Fp8Tensor& t) { return t.data.data_as<uint8_t>(); }
 float* scales(const Fp8Tensor& t) { return t.scale.data_as<float>(); }
 
-// Quantizes src's tile [r0, r1) x [c0, c1): store(r, c, code) for each element; returns the scale.
+// The rows a quantizer reads (Fp8QuantizeParams::src_rows): operand row r is src's row rows[r],
+// or src's row r without them.
+struct Source {
+  const TensorView& src;
+  const int32_t* rows;
+  float value(int64_t r, int64_t c) const { return load(src, rows ? rows[r] : r, c); }
+};
+
+// Quantizes the operand's tile [r0, r1) x [c0, c1): store(r, c, code) for each element; returns
+// the scale.
 template <class Store>
-float quantize_tile(const TensorView& src, int64_t r0, int64_t r1, int64_t c0, int64_t c1, Store store) {
+float quantize_tile(const Source& src, int64_t r0, int64_t r1, int64_t c0, int64_t c1, Store store) {
   float amax = 0.f;
   for (int64_t r = r0; r < r1; ++r)
-    for (int64_t c = c0; c < c1; ++c) amax = fp8_amax(amax, load(src, r, c));
+    for (int64_t c = c0; c < c1; ++c) amax = fp8_amax(amax, src.value(r, c));
   const float scale = fp8_scale(amax);
   for (int64_t r = r0; r < r1; ++r)
-    for (int64_t c = c0; c < c1; ++c) store(r, c, fp8_quantize(load(src, r, c), scale));
+    for (int64_t c = c0; c < c1; ++c) store(r, c, fp8_quantize(src.value(r, c), scale));
   return scale;
 }
 
@@ -49,19 +58,21 @@ class ReferenceFp8Backend final : public Fp8BlockwiseBackend {
  public:
   void quantize_rowwise(const Fp8QuantizeParams& p, Stream) override {
     const int64_t K = p.src.size(1), KB = fp8_tiles(K);
+    const Source src{p.src, p.src_rows.defined() ? p.src_rows.data_as<const int32_t>() : nullptr};
     uint8_t* q = codes(p.dst);
     for (int64_t g = 0; g < p.groups.num_groups; ++g) {
       const GroupRows gr = group_rows(p.groups, g);
       for (int64_t r = gr.begin; r < gr.begin + gr.rows; ++r)
         for (int64_t kb = 0; kb < KB; ++kb)
           scales(p.dst)[fp8_rowwise_scale_index(gr.begin, gr.rows, KB, r, kb)] =
-              quantize_tile(p.src, r, r + 1, kb * kFp8Tile, std::min(K, (kb + 1) * kFp8Tile),
+              quantize_tile(src, r, r + 1, kb * kFp8Tile, std::min(K, (kb + 1) * kFp8Tile),
                             [&](int64_t i, int64_t c, uint8_t v) { q[i * K + c] = v; });
     }
   }
 
   void quantize_columnwise(const Fp8QuantizeParams& p, Stream) override {
     const int64_t C = p.src.size(1), columns = p.dst.data.size(1);
+    const Source src{p.src, p.src_rows.defined() ? p.src_rows.data_as<const int32_t>() : nullptr};
     uint8_t* q = codes(p.dst);
     for (int64_t g = 0; g < p.groups.num_groups; ++g) {
       const GroupRows gr = group_rows(p.groups, g);
@@ -72,7 +83,7 @@ class ReferenceFp8Backend final : public Fp8BlockwiseBackend {
         const int64_t r0 = gr.begin + t * kFp8Tile, r1 = std::min(gr.begin + gr.rows, r0 + kFp8Tile);
         for (int64_t c = 0; c < C; ++c)
           scales(p.dst)[fp8_columnwise_scale_index(base, t, C, c)] =
-              quantize_tile(p.src, r0, r1, c, c + 1, [&](int64_t r, int64_t j, uint8_t v) { q[index(r, j)] = v; });
+              quantize_tile(src, r0, r1, c, c + 1, [&](int64_t r, int64_t j, uint8_t v) { q[index(r, j)] = v; });
       }
       for (int64_t r = gr.begin + gr.rows; r < gr.begin + tiles * kFp8Tile; ++r)
         for (int64_t c = 0; c < C; ++c) q[index(r, c)] = 0;
@@ -82,8 +93,8 @@ class ReferenceFp8Backend final : public Fp8BlockwiseBackend {
   // One pass per block writes both copies: a block's scale does not depend on its orientation.
   // The definition: the two quantizers one after the other (the GPU's reads src once).
   void quantize_both(const Fp8QuantizeBothParams& p, Stream stream) override {
-    quantize_rowwise({p.groups, p.src, p.rowwise}, stream);
-    quantize_columnwise({p.groups, p.src, p.columnwise}, stream);
+    quantize_rowwise({p.groups, p.src, p.rowwise, p.src_rows}, stream);
+    quantize_columnwise({p.groups, p.src, p.columnwise, p.src_rows}, stream);
   }
   void quantize_weights(const Fp8WeightQuantizeParams& p, Stream) override {
     for (size_t g = 0; g < p.w.size(); ++g) {
@@ -92,8 +103,8 @@ class ReferenceFp8Backend final : public Fp8BlockwiseBackend {
       uint8_t *q = codes(p.wq[g]), *qt = codes(p.wtq[g]);
       for (int64_t i0 = 0; i0 < out; i0 += kFp8Tile)
         for (int64_t j0 = 0; j0 < in; j0 += kFp8Tile) {
-          const float scale = quantize_tile(w, i0, std::min(out, i0 + kFp8Tile), j0, std::min(in, j0 + kFp8Tile),
-                                            [&](int64_t i, int64_t j, uint8_t v) {
+          const float scale = quantize_tile({w, nullptr}, i0, std::min(out, i0 + kFp8Tile), j0,
+                                            std::min(in, j0 + kFp8Tile), [&](int64_t i, int64_t j, uint8_t v) {
                                               q[i * in + j] = v;
                                               qt[j * out + i] = v;
                                             });

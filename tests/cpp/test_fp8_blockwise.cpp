@@ -338,6 +338,38 @@ TEST_P(Fp8Quantizers, ColumnwiseMatchesTheDefinitionAndLeavesTheTail) {
   for (int64_t i = S * C; i < c.T * C; ++i) ASSERT_TRUE(std::isnan(d.get(i))) << "tail dequantized";
 }
 
+// The quantizers gathering as they read (src_rows, the MoE layer's rows straight from its tokens):
+// bitwise the codes and scales of the gathered matrix, every slot the plain call leaves alone left
+// alone too; rows repeat and come in any order, from a source of fewer rows than the operand (a
+// top-k routing's layout) and of more.
+TEST_P(Fp8Quantizers, GatheringAsTheyReadGivesTheGatheredMatrixsCodes) {
+  const QuantCase& c = GetParam();
+  std::mt19937_64 rng(uint64_t(c.T * 1019 + c.K));
+  const std::vector<int64_t> off = offsets_of(c.splits, c.T);
+  const int64_t G = int64_t(c.splits.size());
+  for (const int64_t n : {c.T / 2 + 1, c.T + 5}) {
+    SCOPED_TRACE("source rows " + std::to_string(n));
+    const HostTensor x = random_matrix(c.dtype, n, c.K, rng);
+    const st::testing::GatheredRows g = st::testing::gather_random_rows(x, c.T, rng);
+    const Fp8Operand row = st::testing::quantize_rowwise(g.gathered, off);
+    const Fp8Operand col = st::testing::quantize_columnwise(g.gathered, off);
+    const Fp8Operand row_g = st::testing::quantize_rowwise(x, off, &g.rows);
+    const Fp8Operand col_g = st::testing::quantize_columnwise(x, off, &g.rows);
+    const Fp8Operand both_row = st::testing::rowwise_operand(x.view(), &g.rows);
+    const Fp8Operand both_col = st::testing::columnwise_operand(x.view(), G, &g.rows);
+    st::testing::fp8_ref().quantize_both({{G, off.data()}, x.view(), both_row.view(), both_col.view(), g.rows.view()},
+                                         st::Stream{});
+    auto same = [](const Fp8Operand& got, const Fp8Operand& want, const char* what) {
+      EXPECT_TRUE(got.data.bytes_equal(want.data)) << what << " codes";
+      EXPECT_TRUE(got.scale.bytes_equal(want.scale)) << what << " scales";
+    };
+    same(row_g, row, "rowwise");
+    same(col_g, col, "columnwise");
+    same(both_row, row, "both, rowwise");
+    same(both_col, col, "both, columnwise");
+  }
+}
+
 const QuantCase kQuantCases[] = {
     {st::DType::kBF16, {3, 0, 129, 128, 1, 0, 300}, 600, 200},
     {st::DType::kFP16, {127, 0, 2}, 140, 8},

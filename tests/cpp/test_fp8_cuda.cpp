@@ -1,6 +1,6 @@
 // GPU tests of the FP8 recipe's CUDA backend (skipped, visibly, without a GPU): the quantizers'
-// codes and scales (rowwise, columnwise, and both layouts from one read) bitwise the CPU
-// reference's (the same rules run on both sides) on fresh random
+// codes and scales (rowwise, columnwise, and both layouts from one read; plain and gathering as
+// they read) bitwise the CPU reference's (the same rules run on both sides) on fresh random
 // data with NaN / inf, empty and tiny experts, padded tails and odd widths, outputs poisoned
 // alike; the three GEMMs (where this build has them) against the reference GEMMs on the same
 // quantized operands, within fp32 accumulation order and one bf16 rounding, and bitwise
@@ -107,6 +107,43 @@ TEST(Fp8Cuda, QuantizersMatchTheReferenceBitwise) {
     expect_same(both_col, col, "both, columnwise");
     if (HasFatalFailure()) return;
   }
+}
+
+// The quantizers gathering as they read (src_rows: the MoE layer's rows from its tokens), every
+// kernel path (bf16 16-byte loads, fp16 and fp32 element loads, both layouts from one read):
+// bitwise the reference's codes of the gathered matrix, from a source of fewer rows than the
+// operand and of more, rows repeated and in any order.
+TEST(Fp8Cuda, QuantizersGatherAsTheReferenceOfTheGatheredMatrix) {
+  REQUIRE_GPU();
+  for (const QuantCase& c : kQuantCases)
+    for (const int64_t n : {c.T / 2 + 1, c.T + 5}) {
+      SCOPED_TRACE(std::string(st::dtype_name(c.dtype)) + " T " + std::to_string(c.T) + " K " + std::to_string(c.K) +
+                   " source rows " + std::to_string(n));
+      const HostTensor x = random_with_nonfinite({c.dtype, c.splits, n, c.K}, uint64_t(n * 11 + c.K));
+      std::mt19937_64 rng(uint64_t(c.T * 13 + n));
+      const st::testing::GatheredRows g = st::testing::gather_random_rows(x, c.T, rng);
+      const std::vector<int64_t> off = st::testing::offsets_of(c.splits, c.T);
+      const int64_t G = int64_t(c.splits.size());
+      HostTensor off_h(st::DType::kInt64, {G + 1});
+      for (int64_t i = 0; i <= G; ++i) off_h.set(i, double(off[size_t(i)]));
+      const DeviceTensor xd(x), offd(off_h), rowsd(g.rows);
+      const be::Fp8Groups groups{G, offd.view().data_as<const int64_t>()};
+      const Fp8Operand row = st::testing::quantize_rowwise(g.gathered, off);
+      const Fp8Operand col = st::testing::quantize_columnwise(g.gathered, off);
+
+      DeviceFp8 row_d(st::testing::rowwise_operand(x.view(), &g.rows));
+      cuda_fp8().quantize_rowwise({groups, xd.view(), row_d.view(), rowsd.view()}, st::Stream{});
+      expect_same(row_d, row, "rowwise");
+      DeviceFp8 col_d(st::testing::columnwise_operand(x.view(), G, &g.rows));
+      cuda_fp8().quantize_columnwise({groups, xd.view(), col_d.view(), rowsd.view()}, st::Stream{});
+      expect_same(col_d, col, "columnwise");
+      DeviceFp8 both_row(st::testing::rowwise_operand(x.view(), &g.rows));
+      DeviceFp8 both_col(st::testing::columnwise_operand(x.view(), G, &g.rows));
+      cuda_fp8().quantize_both({groups, xd.view(), both_row.view(), both_col.view(), rowsd.view()}, st::Stream{});
+      expect_same(both_row, row, "both, rowwise");
+      expect_same(both_col, col, "both, columnwise");
+      if (HasFatalFailure()) return;
+    }
 }
 
 TEST(Fp8Cuda, WeightQuantizerWritesBothCopiesAsTheReference) {

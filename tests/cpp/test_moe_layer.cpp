@@ -274,6 +274,47 @@ TEST(MoELayer, BitwiseRepeatableAndDelayedWgradEqualsImmediate) {
   }
 }
 
+// FP8 (blockwise recipe): with the rows recomputed (the default), fc1's quantizers read x's tokens
+// in the layout's order (rowwise in forward; columnwise in backward when the wgrad runs there) and
+// the rows are never written in the dtype; with them kept, they are gathered in bf16 and quantized
+// after. Both give the same bits, forward and backward, immediate and delayed wgrad (which gathers
+// the rows in backward), hidden sizes over one and several 128-channel tiles, an uneven top-4
+// routing over 16 experts.
+TEST(MoELayer, Fp8RowsQuantizedAsGatheredGiveTheKeptRowsBits) {
+  for (const int64_t H : {int64_t(48), int64_t(272)})
+    for (const bool delay : {false, true}) {
+      SCOPED_TRACE("H " + std::to_string(H) + (delay ? ", delayed wgrad" : ", immediate wgrad"));
+      const Case c{97, 16, 4, H, 32, RouterScore::kSoftmax, true, true, false, DType::kBF16};
+      Problem p(c, 3);
+      st::MoELayerOptions kept = p.options(), recomputed = p.options();
+      kept.mlp.fp8 = recomputed.mlp.fp8 = st::Fp8Recipe::kBlockwise;
+      kept.mlp.delay_wgrad_compute = recomputed.mlp.delay_wgrad_compute = delay;
+      recomputed.recompute_expert_input = true;
+      st::MoELayer a(kept, p.mlp.params()), b(recomputed, p.mlp.params());
+      const st::MoEForward fa = a.forward(p.x.view(), p.logits.view(), p.bias_view());
+      const st::MoEForward fb = b.forward(p.x.view(), p.logits.view(), p.bias_view());
+      EXPECT_TRUE(fa.rows.defined());
+      EXPECT_FALSE(fb.rows.defined());
+      EXPECT_TRUE(copy(fa.out).bytes_equal(copy(fb.out)));
+      EXPECT_TRUE(copy(fa.fc1_out).bytes_equal(copy(fb.fc1_out)));
+      const st::MoEGrads ga = a.backward(p.x.view(), p.logits.view(), fa, p.dout.view(), p.dsum.view());
+      const st::MoEGrads gb = b.backward(p.x.view(), p.logits.view(), fb, p.dout.view(), p.dsum.view());
+      EXPECT_TRUE(copy(ga.grad_input).bytes_equal(copy(gb.grad_input)));
+      EXPECT_TRUE(copy(ga.dlogits).bytes_equal(copy(gb.dlogits)));
+      st::GroupedMLPLayerGrads a1 = ga.fc1, a2 = ga.fc2, b1 = gb.fc1, b2 = gb.fc2;
+      if (delay) {
+        const st::GroupedMLPGrads da = a.backward_dw(), db = b.backward_dw();
+        a1 = da.fc1, a2 = da.fc2, b1 = db.fc1, b2 = db.fc2;
+      }
+      EXPECT_TRUE(copy(a1.weight.packed).bytes_equal(copy(b1.weight.packed)));
+      EXPECT_TRUE(copy(a2.weight.packed).bytes_equal(copy(b2.weight.packed)));
+      // And the recipe ran: the output is not the bf16 layer's.
+      st::MoELayer bf16(p.options(), p.mlp.params());
+      const st::MoEForward f16 = bf16.forward(p.x.view(), p.logits.view(), p.bias_view());
+      EXPECT_FALSE(copy(f16.out).bytes_equal(copy(fb.out)));
+    }
+}
+
 TEST(MoELayer, NoTokens) {
   const Case c{0, 4, 2, 8, 8, RouterScore::kSoftmax, false, false, false, DType::kBF16};
   Problem p(c, 4);

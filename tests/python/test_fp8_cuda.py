@@ -2,7 +2,8 @@
 reference (both quantize to the same codes and scales, bitwise; the GEMMs differ only in fp32
 summation order, so a bf16 tolerance), GroupedMLP and MoELayer against their bf16 selves (a loose
 bound: the quantization), 20 runs bitwise equal, device splits with empty, 1-row and 127-row
-experts and a padded tail, NaN in an input reaching the output. GPU only (a Hopper GPU and an ALL
+experts and a padded tail, NaN in an input reaching the output, the MoE layer's rows quantized as
+they are gathered bitwise the kept rows'. GPU only (a Hopper GPU and an ALL
 build: the FP8 GEMMs are sm90a kernels), skipped visibly otherwise; CUDA-graph capture of the
 recipe is test_cuda_graphs.py's fp8 variants."""
 
@@ -101,6 +102,31 @@ def test_moe_layer_is_close_to_bf16_and_repeatable():
         assert torch.isfinite(a).all(), f"{name}: non-finite values"
         e = _rel(a, b)
         assert 1e-3 < e < 0.08, f"MoELayer {name}: relative error {e} (FP8 against bf16)"
+
+
+def test_moe_layer_rows_quantized_as_gathered_give_the_kept_rows_bits():
+    """recompute_expert_input=True (the default): fc1's quantizer reads x's tokens in the layout's
+    order, the rows never written in bf16; False: the rows gathered in bf16 and quantized after.
+    The same bits forward and backward (uneven top-4 routing, an empty expert, H over two
+    128-channel tiles and a part)."""
+    N, E, H, F, K = 555, 16, 272, 144, 4
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(N, H, generator=g).to(BF16).cuda()
+    logits = (torch.randn(N, E, generator=g) * 2).cuda()
+    logits[:, 3] = -1e4  # expert 3 never chosen
+    dy = torch.randn(N, H, generator=g).to(BF16).cuda()
+    runs = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        m = stt.MoELayer(E, H, F, K, normalize=True, params_dtype=BF16, device="cuda", fp8=True,
+                         recompute_expert_input=recompute)
+        xi = x.clone().requires_grad_(True)
+        y = m(xi, logits)
+        y.out.backward(dy)
+        runs.append([y.out.detach(), xi.grad] + [p.grad for p in m.experts.parameters()])
+    for name, a, b in zip(("out", "dx", "fc1 dW", "fc2 dW"), *runs):
+        assert torch.isfinite(a).all(), f"{name}: non-finite values"
+        assert torch.equal(a, b), f"{name}: the rows quantized as gathered differ from the kept rows'"
 
 
 def test_nan_in_an_input_row_reaches_that_row_only():

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <random>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -76,19 +77,48 @@ constexpr uint32_t kPoisonScaleBits = 0xFFFFFFFFu;
 
 inline backend::Fp8BlockwiseBackend& fp8_ref() { return backend::fp8_blockwise_reference_backend(); }
 
-inline Fp8Operand quantize_rowwise(const HostTensor& x, const std::vector<int64_t>& offsets) {
-  const TensorView v = x.view();
-  Fp8Operand q({v.size(0), v.size(1)}, fp8_rowwise_scale_count(v.size(0), v.size(1)));
-  fp8_ref().quantize_rowwise({{int64_t(offsets.size()) - 1, offsets.data()}, v, q.view()}, Stream{});
+// The operands of x, or with `rows` (int32 [T]) of x's rows gathered in that order (the
+// quantizers' src_rows).
+inline TensorView rows_view(const HostTensor* rows) { return rows != nullptr ? rows->view() : TensorView(); }
+inline Fp8Operand rowwise_operand(const TensorView& x, const HostTensor* rows = nullptr) {
+  const int64_t T = backend::fp8_operand_rows(x, rows_view(rows)), K = x.size(1);
+  return Fp8Operand({T, K}, fp8_rowwise_scale_count(T, K));
+}
+inline Fp8Operand columnwise_operand(const TensorView& x, int64_t G, const HostTensor* rows = nullptr) {
+  const int64_t T = backend::fp8_operand_rows(x, rows_view(rows)), C = x.size(1);
+  return Fp8Operand({C, fp8_columnwise_columns(T, G)}, fp8_columnwise_scale_count(T, C, G));
+}
+
+inline Fp8Operand quantize_rowwise(const HostTensor& x, const std::vector<int64_t>& offsets,
+                                   const HostTensor* rows = nullptr) {
+  Fp8Operand q = rowwise_operand(x.view(), rows);
+  fp8_ref().quantize_rowwise({{int64_t(offsets.size()) - 1, offsets.data()}, x.view(), q.view(), rows_view(rows)},
+                             Stream{});
   return q;
 }
 
-inline Fp8Operand quantize_columnwise(const HostTensor& x, const std::vector<int64_t>& offsets) {
-  const TensorView v = x.view();
+inline Fp8Operand quantize_columnwise(const HostTensor& x, const std::vector<int64_t>& offsets,
+                                      const HostTensor* rows = nullptr) {
   const int64_t G = int64_t(offsets.size()) - 1;
-  Fp8Operand q({v.size(1), fp8_columnwise_columns(v.size(0), G)}, fp8_columnwise_scale_count(v.size(0), v.size(1), G));
-  fp8_ref().quantize_columnwise({{G, offsets.data()}, v, q.view()}, Stream{});
+  Fp8Operand q = columnwise_operand(x.view(), G, rows);
+  fp8_ref().quantize_columnwise({{G, offsets.data()}, x.view(), q.view(), rows_view(rows)}, Stream{});
   return q;
+}
+
+// rows (int32 [T]) drawn from [0, n), repeats and any order, and x's rows gathered by them.
+struct GatheredRows {
+  HostTensor rows, gathered;
+};
+inline GatheredRows gather_random_rows(const HostTensor& x, int64_t T, std::mt19937_64& rng) {
+  const int64_t n = x.view().size(0), K = x.view().size(1);
+  GatheredRows g{HostTensor(DType::kInt32, {T}), HostTensor(x.dtype(), {T, K})};
+  std::uniform_int_distribution<int64_t> pick(0, n - 1);
+  for (int64_t r = 0; r < T; ++r) {
+    const int64_t i = pick(rng);
+    g.rows.set(r, double(i));
+    for (int64_t k = 0; k < K; ++k) g.gathered.set(r * K + k, x.get(i * K + k));
+  }
+  return g;
 }
 
 // W [out, in] and its transposed copy, from one call.

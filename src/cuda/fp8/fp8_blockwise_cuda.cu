@@ -78,20 +78,24 @@ void check_columnwise_codes(const Fp8Tensor& codes) {
 }
 
 // Nothing to quantize: no channels, or no 128-token tile (no rows).
-bool no_tiles(const TensorView& src, const Fp8Groups& groups) {
-  return src.size(1) == 0 || fp8_columnwise_max_tiles(src.size(0), groups.num_groups) == 0;
+bool no_tiles(const TensorView& src, const TensorView& src_rows, const Fp8Groups& groups) {
+  return src.size(1) == 0 || fp8_columnwise_max_tiles(fp8_operand_rows(src, src_rows), groups.num_groups) == 0;
+}
+
+const int32_t* rows_of(const TensorView& src_rows) {
+  return src_rows.defined() ? src_rows.data_as<const int32_t>() : nullptr;
 }
 
 // The tile kernel for the layouts asked for (codes where non-null; columnwise: 2-byte elements).
 template <typename E>
-void launch_tile(const Fp8Groups& groups, const TensorView& src, const Fp8Tensor* rowwise, const Fp8Tensor* columnwise,
-                 cudaStream_t s) {
-  const int64_t T = src.size(0), K = src.size(1), G = groups.num_groups;
+void launch_tile(const Fp8Groups& groups, const TensorView& src, const TensorView& src_rows, const Fp8Tensor* rowwise,
+                 const Fp8Tensor* columnwise, cudaStream_t s) {
+  const int64_t T = fp8_operand_rows(src, src_rows), K = src.size(1), G = groups.num_groups;
   if (columnwise) check_columnwise_codes(*columnwise);
   const dim3 grid(unsigned(fp8_columnwise_max_tiles(T, G)), unsigned(fp8_tiles(K)));
   auto launch = [&](auto vec, auto row, auto col) {
     cuda::fp8::quantize_tile_kernel<E, decltype(vec)::value, decltype(row)::value, decltype(col)::value>
-        <<<grid, 256, 0, s>>>(groups.offsets, G, src.data_as<const E>(), src.stride(0), K,
+        <<<grid, 256, 0, s>>>(groups.offsets, G, src.data_as<const E>(), src.stride(0), rows_of(src_rows), K,
                               row ? rowwise->data.data_as<uint8_t>() : nullptr,
                               row ? rowwise->scale.data_as<float>() : nullptr, col ? columnwise->data.size(1) : 0,
                               col ? columnwise->data.data_as<uint8_t>() : nullptr,
@@ -112,14 +116,15 @@ void launch_tile(const Fp8Groups& groups, const TensorView& src, const Fp8Tensor
 template <typename E>
 void launch_columnwise(const Fp8QuantizeParams& p, cudaStream_t s) {
   if constexpr (sizeof(E) == 2) {
-    launch_tile<E>(p.groups, p.src, nullptr, &p.dst, s);
+    launch_tile<E>(p.groups, p.src, p.src_rows, nullptr, &p.dst, s);
   } else {
-    const int64_t T = p.src.size(0), C = p.src.size(1), G = p.groups.num_groups;
+    const int64_t T = fp8_operand_rows(p.src, p.src_rows), C = p.src.size(1), G = p.groups.num_groups;
     check_columnwise_codes(p.dst);
     const dim3 grid(unsigned(fp8_columnwise_max_tiles(T, G)),
                     unsigned((C + cuda::fp8::kColChannels - 1) / cuda::fp8::kColChannels));
     cuda::fp8::quantize_columnwise_kernel<E><<<grid, 256, 0, s>>>(p.groups.offsets, G, p.src.data_as<const E>(),
-                                                                   p.src.stride(0), C, p.dst.data.size(1),
+                                                                   p.src.stride(0), rows_of(p.src_rows), C,
+                                                                   p.dst.data.size(1),
                                                                    p.dst.data.data_as<uint8_t>(),
                                                                    p.dst.scale.data_as<float>());
   }
@@ -128,10 +133,10 @@ void launch_columnwise(const Fp8QuantizeParams& p, cudaStream_t s) {
 template <typename E>
 void launch_both(const Fp8QuantizeBothParams& p, cudaStream_t s) {
   if constexpr (sizeof(E) == 2) {
-    launch_tile<E>(p.groups, p.src, &p.rowwise, &p.columnwise, s);
+    launch_tile<E>(p.groups, p.src, p.src_rows, &p.rowwise, &p.columnwise, s);
   } else {  // fp32: no staged tile; two passes
-    launch_tile<E>(p.groups, p.src, &p.rowwise, nullptr, s);
-    launch_columnwise<E>({p.groups, p.src, p.columnwise}, s);
+    launch_tile<E>(p.groups, p.src, p.src_rows, &p.rowwise, nullptr, s);
+    launch_columnwise<E>({p.groups, p.src, p.columnwise, p.src_rows}, s);
   }
 }
 
@@ -194,21 +199,22 @@ size_t gemm_workspace(int64_t) { return 0; }
 class CudaFp8Backend final : public Fp8BlockwiseBackend {
  public:
   void quantize_rowwise(const Fp8QuantizeParams& p, Stream stream) override {
-    if (no_tiles(p.src, p.groups)) return;
+    if (no_tiles(p.src, p.src_rows, p.groups)) return;
     cuda::DeviceGuard guard(p.src.device().index);
-    dispatch_dtype(p.src.dtype(), "CUDA FP8 quantize",
-                   [&](auto e) { launch_tile<decltype(e)>(p.groups, p.src, &p.dst, nullptr, as_cuda(stream)); });
+    dispatch_dtype(p.src.dtype(), "CUDA FP8 quantize", [&](auto e) {
+      launch_tile<decltype(e)>(p.groups, p.src, p.src_rows, &p.dst, nullptr, as_cuda(stream));
+    });
     ST_CUDA_CHECK(cudaGetLastError(), "quantize_rowwise launch");
   }
   void quantize_columnwise(const Fp8QuantizeParams& p, Stream stream) override {
-    if (no_tiles(p.src, p.groups)) return;
+    if (no_tiles(p.src, p.src_rows, p.groups)) return;
     cuda::DeviceGuard guard(p.src.device().index);
     dispatch_dtype(p.src.dtype(), "CUDA FP8 quantize",
                    [&](auto e) { launch_columnwise<decltype(e)>(p, as_cuda(stream)); });
     ST_CUDA_CHECK(cudaGetLastError(), "quantize_columnwise launch");
   }
   void quantize_both(const Fp8QuantizeBothParams& p, Stream stream) override {
-    if (no_tiles(p.src, p.groups)) return;
+    if (no_tiles(p.src, p.src_rows, p.groups)) return;
     cuda::DeviceGuard guard(p.src.device().index);
     dispatch_dtype(p.src.dtype(), "CUDA FP8 quantize", [&](auto e) { launch_both<decltype(e)>(p, as_cuda(stream)); });
     ST_CUDA_CHECK(cudaGetLastError(), "quantize_both launch");

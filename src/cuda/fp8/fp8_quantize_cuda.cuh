@@ -134,6 +134,9 @@ __device__ inline float tile_amax(float a) {
 
 constexpr int kRowThreads = 16;  // threads a row of a 128-channel tile, eight channels each
 
+// The source row of operand row r: src_rows[r] when the quantizer gathers, else r.
+__device__ inline int64_t source_row(const int32_t* src_rows, int64_t r) { return src_rows ? src_rows[r] : r; }
+
 // The expert owning columnwise tile `global_tile` (the experts' tiles in order) and its first
 // tile's number, g == G for a tile past them all; by a whole warp, 32 experts a step (a scan of
 // their tile counts and a ballot: G / 32 steps, not G dependent ones), the same on every lane.
@@ -231,11 +234,12 @@ __device__ inline void columnwise_from_stage(const uint32_t* tile, int64_t base,
 // Both: a gradient's two layouts from one read. The experts' tiles cover rows [0, S) once, so
 // every code below S is written once; the tile's expert comes from expert_tile, no search per row.
 // kVec: 16-byte loads, 8-byte rowwise code stores (K and the row stride multiples of 8).
+// src_rows (or null): operand row r is src's row src_rows[r], a gather as the rows are read.
 template <typename E, bool kVec, bool kRowwise, bool kColumnwise>
 __global__ void __launch_bounds__(256) quantize_tile_kernel(const int64_t* offsets, int64_t G, const E* src,
-                                                            int64_t src_ld, int64_t K, uint8_t* q_row,
-                                                            float* s_row, int64_t columns, uint8_t* q_col,
-                                                            float* s_col) {
+                                                            int64_t src_ld, const int32_t* src_rows, int64_t K,
+                                                            uint8_t* q_row, float* s_row, int64_t columns,
+                                                            uint8_t* q_col, float* s_col) {
   static_assert(!kColumnwise || sizeof(E) == 2, "the tile is staged as 2-byte elements");
   constexpr int kRowsPerPass = 256 / kRowThreads, kPasses = kTile / kRowsPerPass;
   __shared__ uint4 staged[kColumnwise ? kTile * kTileWords / 4 : 1];
@@ -249,7 +253,7 @@ __global__ void __launch_bounds__(256) quantize_tile_kernel(const int64_t* offse
 #pragma unroll
   for (int p = 0; p < kPasses; ++p) {
     const int64_t r = t * kTile + tid / kRowThreads + kRowsPerPass * p;  // a row of the expert
-    if (r < rows) c[p].template load<kVec>(src + (begin + r) * src_ld, k, K);
+    if (r < rows) c[p].template load<kVec>(src + source_row(src_rows, begin + r) * src_ld, k, K);
   }
 #pragma unroll
   for (int p = 0; p < kPasses; ++p) {
@@ -281,8 +285,8 @@ __global__ void __launch_bounds__(256) quantize_tile_kernel(const int64_t* offse
 constexpr int kColChannels = 64;
 template <typename E>
 __global__ void __launch_bounds__(256) quantize_columnwise_kernel(const int64_t* offsets, int64_t G, const E* src,
-                                                                  int64_t src_ld, int64_t C, int64_t columns,
-                                                                  uint8_t* q, float* scale) {
+                                                                  int64_t src_ld, const int32_t* src_rows, int64_t C,
+                                                                  int64_t columns, uint8_t* q, float* scale) {
   __shared__ float tile[kTile][kColChannels + 1];
   const ExpertTile et = expert_tile(offsets, G, blockIdx.x);
   if (et.g == G) return;
@@ -292,7 +296,8 @@ __global__ void __launch_bounds__(256) quantize_columnwise_kernel(const int64_t*
   for (int i = tid / 8; i < kTile; i += 32) {  // row i of the tile, channels c0 + (tid % 8) * 8 ..
     const int cc = (tid % 8) * 8;
     Chunk<E> v = {};
-    if (t * kTile + i < rows) v.template load<false>(src + (begin + t * kTile + i) * src_ld, c0 + cc, C);
+    if (t * kTile + i < rows)
+      v.template load<false>(src + source_row(src_rows, begin + t * kTile + i) * src_ld, c0 + cc, C);
 #pragma unroll
     for (int k = 0; k < 8; ++k) tile[i][staged_column(i, cc + k, kColChannels)] = v.v[k];
   }
