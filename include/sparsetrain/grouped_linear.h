@@ -169,15 +169,16 @@ class GroupedLinear {
     std::shared_ptr<const void> keep_alive;  // CallArgs::keep_alive of the backward
   };
   // wgrad and bias grad with the group offsets already in the workspace. dy_columnwise: FP8, dy's
-  // wgrad layout when the dgrad's quantization already wrote it (else quantized here). x_rows as
-  // backward_rows'.
+  // wgrad layout when the dgrad's quantization already wrote it (else quantized here, dy of T
+  // rows). x_rows as backward_rows'.
   GroupedLinearGrads compute_wgrad(const TensorView& x, const TensorView& x_rows, const TensorView& dy,
                                    const int64_t* offsets, void* scratch, Stream stream,
                                    const ops::Fp8Operand* dy_columnwise = nullptr);
-  // backward on x's rows x_rows (int32 [T]) when given: FP8 with the wgrad now only (its columnwise
-  // quantizer gathers them); backward: without x_rows.
+  // backward on x's rows x_rows and dy's rows dy_rows (int32 [T]) where given: FP8 with the wgrad
+  // now only (its quantizers gather them); backward: without either.
   GroupedLinearGrads backward_rows(const TensorView& x, const TensorView& x_rows, const TensorView& dy,
-                                   const Splits& splits, const TensorView& grad_input, const CallArgs& args);
+                                   const TensorView& dy_rows, const Splits& splits, const TensorView& grad_input,
+                                   const CallArgs& args);
   // forward with x already quantized rowwise (FP8, T = its rows); forward_gathered (FP8): on x's
   // rows x_rows (int32 [T], valid indices: the caller's), gathered by the quantizer; forward_rows:
   // all three, after the input's own check (x, or xq when given).

@@ -114,14 +114,15 @@ class GroupedMLP {
  private:
   friend class MoELayer;  // its FP8 steps hand fc1's quantizers the tokens and rows (forward_rows, backward_rows)
 
-  // forward / backward on x's rows x_rows (int32 [T]) when given (FP8 only, backward with the
-  // wgrad now: fc1's quantizers gather them, the rows are never written in the dtype), else on x;
-  // forward / backward: without x_rows.
+  // forward / backward on x's rows x_rows (int32 [T]) when given, backward on dy's rows dy_rows
+  // (int32 [T], no fc2 bias) when given: FP8 only, backward with the wgrad now (the quantizers
+  // gather them, the rows are never written in the dtype); forward / backward: without either.
   GroupedMLPForward forward_rows(const TensorView& x, const TensorView& x_rows, const Splits& splits,
                                  const TensorView& probs, const TensorView& out, const CallArgs& args);
   GroupedMLPGrads backward_rows(const TensorView& x, const TensorView& x_rows, const TensorView& fc1_out,
-                                const TensorView& probs, const TensorView& dy, const Splits& splits,
-                                const TensorView& grad_input, const CallArgs& args, Fc1OutUse fc1_out_use);
+                                const TensorView& probs, const TensorView& dy, const TensorView& dy_rows,
+                                const Splits& splits, const TensorView& grad_input, const CallArgs& args,
+                                Fc1OutUse fc1_out_use);
 
   // What backward_dw needs beyond the layers' own queues: it owns the recomputed fc2 input and
   // fc1's output gradient (the layers keep only references) and refers to dy and probs for the

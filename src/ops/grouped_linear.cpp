@@ -218,7 +218,7 @@ GroupedLinearGrads GroupedLinear::compute_wgrad(const TensorView& x, const Tenso
   const int64_t G = o.num_groups;
   GroupedLinearBackend& be = backend_for(device(), "x");
   GroupedLinearGrads grads;
-  backend::WgradParams p{{o.dtype, G, dy.size(0), o.in_features, o.out_features, offsets},
+  backend::WgradParams p{{o.dtype, G, backend::fp8_operand_rows(x, x_rows), o.in_features, o.out_features, offsets},
                          x, dy, backend::WgradTarget::kWeightGrad, {}, {}};
   if (o.fuse_wgrad_accumulation) {
     p.target = o.overwrite_main_grad ? backend::WgradTarget::kMainGradOverwrite
@@ -252,20 +252,24 @@ GroupedLinearGrads GroupedLinear::compute_wgrad(const TensorView& x, const Tenso
 
 GroupedLinearGrads GroupedLinear::backward(const TensorView& x, const TensorView& dy, const Splits& splits,
                                            const TensorView& grad_input, const CallArgs& args) {
-  return backward_rows(x, {}, dy, splits, grad_input, args);
+  return backward_rows(x, {}, dy, {}, splits, grad_input, args);
 }
 
 GroupedLinearGrads GroupedLinear::backward_rows(const TensorView& x, const TensorView& x_rows, const TensorView& dy,
-                                                const Splits& splits, const TensorView& grad_input,
-                                                const CallArgs& args) {
+                                                const TensorView& dy_rows, const Splits& splits,
+                                                const TensorView& grad_input, const CallArgs& args) {
   const GroupedLinearOptions& o = options_;
   const Device dev = device();
   GroupedLinearBackend& be = backend_for(dev, "x");
   check_activation(x, "x", o.dtype, dev, -1, o.in_features, "in_features");
-  if (x_rows.defined() && (o.fp8 == Fp8Recipe::kOff || o.delay_wgrad_compute))
-    ST_FAIL("GroupedLinear::backward_rows: x_rows needs the FP8 recipe and the wgrad now (its quantizer gathers)");
-  const int64_t T = x_rows.defined() ? x_rows.size(0) : x.size(0);
-  check_activation(dy, "dy", o.dtype, dev, T, o.out_features, "out_features");
+  if ((x_rows.defined() || dy_rows.defined()) && (o.fp8 == Fp8Recipe::kOff || o.delay_wgrad_compute))
+    ST_FAIL("GroupedLinear::backward_rows: x_rows / dy_rows need the FP8 recipe and the wgrad now (its quantizers "
+            "gather)");
+  const int64_t T = backend::fp8_operand_rows(x, x_rows);
+  check_activation(dy, "dy", o.dtype, dev, dy_rows.defined() ? -1 : T, o.out_features, "out_features");
+  if (dy_rows.defined() && dy_rows.size(0) != T)
+    ST_FAIL("GroupedLinear::backward_rows: dy_rows for " + std::to_string(dy_rows.size(0)) + " rows, x's are " +
+            std::to_string(T));
   const int64_t S = check_splits(splits, o.num_groups, T, dev, o.check_device_splits, be, args.stream);
   if (grad_input.defined())
     check_out_buffer(grad_input, "grad_input", o.dtype, dev, o.in_features, ops::min_out_rows(S, T),
@@ -287,8 +291,8 @@ GroupedLinearGrads GroupedLinear::backward_rows(const TensorView& x, const Tenso
   const bool fp8 = o.fp8 != Fp8Recipe::kOff, fp8_wgrad_now = fp8 && !o.delay_wgrad_compute;
   if (fp8) {  // its kernels read the offsets from the device: none folded
     ops::prepare_offsets(splits, T, ws.offsets, ws.status, be, dev, args.stream);
-    ops::fp8_dgrad(fp8_layer(args.weight_version), dy, ws.offsets, grads.grad_input.view(), zero_tail, ws.scratch,
-                   args.stream, fp8_wgrad_now ? &dy_columnwise : nullptr);
+    ops::fp8_dgrad(fp8_layer(args.weight_version), dy, dy_rows, ws.offsets, grads.grad_input.view(), zero_tail,
+                   ws.scratch, args.stream, fp8_wgrad_now ? &dy_columnwise : nullptr);
   } else {
     std::vector<int64_t> host_offsets;  // dgrad's first kernel writes them; wgrad's then read them
     const int64_t* fold =

@@ -129,19 +129,21 @@ void fp8_fprop_quantized(const Fp8Layer& l, const Fp8Operand& xq, const int64_t*
       stream);
 }
 
-void fp8_dgrad(const Fp8Layer& l, const TensorView& dy, const int64_t* offsets, const TensorView& dx,
-               bool zero_tail, void* scratch, Stream stream, Fp8Operand* dy_columnwise) {
+void fp8_dgrad(const Fp8Layer& l, const TensorView& dy, const TensorView& dy_rows, const int64_t* offsets,
+               const TensorView& dx, bool zero_tail, void* scratch, Stream stream, Fp8Operand* dy_columnwise) {
   Fp8Operand dyq;
   if (dy_columnwise) {
-    dyq = rowwise_buffers(l, dy, stream);
-    *dy_columnwise = columnwise_buffers(l, dy, stream);
-    fp8_backend(l.device).quantize_both({groups(l, offsets), dy, dyq.view(), dy_columnwise->view()}, stream);
+    dyq = rowwise_buffers(l, dy, stream, dy_rows);
+    *dy_columnwise = columnwise_buffers(l, dy, stream, dy_rows);
+    fp8_backend(l.device).quantize_both({groups(l, offsets), dy, dyq.view(), dy_columnwise->view(), dy_rows},
+                                        stream);
   } else {
-    dyq = rowwise(l, dy, offsets, stream);
+    dyq = rowwise(l, dy, offsets, stream, dy_rows);
   }
   const auto w = weights(l, stream);
   fp8_backend(l.device).dgrad(
-      {problem(l, dy.size(0), offsets), dyq.view(), w->per_group(true, l.options), dx, zero_tail}, scratch, stream);
+      {problem(l, dyq.data.view().size(0), offsets), dyq.view(), w->per_group(true, l.options), dx, zero_tail},
+      scratch, stream);
 }
 
 void fp8_wgrad(const Fp8Layer& l, const TensorView& x, const TensorView& x_rows, const TensorView& dy,
@@ -149,9 +151,9 @@ void fp8_wgrad(const Fp8Layer& l, const TensorView& x, const TensorView& x_rows,
                Stream stream, const Fp8Operand* dy_columnwise) {
   const Fp8Operand xc = columnwise(l, x, offsets, stream, x_rows);
   const Fp8Operand dyc = dy_columnwise ? Fp8Operand{} : columnwise(l, dy, offsets, stream);
-  fp8_backend(l.device).wgrad(
-      {problem(l, dy.size(0), offsets), xc.view(), (dy_columnwise ? *dy_columnwise : dyc).view(), target, dw}, scratch,
-      stream);
+  fp8_backend(l.device).wgrad({problem(l, backend::fp8_operand_rows(x, x_rows), offsets), xc.view(),
+                               (dy_columnwise ? *dy_columnwise : dyc).view(), target, dw},
+                              scratch, stream);
 }
 
 }  // namespace sparsetrain::ops

@@ -58,9 +58,12 @@ void fp8_fprop(const Fp8Layer& l, const TensorView& x, const TensorView& x_rows,
 // fprop on x already quantized rowwise (a producer that wrote the codes, e.g. GroupedMLP's SwiGLU).
 void fp8_fprop_quantized(const Fp8Layer& l, const Fp8Operand& xq, const int64_t* offsets, const TensorView& y,
                          bool zero_tail, void* scratch, Stream stream);
-void fp8_dgrad(const Fp8Layer& l, const TensorView& dy, const int64_t* offsets, const TensorView& dx,
-               bool zero_tail, void* scratch, Stream stream, Fp8Operand* dy_columnwise = nullptr);
-// x_rows (optional, int32 [T]): x's rows gathered by the columnwise quantizer, as fp8_fprop's.
+// dy_rows (optional, int32 [T]): dy's rows gathered by the quantizers, as fp8_fprop's x_rows.
+void fp8_dgrad(const Fp8Layer& l, const TensorView& dy, const TensorView& dy_rows, const int64_t* offsets,
+               const TensorView& dx, bool zero_tail, void* scratch, Stream stream,
+               Fp8Operand* dy_columnwise = nullptr);
+// x_rows (optional, int32 [T]): x's rows gathered by the columnwise quantizer, as fp8_fprop's; dy
+// (without dy_columnwise) has T rows.
 void fp8_wgrad(const Fp8Layer& l, const TensorView& x, const TensorView& x_rows, const TensorView& dy,
                const int64_t* offsets, backend::WgradTarget target, const std::vector<TensorView>& dw, void* scratch,
                Stream stream, const Fp8Operand* dy_columnwise = nullptr);

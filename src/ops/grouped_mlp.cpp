@@ -217,12 +217,12 @@ Tensor GroupedMLP::scaled_bias_grad(const TensorView& dy, const TensorView& prob
 GroupedMLPGrads GroupedMLP::backward(const TensorView& x, const TensorView& fc1_out, const TensorView& probs,
                                      const TensorView& dy, const Splits& splits, const TensorView& grad_input,
                                      const CallArgs& args, Fc1OutUse fc1_out_use) {
-  return backward_rows(x, {}, fc1_out, probs, dy, splits, grad_input, args, fc1_out_use);
+  return backward_rows(x, {}, fc1_out, probs, dy, {}, splits, grad_input, args, fc1_out_use);
 }
 
 GroupedMLPGrads GroupedMLP::backward_rows(const TensorView& x, const TensorView& x_rows, const TensorView& fc1_out,
-                                          const TensorView& probs, const TensorView& dy, const Splits& splits,
-                                          const TensorView& grad_input, const CallArgs& args,
+                                          const TensorView& probs, const TensorView& dy, const TensorView& dy_rows,
+                                          const Splits& splits, const TensorView& grad_input, const CallArgs& args,
                                           Fc1OutUse fc1_out_use) {
   const GroupedMLPOptions& o = options_;
   const Device dev = device();
@@ -230,12 +230,16 @@ GroupedMLPGrads GroupedMLP::backward_rows(const TensorView& x, const TensorView&
   backend::GroupedLinearBackend& gemm = backend::backend_for(dev, "x");
   GroupedMLPBackend& be = backend::grouped_mlp_backend_for(dev, "x");
   ops::check_activation(x, "x", o.dtype, dev, -1, o.in_features, "in_features");
-  if (x_rows.defined() && (o.fp8 == Fp8Recipe::kOff || o.delay_wgrad_compute))
-    ST_FAIL("GroupedMLP::backward_rows: x_rows needs the FP8 recipe and the wgrad now (fc1's quantizer gathers)");
-  const int64_t T = x_rows.defined() ? x_rows.size(0) : x.size(0);
+  // dy gathered: fc2's dgrad quantizer is then its only reader (the fc2 bias' terms read it too).
+  if ((x_rows.defined() || dy_rows.defined()) && (o.fp8 == Fp8Recipe::kOff || o.delay_wgrad_compute))
+    ST_FAIL("GroupedMLP::backward_rows: x_rows / dy_rows need the FP8 recipe and the wgrad now (the quantizers "
+            "gather)");
+  if (dy_rows.defined() && fc2_bias_.present())
+    ST_FAIL("GroupedMLP::backward_rows: dy_rows with an fc2 bias (its gradient terms read dy's rows)");
+  const int64_t T = backend::fp8_operand_rows(x, x_rows);
   ops::check_activation(fc1_out, "fc1_out", o.dtype, dev, T, 2 * F, "2 * ffn_features");
   check_probs(probs, T, dev);
-  ops::check_activation(dy, "dy", o.dtype, dev, T, o.out_features, "out_features");
+  ops::check_activation(dy, "dy", o.dtype, dev, dy_rows.defined() ? -1 : T, o.out_features, "out_features");
   const int64_t S = ops::check_splits(splits, o.num_groups, T, dev, o.check_device_splits, gemm, args.stream);
   if (grad_input.defined())
     ops::check_out_buffer(grad_input, "grad_input", o.dtype, dev, o.in_features, ops::min_out_rows(S, T),
@@ -258,7 +262,7 @@ GroupedMLPGrads GroupedMLP::backward_rows(const TensorView& x, const TensorView&
   // fc2: its input h' = probs * silu(a) * b is recomputed rather than saved.
   Tensor h = Tensor::empty(o.dtype, {T, F}, dev, *allocator_, args.stream);
   be.swiglu_forward({rows, F, o.glu_interleave_size, fc1_out, probs, h.view(), {}}, ws.scratch, args.stream);
-  GroupedLinearGrads g2 = fc2_.backward(h.view(), dy, splits, {}, ws.layer_args);
+  GroupedLinearGrads g2 = fc2_.backward_rows(h.view(), {}, dy, dy_rows, splits, {}, ws.layer_args);
   // Its only reader was fc2's wgrad: freed now (stream-ordered), not at the end, it is one [T, F]
   // less at the step's peak (fc1's backward). A delayed wgrad keeps it for backward_dw.
   if (!o.delay_wgrad_compute) h = Tensor();
@@ -271,12 +275,13 @@ GroupedMLPGrads GroupedMLP::backward_rows(const TensorView& x, const TensorView&
   const bool reuse = fc1_out_use == Fc1OutUse::kReuse && fc1_out.stride(1) == 1 && fc1_out.stride(0) == 2 * F;
   Tensor dz = reuse ? Tensor::borrowed(fc1_out) : Tensor::empty(o.dtype, {T, 2 * F}, dev, *allocator_, args.stream);
   grads.dprobs = Tensor::empty(DType::kFP32, {T}, dev, *allocator_, args.stream);
-  be.swiglu_backward({rows, F, o.glu_interleave_size, o.out_features, fc1_out, probs, g2.grad_input.view(), dy,
+  be.swiglu_backward({rows, F, o.glu_interleave_size, o.out_features, fc1_out, probs, g2.grad_input.view(),
+                      dy_rows.defined() ? TensorView() : dy,
                       ops::group_views(fc2_bias_, o.num_groups), dz.view(), grads.dprobs.view()},
                      ws.scratch, args.stream);
   g2.grad_input = Tensor();  // dh' is no longer needed
 
-  GroupedLinearGrads g1 = fc1_.backward_rows(x, x_rows, dz.view(), splits, grad_input, ws.layer_args);
+  GroupedLinearGrads g1 = fc1_.backward_rows(x, x_rows, dz.view(), {}, splits, grad_input, ws.layer_args);
   grads.grad_input = std::move(g1.grad_input);
   grads.fc1 = {std::move(g1.weight), std::move(g1.bias_grad)};
   // The layers queued references to h' and dz: keep them alive until backward_dw.

@@ -134,14 +134,17 @@ MoEGrads MoELayer::backward(const TensorView& x, const TensorView& logits, const
   ops::check_route_backward_inputs(options_.router, logits, dscore_sum);
   ST_CHECK_ARG(logits.size(0) == N, "logits", "N = " + std::to_string(N) + " rows (x's tokens)", logits.shape_str());
   // Everything is valid: from here on outputs may be written.
-  // dout's rows in the layout: row row_of[n, i] gets dout[n] (each row exactly once); x's rows
-  // again if forward dropped them, except with FP8 and the wgrad now: then fc1's columnwise
-  // quantizer reads x's tokens in the layout's order (a delayed wgrad runs after backward has
-  // returned, when x may have changed: it gets the rows gathered now).
-  Tensor drows = gather_rows(dout, saved.route.token_of_row, *allocator_, args.stream);
-  const bool gathered_by_quantizer =
-      !saved.rows.defined() && options_.mlp.fp8 != Fp8Recipe::kOff && !options_.mlp.delay_wgrad_compute;
-  const Tensor rows = saved.rows.defined() || gathered_by_quantizer
+  // dout's rows in the layout (row row_of[n, i] gets dout[n], each row exactly once), and x's
+  // again if forward dropped them. With FP8 and the wgrad now the quantizers read the tokens in
+  // the layout's order instead: dout's for fc2's dgrad and wgrad (not with an fc2 bias, whose
+  // gradient terms read its rows) and x's for fc1's wgrad. A delayed wgrad runs after backward has
+  // returned, when x and dout may have changed: it gets the rows gathered now.
+  const bool fp8_now = options_.mlp.fp8 != Fp8Recipe::kOff && !options_.mlp.delay_wgrad_compute;
+  const TensorView token_of_row = saved.route.token_of_row.view();
+  const Tensor drows = fp8_now && !mlp_.fc2_bias_.present()
+                           ? Tensor()
+                           : gather_rows(dout, saved.route.token_of_row, *allocator_, args.stream);
+  const Tensor rows = saved.rows.defined() || fp8_now
                           ? saved.rows
                           : gather_rows(x, saved.route.token_of_row, *allocator_, args.stream);
   // The MLP's delayed wgrad keeps references to its inputs and splits: they stay alive with the
@@ -149,13 +152,10 @@ MoEGrads MoELayer::backward(const TensorView& x, const TensorView& logits, const
   CallArgs mlp_args = args;
   mlp_args.keep_alive = std::make_shared<std::tuple<Tensor, Tensor, Tensor, Tensor, std::shared_ptr<const void>>>(
       rows, saved.row_probs, saved.route.counts, drows, args.keep_alive);
-  const Splits splits = Splits::device(saved.route.counts.view());
-  GroupedMLPGrads m =
-      gathered_by_quantizer
-          ? mlp_.backward_rows(x, saved.route.token_of_row.view(), saved.fc1_out.view(), saved.row_probs.view(),
-                               drows.view(), splits, {}, mlp_args, Fc1OutUse::kKeep)
-          : mlp_.backward(rows.view(), saved.fc1_out.view(), saved.row_probs.view(), drows.view(), splits, {},
-                          mlp_args);
+  GroupedMLPGrads m = mlp_.backward_rows(
+      rows.defined() ? rows.view() : x, rows.defined() ? TensorView() : token_of_row, saved.fc1_out.view(),
+      saved.row_probs.view(), drows.defined() ? drows.view() : dout, drows.defined() ? TensorView() : token_of_row,
+      Splits::device(saved.route.counts.view()), {}, mlp_args, Fc1OutUse::kKeep);
   MoEGrads g;
   g.grad_input = combine_rows(m.grad_input.view(), saved.route.row_of.view(), allocator_, args.stream);
   const Tensor dprobs = permute_probs(m.dprobs.view(), saved.route.row_of, false, *allocator_, args.stream);

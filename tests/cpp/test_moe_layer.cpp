@@ -277,9 +277,10 @@ TEST(MoELayer, BitwiseRepeatableAndDelayedWgradEqualsImmediate) {
 // FP8 (blockwise recipe): with the rows recomputed (the default), fc1's quantizers read x's tokens
 // in the layout's order (rowwise in forward; columnwise in backward when the wgrad runs there) and
 // the rows are never written in the dtype; with them kept, they are gathered in bf16 and quantized
-// after. Both give the same bits, forward and backward, immediate and delayed wgrad (which gathers
-// the rows in backward), hidden sizes over one and several 128-channel tiles, an uneven top-4
-// routing over 16 experts.
+// after; with the wgrad in backward fc2's quantizers read dout's tokens likewise. All give the
+// bits of an FP8 GroupedMLP on rows gathered beforehand, forward and backward, immediate and
+// delayed wgrad (which gathers the rows in backward), hidden sizes over one and several
+// 128-channel tiles, an uneven top-4 routing over 16 experts.
 TEST(MoELayer, Fp8RowsQuantizedAsGatheredGiveTheKeptRowsBits) {
   for (const int64_t H : {int64_t(48), int64_t(272)})
     for (const bool delay : {false, true}) {
@@ -308,6 +309,18 @@ TEST(MoELayer, Fp8RowsQuantizedAsGatheredGiveTheKeptRowsBits) {
       }
       EXPECT_TRUE(copy(a1.weight.packed).bytes_equal(copy(b1.weight.packed)));
       EXPECT_TRUE(copy(a2.weight.packed).bytes_equal(copy(b2.weight.packed)));
+      // Both against an FP8 GroupedMLP on the rows gathered beforehand (x's and dout's, which the
+      // layer's quantizers read from the tokens with the wgrad now): the same bits.
+      st::GroupedMLP mlp(kept.mlp, p.mlp.params());
+      const st::Splits sp = st::Splits::host(p.mlp.splits);
+      const st::GroupedMLPForward fm = mlp.forward(p.mlp.x.view(), sp, fb.row_probs.view());
+      EXPECT_TRUE(copy(fm.fc1_out).bytes_equal(copy(fb.fc1_out)));
+      const st::GroupedMLPGrads gm = mlp.backward(p.mlp.x.view(), fm.fc1_out.view(), fb.row_probs.view(),
+                                                  p.mlp.dy.view(), sp);
+      const st::GroupedMLPGrads dm = delay ? mlp.backward_dw() : st::GroupedMLPGrads{};
+      EXPECT_TRUE(copy(st::combine_rows(gm.grad_input.view(), fb.route.row_of.view())).bytes_equal(copy(gb.grad_input)));
+      EXPECT_TRUE(copy((delay ? dm : gm).fc1.weight.packed).bytes_equal(copy(b1.weight.packed)));
+      EXPECT_TRUE(copy((delay ? dm : gm).fc2.weight.packed).bytes_equal(copy(b2.weight.packed)));
       // And the recipe ran: the output is not the bf16 layer's.
       st::MoELayer bf16(p.options(), p.mlp.params());
       const st::MoEForward f16 = bf16.forward(p.x.view(), p.logits.view(), p.bias_view());
