@@ -169,7 +169,7 @@ GroupedMLPForward GroupedMLP::forward_rows(const TensorView& x, const TensorView
   ops::check_activation(x, "x", o.dtype, dev, -1, o.in_features, "in_features");
   if (x_rows.defined() && o.fp8 == Fp8Recipe::kOff)
     ST_FAIL("GroupedMLP::forward_rows: x_rows needs the FP8 recipe (its quantizer gathers)");
-  const int64_t T = x_rows.defined() ? x_rows.size(0) : x.size(0);
+  const int64_t T = backend::fp8_operand_rows(x, x_rows);
   check_probs(probs, T, dev);
   const int64_t S = ops::check_splits(splits, o.num_groups, T, dev, o.check_device_splits, gemm, args.stream);
   if (out.defined())
@@ -230,7 +230,8 @@ GroupedMLPGrads GroupedMLP::backward_rows(const TensorView& x, const TensorView&
   backend::GroupedLinearBackend& gemm = backend::backend_for(dev, "x");
   GroupedMLPBackend& be = backend::grouped_mlp_backend_for(dev, "x");
   ops::check_activation(x, "x", o.dtype, dev, -1, o.in_features, "in_features");
-  // dy gathered: fc2's dgrad quantizer is then its only reader (the fc2 bias' terms read it too).
+  // With dy_rows fc2's quantizers must be dy's only readers: no fc2 bias (its gradient terms read
+  // dy's rows).
   if ((x_rows.defined() || dy_rows.defined()) && (o.fp8 == Fp8Recipe::kOff || o.delay_wgrad_compute))
     ST_FAIL("GroupedMLP::backward_rows: x_rows / dy_rows need the FP8 recipe and the wgrad now (the quantizers "
             "gather)");
