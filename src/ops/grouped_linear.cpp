@@ -158,7 +158,7 @@ Tensor GroupedLinear::forward_gathered(const TensorView& x, const TensorView& x_
   if (options_.fp8 == Fp8Recipe::kOff)
     ST_FAIL("GroupedLinear::forward_gathered: expected an FP8 layer (the quantizer gathers)");
   check_activation(x, "x", options_.dtype, device(), -1, options_.in_features, "in_features");
-  return forward_rows(x, x_rows, nullptr, x_rows.size(0), splits, out, args);
+  return forward_rows(x, x_rows, nullptr, backend::fp8_operand_rows(x, x_rows), splits, out, args);
 }
 
 Tensor GroupedLinear::forward_rows(const TensorView& x, const TensorView& x_rows, const ops::Fp8Operand* xq,

@@ -23,6 +23,9 @@ struct Source {
   const int32_t* rows;
   float value(int64_t r, int64_t c) const { return load(src, rows ? rows[r] : r, c); }
 };
+Source source_of(const Fp8QuantizeParams& p) {
+  return {p.src, p.src_rows.defined() ? p.src_rows.data_as<const int32_t>() : nullptr};
+}
 
 // Quantizes the operand's tile [r0, r1) x [c0, c1): store(r, c, code) for each element; returns
 // the scale.
@@ -58,7 +61,7 @@ class ReferenceFp8Backend final : public Fp8BlockwiseBackend {
  public:
   void quantize_rowwise(const Fp8QuantizeParams& p, Stream) override {
     const int64_t K = p.src.size(1), KB = fp8_tiles(K);
-    const Source src{p.src, p.src_rows.defined() ? p.src_rows.data_as<const int32_t>() : nullptr};
+    const Source src = source_of(p);
     uint8_t* q = codes(p.dst);
     for (int64_t g = 0; g < p.groups.num_groups; ++g) {
       const GroupRows gr = group_rows(p.groups, g);
@@ -72,7 +75,7 @@ class ReferenceFp8Backend final : public Fp8BlockwiseBackend {
 
   void quantize_columnwise(const Fp8QuantizeParams& p, Stream) override {
     const int64_t C = p.src.size(1), columns = p.dst.data.size(1);
-    const Source src{p.src, p.src_rows.defined() ? p.src_rows.data_as<const int32_t>() : nullptr};
+    const Source src = source_of(p);
     uint8_t* q = codes(p.dst);
     for (int64_t g = 0; g < p.groups.num_groups; ++g) {
       const GroupRows gr = group_rows(p.groups, g);
