@@ -2,6 +2,7 @@
 // dout for backward) and of the mask against them, the default softmax scale, and output
 // allocation from the call's allocator. Nothing is allocated or written before every check has
 // passed; a backend then runs on validated arguments (ops/attention_backend.h).
+#include "common/attention/mask_predicate.h"
 #include "sparsetrain/attention.h"
 
 #include <cmath>
@@ -103,7 +104,7 @@ void check_mask_structure(const BlockMask& mask, const AttentionProblem& p, Devi
 // tokens (host masks: checked) each appear once, in order, every value in [-1, S).
 void check_padded_mask(const BlockMask& mask, const AttentionProblem& p, Device device) {
   const BlockMask& pm = *mask.backward_padded;
-  const bool docs = mask.spec.kind == MaskKind::kDocument || mask.spec.kind == MaskKind::kDocumentCausal;
+  const bool docs = mask_has_documents(mask.spec.kind);
   ST_CHECK_ARG(docs && pm.spec.kind == mask.spec.kind, "mask.backward_padded",
                "the padded form of a document mask (build_doc_padded_mask), of the mask's kind",
                mask_kind_name(pm.spec.kind), " for a ", mask_kind_name(mask.spec.kind), " mask");

@@ -13,6 +13,7 @@
 #include "common/attention/block_mask_rows.h"
 #include "common/attention/doc_padding.h"
 #include "common/attention/dq_schedule_model.h"
+#include "common/attention/mask_predicate.h"
 #include "ops/block_mask_internal.h"
 #include "ops/checks.h"
 #include "sparsetrain/block_mask.h"
@@ -397,7 +398,7 @@ BlockMaskTensors build_on_device(const MaskSpec& spec, int64_t B, int64_t seq_q,
       std::tuple_cat(int32_tensors<10>({rows, lists, rows, lists, cols, transposed, cols, transposed, transposed,
                                         transposed},
                                        o.device, a, o.stream));
-  const bool doc = spec.kind == MaskKind::kDocument || spec.kind == MaskKind::kDocumentCausal;
+  const bool doc = mask_has_documents(spec.kind);
   const int64_t doc_q_batch = doc ? spec.doc_q.size(0) : 1, doc_kv_batch = doc ? spec.doc_kv.size(0) : 1;
   // The permutation, the per-block records, the document-id spans (block_mask_internal.h): apart
   // from the outputs, so that the mask does not keep it.
@@ -512,7 +513,7 @@ BlockMaskTensors build_block_mask(const MaskSpec& spec, int64_t seq_q, int64_t s
   check_options(options, seq_q, seq_kv);
   ST_CHECK_ARG(spec.kind != MaskKind::kBitmask, "spec.kind", "a built-in mask kind (build_block_mask_from_function "
                "makes bitmasks)", spec.str());
-  const bool doc = spec.kind == MaskKind::kDocument || spec.kind == MaskKind::kDocumentCausal;
+  const bool doc = mask_has_documents(spec.kind);
   const int64_t B = doc ? checked_doc_batch(spec, seq_q, seq_kv, options.device) : 1;
   if (options.device.is_cuda()) return build_on_device(spec, B, seq_q, seq_kv, options);
   ST_CHECK_ARG(options.device.is_cpu(), "BlockMaskOptions device", "cpu or cuda", options.device.str());
@@ -546,7 +547,7 @@ BlockMaskTensors build_block_mask(const MaskSpec& spec, int64_t seq_q, int64_t s
 
 BlockMaskTensors build_doc_padded_mask(const MaskSpec& spec, int64_t seq, int64_t min_length,
                                        const BlockMaskOptions& options) {
-  ST_CHECK_ARG(spec.kind == MaskKind::kDocument || spec.kind == MaskKind::kDocumentCausal, "spec.kind",
+  ST_CHECK_ARG(mask_has_documents(spec.kind), "spec.kind",
                "document or document_causal", spec.str());
   ST_CHECK_ARG(seq >= 1, "seq", ">= 1", seq);
   ST_CHECK_ARG(min_length >= kDocPadAlign, "min_length", ">= " + std::to_string(kDocPadAlign), min_length);

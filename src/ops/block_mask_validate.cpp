@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "common/attention/block_mask_rows.h"
+#include "common/attention/mask_predicate.h"
 #include "ops/block_mask_internal.h"
 #include "ops/checks.h"
 #include "sparsetrain/block_mask.h"
@@ -144,7 +145,7 @@ void check_block_mask_structure(const BlockMask& mask, int64_t batch, int64_t he
     ST_CHECK_ARG(mask.partial_bitmasks.size(4) == bytes, "partial_bitmasks",
                  "a last dim of " + std::to_string(bytes) + " bytes (block_q * block_kv bits)",
                  mask.partial_bitmasks.shape_str());
-  } else if (spec.kind == MaskKind::kDocument || spec.kind == MaskKind::kDocumentCausal) {
+  } else if (mask_has_documents(spec.kind)) {
     for (const auto& [t, name, len] : {std::make_tuple(&spec.doc_q, "spec.doc_q", mask.seq_q),
                                        std::make_tuple(&spec.doc_kv, "spec.doc_kv", mask.seq_kv)}) {
       checks::defined(*t, name, "int32 document ids [B or 1, S]");

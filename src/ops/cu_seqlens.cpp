@@ -5,6 +5,7 @@
 #include <string>
 
 #include "common/attention/cu_seqlens.h"
+#include "common/attention/mask_predicate.h"
 #include "ops/checks.h"
 #include "sparsetrain/cu_seqlens.h"
 #include "sparsetrain/error.h"
@@ -16,7 +17,7 @@
 namespace sparsetrain {
 
 MaskSpec DocumentIds::spec(MaskKind kind) const {
-  ST_CHECK_ARG(kind == MaskKind::kDocument || kind == MaskKind::kDocumentCausal, "DocumentIds::spec kind",
+  ST_CHECK_ARG(mask_has_documents(kind), "DocumentIds::spec kind",
                "kDocument or kDocumentCausal", int(kind));
   MaskSpec s;
   s.kind = kind;

@@ -42,7 +42,7 @@ class ElementMask {
  public:
   ElementMask(const BlockMask& mask, int64_t b, int64_t h) : mask_(mask), b_(b), h_(h) {
     const MaskSpec& s = mask.spec;
-    if (s.kind == MaskKind::kDocument || s.kind == MaskKind::kDocumentCausal) {
+    if (mask_has_documents(s.kind)) {
       doc_q_ = s.doc_q.data_as<const int32_t>() + b * s.doc_q.broadcast_stride(0);
       doc_kv_ = s.doc_kv.data_as<const int32_t>() + b * s.doc_kv.broadcast_stride(0);
     }

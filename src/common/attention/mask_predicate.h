@@ -10,6 +10,11 @@
 
 namespace sparsetrain {
 
+// The kinds that read document ids (MaskSpec::doc_q / doc_kv): kDocument and kDocumentCausal.
+ST_HOST_DEVICE constexpr bool mask_has_documents(MaskKind kind) {
+  return kind == MaskKind::kDocument || kind == MaskKind::kDocumentCausal;
+}
+
 ST_HOST_DEVICE inline bool mask_allows(MaskKind kind, int64_t window_left, int64_t window_right,
                                        int64_t prefix_length, const int32_t* doc_q, const int32_t* doc_kv,
                                        int64_t seq_q, int64_t seq_kv, int64_t q, int64_t kv) {

@@ -3,6 +3,7 @@
 #include "cuda/attention/attention_bwd_plan.h"
 
 #include "common/attention/bwd_sections.h"
+#include "common/attention/mask_predicate.h"
 #include "cuda/device_cache.h"
 #include "cuda/tuning.h"
 #include "sparsetrain/dtype.h"
@@ -21,7 +22,9 @@ BwdScratch::BwdScratch(const backend::AttentionProblem& p, const BlockMask& bm, 
   dq_accum = reinterpret_cast<float*>(take(size_t(bh * rows * p.head_dim) * sizeof(float)));
   lse_log2 = reinterpret_cast<float*>(take(size_t(bh * rows) * sizeof(float)));
   delta = reinterpret_cast<float*>(take(size_t(bh * rows) * sizeof(float)));
-  doc_q_rows = reinterpret_cast<int32_t*>(take(size_t(p.batch * rows) * sizeof(int32_t)));
+  doc_q_rows = mask_has_documents(bm.spec.kind)
+                   ? reinterpret_cast<int32_t*>(take(size_t(p.batch * rows) * sizeof(int32_t)))
+                   : nullptr;
   const size_t sem_bytes = size_t(bh * tiles) * sizeof(int32_t);
   zeroed_bytes = sem_bytes + 5 * sizeof(int32_t);  // + the ticket and abandoned[4]
   semaphores = reinterpret_cast<int32_t*>(take(zeroed_bytes));

@@ -31,7 +31,7 @@ struct BwdScratch {
   float* dq_accum;
   float* lse_log2;
   float* delta;
-  int32_t* doc_q_rows;  // [B, rows]: document masks' q ids, padded (BwdArgs::doc_q_rows)
+  int32_t* doc_q_rows;  // [B, rows]: document masks' q ids, padded (BwdArgs::doc_q_rows); null for other kinds
   int32_t* semaphores;  // then the ticket counter and the abandoned report: zeroed together by the preprocessing
   int32_t* counters;
   int32_t* permutation;

@@ -16,6 +16,7 @@
 
 #include "common/attention/attention_fwd_walk.h"
 #include "common/attention/bwd_sections.h"
+#include "common/attention/mask_predicate.h"
 #include "common/dispatch_dtype.h"
 #include "cuda/attention/attention_bwd_params.h"
 #include "cuda/attention/attention_bwd_plan.h"
@@ -59,7 +60,7 @@ cuda::attn::KernelMaskSpec mask_spec_args(const BlockMask& m) {
   spec.window_left = m.spec.window_left, spec.window_right = m.spec.window_right;
   spec.prefix_length = m.spec.prefix_length;
   spec.block_kv = int32_t(m.block_kv);
-  if (m.spec.kind == MaskKind::kDocument || m.spec.kind == MaskKind::kDocumentCausal) {
+  if (mask_has_documents(m.spec.kind)) {
     spec.doc_q = static_cast<const int32_t*>(m.spec.doc_q.data());
     spec.doc_kv = static_cast<const int32_t*>(m.spec.doc_kv.data());
     spec.doc_q_stride_b = m.spec.doc_q.broadcast_stride(0);
@@ -184,7 +185,7 @@ class AttentionCuda final : public backend::AttentionBackend {
       // The backward indexes in int32 the mask's lists its walk reads (common/attention/attention_bwd_walk.h:
       // write orders in the deterministic mode, the forward lists for bitmasks) and the document ids.
       const bool det = backward->deterministic, bits = bm.spec.kind == MaskKind::kBitmask;
-      const bool docs = bm.spec.kind == MaskKind::kDocument || bm.spec.kind == MaskKind::kDocumentCausal;
+      const bool docs = mask_has_documents(bm.spec.kind);
       const std::pair<const TensorView*, const char*> lists[] = {
           {&bm.q_num_blocks, "q_num_blocks"},
           {&bm.q_indices, "q_indices"},
@@ -259,7 +260,7 @@ class AttentionCuda final : public backend::AttentionBackend {
     // Document masks: the preprocessing also copies each q row's document id into a padded row
     // array, which the kernel loads with lse and delta.
     const cuda::attn::KernelMaskSpec spec = mask_spec_args(m);
-    const bool docs = spec.kind == MaskKind::kDocument || spec.kind == MaskKind::kDocumentCausal;
+    const bool docs = mask_has_documents(spec.kind);
     BwdArgs a{};
     a.q = bp.q.data(), a.k = bp.k.data(), a.v = bp.v.data(), a.dout = bp.dout.data();
     a.q_stride_b = bp.q.stride(0), a.q_stride_s = bp.q.stride(1), a.q_stride_h = bp.q.stride(2);
@@ -268,7 +269,7 @@ class AttentionCuda final : public backend::AttentionBackend {
     a.do_stride_b = bp.dout.stride(0), a.do_stride_s = bp.dout.stride(1), a.do_stride_h = bp.dout.stride(2);
     a.dk = bp.dk.data(), a.dv = bp.dv.data();
     a.lse_log2 = ws.lse_log2, a.delta = ws.delta, a.dq_accum = ws.dq_accum;
-    a.doc_q_rows = docs ? ws.doc_q_rows : nullptr;
+    a.doc_q_rows = ws.doc_q_rows;  // null unless a document mask
     a.semaphores = ws.semaphores, a.sched.ticket = ws.counters, a.abandoned = ws.counters + 1;
     a.batch = int32_t(p.batch), a.seq_q = int32_t(p.seq_q), a.seq_kv = int32_t(p.seq_kv);
     a.heads_q = int32_t(p.heads_q), a.heads_kv = int32_t(p.heads_kv);
@@ -324,7 +325,7 @@ class AttentionCuda final : public backend::AttentionBackend {
             int32_t(p.batch), int32_t(p.heads_q), int32_t(p.seq_q), a.mask_seq_q, a.real_rows, a.real_rows_stride_b, rows,
             int32_t(p.head_dim), heads_log2, ws.lse_log2, ws.delta,
             bp.deterministic ? nullptr : ws.dq_accum, ws.semaphores, int64_t(ws.zeroed_bytes / sizeof(int32_t)),
-            docs ? spec.doc_q : nullptr, docs ? spec.doc_q_stride_b : 0, docs ? ws.doc_q_rows : nullptr, on_device);
+            docs ? spec.doc_q : nullptr, docs ? spec.doc_q_stride_b : 0, ws.doc_q_rows, on_device);
       };
       if (!vector) launch(BwdPreprocessTiling<32, false>{});
       else if (p.head_dim <= 64) launch(BwdPreprocessTiling<8, true>{});

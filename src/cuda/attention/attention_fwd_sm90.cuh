@@ -28,6 +28,7 @@
 
 #include <cmath>
 
+#include "common/attention/mask_predicate.h"
 #include "cuda/attention/fwd_epilogue_sm90.cuh"
 #include "cuda/attention/fwd_mainloop_sm90.cuh"
 #include "cuda/pdl.cuh"
@@ -136,7 +137,7 @@ __device__ __forceinline__ void fwd_consume(const typename T::Params& p, typenam
   };
 
   const float scale_log2 = p.scale_log2;
-  const bool docs = a.spec.kind == MaskKind::kDocument || a.spec.kind == MaskKind::kDocumentCausal;
+  const bool docs = mask_has_documents(a.spec.kind);
   // Read from threadIdx where used (ptxas spilled them when kept in registers).
   auto wg = [] { return (thread_index() - 128) / 128; };
   auto lane = [] { return int(threadIdx.x) % 128; };

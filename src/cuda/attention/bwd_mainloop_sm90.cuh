@@ -6,6 +6,7 @@
 
 #include <cmath>
 
+#include "common/attention/mask_predicate.h"
 #include "cuda/attention/bwd_epilogue_sm90.cuh"
 #include "cuda/attention/bwd_traits_sm90.cuh"
 #include "cuda/attention/mask_tile_sm90.cuh"
@@ -59,7 +60,7 @@ __device__ __forceinline__ void mask_tile_t(TS& s, TC const& coord, int q0, int 
   // 64-bit row pointer, hoisted out of the visit loop, was the D = 128 consumers' one spill.
   constexpr int kKeys = decltype(size<0>(s))::value;
   int32_t dkv[kKeys];
-  const bool docs = m.kind == MaskKind::kDocument || m.kind == MaskKind::kDocumentCausal;
+  const bool docs = mask_has_documents(m.kind);
   if (docs) {
     const int32_t doc_kv0 = b * int32_t(m.doc_kv_stride_b);
     CUTLASS_PRAGMA_UNROLL
