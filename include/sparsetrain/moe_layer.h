@@ -38,6 +38,13 @@ struct MoELayerOptions {
   // one more gather pass in backward, about 1 % of a layer's fwd + bwd; the results are bitwise
   // the same); false: they are kept in MoEForward::rows until backward.
   bool recompute_expert_input = true;
+  // With the FP8 recipe (mlp.fp8; an Error without it): true keeps fc1's output for backward in
+  // e4m3 with one fp32 scale per row and 128 columns (the recipe's activation tiles, DESIGN.md
+  // section 12) instead of the dtype, the largest thing held between forward and backward at 0.53x
+  // its bytes: MoEForward::fc1_out holds the codes and fc1_out_scales their scales. Backward
+  // restores them (exactly: the scales are powers of two) into the buffer that then takes their
+  // gradient. Costs a quantizing pass over fc1's output in forward and a restoring one in backward.
+  bool fp8_saved_activations = false;
 };
 
 struct MoEForward {
@@ -45,8 +52,9 @@ struct MoEForward {
   RouterOutput route;  // the routing (its score_sum is the aux-loss statistic)
   // Saved for backward (keep this whole struct until backward, and with delayed wgrad until
   // the matching backward_dw): x's rows in the expert-major layout (undefined with
-  // recompute_expert_input), their probs, fc1's output.
-  Tensor rows, row_probs, fc1_out;
+  // recompute_expert_input), their probs, fc1's output ([R, 2F] in the dtype; with
+  // fp8_saved_activations its e4m3 codes, uint8 [R, 2F], and their fp32 scales in fc1_out_scales).
+  Tensor rows, row_probs, fc1_out, fc1_out_scales;
 };
 
 struct MoEGrads {

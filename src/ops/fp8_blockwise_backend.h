@@ -55,7 +55,8 @@ inline int64_t fp8_operand_rows(const TensorView& src, const TensorView& src_row
   return src_rows.defined() ? src_rows.size(0) : src.size(0);
 }
 
-// The inverse: dst fp32 [T, K] (any strides) gets rows below S, exactly.
+// The inverse: dst [T, K] (any strides) gets rows below S, exactly; fp32, or for the rowwise
+// inverse also bf16 (exact too: a code times a power of two) or fp16.
 struct Fp8DequantizeParams {
   Fp8Groups groups;
   Fp8Tensor src;

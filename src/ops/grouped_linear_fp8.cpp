@@ -54,6 +54,17 @@ Fp8Operand columnwise(const Fp8Layer& l, const TensorView& src, const int64_t* o
 
 }  // namespace
 
+Fp8Operand fp8_save_rowwise(Allocator& alloc, const TensorView& src, backend::Fp8Groups groups, Stream stream) {
+  Fp8Operand q = fp8_rowwise_buffers(alloc, src.device(), src.size(0), src.size(1), stream);
+  fp8_backend(src.device()).quantize_rowwise({groups, src, q.view()}, stream);
+  return q;
+}
+
+void fp8_restore_rowwise(const backend::Fp8Tensor& saved, backend::Fp8Groups groups, const TensorView& dst,
+                         Stream stream) {
+  fp8_backend(dst.device()).dequantize_rowwise({groups, saved, dst}, stream);
+}
+
 // Every expert's weight and its transposed copy, packed ([G, out, in] and [G, in, out] codes,
 // [G, blocks] grids): four allocations whatever G.
 struct QuantizedWeights {

@@ -47,6 +47,14 @@ struct Fp8Operand {
 // Codes [T, K] and scales for a rowwise operand of T rows, from `alloc` (unwritten).
 Fp8Operand fp8_rowwise_buffers(Allocator& alloc, Device device, int64_t T, int64_t K, Stream stream);
 
+// An activation kept for backward in the recipe's rowwise form (the MoE layer's fc1 output under
+// MoELayerOptions::fp8_saved_activations): src [T, K] quantized rowwise in `groups`, and the exact
+// inverse of such an operand (quantized in the same groups) into dst [T, K] (fp32 or bf16: a code
+// times a power of two is exact in both; fp16 rounds at its range's ends).
+Fp8Operand fp8_save_rowwise(Allocator& alloc, const TensorView& src, backend::Fp8Groups groups, Stream stream);
+void fp8_restore_rowwise(const backend::Fp8Tensor& saved, backend::Fp8Groups groups, const TensorView& dst,
+                         Stream stream);
+
 // y = x W^T, dx = dy W, dW = dy^T x per group, as the backend's fprop / dgrad / wgrad. offsets:
 // the call's device-resident group offsets [G + 1]. dy_columnwise (dgrad): where given, dy's wgrad
 // layout is written there from the same read of dy (quantize_both); wgrad then takes it instead

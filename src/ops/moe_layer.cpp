@@ -5,7 +5,10 @@
 #include <string>
 #include <tuple>
 
+#include "common/fp8_blockwise.h"
 #include "ops/checks.h"
+#include "ops/grouped_args.h"
+#include "ops/grouped_linear_fp8.h"
 #include "ops/moe_backend.h"
 #include "ops/moe_router_internal.h"
 #include "sparsetrain/error.h"
@@ -22,6 +25,8 @@ const MoELayerOptions& checked(const MoELayerOptions& o) {
                "in_features = " + std::to_string(o.mlp.in_features) +
                    " (the hidden size: out is summed into x's shape)",
                o.mlp.out_features);
+  ST_CHECK_ARG(!o.fp8_saved_activations || o.mlp.fp8 != Fp8Recipe::kOff, "fp8_saved_activations",
+               "false without the FP8 recipe (mlp.fp8)", "true");
   return o;
 }
 
@@ -59,6 +64,35 @@ Tensor permute_probs(const TensorView& src, const Tensor& row_of, bool to_rows, 
   be.permute_f32(src.data_as<const float>(), row_of.view().data_as<const int32_t>(), n, dst.view().data_as<float>(),
                  to_rows, src.device(), stream);
   return dst;
+}
+
+// fc1's saved codes (fp8_saved_activations): uint8 [R, 2F] contiguous and their scales, fp32 and
+// as many as the rowwise recipe gives R rows of 2F, on the layer's device.
+void check_saved_codes(const MoEForward& saved, int64_t R, int64_t F2, Device device) {
+  const TensorView q = saved.fc1_out.view(), s = saved.fc1_out_scales.view();
+  const std::string codes = "uint8 [" + std::to_string(R) + ", " + std::to_string(F2) + "] (fc1's e4m3 codes)";
+  checks::defined(q, "saved.fc1_out", codes);
+  ST_CHECK_ARG(q.dtype() == DType::kUInt8 && q.dim() == 2 && q.size(0) == R && q.size(1) == F2 && q.is_contiguous(),
+               "saved.fc1_out", codes + ", contiguous (fp8_saved_activations)",
+               std::string(dtype_name(q.dtype())) + " " + q.shape_str());
+  checks::device(q, "saved.fc1_out", device);
+  const int64_t n = fp8_rowwise_scale_count(R, F2);
+  checks::defined(s, "saved.fc1_out_scales", "fp32 [" + std::to_string(n) + "]");
+  ST_CHECK_ARG(s.dtype() == DType::kFP32 && s.numel() >= n && s.is_contiguous() && s.device() == q.device(),
+               "saved.fc1_out_scales", "fp32, contiguous, >= " + std::to_string(n) + " scales on fc1_out's device",
+               std::string(dtype_name(s.dtype())) + " " + s.shape_str());
+}
+
+// The experts' row offsets [E + 1] on the counts' device, as GroupedMLP computes them from the
+// routing's counts (device splits: the host never reads them): the groups in which fc1's saved
+// codes are quantized and restored (fp8_saved_activations).
+Tensor expert_offsets(const Tensor& counts, int64_t R, Allocator& alloc, Stream stream) {
+  const TensorView c = counts.view();
+  Tensor offsets = Tensor::empty(DType::kInt64, {c.size(0) + 1}, c.device(), alloc, stream);
+  const Tensor status = Tensor::empty(DType::kInt32, {1}, c.device(), alloc, stream);
+  ops::prepare_offsets(Splits::device(c), R, offsets.view().data_as<int64_t>(), status.view().data_as<int32_t>(),
+                       backend::backend_for(c.device(), "counts"), c.device(), stream);
+  return offsets;
 }
 
 }  // namespace
@@ -118,6 +152,13 @@ MoEForward MoELayer::forward(const TensorView& x, const TensorView& logits, cons
     if (options_.recompute_expert_input) f.rows = Tensor();  // gathered again by backward
   }
   f.fc1_out = std::move(m.fc1_out);
+  if (options_.fp8_saved_activations) {  // the dtype's copy is freed here, its codes kept instead
+    const Tensor offsets = expert_offsets(f.route.counts, f.fc1_out.view().size(0), *allocator_, args.stream);
+    ops::Fp8Operand q = ops::fp8_save_rowwise(
+        *allocator_, f.fc1_out.view(), {options_.mlp.num_groups, offsets.view().data_as<int64_t>()}, args.stream);
+    f.fc1_out = std::move(q.data);
+    f.fc1_out_scales = std::move(q.scale);
+  }
   f.out = combine_rows(m.out.view(), f.route.row_of.view(), allocator_, args.stream);
   return f;
 }
@@ -133,6 +174,8 @@ MoEGrads MoELayer::backward(const TensorView& x, const TensorView& logits, const
                saved.route.row_of.defined() ? saved.route.row_of.view().shape_str() : std::string("no routing"));
   ops::check_route_backward_inputs(options_.router, logits, dscore_sum);
   ST_CHECK_ARG(logits.size(0) == N, "logits", "N = " + std::to_string(N) + " rows (x's tokens)", logits.shape_str());
+  const int64_t R = saved.route.token_of_row.view().size(0), F2 = 2 * options_.mlp.ffn_features;
+  if (options_.fp8_saved_activations) check_saved_codes(saved, R, F2, mlp_.device());
   // Everything is valid: from here on outputs may be written.
   // dout's rows in the layout (row row_of[n, i] gets dout[n], each row exactly once), and x's
   // again if forward dropped them. With FP8 and the wgrad now the quantizers read the tokens in
@@ -147,15 +190,28 @@ MoEGrads MoELayer::backward(const TensorView& x, const TensorView& logits, const
   const Tensor rows = saved.rows.defined() || fp8_now
                           ? saved.rows
                           : gather_rows(x, saved.route.token_of_row, *allocator_, args.stream);
-  // The MLP's delayed wgrad keeps references to its inputs and splits: they stay alive with the
-  // pending entry.
+  // fc1's output restored from its saved codes into a buffer of our own, which the MLP's backward
+  // then overwrites with its gradient (Fc1OutUse::kReuse).
+  Tensor restored;
+  if (options_.fp8_saved_activations) {
+    restored = Tensor::empty(options_.mlp.dtype, {R, F2}, mlp_.device(), *allocator_, args.stream);
+    const Tensor offsets = expert_offsets(saved.route.counts, R, *allocator_, args.stream);
+    ops::fp8_restore_rowwise({saved.fc1_out.view(), saved.fc1_out_scales.view()},
+                             {options_.mlp.num_groups, offsets.view().data_as<int64_t>()}, restored.view(),
+                             args.stream);
+  }
+  // The MLP's delayed wgrad keeps references to its inputs and splits (and fc1's output gradient,
+  // written over `restored`): they stay alive with the pending entry.
   CallArgs mlp_args = args;
-  mlp_args.keep_alive = std::make_shared<std::tuple<Tensor, Tensor, Tensor, Tensor, std::shared_ptr<const void>>>(
-      rows, saved.row_probs, saved.route.counts, drows, args.keep_alive);
+  mlp_args.keep_alive =
+      std::make_shared<std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, std::shared_ptr<const void>>>(
+          rows, saved.row_probs, saved.route.counts, drows, restored, args.keep_alive);
   GroupedMLPGrads m = mlp_.backward_rows(
-      rows.defined() ? rows.view() : x, rows.defined() ? TensorView() : token_of_row, saved.fc1_out.view(),
-      saved.row_probs.view(), drows.defined() ? drows.view() : dout, drows.defined() ? TensorView() : token_of_row,
-      Splits::device(saved.route.counts.view()), {}, mlp_args, Fc1OutUse::kKeep);
+      rows.defined() ? rows.view() : x, rows.defined() ? TensorView() : token_of_row,
+      restored.defined() ? restored.view() : saved.fc1_out.view(), saved.row_probs.view(),
+      drows.defined() ? drows.view() : dout, drows.defined() ? TensorView() : token_of_row,
+      Splits::device(saved.route.counts.view()), {}, mlp_args,
+      restored.defined() ? Fc1OutUse::kReuse : Fc1OutUse::kKeep);
   MoEGrads g;
   g.grad_input = combine_rows(m.grad_input.view(), saved.route.row_of.view(), allocator_, args.stream);
   const Tensor dprobs = permute_probs(m.dprobs.view(), saved.route.row_of, false, *allocator_, args.stream);

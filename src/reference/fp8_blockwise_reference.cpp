@@ -124,7 +124,8 @@ class ReferenceFp8Backend final : public Fp8BlockwiseBackend {
       for (int64_t r = gr.begin; r < gr.begin + gr.rows; ++r)
         for (int64_t k = 0; k < K; ++k) {
           const float scale = scales(p.src)[fp8_rowwise_scale_index(gr.begin, gr.rows, KB, r, k / kFp8Tile)];
-          at(p.dst, r, k) = fp8_dequantize(codes(p.src)[r * K + k], scale);
+          store_float(p.dst.byte_ptr(r * p.dst.stride(0) + k * p.dst.stride(1)), p.dst.dtype(), 0,
+                      fp8_dequantize(codes(p.src)[r * K + k], scale));
         }
     }
   }

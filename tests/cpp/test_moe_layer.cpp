@@ -7,6 +7,7 @@
 // before anything is written: a refused backward leaves the delayed-wgrad queue as it was.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <ostream>
@@ -15,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "common/fp8_blockwise.h"
 #include "grouped_mlp_case.h"
 #include "expect_error.h"
 #include "host_tensor.h"
@@ -329,6 +331,90 @@ TEST(MoELayer, Fp8RowsQuantizedAsGatheredGiveTheKeptRowsBits) {
     }
 }
 
+// FP8 with fp8_saved_activations: forward keeps fc1's output as e4m3 codes and fp32 scales, those
+// of the recipe's rowwise quantization in each expert's rows (checked against the tiles quantized
+// here from the plain FP8 layer's fc1_out, with the scale rule and encoder of fp8_blockwise.h), at
+// 0.53x the dtype's bytes; the output is the plain layer's. Backward gives the bits of the plain
+// FP8 layer's backward fed those codes decoded here (e4m3 times the tile's power of two: exact in
+// bf16), immediate and delayed wgrad (which keeps the restored buffer alive), rows kept or
+// recomputed, 2F over one partial and several 128-column tiles, an uneven top-4 routing over 16
+// experts. The decoded values lie within e4m3's rounding of fc1's output.
+TEST(MoELayer, Fp8SavedActivationsKeepFc1sCodesAndGiveTheirDecodedBits) {
+  for (const int64_t F : {int64_t(32), int64_t(80)})
+    for (const bool delay : {false, true})
+      for (const bool recompute : {true, false}) {
+        SCOPED_TRACE("F " + std::to_string(F) + (delay ? ", delayed wgrad" : ", immediate wgrad") +
+                     (recompute ? ", rows recomputed" : ", rows kept"));
+        const Case c{97, 16, 4, 48, F, RouterScore::kSoftmax, true, true, false, DType::kBF16};
+        Problem p(c, 5);
+        st::MoELayerOptions plain = p.options();
+        plain.mlp.fp8 = st::Fp8Recipe::kBlockwise;
+        plain.mlp.delay_wgrad_compute = delay;
+        plain.recompute_expert_input = recompute;
+        st::MoELayerOptions saving = plain;
+        saving.fp8_saved_activations = true;
+        EXPECT_FALSE(st::MoELayerOptions{}.fp8_saved_activations) << "the default";
+        st::MoELayer a(plain, p.mlp.params()), b(saving, p.mlp.params());
+        const st::MoEForward fa = a.forward(p.x.view(), p.logits.view(), p.bias_view());
+        const st::MoEForward fb = b.forward(p.x.view(), p.logits.view(), p.bias_view());
+        EXPECT_TRUE(copy(fa.out).bytes_equal(copy(fb.out)));
+        const int64_t R = c.N * c.K, K2 = 2 * F, KB = st::fp8_tiles(K2);
+        ASSERT_EQ(fb.fc1_out.view().dtype(), DType::kUInt8);
+        ASSERT_EQ(fb.fc1_out.view().size(0), R);
+        ASSERT_EQ(fb.fc1_out.view().size(1), K2);
+        const HostTensor x1 = copy(fa.fc1_out), codes = copy(fb.fc1_out), scales = copy(fb.fc1_out_scales);
+        const double held = double(codes.view().numel() + 4 * st::fp8_rowwise_scale_count(R, K2));
+        EXPECT_LE(held, 0.54 * double(2 * x1.view().numel()));
+
+        // Each 1 x 128 tile of each expert's rows quantized here; the codes decoded into `decoded`.
+        std::vector<int64_t> offsets{0};
+        for (const int n : p.route.counts) offsets.push_back(offsets.back() + n);
+        HostTensor decoded(DType::kBF16, {R, K2});
+        decoded.poison();
+        int64_t wrong = 0;
+        for (size_t g = 0; g + 1 < offsets.size(); ++g)
+          for (int64_t r = offsets[g]; r < offsets[g + 1]; ++r)
+            for (int64_t kb = 0; kb < KB; ++kb) {
+              const int64_t k0 = kb * st::kFp8Tile, k1 = std::min(K2, k0 + st::kFp8Tile);
+              float amax = 0.f;
+              for (int64_t k = k0; k < k1; ++k) amax = st::fp8_amax(amax, float(x1.get(r * K2 + k)));
+              const float scale = st::fp8_scale(amax);
+              const float stored =
+                  float(scales.get(st::fp8_rowwise_scale_index(offsets[g], offsets[g + 1] - offsets[g], KB, r, kb)));
+              wrong += std::memcmp(&stored, &scale, 4) != 0;
+              for (int64_t k = k0; k < k1; ++k) {
+                const double x = x1.get(r * K2 + k);
+                const uint8_t q = uint8_t(codes.get(r * K2 + k));
+                wrong += q != st::fp8_quantize(float(x), scale);
+                const double d = double(st::e4m3_decode(q)) * double(scale);
+                decoded.set(r * K2 + k, d);
+                wrong += decoded.get(r * K2 + k) != d;                     // exact in bf16
+                wrong += std::abs(d - x) > std::abs(x) / 16 + double(scale) / 512;  // e4m3's rounding
+              }
+            }
+        EXPECT_EQ(wrong, 0);
+
+        // The plain layer fed the decoded codes: the same bits, immediate and delayed.
+        st::MoEForward fed = fa;
+        fed.fc1_out = st::Tensor::borrowed(decoded.view());
+        const st::MoEGrads ga = a.backward(p.x.view(), p.logits.view(), fed, p.dout.view(), p.dsum.view());
+        st::MoEGrads gb;
+        {
+          const st::MoEForward kept = fb;  // the saved struct gone after backward: the delayed wgrad
+          gb = b.backward(p.x.view(), p.logits.view(), kept, p.dout.view(), p.dsum.view());
+        }  // keeps what it needs alive
+        EXPECT_TRUE(copy(ga.grad_input).bytes_equal(copy(gb.grad_input)));
+        EXPECT_TRUE(copy(ga.dlogits).bytes_equal(copy(gb.dlogits)));
+        st::GroupedMLPLayerGrads a1 = ga.fc1, a2 = ga.fc2, b1 = gb.fc1, b2 = gb.fc2;
+        if (delay) {
+          const st::GroupedMLPGrads da = a.backward_dw(), db = b.backward_dw();
+          a1 = da.fc1, a2 = da.fc2, b1 = db.fc1, b2 = db.fc2;
+        }
+        EXPECT_TRUE(copy(a1.weight.packed).bytes_equal(copy(b1.weight.packed)));
+        EXPECT_TRUE(copy(a2.weight.packed).bytes_equal(copy(b2.weight.packed)));
+      }
+}
+
 TEST(MoELayer, NoTokens) {
   const Case c{0, 4, 2, 8, 8, RouterScore::kSoftmax, false, false, false, DType::kBF16};
   Problem p(c, 4);
@@ -424,6 +510,33 @@ TEST(MoELayerErrors, BadArgumentsAreNamedBeforeAnythingIsWritten) {
   EXPECT_EQ(l.pending_wgrads(), 0u) << "a refused backward queued a delayed wgrad";
   l.backward(p.x.view(), p.logits.view(), f, p.dout.view());
   EXPECT_EQ(l.pending_wgrads(), 1u);
+
+  // fp8_saved_activations: only with the recipe; backward takes only fc1's codes and scales.
+  bad = p.options();
+  bad.fp8_saved_activations = true;
+  expect_error([&] { st::MoELayer s(bad, p.mlp.params()); }, {"fp8_saved_activations", "FP8 recipe"});
+  Problem q(Case{11, 4, 2, 16, 16, RouterScore::kSoftmax, false, false, false, DType::kBF16}, 3);
+  st::MoELayerOptions fp8 = q.options();
+  fp8.mlp.fp8 = st::Fp8Recipe::kBlockwise;
+  fp8.mlp.delay_wgrad_compute = true;
+  st::MoELayer plain(fp8, q.mlp.params());
+  fp8.fp8_saved_activations = true;
+  st::MoELayer saving(fp8, q.mlp.params());
+  const st::MoEForward fs = saving.forward(q.x.view(), q.logits.view());
+  st::MoEForward dtype_copy = fs, no_scales = fs, few_scales = fs;
+  dtype_copy.fc1_out = plain.forward(q.x.view(), q.logits.view()).fc1_out;  // bf16
+  no_scales.fc1_out_scales = st::Tensor();
+  const HostTensor scales_short(DType::kFP32, {fs.fc1_out_scales.view().numel() - 1});
+  few_scales.fc1_out_scales = st::Tensor::borrowed(scales_short.view());
+  expect_error([&] { saving.backward(q.x.view(), q.logits.view(), dtype_copy, q.dout.view()); },
+               {"saved.fc1_out", "uint8 [22, 32]", "bf16"});
+  expect_error([&] { saving.backward(q.x.view(), q.logits.view(), no_scales, q.dout.view()); },
+               {"saved.fc1_out_scales"});
+  expect_error([&] { saving.backward(q.x.view(), q.logits.view(), few_scales, q.dout.view()); },
+               {"saved.fc1_out_scales", ">= 22 scales"});
+  EXPECT_EQ(saving.pending_wgrads(), 0u) << "a refused backward queued a delayed wgrad";
+  saving.backward(q.x.view(), q.logits.view(), fs, q.dout.view());
+  EXPECT_EQ(saving.pending_wgrads(), 1u);
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include "common/fp8_blockwise.h"
 #include "cuda/cuda_check.h"
 #include "cuda/cuda_stream.h"
+#include "cuda/element.cuh"
 #include "cuda/fp8/fp8_quantize_cuda.cuh"
 #include "cuda/grouped_linear/grouped_gemm_fp8_params.h"
 #include "cuda/runtime_cuda.h"
@@ -30,16 +31,19 @@ unsigned blocks_for(int64_t work, int per_block) {
   return unsigned(std::max<int64_t>(1, std::min<int64_t>((work + per_block - 1) / per_block, 65535)));
 }
 
-// Dequantizers: one thread an element, rows below S (the tail is left as it is).
+// Dequantizers: one thread an element, rows below S (the tail is left as it is). The rowwise one
+// writes fp32, bf16 or fp16 (a code times a power of two: exact in fp32 and bf16, fp16 rounds at
+// its range's ends).
+template <class D>
 __global__ void dequantize_rowwise_kernel(const int64_t* offsets, int64_t G, const uint8_t* q, const float* scale,
-                                          int64_t T, int64_t K, float* dst, int64_t ld0, int64_t ld1) {
+                                          int64_t T, int64_t K, D* dst, int64_t ld0, int64_t ld1) {
   const int64_t KB = fp8_tiles(K);
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < T * K; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = i / K, k = i % K;
     if (r >= offsets[G]) return;
     const int64_t g = group_of_row(offsets, G, r);
     const float s = scale[fp8_rowwise_scale_index(offsets[g], offsets[g + 1] - offsets[g], KB, r, k / kFp8Tile)];
-    dst[r * ld0 + k * ld1] = fp8_dequantize(q[i], s);
+    cuda::store_f32(dst, r * ld0 + k * ld1, fp8_dequantize(q[i], s));
   }
 }
 
@@ -232,9 +236,12 @@ class CudaFp8Backend final : public Fp8BlockwiseBackend {
     const int64_t T = p.dst.size(0), K = p.dst.size(1);
     if (T * K == 0) return;
     cuda::DeviceGuard guard(p.dst.device().index);
-    dequantize_rowwise_kernel<<<blocks_for(T * K, 256), 256, 0, as_cuda(stream)>>>(
-        p.groups.offsets, p.groups.num_groups, p.src.data.data_as<const uint8_t>(), p.src.scale.data_as<const float>(),
-        T, K, p.dst.data_as<float>(), p.dst.stride(0), p.dst.stride(1));
+    dispatch_dtype(p.dst.dtype(), "CUDA FP8 dequantize", [&](auto e) {
+      using D = decltype(e);
+      dequantize_rowwise_kernel<D><<<blocks_for(T * K, 256), 256, 0, as_cuda(stream)>>>(
+          p.groups.offsets, p.groups.num_groups, p.src.data.data_as<const uint8_t>(),
+          p.src.scale.data_as<const float>(), T, K, static_cast<D*>(p.dst.data()), p.dst.stride(0), p.dst.stride(1));
+    });
     ST_CUDA_CHECK(cudaGetLastError(), "dequantize_rowwise_kernel launch");
   }
   void dequantize_columnwise(const Fp8DequantizeParams& p, Stream stream) override {
