@@ -10,8 +10,9 @@ quantization kernels left out); then ours in FP8 against ours in bf16, forward a
 backward (dgrad and wgrad, every quantization included), and the time of the weights'
 quantization that each optimizer step adds (fp8_weight_quantize_kernel_ms).
 
-MoE layers (bench_moe's SonicMoE and Qwen3 shapes): MoELayer(fp8=True) against the same layer in
-bf16, forward + backward. --top N adds each timed step's N costliest kernels (GPU ms a step, from
+MoE layers (bench_moe's SonicMoE and Qwen3 shapes): MoELayer(fp8=True), and with
+fp8_saved_activations (fc1's output held in e4m3), against the same layer in bf16, forward +
+backward, and what each holds between forward and backward (held_mib). --top N adds each timed step's N costliest kernels (GPU ms a step, from
 torch.profiler): where the time goes, before tuning.
 
     python bench/bench_fp8.py [--only gemm,moe] [--reps 20] [--top N] [--json out.json]
@@ -173,13 +174,15 @@ def bench_moe(name, reps):
     x = torch.randn(T, H, generator=gen).to(device="cuda", dtype=torch.bfloat16).requires_grad_()
     logits = torch.randn(T, E, generator=gen).cuda().requires_grad_()
     dy = torch.randn(T, H, generator=gen).to(device="cuda", dtype=torch.bfloat16)
-    layers = {fp8: stt.MoELayer(E, H, F, K, normalize=True, params_dtype=torch.bfloat16, device="cuda", fp8=fp8)
-              for fp8 in (True, False)}
-    layers[False].load_state_dict(layers[True].state_dict())
+    # fp8_saved: the FP8 layer holding fc1's output as e4m3 codes for backward (fp8_saved_activations).
+    options = {"fp8": dict(fp8=True), "bf16": dict(fp8=False), "fp8_saved": dict(fp8=True, fp8_saved_activations=True)}
+    layers = {tag: stt.MoELayer(E, H, F, K, normalize=True, params_dtype=torch.bfloat16, device="cuda", **kw)
+              for tag, kw in options.items()}
+    for tag in ("bf16", "fp8_saved"):
+        layers[tag].load_state_dict(layers["fp8"].state_dict())
     row = {"case": name, "tokens": T, "hidden": H, "ffn": F, "experts": E, "top_k": K}
     flops_fwd = 6.0 * T * K * H * F
-    for fp8, layer in layers.items():
-        tag = "fp8" if fp8 else "bf16"
+    for tag, layer in layers.items():
 
         def fwd_bwd(layer=layer):
             for p in (x, logits, *layer.parameters()):
@@ -199,10 +202,12 @@ def bench_moe(name, reps):
         row[f"{tag}_held_mib"] = (torch.cuda.memory_allocated() - before) / 2**20
         del y
     with torch.no_grad():
-        ref = layers[False](x, logits).out.float()
-        got = layers[True](x, logits).out.float()
+        ref = layers["bf16"](x, logits).out.float()
+        got = layers["fp8"](x, logits).out.float()
         row["fp8_rel_err_vs_bf16"] = float((got - ref).norm() / ref.norm())
     row["fp8_vs_bf16_fwdbwd"] = row["bf16_fwdbwd_b2b_ms"] / row["fp8_fwdbwd_b2b_ms"]
+    row["fp8_saved_vs_bf16_fwdbwd"] = row["bf16_fwdbwd_b2b_ms"] / row["fp8_saved_fwdbwd_b2b_ms"]
+    row["fp8_saved_held_vs_fp8"] = row["fp8_saved_held_mib"] / row["fp8_held_mib"]
     return row
 
 

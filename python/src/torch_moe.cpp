@@ -39,7 +39,7 @@ using st::torch_ops::TorchAllocator;
 using st::torch_ops::translated;
 using st::torch_ops::view_of;
 using MoEForwardTensors = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                                     at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+                                     at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 using MoEGradTensors = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 // (experts, probs, counts, row_of, token_of_row, score_sum): st::RouterOutput's fields.
@@ -164,7 +164,7 @@ class TorchMoELayer final : public st::torch_ops::ModuleLayer<st::MoELayer> {
  public:
   TorchMoELayer(int64_t num_experts, int64_t hidden, int64_t ffn, int64_t top_k, const std::string& score,
                 bool normalize, int64_t glu_interleave_size, bool packed, bool bias, bool fuse_wgrad_accumulation,
-                bool delay_wgrad_compute, bool recompute_expert_input)
+                bool delay_wgrad_compute, bool recompute_expert_input, bool fp8_saved_activations)
       : ModuleLayer("MoELayer", {{num_experts, packed, bias, fuse_wgrad_accumulation, delay_wgrad_compute},
                                  {num_experts, packed, bias, fuse_wgrad_accumulation, delay_wgrad_compute}}) {
     o_.router = st::wire::router_options(num_experts, top_k, score, normalize);
@@ -174,12 +174,15 @@ class TorchMoELayer final : public st::torch_ops::ModuleLayer<st::MoELayer> {
     o_.mlp.ffn_features = ffn;
     o_.mlp.glu_interleave_size = glu_interleave_size;
     o_.recompute_expert_input = recompute_expert_input;
+    o_.fp8_saved_activations = fp8_saved_activations;  // in effect in the calls that run FP8 (make)
   }
 
   int64_t hidden() const { return o_.mlp.out_features; }
 
-  // (out, experts, probs, counts, row_of, token_of_row, score_sum, rows, row_probs, fc1_out): the
-  // output, the routing, and what backward reads (rows empty with recompute_expert_input).
+  // (out, experts, probs, counts, row_of, token_of_row, score_sum, rows, row_probs, fc1_out,
+  // fc1_out_scales): the output, the routing, and what backward reads (rows empty with
+  // recompute_expert_input; fc1_out e4m3 codes and their scales with FP8 saved activations, else
+  // the dtype's and no scales).
   MoEForwardTensors forward(const at::Tensor& x, const at::Tensor& logits, const OptTensor& expert_bias,
                             at::TensorList params, at::TensorList main_grads, int64_t flags) {
     return translated([&] {
@@ -193,7 +196,9 @@ class TorchMoELayer final : public st::torch_ops::ModuleLayer<st::MoELayer> {
       return std::make_tuple(alloc_.take(f.out), alloc_.take(r.experts), alloc_.take(r.probs), alloc_.take(r.counts),
                              alloc_.take(r.row_of), alloc_.take(r.token_of_row), alloc_.take(r.score_sum),
                              f.rows.defined() ? alloc_.take(f.rows) : at::empty({0}, x.options()),
-                             alloc_.take(f.row_probs), alloc_.take(f.fc1_out));
+                             alloc_.take(f.row_probs), alloc_.take(f.fc1_out),
+                             f.fc1_out_scales.defined() ? alloc_.take(f.fc1_out_scales)
+                                                        : at::empty({0}, x.options().dtype(at::kFloat)));
     });
   }
 
@@ -201,8 +206,8 @@ class TorchMoELayer final : public st::torch_ops::ModuleLayer<st::MoELayer> {
   MoEGradTensors backward(const at::Tensor& x, const at::Tensor& logits, const at::Tensor& experts,
                           const at::Tensor& counts, const at::Tensor& row_of, const at::Tensor& token_of_row,
                           const at::Tensor& rows, const at::Tensor& row_probs, const at::Tensor& fc1_out,
-                          const at::Tensor& dout, const OptTensor& dscore_sum, at::TensorList params,
-                          at::TensorList main_grads, int64_t flags) {
+                          const at::Tensor& fc1_out_scales, const at::Tensor& dout, const OptTensor& dscore_sum,
+                          at::TensorList params, at::TensorList main_grads, int64_t flags) {
     return translated([&] {
       const c10::DeviceGuard guard(x.device());
       const std::lock_guard<std::mutex> lock(mutex_);
@@ -217,10 +222,13 @@ class TorchMoELayer final : public st::torch_ops::ModuleLayer<st::MoELayer> {
       if (!o_.recompute_expert_input) saved.rows = st::Tensor::borrowed(view_of(rows, "rows"));
       saved.row_probs = st::Tensor::borrowed(view_of(row_probs, "row_probs"));
       saved.fc1_out = st::Tensor::borrowed(view_of(fc1_out, "fc1_out"));
+      if (l.options().fp8_saved_activations)
+        saved.fc1_out_scales = st::Tensor::borrowed(view_of(fc1_out_scales, "fc1_out_scales"));
       const st::MoEGrads g =
           l.backward(view_of(x, "x"), view_of(logits, "logits"), saved, view_of(dout, "dout"),
                      view_of(dscore_sum, "dscore_sum"),
-                     call_args(x, {x, logits, experts, counts, row_of, token_of_row, rows, row_probs, fc1_out, dout},
+                     call_args(x, {x, logits, experts, counts, row_of, token_of_row, rows, row_probs, fc1_out,
+                                   fc1_out_scales, dout},
                                st::torch_ops::eager_call(), weight_version(params, flags)));
       return std::tuple_cat(std::make_tuple(alloc_.take(g.grad_input), alloc_.take(g.dlogits)),
                             mlp_grads(g.fc1, g.fc2, x));
@@ -240,6 +248,7 @@ class TorchMoELayer final : public st::torch_ops::ModuleLayer<st::MoELayer> {
     o.mlp.dtype = p.fc1.weight.views()[0].dtype();
     o.mlp.overwrite_main_grad = st::torch_ops::overwrite_main_grad(flags);
     o.mlp.fp8 = st::torch_ops::fp8_recipe(flags);
+    o.fp8_saved_activations = o_.fp8_saved_activations && o.mlp.fp8 != st::Fp8Recipe::kOff;
     return std::make_unique<st::MoELayer>(o, p, &alloc_);
   }
   void set_main_grads(st::MoELayer& l, const std::vector<st::GroupedParam>& mg) override {
@@ -259,11 +268,12 @@ MoEForwardTensors moe_layer_forward(int64_t layer, const at::Tensor& x, const at
 MoEGradTensors moe_layer_backward(int64_t layer, const at::Tensor& x, const at::Tensor& logits,
                                   const at::Tensor& experts, const at::Tensor& counts, const at::Tensor& row_of,
                                   const at::Tensor& token_of_row, const at::Tensor& rows, const at::Tensor& row_probs,
-                                  const at::Tensor& fc1_out, const at::Tensor& dout, const OptTensor& dscore_sum,
-                                  at::TensorList params, at::TensorList main_grads, int64_t flags) {
+                                  const at::Tensor& fc1_out, const at::Tensor& fc1_out_scales, const at::Tensor& dout,
+                                  const OptTensor& dscore_sum, at::TensorList params, at::TensorList main_grads,
+                                  int64_t flags) {
   return st::torch_ops::Registry::get().find<TorchMoELayer>(layer)->backward(
-      x, logits, experts, counts, row_of, token_of_row, rows, row_probs, fc1_out, dout, dscore_sum, params,
-      main_grads, flags);
+      x, logits, experts, counts, row_of, token_of_row, rows, row_probs, fc1_out, fc1_out_scales, dout, dscore_sum,
+      params, main_grads, flags);
 }
 
 const c10::TypedOperatorHandle<decltype(moe_layer_forward)>& moe_layer_forward_op() {
@@ -281,7 +291,7 @@ const c10::TypedOperatorHandle<decltype(moe_layer_backward)>& moe_layer_backward
 }
 
 // The MoE layer's node: saved [x, logits, experts, counts, row_of, token_of_row, rows, row_probs,
-// fc1_out]; the gradients of out and score_sum flow to x, the logits and the experts' parameters.
+// fc1_out, fc1_out_scales]; the gradients of out and score_sum flow to x, the logits and the experts' parameters.
 class MoELayerBackward final : public st::torch_ops::GroupedBackward {
  public:
   using GroupedBackward::GroupedBackward;
@@ -298,7 +308,8 @@ class MoELayerBackward final : public st::torch_ops::GroupedBackward {
     const OptTensor dscore_sum = grads[1].defined() ? OptTensor(grads[1].contiguous()) : std::nullopt;
     const st::torch_ops::EagerCall scope(eager(s));
     const auto [dx, dlogits, dw1, db1, dw2, db2] = moe_layer_backward_op().call(
-        layer_, x, logits, s[2], s[3], s[4], s[5], s[6], s[7], s[8], dout, dscore_sum, params, main_grads, flags_);
+        layer_, x, logits, s[2], s[3], s[4], s[5], s[6], s[7], s[8], s[9], dout, dscore_sum, params, main_grads,
+        flags_);
     variable_list out{dx, dlogits};
     size_t at = 0;
     append_param_grads(out, 0, dw1, db1, params, at);
@@ -317,10 +328,12 @@ MoEForwardTensors moe_layer_forward_autograd(int64_t layer, const at::Tensor& x,
     r = moe_layer_forward_op().call(layer, x, logits, expert_bias, params, main_grads, flags);
   }
   if (record) {
-    const auto& [out, experts, probs, counts, row_of, token_of_row, score_sum, rows, row_probs, fc1_out] = r;
+    const auto& [out, experts, probs, counts, row_of, token_of_row, score_sum, rows, row_probs, fc1_out, fc1_out_scales] =
+        r;
     auto node = st::torch_ops::make_node<MoELayerBackward, TorchMoELayer>(
         layer, flags, std::nullopt, std::nullopt,
-        {x, logits, experts, counts, row_of, token_of_row, rows, row_probs, fc1_out}, params, main_grads, {x, logits});
+        {x, logits, experts, counts, row_of, token_of_row, rows, row_probs, fc1_out, fc1_out_scales}, params,
+        main_grads, {x, logits});
     torch::autograd::set_history(std::vector<at::Tensor>{out, score_sum}, node);
   }
   return r;
@@ -330,7 +343,7 @@ MoEForwardTensors moe_layer_forward_autograd(int64_t layer, const at::Tensor& x,
 
 void st::torch_ops::register_moe_layer(pybind11::module_& m) {
   register_layer<TorchMoELayer, int64_t, int64_t, int64_t, int64_t, std::string, bool, int64_t, bool, bool, bool,
-                 bool, bool>(m, "MoELayer");
+                 bool, bool, bool>(m, "MoELayer");
   m.def("moe_layer_forward", [](int64_t layer, const at::Tensor& x, const at::Tensor& logits,
                                 const OptTensor& expert_bias, const std::vector<at::Tensor>& params,
                                 const std::vector<at::Tensor>& main_grads, int64_t flags) {
@@ -345,9 +358,10 @@ TORCH_LIBRARY_FRAGMENT(sparsetrain, m) {
   m.set_python_module("sparsetrain.torch.moe");
   m.def("moe_layer_forward(int layer_id, Tensor x, Tensor logits, Tensor? expert_bias, Tensor[] params, "
         "Tensor[] main_grads, int flags) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, "
-        "Tensor)");
+        "Tensor, Tensor)");
   m.def("moe_layer_backward(int layer_id, Tensor x, Tensor logits, Tensor experts, Tensor counts, Tensor row_of, "
-        "Tensor token_of_row, Tensor rows, Tensor row_probs, Tensor fc1_out, Tensor dout, Tensor? dscore_sum, "
+        "Tensor token_of_row, Tensor rows, Tensor row_probs, Tensor fc1_out, Tensor fc1_out_scales, Tensor dout, "
+        "Tensor? dscore_sum, "
         "Tensor[] params, Tensor(a!)[] main_grads, int flags) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("moe_route(Tensor logits, Tensor? expert_bias, int top_k, str score, bool normalize) "

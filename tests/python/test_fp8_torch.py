@@ -161,6 +161,52 @@ def test_mlp_and_moe_layer_take_the_recipe():
     assert 1e-3 < e < 0.08, f"MoELayer: relative error {e}"
 
 
+def _moe_step(m, x, logits, dout):
+    x, logits = x.detach().clone().requires_grad_(True), logits.detach().clone().requires_grad_(True)
+    r = m(x, logits)
+    r.out.backward(dout)
+    return r.out.detach(), x.grad, logits.grad
+
+
+def _weight_grads(m):
+    return torch.cat([p.grad.float().flatten() for p in m.parameters()])
+
+
+def test_moe_layer_saves_fc1s_output_in_fp8_only_where_the_recipe_runs():
+    """MoELayer(fp8_saved_activations=True): in an FP8 call the forward is the plain FP8 layer's
+    (bitwise) and the backward reads fc1's output restored from e4m3 (the C++ tests check those
+    bits against the codes decoded): gradients near the plain FP8 layer's, not equal to them; in a
+    bf16 call the option does nothing (bitwise the bf16 layer). Eager and under torch.compile (the
+    fakes give the codes' and scales' shapes), immediate and delayed wgrad."""
+    N, E, hidden, F = 50, 4, 64, 80  # 2F = 160: a partial second 128-column tile
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(N, hidden, generator=g).to(torch.bfloat16)
+    logits, dout = torch.randn(N, E, generator=g), torch.randn(N, hidden, generator=g).to(torch.bfloat16)
+
+    def layer(saved, **kw):
+        torch.manual_seed(2)
+        return stt.MoELayer(E, hidden, F, 2, params_dtype=torch.bfloat16, fp8_saved_activations=saved, **kw)
+
+    for delay in (False, True):
+        plain, saving = layer(False, fp8=True, delay_wgrad_compute=delay), layer(True, fp8=True,
+                                                                                  delay_wgrad_compute=delay)
+        a, b = _moe_step(plain, x, logits, dout), _moe_step(saving, x, logits, dout)
+        if delay:
+            plain.backward_dw(), saving.backward_dw()
+        assert torch.equal(a[0], b[0]), "the forward is the plain FP8 layer's"
+        for name, u, v in (("dx", a[1], b[1]), ("dlogits", a[2], b[2]),
+                           ("weights", _weight_grads(plain), _weight_grads(saving))):
+            e = _rel(v, u)
+            assert 0 < e < 0.08, f"delay {delay}, {name}: relative difference {e}"
+    compiled = torch.compile(layer(True, fp8=True), fullgraph=True)
+    c = _moe_step(compiled, x, logits, dout)
+    e = _moe_step(layer(True, fp8=True), x, logits, dout)
+    for u, v in zip(c, e):
+        assert torch.equal(u, v), "compiled: the eager bits"
+    bf16, unused = _moe_step(layer(False), x, logits, dout), _moe_step(layer(True), x, logits, dout)
+    assert all(torch.equal(u, v) for u, v in zip(bf16, unused)), "bf16 calls: the option does nothing"
+
+
 def test_the_recipe_refuses_by_name():
     x, _ = _data()
     with pytest.raises(ValueError, match="bias: expected none with fp8"):

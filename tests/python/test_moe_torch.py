@@ -379,8 +379,8 @@ def test_moe_layer_ops_pass_opcheck_and_compile(recompute, fused):
     utils = ("test_schema", "test_autograd_registration", "test_aot_dispatch_dynamic")
     torch.library.opcheck(ops.moe_layer_forward.default, fwd_args, test_utils=utils)
     f = ops.moe_layer_forward.default(*fwd_args)
-    bwd_args = (layer._id, x, logits, f[1], f[3], f[4], f[5], f[7], f[8], f[9], torch.randn(N, H), torch.randn(E),
-                *margs)
+    bwd_args = (layer._id, x, logits, f[1], f[3], f[4], f[5], f[7], f[8], f[9], f[10], torch.randn(N, H),
+                torch.randn(E), *margs)
     torch.library.opcheck(ops.moe_layer_backward.default, bwd_args, test_utils=utils)
 
     def layouts(outputs):

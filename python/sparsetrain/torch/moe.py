@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from .._moe import ROUTER_SCORES
 from . import native
-from .fp8 import fp8_enabled
+from .fp8 import FP8_FLAG, fp8_enabled
 from .grouped_linear import DelayedWgrad, accumulate_layer_grads, call, fake_check_devices, has_grad_added_flag, \
     layer_grads_fake, layer_of
 from .grouped_mlp import GroupedMLP
@@ -45,21 +45,27 @@ def _(logits, experts, dprobs, dscore_sum, top_k, score, normalize):
 
 @torch.library.register_fake("sparsetrain::moe_layer_forward")
 def _(layer_id, x, logits, expert_bias, params, main_grads, flags):
-    """(out, experts, probs, counts, row_of, token_of_row, score_sum, rows, row_probs, fc1_out)."""
+    """(out, experts, probs, counts, row_of, token_of_row, score_sum, rows, row_probs, fc1_out,
+    fc1_out_scales)."""
     fake_check_devices(layer_id, x, params, main_grads, logits=logits, expert_bias=expert_bias)
     m = layer_of(layer_id)
     N, k, E, i32 = x.shape[0], m.top_k, m.num_experts, torch.int32
     f32 = dict(dtype=torch.float32)
     rows = x.new_empty(0) if m.recompute_expert_input else x.new_empty((N * k, x.shape[1]))
+    width = 2 * m.experts.ffn_hidden_size
+    if m.fp8_saved_activations and flags & FP8_FLAG:  # e4m3 codes, a scale per row and 128 columns
+        fc1_out = x.new_empty((N * k, width), dtype=torch.uint8)
+        scales = x.new_empty((N * k * (-(-width // 128)),), **f32)
+    else:
+        fc1_out, scales = x.new_empty((N * k, width)), x.new_empty((0,), **f32)
     return (x.new_empty(x.shape), x.new_empty((N, k), dtype=i32), x.new_empty((N, k), **f32),
             x.new_empty((E,), dtype=torch.int64), x.new_empty((N, k), dtype=i32), x.new_empty((N * k,), dtype=i32),
-            x.new_empty((E,), **f32), rows, x.new_empty((N * k,), **f32),
-            x.new_empty((N * k, 2 * m.experts.ffn_hidden_size)))
+            x.new_empty((E,), **f32), rows, x.new_empty((N * k,), **f32), fc1_out, scales)
 
 
 @torch.library.register_fake("sparsetrain::moe_layer_backward")
-def _(layer_id, x, logits, experts, counts, row_of, token_of_row, rows, row_probs, fc1_out, dout, dscore_sum,
-      params, main_grads, flags):
+def _(layer_id, x, logits, experts, counts, row_of, token_of_row, rows, row_probs, fc1_out, fc1_out_scales, dout,
+      dscore_sum, params, main_grads, flags):
     """(dx, dlogits, fc1's dw, db, fc2's dw, db)."""
     fake_check_devices(layer_id, x, params, main_grads, logits=logits, dout=dout)
     m = layer_of(layer_id).experts
@@ -118,14 +124,18 @@ class MoELayer(DelayedWgrad, nn.Module):
     recompute_expert_input (default True): backward gathers x's rows for the experts again rather
     than holding them from the forward (N x top_k x hidden elements less held between forward and
     backward, for one more gather: 0.1-1.3 % of the layer's fwd + bwd on an H200; the same
-    results, bitwise); False keeps the rows."""
+    results, bitwise); False keeps the rows. fp8_saved_activations (default False): in the calls
+    that run FP8 (`fp8`, or fp8_autocast), the experts' fc1 output is held for backward as e4m3
+    codes with a power-of-two scale per row and 128 columns (0.53x its bytes; restored exactly in
+    backward), for a quantizing pass in forward and a restoring one in backward."""
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, top_k: int, *,
                  score: str = "softmax", normalize: bool = False, bias: bool = False,
                  params_dtype: Optional[torch.dtype] = None, device: Union[torch.device, str, None] = None,
                  glu_interleave_size: int = 0, single_grouped_weight: bool = False,
                  fuse_wgrad_accumulation: bool = False, delay_wgrad_compute: bool = False,
-                 recompute_expert_input: bool = True, fp8: Optional[bool] = None):
+                 recompute_expert_input: bool = True, fp8: Optional[bool] = None,
+                 fp8_saved_activations: bool = False):
         super().__init__()
         if score not in ROUTER_SCORES:
             raise ValueError(f"score: expected one of {', '.join(ROUTER_SCORES)}, got {score}")
@@ -134,6 +144,7 @@ class MoELayer(DelayedWgrad, nn.Module):
         self.num_experts, self.hidden_size, self.top_k = num_experts, hidden_size, top_k
         self.score, self.normalize = score, normalize
         self.recompute_expert_input = bool(recompute_expert_input)
+        self.fp8_saved_activations = bool(fp8_saved_activations)
         self.delay_wgrad_compute = delay_wgrad_compute
         self.experts = GroupedMLP(num_experts, hidden_size, ffn_hidden_size, hidden_size, bias=bias,
                                   params_dtype=params_dtype, device=device, glu_interleave_size=glu_interleave_size,
@@ -147,7 +158,7 @@ class MoELayer(DelayedWgrad, nn.Module):
         return native.TORCH_OPS.MoELayer(
             self._id, self.num_experts, self.hidden_size, e.ffn_hidden_size, self.top_k, self.score,
             self.normalize, e.glu_interleave_size, e.single_grouped_weight, e.use_bias, e.fuse_wgrad_accumulation,
-            e.delay_wgrad_compute, self.recompute_expert_input)
+            e.delay_wgrad_compute, self.recompute_expert_input, self.fp8_saved_activations)
 
     def _op_args(self) -> Tuple[List[Tensor], List[Tensor], int]:
         return self.experts._op_args()
