@@ -162,6 +162,16 @@ def test_torch_compile_reduce_overhead(op, variant):
     _run_compiled(f"{op}/{variant}/reduce-overhead", LayerStep(op, variant))
 
 
+@fp8
+def test_moe_fp8_saved_activations_capture_every_way():
+    """The MoE layer holding fc1's output in e4m3 (fp8_saved_activations): torch.cuda.graph after
+    side-stream steps, make_graphed_callables and torch.compile(mode="reduce-overhead"), each replay
+    bitwise an eager step on its new inputs (new routing)."""
+    _run_graph("moe/fp8_saved/torch.cuda.graph", LayerStep("moe", "fp8_saved"), warm_up=True)
+    _run_graphed_callable("moe/fp8_saved/make_graphed_callables", LayerStep("moe", "fp8_saved"))
+    _run_compiled("moe/fp8_saved/reduce-overhead", LayerStep("moe", "fp8_saved"))
+
+
 @hopper
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "nondet"])
 @pytest.mark.parametrize("warm_up", [True, False], ids=["after_side_stream_steps", "first_call_captured"])

@@ -68,7 +68,8 @@ class LayerStep:
 
     def __init__(self, op, variant, seed=0):
         """variant: plain, fused (main_grad), fused_dummy, delayed, buffers, bias, fp8 (the FP8
-        recipe, packed weights) or fp8_fused (with main_grad)."""
+        recipe, packed weights), fp8_fused (with main_grad) or, for the MoE layer, fp8_saved (with
+        fc1's output held in e4m3: fp8_saved_activations)."""
         self.op, self.variant = op, variant
         torch.manual_seed(seed)
         fuse = variant in ("fused", "fused_dummy", "delayed", "fp8_fused")
@@ -81,7 +82,8 @@ class LayerStep:
         elif op == "mlp":
             self.m = stt.GroupedMLP(G, n_in, n_ffn, n_out, **kw)
         else:
-            self.m = stt.MoELayer(G, n_in, n_ffn, 3, normalize=True, **kw)
+            self.m = stt.MoELayer(G, n_in, n_ffn, 3, normalize=True, fp8_saved_activations=variant == "fp8_saved",
+                                  **kw)
         self.params = [p for p in self.m.parameters() if p.requires_grad]
         self.weights = [p for n, p in self.m.named_parameters() if "weight" in n]
         self.dummies = {id(w) for w in self.weights} if variant == "fused_dummy" else set()
