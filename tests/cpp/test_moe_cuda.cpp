@@ -140,10 +140,9 @@ TEST(MoECombineRowsCuda, EqualsTheHost) {
         }
 }
 
-TEST(MoELayerCuda, EqualsTheHostLayerRepeatablyAndUnderGraphReplay) {
-  REQUIRE_GPU();
-  const int64_t N = 301, H = 64, F = 32;
-  const int E = 8, K = 2;
+// The experts of a layer of E experts, top-K over N tokens, hidden H, ffn F: packed bf16 weights
+// (the splits are the routing's, on the device).
+st::testing::GroupedMLPCase experts_case(int64_t N, int64_t H, int64_t F, int E, int K) {
   st::testing::GroupedMLPCase c;
   c.dtype = DType::kBF16;
   c.G = E;
@@ -153,6 +152,14 @@ TEST(MoELayerCuda, EqualsTheHostLayerRepeatablyAndUnderGraphReplay) {
   c.packed = true;
   c.splits = std::vector<int64_t>(size_t(E), 0);
   c.make();
+  return c;
+}
+
+TEST(MoELayerCuda, EqualsTheHostLayerRepeatablyAndUnderGraphReplay) {
+  REQUIRE_GPU();
+  const int64_t N = 301, H = 64, F = 32;
+  const int E = 8, K = 2;
+  const st::testing::GroupedMLPCase c = experts_case(N, H, F, E, K);
   st::MoELayerOptions o;
   o.router = {E, K, RouterScore::kSoftmax, true};
   o.mlp = c.options();
@@ -254,15 +261,7 @@ TEST(MoELayerCuda, Fp8SavedActivationsGiveTheReferenceCodesAndThePlainLayersBits
     GTEST_SKIP() << "this build has no CUDA FP8 GEMMs (SPARSETRAIN_SM90_KERNELS=ALL builds them)";
   const int64_t N = 301, H = 64, F = 80;
   const int E = 8, K = 2;
-  st::testing::GroupedMLPCase c;
-  c.dtype = DType::kBF16;
-  c.G = E;
-  c.T = N * K;
-  c.in = c.out = H;
-  c.F = F;
-  c.packed = true;
-  c.splits = std::vector<int64_t>(size_t(E), 0);
-  c.make();
+  const st::testing::GroupedMLPCase c = experts_case(N, H, F, E, K);
   HostTensor x(DType::kBF16, {N, H}), dout(DType::kBF16, {N, H});
   std::mt19937_64 rng(21);
   x.fill_random(rng);

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/fp8_blockwise.h"
@@ -276,6 +277,24 @@ TEST(MoELayer, BitwiseRepeatableAndDelayedWgradEqualsImmediate) {
   }
 }
 
+// Two layers' gradients of one backward each, ga of a and gb of b, are the same bits: dx, dlogits
+// and both weight grads (with a delayed wgrad, from each layer's backward_dw()). Returns b's
+// weight grads (fc1, fc2).
+std::pair<st::GroupedMLPLayerGrads, st::GroupedMLPLayerGrads> expect_same_grads(st::MoELayer& a, const st::MoEGrads& ga,
+                                                                              st::MoELayer& b, const st::MoEGrads& gb,
+                                                                              bool delay) {
+  EXPECT_TRUE(copy(ga.grad_input).bytes_equal(copy(gb.grad_input)));
+  EXPECT_TRUE(copy(ga.dlogits).bytes_equal(copy(gb.dlogits)));
+  st::GroupedMLPLayerGrads a1 = ga.fc1, a2 = ga.fc2, b1 = gb.fc1, b2 = gb.fc2;
+  if (delay) {
+    const st::GroupedMLPGrads da = a.backward_dw(), db = b.backward_dw();
+    a1 = da.fc1, a2 = da.fc2, b1 = db.fc1, b2 = db.fc2;
+  }
+  EXPECT_TRUE(copy(a1.weight.packed).bytes_equal(copy(b1.weight.packed)));
+  EXPECT_TRUE(copy(a2.weight.packed).bytes_equal(copy(b2.weight.packed)));
+  return {b1, b2};
+}
+
 // FP8 (blockwise recipe): with the rows recomputed (the default), fc1's quantizers read x's tokens
 // in the layout's order (rowwise in forward; columnwise in backward when the wgrad runs there) and
 // the rows are never written in the dtype; with them kept, they are gathered in bf16 and quantized
@@ -302,15 +321,7 @@ TEST(MoELayer, Fp8RowsQuantizedAsGatheredGiveTheKeptRowsBits) {
       EXPECT_TRUE(copy(fa.fc1_out).bytes_equal(copy(fb.fc1_out)));
       const st::MoEGrads ga = a.backward(p.x.view(), p.logits.view(), fa, p.dout.view(), p.dsum.view());
       const st::MoEGrads gb = b.backward(p.x.view(), p.logits.view(), fb, p.dout.view(), p.dsum.view());
-      EXPECT_TRUE(copy(ga.grad_input).bytes_equal(copy(gb.grad_input)));
-      EXPECT_TRUE(copy(ga.dlogits).bytes_equal(copy(gb.dlogits)));
-      st::GroupedMLPLayerGrads a1 = ga.fc1, a2 = ga.fc2, b1 = gb.fc1, b2 = gb.fc2;
-      if (delay) {
-        const st::GroupedMLPGrads da = a.backward_dw(), db = b.backward_dw();
-        a1 = da.fc1, a2 = da.fc2, b1 = db.fc1, b2 = db.fc2;
-      }
-      EXPECT_TRUE(copy(a1.weight.packed).bytes_equal(copy(b1.weight.packed)));
-      EXPECT_TRUE(copy(a2.weight.packed).bytes_equal(copy(b2.weight.packed)));
+      const auto [b1, b2] = expect_same_grads(a, ga, b, gb, delay);
       // Both against an FP8 GroupedMLP on the rows gathered beforehand (x's and dout's, which the
       // layer's quantizers read from the tokens with the wgrad now): the same bits.
       st::GroupedMLP mlp(kept.mlp, p.mlp.params());
@@ -403,15 +414,7 @@ TEST(MoELayer, Fp8SavedActivationsKeepFc1sCodesAndGiveTheirDecodedBits) {
           const st::MoEForward kept = fb;  // the saved struct gone after backward: the delayed wgrad
           gb = b.backward(p.x.view(), p.logits.view(), kept, p.dout.view(), p.dsum.view());
         }  // keeps what it needs alive
-        EXPECT_TRUE(copy(ga.grad_input).bytes_equal(copy(gb.grad_input)));
-        EXPECT_TRUE(copy(ga.dlogits).bytes_equal(copy(gb.dlogits)));
-        st::GroupedMLPLayerGrads a1 = ga.fc1, a2 = ga.fc2, b1 = gb.fc1, b2 = gb.fc2;
-        if (delay) {
-          const st::GroupedMLPGrads da = a.backward_dw(), db = b.backward_dw();
-          a1 = da.fc1, a2 = da.fc2, b1 = db.fc1, b2 = db.fc2;
-        }
-        EXPECT_TRUE(copy(a1.weight.packed).bytes_equal(copy(b1.weight.packed)));
-        EXPECT_TRUE(copy(a2.weight.packed).bytes_equal(copy(b2.weight.packed)));
+        expect_same_grads(a, ga, b, gb, delay);
       }
 }
 
