@@ -291,7 +291,8 @@ const c10::TypedOperatorHandle<decltype(moe_layer_backward)>& moe_layer_backward
 }
 
 // The MoE layer's node: saved [x, logits, experts, counts, row_of, token_of_row, rows, row_probs,
-// fc1_out, fc1_out_scales]; the gradients of out and score_sum flow to x, the logits and the experts' parameters.
+// fc1_out, fc1_out_scales]; the gradients of out and score_sum flow to x, the logits and the
+// experts' parameters.
 class MoELayerBackward final : public st::torch_ops::GroupedBackward {
  public:
   using GroupedBackward::GroupedBackward;
@@ -361,8 +362,7 @@ TORCH_LIBRARY_FRAGMENT(sparsetrain, m) {
         "Tensor, Tensor)");
   m.def("moe_layer_backward(int layer_id, Tensor x, Tensor logits, Tensor experts, Tensor counts, Tensor row_of, "
         "Tensor token_of_row, Tensor rows, Tensor row_probs, Tensor fc1_out, Tensor fc1_out_scales, Tensor dout, "
-        "Tensor? dscore_sum, "
-        "Tensor[] params, Tensor(a!)[] main_grads, int flags) "
+        "Tensor? dscore_sum, Tensor[] params, Tensor(a!)[] main_grads, int flags) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("moe_route(Tensor logits, Tensor? expert_bias, int top_k, str score, bool normalize) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
