@@ -10,6 +10,7 @@ torch = pytest.importorskip("torch", reason="torch is not installed: torch tests
 
 import sparsetrain.torch as stt  # noqa: E402
 from sparsetrain.torch.fp8 import fp8_autocast, fp8_enabled  # noqa: E402
+from training_steps import assert_saves_fc1s_codes_instead, saved_for_backward  # noqa: E402
 
 SPLITS = [40, 0, 3, 57]  # an empty and a 3-row expert
 T, IN, OUT = 104, 64, 48  # rows past sum(SPLITS) are a padded tail
@@ -174,8 +175,9 @@ def _weight_grads(m):
 
 def test_moe_layer_saves_fc1s_output_in_fp8_only_where_the_recipe_runs():
     """MoELayer(fp8_saved_activations=True): in an FP8 call the forward is the plain FP8 layer's
-    (bitwise) and the backward reads fc1's output restored from e4m3 (the C++ tests check those
-    bits against the codes decoded): gradients near the plain FP8 layer's, not equal to them; in a
+    (bitwise), it saves fc1's output's codes and scales for backward in place of the output, and the
+    backward reads that output restored from e4m3 (the C++ tests check those bits against the codes
+    decoded): gradients near the plain FP8 layer's, not equal to them; in a
     bf16 call the option does nothing (bitwise the bf16 layer). Eager and under torch.compile (the
     fakes give the codes' and scales' shapes), immediate and delayed wgrad."""
     N, E, hidden, F = 50, 4, 64, 80  # 2F = 160: a partial second 128-column tile
@@ -187,6 +189,9 @@ def test_moe_layer_saves_fc1s_output_in_fp8_only_where_the_recipe_runs():
         torch.manual_seed(2)
         return stt.MoELayer(E, hidden, F, 2, params_dtype=torch.bfloat16, fp8_saved_activations=saved, **kw)
 
+    plain_saves = saved_for_backward(lambda: layer(False, fp8=True)(x, logits))[1]
+    saving_saves = saved_for_backward(lambda: layer(True, fp8=True)(x, logits))[1]
+    assert_saves_fc1s_codes_instead(plain_saves, saving_saves, rows=2 * N, fc1_columns=2 * F)
     for delay in (False, True):
         plain, saving = layer(False, fp8=True, delay_wgrad_compute=delay), layer(True, fp8=True,
                                                                                   delay_wgrad_compute=delay)

@@ -4,6 +4,8 @@ tests: one GroupedLinear, GroupedMLP or MoELayer step (LayerStep) or block_spars
 (uneven splits with empty and 1-7-row experts, new logits, new document boundaries), what a step
 produced by name, and a bitwise comparison that fails on NaN."""
 
+from collections import Counter
+
 import torch
 
 import sparsetrain as st
@@ -262,3 +264,29 @@ class AttentionStep:
     def clear_grads(self):
         for t in self.inputs():
             t.grad = None
+
+
+def saved_for_backward(fn):
+    """fn()'s result and what autograd saved for its backward, as a list of (dtype, shape): every
+    tensor a node saved, a parameter's or an input's included (the same list for two calls that
+    save the same things, whatever the allocator does with them)."""
+    saved = []
+
+    def pack(t):
+        saved.append((t.dtype, tuple(t.shape)))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        return fn(), saved
+
+
+def assert_saves_fc1s_codes_instead(plain, saving, rows, fc1_columns):
+    """What an FP8 MoELayer with fp8_saved_activations saved for backward (saved_for_backward's
+    list) is what the plain FP8 layer saved with fc1's output, bf16 [rows, fc1_columns], replaced
+    by its e4m3 codes (uint8, the same shape) and the empty tensor in the scales' place by the
+    scales (fp32, one a row and 128 columns)."""
+    fc1, no_scales = (torch.bfloat16, (rows, fc1_columns)), (torch.float32, (0,))
+    codes, scales = (torch.uint8, (rows, fc1_columns)), (torch.float32, (rows * -(-fc1_columns // 128),))
+    only_plain, only_saving = Counter(plain) - Counter(saving), Counter(saving) - Counter(plain)
+    assert only_plain == Counter([fc1, no_scales]) and only_saving == Counter([codes, scales]), \
+        f"saved only by the plain layer: {dict(only_plain)}; only with fp8_saved_activations: {dict(only_saving)}"
