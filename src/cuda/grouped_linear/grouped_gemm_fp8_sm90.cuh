@@ -12,9 +12,10 @@
 //   wgrad         D_g [out, in] = dy_g^T . x_g   A = dy^T [out, cols], B = x^T [in, cols], the
 //                 columnwise copies: group g's tokens from column 128 tb_g (fp8_blockwise.h), scales
 //                 1 x 128 along tokens, [tiles][out] and [tiles][in] (M- and N-major). D: the
-//                 weight grad (bf16 / fp16) or the fp32 main_grad (C = D, beta 1 or 0). Its
-//                 mainloop promotes each k step under the next one's MMAs
-//                 (fp8_wgrad_mainloop_sm90.cuh).
+//                 weight grad (bf16 / fp16) or the fp32 main_grad (C = D, beta 1 or 0).
+//
+// The mainloop promotes each k step's partial sums under the next step's MMAs
+// (fp8_mainloop_sm90.cuh).
 //
 // As for the bf16 GEMMs (grouped_gemm_sm90.cuh), a set-up kernel writes each group's problem,
 // pointers, strides and scale layouts on the device from the group offsets, so no split value is
@@ -37,7 +38,7 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
 #include "common/fp8_blockwise.h"
-#include "cuda/grouped_linear/fp8_wgrad_mainloop_sm90.cuh"
+#include "cuda/grouped_linear/fp8_mainloop_sm90.cuh"
 #include "cuda/grouped_linear/grouped_gemm_launch_sm90.cuh"
 #include "cuda/grouped_linear/grouped_gemm_fp8_params.h"
 #include "sparsetrain/dtype.h"
@@ -82,8 +83,8 @@ struct Sm90Fp8GroupedGemm {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum>::CollectiveOp;
-  // wgrad: the promotion under the next k step's MMAs (fp8_wgrad_mainloop_sm90.cuh).
-  using CollectiveMainloop = std::conditional_t<kWgrad, Fp8WgradMainloop<BuiltMainloop>, BuiltMainloop>;
+  // Each k step's promotion under the next one's MMAs (fp8_mainloop_sm90.cuh).
+  using CollectiveMainloop = Fp8OverlappedMainloop<BuiltMainloop>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::InternalStrideA;

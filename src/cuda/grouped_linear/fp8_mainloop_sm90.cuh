@@ -1,18 +1,20 @@
-// The FP8 wgrad GEMM's mainloop: CUTLASS's sm90 ptr-array blockwise-scaled mainloop (its loads,
-// pipeline, shared storage and parameters, inherited) with the promotion overlapped with the next
-// k step's MMAs.
+// The FP8 grouped GEMMs' mainloop: CUTLASS's sm90 ptr-array blockwise-scaled mainloop (its
+// loads, pipeline, shared storage and parameters, inherited) with each k step's promotion
+// overlapped with the next k step's MMAs.
 //
-// With scales along both M and N (wgrad: per channel and 128-token tile on both operands), each
-// 128-deep partial sum is promoted as accum += t * sfa * sfb, 64 elements a thread, on the CUDA
-// cores. CUTLASS's mma() waits for a k step's MMAs, then promotes, then issues the next step's,
-// so the tensor cores idle through every promotion (the wgrad ran at 851-910 TFLOP/s where fprop,
-// one scale a row and a multiply less an element, ran at 1081-1148). Here two partial-sum
-// fragments alternate: k step i's MMAs are issued into one while step i - 1's are promoted from
-// the other, so the promotion runs under the MMAs (the cost: a third 64-float fragment a thread;
-// no spill). Each promotion reads its scales from its stage in shared memory, not from a second
-// set of registers, so a stage goes back to the producer after its promotion rather than after
-// its MMAs. The arithmetic is CUTLASS's, element for element (accum += t * sfa * sfb from a zero
-// accumulator): the same bits.
+// Each 128-deep partial sum t is promoted into the accumulator on the CUDA cores, 64 elements a
+// thread: accum += t * (sfa * sfb) with one B scale a tile column (fprop and dgrad: A's per row,
+// the weight's per 128 x 128 block), accum += t * sfa * sfb with scales along M and N (wgrad: per
+// channel and 128-token tile on both operands, a multiply more an element). CUTLASS's mma() waits
+// for a k step's MMAs, then promotes, then issues the next step's, so the tensor cores idle
+// through every promotion (the wgrad ran at 851-910 TFLOP/s, fprop at 1081-1148, torch's rowwise
+// GEMM, which scales once in its epilogue, at 1260). Here two partial-sum fragments alternate: k
+// step i's MMAs are issued into one while step i - 1's are promoted from the other, so the
+// promotion runs under the MMAs (the cost: a third 64-float fragment a thread; no spill). Each
+// promotion reads its scales from its stage in shared memory, not from a second set of registers,
+// so a stage goes back to the producer after its promotion rather than after its MMAs. The
+// arithmetic is CUTLASS's, element for element and in its order, from a zero accumulator: the
+// same bits.
 #pragma once
 
 #include "cute/tensor.hpp"
@@ -22,9 +24,8 @@
 namespace sparsetrain::cuda::sm90 {
 
 template <class Base>
-struct Fp8WgradMainloop : Base {
-  static_assert(Base::ScaleMsPerTile > 1 && Base::ScaleNsPerTile > 1,
-                "scales along M and N (the wgrad's); the other variants keep CUTLASS's mainloop");
+struct Fp8OverlappedMainloop : Base {
+  static_assert(Base::ScaleMsPerTile > 1, "A's scales per row (1 x 128 tiles)");
   static_assert(Base::ScalePromotionInterval == cute::size<2>(typename Base::TileShape{}) /
                                                    cute::size<2>(typename Base::TiledMma::AtomShape_MNK{}),
                 "a promotion every k step");
@@ -91,8 +92,14 @@ struct Fp8WgradMainloop : Base {
       const int stage = smem_pipe_release.index();
       Tensor sfa = tCsSFA(_, _, _, make_coord(_0{}, stage));
       Tensor sfb = tCsSFB(_, _, _, make_coord(_0{}, stage));
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(accum); ++i) accum(i) += t(i) * sfa(i) * sfb(i);
+      if constexpr (Base::ScaleNsPerTile == 1) {
+        const float b = sfb(0);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(accum); ++i) accum(i) += t(i) * (sfa(i) * b);
+      } else {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(accum); ++i) accum(i) += t(i) * sfa(i) * sfb(i);
+      }
       if (release) {
         pipeline.consumer_release(smem_pipe_release);
         ++smem_pipe_release;
