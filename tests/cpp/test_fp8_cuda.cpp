@@ -2,7 +2,7 @@
 // codes and scales (rowwise, columnwise, and both layouts from one read; plain and gathering as
 // they read) bitwise the CPU reference's (the same rules run on both sides) on fresh random
 // data with NaN / inf, empty and tiny experts, padded tails and odd widths, outputs poisoned
-// alike; the three GEMMs (where this build has them) against the reference GEMMs on the same
+// alike; the rowwise dequantizer's values the reference's in each dtype and layout; the three GEMMs (where this build has them) against the reference GEMMs on the same
 // quantized operands, within fp32 accumulation order and one bf16 rounding, and bitwise
 // repeatable.
 #include <cuda_runtime.h>
@@ -144,6 +144,52 @@ TEST(Fp8Cuda, QuantizersGatherAsTheReferenceOfTheGatheredMatrix) {
       expect_same(both_col, col, "both, columnwise");
       if (HasFatalFailure()) return;
     }
+}
+
+// The rowwise dequantizer (fp8_saved_activations' restore) against the reference's, into fp32,
+// bf16 and fp16, contiguous (bf16 / fp16: the 16-byte path where K is a multiple of 8), with a
+// wider row stride and at an odd element offset with an odd stride (the element path): the same
+// values, NaN where the codes are NaN, and every element it must not write (rows past the experts',
+// the gaps between rows) still the poison.
+TEST(Fp8Cuda, RowwiseDequantizerWritesTheReferenceValuesInEachDtypeAndLayout) {
+  REQUIRE_GPU();
+  for (const QuantCase& c : kQuantCases)
+    for (const st::DType dt : {st::DType::kFP32, st::DType::kBF16, st::DType::kFP16})
+      for (const auto& [gap, offset] : std::vector<std::pair<int64_t, int64_t>>{{0, 0}, {8, 0}, {3, 1}}) {
+        SCOPED_TRACE(std::string("T ") + std::to_string(c.T) + " K " + std::to_string(c.K) + " into " +
+                     st::dtype_name(dt) + ", row stride K + " + std::to_string(gap) + ", offset " +
+                     std::to_string(offset));
+        const HostTensor x = random_with_nonfinite({st::DType::kBF16, c.splits, c.T, c.K}, uint64_t(c.T * 5 + c.K));
+        const std::vector<int64_t> off = st::testing::offsets_of(c.splits, c.T);
+        const int64_t G = int64_t(c.splits.size()), ld = c.K + gap;
+        const Fp8Operand q = st::testing::quantize_rowwise(x, off);
+        HostTensor off_h(st::DType::kInt64, {G + 1});
+        for (int64_t g = 0; g <= G; ++g) off_h.set(g, double(off[size_t(g)]));
+        HostTensor want(dt, {c.T * ld + offset});
+        want.poison();
+        const DeviceTensor offd(off_h), qd(q.data), sd(q.scale), got_d(want);
+        auto window = [&](const st::TensorView& buffer) {  // [T, K] at `offset`, rows ld apart
+          const int64_t shape[2] = {c.T, c.K}, strides[2] = {ld, 1};
+          return st::TensorView(buffer.byte_ptr(offset), dt, shape, strides, 2, buffer.device());
+        };
+        st::testing::fp8_ref().dequantize_rowwise({{G, off.data()}, q.view(), window(want.view())}, st::Stream{});
+        cuda_fp8().dequantize_rowwise(
+            {{G, offd.view().data_as<const int64_t>()}, {qd.view(), sd.view()}, window(got_d.view())}, st::Stream{});
+        // Equal bytes, or NaN on both sides where neither is the poison (NaN's bits may differ).
+        const HostTensor got = to_host(got_d.view());
+        const size_t es = st::dtype_size(dt);
+        auto poisoned = [&](const HostTensor& t, int64_t i) {
+          const auto* b = static_cast<const uint8_t*>(t.data()) + size_t(i) * es;
+          return std::all_of(b, b + es, [](uint8_t v) { return v == 0xff; });
+        };
+        for (int64_t i = 0; i < want.numel(); ++i) {
+          if (std::memcmp(static_cast<const char*>(got.data()) + size_t(i) * es,
+                          static_cast<const char*>(want.data()) + size_t(i) * es, es) == 0)
+            continue;
+          ASSERT_TRUE(std::isnan(got.get(i)) && std::isnan(want.get(i)) && !poisoned(got, i) && !poisoned(want, i))
+              << "element " << i << " (row " << (i - offset) / ld << "): " << got.get(i) << ", want " << want.get(i);
+        }
+      }
 }
 
 TEST(Fp8Cuda, WeightQuantizerWritesBothCopiesAsTheReference) {

@@ -1,7 +1,8 @@
 // The CUDA backend of the FP8 recipe (ops/fp8_blockwise_backend.h): the quantizers of
-// fp8_quantize_cuda.cuh, plain elementwise dequantizers (the exact inverses, for tests and
-// debugging), and the three GEMMs through the sm90 FP8 grouped GEMMs (built in ALL builds;
-// elsewhere they are refused with an error that says so). Outputs are bf16, the recipe's layer
+// fp8_quantize_cuda.cuh, the dequantizers (the exact inverses: the rowwise one tiled as the
+// quantizer, the others plain elementwise, for tests and debugging), and the three GEMMs through
+// the sm90 FP8 grouped GEMMs (built in ALL builds; elsewhere they are refused with an error that
+// says so). Outputs are bf16, the recipe's layer
 // dtype. No host sync: group offsets stay on the device.
 #include <cuda_runtime.h>
 
@@ -31,22 +32,64 @@ unsigned blocks_for(int64_t work, int per_block) {
   return unsigned(std::max<int64_t>(1, std::min<int64_t>((work + per_block - 1) / per_block, 65535)));
 }
 
-// Dequantizers: one thread an element, rows below S (the tail is left as it is). The rowwise one
-// writes fp32, bf16 or fp16 (a code times a power of two: exact in fp32 and bf16, fp16 rounds at
-// its range's ends).
-template <class D>
-__global__ void dequantize_rowwise_kernel(const int64_t* offsets, int64_t G, const uint8_t* q, const float* scale,
-                                          int64_t T, int64_t K, D* dst, int64_t ld0, int64_t ld1) {
-  const int64_t KB = fp8_tiles(K);
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < T * K; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = i / K, k = i % K;
-    if (r >= offsets[G]) return;
-    const int64_t g = group_of_row(offsets, G, r);
-    const float s = scale[fp8_rowwise_scale_index(offsets[g], offsets[g + 1] - offsets[g], KB, r, k / kFp8Tile)];
-    cuda::store_f32(dst, r * ld0 + k * ld1, fp8_dequantize(q[i], s));
+// The rowwise dequantizer, fp8_saved_activations' restore in backward (and the tests'): the
+// quantizer's tiling, grid (max tiles, KB), block 256, the block's (128-token tile of one expert,
+// 128-column tile) sixteen threads a row, eight codes each, a thread's eight rows all loaded before
+// any is written; the tile's expert from expert_tile, no search per row. Each value is
+// fp8_dequantize's, the reference's (a code times a power of two: exact in fp32 and bf16, fp16
+// rounds at its range's ends), stored in D (fp32, bf16 or fp16). Rows past the experts' (the tail
+// below T) are left as they are. kVec (2-byte D): 8-byte code loads and 16-byte stores (K and the
+// destination's row stride multiples of 8, its columns contiguous, the bases aligned).
+template <class D, bool kVec>
+__global__ void __launch_bounds__(256) dequantize_rowwise_kernel(const int64_t* offsets, int64_t G, const uint8_t* q,
+                                                                 const float* scale, int64_t K, D* dst, int64_t ld0,
+                                                                 int64_t ld1) {
+  using cuda::fp8::kRowThreads;
+  using cuda::fp8::kTile;
+  constexpr int kRowsPerPass = 256 / kRowThreads, kPasses = kTile / kRowsPerPass;
+  const cuda::fp8::ExpertTile et = cuda::fp8::expert_tile(offsets, G, blockIdx.x);  // the whole warp
+  if (et.g == G) return;
+  const int64_t begin = offsets[et.g], rows = offsets[et.g + 1] - begin, t = blockIdx.x - et.base;
+  const int64_t KB = fp8_tiles(K), kb = blockIdx.y, k = kb * kTile + (threadIdx.x % kRowThreads) * 8;
+  if (k >= K) return;
+  uint2 codes[kPasses];
+  float s[kPasses];
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    const int64_t r = begin + t * kTile + threadIdx.x / kRowThreads + kRowsPerPass * p;
+    if (r >= begin + rows) break;
+    s[p] = scale[fp8_rowwise_scale_index(begin, rows, KB, r, kb)];
+    const uint8_t* row = q + r * K + k;
+    if constexpr (kVec) {
+      codes[p] = *reinterpret_cast<const uint2*>(row);
+    } else {
+      uint64_t w = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (k + j < K) w |= uint64_t(row[j]) << (8 * j);
+      codes[p] = make_uint2(uint32_t(w), uint32_t(w >> 32));
+    }
+  }
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    const int64_t r = begin + t * kTile + threadIdx.x / kRowThreads + kRowsPerPass * p;
+    if (r >= begin + rows) break;
+    cuda::Pack<D, 8> v;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      v.v[j] = fp8_dequantize(uint8_t((j < 4 ? codes[p].x : codes[p].y) >> (8 * (j % 4))), s[p]);
+    if constexpr (kVec) {
+      v.store(dst + r * ld0 + k);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (k + j < K) cuda::store_f32(dst, r * ld0 + (k + j) * ld1, v.v[j]);
+    }
   }
 }
 
+// Plain elementwise dequantizers of the other layouts (the exact inverses, for tests and
+// debugging): one thread an element, rows below S.
 __global__ void dequantize_columnwise_kernel(const int64_t* offsets, int64_t G, const uint8_t* q, const float* scale,
                                              int64_t T, int64_t C, int64_t columns, float* dst, int64_t ld0,
                                              int64_t ld1) {
@@ -233,14 +276,24 @@ class CudaFp8Backend final : public Fp8BlockwiseBackend {
   }
 
   void dequantize_rowwise(const Fp8DequantizeParams& p, Stream stream) override {
-    const int64_t T = p.dst.size(0), K = p.dst.size(1);
-    if (T * K == 0) return;
+    const int64_t T = p.dst.size(0), K = p.dst.size(1), G = p.groups.num_groups;
+    if (K == 0 || fp8_columnwise_max_tiles(T, G) == 0) return;
     cuda::DeviceGuard guard(p.dst.device().index);
+    const dim3 grid(unsigned(fp8_columnwise_max_tiles(T, G)), unsigned(fp8_tiles(K)));
     dispatch_dtype(p.dst.dtype(), "CUDA FP8 dequantize", [&](auto e) {
       using D = decltype(e);
-      dequantize_rowwise_kernel<D><<<blocks_for(T * K, 256), 256, 0, as_cuda(stream)>>>(
-          p.groups.offsets, p.groups.num_groups, p.src.data.data_as<const uint8_t>(),
-          p.src.scale.data_as<const float>(), T, K, static_cast<D*>(p.dst.data()), p.dst.stride(0), p.dst.stride(1));
+      const uint8_t* q = p.src.data.data_as<const uint8_t>();
+      D* dst = static_cast<D*>(p.dst.data());
+      auto launch = [&](auto vec) {
+        dequantize_rowwise_kernel<D, decltype(vec)::value><<<grid, 256, 0, as_cuda(stream)>>>(
+            p.groups.offsets, G, q, p.src.scale.data_as<const float>(), K, dst, p.dst.stride(0), p.dst.stride(1));
+      };
+      if constexpr (sizeof(D) == 2) {
+        if (K % 8 == 0 && p.dst.stride(1) == 1 && p.dst.stride(0) % 8 == 0 &&
+            reinterpret_cast<uintptr_t>(dst) % 16 == 0 && reinterpret_cast<uintptr_t>(q) % 8 == 0)
+          return launch(std::true_type{});
+      }
+      launch(std::false_type{});
     });
     ST_CUDA_CHECK(cudaGetLastError(), "dequantize_rowwise_kernel launch");
   }
