@@ -2,8 +2,8 @@
 // fp8_quantize_cuda.cuh, the dequantizers (the exact inverses: the rowwise one tiled as the
 // quantizer, the others plain elementwise, for tests and debugging), and the three GEMMs through
 // the sm90 FP8 grouped GEMMs (built in ALL builds; elsewhere they are refused with an error that
-// says so). Outputs are bf16, the recipe's layer
-// dtype. No host sync: group offsets stay on the device.
+// says so). Outputs are bf16, the recipe's layer dtype. No host sync: group offsets stay on the
+// device.
 #include <cuda_runtime.h>
 
 #include <algorithm>
