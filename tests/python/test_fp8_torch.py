@@ -177,9 +177,9 @@ def test_moe_layer_saves_fc1s_output_in_fp8_only_where_the_recipe_runs():
     """MoELayer(fp8_saved_activations=True): in an FP8 call the forward is the plain FP8 layer's
     (bitwise), it saves fc1's output's codes and scales for backward in place of the output, and the
     backward reads that output restored from e4m3 (the C++ tests check those bits against the codes
-    decoded): gradients near the plain FP8 layer's, not equal to them; in a
-    bf16 call the option does nothing (bitwise the bf16 layer). Eager and under torch.compile (the
-    fakes give the codes' and scales' shapes), immediate and delayed wgrad."""
+    decoded): gradients near the plain FP8 layer's, not equal to them; in a bf16 call the option
+    does nothing (bitwise the bf16 layer). Eager and under torch.compile (the fakes give the codes'
+    and scales' shapes), immediate and delayed wgrad."""
     N, E, hidden, F = 50, 4, 64, 80  # 2F = 160: a partial second 128-column tile
     g = torch.Generator().manual_seed(11)
     x = torch.randn(N, hidden, generator=g).to(torch.bfloat16)

@@ -2,7 +2,8 @@
 tests: one GroupedLinear, GroupedMLP or MoELayer step (LayerStep) or block_sparse_attention step
 (AttentionStep) whose inputs are tensors a graph can read, new values loaded into them by seed
 (uneven splits with empty and 1-7-row experts, new logits, new document boundaries), what a step
-produced by name, and a bitwise comparison that fails on NaN."""
+produced by name, and a bitwise comparison that fails on NaN; and, for the FP8 tests, what a
+forward saved for its backward (saved_for_backward)."""
 
 from collections import Counter
 
