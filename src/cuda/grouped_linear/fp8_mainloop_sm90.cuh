@@ -12,12 +12,14 @@
 // step i's MMAs are issued into one while step i - 1's are promoted from the other, so the
 // promotion runs under the MMAs (the cost: a third 64-float fragment a thread; no spill). Each
 // promotion reads its scales from its stage in shared memory, not from a second set of registers,
-// so a stage goes back to the producer after its promotion rather than after its MMAs. The
+// so a stage goes back to the producer after its promotion (and a warpgroup barrier: one thread
+// signals it for all four warps) rather than after its MMAs. The
 // arithmetic is CUTLASS's, element for element and in its order, from a zero accumulator: the
 // same bits.
 #pragma once
 
 #include "cute/tensor.hpp"
+#include "cutlass/arch/barrier.h"
 #include "cutlass/cutlass.h"
 #include "cutlass/gemm/collective/collective_builder.hpp"
 
@@ -100,6 +102,11 @@ struct Fp8OverlappedMainloop : Base {
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size(accum); ++i) accum(i) += t(i) * sfa(i) * sfb(i);
       }
+      // One thread of the warpgroup signals a release (here, or mma_tail's for the last step), so
+      // every warp must have read the stage's scales first. CUTLASS's mma() needs no barrier: its
+      // warps read a step's scales before issuing its MMAs, which complete only once all four
+      // warps issued them; here a warp reads them after issuing the next step's.
+      cutlass::arch::NamedBarrier::sync(kThreads, warp_group_idx);
       if (release) {
         pipeline.consumer_release(smem_pipe_release);
         ++smem_pipe_release;
