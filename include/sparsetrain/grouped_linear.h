@@ -160,8 +160,9 @@ class GroupedLinear {
   void set_main_grad(const GroupedParam& main_grad);
 
  private:
-  friend class GroupedMLP;  // its FP8 forward hands fc2 h' already quantized (forward_quantized), fc1
-                            // the MoE layer's tokens and rows (forward_gathered, backward_rows)
+  friend class GroupedMLP;  // its FP8 forward hands fc2 h' already quantized (forward_quantized), its
+                            // FP8 backward fc1 d fc1_out (backward_quantized), fc1 the MoE layer's
+                            // tokens and rows (forward_gathered, backward_rows)
 
   struct Pending {
     TensorView x, dy;
@@ -175,10 +176,16 @@ class GroupedLinear {
                                    const int64_t* offsets, void* scratch, Stream stream,
                                    const ops::Fp8Operand* dy_columnwise = nullptr);
   // backward on x's rows x_rows and dy's rows dy_rows (int32 [T]) where given: FP8 with the wgrad
-  // now only (its quantizers gather them); backward: without either.
+  // now only (its quantizers gather them); backward: without either. backward_quantized (FP8, the
+  // wgrad now): with dy already quantized, rowwise codes dyq [T, out_features] for the dgrad and
+  // the columnwise ones dyq_columnwise for the wgrad (backward_rows with both: dy then unused).
   GroupedLinearGrads backward_rows(const TensorView& x, const TensorView& x_rows, const TensorView& dy,
                                    const TensorView& dy_rows, const Splits& splits, const TensorView& grad_input,
-                                   const CallArgs& args);
+                                   const CallArgs& args, const ops::Fp8Operand* dyq = nullptr,
+                                   const ops::Fp8Operand* dyq_columnwise = nullptr);
+  GroupedLinearGrads backward_quantized(const TensorView& x, const TensorView& x_rows, const ops::Fp8Operand& dyq,
+                                        const ops::Fp8Operand& dyq_columnwise, const Splits& splits,
+                                        const TensorView& grad_input, const CallArgs& args);
   // forward with x already quantized rowwise (FP8, T = its rows); forward_gathered (FP8): on x's
   // rows x_rows (int32 [T], valid indices: the caller's), gathered by the quantizer; forward_rows:
   // all three, after the input's own check (x, or xq when given).

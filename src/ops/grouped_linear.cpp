@@ -255,18 +255,33 @@ GroupedLinearGrads GroupedLinear::backward(const TensorView& x, const TensorView
   return backward_rows(x, {}, dy, {}, splits, grad_input, args);
 }
 
+GroupedLinearGrads GroupedLinear::backward_quantized(const TensorView& x, const TensorView& x_rows,
+                                                     const ops::Fp8Operand& dyq,
+                                                     const ops::Fp8Operand& dyq_columnwise, const Splits& splits,
+                                                     const TensorView& grad_input, const CallArgs& args) {
+  return backward_rows(x, x_rows, {}, {}, splits, grad_input, args, &dyq, &dyq_columnwise);
+}
+
 GroupedLinearGrads GroupedLinear::backward_rows(const TensorView& x, const TensorView& x_rows, const TensorView& dy,
                                                 const TensorView& dy_rows, const Splits& splits,
-                                                const TensorView& grad_input, const CallArgs& args) {
+                                                const TensorView& grad_input, const CallArgs& args,
+                                                const ops::Fp8Operand* dyq, const ops::Fp8Operand* dyq_columnwise) {
   const GroupedLinearOptions& o = options_;
   const Device dev = device();
   GroupedLinearBackend& be = backend_for(dev, "x");
   check_activation(x, "x", o.dtype, dev, -1, o.in_features, "in_features");
-  if ((x_rows.defined() || dy_rows.defined()) && (o.fp8 == Fp8Recipe::kOff || o.delay_wgrad_compute))
-    ST_FAIL("GroupedLinear::backward_rows: x_rows / dy_rows need the FP8 recipe and the wgrad now (its quantizers "
-            "gather)");
+  if ((x_rows.defined() || dy_rows.defined() || dyq) && (o.fp8 == Fp8Recipe::kOff || o.delay_wgrad_compute))
+    ST_FAIL("GroupedLinear::backward_rows: x_rows / dy_rows / a quantized dy need the FP8 recipe and the wgrad now "
+            "(its quantizers gather them; a delayed wgrad keeps dy)");
   const int64_t T = backend::fp8_operand_rows(x, x_rows);
-  check_activation(dy, "dy", o.dtype, dev, dy_rows.defined() ? -1 : T, o.out_features, "out_features");
+  if (dyq) {
+    if (!dyq_columnwise || dyq->data.view().dim() != 2 || dyq->data.view().size(0) != T ||
+        dyq->data.view().size(1) != o.out_features)
+      ST_FAIL("GroupedLinear::backward_quantized: expected rowwise codes [" + std::to_string(T) + ", " +
+              std::to_string(o.out_features) + "] and the columnwise ones");
+  } else {
+    check_activation(dy, "dy", o.dtype, dev, dy_rows.defined() ? -1 : T, o.out_features, "out_features");
+  }
   if (dy_rows.defined() && dy_rows.size(0) != T)
     ST_FAIL("GroupedLinear::backward_rows: dy_rows for " + std::to_string(dy_rows.size(0)) + " rows, x's are " +
             std::to_string(T));
@@ -291,8 +306,12 @@ GroupedLinearGrads GroupedLinear::backward_rows(const TensorView& x, const Tenso
   const bool fp8 = o.fp8 != Fp8Recipe::kOff, fp8_wgrad_now = fp8 && !o.delay_wgrad_compute;
   if (fp8) {  // its kernels read the offsets from the device: none folded
     ops::prepare_offsets(splits, T, ws.offsets, ws.status, be, dev, args.stream);
-    ops::fp8_dgrad(fp8_layer(args.weight_version), dy, dy_rows, ws.offsets, grads.grad_input.view(), zero_tail,
-                   ws.scratch, args.stream, fp8_wgrad_now ? &dy_columnwise : nullptr);
+    if (dyq)
+      ops::fp8_dgrad_quantized(fp8_layer(args.weight_version), *dyq, ws.offsets, grads.grad_input.view(), zero_tail,
+                               ws.scratch, args.stream);
+    else
+      ops::fp8_dgrad(fp8_layer(args.weight_version), dy, dy_rows, ws.offsets, grads.grad_input.view(), zero_tail,
+                     ws.scratch, args.stream, fp8_wgrad_now ? &dy_columnwise : nullptr);
   } else {
     std::vector<int64_t> host_offsets;  // dgrad's first kernel writes them; wgrad's then read them
     const int64_t* fold =
@@ -308,8 +327,8 @@ GroupedLinearGrads GroupedLinear::backward_rows(const TensorView& x, const Tenso
   if (o.delay_wgrad_compute) {
     pending_.push_back({x, dy, splits, args.keep_alive});  // references: the caller keeps x and dy alive
   } else {
-    GroupedLinearGrads w =
-        compute_wgrad(x, x_rows, dy, ws.offsets, ws.scratch, args.stream, fp8_wgrad_now ? &dy_columnwise : nullptr);
+    GroupedLinearGrads w = compute_wgrad(x, x_rows, dy, ws.offsets, ws.scratch, args.stream,
+                                         dyq ? dyq_columnwise : fp8_wgrad_now ? &dy_columnwise : nullptr);
     if (disp.weight == WeightGradKind::kWgrad) grads.weight = std::move(w.weight);
     if (disp.bias_grad_now) grads.bias_grad = std::move(w.bias_grad);
   }

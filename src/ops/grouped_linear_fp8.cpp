@@ -41,8 +41,8 @@ Fp8Operand rowwise(const Fp8Layer& l, const TensorView& src, const int64_t* offs
 
 Fp8Operand columnwise_buffers(const Fp8Layer& l, const TensorView& src, Stream stream,
                               const TensorView& src_rows = {}) {
-  const int64_t T = backend::fp8_operand_rows(src, src_rows), C = src.size(1), G = l.options.num_groups;
-  return quantized(l, {C, fp8_columnwise_columns(T, G)}, fp8_columnwise_scale_count(T, C, G), stream);
+  return fp8_columnwise_buffers(l.alloc, l.device, backend::fp8_operand_rows(src, src_rows), src.size(1),
+                                l.options.num_groups, stream);
 }
 
 Fp8Operand columnwise(const Fp8Layer& l, const TensorView& src, const int64_t* offsets, Stream stream,
@@ -127,6 +127,10 @@ Fp8Operand fp8_rowwise_buffers(Allocator& alloc, Device device, int64_t T, int64
   return quantized(alloc, device, {T, K}, fp8_rowwise_scale_count(T, K), stream);
 }
 
+Fp8Operand fp8_columnwise_buffers(Allocator& alloc, Device device, int64_t T, int64_t C, int64_t G, Stream stream) {
+  return quantized(alloc, device, {C, fp8_columnwise_columns(T, G)}, fp8_columnwise_scale_count(T, C, G), stream);
+}
+
 void fp8_fprop(const Fp8Layer& l, const TensorView& x, const TensorView& x_rows, const int64_t* offsets,
                const TensorView& y, bool zero_tail, void* scratch, Stream stream) {
   fp8_fprop_quantized(l, rowwise(l, x, offsets, stream, x_rows), offsets, y, zero_tail, scratch, stream);
@@ -151,6 +155,11 @@ void fp8_dgrad(const Fp8Layer& l, const TensorView& dy, const TensorView& dy_row
   } else {
     dyq = rowwise(l, dy, offsets, stream, dy_rows);
   }
+  fp8_dgrad_quantized(l, dyq, offsets, dx, zero_tail, scratch, stream);
+}
+
+void fp8_dgrad_quantized(const Fp8Layer& l, const Fp8Operand& dyq, const int64_t* offsets, const TensorView& dx,
+                         bool zero_tail, void* scratch, Stream stream) {
   const auto w = weights(l, stream);
   fp8_backend(l.device).dgrad(
       {problem(l, dyq.data.view().size(0), offsets), dyq.view(), w->per_group(true, l.options), dx, zero_tail},

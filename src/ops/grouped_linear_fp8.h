@@ -46,6 +46,9 @@ struct Fp8Operand {
 
 // Codes [T, K] and scales for a rowwise operand of T rows, from `alloc` (unwritten).
 Fp8Operand fp8_rowwise_buffers(Allocator& alloc, Device device, int64_t T, int64_t K, Stream stream);
+// Codes [C, fp8_columnwise_columns(T, G)] and scales for a columnwise operand of T rows and C
+// channels in G groups, from `alloc` (unwritten).
+Fp8Operand fp8_columnwise_buffers(Allocator& alloc, Device device, int64_t T, int64_t C, int64_t G, Stream stream);
 
 // An activation kept for backward in the recipe's rowwise form (the MoE layer's fc1 output under
 // MoELayerOptions::fp8_saved_activations): src [T, K] quantized rowwise in `groups`, and the exact
@@ -70,6 +73,10 @@ void fp8_fprop_quantized(const Fp8Layer& l, const Fp8Operand& xq, const int64_t*
 void fp8_dgrad(const Fp8Layer& l, const TensorView& dy, const TensorView& dy_rows, const int64_t* offsets,
                const TensorView& dx, bool zero_tail, void* scratch, Stream stream,
                Fp8Operand* dy_columnwise = nullptr);
+// dgrad on dy already quantized rowwise (a producer that wrote the codes, e.g. GroupedMLP's SwiGLU
+// backward, with the wgrad layout beside them).
+void fp8_dgrad_quantized(const Fp8Layer& l, const Fp8Operand& dyq, const int64_t* offsets, const TensorView& dx,
+                         bool zero_tail, void* scratch, Stream stream);
 // x_rows (optional, int32 [T]): x's rows gathered by the columnwise quantizer, as fp8_fprop's; dy
 // (without dy_columnwise) has T rows.
 void fp8_wgrad(const Fp8Layer& l, const TensorView& x, const TensorView& x_rows, const TensorView& dy,

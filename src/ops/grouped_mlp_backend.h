@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/fp8_blockwise.h"  // kFp8Tile
 #include "common/host_device.h"
 #include "ops/fp8_blockwise_backend.h"  // Fp8Tensor
 #include "sparsetrain/allocator.h"
@@ -22,6 +23,13 @@ ST_HOST_DEVICE inline int64_t glu_a_column(int64_t j, int64_t interleave) {
 }
 ST_HOST_DEVICE inline int64_t glu_b_offset(int64_t ffn, int64_t interleave) {
   return interleave == 0 ? ffn : interleave;
+}
+// Whether every 128-column FP8 tile of fc1's output (or its gradient) holds a's only or b's only,
+// and the a's of 128 consecutive j pair with one tile of their b's: what SwiGLU's FP8 backward
+// needs to make both tiles of a pair from one read (SwigluBackwardParams::dz_rowwise). The
+// layer's options make interleave a divisor of ffn.
+ST_HOST_DEVICE inline bool glu_tiles_pair(int64_t ffn, int64_t interleave) {
+  return (interleave == 0 ? ffn : interleave) % kFp8Tile == 0;
 }
 
 struct MLPRows {
@@ -59,6 +67,11 @@ struct SwigluBackwardParams {
   TensorView fc1_out_grad;       // [T, 2F] contiguous; may be fc1_out itself (each element is read
                                  // before its gradient is written, by the same thread)
   TensorView dprobs;             // fp32 [T] contiguous
+  // FP8 (dz_rowwise.data defined, fc1_out_grad then unused): d fc1_out in the layer's dtype
+  // quantized in both layouts, codes and scales as Fp8BlockwiseBackend::quantize_both writes them
+  // from it (rows below S), with no d fc1_out in memory (fc1's dgrad and wgrad read nothing else
+  // of it). Needs glu_tiles_pair(ffn, interleave) and no bias.
+  Fp8Tensor dz_rowwise = {}, dz_columnwise = {};
 };
 
 // y[t] += probs[t] * b2_g for rows t < S of group g (fp32 add, one rounding to the dtype).

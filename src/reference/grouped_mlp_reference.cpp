@@ -40,6 +40,41 @@ void swiglu_rows(const SwigluForwardParams& p, const TensorView& h_out) {
   zero_rows(h_out, S);
 }
 
+// d fc1_out into dz (the layer's dtype) and dprobs for rows < S; rows >= S zero.
+void swiglu_backward_rows(const SwigluBackwardParams& p, const TensorView& dz_out) {
+  const DType dt = p.rows.dtype;
+  const int64_t G = p.rows.num_groups, S = p.rows.offsets[G];
+  const int64_t b_off = glu_b_offset(p.ffn, p.interleave);
+  float* dprobs = p.dprobs.data_as<float>();
+  for (int64_t g = 0; g < G; ++g) {
+    const void* bias = p.bias.empty() ? nullptr : p.bias[size_t(g)].data();
+    for (int64_t t = p.rows.offsets[g]; t < p.rows.offsets[g + 1]; ++t) {
+      const void* z = row(p.fc1_out, t);
+      const void* dh = row(p.dh, t);
+      void* dz = row_mut(dz_out, t);
+      const float pr = prob(p.probs, t);
+      float dp = 0.f;  // j ascending, then the bias dot o ascending
+      for (int64_t j = 0; j < p.ffn; ++j) {
+        const int64_t ca = glu_a_column(j, p.interleave);
+        const float a = load_float(z, dt, ca), b = load_float(z, dt, ca + b_off);
+        const float sig = sigmoid(a), silu = a * sig;
+        const float dhp = load_float(dh, dt, j);  // d loss / d h'
+        dp += silu * b * dhp;
+        const float dhv = pr * dhp;               // d loss / d h, h' = probs * h
+        store_float(dz, dt, ca, dhv * b * sig * (1.f + a * (1.f - sig)));
+        store_float(dz, dt, ca + b_off, dhv * silu);
+      }
+      if (bias) {
+        const void* dy = row(p.dy, t);
+        for (int64_t o = 0; o < p.out; ++o) dp += load_float(dy, dt, o) * load_float(bias, dt, o);
+      }
+      dprobs[t] = dp;
+    }
+  }
+  zero_rows(dz_out, S);
+  for (int64_t t = S; t < p.rows.num_rows; ++t) dprobs[t] = 0.f;
+}
+
 class ReferenceMLPBackend final : public GroupedMLPBackend {
  public:
   size_t scratch_bytes(DType, int64_t, int64_t, int64_t, int64_t out) const override {
@@ -58,38 +93,17 @@ class ReferenceMLPBackend final : public GroupedMLPBackend {
     fp8_blockwise_reference_backend().quantize_rowwise({{p.rows.num_groups, p.rows.offsets}, hv, p.h_fp8}, stream);
   }
 
-  void swiglu_backward(const SwigluBackwardParams& p, void*, Stream) override {
-    const DType dt = p.rows.dtype;
-    const int64_t G = p.rows.num_groups, S = p.rows.offsets[G];
-    const int64_t b_off = glu_b_offset(p.ffn, p.interleave);
-    float* dprobs = p.dprobs.data_as<float>();
-    for (int64_t g = 0; g < G; ++g) {
-      const void* bias = p.bias.empty() ? nullptr : p.bias[size_t(g)].data();
-      for (int64_t t = p.rows.offsets[g]; t < p.rows.offsets[g + 1]; ++t) {
-        const void* z = row(p.fc1_out, t);
-        const void* dh = row(p.dh, t);
-        void* dz = row_mut(p.fc1_out_grad, t);
-        const float pr = prob(p.probs, t);
-        float dp = 0.f;  // j ascending, then the bias dot o ascending
-        for (int64_t j = 0; j < p.ffn; ++j) {
-          const int64_t ca = glu_a_column(j, p.interleave);
-          const float a = load_float(z, dt, ca), b = load_float(z, dt, ca + b_off);
-          const float sig = sigmoid(a), silu = a * sig;
-          const float dhp = load_float(dh, dt, j);  // d loss / d h'
-          dp += silu * b * dhp;
-          const float dhv = pr * dhp;               // d loss / d h, h' = probs * h
-          store_float(dz, dt, ca, dhv * b * sig * (1.f + a * (1.f - sig)));
-          store_float(dz, dt, ca + b_off, dhv * silu);
-        }
-        if (bias) {
-          const void* dy = row(p.dy, t);
-          for (int64_t o = 0; o < p.out; ++o) dp += load_float(dy, dt, o) * load_float(bias, dt, o);
-        }
-        dprobs[t] = dp;
-      }
-    }
-    zero_rows(p.fc1_out_grad, S);
-    for (int64_t t = S; t < p.rows.num_rows; ++t) dprobs[t] = 0.f;
+  void swiglu_backward(const SwigluBackwardParams& p, void*, Stream stream) override {
+    if (!p.dz_rowwise.data.defined()) return swiglu_backward_rows(p, p.fc1_out_grad);
+    // FP8: the definition, d fc1_out in the layer's dtype then both quantizers from it (host
+    // memory here; the CUDA kernel keeps it in registers).
+    const int64_t T = p.rows.num_rows;
+    std::vector<unsigned char> dz(size_t(T * 2 * p.ffn) * dtype_size(p.rows.dtype));
+    const int64_t shape[2] = {T, 2 * p.ffn}, strides[2] = {2 * p.ffn, 1};
+    const TensorView dzv(dz.data(), p.rows.dtype, shape, strides, 2, p.fc1_out.device());
+    swiglu_backward_rows(p, dzv);
+    fp8_blockwise_reference_backend().quantize_both(
+        {{p.rows.num_groups, p.rows.offsets}, dzv, p.dz_rowwise, p.dz_columnwise}, stream);
   }
 
   void scaled_bias_add(const ScaledBiasAddParams& p, void*, Stream) override {

@@ -2,7 +2,9 @@
 // codes and scales (rowwise, columnwise, and both layouts from one read; plain and gathering as
 // they read) bitwise the CPU reference's (the same rules run on both sides) on fresh random
 // data with NaN / inf, empty and tiny experts, padded tails and odd widths, outputs poisoned
-// alike; the rowwise dequantizer's values the reference's in each dtype and layout; the three GEMMs (where this build has them) against the reference GEMMs on the same
+// alike; the rowwise dequantizer's values the reference's in each dtype and layout; GroupedMLP's
+// SwiGLU forward and backward writing their FP8 codes as the quantizers would from their bf16
+// outputs; the three GEMMs (where this build has them) against the reference GEMMs on the same
 // quantized operands, within fp32 accumulation order and one bf16 rounding, and bitwise
 // repeatable.
 #include <cuda_runtime.h>
@@ -16,6 +18,7 @@
 #include <vector>
 
 #include "device_tensor.h"
+#include "expect_error.h"
 #include "fp8_testing.h"
 #include "ops/grouped_mlp_backend.h"
 
@@ -268,6 +271,101 @@ TEST(Fp8Cuda, SwigluWritesFc2sCodesAsTheQuantizerWould) {
     for (int64_t i = 0; i < S * F; ++i) ASSERT_EQ(unsigned(a[i]), unsigned(b[i])) << "code " << i;  // rows < S
     expect_same_bytes(to_host(got.scale.view()), to_host(want.scale.view()), "scales");
   }
+}
+
+// GroupedMLP's FP8 backward: the SwiGLU backward kernel that writes fc1's rowwise and columnwise
+// codes of d fc1_out (never in memory in the dtype) against the bf16 SwiGLU backward kernel
+// followed by quantize_both, bitwise (every byte, unwritten slots poisoned alike), NaN and inf in
+// dh'; dprobs (another summation order) within fp32 rounding of a double oracle, rows past S
+// zero. Halves and interleaved columns in 128-column tile pairs, 16-byte and element loads (a row
+// stride off 8 elements), an empty expert, a one-row expert and a padded tail. Without tile pairs
+// the kernel refuses.
+TEST(Fp8Cuda, SwigluBackwardWritesFc1sCodesAsTheQuantizerWould) {
+  REQUIRE_GPU();
+  struct Case {
+    int64_t F, k, z_ld;
+  };
+  for (const Case& cs : {Case{256, 0, 512}, Case{256, 128, 512}, Case{128, 0, 259}}) {
+    SCOPED_TRACE("F " + std::to_string(cs.F) + " interleave " + std::to_string(cs.k) + " z stride " +
+                 std::to_string(cs.z_ld));
+    const int64_t T = 300, F = cs.F, G = 4, K = 2 * F;
+    const std::vector<int64_t> splits = {160, 0, 1, 129};
+    std::mt19937_64 rng(uint64_t(91 + F + cs.k + cs.z_ld));
+    HostTensor zw(st::DType::kBF16, {T, cs.z_ld}), dh(st::DType::kBF16, {T, F}), probs(st::DType::kFP32, {T});
+    zw.fill_random(rng, 2.0);
+    dh.fill_random(rng, 1.0);
+    probs.fill_random(rng, 1.0);
+    dh.set(3 * F + 5, NAN);
+    dh.set(200 * F + 7, INFINITY);
+    const std::vector<int64_t> off = st::testing::offsets_of(splits, T);
+    const int64_t S = off.back();
+    HostTensor off_h(st::DType::kInt64, {G + 1});
+    for (int64_t g = 0; g <= G; ++g) off_h.set(g, double(off[size_t(g)]));
+    const DeviceTensor zwd(zw), dhd(dh), pd(probs), offd(off_h);
+    const int64_t z_shape[2] = {T, K}, z_strides[2] = {cs.z_ld, 1};
+    const st::TensorView zd(zwd.view().data(), st::DType::kBF16, z_shape, z_strides, 2, st::Device::cuda(0));
+    const be::MLPRows rows{st::DType::kBF16, G, T, offd.view().data_as<const int64_t>()};
+    be::GroupedMLPBackend& mlp = be::grouped_mlp_backend_for(st::Device::cuda(), "x");
+    const int64_t cols = st::fp8_columnwise_columns(T, G), col_scales = st::fp8_columnwise_scale_count(T, K, G);
+
+    const DeviceTensor dz(HostTensor(st::DType::kBF16, {T, K}), false), want_dp(HostTensor(st::DType::kFP32, {T}), false);
+    mlp.swiglu_backward({rows, F, cs.k, 0, zd, pd.view(), dhd.view(), {}, {}, dz.view(), want_dp.view()}, nullptr,
+                        st::Stream{});
+    DeviceFp8 want_row(Fp8Operand({T, K}, st::fp8_rowwise_scale_count(T, K)));
+    DeviceFp8 want_col(Fp8Operand({K, cols}, col_scales));
+    cuda_fp8().quantize_both({{G, rows.offsets}, dz.view(), want_row.view(), want_col.view()}, st::Stream{});
+
+    DeviceFp8 got_row(Fp8Operand({T, K}, st::fp8_rowwise_scale_count(T, K)));
+    DeviceFp8 got_col(Fp8Operand({K, cols}, col_scales));
+    const DeviceTensor got_dp(HostTensor(st::DType::kFP32, {T}), false);
+    mlp.swiglu_backward({rows, F, cs.k, 0, zd, pd.view(), dhd.view(), {}, {}, {}, got_dp.view(), got_row.view(),
+                         got_col.view()},
+                        nullptr, st::Stream{});
+    CUDA_OK(cudaDeviceSynchronize());
+    expect_same_bytes(to_host(got_row.data.view()), to_host(want_row.data.view()), "rowwise codes");
+    expect_same_bytes(to_host(got_row.scale.view()), to_host(want_row.scale.view()), "rowwise scales");
+    expect_same_bytes(to_host(got_col.data.view()), to_host(want_col.data.view()), "columnwise codes");
+    expect_same_bytes(to_host(got_col.scale.view()), to_host(want_col.scale.view()), "columnwise scales");
+    if (HasFatalFailure()) return;
+
+    // dprobs_t = sum_j silu(a_j) b_j dh'_j in double; the kernel's fp32 sums within 1e-5 of sum |terms|.
+    const HostTensor gp = to_host(got_dp.view()), wp = to_host(want_dp.view());
+    const int64_t b_off = be::glu_b_offset(F, cs.k);
+    for (int64_t t = 0; t < T; ++t) {
+      if (t >= S) {
+        ASSERT_EQ(gp.get(t), 0.0) << "row " << t << " past S";
+        continue;
+      }
+      double sum = 0, mag = 0;
+      for (int64_t j = 0; j < F; ++j) {
+        const int64_t ca = be::glu_a_column(j, cs.k);
+        const double a = zw.get(t * cs.z_ld + ca), b = zw.get(t * cs.z_ld + ca + b_off), d = dh.get(t * F + j);
+        const double term = a / (1 + std::exp(-a)) * b * d;
+        sum += term, mag += std::fabs(term);
+      }
+      if (!std::isfinite(sum)) {  // the row's NaN or inf carried through
+        if (std::isnan(sum)) ASSERT_TRUE(std::isnan(gp.get(t))) << "row " << t;
+        else ASSERT_EQ(gp.get(t), sum) << "row " << t;
+        continue;
+      }
+      ASSERT_LE(std::fabs(gp.get(t) - sum), 1e-5 * mag + 1e-30) << "row " << t << " (bf16 kernel: " << wp.get(t) << ")";
+    }
+  }
+  // Without 128-column tile pairs (an interleave of 64) the FP8 backward refuses, naming why.
+  const HostTensor z(st::DType::kBF16, {8, 256}), d(st::DType::kBF16, {8, 128});
+  HostTensor off_h(st::DType::kInt64, {2});
+  off_h.set(0, 0), off_h.set(1, 8);
+  const DeviceTensor zd(z), dd(d), offd(off_h), p(HostTensor(st::DType::kFP32, {8})), dp(HostTensor(st::DType::kFP32, {8}));
+  DeviceFp8 row(Fp8Operand({8, 256}, st::fp8_rowwise_scale_count(8, 256)));
+  DeviceFp8 col(Fp8Operand({256, st::fp8_columnwise_columns(8, 1)}, st::fp8_columnwise_scale_count(8, 256, 1)));
+  st::testing::expect_error(
+      [&] {
+        be::grouped_mlp_backend_for(st::Device::cuda(), "x")
+            .swiglu_backward({{st::DType::kBF16, 1, 8, offd.view().data_as<const int64_t>()}, 128, 64, 0, zd.view(),
+                              p.view(), dd.view(), {}, {}, {}, dp.view(), row.view(), col.view()},
+                             nullptr, st::Stream{});
+      },
+      {"SwiGLU's FP8 backward", "tile", "interleave 64"});
 }
 
 // ---- the GEMMs -----------------------------------------------------------------------------

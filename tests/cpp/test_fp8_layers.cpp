@@ -268,4 +268,51 @@ TEST(GroupedMLPFp8, Fc2ReadsTheSwigluOutputAsAnFp8LayerWould) {
   EXPECT_TRUE(HostTensor::copy_of(f.out.view()).bytes_equal(HostTensor::copy_of(y.view())));
 }
 
+
+// GroupedMLP's FP8 backward with a's and b's in 128-column tile pairs: the SwiGLU backward writes
+// fc1's two layouts of d fc1_out codes itself (never in memory in the dtype); every gradient the
+// same bits as the layers run step by step (fc2's FP8 backward on the h' the bf16 SwiGLU writes,
+// the bf16 SwiGLU backward, fc1's FP8 backward on its d fc1_out), halves and interleaved columns,
+// an empty expert and a padded tail. F = 32 (no tile pairs) and an fc2 bias took the step-by-step
+// path (BothLayersRunTheRecipe).
+TEST(GroupedMLPFp8, Fc1ReadsTheSwigluGradientAsAnFp8LayerWould) {
+  for (const int64_t k : {int64_t(0), int64_t(128)}) {
+    SCOPED_TRACE("interleave " + std::to_string(k));
+    const st::testing::GroupedMLPCase c =
+        st::testing::random_mlp_case(st::DType::kBF16, 4, 300, 290, 64, 256, 48, k, {2}, true, false, false, 8);
+    st::GroupedMLPOptions o8 = c.options();
+    o8.fp8 = st::Fp8Recipe::kBlockwise;
+    st::GroupedMLP mlp(o8, c.params());
+    const st::Splits sp = st::Splits::host(c.splits);
+    const auto f = mlp.forward(c.x.view(), sp, c.probs.view());
+    const auto g = mlp.backward(c.x.view(), f.fc1_out.view(), c.probs.view(), c.dy.view(), sp);
+
+    const std::vector<int64_t> off = st::testing::offsets_of(c.splits, c.T);
+    const st::backend::MLPRows rows{st::DType::kBF16, c.G, c.T, off.data()};
+    st::backend::GroupedMLPBackend& ref = st::backend::grouped_mlp_backend_for(st::Device::cpu(), "x");
+    HostTensor h(st::DType::kBF16, {c.T, c.F});
+    ref.swiglu_forward({rows, c.F, c.k, f.fc1_out.view(), c.probs.view(), h.view(), {}}, nullptr, st::Stream{});
+    auto fp8_layer = [&](int64_t in, int64_t out, const st::GroupedLinearParams& params) {
+      st::GroupedLinearOptions o;
+      o.num_groups = c.G, o.in_features = in, o.out_features = out, o.dtype = st::DType::kBF16;
+      o.fp8 = st::Fp8Recipe::kBlockwise;
+      return st::GroupedLinear(o, params);
+    };
+    st::GroupedLinear fc2 = fp8_layer(c.F, c.out, c.params().fc2), fc1 = fp8_layer(c.in, 2 * c.F, c.params().fc1);
+    const auto g2 = fc2.backward(h.view(), c.dy.view(), sp);
+    HostTensor dz(st::DType::kBF16, {c.T, 2 * c.F}), dprobs(st::DType::kFP32, {c.T});
+    ref.swiglu_backward({rows, c.F, c.k, c.out, f.fc1_out.view(), c.probs.view(), g2.grad_input.view(), c.dy.view(),
+                         {}, dz.view(), dprobs.view()},
+                        nullptr, st::Stream{});
+    const auto g1 = fc1.backward(c.x.view(), dz.view(), sp);
+    auto same = [](const st::TensorView& a, const st::TensorView& b) {
+      return HostTensor::copy_of(a).bytes_equal(HostTensor::copy_of(b));
+    };
+    EXPECT_TRUE(same(g.grad_input.view(), g1.grad_input.view())) << "dx";
+    EXPECT_TRUE(same(g.fc1.weight.packed.view(), g1.weight.packed.view())) << "fc1 dw";
+    EXPECT_TRUE(same(g.fc2.weight.packed.view(), g2.weight.packed.view())) << "fc2 dw";
+    EXPECT_TRUE(same(g.dprobs.view(), dprobs.view())) << "dprobs";
+  }
+}
+
 }  // namespace

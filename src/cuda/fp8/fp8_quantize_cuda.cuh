@@ -93,6 +93,17 @@ struct Chunk {
     return codes8(v, s);
   }
   __device__ uint4 raw() const { return make_uint4(w[0], w[1], w[2], w[3]); }
+  // Eight values as E holds them (what a kernel storing them in E and this chunk loading them
+  // back would see): a producer's output quantized without a round trip through memory.
+  __device__ void round_from(const float* v) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      E lo, hi;
+      store_f32(&lo, 0, v[2 * i]);
+      store_f32(&hi, 0, v[2 * i + 1]);
+      w[i] = uint32_t(lo.bits) | uint32_t(hi.bits) << 16;
+    }
+  }
 };
 template <typename E>
 struct Chunk<E, false> {
@@ -226,38 +237,28 @@ __device__ inline void columnwise_from_stage(const uint32_t* tile, int64_t base,
   }
 }
 
-// The tile kernel: grid (max tiles, KB); block 256. The block's (128-token tile of one expert,
-// 128-channel tile) is read sixteen threads a row, eight channels each, a thread's eight rows all
-// in flight (a block past the experts' tiles returns). kRowwise: each row's tile quantized from
-// the registers, its amax a shuffle within the half warp. kColumnwise (2-byte elements): the words
-// staged in shared memory as read (rows past the expert's: zeros), then columnwise_from_stage.
-// Both: a gradient's two layouts from one read. The experts' tiles cover rows [0, S) once, so
-// every code below S is written once; the tile's expert comes from expert_tile, no search per row.
-// kVec: 16-byte loads, 8-byte rowwise code stores (K and the row stride multiples of 8).
-// src_rows (or null): operand row r is src's row src_rows[r], a gather as the rows are read.
+constexpr int kTileRowsPerPass = 256 / kRowThreads, kTilePasses = kTile / kTileRowsPerPass;
+
+// Shared memory of one staged 2-byte tile, in 16-byte groups (columnwise codes from a tile).
+constexpr int kStagedTileVecs = kTile * kTileWords / 4;
+
+// A tile as a 256-thread block holds it: thread tid's chunk p is row tid / 16 + 16 p of the tile
+// (row t * 128 + that of the expert at [begin, begin + rows)), channels k0 + (tid % 16) * 8 ..
+// + 7 of K; rows past the expert's zero. kRowwise: each row's codes from the registers, its amax a
+// shuffle within the half warp. kColumnwise (2-byte elements): the words staged in `stage`
+// (kStagedTileVecs), then columnwise_from_stage (the caller syncs before staging another tile).
 template <typename E, bool kVec, bool kRowwise, bool kColumnwise>
-__global__ void __launch_bounds__(256) quantize_tile_kernel(const int64_t* offsets, int64_t G, const E* src,
-                                                            int64_t src_ld, const int32_t* src_rows, int64_t K,
-                                                            uint8_t* q_row, float* s_row, int64_t columns,
-                                                            uint8_t* q_col, float* s_col) {
+__device__ inline void quantize_held_tile(const Chunk<E> (&c)[kTilePasses], uint4* stage, int64_t base,
+                                          int64_t begin, int64_t rows, int64_t t, int64_t K, int64_t kb,
+                                          uint8_t* q_row, float* s_row, int64_t columns, uint8_t* q_col,
+                                          float* s_col) {
   static_assert(!kColumnwise || sizeof(E) == 2, "the tile is staged as 2-byte elements");
-  constexpr int kRowsPerPass = 256 / kRowThreads, kPasses = kTile / kRowsPerPass;
-  __shared__ uint4 staged[kColumnwise ? kTile * kTileWords / 4 : 1];
-  const ExpertTile et = expert_tile(offsets, G, blockIdx.x);
-  if (et.g == G) return;
-  const int64_t base = et.base, begin = offsets[et.g], rows = offsets[et.g + 1] - begin, t = blockIdx.x - base;
-  const int64_t KB = fp8_tiles(K), kb = blockIdx.y, k0 = kb * kTile;
+  const int64_t KB = fp8_tiles(K), k0 = kb * kTile;
   const int tid = int(threadIdx.x), sub = tid % kRowThreads;
   const int64_t k = k0 + sub * 8;
-  Chunk<E> c[kPasses] = {};
 #pragma unroll
-  for (int p = 0; p < kPasses; ++p) {
-    const int64_t r = t * kTile + tid / kRowThreads + kRowsPerPass * p;  // a row of the expert
-    if (r < rows) c[p].template load<kVec>(src + source_row(src_rows, begin + r) * src_ld, k, K);
-  }
-#pragma unroll
-  for (int p = 0; p < kPasses; ++p) {
-    const int i = tid / kRowThreads + kRowsPerPass * p;
+  for (int p = 0; p < kTilePasses; ++p) {
+    const int i = tid / kRowThreads + kTileRowsPerPass * p;
     if constexpr (kRowwise) {
       const float amax = tile_amax(c[p].amax());
       const int64_t r = t * kTile + i;
@@ -267,13 +268,42 @@ __global__ void __launch_bounds__(256) quantize_tile_kernel(const int64_t* offse
         if (sub == 0) s_row[fp8_rowwise_scale_index(begin, rows, KB, begin + r, kb)] = s;
       }
     }
-    if constexpr (kColumnwise) staged[(i * kTileWords + staged_column(i, sub * 4, kTileWords)) / 4] = c[p].raw();
+    if constexpr (kColumnwise) stage[(i * kTileWords + staged_column(i, sub * 4, kTileWords)) / 4] = c[p].raw();
   }
   if constexpr (kColumnwise) {
     __syncthreads();
-    columnwise_from_stage<E>(reinterpret_cast<const uint32_t*>(staged), base, begin, rows, t, K, k0, columns, q_col,
-                             s_col);
+    columnwise_from_stage<E>(reinterpret_cast<const uint32_t*>(stage), base, begin, rows, t, K, k0, columns,
+                             q_col, s_col);
   }
+}
+
+// The tile kernel: grid (max tiles, KB); block 256. The block's (128-token tile of one expert,
+// 128-channel tile) is read sixteen threads a row, eight channels each, a thread's eight rows all
+// in flight (a block past the experts' tiles returns), then quantize_held_tile: rowwise,
+// columnwise or both (a gradient's two layouts from one read). The experts' tiles cover rows [0,
+// S) once, so every code below S is written once; the tile's expert comes from expert_tile, no
+// search per row. kVec: 16-byte loads, 8-byte rowwise code stores (K and the row stride multiples
+// of 8). src_rows (or null): operand row r is src's row src_rows[r], a gather as the rows are read.
+template <typename E, bool kVec, bool kRowwise, bool kColumnwise>
+__global__ void __launch_bounds__(256) quantize_tile_kernel(const int64_t* offsets, int64_t G, const E* src,
+                                                            int64_t src_ld, const int32_t* src_rows, int64_t K,
+                                                            uint8_t* q_row, float* s_row, int64_t columns,
+                                                            uint8_t* q_col, float* s_col) {
+  __shared__ uint4 staged[kColumnwise ? kStagedTileVecs : 1];
+  const ExpertTile et = expert_tile(offsets, G, blockIdx.x);
+  if (et.g == G) return;
+  const int64_t base = et.base, begin = offsets[et.g], rows = offsets[et.g + 1] - begin, t = blockIdx.x - base;
+  const int64_t kb = blockIdx.y;
+  const int tid = int(threadIdx.x);
+  const int64_t k = kb * kTile + (tid % kRowThreads) * 8;
+  Chunk<E> c[kTilePasses] = {};
+#pragma unroll
+  for (int p = 0; p < kTilePasses; ++p) {
+    const int64_t r = t * kTile + tid / kRowThreads + kTileRowsPerPass * p;  // a row of the expert
+    if (r < rows) c[p].template load<kVec>(src + source_row(src_rows, begin + r) * src_ld, k, K);
+  }
+  quantize_held_tile<E, kVec, kRowwise, kColumnwise>(c, staged, base, begin, rows, t, K, kb, q_row, s_row,
+                                                     columns, q_col, s_col);
 }
 
 // Columnwise, fp32 elements: grid (max tiles, ceil(C / 64)); block 256. The block's (128-token

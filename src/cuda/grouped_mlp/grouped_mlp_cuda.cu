@@ -5,9 +5,11 @@
 // (bitwise deterministic, no atomics).
 //
 // Row kernels run one block per row (grid = T): rows >= S write their zero tail in the same pass.
+// The FP8 backward runs a block per 128-token tile of one expert instead, as the quantizers do.
 #include <cuda_runtime.h>
 
 #include <initializer_list>
+#include <string>
 
 #include "common/dispatch_dtype.h"
 #include "common/group_offsets.h"
@@ -44,6 +46,17 @@ __device__ inline float rounded(float v) {
   E e;
   store_f32(&e, 0, v);
   return load_f32(&e, 0);
+}
+
+// d fc1_out at a_j and b_j from dh'_j (da = probs dh' b silu'(a), db = probs dh' silu(a)) and
+// dprobs' term h_j dh'_j: one expression for the bf16 and the FP8 backward (the same bits).
+struct SwigluGrad {
+  float da, db, dprob;
+};
+__device__ inline SwigluGrad swiglu_grad(float a, float b, float d, float pr) {
+  const float sig = sigmoid(a), silu = a * sig;
+  const float dhv = pr * d;  // dL/dh, h' = probs * h
+  return {dhv * b * sig * (1.f + a * (1.f - sig)), dhv * silu, silu * b * d};
 }
 
 // Sum over the block in a fixed pattern (shuffle tree, then warp partials in order): the same
@@ -170,11 +183,10 @@ __global__ void __launch_bounds__(kRowThreads)
     d.load(dhr + j);
 #pragma unroll
     for (int i = 0; i < V; ++i) {
-      const float sig = sigmoid(a.v[i]), silu = a.v[i] * sig;
-      dp += silu * b.v[i] * d.v[i];  // h . dh'
-      const float dhv = pr * d.v[i];  // dL/dh, h' = probs * h
-      da.v[i] = dhv * b.v[i] * sig * (1.f + a.v[i] * (1.f - sig));
-      db.v[i] = dhv * silu;
+      const SwigluGrad g = swiglu_grad(a.v[i], b.v[i], d.v[i], pr);
+      dp += g.dprob;  // h . dh'
+      da.v[i] = g.da;
+      db.v[i] = g.db;
     }
     da.store(dzr + ca);
     db.store(dzr + ca + L.b_off);
@@ -186,6 +198,90 @@ __global__ void __launch_bounds__(kRowThreads)
   }
   dp = block_sum(dp, smem);
   if (threadIdx.x == 0) dprobs[t] = dp;
+}
+
+// The FP8 backward: d fc1_out's two layouts as quantize_both writes them from the d fc1_out that
+// swiglu_backward_kernel writes (each value rounded to E first: the same codes), and dprobs, with
+// no d fc1_out in memory. One block per 128-token tile of one expert (expert_tile; a block past
+// them returns); it walks the F / 128 pairs of 128-column tiles (128 j: their a tile and their b
+// tile, glu_tiles_pair), each thread eight rows x eight j, as quantize_tile_kernel holds a tile,
+// so quantize_held_tile writes both layouts of the a tile, then of the b tile, from registers.
+// dprobs: each thread's sums over its j, then a row's sixteen threads in a fixed tree
+// (deterministic; another order than swiglu_backward_kernel's block sum, so not its bits). Rows in
+// [S, T): dprobs zero (a grid-stride loop), codes not written (quantize_both's rule). No bias (an
+// FP8 layer has none). kVec: 16-byte loads and 8-byte code stores (checked by the launcher).
+template <typename E, bool kVec>
+__global__ void __launch_bounds__(256)
+    swiglu_backward_fp8_kernel(const int64_t* offsets, int64_t G, int64_t T, GluLayout L, const E* z, int64_t z_ld,
+                               const float* probs, int64_t probs_stride, const E* dh, int64_t dh_ld, uint8_t* q_row,
+                               float* s_row, int64_t columns, uint8_t* q_col, float* s_col, float* dprobs) {
+  namespace fp8 = cuda::fp8;
+  constexpr int kSub = fp8::kRowThreads, kPasses = fp8::kTilePasses, kRowsPerPass = fp8::kTileRowsPerPass;
+  __shared__ uint4 staged[fp8::kStagedTileVecs];
+  const int tid = int(threadIdx.x), sub = tid % kSub;
+  const int64_t S = offsets[G];
+  for (int64_t r = S + int64_t(blockIdx.x) * blockDim.x + tid; r < T; r += int64_t(gridDim.x) * blockDim.x)
+    dprobs[r] = 0.f;
+  const fp8::ExpertTile et = fp8::expert_tile(offsets, G, blockIdx.x);
+  if (et.g == G) return;
+  const int64_t base = et.base, begin = offsets[et.g], rows = offsets[et.g + 1] - begin, t = blockIdx.x - base;
+  const int64_t K = 2 * L.ffn;
+  float pr[kPasses], dp[kPasses];
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    const int64_t r = t * kFp8Tile + tid / kSub + kRowsPerPass * p;  // a row of the expert
+    pr[p] = r < rows ? probs[(begin + r) * probs_stride] : 0.f;
+    dp[p] = 0.f;
+  }
+  for (int64_t j0 = 0; j0 < L.ffn; j0 += kFp8Tile) {
+    // The pair's a tile starts at column ca0, its b tile at ca0 + b_off; this thread's j .. j + 7
+    // sit at ca0 + sub * 8 .. in each.
+    const int64_t ca0 = backend::glu_a_column(j0, L.interleave), j = j0 + sub * 8, ca = ca0 + sub * 8;
+    fp8::Chunk<E> da[kPasses] = {}, db[kPasses] = {};
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) {
+      const int64_t r = t * kFp8Tile + tid / kSub + kRowsPerPass * p;
+      if (r >= rows) continue;
+      const E* zr = z + (begin + r) * z_ld;
+      const E* dhr = dh + (begin + r) * dh_ld;
+      float a[8], b[8], d[8], vda[8], vdb[8];
+      if constexpr (kVec) {
+        Pack<E, 8> pa, pb, pd;
+        pa.load(zr + ca);
+        pb.load(zr + ca + L.b_off);
+        pd.load(dhr + j);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) a[i] = pa.v[i], b[i] = pb.v[i], d[i] = pd.v[i];
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          a[i] = load_f32(zr, ca + i), b[i] = load_f32(zr, ca + L.b_off + i), d[i] = load_f32(dhr, j + i);
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const SwigluGrad g = swiglu_grad(a[i], b[i], d[i], pr[p]);
+        dp[p] += g.dprob;
+        vda[i] = g.da;
+        vdb[i] = g.db;
+      }
+      da[p].round_from(vda);
+      db[p].round_from(vdb);
+    }
+    fp8::quantize_held_tile<E, kVec, true, true>(da, staged, base, begin, rows, t, K, ca0 / kFp8Tile, q_row, s_row,
+                                                 columns, q_col, s_col);
+    __syncthreads();  // the stage's reads done before the b tile is staged
+    fp8::quantize_held_tile<E, kVec, true, true>(db, staged, base, begin, rows, t, K, (ca0 + L.b_off) / kFp8Tile,
+                                                 q_row, s_row, columns, q_col, s_col);
+    __syncthreads();
+  }
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    float v = dp[p];
+#pragma unroll
+    for (int o = kSub / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);  // every lane the same sum
+    const int64_t r = t * kFp8Tile + tid / kSub + kRowsPerPass * p;
+    if (sub == 0 && r < rows) dprobs[begin + r] = v;
+  }
 }
 
 // y[t] += probs[t] * b2_g for rows t < S (fp32 add, one rounding).
@@ -285,6 +381,7 @@ class CudaMLPBackend final : public GroupedMLPBackend {
 
   void swiglu_backward(const SwigluBackwardParams& p, void*, Stream stream) override {
     if (p.rows.num_rows == 0) return;
+    if (p.dz_rowwise.data.defined()) return swiglu_backward_fp8(p, stream);
     cuda::DeviceGuard guard(p.fc1_out_grad.device().index);
     const GluLayout L{p.ffn, p.interleave, glu_b_offset(p.ffn, p.interleave)};
     const bool vec = vectorisable(p.rows.dtype, p.ffn, p.interleave, {&p.fc1_out, &p.dh, &p.fc1_out_grad});
@@ -303,6 +400,40 @@ class CudaMLPBackend final : public GroupedMLPBackend {
       else launch(swiglu_backward_kernel<E, 1>);
     });
     ST_CUDA_CHECK(cudaGetLastError(), "swiglu_backward_kernel launch");
+  }
+
+  void swiglu_backward_fp8(const SwigluBackwardParams& p, Stream stream) {
+    ST_CHECK_ARG(glu_tiles_pair(p.ffn, p.interleave) && p.bias.empty(), "SwiGLU's FP8 backward",
+                 "128-column tiles of a's and b's in pairs and no bias",
+                 "ffn " + std::to_string(p.ffn) + ", interleave " + std::to_string(p.interleave) +
+                     (p.bias.empty() ? "" : ", a bias"));
+    cuda::DeviceGuard guard(p.fc1_out.device().index);
+    const int64_t T = p.rows.num_rows, G = p.rows.num_groups;
+    const GluLayout L{p.ffn, p.interleave, glu_b_offset(p.ffn, p.interleave)};
+    // 16-byte loads of z and dh' rows, 8-byte rowwise code stores, 16-byte columnwise ones.
+    const bool vec = vectorisable(p.rows.dtype, p.ffn, p.interleave, {&p.fc1_out, &p.dh}) &&
+                     reinterpret_cast<uintptr_t>(p.dz_rowwise.data.data()) % 8 == 0;
+    const uintptr_t col_base = reinterpret_cast<uintptr_t>(p.dz_columnwise.data.data());
+    ST_CHECK_ARG(col_base % 16 == 0, "dz_columnwise", "a 16-byte aligned base",
+                 "an address of " + std::to_string(col_base % 16) + " mod 16");
+    dispatch_dtype(p.rows.dtype, "CUDA GroupedMLP", [&](auto e) {
+      using E = decltype(e);
+      if constexpr (sizeof(E) != 2) {
+        ST_FAIL("CUDA GroupedMLP: the FP8 SwiGLU backward takes a 2-byte dtype (the FP8 recipe's layer is bf16)");
+      } else {
+        auto launch = [&](auto kernel) {
+          kernel<<<unsigned(fp8_columnwise_max_tiles(T, G)), 256, 0, as_cuda(stream)>>>(
+              p.rows.offsets, G, T, L, p.fc1_out.data_as<const E>(), p.fc1_out.stride(0),
+              p.probs.data_as<const float>(), p.probs.stride(0), p.dh.data_as<const E>(), p.dh.stride(0),
+              p.dz_rowwise.data.data_as<uint8_t>(), p.dz_rowwise.scale.data_as<float>(),
+              p.dz_columnwise.data.size(1), p.dz_columnwise.data.data_as<uint8_t>(),
+              p.dz_columnwise.scale.data_as<float>(), p.dprobs.data_as<float>());
+        };
+        if (vec) launch(swiglu_backward_fp8_kernel<E, true>);
+        else launch(swiglu_backward_fp8_kernel<E, false>);
+      }
+    });
+    ST_CUDA_CHECK(cudaGetLastError(), "swiglu_backward_fp8_kernel launch");
   }
 
   void scaled_bias_add(const ScaledBiasAddParams& p, void*, Stream stream) override {
