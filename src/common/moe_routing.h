@@ -94,7 +94,7 @@ ST_HOST_DEVICE inline void route_token(const RouterRule& r, const float* logits,
 // One token's gradient with respect to its logits, from dprobs (top_k, the gradient of the probs
 // route_token returned, in its order) and dscore_sum (E or null: the gradient of the per-expert
 // sums of the scores over the tokens, the statistic an auxiliary load-balancing loss uses).
-// dlogits: E floats, written (not accumulated).
+// dlogits: E floats, written (not accumulated). experts: distinct, in range (the callers check).
 ST_HOST_DEVICE inline void route_token_backward(const RouterRule& r, const float* logits, const int32_t* experts,
                                                 const float* dprobs, const float* dscore_sum, float* dlogits) {
   SoftmaxRow row;
@@ -105,15 +105,13 @@ ST_HOST_DEVICE inline void route_token_backward(const RouterRule& r, const float
   float dq_dot_q = 0.f;
   if (r.normalize)
     for (int32_t i = 0; i < r.top_k; ++i) dq_dot_q += dprobs[i] * router_score(r, logits[experts[i]], row) / chosen_sum;
-  // ds_e: the gradient with respect to the score s_e; dlogits first holds it.
+  // ds_e: the gradient with respect to the score s_e; dlogits first holds it. A chosen expert's
+  // term is added to its dscore_sum once (the experts are distinct), the others' is none.
+  for (int32_t e = 0; e < r.num_experts; ++e) dlogits[e] = dscore_sum != nullptr ? dscore_sum[e] : 0.f;
+  for (int32_t i = 0; i < r.top_k; ++i)
+    dlogits[experts[i]] += r.normalize ? (dprobs[i] - dq_dot_q) / chosen_sum : dprobs[i];
   float ds_dot_s = 0.f;  // sum_e ds_e s_e (softmax's Jacobian)
-  for (int32_t e = 0; e < r.num_experts; ++e) {
-    float ds = dscore_sum != nullptr ? dscore_sum[e] : 0.f;
-    for (int32_t i = 0; i < r.top_k; ++i)
-      if (experts[i] == e) ds += r.normalize ? (dprobs[i] - dq_dot_q) / chosen_sum : dprobs[i];
-    dlogits[e] = ds;
-    ds_dot_s += ds * router_score(r, logits[e], row);
-  }
+  for (int32_t e = 0; e < r.num_experts; ++e) ds_dot_s += dlogits[e] * router_score(r, logits[e], row);
   for (int32_t e = 0; e < r.num_experts; ++e) {
     const float s = router_score(r, logits[e], row);
     dlogits[e] = r.score == RouterScore::kSoftmax ? s * (dlogits[e] - ds_dot_s) : dlogits[e] * s * (1.f - s);
