@@ -308,7 +308,8 @@ TEST(Fp8Cuda, SwigluBackwardWritesFc1sCodesAsTheQuantizerWould) {
     be::GroupedMLPBackend& mlp = be::grouped_mlp_backend_for(st::Device::cuda(), "x");
     const int64_t cols = st::fp8_columnwise_columns(T, G), col_scales = st::fp8_columnwise_scale_count(T, K, G);
 
-    const DeviceTensor dz(HostTensor(st::DType::kBF16, {T, K}), false), want_dp(HostTensor(st::DType::kFP32, {T}), false);
+    const DeviceTensor dz(HostTensor(st::DType::kBF16, {T, K}), false);
+    const DeviceTensor want_dp(HostTensor(st::DType::kFP32, {T}), false);
     mlp.swiglu_backward({rows, F, cs.k, 0, zd, pd.view(), dhd.view(), {}, {}, dz.view(), want_dp.view()}, nullptr,
                         st::Stream{});
     DeviceFp8 want_row(Fp8Operand({T, K}, st::fp8_rowwise_scale_count(T, K)));
@@ -355,7 +356,8 @@ TEST(Fp8Cuda, SwigluBackwardWritesFc1sCodesAsTheQuantizerWould) {
   const HostTensor z(st::DType::kBF16, {8, 256}), d(st::DType::kBF16, {8, 128});
   HostTensor off_h(st::DType::kInt64, {2});
   off_h.set(0, 0), off_h.set(1, 8);
-  const DeviceTensor zd(z), dd(d), offd(off_h), p(HostTensor(st::DType::kFP32, {8})), dp(HostTensor(st::DType::kFP32, {8}));
+  const DeviceTensor zd(z), dd(d), offd(off_h), p(HostTensor(st::DType::kFP32, {8}));
+  const DeviceTensor dp(HostTensor(st::DType::kFP32, {8}));
   DeviceFp8 row(Fp8Operand({8, 256}, st::fp8_rowwise_scale_count(8, 256)));
   DeviceFp8 col(Fp8Operand({256, st::fp8_columnwise_columns(8, 1)}, st::fp8_columnwise_scale_count(8, 256, 1)));
   st::testing::expect_error(

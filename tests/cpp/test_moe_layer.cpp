@@ -301,45 +301,48 @@ std::pair<st::GroupedMLPLayerGrads, st::GroupedMLPLayerGrads> expect_same_grads(
 // after; with the wgrad in backward fc2's quantizers read dout's tokens likewise. All give the
 // bits of an FP8 GroupedMLP on rows gathered beforehand, forward and backward, immediate and
 // delayed wgrad (which gathers the rows in backward), hidden sizes over one and several
-// 128-channel tiles, an uneven top-4 routing over 16 experts.
+// 128-channel tiles, an uneven top-4 routing over 16 experts; F = 128 with the wgrad now takes the
+// SwiGLU backward that writes fc1's d fc1_out codes itself.
 TEST(MoELayer, Fp8RowsQuantizedAsGatheredGiveTheKeptRowsBits) {
-  for (const int64_t H : {int64_t(48), int64_t(272)})
-    for (const bool delay : {false, true}) {
-      SCOPED_TRACE("H " + std::to_string(H) + (delay ? ", delayed wgrad" : ", immediate wgrad"));
-      const Case c{97, 16, 4, H, 32, RouterScore::kSoftmax, true, true, false, DType::kBF16};
-      Problem p(c, 3);
-      st::MoELayerOptions kept = p.options(), recomputed = p.options();
-      kept.mlp.fp8 = recomputed.mlp.fp8 = st::Fp8Recipe::kBlockwise;
-      kept.mlp.delay_wgrad_compute = recomputed.mlp.delay_wgrad_compute = delay;
-      recomputed.recompute_expert_input = true;
-      st::MoELayer a(kept, p.mlp.params()), b(recomputed, p.mlp.params());
-      const st::MoEForward fa = a.forward(p.x.view(), p.logits.view(), p.bias_view());
-      const st::MoEForward fb = b.forward(p.x.view(), p.logits.view(), p.bias_view());
-      EXPECT_TRUE(fa.rows.defined());
-      EXPECT_FALSE(fb.rows.defined());
-      EXPECT_TRUE(copy(fa.out).bytes_equal(copy(fb.out)));
-      EXPECT_TRUE(copy(fa.fc1_out).bytes_equal(copy(fb.fc1_out)));
-      const st::MoEGrads ga = a.backward(p.x.view(), p.logits.view(), fa, p.dout.view(), p.dsum.view());
-      const st::MoEGrads gb = b.backward(p.x.view(), p.logits.view(), fb, p.dout.view(), p.dsum.view());
-      const auto [b1, b2] = expect_same_grads(a, ga, b, gb, delay);
-      // Both against an FP8 GroupedMLP on the rows gathered beforehand (x's and dout's, which the
-      // layer's quantizers read from the tokens with the wgrad now): the same bits.
-      st::GroupedMLP mlp(kept.mlp, p.mlp.params());
-      const st::Splits sp = st::Splits::host(p.mlp.splits);
-      const st::GroupedMLPForward fm = mlp.forward(p.mlp.x.view(), sp, fb.row_probs.view());
-      EXPECT_TRUE(copy(fm.fc1_out).bytes_equal(copy(fb.fc1_out)));
-      const st::GroupedMLPGrads gm = mlp.backward(p.mlp.x.view(), fm.fc1_out.view(), fb.row_probs.view(),
-                                                  p.mlp.dy.view(), sp);
-      const st::GroupedMLPGrads dm = delay ? mlp.backward_dw() : st::GroupedMLPGrads{};
-      const st::Tensor dx = st::combine_rows(gm.grad_input.view(), fb.route.row_of.view());
-      EXPECT_TRUE(copy(dx).bytes_equal(copy(gb.grad_input)));
-      EXPECT_TRUE(copy((delay ? dm : gm).fc1.weight.packed).bytes_equal(copy(b1.weight.packed)));
-      EXPECT_TRUE(copy((delay ? dm : gm).fc2.weight.packed).bytes_equal(copy(b2.weight.packed)));
-      // And the recipe ran: the output is not the bf16 layer's.
-      st::MoELayer bf16(p.options(), p.mlp.params());
-      const st::MoEForward f16 = bf16.forward(p.x.view(), p.logits.view(), p.bias_view());
-      EXPECT_FALSE(copy(f16.out).bytes_equal(copy(fb.out)));
-    }
+  for (const int64_t F : {int64_t(32), int64_t(128)})
+    for (const int64_t H : {int64_t(48), int64_t(272)})
+      for (const bool delay : {false, true}) {
+        SCOPED_TRACE("F " + std::to_string(F) + " H " + std::to_string(H) +
+                     (delay ? ", delayed wgrad" : ", immediate wgrad"));
+        const Case c{97, 16, 4, H, F, RouterScore::kSoftmax, true, true, false, DType::kBF16};
+        Problem p(c, 3);
+        st::MoELayerOptions kept = p.options(), recomputed = p.options();
+        kept.mlp.fp8 = recomputed.mlp.fp8 = st::Fp8Recipe::kBlockwise;
+        kept.mlp.delay_wgrad_compute = recomputed.mlp.delay_wgrad_compute = delay;
+        recomputed.recompute_expert_input = true;
+        st::MoELayer a(kept, p.mlp.params()), b(recomputed, p.mlp.params());
+        const st::MoEForward fa = a.forward(p.x.view(), p.logits.view(), p.bias_view());
+        const st::MoEForward fb = b.forward(p.x.view(), p.logits.view(), p.bias_view());
+        EXPECT_TRUE(fa.rows.defined());
+        EXPECT_FALSE(fb.rows.defined());
+        EXPECT_TRUE(copy(fa.out).bytes_equal(copy(fb.out)));
+        EXPECT_TRUE(copy(fa.fc1_out).bytes_equal(copy(fb.fc1_out)));
+        const st::MoEGrads ga = a.backward(p.x.view(), p.logits.view(), fa, p.dout.view(), p.dsum.view());
+        const st::MoEGrads gb = b.backward(p.x.view(), p.logits.view(), fb, p.dout.view(), p.dsum.view());
+        const auto [b1, b2] = expect_same_grads(a, ga, b, gb, delay);
+        // Both against an FP8 GroupedMLP on the rows gathered beforehand (x's and dout's, which the
+        // layer's quantizers read from the tokens with the wgrad now): the same bits.
+        st::GroupedMLP mlp(kept.mlp, p.mlp.params());
+        const st::Splits sp = st::Splits::host(p.mlp.splits);
+        const st::GroupedMLPForward fm = mlp.forward(p.mlp.x.view(), sp, fb.row_probs.view());
+        EXPECT_TRUE(copy(fm.fc1_out).bytes_equal(copy(fb.fc1_out)));
+        const st::GroupedMLPGrads gm = mlp.backward(p.mlp.x.view(), fm.fc1_out.view(), fb.row_probs.view(),
+                                                    p.mlp.dy.view(), sp);
+        const st::GroupedMLPGrads dm = delay ? mlp.backward_dw() : st::GroupedMLPGrads{};
+        const st::Tensor dx = st::combine_rows(gm.grad_input.view(), fb.route.row_of.view());
+        EXPECT_TRUE(copy(dx).bytes_equal(copy(gb.grad_input)));
+        EXPECT_TRUE(copy((delay ? dm : gm).fc1.weight.packed).bytes_equal(copy(b1.weight.packed)));
+        EXPECT_TRUE(copy((delay ? dm : gm).fc2.weight.packed).bytes_equal(copy(b2.weight.packed)));
+        // And the recipe ran: the output is not the bf16 layer's.
+        st::MoELayer bf16(p.options(), p.mlp.params());
+        const st::MoEForward f16 = bf16.forward(p.x.view(), p.logits.view(), p.bias_view());
+        EXPECT_FALSE(copy(f16.out).bytes_equal(copy(fb.out)));
+      }
 }
 
 // FP8 with fp8_saved_activations: forward keeps fc1's output as e4m3 codes and fp32 scales, those
