@@ -169,20 +169,31 @@ class GroupedLinear {
     Splits splits;
     std::shared_ptr<const void> keep_alive;  // CallArgs::keep_alive of the backward
   };
-  // wgrad and bias grad with the group offsets already in the workspace. dy_columnwise: FP8, dy's
-  // wgrad layout when the dgrad's quantization already wrote it (else quantized here, dy of T
-  // rows). x_rows as backward_rows'.
-  GroupedLinearGrads compute_wgrad(const TensorView& x, const TensorView& x_rows, const TensorView& dy,
+  // wgrad and bias grad of T rows with the group offsets already in the workspace. dy_columnwise /
+  // x_columnwise: FP8, that operand's wgrad layout when already written (else quantized here from
+  // dy, of T rows, or x). x_rows as backward_rows'.
+  GroupedLinearGrads compute_wgrad(const TensorView& x, const TensorView& x_rows, const TensorView& dy, int64_t T,
                                    const int64_t* offsets, void* scratch, Stream stream,
-                                   const ops::Fp8Operand* dy_columnwise = nullptr);
+                                   const ops::Fp8Operand* dy_columnwise = nullptr,
+                                   const ops::Fp8Operand* x_columnwise = nullptr);
+  // The weight-grad part of a backward's result, by the layer's disposition, from the wgrad w
+  // computed now (null: a delayed one; the dummy and bias rules as backward's).
+  void settle_weight_grads(GroupedLinearGrads& grads, GroupedLinearGrads* w, const CallArgs& args);
   // backward on x's rows x_rows and dy's rows dy_rows (int32 [T]) where given: FP8 with the wgrad
   // now only (its quantizers gather them); backward: without either. backward_quantized (FP8, the
   // wgrad now): with dy already quantized, rowwise codes dyq [T, out_features] for the dgrad and
   // the columnwise ones dyq_columnwise for the wgrad (backward_rows with both: dy then unused).
+  // FP8 with the wgrad now, split around a producer of x's wgrad layout (GroupedMLP's SwiGLU
+  // backward writes fc2's input h' as columnwise codes from fc2's dgrad output): backward_rows with
+  // dy_columnwise_out (x undefined, T = dy's rows) runs the dgrad only and leaves dy's columnwise
+  // codes there; wgrad_columnwise then gives the weight grads backward would have.
   GroupedLinearGrads backward_rows(const TensorView& x, const TensorView& x_rows, const TensorView& dy,
                                    const TensorView& dy_rows, const Splits& splits, const TensorView& grad_input,
                                    const CallArgs& args, const ops::Fp8Operand* dyq = nullptr,
-                                   const ops::Fp8Operand* dyq_columnwise = nullptr);
+                                   const ops::Fp8Operand* dyq_columnwise = nullptr,
+                                   ops::Fp8Operand* dy_columnwise_out = nullptr);
+  GroupedLinearGrads wgrad_columnwise(const ops::Fp8Operand& x_columnwise, const ops::Fp8Operand& dy_columnwise,
+                                      int64_t T, const Splits& splits, const CallArgs& args);
   GroupedLinearGrads backward_quantized(const TensorView& x, const TensorView& x_rows, const ops::Fp8Operand& dyq,
                                         const ops::Fp8Operand& dyq_columnwise, const Splits& splits,
                                         const TensorView& grad_input, const CallArgs& args);

@@ -212,13 +212,14 @@ Tensor GroupedLinear::dummy_wgrad(bool cached, Stream stream) {
 }
 
 GroupedLinearGrads GroupedLinear::compute_wgrad(const TensorView& x, const TensorView& x_rows, const TensorView& dy,
-                                                const int64_t* offsets, void* scratch, Stream stream,
-                                                const ops::Fp8Operand* dy_columnwise) {
+                                                int64_t T, const int64_t* offsets, void* scratch, Stream stream,
+                                                const ops::Fp8Operand* dy_columnwise,
+                                                const ops::Fp8Operand* x_columnwise) {
   const GroupedLinearOptions& o = options_;
   const int64_t G = o.num_groups;
   GroupedLinearBackend& be = backend_for(device(), "x");
   GroupedLinearGrads grads;
-  backend::WgradParams p{{o.dtype, G, backend::fp8_operand_rows(x, x_rows), o.in_features, o.out_features, offsets},
+  backend::WgradParams p{{o.dtype, G, T, o.in_features, o.out_features, offsets},
                          x, dy, backend::WgradTarget::kWeightGrad, {}, {}};
   if (o.fuse_wgrad_accumulation) {
     p.target = o.overwrite_main_grad ? backend::WgradTarget::kMainGradOverwrite
@@ -245,7 +246,8 @@ GroupedLinearGrads GroupedLinear::compute_wgrad(const TensorView& x, const Tenso
     for (int64_t g = 0; g < G; ++g) p.db.push_back(grads.bias_grad.view().select(g));
   }
   if (o.fp8 != Fp8Recipe::kOff)
-    ops::fp8_wgrad(fp8_layer(0), x, x_rows, dy, offsets, p.target, p.dw, scratch, stream, dy_columnwise);
+    ops::fp8_wgrad(fp8_layer(0), x, x_rows, dy, T, offsets, p.target, p.dw, scratch, stream, dy_columnwise,
+                   x_columnwise);
   else be.wgrad(p, scratch, stream);
   return grads;
 }
@@ -253,6 +255,39 @@ GroupedLinearGrads GroupedLinear::compute_wgrad(const TensorView& x, const Tenso
 GroupedLinearGrads GroupedLinear::backward(const TensorView& x, const TensorView& dy, const Splits& splits,
                                            const TensorView& grad_input, const CallArgs& args) {
   return backward_rows(x, {}, dy, {}, splits, grad_input, args);
+}
+
+void GroupedLinear::settle_weight_grads(GroupedLinearGrads& grads, GroupedLinearGrads* w, const CallArgs& args) {
+  const GroupedLinearOptions& o = options_;
+  const WeightGradDisposition disp =
+      weight_grad_disposition(o.delay_wgrad_compute, o.fuse_wgrad_accumulation, params_.has_grad_added_to_main_grad);
+  if (w) {
+    if (disp.weight == WeightGradKind::kWgrad) grads.weight = std::move(w->weight);
+    if (disp.bias_grad_now) grads.bias_grad = std::move(w->bias_grad);
+  }
+  if (disp.weight == WeightGradKind::kDummy) {
+    const Tensor d = dummy_wgrad(args.cache_dummy_wgrad, args.stream);
+    grads.weight.kind = WeightGradKind::kDummy;
+    grads.weight.grad_added_to_main_grad = true;
+    if (params_.weight.is_packed()) grads.weight.packed = d;
+    for (int64_t g = 0; g < o.num_groups; ++g)
+      grads.weight.per_group.push_back(params_.weight.is_packed() ? d.with_view(d.view().select(g)) : d);
+  }
+}
+
+GroupedLinearGrads GroupedLinear::wgrad_columnwise(const ops::Fp8Operand& x_columnwise,
+                                                   const ops::Fp8Operand& dy_columnwise, int64_t T,
+                                                   const Splits& splits, const CallArgs& args) {
+  GroupedLinearBackend& be = backend_for(device(), "x");
+  const WorkspacePlan plan = plan_workspace(options_, T, be, device());
+  ops::check_workspace(plan.total, args.workspace);
+  CallWorkspace ws(plan, args.workspace, device(), *allocator_, args.stream);
+  ops::prepare_offsets(splits, T, ws.offsets, ws.status, be, device(), args.stream);
+  GroupedLinearGrads grads;
+  GroupedLinearGrads w =
+      compute_wgrad({}, {}, {}, T, ws.offsets, ws.scratch, args.stream, &dy_columnwise, &x_columnwise);
+  settle_weight_grads(grads, &w, args);
+  return grads;
 }
 
 GroupedLinearGrads GroupedLinear::backward_quantized(const TensorView& x, const TensorView& x_rows,
@@ -265,15 +300,19 @@ GroupedLinearGrads GroupedLinear::backward_quantized(const TensorView& x, const 
 GroupedLinearGrads GroupedLinear::backward_rows(const TensorView& x, const TensorView& x_rows, const TensorView& dy,
                                                 const TensorView& dy_rows, const Splits& splits,
                                                 const TensorView& grad_input, const CallArgs& args,
-                                                const ops::Fp8Operand* dyq, const ops::Fp8Operand* dyq_columnwise) {
+                                                const ops::Fp8Operand* dyq, const ops::Fp8Operand* dyq_columnwise,
+                                                ops::Fp8Operand* dy_columnwise_out) {
   const GroupedLinearOptions& o = options_;
   const Device dev = device();
   GroupedLinearBackend& be = backend_for(dev, "x");
-  check_activation(x, "x", o.dtype, dev, -1, o.in_features, "in_features");
-  if ((x_rows.defined() || dy_rows.defined() || dyq) && (o.fp8 == Fp8Recipe::kOff || o.delay_wgrad_compute))
-    ST_FAIL("GroupedLinear::backward_rows: x_rows / dy_rows / a quantized dy need the FP8 recipe and the wgrad now "
-            "(its quantizers gather them; a delayed wgrad keeps dy)");
-  const int64_t T = backend::fp8_operand_rows(x, x_rows);
+  if ((x_rows.defined() || dy_rows.defined() || dyq || dy_columnwise_out) &&
+      (o.fp8 == Fp8Recipe::kOff || o.delay_wgrad_compute))
+    ST_FAIL("GroupedLinear::backward_rows: x_rows / dy_rows / a quantized dy / a split wgrad need the FP8 recipe and "
+            "the wgrad now (its quantizers gather them; a delayed wgrad keeps dy)");
+  if (dy_columnwise_out ? dyq != nullptr || x.defined() : !x.defined())
+    ST_FAIL("GroupedLinear::backward_rows: x, except for the dgrad alone, which takes dy in the dtype and no x");
+  if (x.defined()) check_activation(x, "x", o.dtype, dev, -1, o.in_features, "in_features");
+  const int64_t T = x.defined() ? backend::fp8_operand_rows(x, x_rows) : backend::fp8_operand_rows(dy, dy_rows);
   if (dyq) {
     if (!dyq_columnwise || dyq->data.view().dim() != 2 || dyq->data.view().size(0) != T ||
         dyq->data.view().size(1) != o.out_features)
@@ -291,8 +330,6 @@ GroupedLinearGrads GroupedLinear::backward_rows(const TensorView& x, const Tenso
                      ops::min_out_rows_rule(S));
   const WorkspacePlan plan = plan_workspace(o, T, be, dev);
   ops::check_workspace(plan.total, args.workspace);
-  const WeightGradDisposition disp =
-      weight_grad_disposition(o.delay_wgrad_compute, o.fuse_wgrad_accumulation, params_.has_grad_added_to_main_grad);
 
   // Everything is valid: from here on outputs may be written.
   GroupedLinearGrads grads;
@@ -312,6 +349,10 @@ GroupedLinearGrads GroupedLinear::backward_rows(const TensorView& x, const Tenso
     else
       ops::fp8_dgrad(fp8_layer(args.weight_version), dy, dy_rows, ws.offsets, grads.grad_input.view(), zero_tail,
                      ws.scratch, args.stream, fp8_wgrad_now ? &dy_columnwise : nullptr);
+    if (dy_columnwise_out) {  // the wgrad later (wgrad_columnwise), with x's codes
+      *dy_columnwise_out = std::move(dy_columnwise);
+      return grads;
+    }
   } else {
     std::vector<int64_t> host_offsets;  // dgrad's first kernel writes them; wgrad's then read them
     const int64_t* fold =
@@ -326,19 +367,11 @@ GroupedLinearGrads GroupedLinear::backward_rows(const TensorView& x, const Tenso
 
   if (o.delay_wgrad_compute) {
     pending_.push_back({x, dy, splits, args.keep_alive});  // references: the caller keeps x and dy alive
+    settle_weight_grads(grads, nullptr, args);
   } else {
-    GroupedLinearGrads w = compute_wgrad(x, x_rows, dy, ws.offsets, ws.scratch, args.stream,
+    GroupedLinearGrads w = compute_wgrad(x, x_rows, dy, T, ws.offsets, ws.scratch, args.stream,
                                          dyq ? dyq_columnwise : fp8_wgrad_now ? &dy_columnwise : nullptr);
-    if (disp.weight == WeightGradKind::kWgrad) grads.weight = std::move(w.weight);
-    if (disp.bias_grad_now) grads.bias_grad = std::move(w.bias_grad);
-  }
-  if (disp.weight == WeightGradKind::kDummy) {
-    const Tensor d = dummy_wgrad(args.cache_dummy_wgrad, args.stream);
-    grads.weight.kind = WeightGradKind::kDummy;
-    grads.weight.grad_added_to_main_grad = true;
-    if (params_.weight.is_packed()) grads.weight.packed = d;
-    for (int64_t g = 0; g < o.num_groups; ++g)
-      grads.weight.per_group.push_back(params_.weight.is_packed() ? d.with_view(d.view().select(g)) : d);
+    settle_weight_grads(grads, &w, args);
   }
   return grads;
 }
@@ -366,7 +399,7 @@ GroupedLinearGrads GroupedLinear::backward_dw(const CallArgs& args) {
   ops::check_workspace(plan.total, args.workspace);
   CallWorkspace ws(plan, args.workspace, device(), *allocator_, args.stream);
   ops::prepare_offsets(pd.splits, T, ws.offsets, ws.status, be, device(), args.stream);
-  GroupedLinearGrads grads = compute_wgrad(pd.x, {}, pd.dy, ws.offsets, ws.scratch, args.stream);
+  GroupedLinearGrads grads = compute_wgrad(pd.x, {}, pd.dy, T, ws.offsets, ws.scratch, args.stream);
   pending_.pop_front();
   return grads;
 }

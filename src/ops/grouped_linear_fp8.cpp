@@ -166,12 +166,12 @@ void fp8_dgrad_quantized(const Fp8Layer& l, const Fp8Operand& dyq, const int64_t
       scratch, stream);
 }
 
-void fp8_wgrad(const Fp8Layer& l, const TensorView& x, const TensorView& x_rows, const TensorView& dy,
+void fp8_wgrad(const Fp8Layer& l, const TensorView& x, const TensorView& x_rows, const TensorView& dy, int64_t T,
                const int64_t* offsets, backend::WgradTarget target, const std::vector<TensorView>& dw, void* scratch,
-               Stream stream, const Fp8Operand* dy_columnwise) {
-  const Fp8Operand xc = columnwise(l, x, offsets, stream, x_rows);
+               Stream stream, const Fp8Operand* dy_columnwise, const Fp8Operand* x_columnwise) {
+  const Fp8Operand xc = x_columnwise ? Fp8Operand{} : columnwise(l, x, offsets, stream, x_rows);
   const Fp8Operand dyc = dy_columnwise ? Fp8Operand{} : columnwise(l, dy, offsets, stream);
-  fp8_backend(l.device).wgrad({problem(l, backend::fp8_operand_rows(x, x_rows), offsets), xc.view(),
+  fp8_backend(l.device).wgrad({problem(l, T, offsets), (x_columnwise ? *x_columnwise : xc).view(),
                                (dy_columnwise ? *dy_columnwise : dyc).view(), target, dw},
                               scratch, stream);
 }

@@ -77,10 +77,11 @@ void fp8_dgrad(const Fp8Layer& l, const TensorView& dy, const TensorView& dy_row
 // backward, with the wgrad layout beside them).
 void fp8_dgrad_quantized(const Fp8Layer& l, const Fp8Operand& dyq, const int64_t* offsets, const TensorView& dx,
                          bool zero_tail, void* scratch, Stream stream);
-// x_rows (optional, int32 [T]): x's rows gathered by the columnwise quantizer, as fp8_fprop's; dy
-// (without dy_columnwise) has T rows.
-void fp8_wgrad(const Fp8Layer& l, const TensorView& x, const TensorView& x_rows, const TensorView& dy,
+// wgrad of T rows. x_rows (optional, int32 [T]): x's rows gathered by the columnwise quantizer, as
+// fp8_fprop's; dy (without dy_columnwise) has T rows. dy_columnwise / x_columnwise: that operand
+// already in its wgrad layout (dy / x then unused).
+void fp8_wgrad(const Fp8Layer& l, const TensorView& x, const TensorView& x_rows, const TensorView& dy, int64_t T,
                const int64_t* offsets, backend::WgradTarget target, const std::vector<TensorView>& dw, void* scratch,
-               Stream stream, const Fp8Operand* dy_columnwise = nullptr);
+               Stream stream, const Fp8Operand* dy_columnwise = nullptr, const Fp8Operand* x_columnwise = nullptr);
 
 }  // namespace sparsetrain::ops

@@ -260,41 +260,51 @@ GroupedMLPGrads GroupedMLP::backward_rows(const TensorView& x, const TensorView&
   const backend::MLPRows rows{o.dtype, o.num_groups, T, ws.offsets};
   GroupedMLPGrads grads;
 
-  // fc2: its input h' = probs * silu(a) * b is recomputed rather than saved.
-  Tensor h = Tensor::empty(o.dtype, {T, F}, dev, *allocator_, args.stream);
-  be.swiglu_forward({rows, F, o.glu_interleave_size, fc1_out, probs, h.view(), {}}, ws.scratch, args.stream);
-  GroupedLinearGrads g2 = fc2_.backward_rows(h.view(), {}, dy, dy_rows, splits, {}, ws.layer_args);
-  // Its only reader was fc2's wgrad: freed now (stream-ordered), not at the end, it is one [T, F]
-  // less at the step's peak (fc1's backward). A delayed wgrad keeps it for backward_dw.
-  if (!o.delay_wgrad_compute) h = Tensor();
-  grads.fc2.weight = std::move(g2.weight);
-  if (fc2_bias_.present() && fc2_bias_grad_now)
-    grads.fc2.bias_grad = scaled_bias_grad(dy, probs, ws.offsets, ws.scratch, args.stream);
-
-  // The activation's backward: d fc1_out and dprobs from dh' (fc2's dgrad). FP8 with the wgrad
-  // now, a's and b's in tile pairs and no fc2 bias (its dprobs term reads dy): d fc1_out straight
-  // to fc1's two layouts of codes, never in memory in the dtype. Otherwise d fc1_out over fc1_out
-  // where the caller lets it (Fc1OutUse::kReuse) and it has dz's layout.
-  const bool dz_fp8 = o.fp8 != Fp8Recipe::kOff && !o.delay_wgrad_compute && !fc2_bias_.present() &&
-                      backend::glu_tiles_pair(F, o.glu_interleave_size);
-  const bool reuse = fc1_out_use == Fc1OutUse::kReuse && fc1_out.stride(1) == 1 && fc1_out.stride(0) == 2 * F;
-  Tensor dz;
-  ops::Fp8Operand dzq, dzc;
-  if (dz_fp8) {
-    dzq = ops::fp8_rowwise_buffers(*allocator_, dev, T, 2 * F, args.stream);
-    dzc = ops::fp8_columnwise_buffers(*allocator_, dev, T, 2 * F, o.num_groups, args.stream);
-  } else {
-    dz = reuse ? Tensor::borrowed(fc1_out) : Tensor::empty(o.dtype, {T, 2 * F}, dev, *allocator_, args.stream);
-  }
+  // FP8 with the wgrad now, a's and b's in tile pairs and no fc2 bias (its terms read dy): fc2's
+  // dgrad, then the SwiGLU backward writes fc1's two layouts of d fc1_out codes and fc2's input h'
+  // as its wgrad's codes from one read of fc1_out and dh' (neither in memory in the dtype), then
+  // fc2's wgrad and fc1's backward on those codes.
+  const bool codes = o.fp8 != Fp8Recipe::kOff && !o.delay_wgrad_compute && !fc2_bias_.present() &&
+                     backend::glu_tiles_pair(F, o.glu_interleave_size);
   grads.dprobs = Tensor::empty(DType::kFP32, {T}, dev, *allocator_, args.stream);
-  be.swiglu_backward({rows, F, o.glu_interleave_size, o.out_features, fc1_out, probs, g2.grad_input.view(),
-                      dy_rows.defined() ? TensorView() : dy, ops::group_views(fc2_bias_, o.num_groups), dz.view(),
-                      grads.dprobs.view(), dzq.view(), dzc.view()},
-                     ws.scratch, args.stream);
-  g2.grad_input = Tensor();  // dh' is no longer needed
+  Tensor h, dz;
+  GroupedLinearGrads g1;
+  if (codes) {
+    ops::Fp8Operand dy_columnwise;
+    GroupedLinearGrads g2 = fc2_.backward_rows({}, {}, dy, dy_rows, splits, {}, ws.layer_args, nullptr, nullptr,
+                                               &dy_columnwise);
+    const ops::Fp8Operand dzq = ops::fp8_rowwise_buffers(*allocator_, dev, T, 2 * F, args.stream);
+    const ops::Fp8Operand dzc = ops::fp8_columnwise_buffers(*allocator_, dev, T, 2 * F, o.num_groups, args.stream);
+    const ops::Fp8Operand hc = ops::fp8_columnwise_buffers(*allocator_, dev, T, F, o.num_groups, args.stream);
+    be.swiglu_backward({rows, F, o.glu_interleave_size, o.out_features, fc1_out, probs, g2.grad_input.view(), {}, {},
+                        {}, grads.dprobs.view(), dzq.view(), dzc.view(), hc.view()},
+                       ws.scratch, args.stream);
+    g2.grad_input = Tensor();  // dh' is no longer needed
+    grads.fc2.weight = fc2_.wgrad_columnwise(hc, dy_columnwise, T, splits, ws.layer_args).weight;
+    g1 = fc1_.backward_quantized(x, x_rows, dzq, dzc, splits, grad_input, ws.layer_args);
+  } else {
+    // fc2: its input h' = probs * silu(a) * b is recomputed rather than saved.
+    h = Tensor::empty(o.dtype, {T, F}, dev, *allocator_, args.stream);
+    be.swiglu_forward({rows, F, o.glu_interleave_size, fc1_out, probs, h.view(), {}}, ws.scratch, args.stream);
+    GroupedLinearGrads g2 = fc2_.backward_rows(h.view(), {}, dy, dy_rows, splits, {}, ws.layer_args);
+    // Its only reader was fc2's wgrad: freed now (stream-ordered), not at the end, it is one [T, F]
+    // less at the step's peak (fc1's backward). A delayed wgrad keeps it for backward_dw.
+    if (!o.delay_wgrad_compute) h = Tensor();
+    grads.fc2.weight = std::move(g2.weight);
+    if (fc2_bias_.present() && fc2_bias_grad_now)
+      grads.fc2.bias_grad = scaled_bias_grad(dy, probs, ws.offsets, ws.scratch, args.stream);
 
-  GroupedLinearGrads g1 = dz_fp8 ? fc1_.backward_quantized(x, x_rows, dzq, dzc, splits, grad_input, ws.layer_args)
-                                 : fc1_.backward_rows(x, x_rows, dz.view(), {}, splits, grad_input, ws.layer_args);
+    // The activation's backward: d fc1_out and dprobs from dh' (fc2's dgrad), over fc1_out where
+    // the caller lets it (Fc1OutUse::kReuse) and it has dz's layout.
+    const bool reuse = fc1_out_use == Fc1OutUse::kReuse && fc1_out.stride(1) == 1 && fc1_out.stride(0) == 2 * F;
+    dz = reuse ? Tensor::borrowed(fc1_out) : Tensor::empty(o.dtype, {T, 2 * F}, dev, *allocator_, args.stream);
+    be.swiglu_backward({rows, F, o.glu_interleave_size, o.out_features, fc1_out, probs, g2.grad_input.view(),
+                        dy_rows.defined() ? TensorView() : dy, ops::group_views(fc2_bias_, o.num_groups), dz.view(),
+                        grads.dprobs.view()},
+                       ws.scratch, args.stream);
+    g2.grad_input = Tensor();  // dh' is no longer needed
+    g1 = fc1_.backward_rows(x, x_rows, dz.view(), {}, splits, grad_input, ws.layer_args);
+  }
   grads.grad_input = std::move(g1.grad_input);
   grads.fc1 = {std::move(g1.weight), std::move(g1.bias_grad)};
   // The layers queued references to h' and dz: keep them alive until backward_dw.

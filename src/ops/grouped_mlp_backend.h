@@ -70,8 +70,10 @@ struct SwigluBackwardParams {
   // FP8 (dz_rowwise.data defined, fc1_out_grad then unused): d fc1_out in the layer's dtype
   // quantized in both layouts, codes and scales as Fp8BlockwiseBackend::quantize_both writes them
   // from it (rows below S), with no d fc1_out in memory (fc1's dgrad and wgrad read nothing else
-  // of it). Needs glu_tiles_pair(ffn, interleave) and no bias.
-  Fp8Tensor dz_rowwise = {}, dz_columnwise = {};
+  // of it); and from the same read h' (SwigluForwardParams' h', fc2's input) in the dtype as
+  // columnwise codes [F, fp8_columnwise_columns(T, G)], as quantize_columnwise writes them (fc2's
+  // wgrad). Needs glu_tiles_pair(ffn, interleave) and no bias.
+  Fp8Tensor dz_rowwise = {}, dz_columnwise = {}, h_columnwise = {};
 };
 
 // y[t] += probs[t] * b2_g for rows t < S of group g (fp32 add, one rounding to the dtype).

@@ -95,15 +95,20 @@ class ReferenceMLPBackend final : public GroupedMLPBackend {
 
   void swiglu_backward(const SwigluBackwardParams& p, void*, Stream stream) override {
     if (!p.dz_rowwise.data.defined()) return swiglu_backward_rows(p, p.fc1_out_grad);
-    // FP8: the definition, d fc1_out in the layer's dtype then both quantizers from it (host
-    // memory here; the CUDA kernel keeps it in registers).
+    // FP8: the definition, d fc1_out and h' in the layer's dtype, then the quantizers from them
+    // (host memory here; the CUDA kernel keeps both in registers).
     const int64_t T = p.rows.num_rows;
     std::vector<unsigned char> dz(size_t(T * 2 * p.ffn) * dtype_size(p.rows.dtype));
     const int64_t shape[2] = {T, 2 * p.ffn}, strides[2] = {2 * p.ffn, 1};
     const TensorView dzv(dz.data(), p.rows.dtype, shape, strides, 2, p.fc1_out.device());
     swiglu_backward_rows(p, dzv);
-    fp8_blockwise_reference_backend().quantize_both(
-        {{p.rows.num_groups, p.rows.offsets}, dzv, p.dz_rowwise, p.dz_columnwise}, stream);
+    const Fp8Groups groups{p.rows.num_groups, p.rows.offsets};
+    fp8_blockwise_reference_backend().quantize_both({groups, dzv, p.dz_rowwise, p.dz_columnwise}, stream);
+    std::vector<unsigned char> h(size_t(T * p.ffn) * dtype_size(p.rows.dtype));
+    const int64_t h_shape[2] = {T, p.ffn}, h_strides[2] = {p.ffn, 1};
+    const TensorView hv(h.data(), p.rows.dtype, h_shape, h_strides, 2, p.fc1_out.device());
+    swiglu_rows({p.rows, p.ffn, p.interleave, p.fc1_out, p.probs, hv, {}}, hv);
+    fp8_blockwise_reference_backend().quantize_columnwise({groups, hv, p.h_columnwise}, stream);
   }
 
   void scaled_bias_add(const ScaledBiasAddParams& p, void*, Stream) override {

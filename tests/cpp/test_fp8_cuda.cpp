@@ -274,10 +274,10 @@ TEST(Fp8Cuda, SwigluWritesFc2sCodesAsTheQuantizerWould) {
 }
 
 // GroupedMLP's FP8 backward: the SwiGLU backward kernel that writes fc1's rowwise and columnwise
-// codes of d fc1_out (never in memory in the dtype) against the bf16 SwiGLU backward kernel
-// followed by quantize_both, bitwise (every byte, unwritten slots poisoned alike), NaN and inf in
-// dh'; dprobs (another summation order) within fp32 rounding of a double oracle, rows past S
-// zero. Halves and interleaved columns in 128-column tile pairs, 16-byte and element loads (a row
+// codes of d fc1_out and fc2's columnwise codes of h' (neither in memory in the dtype) against the
+// bf16 SwiGLU backward kernel followed by quantize_both and the bf16 SwiGLU forward followed by
+// quantize_columnwise, bitwise (every byte, unwritten slots poisoned alike), NaN and inf in dh';
+// dprobs (another summation order) within fp32 rounding of a double oracle, rows past S zero. Halves and interleaved columns in 128-column tile pairs, 16-byte and element loads (a row
 // stride off 8 elements), an empty expert, a one-row expert and a padded tail. Without tile pairs
 // the kernel refuses.
 TEST(Fp8Cuda, SwigluBackwardWritesFc1sCodesAsTheQuantizerWould) {
@@ -316,17 +316,25 @@ TEST(Fp8Cuda, SwigluBackwardWritesFc1sCodesAsTheQuantizerWould) {
     DeviceFp8 want_col(Fp8Operand({K, cols}, col_scales));
     cuda_fp8().quantize_both({{G, rows.offsets}, dz.view(), want_row.view(), want_col.view()}, st::Stream{});
 
+    const DeviceTensor h(HostTensor(st::DType::kBF16, {T, F}), false);
+    mlp.swiglu_forward({rows, F, cs.k, zd, pd.view(), h.view(), {}}, nullptr, st::Stream{});
+    DeviceFp8 want_h(Fp8Operand({F, cols}, st::fp8_columnwise_scale_count(T, F, G)));
+    cuda_fp8().quantize_columnwise({{G, rows.offsets}, h.view(), want_h.view()}, st::Stream{});
+
     DeviceFp8 got_row(Fp8Operand({T, K}, st::fp8_rowwise_scale_count(T, K)));
     DeviceFp8 got_col(Fp8Operand({K, cols}, col_scales));
+    DeviceFp8 got_h(Fp8Operand({F, cols}, st::fp8_columnwise_scale_count(T, F, G)));
     const DeviceTensor got_dp(HostTensor(st::DType::kFP32, {T}), false);
     mlp.swiglu_backward({rows, F, cs.k, 0, zd, pd.view(), dhd.view(), {}, {}, {}, got_dp.view(), got_row.view(),
-                         got_col.view()},
+                         got_col.view(), got_h.view()},
                         nullptr, st::Stream{});
     CUDA_OK(cudaDeviceSynchronize());
     expect_same_bytes(to_host(got_row.data.view()), to_host(want_row.data.view()), "rowwise codes");
     expect_same_bytes(to_host(got_row.scale.view()), to_host(want_row.scale.view()), "rowwise scales");
     expect_same_bytes(to_host(got_col.data.view()), to_host(want_col.data.view()), "columnwise codes");
     expect_same_bytes(to_host(got_col.scale.view()), to_host(want_col.scale.view()), "columnwise scales");
+    expect_same_bytes(to_host(got_h.data.view()), to_host(want_h.data.view()), "h' columnwise codes");
+    expect_same_bytes(to_host(got_h.scale.view()), to_host(want_h.scale.view()), "h' columnwise scales");
     if (HasFatalFailure()) return;
 
     // dprobs_t = sum_j silu(a_j) b_j dh'_j in double; the kernel's fp32 sums within 1e-5 of sum |terms|.
@@ -360,11 +368,12 @@ TEST(Fp8Cuda, SwigluBackwardWritesFc1sCodesAsTheQuantizerWould) {
   const DeviceTensor dp(HostTensor(st::DType::kFP32, {8}));
   DeviceFp8 row(Fp8Operand({8, 256}, st::fp8_rowwise_scale_count(8, 256)));
   DeviceFp8 col(Fp8Operand({256, st::fp8_columnwise_columns(8, 1)}, st::fp8_columnwise_scale_count(8, 256, 1)));
+  DeviceFp8 hcol(Fp8Operand({128, st::fp8_columnwise_columns(8, 1)}, st::fp8_columnwise_scale_count(8, 128, 1)));
   st::testing::expect_error(
       [&] {
         be::grouped_mlp_backend_for(st::Device::cuda(), "x")
             .swiglu_backward({{st::DType::kBF16, 1, 8, offd.view().data_as<const int64_t>()}, 128, 64, 0, zd.view(),
-                              p.view(), dd.view(), {}, {}, {}, dp.view(), row.view(), col.view()},
+                              p.view(), dd.view(), {}, {}, {}, dp.view(), row.view(), col.view(), hcol.view()},
                              nullptr, st::Stream{});
       },
       {"SwiGLU's FP8 backward", "tile", "interleave 64"});

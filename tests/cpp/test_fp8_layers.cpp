@@ -270,7 +270,8 @@ TEST(GroupedMLPFp8, Fc2ReadsTheSwigluOutputAsAnFp8LayerWould) {
 
 
 // GroupedMLP's FP8 backward with a's and b's in 128-column tile pairs: the SwiGLU backward writes
-// fc1's two layouts of d fc1_out codes itself (never in memory in the dtype); every gradient the
+// fc1's two layouts of d fc1_out codes and fc2's wgrad codes of h' itself (neither in memory in
+// the dtype); every gradient the
 // same bits as the layers run step by step (fc2's FP8 backward on the h' the bf16 SwiGLU writes,
 // the bf16 SwiGLU backward, fc1's FP8 backward on its d fc1_out), halves and interleaved columns,
 // an empty expert and a padded tail. F = 32 (no tile pairs) and an fc2 bias took the step-by-step

@@ -201,11 +201,13 @@ __global__ void __launch_bounds__(kRowThreads)
 }
 
 // The FP8 backward: d fc1_out's two layouts as quantize_both writes them from the d fc1_out that
-// swiglu_backward_kernel writes (each value rounded to E first: the same codes), and dprobs, with
-// no d fc1_out in memory. One block per 128-token tile of one expert (expert_tile; a block past
-// them returns); it walks the F / 128 pairs of 128-column tiles (128 j: their a tile and their b
-// tile, glu_tiles_pair), each thread eight rows x eight j, as quantize_tile_kernel holds a tile,
-// so quantize_held_tile writes both layouts of the a tile, then of the b tile, from registers.
+// swiglu_backward_kernel writes, h' (fc2's input) as quantize_columnwise writes it from the h'
+// swiglu_forward_kernel writes (each value rounded to E first: the same codes), and dprobs, with
+// neither in memory. One block per 128-token tile of one expert (expert_tile; a block past them
+// returns); it walks the F / 128 pairs of 128-column tiles (128 j: their a tile and their b tile,
+// glu_tiles_pair), each thread eight rows x eight j, as quantize_tile_kernel holds a tile, so
+// quantize_held_tile writes h''s columnwise codes, then both layouts of the a tile and of the b
+// tile, from registers.
 // dprobs: each thread's sums over its j, then a row's sixteen threads in a fixed tree
 // (deterministic; another order than swiglu_backward_kernel's block sum, so not its bits). Rows in
 // [S, T): dprobs zero (a grid-stride loop), codes not written (quantize_both's rule). No bias (an
@@ -214,7 +216,8 @@ template <typename E, bool kVec>
 __global__ void __launch_bounds__(256)
     swiglu_backward_fp8_kernel(const int64_t* offsets, int64_t G, int64_t T, GluLayout L, const E* z, int64_t z_ld,
                                const float* probs, int64_t probs_stride, const E* dh, int64_t dh_ld, uint8_t* q_row,
-                               float* s_row, int64_t columns, uint8_t* q_col, float* s_col, float* dprobs) {
+                               float* s_row, int64_t columns, uint8_t* q_col, float* s_col, uint8_t* h_col,
+                               float* h_scale, float* dprobs) {
   namespace fp8 = cuda::fp8;
   constexpr int kSub = fp8::kRowThreads, kPasses = fp8::kTilePasses, kRowsPerPass = fp8::kTileRowsPerPass;
   __shared__ uint4 staged[fp8::kStagedTileVecs];
@@ -237,14 +240,14 @@ __global__ void __launch_bounds__(256)
     // The pair's a tile starts at column ca0, its b tile at ca0 + b_off; this thread's j .. j + 7
     // sit at ca0 + sub * 8 .. in each.
     const int64_t ca0 = backend::glu_a_column(j0, L.interleave), j = j0 + sub * 8, ca = ca0 + sub * 8;
-    fp8::Chunk<E> da[kPasses] = {}, db[kPasses] = {};
+    fp8::Chunk<E> h[kPasses] = {}, da[kPasses] = {}, db[kPasses] = {};
 #pragma unroll
     for (int p = 0; p < kPasses; ++p) {
       const int64_t r = t * kFp8Tile + tid / kSub + kRowsPerPass * p;
       if (r >= rows) continue;
       const E* zr = z + (begin + r) * z_ld;
       const E* dhr = dh + (begin + r) * dh_ld;
-      float a[8], b[8], d[8], vda[8], vdb[8];
+      float a[8], b[8], d[8], vh[8], vda[8], vdb[8];
       if constexpr (kVec) {
         Pack<E, 8> pa, pb, pd;
         pa.load(zr + ca);
@@ -261,12 +264,17 @@ __global__ void __launch_bounds__(256)
       for (int i = 0; i < 8; ++i) {
         const SwigluGrad g = swiglu_grad(a[i], b[i], d[i], pr[p]);
         dp[p] += g.dprob;
+        vh[i] = swiglu_value(a[i], b[i], pr[p]);
         vda[i] = g.da;
         vdb[i] = g.db;
       }
+      h[p].round_from(vh);
       da[p].round_from(vda);
       db[p].round_from(vdb);
     }
+    fp8::quantize_held_tile<E, kVec, false, true>(h, staged, base, begin, rows, t, L.ffn, j0 / kFp8Tile, nullptr,
+                                                  nullptr, columns, h_col, h_scale);
+    __syncthreads();
     fp8::quantize_held_tile<E, kVec, true, true>(da, staged, base, begin, rows, t, K, ca0 / kFp8Tile, q_row, s_row,
                                                  columns, q_col, s_col);
     __syncthreads();  // the stage's reads done before the b tile is staged
@@ -413,9 +421,13 @@ class CudaMLPBackend final : public GroupedMLPBackend {
     // 16-byte loads of z and dh' rows, 8-byte rowwise code stores, 16-byte columnwise ones.
     const bool vec = vectorisable(p.rows.dtype, p.ffn, p.interleave, {&p.fc1_out, &p.dh}) &&
                      reinterpret_cast<uintptr_t>(p.dz_rowwise.data.data()) % 8 == 0;
-    const uintptr_t col_base = reinterpret_cast<uintptr_t>(p.dz_columnwise.data.data());
-    ST_CHECK_ARG(col_base % 16 == 0, "dz_columnwise", "a 16-byte aligned base",
-                 "an address of " + std::to_string(col_base % 16) + " mod 16");
+    for (const Fp8Tensor* c : {&p.dz_columnwise, &p.h_columnwise}) {
+      const uintptr_t base = reinterpret_cast<uintptr_t>(c->data.data());
+      ST_CHECK_ARG(base % 16 == 0, c == &p.h_columnwise ? "h_columnwise" : "dz_columnwise", "a 16-byte aligned base",
+                   "an address of " + std::to_string(base % 16) + " mod 16");
+    }
+    ST_CHECK_ARG(p.h_columnwise.data.size(1) == p.dz_columnwise.data.size(1), "h_columnwise",
+                 "the columns of dz_columnwise (the same rows and groups)", p.h_columnwise.data.size(1));
     dispatch_dtype(p.rows.dtype, "CUDA GroupedMLP", [&](auto e) {
       using E = decltype(e);
       if constexpr (sizeof(E) != 2) {
@@ -427,7 +439,8 @@ class CudaMLPBackend final : public GroupedMLPBackend {
               p.probs.data_as<const float>(), p.probs.stride(0), p.dh.data_as<const E>(), p.dh.stride(0),
               p.dz_rowwise.data.data_as<uint8_t>(), p.dz_rowwise.scale.data_as<float>(),
               p.dz_columnwise.data.size(1), p.dz_columnwise.data.data_as<uint8_t>(),
-              p.dz_columnwise.scale.data_as<float>(), p.dprobs.data_as<float>());
+              p.dz_columnwise.scale.data_as<float>(), p.h_columnwise.data.data_as<uint8_t>(),
+              p.h_columnwise.scale.data_as<float>(), p.dprobs.data_as<float>());
         };
         if (vec) launch(swiglu_backward_fp8_kernel<E, true>);
         else launch(swiglu_backward_fp8_kernel<E, false>);
