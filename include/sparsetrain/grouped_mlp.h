@@ -119,10 +119,16 @@ class GroupedMLP {
   // gather them, the rows are never written in the dtype); forward / backward: without either.
   GroupedMLPForward forward_rows(const TensorView& x, const TensorView& x_rows, const Splits& splits,
                                  const TensorView& probs, const TensorView& out, const CallArgs& args);
+  // fc1_out_codes (backward_rows): fc1's output as its rowwise codes (the MoE layer's
+  // fp8_saved_activations), read by the SwiGLU backward instead of fc1_out (then undefined); only
+  // where backward_reads_codes().
   GroupedMLPGrads backward_rows(const TensorView& x, const TensorView& x_rows, const TensorView& fc1_out,
                                 const TensorView& probs, const TensorView& dy, const TensorView& dy_rows,
                                 const Splits& splits, const TensorView& grad_input, const CallArgs& args,
-                                Fc1OutUse fc1_out_use);
+                                Fc1OutUse fc1_out_use, const ops::Fp8Operand* fc1_out_codes = nullptr);
+  // Whether backward runs FP8 on codes from the SwiGLU backward (the recipe with the wgrad now, no
+  // fc2 bias, a's and b's in 128-column tile pairs): fc1's output is then read only by it.
+  bool backward_reads_codes() const;
 
   // What backward_dw needs beyond the layers' own queues: it owns the recomputed fc2 input and
   // fc1's output gradient (the layers keep only references) and refers to dy and probs for the

@@ -220,10 +220,16 @@ GroupedMLPGrads GroupedMLP::backward(const TensorView& x, const TensorView& fc1_
   return backward_rows(x, {}, fc1_out, probs, dy, {}, splits, grad_input, args, fc1_out_use);
 }
 
+bool GroupedMLP::backward_reads_codes() const {
+  const GroupedMLPOptions& o = options_;
+  return o.fp8 != Fp8Recipe::kOff && !o.delay_wgrad_compute && !fc2_bias_.present() &&
+         backend::glu_tiles_pair(o.ffn_features, o.glu_interleave_size);
+}
+
 GroupedMLPGrads GroupedMLP::backward_rows(const TensorView& x, const TensorView& x_rows, const TensorView& fc1_out,
                                           const TensorView& probs, const TensorView& dy, const TensorView& dy_rows,
                                           const Splits& splits, const TensorView& grad_input, const CallArgs& args,
-                                          Fc1OutUse fc1_out_use) {
+                                          Fc1OutUse fc1_out_use, const ops::Fp8Operand* fc1_out_codes) {
   const GroupedMLPOptions& o = options_;
   const Device dev = device();
   const int64_t F = o.ffn_features;
@@ -238,7 +244,14 @@ GroupedMLPGrads GroupedMLP::backward_rows(const TensorView& x, const TensorView&
   if (dy_rows.defined() && fc2_bias_.present())
     ST_FAIL("GroupedMLP::backward_rows: dy_rows with an fc2 bias (its gradient terms read dy's rows)");
   const int64_t T = backend::fp8_operand_rows(x, x_rows);
-  ops::check_activation(fc1_out, "fc1_out", o.dtype, dev, T, 2 * F, "2 * ffn_features");
+  if (fc1_out_codes) {
+    const TensorView& q = fc1_out_codes->data.view();
+    if (!backward_reads_codes() || q.dim() != 2 || q.size(0) != T || q.size(1) != 2 * F)
+      ST_FAIL("GroupedMLP::backward_rows: fc1_out's codes need an FP8 backward on codes and shape [" +
+              std::to_string(T) + ", " + std::to_string(2 * F) + "]");
+  } else {
+    ops::check_activation(fc1_out, "fc1_out", o.dtype, dev, T, 2 * F, "2 * ffn_features");
+  }
   check_probs(probs, T, dev);
   ops::check_activation(dy, "dy", o.dtype, dev, dy_rows.defined() ? -1 : T, o.out_features, "out_features");
   const int64_t S = ops::check_splits(splits, o.num_groups, T, dev, o.check_device_splits, gemm, args.stream);
@@ -264,8 +277,7 @@ GroupedMLPGrads GroupedMLP::backward_rows(const TensorView& x, const TensorView&
   // dgrad, then the SwiGLU backward writes fc1's two layouts of d fc1_out codes and fc2's input h'
   // as its wgrad's codes from one read of fc1_out and dh' (neither in memory in the dtype), then
   // fc2's wgrad and fc1's backward on those codes.
-  const bool codes = o.fp8 != Fp8Recipe::kOff && !o.delay_wgrad_compute && !fc2_bias_.present() &&
-                     backend::glu_tiles_pair(F, o.glu_interleave_size);
+  const bool codes = backward_reads_codes();
   grads.dprobs = Tensor::empty(DType::kFP32, {T}, dev, *allocator_, args.stream);
   Tensor h, dz;
   GroupedLinearGrads g1;
@@ -277,7 +289,8 @@ GroupedMLPGrads GroupedMLP::backward_rows(const TensorView& x, const TensorView&
     const ops::Fp8Operand dzc = ops::fp8_columnwise_buffers(*allocator_, dev, T, 2 * F, o.num_groups, args.stream);
     const ops::Fp8Operand hc = ops::fp8_columnwise_buffers(*allocator_, dev, T, F, o.num_groups, args.stream);
     be.swiglu_backward({rows, F, o.glu_interleave_size, o.out_features, fc1_out, probs, g2.grad_input.view(), {}, {},
-                        {}, grads.dprobs.view(), dzq.view(), dzc.view(), hc.view()},
+                        {}, grads.dprobs.view(), dzq.view(), dzc.view(), hc.view(),
+                        fc1_out_codes ? fc1_out_codes->view() : backend::Fp8Tensor{}},
                        ws.scratch, args.stream);
     g2.grad_input = Tensor();  // dh' is no longer needed
     grads.fc2.weight = fc2_.wgrad_columnwise(hc, dy_columnwise, T, splits, ws.layer_args).weight;

@@ -74,6 +74,10 @@ struct SwigluBackwardParams {
   // columnwise codes [F, fp8_columnwise_columns(T, G)], as quantize_columnwise writes them (fc2's
   // wgrad). Needs glu_tiles_pair(ffn, interleave) and no bias.
   Fp8Tensor dz_rowwise = {}, dz_columnwise = {}, h_columnwise = {};
+  // With dz_rowwise, optional: fc1_out as its rowwise codes and scales in the groups (fc1_out then
+  // unused), each value decoded and rounded to the dtype: fc1_out's values had it been restored
+  // from them (Fp8BlockwiseBackend::dequantize_rowwise).
+  Fp8Tensor fc1_out_codes = {};
 };
 
 // y[t] += probs[t] * b2_g for rows t < S of group g (fp32 add, one rounding to the dtype).

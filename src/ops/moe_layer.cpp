@@ -190,10 +190,13 @@ MoEGrads MoELayer::backward(const TensorView& x, const TensorView& logits, const
   const Tensor rows = saved.rows.defined() || fp8_now
                           ? saved.rows
                           : gather_rows(x, saved.route.token_of_row, *allocator_, args.stream);
-  // fc1's output restored from its saved codes into a buffer of our own, which the MLP's backward
-  // then overwrites with its gradient (Fc1OutUse::kReuse).
+  // fc1's output from its saved codes: read as codes by the MLP's SwiGLU backward where its FP8
+  // backward runs on codes (nothing restored), else restored into a buffer of our own, which the
+  // MLP's backward then overwrites with its gradient (Fc1OutUse::kReuse).
+  const bool read_codes = options_.fp8_saved_activations && mlp_.backward_reads_codes();
+  const ops::Fp8Operand saved_codes{saved.fc1_out, saved.fc1_out_scales};
   Tensor restored;
-  if (options_.fp8_saved_activations) {
+  if (options_.fp8_saved_activations && !read_codes) {
     restored = Tensor::empty(options_.mlp.dtype, {R, F2}, mlp_.device(), *allocator_, args.stream);
     const Tensor offsets = expert_offsets(saved.route.counts, R, *allocator_, args.stream);
     ops::fp8_restore_rowwise({saved.fc1_out.view(), saved.fc1_out_scales.view()},
@@ -208,10 +211,10 @@ MoEGrads MoELayer::backward(const TensorView& x, const TensorView& logits, const
           rows, saved.row_probs, saved.route.counts, drows, restored, args.keep_alive);
   GroupedMLPGrads m = mlp_.backward_rows(
       rows.defined() ? rows.view() : x, rows.defined() ? TensorView() : token_of_row,
-      restored.defined() ? restored.view() : saved.fc1_out.view(), saved.row_probs.view(),
+      read_codes ? TensorView() : restored.defined() ? restored.view() : saved.fc1_out.view(), saved.row_probs.view(),
       drows.defined() ? drows.view() : dout, drows.defined() ? TensorView() : token_of_row,
       Splits::device(saved.route.counts.view()), {}, mlp_args,
-      restored.defined() ? Fc1OutUse::kReuse : Fc1OutUse::kKeep);
+      restored.defined() ? Fc1OutUse::kReuse : Fc1OutUse::kKeep, read_codes ? &saved_codes : nullptr);
   MoEGrads g;
   g.grad_input = combine_rows(m.grad_input.view(), saved.route.row_of.view(), allocator_, args.stream);
   const Tensor dprobs = permute_probs(m.dprobs.view(), saved.route.row_of, false, *allocator_, args.stream);

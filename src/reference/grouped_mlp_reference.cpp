@@ -95,6 +95,18 @@ class ReferenceMLPBackend final : public GroupedMLPBackend {
 
   void swiglu_backward(const SwigluBackwardParams& p, void*, Stream stream) override {
     if (!p.dz_rowwise.data.defined()) return swiglu_backward_rows(p, p.fc1_out_grad);
+    if (p.fc1_out_codes.data.defined()) {  // fc1_out restored from its codes, then as below
+      const int64_t T = p.rows.num_rows, K = 2 * p.ffn;
+      std::vector<unsigned char> z(size_t(T * K) * dtype_size(p.rows.dtype));
+      const int64_t shape[2] = {T, K}, strides[2] = {K, 1};
+      const TensorView zv(z.data(), p.rows.dtype, shape, strides, 2, p.dz_rowwise.data.device());
+      fp8_blockwise_reference_backend().dequantize_rowwise({{p.rows.num_groups, p.rows.offsets}, p.fc1_out_codes, zv},
+                                                           stream);
+      SwigluBackwardParams q = p;
+      q.fc1_out = zv;
+      q.fc1_out_codes = {};
+      return swiglu_backward(q, nullptr, stream);
+    }
     // FP8: the definition, d fc1_out and h' in the layer's dtype, then the quantizers from them
     // (host memory here; the CUDA kernel keeps both in registers).
     const int64_t T = p.rows.num_rows;

@@ -359,6 +359,34 @@ TEST(Fp8Cuda, SwigluBackwardWritesFc1sCodesAsTheQuantizerWould) {
       }
       ASSERT_LE(std::fabs(gp.get(t) - sum), 1e-5 * mag + 1e-30) << "row " << t << " (bf16 kernel: " << wp.get(t) << ")";
     }
+
+    // fc1_out read as its rowwise codes (fp8_saved_activations): every output bitwise the kernel's
+    // on fc1_out restored from them.
+    DeviceFp8 zq(Fp8Operand({T, K}, st::fp8_rowwise_scale_count(T, K)));
+    cuda_fp8().quantize_rowwise({{G, rows.offsets}, zd, zq.view()}, st::Stream{});
+    const DeviceTensor zr(HostTensor(st::DType::kBF16, {T, K}), false);
+    cuda_fp8().dequantize_rowwise({{G, rows.offsets}, zq.view(), zr.view()}, st::Stream{});
+    std::vector<DeviceFp8> outs;
+    std::vector<DeviceTensor> dps;
+    for (const bool from_codes : {false, true}) {
+      outs.emplace_back(Fp8Operand({T, K}, st::fp8_rowwise_scale_count(T, K)));
+      outs.emplace_back(Fp8Operand({K, cols}, col_scales));
+      outs.emplace_back(Fp8Operand({F, cols}, st::fp8_columnwise_scale_count(T, F, G)));
+      dps.emplace_back(HostTensor(st::DType::kFP32, {T}), false);
+      const size_t o = outs.size() - 3;
+      be::SwigluBackwardParams bp{rows, F, cs.k, 0, zr.view(), pd.view(), dhd.view(), {}, {}, {}, dps.back().view(),
+                                  outs[o].view(), outs[o + 1].view(), outs[o + 2].view()};
+      if (from_codes) bp.fc1_out = {}, bp.fc1_out_codes = zq.view();
+      mlp.swiglu_backward(bp, nullptr, st::Stream{});
+    }
+    CUDA_OK(cudaDeviceSynchronize());
+    for (size_t i = 0; i < 3; ++i) {
+      const std::string what = "from codes, output " + std::to_string(i);
+      expect_same_bytes(to_host(outs[3 + i].data.view()), to_host(outs[i].data.view()), what + " codes");
+      expect_same_bytes(to_host(outs[3 + i].scale.view()), to_host(outs[i].scale.view()), what + " scales");
+    }
+    expect_same_bytes(to_host(dps[1].view()), to_host(dps[0].view()), "from codes, dprobs");
+    if (HasFatalFailure()) return;
   }
   // Without 128-column tile pairs (an interleave of 64) the FP8 backward refuses, naming why.
   const HostTensor z(st::DType::kBF16, {8, 256}), d(st::DType::kBF16, {8, 128});

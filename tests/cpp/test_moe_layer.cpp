@@ -351,10 +351,11 @@ TEST(MoELayer, Fp8RowsQuantizedAsGatheredGiveTheKeptRowsBits) {
 // 0.53x the dtype's bytes; the output is the plain layer's. Backward gives the bits of the plain
 // FP8 layer's backward fed those codes decoded here (e4m3 times the tile's power of two: exact in
 // bf16), immediate and delayed wgrad (which keeps the restored buffer alive), rows kept or
-// recomputed, 2F over one partial and several 128-column tiles, an uneven top-4 routing over 16
+// recomputed, 2F over one partial and several 128-column tiles (F = 128 with the wgrad now: the
+// SwiGLU backward reads the codes themselves, nothing restored), an uneven top-4 routing over 16
 // experts. The decoded values lie within e4m3's rounding of fc1's output.
 TEST(MoELayer, Fp8SavedActivationsKeepFc1sCodesAndGiveTheirDecodedBits) {
-  for (const int64_t F : {int64_t(32), int64_t(80)})
+  for (const int64_t F : {int64_t(32), int64_t(80), int64_t(128)})
     for (const bool delay : {false, true})
       for (const bool recompute : {true, false}) {
         SCOPED_TRACE("F " + std::to_string(F) + (delay ? ", delayed wgrad" : ", immediate wgrad") +

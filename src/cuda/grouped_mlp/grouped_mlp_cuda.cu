@@ -10,6 +10,7 @@
 
 #include <initializer_list>
 #include <string>
+#include <type_traits>
 
 #include "common/dispatch_dtype.h"
 #include "common/group_offsets.h"
@@ -212,10 +213,13 @@ __global__ void __launch_bounds__(kRowThreads)
 // (deterministic; another order than swiglu_backward_kernel's block sum, so not its bits). Rows in
 // [S, T): dprobs zero (a grid-stride loop), codes not written (quantize_both's rule). No bias (an
 // FP8 layer has none). kVec: 16-byte loads and 8-byte code stores (checked by the launcher).
-template <typename E, bool kVec>
+// kCodes: z read as its rowwise codes zq [T, 2F] and scales zs instead (each value decoded and
+// rounded to E: z's values had it been restored from them), 8-byte code loads with kVec.
+template <typename E, bool kVec, bool kCodes>
 __global__ void __launch_bounds__(256)
     swiglu_backward_fp8_kernel(const int64_t* offsets, int64_t G, int64_t T, GluLayout L, const E* z, int64_t z_ld,
-                               const float* probs, int64_t probs_stride, const E* dh, int64_t dh_ld, uint8_t* q_row,
+                               const uint8_t* zq, const float* zs, const float* probs, int64_t probs_stride,
+                               const E* dh, int64_t dh_ld, uint8_t* q_row,
                                float* s_row, int64_t columns, uint8_t* q_col, float* s_col, uint8_t* h_col,
                                float* h_scale, float* dprobs) {
   namespace fp8 = cuda::fp8;
@@ -245,20 +249,45 @@ __global__ void __launch_bounds__(256)
     for (int p = 0; p < kPasses; ++p) {
       const int64_t r = t * kFp8Tile + tid / kSub + kRowsPerPass * p;
       if (r >= rows) continue;
-      const E* zr = z + (begin + r) * z_ld;
       const E* dhr = dh + (begin + r) * dh_ld;
       float a[8], b[8], d[8], vh[8], vda[8], vdb[8];
-      if constexpr (kVec) {
-        Pack<E, 8> pa, pb, pd;
-        pa.load(zr + ca);
-        pb.load(zr + ca + L.b_off);
-        pd.load(dhr + j);
+      if constexpr (kCodes) {
+        const uint8_t* qr = zq + (begin + r) * K;
+        const int64_t KB = fp8_tiles(K);
+        const float sa = zs[fp8_rowwise_scale_index(begin, rows, KB, begin + r, ca0 / kFp8Tile)];
+        const float sb = zs[fp8_rowwise_scale_index(begin, rows, KB, begin + r, (ca0 + L.b_off) / kFp8Tile)];
+        uint8_t qa[8], qb[8];
+        if constexpr (kVec) {
+          *reinterpret_cast<uint2*>(qa) = *reinterpret_cast<const uint2*>(qr + ca);
+          *reinterpret_cast<uint2*>(qb) = *reinterpret_cast<const uint2*>(qr + ca + L.b_off);
+        } else {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) a[i] = pa.v[i], b[i] = pb.v[i], d[i] = pd.v[i];
-      } else {
+          for (int i = 0; i < 8; ++i) qa[i] = qr[ca + i], qb[i] = qr[ca + L.b_off + i];
+        }
 #pragma unroll
         for (int i = 0; i < 8; ++i)
-          a[i] = load_f32(zr, ca + i), b[i] = load_f32(zr, ca + L.b_off + i), d[i] = load_f32(dhr, j + i);
+          a[i] = rounded<E>(fp8_dequantize(qa[i], sa)), b[i] = rounded<E>(fp8_dequantize(qb[i], sb));
+      } else {
+        const E* zr = z + (begin + r) * z_ld;
+        if constexpr (kVec) {
+          Pack<E, 8> pa, pb;
+          pa.load(zr + ca);
+          pb.load(zr + ca + L.b_off);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) a[i] = pa.v[i], b[i] = pb.v[i];
+        } else {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) a[i] = load_f32(zr, ca + i), b[i] = load_f32(zr, ca + L.b_off + i);
+        }
+      }
+      if constexpr (kVec) {
+        Pack<E, 8> pd;
+        pd.load(dhr + j);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) d[i] = pd.v[i];
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) d[i] = load_f32(dhr, j + i);
       }
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
@@ -418,8 +447,12 @@ class CudaMLPBackend final : public GroupedMLPBackend {
     cuda::DeviceGuard guard(p.fc1_out.device().index);
     const int64_t T = p.rows.num_rows, G = p.rows.num_groups;
     const GluLayout L{p.ffn, p.interleave, glu_b_offset(p.ffn, p.interleave)};
-    // 16-byte loads of z and dh' rows, 8-byte rowwise code stores, 16-byte columnwise ones.
-    const bool vec = vectorisable(p.rows.dtype, p.ffn, p.interleave, {&p.fc1_out, &p.dh}) &&
+    // 16-byte loads of z (or 8-byte ones of its codes) and dh' rows, 8-byte rowwise code stores,
+    // 16-byte columnwise ones.
+    const bool codes = p.fc1_out_codes.data.defined();
+    const bool vec = (codes ? vectorisable(p.rows.dtype, p.ffn, p.interleave, {&p.dh}) &&
+                                  reinterpret_cast<uintptr_t>(p.fc1_out_codes.data.data()) % 8 == 0
+                            : vectorisable(p.rows.dtype, p.ffn, p.interleave, {&p.fc1_out, &p.dh})) &&
                      reinterpret_cast<uintptr_t>(p.dz_rowwise.data.data()) % 8 == 0;
     for (const Fp8Tensor* c : {&p.dz_columnwise, &p.h_columnwise}) {
       const uintptr_t base = reinterpret_cast<uintptr_t>(c->data.data());
@@ -430,20 +463,27 @@ class CudaMLPBackend final : public GroupedMLPBackend {
                  "the columns of dz_columnwise (the same rows and groups)", p.h_columnwise.data.size(1));
     dispatch_dtype(p.rows.dtype, "CUDA GroupedMLP", [&](auto e) {
       using E = decltype(e);
-      if constexpr (sizeof(E) != 2) {
-        ST_FAIL("CUDA GroupedMLP: the FP8 SwiGLU backward takes a 2-byte dtype (the FP8 recipe's layer is bf16)");
+      if constexpr (!std::is_same_v<E, bf16_t>) {
+        ST_FAIL("CUDA GroupedMLP: the FP8 SwiGLU backward takes bf16 (the FP8 recipe's layer dtype)");
       } else {
         auto launch = [&](auto kernel) {
           kernel<<<unsigned(fp8_columnwise_max_tiles(T, G)), 256, 0, as_cuda(stream)>>>(
-              p.rows.offsets, G, T, L, p.fc1_out.data_as<const E>(), p.fc1_out.stride(0),
-              p.probs.data_as<const float>(), p.probs.stride(0), p.dh.data_as<const E>(), p.dh.stride(0),
+              p.rows.offsets, G, T, L, codes ? nullptr : p.fc1_out.data_as<const E>(),
+              codes ? 0 : p.fc1_out.stride(0), codes ? p.fc1_out_codes.data.data_as<const uint8_t>() : nullptr,
+              codes ? p.fc1_out_codes.scale.data_as<const float>() : nullptr, p.probs.data_as<const float>(),
+              p.probs.stride(0), p.dh.data_as<const E>(), p.dh.stride(0),
               p.dz_rowwise.data.data_as<uint8_t>(), p.dz_rowwise.scale.data_as<float>(),
               p.dz_columnwise.data.size(1), p.dz_columnwise.data.data_as<uint8_t>(),
               p.dz_columnwise.scale.data_as<float>(), p.h_columnwise.data.data_as<uint8_t>(),
               p.h_columnwise.scale.data_as<float>(), p.dprobs.data_as<float>());
         };
-        if (vec) launch(swiglu_backward_fp8_kernel<E, true>);
-        else launch(swiglu_backward_fp8_kernel<E, false>);
+        if (codes) {
+          if (vec) launch(swiglu_backward_fp8_kernel<E, true, true>);
+          else launch(swiglu_backward_fp8_kernel<E, false, true>);
+        } else {
+          if (vec) launch(swiglu_backward_fp8_kernel<E, true, false>);
+          else launch(swiglu_backward_fp8_kernel<E, false, false>);
+        }
       }
     });
     ST_CUDA_CHECK(cudaGetLastError(), "swiglu_backward_fp8_kernel launch");
