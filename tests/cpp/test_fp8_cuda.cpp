@@ -277,9 +277,11 @@ TEST(Fp8Cuda, SwigluWritesFc2sCodesAsTheQuantizerWould) {
 // codes of d fc1_out and fc2's columnwise codes of h' (neither in memory in the dtype) against the
 // bf16 SwiGLU backward kernel followed by quantize_both and the bf16 SwiGLU forward followed by
 // quantize_columnwise, bitwise (every byte, unwritten slots poisoned alike), NaN and inf in dh';
-// dprobs (another summation order) within fp32 rounding of a double oracle, rows past S zero. Halves and interleaved columns in 128-column tile pairs, 16-byte and element loads (a row
-// stride off 8 elements), an empty expert, a one-row expert and a padded tail. Without tile pairs
-// the kernel refuses.
+// dprobs (another summation order) within fp32 rounding of a double oracle, rows past S zero;
+// fc1_out read as its rowwise codes bitwise the kernel on fc1_out restored from them. Halves and
+// interleaved columns in 128-column tile pairs, 16-byte and element loads (a row stride off 8
+// elements), an empty expert, a one-row expert and a padded tail. Without tile pairs the kernel
+// refuses.
 TEST(Fp8Cuda, SwigluBackwardWritesFc1sCodesAsTheQuantizerWould) {
   REQUIRE_GPU();
   struct Case {

@@ -253,60 +253,64 @@ TEST(MoELayerCuda, EqualsTheHostLayerRepeatablyAndUnderGraphReplay) {
 
 // fp8_saved_activations on the device: fc1's codes and scales are the reference quantizer's of the
 // plain FP8 layer's fc1 output (same device, same bits up to fc1), 2F = 160 (a partial second
-// tile); the backward gives the bits of the plain layer's fed those codes decoded on the host
-// (the restore is exact), the wgrad now and delayed (the pending wgrad keeps the restored buffer).
+// tile) and 256 (F = 128: with the wgrad now the SwiGLU backward reads the codes themselves); the
+// backward gives the bits of the plain layer's fed those codes decoded on the host (the restore is
+// exact), the wgrad now and delayed (the pending wgrad keeps the restored buffer).
 TEST(MoELayerCuda, Fp8SavedActivationsGiveTheReferenceCodesAndThePlainLayersBitsOnThem) {
   REQUIRE_HOPPER();
   if (st::backend::fp8_blockwise_cuda_backend().gemm_scratch_bytes(DType::kBF16, 1, 1, 16, 16) == 0)
     GTEST_SKIP() << "this build has no CUDA FP8 GEMMs (SPARSETRAIN_SM90_KERNELS=ALL builds them)";
-  const int64_t N = 301, H = 64, F = 80;
-  const int E = 8, K = 2;
-  const st::testing::GroupedMLPCase c = experts_case(N, H, F, E, K);
-  HostTensor x(DType::kBF16, {N, H}), dout(DType::kBF16, {N, H});
-  std::mt19937_64 rng(21);
-  x.fill_random(rng);
-  dout.fill_random(rng);
-  const HostTensor logits = random_logits(N, E, 22);
-  const DeviceTensor w1(c.w1), w2(c.w2), dx(x), ddout(dout), dlog(logits);
-  st::GroupedMLPParams dp;
-  dp.fc1.weight = st::GroupedParam::packed(w1.view());
-  dp.fc2.weight = st::GroupedParam::packed(w2.view());
-  for (const bool delay : {false, true}) {
-    SCOPED_TRACE(delay ? "delayed wgrad" : "immediate wgrad");
-    st::MoELayerOptions o;
-    o.router = {E, K, RouterScore::kSoftmax, true};
-    o.mlp = c.options();
-    o.mlp.fp8 = st::Fp8Recipe::kBlockwise;
-    o.mlp.delay_wgrad_compute = delay;
-    st::MoELayer plain(o, dp);
-    o.fp8_saved_activations = true;
-    st::MoELayer saving(o, dp);
-    const st::MoEForward fa = plain.forward(dx.view(), dlog.view());
-    const st::MoEForward fb = saving.forward(dx.view(), dlog.view());
-    EXPECT_TRUE(to_host(fa.out.view()).bytes_equal(to_host(fb.out.view())));
-    const HostTensor counts = to_host(fb.route.counts.view());
-    std::vector<int64_t> off{0};
-    for (int e = 0; e < E; ++e) off.push_back(off.back() + int64_t(counts.get(e)));
-    const st::testing::Fp8Operand want = st::testing::quantize_rowwise(to_host(fa.fc1_out.view()), off);
-    EXPECT_TRUE(to_host(fb.fc1_out.view()).bytes_equal(want.data)) << "codes";
-    EXPECT_TRUE(to_host(fb.fc1_out_scales.view()).bytes_equal(want.scale)) << "scales";
-    const HostTensor decoded32 = st::testing::dequantize_rowwise(want, off, N * K, 2 * F);
-    HostTensor decoded(DType::kBF16, {N * K, 2 * F});
-    for (int64_t i = 0; i < decoded.numel(); ++i) decoded.set(i, decoded32.get(i));
-    const DeviceTensor ddecoded(decoded);
-    st::MoEForward fed = fa;
-    fed.fc1_out = st::Tensor::borrowed(ddecoded.view());
-    const st::MoEGrads ga = plain.backward(dx.view(), dlog.view(), fed, ddout.view());
-    const st::MoEGrads gb = saving.backward(dx.view(), dlog.view(), fb, ddout.view());
-    EXPECT_TRUE(to_host(ga.grad_input.view()).bytes_equal(to_host(gb.grad_input.view())));
-    EXPECT_TRUE(to_host(ga.dlogits.view()).bytes_equal(to_host(gb.dlogits.view())));
-    st::GroupedMLPLayerGrads a1 = ga.fc1, a2 = ga.fc2, b1 = gb.fc1, b2 = gb.fc2;
-    if (delay) {
-      const st::GroupedMLPGrads da = plain.backward_dw(), db = saving.backward_dw();
-      a1 = da.fc1, a2 = da.fc2, b1 = db.fc1, b2 = db.fc2;
+  for (const int64_t F : {int64_t(80), int64_t(128)}) {
+    SCOPED_TRACE("F " + std::to_string(F));
+    const int64_t N = 301, H = 64;
+    const int E = 8, K = 2;
+    const st::testing::GroupedMLPCase c = experts_case(N, H, F, E, K);
+    HostTensor x(DType::kBF16, {N, H}), dout(DType::kBF16, {N, H});
+    std::mt19937_64 rng(21);
+    x.fill_random(rng);
+    dout.fill_random(rng);
+    const HostTensor logits = random_logits(N, E, 22);
+    const DeviceTensor w1(c.w1), w2(c.w2), dx(x), ddout(dout), dlog(logits);
+    st::GroupedMLPParams dp;
+    dp.fc1.weight = st::GroupedParam::packed(w1.view());
+    dp.fc2.weight = st::GroupedParam::packed(w2.view());
+    for (const bool delay : {false, true}) {
+      SCOPED_TRACE(delay ? "delayed wgrad" : "immediate wgrad");
+      st::MoELayerOptions o;
+      o.router = {E, K, RouterScore::kSoftmax, true};
+      o.mlp = c.options();
+      o.mlp.fp8 = st::Fp8Recipe::kBlockwise;
+      o.mlp.delay_wgrad_compute = delay;
+      st::MoELayer plain(o, dp);
+      o.fp8_saved_activations = true;
+      st::MoELayer saving(o, dp);
+      const st::MoEForward fa = plain.forward(dx.view(), dlog.view());
+      const st::MoEForward fb = saving.forward(dx.view(), dlog.view());
+      EXPECT_TRUE(to_host(fa.out.view()).bytes_equal(to_host(fb.out.view())));
+      const HostTensor counts = to_host(fb.route.counts.view());
+      std::vector<int64_t> off{0};
+      for (int e = 0; e < E; ++e) off.push_back(off.back() + int64_t(counts.get(e)));
+      const st::testing::Fp8Operand want = st::testing::quantize_rowwise(to_host(fa.fc1_out.view()), off);
+      EXPECT_TRUE(to_host(fb.fc1_out.view()).bytes_equal(want.data)) << "codes";
+      EXPECT_TRUE(to_host(fb.fc1_out_scales.view()).bytes_equal(want.scale)) << "scales";
+      const HostTensor decoded32 = st::testing::dequantize_rowwise(want, off, N * K, 2 * F);
+      HostTensor decoded(DType::kBF16, {N * K, 2 * F});
+      for (int64_t i = 0; i < decoded.numel(); ++i) decoded.set(i, decoded32.get(i));
+      const DeviceTensor ddecoded(decoded);
+      st::MoEForward fed = fa;
+      fed.fc1_out = st::Tensor::borrowed(ddecoded.view());
+      const st::MoEGrads ga = plain.backward(dx.view(), dlog.view(), fed, ddout.view());
+      const st::MoEGrads gb = saving.backward(dx.view(), dlog.view(), fb, ddout.view());
+      EXPECT_TRUE(to_host(ga.grad_input.view()).bytes_equal(to_host(gb.grad_input.view())));
+      EXPECT_TRUE(to_host(ga.dlogits.view()).bytes_equal(to_host(gb.dlogits.view())));
+      st::GroupedMLPLayerGrads a1 = ga.fc1, a2 = ga.fc2, b1 = gb.fc1, b2 = gb.fc2;
+      if (delay) {
+        const st::GroupedMLPGrads da = plain.backward_dw(), db = saving.backward_dw();
+        a1 = da.fc1, a2 = da.fc2, b1 = db.fc1, b2 = db.fc2;
+      }
+      EXPECT_TRUE(to_host(a1.weight.packed.view()).bytes_equal(to_host(b1.weight.packed.view())));
+      EXPECT_TRUE(to_host(a2.weight.packed.view()).bytes_equal(to_host(b2.weight.packed.view())));
     }
-    EXPECT_TRUE(to_host(a1.weight.packed.view()).bytes_equal(to_host(b1.weight.packed.view())));
-    EXPECT_TRUE(to_host(a2.weight.packed.view()).bytes_equal(to_host(b2.weight.packed.view())));
   }
 }
 
