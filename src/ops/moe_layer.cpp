@@ -199,9 +199,8 @@ MoEGrads MoELayer::backward(const TensorView& x, const TensorView& logits, const
   if (options_.fp8_saved_activations && !read_codes) {
     restored = Tensor::empty(options_.mlp.dtype, {R, F2}, mlp_.device(), *allocator_, args.stream);
     const Tensor offsets = expert_offsets(saved.route.counts, R, *allocator_, args.stream);
-    ops::fp8_restore_rowwise({saved.fc1_out.view(), saved.fc1_out_scales.view()},
-                             {options_.mlp.num_groups, offsets.view().data_as<int64_t>()}, restored.view(),
-                             args.stream);
+    ops::fp8_restore_rowwise(saved_codes.view(), {options_.mlp.num_groups, offsets.view().data_as<int64_t>()},
+                             restored.view(), args.stream);
   }
   // The MLP's delayed wgrad keeps references to its inputs and splits (and fc1's output gradient,
   // written over `restored`): they stay alive with the pending entry.
