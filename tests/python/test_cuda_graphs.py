@@ -172,6 +172,18 @@ def test_moe_fp8_saved_activations_capture_every_way():
     _run_compiled("moe/fp8_saved/reduce-overhead", LayerStep("moe", "fp8_saved"))
 
 
+@fp8
+@pytest.mark.parametrize("op,variant", [("mlp", "fp8"), ("moe", "fp8_fused"), ("moe", "fp8_saved")])
+def test_fp8_backward_on_codes_captures_every_way(op, variant):
+    """FP8 at an MLP width of 256 (a multiple of 128): the SwiGLU backward writes fc1's and fc2's
+    codes itself (and, with fp8_saved_activations, reads fc1's saved codes): torch.cuda.graph after
+    side-stream steps, make_graphed_callables and torch.compile(mode="reduce-overhead"), each replay
+    bitwise an eager step on its new inputs."""
+    _run_graph(f"{op}/{variant}/F256/torch.cuda.graph", LayerStep(op, variant, ffn=256), warm_up=True)
+    _run_graphed_callable(f"{op}/{variant}/F256/make_graphed_callables", LayerStep(op, variant, ffn=256))
+    _run_compiled(f"{op}/{variant}/F256/reduce-overhead", LayerStep(op, variant, ffn=256))
+
+
 @hopper
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "nondet"])
 @pytest.mark.parametrize("warm_up", [True, False], ids=["after_side_stream_steps", "first_call_captured"])

@@ -69,10 +69,11 @@ class LayerStep:
     """One training step of a GroupedLinear, GroupedMLP or MoELayer on static inputs (the tensors a
     graph reads), and what it produces: outputs, input grads, parameter grads and main_grads."""
 
-    def __init__(self, op, variant, seed=0):
+    def __init__(self, op, variant, seed=0, ffn=None):
         """variant: plain, fused (main_grad), fused_dummy, delayed, buffers, bias, fp8 (the FP8
         recipe, packed weights), fp8_fused (with main_grad) or, for the MoE layer, fp8_saved (with
-        fc1's output held in e4m3: fp8_saved_activations)."""
+        fc1's output held in e4m3: fp8_saved_activations). ffn: the MLP's width instead of the
+        variant's (a multiple of 128 with FP8: the SwiGLU backward writes the codes itself)."""
         self.op, self.variant = op, variant
         torch.manual_seed(seed)
         fuse = variant in ("fused", "fused_dummy", "delayed", "fp8_fused")
@@ -80,6 +81,7 @@ class LayerStep:
         kw = dict(bias=variant == "bias", params_dtype=BF16, device=DEV, fuse_wgrad_accumulation=fuse,
                   delay_wgrad_compute=variant == "delayed", single_grouped_weight=variant != "plain", fp8=fp8)
         n_in, n_ffn, n_out = (FP8_IN, FP8_FFN, FP8_OUT) if fp8 else (IN, FFN, OUT)
+        n_ffn = ffn or n_ffn
         if op == "linear":
             self.m = stt.GroupedLinear(G, n_in, n_out, **kw)
         elif op == "mlp":
