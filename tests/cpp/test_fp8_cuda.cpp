@@ -2,9 +2,9 @@
 // codes and scales (rowwise, columnwise, and both layouts from one read; plain and gathering as
 // they read) bitwise the CPU reference's (the same rules run on both sides) on fresh random
 // data with NaN / inf, empty and tiny experts, padded tails and odd widths, outputs poisoned
-// alike; the rowwise dequantizer's values the reference's in each dtype and layout; the three GEMMs (where this build has them) against the reference GEMMs on the same
-// quantized operands, within fp32 accumulation order and one bf16 rounding, and bitwise
-// repeatable.
+// alike; the rowwise dequantizer's values the reference's in each dtype and layout; the three
+// GEMMs (where this build has them) against the reference GEMMs on the same quantized operands,
+// within fp32 accumulation order and one bf16 rounding, and bitwise repeatable.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
