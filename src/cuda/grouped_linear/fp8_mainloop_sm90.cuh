@@ -10,12 +10,12 @@
 // through every promotion (the wgrad ran at 851-910 TFLOP/s, fprop at 1081-1148, torch's rowwise
 // GEMM, which scales once in its epilogue, at 1260). Here two partial-sum fragments alternate: k
 // step i's MMAs are issued into one while step i - 1's are promoted from the other, so the
-// promotion runs under the MMAs (the cost: a third 64-float fragment a thread; no spill). Each
-// promotion reads its scales from its stage in shared memory, not from a second set of registers,
-// so a stage goes back to the producer after its promotion (and a warpgroup barrier: one thread
-// signals it for all four warps) rather than after its MMAs. The
-// arithmetic is CUTLASS's, element for element and in its order, from a zero accumulator: the
-// same bits.
+// promotion runs under the MMAs (the cost: a third 64-float fragment a thread; no spill; the gain,
+// measured on an H200: 2.5-3 % of a MoE step's FP8 GEMM time). Each promotion reads its scales
+// from its stage in shared memory, not from a second set of registers, so a stage goes back to the
+// producer after its promotion (and a warpgroup barrier: one thread signals it for all four warps)
+// rather than after its MMAs. The arithmetic is CUTLASS's, element for element and in its order,
+// from a zero accumulator: the same bits.
 #pragma once
 
 #include "cute/tensor.hpp"
