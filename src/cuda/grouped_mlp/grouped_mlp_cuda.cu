@@ -5,7 +5,7 @@
 // (bitwise deterministic, no atomics).
 //
 // Row kernels run one block per row (grid = T): rows >= S write their zero tail in the same pass.
-// The FP8 kernels run a block per 128-token tile of one expert instead, as the quantizers do.
+// The FP8 backward runs a block per 128-token tile of one expert instead, as the quantizers do.
 #include <cuda_runtime.h>
 
 #include <initializer_list>
@@ -104,58 +104,56 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
-// The FP8 forward: h' quantized rowwise as it is made (h' never in memory). One block per 128-token
-// tile of one expert (expert_tile; a block past them returns), as quantize_tile_kernel holds a
-// tile: it walks h''s 128-column tiles, each thread eight rows x eight columns, every value
-// rounded to E first, then quantize_held_tile writes the rowwise codes from the registers (the
-// amax a shuffle within the half warp): the codes of quantize_rowwise over the h' that
-// swiglu_forward_kernel writes. Rows >= S write nothing (the rowwise layout has no tail). kVec: a
-// and b by 16-byte packs, 8-byte code stores; else element loads (any interleave, any F).
+// The FP8 forward: h' quantized rowwise as it is made (h' never in memory). One block per row;
+// sixteen threads a 128-column tile of h', eight columns each (the rowwise quantizer's mapping:
+// the tile's amax a shuffle within the half warp), each value rounded to E first, so that the
+// codes are those of quantize_rowwise over the h' that swiglu_forward_kernel writes. Rows >= S
+// write nothing (the rowwise layout has no tail). kVec: a and b by 16-byte packs.
 template <typename E, bool kVec>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(kRowThreads)
     swiglu_forward_fp8_kernel(const int64_t* offsets, int64_t G, GluLayout L, const E* z, int64_t z_ld,
                               const float* probs, int64_t probs_stride, uint8_t* q, float* scale) {
-  namespace fp8 = cuda::fp8;
-  constexpr int kSub = fp8::kRowThreads, kPasses = fp8::kTilePasses, kRowsPerPass = fp8::kTileRowsPerPass;
-  const fp8::ExpertTile et = fp8::expert_tile(offsets, G, blockIdx.x);
-  if (et.g == G) return;
-  const int64_t begin = offsets[et.g], rows = offsets[et.g + 1] - begin, t = blockIdx.x - et.base;
-  const int tid = int(threadIdx.x), sub = tid % kSub;
-  float pr[kPasses];
-#pragma unroll
-  for (int p = 0; p < kPasses; ++p) {
-    const int64_t r = t * kFp8Tile + tid / kSub + kRowsPerPass * p;  // a row of the expert
-    pr[p] = r < rows ? probs[(begin + r) * probs_stride] : 0.f;
-  }
+  constexpr int kTileThreads = cuda::fp8::kRowThreads;
+  const int64_t t = blockIdx.x;
+  if (t >= offsets[G]) return;
+  const E* zr = z + t * z_ld;
+  const float pr = probs[t * probs_stride];
   const int64_t KB = fp8_tiles(L.ffn);
-  for (int64_t kb = 0; kb < KB; ++kb) {
-    const int64_t j = kb * kFp8Tile + sub * 8;
-    // The a columns of j .. j + 7 (the same in every row): one 16-byte pack with kVec.
-    int64_t ca[kVec ? 1 : 8];
+  const int sub = int(threadIdx.x) % kTileThreads;
+  const unsigned half = 0xffffu << (threadIdx.x & 16u);
+  for (int64_t tile = int(threadIdx.x) / kTileThreads; tile < KB; tile += kRowThreads / kTileThreads) {
+    const int64_t j = tile * kFp8Tile + sub * 8;
+    float v[8];
 #pragma unroll
-    for (int i = 0; i < (kVec ? 1 : 8); ++i) ca[i] = backend::glu_a_column(j + i, L.interleave);
-    fp8::Chunk<E> h[kPasses] = {};
-#pragma unroll
-    for (int p = 0; p < kPasses; ++p) {
-      const int64_t r = t * kFp8Tile + tid / kSub + kRowsPerPass * p;
-      if (r >= rows || j >= L.ffn) continue;
-      const E* zr = z + (begin + r) * z_ld;
-      float v[8];
-      if constexpr (kVec) {
+    for (int i = 0; i < 8; ++i) v[i] = 0.f;
+    if constexpr (kVec) {
+      if (j < L.ffn) {
+        const int64_t ca = backend::glu_a_column(j, L.interleave);
         Pack<E, 8> a, b;
-        a.load(zr + ca[0]);
-        b.load(zr + ca[0] + L.b_off);
+        a.load(zr + ca);
+        b.load(zr + ca + L.b_off);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = swiglu_value(a.v[i], b.v[i], pr[p]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i)
-          v[i] = j + i < L.ffn ? swiglu_value(load_f32(zr, ca[i]), load_f32(zr, ca[i] + L.b_off), pr[p]) : 0.f;
+        for (int i = 0; i < 8; ++i) v[i] = rounded<E>(swiglu_value(a.v[i], b.v[i], pr));
       }
-      h[p].round_from(v);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        if (j + i < L.ffn) {
+          const int64_t ca = backend::glu_a_column(j + i, L.interleave);
+          v[i] = rounded<E>(swiglu_value(load_f32(zr, ca), load_f32(zr, ca + L.b_off), pr));
+        }
     }
-    fp8::quantize_held_tile<E, kVec, true, false>(h, nullptr, et.base, begin, rows, t, L.ffn, kb, q, scale, 0,
-                                                  nullptr, nullptr);
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) amax = fp8_amax(amax, v[i]);
+#pragma unroll
+    for (int o = kTileThreads / 2; o > 0; o /= 2) amax = fp8_amax(amax, __shfl_xor_sync(half, amax, o));
+    const float s = fp8_scale(amax);
+    cuda::fp8::store8_codes<kVec>(q + t * L.ffn + j, j, L.ffn, cuda::fp8::codes8(v, s));
+    if (sub == 0) {
+      const int64_t g = group_of_row(offsets, G, t);
+      scale[fp8_rowwise_scale_index(offsets[g], offsets[g + 1] - offsets[g], KB, t, tile)] = s;
+    }
   }
 }
 
@@ -406,10 +404,10 @@ class CudaMLPBackend final : public GroupedMLPBackend {
         ST_FAIL("CUDA GroupedMLP: the FP8 SwiGLU forward takes a 2-byte dtype (the FP8 recipe's layer is bf16)");
       } else {
         auto launch = [&](auto kernel) {
-          kernel<<<unsigned(fp8_columnwise_max_tiles(p.rows.num_rows, p.rows.num_groups)), 256, 0,
-                   as_cuda(stream)>>>(p.rows.offsets, p.rows.num_groups, L, p.fc1_out.data_as<const E>(),
-                                      p.fc1_out.stride(0), p.probs.data_as<const float>(), p.probs.stride(0),
-                                      p.h_fp8.data.data_as<uint8_t>(), p.h_fp8.scale.data_as<float>());
+          kernel<<<unsigned(p.rows.num_rows), kRowThreads, 0, as_cuda(stream)>>>(
+              p.rows.offsets, p.rows.num_groups, L, p.fc1_out.data_as<const E>(), p.fc1_out.stride(0),
+              p.probs.data_as<const float>(), p.probs.stride(0), p.h_fp8.data.data_as<uint8_t>(),
+              p.h_fp8.scale.data_as<float>());
         };
         if (vec) launch(swiglu_forward_fp8_kernel<E, true>);
         else launch(swiglu_forward_fp8_kernel<E, false>);
