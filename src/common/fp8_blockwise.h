@@ -100,6 +100,19 @@ ST_HOST_DEVICE inline uint16_t fp8_quantize2(float a, float b, float scale) {
 // Exact in fp32 (a product by a power of two, no rounding) as long as subnormal results, which
 // tiles of e < -117 can give, are not flushed to zero.
 ST_HOST_DEVICE inline float fp8_dequantize(uint8_t q, float scale) { return e4m3_decode(q) * scale; }
+// fp8_dequantize of two codes of one tile (a's in the low byte): on GPUs with e4m3 conversions one
+// cvt to fp16 for the pair (exact: every e4m3 value, subnormals and 448 included, is an fp16 one;
+// a NaN code gives a NaN), then the same product.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+__device__ inline float2 fp8_dequantize2(uint16_t q, float scale) {
+  const float2 v = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(q, __NV_E4M3)));
+  return make_float2(v.x * scale, v.y * scale);
+}
+#elif defined(__CUDACC__)
+ST_HOST_DEVICE inline float2 fp8_dequantize2(uint16_t q, float scale) {
+  return {fp8_dequantize(uint8_t(q), scale), fp8_dequantize(uint8_t(q >> 8), scale)};
+}
+#endif
 
 // ---- tiles and layouts ---------------------------------------------------------------------
 

@@ -242,38 +242,44 @@ constexpr int kTileRowsPerPass = 256 / kRowThreads, kTilePasses = kTile / kTileR
 // Shared memory of one staged 2-byte tile, in 16-byte groups (columnwise codes from a tile).
 constexpr int kStagedTileVecs = kTile * kTileWords / 4;
 
-// A tile as a 256-thread block holds it: thread tid's chunk p is row tid / 16 + 16 p of the tile
-// (row t * 128 + that of the expert at [begin, begin + rows)), channels k0 + (tid % 16) * 8 ..
-// + 7 of K; rows past the expert's zero. kRowwise: each row's codes from the registers, its amax a
-// shuffle within the half warp. kColumnwise (2-byte elements): the words staged in `stage`
-// (kStagedTileVecs), then columnwise_from_stage (the caller syncs before staging another tile).
+// One chunk of a tile as a 256-thread block holds it: thread tid's chunk p is row i = tid / 16 +
+// 16 p of the tile (row t * 128 + i of the expert at [begin, begin + rows)), channels k0 + (tid %
+// 16) * 8 .. + 7 of K; rows past the expert's zero. kRowwise: the row's codes from the registers,
+// its amax a shuffle within the half warp (every lane calls, rows past the expert included).
+// kColumnwise (2-byte elements): the words staged in `stage` (kStagedTileVecs), for
+// columnwise_from_stage once the block's chunks are all staged and synced.
+template <typename E, bool kVec, bool kRowwise, bool kColumnwise>
+__device__ inline void quantize_held_chunk(const Chunk<E>& c, int p, uint4* stage, int64_t begin, int64_t rows,
+                                           int64_t t, int64_t K, int64_t kb, uint8_t* q_row, float* s_row) {
+  static_assert(!kColumnwise || sizeof(E) == 2, "the tile is staged as 2-byte elements");
+  const int tid = int(threadIdx.x), sub = tid % kRowThreads;
+  const int i = tid / kRowThreads + kTileRowsPerPass * p;
+  if constexpr (kRowwise) {
+    const float amax = tile_amax(c.amax());
+    const int64_t r = t * kTile + i, k = kb * kTile + sub * 8;
+    if (r < rows) {
+      const float s = fp8_scale(amax);
+      store8_codes<kVec>(q_row + (begin + r) * K + k, k, K, c.codes(s));
+      if (sub == 0) s_row[fp8_rowwise_scale_index(begin, rows, fp8_tiles(K), begin + r, kb)] = s;
+    }
+  }
+  if constexpr (kColumnwise) stage[(i * kTileWords + staged_column(i, sub * 4, kTileWords)) / 4] = c.raw();
+}
+
+// A whole held tile: each chunk's step, then (kColumnwise) the columnwise codes from the stage
+// (the caller syncs before staging another tile).
 template <typename E, bool kVec, bool kRowwise, bool kColumnwise>
 __device__ inline void quantize_held_tile(const Chunk<E> (&c)[kTilePasses], uint4* stage, int64_t base,
                                           int64_t begin, int64_t rows, int64_t t, int64_t K, int64_t kb,
                                           uint8_t* q_row, float* s_row, int64_t columns, uint8_t* q_col,
                                           float* s_col) {
-  static_assert(!kColumnwise || sizeof(E) == 2, "the tile is staged as 2-byte elements");
-  const int64_t KB = fp8_tiles(K), k0 = kb * kTile;
-  const int tid = int(threadIdx.x), sub = tid % kRowThreads;
-  const int64_t k = k0 + sub * 8;
 #pragma unroll
-  for (int p = 0; p < kTilePasses; ++p) {
-    const int i = tid / kRowThreads + kTileRowsPerPass * p;
-    if constexpr (kRowwise) {
-      const float amax = tile_amax(c[p].amax());
-      const int64_t r = t * kTile + i;
-      if (r < rows) {
-        const float s = fp8_scale(amax);
-        store8_codes<kVec>(q_row + (begin + r) * K + k, k, K, c[p].codes(s));
-        if (sub == 0) s_row[fp8_rowwise_scale_index(begin, rows, KB, begin + r, kb)] = s;
-      }
-    }
-    if constexpr (kColumnwise) stage[(i * kTileWords + staged_column(i, sub * 4, kTileWords)) / 4] = c[p].raw();
-  }
+  for (int p = 0; p < kTilePasses; ++p)
+    quantize_held_chunk<E, kVec, kRowwise, kColumnwise>(c[p], p, stage, begin, rows, t, K, kb, q_row, s_row);
   if constexpr (kColumnwise) {
     __syncthreads();
-    columnwise_from_stage<E>(reinterpret_cast<const uint32_t*>(stage), base, begin, rows, t, K, k0, columns,
-                             q_col, s_col);
+    columnwise_from_stage<E>(reinterpret_cast<const uint32_t*>(stage), base, begin, rows, t, K, kb * kTile,
+                             columns, q_col, s_col);
   }
 }
 

@@ -16,6 +16,7 @@
 #include "common/group_offsets.h"
 #include "cuda/cuda_check.h"
 #include "cuda/cuda_stream.h"
+#include "cuda/device_cache.h"
 #include "cuda/element.cuh"
 #include "cuda/fp8/fp8_quantize_cuda.cuh"
 #include "cuda/grouped_linear/grouped_gemm_params.h"  // kMaxGroups
@@ -201,22 +202,75 @@ __global__ void __launch_bounds__(kRowThreads)
   if (threadIdx.x == 0) dprobs[t] = dp;
 }
 
+// One row's a_j .. a_{j+7} and b_j .. b_{j+7} as the FP8 backward reads them: from z (kVec: two
+// 16-byte loads), or with kCodes from its rowwise codes zq [T, 2F] and scales zs, each value
+// decoded and rounded to E (z's values had it been restored from them; kVec: two 8-byte loads).
+// Row `row` of the expert at [begin, begin + rows); ca0 the pair's first a column, ca = ca0 + this
+// thread's eight.
+template <typename E, bool kVec, bool kCodes>
+__device__ inline void load_glu_pair(const E* z, int64_t z_ld, const uint8_t* zq, const float* zs, int64_t K,
+                                     const GluLayout& L, int64_t begin, int64_t rows, int64_t row, int64_t ca0,
+                                     int64_t ca, float (&a)[8], float (&b)[8]) {
+  if constexpr (kCodes) {
+    const uint8_t* qr = zq + row * K;
+    const int64_t KB = fp8_tiles(K);
+    const float sa = zs[fp8_rowwise_scale_index(begin, rows, KB, row, ca0 / kFp8Tile)];
+    const float sb = zs[fp8_rowwise_scale_index(begin, rows, KB, row, (ca0 + L.b_off) / kFp8Tile)];
+    uint2 qa = {}, qb = {};  // code i in byte i
+    if constexpr (kVec) {
+      qa = *reinterpret_cast<const uint2*>(qr + ca);
+      qb = *reinterpret_cast<const uint2*>(qr + ca + L.b_off);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        (i < 4 ? qa.x : qa.y) |= uint32_t(qr[ca + i]) << (8 * (i % 4));
+        (i < 4 ? qb.x : qb.y) |= uint32_t(qr[ca + L.b_off + i]) << (8 * (i % 4));
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 8; i += 2) {
+      const int shift = 8 * (i % 4);
+      const float2 va = fp8_dequantize2(uint16_t((i < 4 ? qa.x : qa.y) >> shift), sa);
+      const float2 vb = fp8_dequantize2(uint16_t((i < 4 ? qb.x : qb.y) >> shift), sb);
+      a[i] = rounded<E>(va.x), a[i + 1] = rounded<E>(va.y), b[i] = rounded<E>(vb.x), b[i + 1] = rounded<E>(vb.y);
+    }
+  } else {
+    const E* zr = z + row * z_ld;
+    if constexpr (kVec) {
+      Pack<E, 8> pa, pb;
+      pa.load(zr + ca);
+      pb.load(zr + ca + L.b_off);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) a[i] = pa.v[i], b[i] = pb.v[i];
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) a[i] = load_f32(zr, ca + i), b[i] = load_f32(zr, ca + L.b_off + i);
+    }
+  }
+}
+
 // The FP8 backward: d fc1_out's two layouts as quantize_both writes them from the d fc1_out that
 // swiglu_backward_kernel writes, h' (fc2's input) as quantize_columnwise writes it from the h'
 // swiglu_forward_kernel writes (each value rounded to E first: the same codes), and dprobs, with
 // neither in memory. One block per 128-token tile of one expert (expert_tile; a block past them
 // returns); it walks the F / 128 pairs of 128-column tiles (128 j: their a tile and their b tile,
-// glu_tiles_pair), each thread eight rows x eight j, as quantize_tile_kernel holds a tile, so
-// quantize_held_tile writes h''s columnwise codes, then both layouts of the a tile and of the b
-// tile, from registers.
-// dprobs: each thread's sums over its j, then a row's sixteen threads in a fixed tree
-// (deterministic; another order than swiglu_backward_kernel's block sum, so not its bits). Rows in
+// glu_tiles_pair), each thread eight rows x eight j, as quantize_tile_kernel holds a tile. Each
+// row of eight values goes out as it is made (quantize_held_chunk): d a's and d b's rowwise codes
+// from the registers, and the three tiles (h', d a, d b) staged in shared memory; once the pair is
+// staged, their columnwise codes from there. Nothing held across rows keeps the kernel at two
+// blocks an SM (96 KiB of shared memory each, 92-96 registers): one block's loads run under the
+// other's columnwise pass (held in registers, at 223 registers and one block an SM, the kernel
+// ran at a third of its traffic's speed).
+// dprobs: a pair's terms summed over each thread's eight j, then over a row's sixteen threads in a
+// fixed tree, then pair after pair in shared memory (deterministic; another order than
+// swiglu_backward_kernel's block sum, so not its bits). Rows in
 // [S, T): dprobs zero (a grid-stride loop), codes not written (quantize_both's rule). No bias (an
 // FP8 layer has none). kVec: 16-byte loads and 8-byte code stores (checked by the launcher).
-// kCodes: z read as its rowwise codes zq [T, 2F] and scales zs instead (each value decoded and
-// rounded to E: z's values had it been restored from them), 8-byte code loads with kVec.
+// kCodes: z read as its rowwise codes (load_glu_pair).
+constexpr int kSwigluBwdStages = 3;  // h', d a, d b
+constexpr int kSwigluBwdSmem = kSwigluBwdStages * cuda::fp8::kStagedTileVecs * int(sizeof(uint4));
 template <typename E, bool kVec, bool kCodes>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(256, 2)
     swiglu_backward_fp8_kernel(const int64_t* offsets, int64_t G, int64_t T, GluLayout L, const E* z, int64_t z_ld,
                                const uint8_t* zq, const float* zs, const float* probs, int64_t probs_stride,
                                const E* dh, int64_t dh_ld, uint8_t* q_row,
@@ -224,7 +278,11 @@ __global__ void __launch_bounds__(256)
                                float* h_scale, float* dprobs) {
   namespace fp8 = cuda::fp8;
   constexpr int kSub = fp8::kRowThreads, kPasses = fp8::kTilePasses, kRowsPerPass = fp8::kTileRowsPerPass;
-  __shared__ uint4 staged[fp8::kStagedTileVecs];
+  extern __shared__ uint4 stages[];
+  __shared__ float dprob_rows[kFp8Tile];  // the tile's rows' dprobs, summed a pair at a time
+  uint4* const stage_h = stages;
+  uint4* const stage_a = stages + fp8::kStagedTileVecs;
+  uint4* const stage_b = stages + 2 * fp8::kStagedTileVecs;
   const int tid = int(threadIdx.x), sub = tid % kSub;
   const int64_t S = offsets[G];
   for (int64_t r = S + int64_t(blockIdx.x) * blockDim.x + tid; r < T; r += int64_t(gridDim.x) * blockDim.x)
@@ -233,92 +291,62 @@ __global__ void __launch_bounds__(256)
   if (et.g == G) return;
   const int64_t base = et.base, begin = offsets[et.g], rows = offsets[et.g + 1] - begin, t = blockIdx.x - base;
   const int64_t K = 2 * L.ffn;
-  float pr[kPasses], dp[kPasses];
-#pragma unroll
-  for (int p = 0; p < kPasses; ++p) {
-    const int64_t r = t * kFp8Tile + tid / kSub + kRowsPerPass * p;  // a row of the expert
-    pr[p] = r < rows ? probs[(begin + r) * probs_stride] : 0.f;
-    dp[p] = 0.f;
-  }
+  if (tid < kFp8Tile) dprob_rows[tid] = 0.f;
+  __syncthreads();
   for (int64_t j0 = 0; j0 < L.ffn; j0 += kFp8Tile) {
     // The pair's a tile starts at column ca0, its b tile at ca0 + b_off; this thread's j .. j + 7
     // sit at ca0 + sub * 8 .. in each.
     const int64_t ca0 = backend::glu_a_column(j0, L.interleave), j = j0 + sub * 8, ca = ca0 + sub * 8;
-    fp8::Chunk<E> h[kPasses] = {}, da[kPasses] = {}, db[kPasses] = {};
-#pragma unroll
+    const int64_t kb_h = j0 / kFp8Tile, kb_a = ca0 / kFp8Tile, kb_b = (ca0 + L.b_off) / kFp8Tile;
+#pragma unroll 4
     for (int p = 0; p < kPasses; ++p) {
-      const int64_t r = t * kFp8Tile + tid / kSub + kRowsPerPass * p;
-      if (r >= rows) continue;
-      const E* dhr = dh + (begin + r) * dh_ld;
-      float a[8], b[8], d[8], vh[8], vda[8], vdb[8];
-      if constexpr (kCodes) {
-        const uint8_t* qr = zq + (begin + r) * K;
-        const int64_t KB = fp8_tiles(K);
-        const float sa = zs[fp8_rowwise_scale_index(begin, rows, KB, begin + r, ca0 / kFp8Tile)];
-        const float sb = zs[fp8_rowwise_scale_index(begin, rows, KB, begin + r, (ca0 + L.b_off) / kFp8Tile)];
-        uint8_t qa[8], qb[8];
+      const int i = tid / kSub + kRowsPerPass * p;  // the tile's row
+      const int64_t r = t * kFp8Tile + i;          // the expert's
+      fp8::Chunk<E> h = {}, da = {}, db = {};
+      float dp = 0.f;
+      if (r < rows) {
+        float a[8], b[8], d[8], vh[8], vda[8], vdb[8];
+        const float pr = probs[(begin + r) * probs_stride];
+        load_glu_pair<E, kVec, kCodes>(z, z_ld, zq, zs, K, L, begin, rows, begin + r, ca0, ca, a, b);
+        const E* dhr = dh + (begin + r) * dh_ld;
         if constexpr (kVec) {
-          *reinterpret_cast<uint2*>(qa) = *reinterpret_cast<const uint2*>(qr + ca);
-          *reinterpret_cast<uint2*>(qb) = *reinterpret_cast<const uint2*>(qr + ca + L.b_off);
+          Pack<E, 8> pd;
+          pd.load(dhr + j);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) d[i] = pd.v[i];
         } else {
 #pragma unroll
-          for (int i = 0; i < 8; ++i) qa[i] = qr[ca + i], qb[i] = qr[ca + L.b_off + i];
+          for (int i = 0; i < 8; ++i) d[i] = load_f32(dhr, j + i);
         }
 #pragma unroll
-        for (int i = 0; i < 8; ++i)
-          a[i] = rounded<E>(fp8_dequantize(qa[i], sa)), b[i] = rounded<E>(fp8_dequantize(qb[i], sb));
-      } else {
-        const E* zr = z + (begin + r) * z_ld;
-        if constexpr (kVec) {
-          Pack<E, 8> pa, pb;
-          pa.load(zr + ca);
-          pb.load(zr + ca + L.b_off);
-#pragma unroll
-          for (int i = 0; i < 8; ++i) a[i] = pa.v[i], b[i] = pb.v[i];
-        } else {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) a[i] = load_f32(zr, ca + i), b[i] = load_f32(zr, ca + L.b_off + i);
+        for (int i = 0; i < 8; ++i) {
+          const SwigluGrad g = swiglu_grad(a[i], b[i], d[i], pr);
+          dp += g.dprob;
+          vh[i] = swiglu_value(a[i], b[i], pr);
+          vda[i] = g.da;
+          vdb[i] = g.db;
         }
-      }
-      if constexpr (kVec) {
-        Pack<E, 8> pd;
-        pd.load(dhr + j);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) d[i] = pd.v[i];
-      } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) d[i] = load_f32(dhr, j + i);
+        h.round_from(vh);
+        da.round_from(vda);
+        db.round_from(vdb);
       }
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const SwigluGrad g = swiglu_grad(a[i], b[i], d[i], pr[p]);
-        dp[p] += g.dprob;
-        vh[i] = swiglu_value(a[i], b[i], pr[p]);
-        vda[i] = g.da;
-        vdb[i] = g.db;
-      }
-      h[p].round_from(vh);
-      da[p].round_from(vda);
-      db[p].round_from(vdb);
+      for (int o = kSub / 2; o > 0; o /= 2) dp += __shfl_xor_sync(0xffffffffu, dp, o);  // the row's 16 threads
+      if (sub == 0) dprob_rows[i] += dp;  // this thread's row in every pair: no race
+      fp8::quantize_held_chunk<E, kVec, false, true>(h, p, stage_h, begin, rows, t, L.ffn, kb_h, nullptr, nullptr);
+      fp8::quantize_held_chunk<E, kVec, true, true>(da, p, stage_a, begin, rows, t, K, kb_a, q_row, s_row);
+      fp8::quantize_held_chunk<E, kVec, true, true>(db, p, stage_b, begin, rows, t, K, kb_b, q_row, s_row);
     }
-    fp8::quantize_held_tile<E, kVec, false, true>(h, staged, base, begin, rows, t, L.ffn, j0 / kFp8Tile, nullptr,
-                                                  nullptr, columns, h_col, h_scale);
-    __syncthreads();
-    fp8::quantize_held_tile<E, kVec, true, true>(da, staged, base, begin, rows, t, K, ca0 / kFp8Tile, q_row, s_row,
-                                                 columns, q_col, s_col);
-    __syncthreads();  // the stage's reads done before the b tile is staged
-    fp8::quantize_held_tile<E, kVec, true, true>(db, staged, base, begin, rows, t, K, (ca0 + L.b_off) / kFp8Tile,
-                                                 q_row, s_row, columns, q_col, s_col);
-    __syncthreads();
+    __syncthreads();  // the pair's three tiles staged
+    const auto* words = reinterpret_cast<const uint32_t*>(stages);
+    constexpr int kStageWords = fp8::kStagedTileVecs * 4;
+    fp8::columnwise_from_stage<E>(words, base, begin, rows, t, L.ffn, j0, columns, h_col, h_scale);
+    fp8::columnwise_from_stage<E>(words + kStageWords, base, begin, rows, t, K, ca0, columns, q_col, s_col);
+    fp8::columnwise_from_stage<E>(words + 2 * kStageWords, base, begin, rows, t, K, ca0 + L.b_off, columns, q_col,
+                                  s_col);
+    __syncthreads();  // the stages read before the next pair's are written
   }
-#pragma unroll
-  for (int p = 0; p < kPasses; ++p) {
-    float v = dp[p];
-#pragma unroll
-    for (int o = kSub / 2; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);  // every lane the same sum
-    const int64_t r = t * kFp8Tile + tid / kSub + kRowsPerPass * p;
-    if (sub == 0 && r < rows) dprobs[begin + r] = v;
-  }
+  if (tid < kFp8Tile && t * kFp8Tile + tid < rows) dprobs[begin + t * kFp8Tile + tid] = dprob_rows[tid];
 }
 
 // y[t] += probs[t] * b2_g for rows t < S (fp32 add, one rounding).
@@ -467,7 +495,8 @@ class CudaMLPBackend final : public GroupedMLPBackend {
         ST_FAIL("CUDA GroupedMLP: the FP8 SwiGLU backward takes bf16 (the FP8 recipe's layer dtype)");
       } else {
         auto launch = [&](auto kernel) {
-          kernel<<<unsigned(fp8_columnwise_max_tiles(T, G)), 256, 0, as_cuda(stream)>>>(
+          cuda::opt_in_smem(reinterpret_cast<const void*>(kernel), kSwigluBwdSmem);
+          kernel<<<unsigned(fp8_columnwise_max_tiles(T, G)), 256, kSwigluBwdSmem, as_cuda(stream)>>>(
               p.rows.offsets, G, T, L, codes ? nullptr : p.fc1_out.data_as<const E>(),
               codes ? 0 : p.fc1_out.stride(0), codes ? p.fc1_out_codes.data.data_as<const uint8_t>() : nullptr,
               codes ? p.fc1_out_codes.scale.data_as<const float>() : nullptr, p.probs.data_as<const float>(),
