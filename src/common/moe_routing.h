@@ -61,24 +61,30 @@ ST_HOST_DEVICE inline float router_score(const RouterRule& r, float logit, const
 }
 
 // One token: experts[0..top_k) in choice order and their probs. logits: the token's E logits
-// (contiguous), bias: E floats or null. top_k <= num_experts (the op checks it).
+// (contiguous), bias: E floats or null. top_k <= num_experts (the op checks it). One pass over the
+// experts keeps the best top_k so far in choice order (ids in experts, values in probs), each
+// expert's value computed once and inserted where the order puts it; the order is strict and
+// total, so the i-th kept is the i-th best (what top_k passes of an argmax choose), in E * top_k
+// compares at worst and E value computations, not top_k * E of each.
 ST_HOST_DEVICE inline void route_token(const RouterRule& r, const float* logits, const float* bias,
                                        int32_t* experts, float* probs) {
   SoftmaxRow row;
   if (r.score == RouterScore::kSoftmax) row = router_softmax_row(logits, r.num_experts);
+  int32_t kept = 0;
+  for (int32_t e = 0; e < r.num_experts; ++e) {
+    const float value = router_score(r, logits[e], row) + (bias != nullptr ? bias[e] : 0.f);
+    if (kept == r.top_k && !router_choice_before(value, e, probs[kept - 1], experts[kept - 1])) continue;
+    int32_t i = kept < r.top_k ? kept++ : kept - 1;  // full: the last kept drops out
+    for (; i > 0 && router_choice_before(value, e, probs[i - 1], experts[i - 1]); --i) {
+      experts[i] = experts[i - 1];
+      probs[i] = probs[i - 1];
+    }
+    experts[i] = e;
+    probs[i] = value;
+  }
   float sum = 0.f;
   for (int32_t i = 0; i < r.top_k; ++i) {
-    int32_t best = -1;
-    float best_value = 0.f;
-    for (int32_t e = 0; e < r.num_experts; ++e) {
-      bool taken = false;
-      for (int32_t j = 0; j < i; ++j) taken = taken || experts[j] == e;
-      if (taken) continue;
-      const float value = router_score(r, logits[e], row) + (bias != nullptr ? bias[e] : 0.f);
-      if (best < 0 || router_choice_before(value, e, best_value, best)) best = e, best_value = value;
-    }
-    experts[i] = best;
-    probs[i] = router_score(r, logits[best], row);
+    probs[i] = router_score(r, logits[experts[i]], row);
     sum += probs[i];
   }
   if (r.normalize)
@@ -88,7 +94,7 @@ ST_HOST_DEVICE inline void route_token(const RouterRule& r, const float* logits,
 // One token's gradient with respect to its logits, from dprobs (top_k, the gradient of the probs
 // route_token returned, in its order) and dscore_sum (E or null: the gradient of the per-expert
 // sums of the scores over the tokens, the statistic an auxiliary load-balancing loss uses).
-// dlogits: E floats, written (not accumulated).
+// dlogits: E floats, written (not accumulated). experts: distinct, in range (the callers check).
 ST_HOST_DEVICE inline void route_token_backward(const RouterRule& r, const float* logits, const int32_t* experts,
                                                 const float* dprobs, const float* dscore_sum, float* dlogits) {
   SoftmaxRow row;
@@ -99,15 +105,13 @@ ST_HOST_DEVICE inline void route_token_backward(const RouterRule& r, const float
   float dq_dot_q = 0.f;
   if (r.normalize)
     for (int32_t i = 0; i < r.top_k; ++i) dq_dot_q += dprobs[i] * router_score(r, logits[experts[i]], row) / chosen_sum;
-  // ds_e: the gradient with respect to the score s_e; dlogits first holds it.
+  // ds_e: the gradient with respect to the score s_e; dlogits first holds it. A chosen expert's
+  // term is added to its dscore_sum once (the experts are distinct), the others' is none.
+  for (int32_t e = 0; e < r.num_experts; ++e) dlogits[e] = dscore_sum != nullptr ? dscore_sum[e] : 0.f;
+  for (int32_t i = 0; i < r.top_k; ++i)
+    dlogits[experts[i]] += r.normalize ? (dprobs[i] - dq_dot_q) / chosen_sum : dprobs[i];
   float ds_dot_s = 0.f;  // sum_e ds_e s_e (softmax's Jacobian)
-  for (int32_t e = 0; e < r.num_experts; ++e) {
-    float ds = dscore_sum != nullptr ? dscore_sum[e] : 0.f;
-    for (int32_t i = 0; i < r.top_k; ++i)
-      if (experts[i] == e) ds += r.normalize ? (dprobs[i] - dq_dot_q) / chosen_sum : dprobs[i];
-    dlogits[e] = ds;
-    ds_dot_s += ds * router_score(r, logits[e], row);
-  }
+  for (int32_t e = 0; e < r.num_experts; ++e) ds_dot_s += dlogits[e] * router_score(r, logits[e], row);
   for (int32_t e = 0; e < r.num_experts; ++e) {
     const float s = router_score(r, logits[e], row);
     dlogits[e] = r.score == RouterScore::kSoftmax ? s * (dlogits[e] - ds_dot_s) : dlogits[e] * s * (1.f - s);
