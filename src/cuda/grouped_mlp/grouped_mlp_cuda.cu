@@ -263,10 +263,10 @@ __device__ inline void load_glu_pair(const E* z, int64_t z_ld, const uint8_t* zq
 // ran at a third of its traffic's speed).
 // dprobs: a pair's terms summed over each thread's eight j, then over a row's sixteen threads in a
 // fixed tree, then pair after pair in shared memory (deterministic; another order than
-// swiglu_backward_kernel's block sum, so not its bits). Rows in
-// [S, T): dprobs zero (a grid-stride loop), codes not written (quantize_both's rule). No bias (an
-// FP8 layer has none). kVec: 16-byte loads and 8-byte code stores (checked by the launcher).
-// kCodes: z read as its rowwise codes (load_glu_pair).
+// swiglu_backward_kernel's block sum, so not its bits). Rows in [S, T): dprobs zero (a grid-stride
+// loop), codes not written (quantize_both's rule). No bias (an FP8 layer has none). kVec: 16-byte
+// loads and 8-byte code stores (checked by the launcher). kCodes: z read as its rowwise codes
+// (load_glu_pair).
 constexpr int kSwigluBwdStages = 3;  // h', d a, d b
 constexpr int kSwigluBwdSmem = kSwigluBwdStages * cuda::fp8::kStagedTileVecs * int(sizeof(uint4));
 template <typename E, bool kVec, bool kCodes>
@@ -300,8 +300,8 @@ __global__ void __launch_bounds__(256, 2)
     const int64_t kb_h = j0 / kFp8Tile, kb_a = ca0 / kFp8Tile, kb_b = (ca0 + L.b_off) / kFp8Tile;
 #pragma unroll 4
     for (int p = 0; p < kPasses; ++p) {
-      const int i = tid / kSub + kRowsPerPass * p;  // the tile's row
-      const int64_t r = t * kFp8Tile + i;          // the expert's
+      const int row = tid / kSub + kRowsPerPass * p;  // the tile's row
+      const int64_t r = t * kFp8Tile + row;          // the expert's
       fp8::Chunk<E> h = {}, da = {}, db = {};
       float dp = 0.f;
       if (r < rows) {
@@ -332,18 +332,16 @@ __global__ void __launch_bounds__(256, 2)
       }
 #pragma unroll
       for (int o = kSub / 2; o > 0; o /= 2) dp += __shfl_xor_sync(0xffffffffu, dp, o);  // the row's 16 threads
-      if (sub == 0) dprob_rows[i] += dp;  // this thread's row in every pair: no race
+      if (sub == 0) dprob_rows[row] += dp;  // this thread's row in every pair: no race
       fp8::quantize_held_chunk<E, kVec, false, true>(h, p, stage_h, begin, rows, t, L.ffn, kb_h, nullptr, nullptr);
       fp8::quantize_held_chunk<E, kVec, true, true>(da, p, stage_a, begin, rows, t, K, kb_a, q_row, s_row);
       fp8::quantize_held_chunk<E, kVec, true, true>(db, p, stage_b, begin, rows, t, K, kb_b, q_row, s_row);
     }
     __syncthreads();  // the pair's three tiles staged
-    const auto* words = reinterpret_cast<const uint32_t*>(stages);
-    constexpr int kStageWords = fp8::kStagedTileVecs * 4;
-    fp8::columnwise_from_stage<E>(words, base, begin, rows, t, L.ffn, j0, columns, h_col, h_scale);
-    fp8::columnwise_from_stage<E>(words + kStageWords, base, begin, rows, t, K, ca0, columns, q_col, s_col);
-    fp8::columnwise_from_stage<E>(words + 2 * kStageWords, base, begin, rows, t, K, ca0 + L.b_off, columns, q_col,
-                                  s_col);
+    auto words = [](const uint4* stage) { return reinterpret_cast<const uint32_t*>(stage); };
+    fp8::columnwise_from_stage<E>(words(stage_h), base, begin, rows, t, L.ffn, j0, columns, h_col, h_scale);
+    fp8::columnwise_from_stage<E>(words(stage_a), base, begin, rows, t, K, ca0, columns, q_col, s_col);
+    fp8::columnwise_from_stage<E>(words(stage_b), base, begin, rows, t, K, ca0 + L.b_off, columns, q_col, s_col);
     __syncthreads();  // the stages read before the next pair's are written
   }
   if (tid < kFp8Tile && t * kFp8Tile + tid < rows) dprobs[begin + t * kFp8Tile + tid] = dprob_rows[tid];
