@@ -72,16 +72,9 @@ struct Sm90Fp8GroupedGemm {
                                                 kWgrad ? cute::GMMA::Major::MN : cute::GMMA::Major::K>;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
-  // The wgrad's bf16 weight grad stored as one 128 x 128 subtile (CUTLASS's choice: four of 128 x
-  // 32, a barrier and a TMA store each): its reduction over an expert's tokens is short (8-16 steps
-  // of 128 in a MoE step), so what a tile pays besides its MMAs weighs (PERF.md, FP8). The fp32
-  // variant keeps CUTLASS's: its source C tiles would take 128 KiB of shared memory at 128 x 128.
-  static constexpr int kWgradEpilogueN = 128;
-  using EpilogueTile = std::conditional_t<V == Fp8Variant::kWgrad, Shape<_128, Int<kWgradEpilogueN>>,
-                                          cutlass::epilogue::collective::EpilogueTileAuto>;
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      EpilogueTile, float, float, ElementC, LayoutD*, kAlignC, ElementD, LayoutD*,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD*, kAlignC, ElementD, LayoutD*,
       kAlignD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
       cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC>>::CollectiveOp;
   using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
