@@ -13,6 +13,11 @@ enum class Variant {
   kDgrad,      // dx = dy W
   kWgrad,      // dW = dy^T x in the element type
   kWgradF32,   // fp32 main_grad (+)= dy^T x
+  // fp32 main_grad += dy^T x through a TMA reduce-add store: the SMs never read main_grad (no
+  // source load, no shared memory for it: a mainloop stage more). The L2's fp32 add flushes
+  // subnormal operands and sums to zero (the PTX ISA's cp.reduce.async.bulk.add.f32), which
+  // kWgradF32 does not. No direct-store twin: a misaligned main_grad takes kWgradF32Direct.
+  kWgradF32Add,
   // The same GEMMs storing straight from the accumulator registers (no TMA store): for caller
   // outputs (out, grad_input, main_grad) whose base is off a 16-byte boundary. Same tiles, same
   // mainloop, same k order: bit-identical to the TMA-store kernel. dW in the element type is
@@ -45,6 +50,11 @@ constexpr Variant computed_by(Variant v) {
   return v;
 }
 constexpr bool is_direct_store(Variant v) { return computed_by(v) != v; }
+// The weight-gradient GEMMs (M = out, N = in, K = an expert's rows), whatever they store.
+constexpr bool is_wgrad(Variant v) {
+  const Variant c = computed_by(v);
+  return c == Variant::kWgrad || c == Variant::kWgradF32 || c == Variant::kWgradF32Add;
+}
 
 // Every variant runs one kernel shape: 128x256x64 tiles, cluster 2x1, the cooperative schedule
 // (both consumer warpgroups on one tile). A 128x128 pingpong schedule was built and measured on
@@ -66,9 +76,8 @@ struct Tuning {
 // measured best or tied along M.
 inline Tuning pick_tuning(Variant v, int64_t in, int64_t out) {
   Tuning t;
-  const bool wgrad = computed_by(v) == Variant::kWgrad || computed_by(v) == Variant::kWgradF32;
   const int64_t m_tiles = (out + kTileM - 1) / kTileM, n_tiles = (in + kTileN - 1) / kTileN;
-  if (wgrad && m_tiles >= 2 * n_tiles) t.raster = Raster::kAlongN;
+  if (is_wgrad(v) && m_tiles >= 2 * n_tiles) t.raster = Raster::kAlongN;
   return t;
 }
 
