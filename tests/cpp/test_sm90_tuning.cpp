@@ -63,6 +63,18 @@ TEST(Sm90Tuning, ReduceAddWgradIsAWgradWithoutATwin) {
   EXPECT_EQ(sm90::pick_tuning(sm90::Variant::kWgradF32Add, 7168, 4096).raster, sm90::Raster::kAlongM);
 }
 
+TEST(Sm90Tuning, MainGradAddOverride) {
+  unsetenv("SPARSETRAIN_MAIN_GRAD_ADD");
+  EXPECT_TRUE(sparsetrain::cuda::tuning::main_grad_reduce_add());
+  setenv("SPARSETRAIN_MAIN_GRAD_ADD", "epilogue", 1);
+  EXPECT_FALSE(sparsetrain::cuda::tuning::main_grad_reduce_add());
+  setenv("SPARSETRAIN_MAIN_GRAD_ADD", "reduce", 1);
+  EXPECT_TRUE(sparsetrain::cuda::tuning::main_grad_reduce_add());
+  setenv("SPARSETRAIN_MAIN_GRAD_ADD", "atomics", 1);
+  EXPECT_THROW(sparsetrain::cuda::tuning::main_grad_reduce_add(), sparsetrain::Error);
+  unsetenv("SPARSETRAIN_MAIN_GRAD_ADD");
+}
+
 TEST(Sm90Tuning, EnvironmentOverridesOnlyValidValues) {
   const sm90::Tuning base = sm90::pick_tuning(sm90::Variant::kFprop, 64, 64);
   setenv("SPARSETRAIN_SM90_RASTER", "n", 1);

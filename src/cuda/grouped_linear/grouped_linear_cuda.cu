@@ -267,7 +267,7 @@ class CudaBackend final : public GroupedLinearBackend {
     // main_grad accumulated by the TMA store's reduce-add where it can be (aligned, built); the
     // register epilogue (kWgradF32, its direct twin off 16 bytes) otherwise and to overwrite it.
     const bool reduce_add = w.target == WgradTarget::kMainGradAccumulate && dw_aligned &&
-                            sm90_built(Variant::kWgradF32Add, w.problem.dtype);
+                            sm90_built(Variant::kWgradF32Add, w.problem.dtype) && cuda::tuning::main_grad_reduce_add();
     const Variant v = w.target == WgradTarget::kWeightGrad ? Variant::kWgrad
                       : reduce_add                         ? Variant::kWgradF32Add
                                                            : Variant::kWgradF32;
