@@ -14,9 +14,9 @@ enum class Variant {
   kWgrad,      // dW = dy^T x in the element type
   kWgradF32,   // fp32 main_grad (+)= dy^T x
   // fp32 main_grad += dy^T x through a TMA reduce-add store: the SMs never read main_grad (no
-  // source load, no shared memory for it). The L2's fp32 add flushes subnormal operands and sums
-  // to zero (the PTX ISA's cp.reduce.async.bulk.add.f32), which kWgradF32 does not. No
-  // direct-store twin: a misaligned main_grad takes kWgradF32Direct.
+  // source load, no shared memory for it: 4 mainloop stages, kWgradF32's 3). The L2's fp32 add
+  // flushes subnormal operands and sums to zero (the PTX ISA's cp.reduce.async.bulk.add.f32),
+  // which kWgradF32 does not. No direct-store twin: a misaligned main_grad takes kWgradF32Direct.
   kWgradF32Add,
   // The same GEMMs storing straight from the accumulator registers (no TMA store): for caller
   // outputs (out, grad_input, main_grad) whose base is off a 16-byte boundary. Same tiles, same
