@@ -17,6 +17,18 @@ namespace sparsetrain::cuda::sm90 {
 struct TmaReduceAdd : cute::SM90_TMA_REDUCE_ADD {};     // the host-made descriptor
 struct TmaReduceAddPtr : cute::SM90_TMA_REDUCE_ADD {};  // a descriptor in memory (per group)
 
+// The instruction, for a shared-memory tile and the TMA coordinates of its destination.
+template <class TS, class SLayout, class TD, class DLayout>
+CUTE_HOST_DEVICE void tma_reduce_add(cute::TmaDescriptor const* desc, cute::Tensor<TS, SLayout> const& src,
+                                     cute::Tensor<TD, DLayout>& dst) {
+  static_assert(cute::is_smem<TS>::value, "a TMA reduce-add reads shared memory");
+  auto dst_coord = dst.data().coord_;
+  cute::detail::explode_tuple(cute::detail::CallCOPY<cute::SM90_TMA_REDUCE_ADD>{},
+                              cute::make_tuple(static_cast<void const*>(desc),
+                                               static_cast<void const*>(cute::raw_pointer_cast(src.data()))),
+                              cute::seq<0, 1>{}, dst_coord, cute::tuple_seq<decltype(dst_coord)>{});
+}
+
 }  // namespace sparsetrain::cuda::sm90
 
 namespace cute {
@@ -33,12 +45,7 @@ struct Copy_Traits<sparsetrain::cuda::sm90::TmaReduceAddPtr, NumBitsPerTMA> {
   template <class TS, class SLayout, class TD, class DLayout>
   CUTE_HOST_DEVICE friend constexpr void copy_unpack(Copy_Traits const& traits, Tensor<TS, SLayout> const& src,
                                                      Tensor<TD, DLayout>& dst) {
-    static_assert(is_smem<TS>::value, "a TMA reduce-add reads shared memory");
-    auto dst_coord = dst.data().coord_;
-    return detail::explode_tuple(detail::CallCOPY<SM90_TMA_REDUCE_ADD>{},
-                                 make_tuple(static_cast<void const*>(traits.tma_desc_),
-                                            static_cast<void const*>(cute::raw_pointer_cast(src.data()))),
-                                 seq<0, 1>{}, dst_coord, tuple_seq<decltype(dst_coord)>{});
+    sparsetrain::cuda::sm90::tma_reduce_add(traits.tma_desc_, src, dst);
   }
 };
 
@@ -70,12 +77,7 @@ struct Copy_Traits<sparsetrain::cuda::sm90::TmaReduceAdd, NumBitsPerTMA, AuxPara
   template <class TS, class SLayout, class TD, class DLayout>
   CUTE_HOST_DEVICE friend constexpr void copy_unpack(Copy_Traits const& traits, Tensor<TS, SLayout> const& src,
                                                      Tensor<TD, DLayout>& dst) {
-    static_assert(is_smem<TS>::value, "a TMA reduce-add reads shared memory");
-    auto dst_coord = dst.data().coord_;
-    return detail::explode_tuple(detail::CallCOPY<SM90_TMA_REDUCE_ADD>{},
-                                 make_tuple(static_cast<void const*>(&traits.tma_desc_),
-                                            static_cast<void const*>(cute::raw_pointer_cast(src.data()))),
-                                 seq<0, 1>{}, dst_coord, tuple_seq<decltype(dst_coord)>{});
+    sparsetrain::cuda::sm90::tma_reduce_add(&traits.tma_desc_, src, dst);
   }
 };
 
