@@ -10,6 +10,7 @@
 
 #include "device_tensor.h"
 #include "grouped_linear_case.h"
+#include "sm90/sm90_instances.h"
 #include "sparsetrain/error.h"
 #include "sparsetrain/runtime.h"
 
@@ -233,6 +234,34 @@ TEST(GroupedLinearCudaContract, MainGradAccumulateAndOverwriteWithAnEmptyExpert)
   check_main_grad(st::DType::kBF16);
 }
 
+
+// docs/DESIGN.md section 4: accumulated by the sm90 wgrad's reduce-add (ALL builds, Hopper, an
+// aligned main_grad), main_grad's subnormal values are flushed to zero (the L2's fp32 add); the
+// register epilogue (SPARSETRAIN_MAIN_GRAD_ADD=epilogue, as the direct-store twin and the CPU
+// reference) keeps them. x = 0, so the wgrad adds exact zeros.
+TEST(GroupedLinearCudaContract, MainGradSubnormalsUnderEachAccumulation) {
+  REQUIRE_GPU();
+  GroupedLinearCase c = make_case({st::DType::kBF16, 2, 256, 256, 64, 64, {}, true, false, false});
+  c.fuse = true;
+  for (int64_t i = 0; i < c.x.numel(); ++i) c.x.set(i, 0.0);
+  const float subnormal = 1e-40f;
+  ASSERT_LT(subnormal, 1.17549435e-38f);
+  for (int64_t i = 0; i < c.main_grad.numel(); ++i) c.main_grad.set(i, subnormal);
+  bool reduce_add_built = false;
+#define ST_TEST_GEMM(V, E) reduce_add_built |= std::string(#V) == "kWgradF32Add";
+  SPARSETRAIN_SM90_GEMM_INSTANCES(ST_TEST_GEMM)
+#undef ST_TEST_GEMM
+  for (const char* how : {"reduce", "epilogue"}) {
+    SCOPED_TRACE(std::string("SPARSETRAIN_MAIN_GRAD_ADD=") + how);
+    ScopedEnv pin("SPARSETRAIN_MAIN_GRAD_ADD", how);
+    CudaLayer L(c, c.options());
+    const DeviceTensor x(c.x), dy(c.dy);
+    L.layer->backward(x.view(), dy.view(), st::Splits::host(c.splits));
+    const HostTensor mg = to_host(L.mg.view());
+    const bool flushed = reduce_add_built && st::testing::have_hopper() && std::string(how) == "reduce";
+    for (int64_t i = 0; i < mg.numel(); ++i) ASSERT_EQ(mg.get(i), flushed ? 0.0 : double(subnormal)) << i;
+  }
+}
 
 TEST(GroupedLinearCudaContract, InvalidDeviceSplitsEmptyEveryProblemAndSetTheStatus) {
   REQUIRE_GPU();
