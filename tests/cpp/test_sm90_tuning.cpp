@@ -63,15 +63,25 @@ TEST(Sm90Tuning, ReduceAddWgradIsAWgradWithoutATwin) {
   EXPECT_EQ(sm90::pick_tuning(sm90::Variant::kWgradF32Add, 7168, 4096).raster, sm90::Raster::kAlongM);
 }
 
-TEST(Sm90Tuning, MainGradAddOverride) {
+// The reduce-add accumulation where an expert's mean rows (the wgrad's K) reach the threshold;
+// SPARSETRAIN_MAIN_GRAD_ADD forces either way, other values refused.
+TEST(Sm90Tuning, MainGradAddByMeanRowsPerExpertAndItsOverride) {
+  const int64_t r = sm90::kReduceAddMinRowsPerGroup;
+  EXPECT_TRUE(sm90::reduce_add_pays(8 * r, 8));
+  EXPECT_FALSE(sm90::reduce_add_pays(8 * r - 1, 8));
+  EXPECT_FALSE(sm90::reduce_add_pays(128 * 512, 128));
+  EXPECT_TRUE(sm90::reduce_add_pays(8 * 16384, 8));
+  EXPECT_FALSE(sm90::reduce_add_pays(0, 0));
+  using sparsetrain::cuda::tuning::main_grad_reduce_add;
   unsetenv("SPARSETRAIN_MAIN_GRAD_ADD");
-  EXPECT_TRUE(sparsetrain::cuda::tuning::main_grad_reduce_add());
+  EXPECT_TRUE(main_grad_reduce_add(true));
+  EXPECT_FALSE(main_grad_reduce_add(false));
   setenv("SPARSETRAIN_MAIN_GRAD_ADD", "epilogue", 1);
-  EXPECT_FALSE(sparsetrain::cuda::tuning::main_grad_reduce_add());
+  EXPECT_FALSE(main_grad_reduce_add(true));
   setenv("SPARSETRAIN_MAIN_GRAD_ADD", "reduce", 1);
-  EXPECT_TRUE(sparsetrain::cuda::tuning::main_grad_reduce_add());
+  EXPECT_TRUE(main_grad_reduce_add(false));
   setenv("SPARSETRAIN_MAIN_GRAD_ADD", "atomics", 1);
-  EXPECT_THROW(sparsetrain::cuda::tuning::main_grad_reduce_add(), sparsetrain::Error);
+  EXPECT_THROW(main_grad_reduce_add(true), sparsetrain::Error);
   unsetenv("SPARSETRAIN_MAIN_GRAD_ADD");
 }
 
