@@ -41,6 +41,18 @@ inline int64_t gemm_simt_max_macs() {
   return e != nullptr ? std::atoll(e) : arch::kSimtMaxMacs;
 }
 
+// How the sm90 wgrad adds into an aligned fp32 main_grad: the TMA store's reduce-add
+// (sm90::Variant::kWgradF32Add) where sm90::reduce_add_pays, else the register epilogue reading
+// main_grad (kWgradF32); SPARSETRAIN_MAIN_GRAD_ADD=reduce|epilogue forces one (same bits either
+// way; bench_grouped_linear.py --sweep A / Bs them). Other values are refused.
+inline bool main_grad_reduce_add(bool pays) {
+  const char* e = std::getenv("SPARSETRAIN_MAIN_GRAD_ADD");
+  if (e == nullptr) return pays;
+  const std::string v(e);
+  ST_CHECK_ARG(v == "reduce" || v == "epilogue", "SPARSETRAIN_MAIN_GRAD_ADD", "reduce or epilogue", v);
+  return v == "reduce";
+}
+
 // ---- attention ----------------------------------------------------------------------------------
 
 // The L2 both attention walks' sections fill: 2/3 of it (FlashAttention-3 budgets 32 MB of the

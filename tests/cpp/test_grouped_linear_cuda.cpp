@@ -10,6 +10,7 @@
 
 #include "device_tensor.h"
 #include "grouped_linear_case.h"
+#include "sm90/sm90_instances.h"
 #include "sparsetrain/error.h"
 #include "sparsetrain/runtime.h"
 
@@ -233,6 +234,38 @@ TEST(GroupedLinearCudaContract, MainGradAccumulateAndOverwriteWithAnEmptyExpert)
   check_main_grad(st::DType::kBF16);
 }
 
+
+// docs/DESIGN.md section 4: main_grad accumulated by the sm90 wgrad's reduce-add (ALL builds,
+// Hopper, an aligned main_grad; forced here) and by the register epilogue (as the direct-store twin
+// and the CPU reference) gives the same bits: random data, and subnormal main_grad values under
+// added zeros (x = 0) kept by both.
+TEST(GroupedLinearCudaContract, MainGradAccumulationsAgreeBitwiseSubnormalsKept) {
+  REQUIRE_GPU();
+  for (bool zero_x : {false, true}) {
+    GroupedLinearCase c = make_case({st::DType::kBF16, 3, 700, 650, 192, 320, {0}, true, false, false});
+    c.fuse = true;
+    const float subnormal = 1e-40f;
+    ASSERT_LT(subnormal, 1.17549435e-38f);
+    if (zero_x) {
+      for (int64_t i = 0; i < c.x.numel(); ++i) c.x.set(i, 0.0);
+      for (int64_t i = 0; i < c.main_grad.numel(); ++i) c.main_grad.set(i, i % 2 ? subnormal : -subnormal);
+    }
+    std::vector<HostTensor> results;
+    for (const char* how : {"reduce", "epilogue"}) {
+      SCOPED_TRACE(std::string(zero_x ? "x = 0, " : "") + "SPARSETRAIN_MAIN_GRAD_ADD=" + how);
+      ScopedEnv pin("SPARSETRAIN_MAIN_GRAD_ADD", how);
+      CudaLayer L(c, c.options());
+      const DeviceTensor x(c.x), dy(c.dy);
+      L.layer->backward(x.view(), dy.view(), st::Splits::host(c.splits));
+      results.push_back(to_host(L.mg.view()));
+      for (int64_t i = 0; zero_x && i < results.back().numel(); ++i)
+        ASSERT_EQ(results.back().get(i), double(c.main_grad.get(i))) << i;
+    }
+    ASSERT_EQ(results[0].numel(), results[1].numel());
+    EXPECT_EQ(std::memcmp(results[0].data(), results[1].data(), size_t(results[0].numel()) * 4), 0)
+        << "reduce-add vs register epilogue";
+  }
+}
 
 TEST(GroupedLinearCudaContract, InvalidDeviceSplitsEmptyEveryProblemAndSetTheStatus) {
   REQUIRE_GPU();

@@ -48,6 +48,43 @@ TEST(Sm90Tuning, DirectStoreTwinsComputeTheirVariantWithItsTuning) {
   EXPECT_EQ(sm90::direct_store(sm90::Variant::kWgrad), sm90::Variant::kWgrad);
 }
 
+// The reduce-add main_grad wgrad is a wgrad (walked as one) and has no twin: a misaligned
+// main_grad runs kWgradF32's direct-store twin instead (GroupedLinear's CUDA backend picks).
+TEST(Sm90Tuning, ReduceAddWgradIsAWgradWithoutATwin) {
+  EXPECT_EQ(sm90::direct_store(sm90::Variant::kWgradF32Add), sm90::Variant::kWgradF32Add);
+  EXPECT_FALSE(sm90::is_direct_store(sm90::Variant::kWgradF32Add));
+  for (auto v : {sm90::Variant::kWgrad, sm90::Variant::kWgradF32, sm90::Variant::kWgradF32Add,
+                 sm90::Variant::kWgradF32Direct})
+    EXPECT_TRUE(sm90::is_wgrad(v));
+  for (auto v : {sm90::Variant::kFprop, sm90::Variant::kFpropBias, sm90::Variant::kDgrad, sm90::Variant::kFpropDirect,
+                 sm90::Variant::kFpropBiasDirect, sm90::Variant::kDgradDirect})
+    EXPECT_FALSE(sm90::is_wgrad(v));
+  EXPECT_EQ(sm90::pick_tuning(sm90::Variant::kWgradF32Add, 4096, 28672).raster, sm90::Raster::kAlongN);
+  EXPECT_EQ(sm90::pick_tuning(sm90::Variant::kWgradF32Add, 7168, 4096).raster, sm90::Raster::kAlongM);
+}
+
+// The reduce-add accumulation where an expert's mean rows (the wgrad's K) reach the threshold;
+// SPARSETRAIN_MAIN_GRAD_ADD forces either way, other values refused.
+TEST(Sm90Tuning, MainGradAddByMeanRowsPerExpertAndItsOverride) {
+  const int64_t r = sm90::kReduceAddMinRowsPerGroup;
+  EXPECT_TRUE(sm90::reduce_add_pays(8 * r, 8));
+  EXPECT_FALSE(sm90::reduce_add_pays(8 * r - 1, 8));
+  EXPECT_FALSE(sm90::reduce_add_pays(128 * 512, 128));
+  EXPECT_TRUE(sm90::reduce_add_pays(8 * 16384, 8));
+  EXPECT_FALSE(sm90::reduce_add_pays(0, 0));
+  using sparsetrain::cuda::tuning::main_grad_reduce_add;
+  unsetenv("SPARSETRAIN_MAIN_GRAD_ADD");
+  EXPECT_TRUE(main_grad_reduce_add(true));
+  EXPECT_FALSE(main_grad_reduce_add(false));
+  setenv("SPARSETRAIN_MAIN_GRAD_ADD", "epilogue", 1);
+  EXPECT_FALSE(main_grad_reduce_add(true));
+  setenv("SPARSETRAIN_MAIN_GRAD_ADD", "reduce", 1);
+  EXPECT_TRUE(main_grad_reduce_add(false));
+  setenv("SPARSETRAIN_MAIN_GRAD_ADD", "atomics", 1);
+  EXPECT_THROW(main_grad_reduce_add(true), sparsetrain::Error);
+  unsetenv("SPARSETRAIN_MAIN_GRAD_ADD");
+}
+
 TEST(Sm90Tuning, EnvironmentOverridesOnlyValidValues) {
   const sm90::Tuning base = sm90::pick_tuning(sm90::Variant::kFprop, 64, 64);
   setenv("SPARSETRAIN_SM90_RASTER", "n", 1);

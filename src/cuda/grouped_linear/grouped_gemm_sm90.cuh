@@ -8,7 +8,8 @@
 //          (+ b_g broadcast over the rows, read by the epilogue through a per-group pointer table)
 //   dgrad  D_g [rows_g, in]  = dy_g [rows_g, out] . W_g    A row-major, B = W_g row-major
 //   wgrad  D_g [out, in]     = dy_g^T . x_g  (+ C_g)       A = dy_g column-major, B = x_g row-major,
-//          K = rows_g (ragged); fp32 main_grad: C = D = main_grad, beta 1 (accumulate) or 0
+//          K = rows_g (ragged); fp32 main_grad: C = D = main_grad, beta 1 (accumulate) or 0, or
+//          (kWgradF32Add) D = main_grad accumulated by the TMA store itself (a reduce-add, no C)
 // Each variant has a direct-store twin (grouped_gemm_tuning_sm90.h) for caller outputs off a 16-byte boundary:
 // the same mainloop, its epilogue writing each element from the accumulator registers.
 // Groups with no rows get M = 0 (no tiles): a K = 0 problem is never launched (CUTLASS would
@@ -34,6 +35,7 @@
 #include "cuda/device_cache.h"
 #include "cuda/grouped_linear/grouped_gemm_launch_sm90.cuh"
 #include "cuda/grouped_linear/grouped_gemm_params.h"
+#include "cuda/grouped_linear/tma_reduce_add_sm90.cuh"
 #include "sparsetrain/dtype.h"
 #include "sparsetrain/error.h"
 
@@ -59,6 +61,7 @@ template <typename E> struct Config<Variant::kWgrad, E> {
   using A = cutlass::layout::ColumnMajor; using B = cutlass::layout::RowMajor; using C = void; using D = E;
 };
 template <typename E> struct Config<Variant::kWgradF32, E> : Config<Variant::kWgrad, E> { using C = float; using D = float; };
+template <typename E> struct Config<Variant::kWgradF32Add, E> : Config<Variant::kWgrad, E> { using D = float; };
 template <typename E> struct Config<Variant::kFpropDirect, E> : Config<Variant::kFprop, E> {};
 // Direct store, biased: the bias is the epilogue's source C, read with a zero row stride.
 template <typename E> struct Config<Variant::kFpropBiasDirect, E> : Config<Variant::kFprop, E> { using C = E; };
@@ -78,6 +81,21 @@ struct Fusion<Variant::kFpropBias, Element, ElementD, ElementC, TileShape> {
   using type = cutlass::epilogue::fusion::Sm90EVT<
       cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, ElementD, float, cutlass::FloatRoundStyle::round_to_nearest>,
       cutlass::epilogue::fusion::Sm90AccFetch, Bias>;
+};
+
+// The epilogue the builder made, storing D with another TMA operation (kWgradF32Add: a reduce-add
+// instead of a store; everything else, tiles and pipeline included, the builder's).
+template <class Epilogue, class CopyOpS2G>
+struct WithStoreOp {
+  using type = Epilogue;
+};
+template <class Policy, class Tile, class EpiTile, class EC, class SC, class ED, class SD, class Fusion_, class G2S,
+          class AtomC, class S2R, class S2G, class AtomD, class R2S, class CopyAtomC, class R2R, class CopyOpS2G>
+struct WithStoreOp<cutlass::epilogue::collective::CollectiveEpilogue<Policy, Tile, EpiTile, EC, SC, ED, SD, Fusion_,
+                                                                     G2S, AtomC, S2R, S2G, AtomD, R2S, CopyAtomC, R2R>,
+                   CopyOpS2G> {
+  using type = cutlass::epilogue::collective::CollectiveEpilogue<Policy, Tile, EpiTile, EC, SC, ED, SD, Fusion_, G2S,
+                                                                 AtomC, S2R, CopyOpS2G, AtomD, R2S, CopyAtomC, R2R>;
 };
 
 template <Variant V, typename E>
@@ -101,10 +119,13 @@ struct Sm90GroupedGemm {
   // MoE GEMMs (grouped_gemm_tuning_sm90.h says what else was measured).
   using TileShape = Shape<Int<kTileM>, Int<kTileN>, _64>;
   using ClusterShape = Shape<_2, _1, _1>;
-  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+  using BuiltEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD*, kAlignC, ElementD, LayoutD*,
       kAlignD, EpilogueSchedule, typename Fusion<V, Element, ElementD, ElementC, TileShape>::type>::CollectiveOp;
+  using CollectiveEpilogue = std::conditional_t<V == Variant::kWgradF32Add,
+                                                typename WithStoreOp<BuiltEpilogue, TmaReduceAdd>::type,
+                                                BuiltEpilogue>;
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, typename Cfg::A*, kAlignAB, Element,
       typename Cfg::B*, kAlignAB, float, TileShape, ClusterShape,
@@ -199,7 +220,7 @@ __global__ void sm90_setup_kernel(const __grid_constant__ CappedGemmParams<Cap> 
   }
   const int64_t rows = end - row;
   int m, n, k;
-  if constexpr (V == Variant::kWgrad || V == Variant::kWgradF32) {
+  if constexpr (is_wgrad(V)) {
     m = rows > 0 ? int(p.out) : 0;
     n = int(p.in);
     k = int(rows);
@@ -237,6 +258,8 @@ void Sm90GroupedGemm<V, E>::run(const GroupedGemmParams& p, const Tuning& t, voi
   const bool adds_source = V == Variant::kFpropBiasDirect ||
                            (kComputes == Variant::kWgradF32 && p.wgrad_store == WgradStore::kMainGradAccumulate);
   const float beta = adds_source ? 1.f : 0.f;
+  if (V == Variant::kWgradF32Add && p.wgrad_store != WgradStore::kMainGradAccumulate)
+    ST_FAIL("sm90 grouped GEMM: the reduce-add wgrad only accumulates into main_grad");
   const auto args = arguments(p, t, a, device, beta);
   // Every check before the first launch: a refusal must leave dW (zero-filled below for empty
   // groups) and the set-up arrays as they were. can_implement reads only host-side arguments
@@ -249,7 +272,7 @@ void Sm90GroupedGemm<V, E>::run(const GroupedGemmParams& p, const Tuning& t, voi
         capped_params<kCap>(p), a);
   });
   ST_CUDA_CHECK(cudaGetLastError(), "sm90 grouped GEMM: sm90_setup_kernel launch");
-  if constexpr (kComputes == Variant::kWgrad || kComputes == Variant::kWgradF32) {
+  if constexpr (is_wgrad(kComputes)) {
     if (p.wgrad_store != WgradStore::kMainGradAccumulate)
       zero_empty_groups<ElementD>(p.offsets, p.num_groups, p.dw, p.out * p.in, s);
   }

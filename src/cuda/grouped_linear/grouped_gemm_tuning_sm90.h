@@ -13,6 +13,11 @@ enum class Variant {
   kDgrad,      // dx = dy W
   kWgrad,      // dW = dy^T x in the element type
   kWgradF32,   // fp32 main_grad (+)= dy^T x
+  // fp32 main_grad += dy^T x through a TMA reduce-add store: the SMs never read main_grad (no
+  // source load, no shared memory for it: 4 mainloop stages, kWgradF32's 3). The L2's add is one
+  // fp32 add rounded to nearest, subnormals kept (measured on an H200): kWgradF32's bits. No
+  // direct-store twin: a misaligned main_grad takes kWgradF32Direct.
+  kWgradF32Add,
   // The same GEMMs storing straight from the accumulator registers (no TMA store): for caller
   // outputs (out, grad_input, main_grad) whose base is off a 16-byte boundary. Same tiles, same
   // mainloop, same k order: bit-identical to the TMA-store kernel. dW in the element type is
@@ -45,6 +50,11 @@ constexpr Variant computed_by(Variant v) {
   return v;
 }
 constexpr bool is_direct_store(Variant v) { return computed_by(v) != v; }
+// The weight-gradient GEMMs (M = out, N = in, K = an expert's rows), whatever they store.
+constexpr bool is_wgrad(Variant v) {
+  const Variant c = computed_by(v);
+  return c == Variant::kWgrad || c == Variant::kWgradF32 || c == Variant::kWgradF32Add;
+}
 
 // Every variant runs one kernel shape: 128x256x64 tiles, cluster 2x1, the cooperative schedule
 // (both consumer warpgroups on one tile). A 128x128 pingpong schedule was built and measured on
@@ -66,10 +76,19 @@ struct Tuning {
 // measured best or tied along M.
 inline Tuning pick_tuning(Variant v, int64_t in, int64_t out) {
   Tuning t;
-  const bool wgrad = computed_by(v) == Variant::kWgrad || computed_by(v) == Variant::kWgradF32;
   const int64_t m_tiles = (out + kTileM - 1) / kTileM, n_tiles = (in + kTileN - 1) / kTileN;
-  if (wgrad && m_tiles >= 2 * n_tiles) t.raster = Raster::kAlongN;
+  if (is_wgrad(v) && m_tiles >= 2 * n_tiles) t.raster = Raster::kAlongN;
   return t;
+}
+
+// main_grad accumulation: the reduce-add (kWgradF32Add) reads no C but ends each tile with the
+// L2's read-modify-write of it, which a short mainloop (an expert's rows are the wgrad's K) does
+// not hide; kWgradF32's C load is prefetched under the mainloop. Measured on an H200
+// (docs/PERF.md, GroupedLinear): the reduce-add 3-4 % faster at 2048+ rows an expert, 5 % slower
+// at 512. Decided by the mean rows an expert (T / G), a shape, so a graph stays valid.
+constexpr int64_t kReduceAddMinRowsPerGroup = 1024;
+constexpr bool reduce_add_pays(int64_t rows, int64_t groups) {
+  return groups > 0 && rows >= kReduceAddMinRowsPerGroup * groups;
 }
 
 }  // namespace sparsetrain::cuda::sm90

@@ -262,9 +262,18 @@ class CudaBackend final : public GroupedLinearBackend {
                     : w.target == WgradTarget::kMainGradAccumulate ? cuda::WgradStore::kMainGradAccumulate
                                                                    : cuda::WgradStore::kMainGradOverwrite;
     for (int64_t g = 0; g < w.problem.num_groups; ++g) p.dw[g] = w.dw[size_t(g)].data();
-    const Variant v = w.target == WgradTarget::kWeightGrad ? Variant::kWgrad : Variant::kWgradF32;
     const bool dw_aligned =
         std::all_of(w.dw.begin(), w.dw.end(), [](const TensorView& d) { return aligned16(d.data()); });
+    // main_grad accumulated by the TMA store's reduce-add where it can be (aligned, built) and
+    // pays; the register epilogue (kWgradF32, its direct twin off 16 bytes) otherwise and to
+    // overwrite it.
+    const bool reduce_add =
+        w.target == WgradTarget::kMainGradAccumulate && dw_aligned &&
+        sm90_built(Variant::kWgradF32Add, w.problem.dtype) &&
+        cuda::tuning::main_grad_reduce_add(cuda::sm90::reduce_add_pays(w.problem.num_rows, w.problem.num_groups));
+    const Variant v = w.target == WgradTarget::kWeightGrad ? Variant::kWgrad
+                      : reduce_add                         ? Variant::kWgradF32Add
+                                                           : Variant::kWgradF32;
     const std::optional<Variant> sm90 = sm90_kernel(v, w.problem, {&w.dy, &w.x}, {}, dw_aligned);
     const bool fast = sm90.has_value();
     if (fast) run_sm90(*sm90, w.problem.dtype, p, scratch, stream);
