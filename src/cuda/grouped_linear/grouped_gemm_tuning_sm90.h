@@ -83,9 +83,10 @@ inline Tuning pick_tuning(Variant v, int64_t in, int64_t out) {
 
 // main_grad accumulation: the reduce-add (kWgradF32Add) reads no C but ends each tile with the
 // L2's read-modify-write of it, which a short mainloop (an expert's rows are the wgrad's K) does
-// not hide; kWgradF32's C load is prefetched under the mainloop. Measured on an H200
-// (docs/PERF.md, GroupedLinear): the reduce-add 3-4 % faster at 2048+ rows an expert, 5 % slower
-// at 512. Decided by the mean rows an expert (T / G), a shape, so a graph stays valid.
+// not hide; kWgradF32's C load is prefetched under the mainloop. Measured on an H200 over 41
+// shapes (bench/bench_main_grad_add.py, docs/PERF.md): the reduce-add 1-15 % faster at every case
+// of >= 1024 rows an expert, up to 8 % slower at 512, up to 27 % at 256. Decided by the mean rows
+// an expert (T / G), a shape, so a graph stays valid.
 constexpr int64_t kReduceAddMinRowsPerGroup = 1024;
 constexpr bool reduce_add_pays(int64_t rows, int64_t groups) {
   return groups > 0 && rows >= kReduceAddMinRowsPerGroup * groups;
