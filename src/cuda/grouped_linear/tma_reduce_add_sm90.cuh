@@ -4,9 +4,9 @@
 // have it). These traits are SM90_TMA_REDUCE_ADD's with that member: the same instruction, the
 // descriptor held by value as made on the host, or (after `with`) by pointer, as the store's.
 //
-// The L2's fp32 add rounds to nearest even and flushes subnormal operands and sums to zero (PTX
-// ISA, cp.reduce.async.bulk: "the current implementation of .add.f32 flushes subnormal inputs and
-// results to sign-preserving zero").
+// The L2's fp32 add rounds to nearest even. The PTX ISA (cp.reduce.async.bulk) says .add.f32
+// flushes subnormal inputs and results to zero; on an H200 it kept them, giving the register
+// epilogue's bits (tests/cpp/test_grouped_linear_cuda.cpp pins that on the GPU it runs on).
 #pragma once
 
 #include "cute/arch/copy_sm90_tma.hpp"
