@@ -1,9 +1,10 @@
 // Every tuning switch of the CUDA backends, in one place, with its default: the defaults are what
 // the library runs. A switch can be overridden by an environment variable, read by the functions
 // below and nowhere else in src/, at every call: the benches A/B the settings in one process
-// (bench_fwd_order.py, bench_grouped_linear.py --sweep, bench_gemm_paths.py), tests pin a path or
-// shorten the dQ wait (scripts/gpu-check, test_attention_cuda, test_grouped_linear_cuda). Plain
-// host code, tested on the CPU (test_sm90_tuning).
+// (bench_fwd_order.py, bench_grouped_linear.py --sweep, bench_gemm_paths.py,
+// bench_main_grad_add.py), tests pin a path or shorten the dQ wait (scripts/gpu-check,
+// test_attention_cuda, test_grouped_linear_cuda). Plain host code, tested on the CPU
+// (test_sm90_tuning).
 #pragma once
 
 #include <cstdint>
@@ -44,7 +45,8 @@ inline int64_t gemm_simt_max_macs() {
 // How the sm90 wgrad adds into an aligned fp32 main_grad: the TMA store's reduce-add
 // (sm90::Variant::kWgradF32Add) where sm90::reduce_add_pays, else the register epilogue reading
 // main_grad (kWgradF32); SPARSETRAIN_MAIN_GRAD_ADD=reduce|epilogue forces one (same bits either
-// way; bench_grouped_linear.py --sweep A / Bs them). Other values are refused.
+// way; bench_main_grad_add.py and bench_grouped_linear.py --sweep A / B them). Other values are
+// refused.
 inline bool main_grad_reduce_add(bool pays) {
   const char* e = std::getenv("SPARSETRAIN_MAIN_GRAD_ADD");
   if (e == nullptr) return pays;
