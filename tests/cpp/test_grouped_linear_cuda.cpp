@@ -10,7 +10,6 @@
 
 #include "device_tensor.h"
 #include "grouped_linear_case.h"
-#include "sm90/sm90_instances.h"
 #include "sparsetrain/error.h"
 #include "sparsetrain/runtime.h"
 
