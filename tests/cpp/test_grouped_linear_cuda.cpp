@@ -233,7 +233,6 @@ TEST(GroupedLinearCudaContract, MainGradAccumulateAndOverwriteWithAnEmptyExpert)
   check_main_grad(st::DType::kBF16);
 }
 
-
 // docs/DESIGN.md section 4: main_grad accumulated by the sm90 wgrad's reduce-add (ALL builds,
 // Hopper, an aligned main_grad; forced here) and by the register epilogue (as the direct-store twin
 // and the CPU reference) gives the same bits: random data, and subnormal main_grad values under

@@ -14,9 +14,8 @@ enum class Variant {
   kWgrad,      // dW = dy^T x in the element type
   kWgradF32,   // fp32 main_grad (+)= dy^T x
   // fp32 main_grad += dy^T x through a TMA reduce-add store: the SMs never read main_grad (no
-  // source load, no shared memory for it: 4 mainloop stages, kWgradF32's 3). The L2's add is one
-  // fp32 add rounded to nearest, subnormals kept (measured on an H200): kWgradF32's bits. No
-  // direct-store twin: a misaligned main_grad takes kWgradF32Direct.
+  // source load, no shared memory for it: 4 mainloop stages, kWgradF32's 3), with kWgradF32's bits
+  // (tma_reduce_add_sm90.cuh). No direct-store twin: a misaligned main_grad takes kWgradF32Direct.
   kWgradF32Add,
   // The same GEMMs storing straight from the accumulator registers (no TMA store): for caller
   // outputs (out, grad_input, main_grad) whose base is off a 16-byte boundary. Same tiles, same
@@ -83,10 +82,9 @@ inline Tuning pick_tuning(Variant v, int64_t in, int64_t out) {
 
 // main_grad accumulation: the reduce-add (kWgradF32Add) reads no C but ends each tile with the
 // L2's read-modify-write of it, which a short mainloop (an expert's rows are the wgrad's K) does
-// not hide; kWgradF32's C load is prefetched under the mainloop. Measured on an H200 over 41
-// shapes (bench/bench_main_grad_add.py, docs/PERF.md): the reduce-add 1-15 % faster at every case
-// of >= 1024 rows an expert, up to 8 % slower at 512, up to 27 % at 256. Decided by the mean rows
-// an expert (T / G), a shape, so a graph stays valid.
+// not hide; kWgradF32's C load is prefetched under the mainloop. The threshold is the measured
+// crossover (bench/bench_main_grad_add.py; the numbers in docs/PERF.md, GroupedLinear). Decided
+// by the mean rows an expert (T / G), a shape, so a graph stays valid.
 constexpr int64_t kReduceAddMinRowsPerGroup = 1024;
 constexpr bool reduce_add_pays(int64_t rows, int64_t groups) {
   return groups > 0 && rows >= kReduceAddMinRowsPerGroup * groups;
