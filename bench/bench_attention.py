@@ -119,6 +119,11 @@ CASES = {
     "causal_s2048_b8": Case("causal", 16, 16, 128, B=8, S=2048),
     "causal_s4096_b8": Case("causal", 16, 16, 128, B=8, S=4096),
     "gqa8_causal_d64": Case("causal", 32, 4, 64),
+    # D = 64 beside the dense cases: documents, a window not a multiple of 128, and a mask_mod
+    # window (bitmask partial blocks).
+    "document_causal_1to3000_d64": Case("document_causal", 16, 16, 64, S=16384, doc_lengths=(1, 3000)),
+    "sliding_window_640_d64": Case("sliding_window", 16, 16, 64, window=640),
+    "flexmod_window_640_d64": Case("flex_window", 16, 16, 64, B=1, S=16384, window=640),
     # A long packed sequence: 128k tokens of documents up to 8k, GQA 4:1.
     "document_causal_128k_gqa4": Case("document_causal", 8, 2, 128, B=1, S=131072, doc_lengths=(1, 8192)),
     # Masks a FlexAttention user brings as a mask_mod: ours from flex's BlockMask through
