@@ -21,6 +21,8 @@ MODELS = {  # name: (G, T, [(gemm, in, out)])
     "mixtral": (8, 16384, [("fc1", 4096, 28672), ("fc2", 14336, 4096)]),
     "deepseek": (8, 32768, [("fc1", 7168, 4096), ("fc2", 2048, 7168)]),
     "qwen": (128, 65536, [("fc1", 2048, 1536), ("fc2", 768, 2048)]),
+    # Fine-grained experts at a small N (issue 59's many-expert fprop class; not a DESIGN.md model).
+    "g128": (128, 65536, [("fc", 2048, 768)]),
 }
 
 

@@ -55,6 +55,17 @@ inline bool main_grad_reduce_add(bool pays) {
   return v == "reduce";
 }
 
+// Whether an fprop runs its one-CTA-cluster twin (sm90::Variant::kFpropNoCluster, where built):
+// where sm90::no_cluster_pays, or as SPARSETRAIN_SM90_CLUSTER=1 (always) / 2 (never) forces (same
+// bits either way; bench_grouped_linear.py --sweep A / B them). Other values are refused.
+inline bool sm90_no_cluster(bool pays) {
+  const char* e = std::getenv("SPARSETRAIN_SM90_CLUSTER");
+  if (e == nullptr) return pays;
+  const std::string v(e);
+  ST_CHECK_ARG(v == "1" || v == "2", "SPARSETRAIN_SM90_CLUSTER", "1 or 2", v);
+  return v == "1";
+}
+
 // ---- attention ----------------------------------------------------------------------------------
 
 // The L2 both attention walks' sections fill: 2/3 of it (FlashAttention-3 budgets 32 MB of the

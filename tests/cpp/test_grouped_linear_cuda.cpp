@@ -225,6 +225,31 @@ TEST(GroupedLinearCudaSizeRule, TinyProblemsMatchTheOracleOnBothPaths) {
   }
 }
 
+// The fprop's one-CTA-cluster twin (ALL builds, K = in <= 1024 by default; forced both ways
+// here, so MINIMAL builds run the 2x1 kernel twice): each against the oracle (poisoned caller
+// buffers, tails), and the two forwards bitwise equal. Several row tiles per expert, an odd
+// count in some (a 2x1 cluster's idle partner), empty experts and a prime T.
+TEST(GroupedLinearCudaTuning, NoClusterTwinIsBitIdenticalToTheClusterKernel) {
+  REQUIRE_GPU();
+  for (st::DType dtype : {st::DType::kBF16, st::DType::kFP16}) {
+    for (bool bias : {false, true}) {
+      SCOPED_TRACE(std::string(st::dtype_name(dtype)) + (bias ? " bias" : ""));
+      const Shape s{dtype, 9, 2503, 2400, 776, 520, {0, 4}, true, bias, true};
+      std::vector<HostTensor> y;
+      for (const char* cluster : {"1", "2"}) {
+        SCOPED_TRACE(std::string("SPARSETRAIN_SM90_CLUSTER=") + cluster);
+        ScopedEnv pin("SPARSETRAIN_SM90_CLUSTER", cluster);
+        check_against_oracle(s);
+        GroupedLinearCase c = make_case(s);
+        CudaLayer L(c, c.options());
+        const DeviceTensor x(c.x);
+        y.push_back(to_host(L.layer->forward(x.view(), L.device_splits()).view()));
+      }
+      EXPECT_TRUE(y[0].bytes_equal(y[1])) << "one-CTA clusters against 2x1";
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Cuda, GroupedLinearCuda, ::testing::ValuesIn(kShapes),
                          [](const ::testing::TestParamInfo<Shape>& i) { return shape_name(i.param); });
 

@@ -48,6 +48,61 @@ TEST(Sm90Tuning, DirectStoreTwinsComputeTheirVariantWithItsTuning) {
   EXPECT_EQ(sm90::direct_store(sm90::Variant::kWgrad), sm90::Variant::kWgrad);
 }
 
+// The fprops' one-CTA-cluster twins compute their variant, walked like it; nothing else has one
+// (a direct-store twin neither), and none is a direct-store twin.
+TEST(Sm90Tuning, NoClusterTwinsComputeTheirFpropWithItsTuning) {
+  for (auto v : {sm90::Variant::kFprop, sm90::Variant::kFpropBias}) {
+    const sm90::Variant s = sm90::no_cluster(v);
+    EXPECT_NE(s, v);
+    EXPECT_TRUE(sm90::is_no_cluster(s));
+    EXPECT_FALSE(sm90::is_no_cluster(v));
+    EXPECT_FALSE(sm90::is_direct_store(s));
+    EXPECT_FALSE(sm90::is_wgrad(s));
+    EXPECT_EQ(sm90::computed_by(s), v);
+    EXPECT_EQ(sm90::no_cluster(s), s);
+    EXPECT_EQ(sm90::direct_store(s), s);
+    for (int64_t in : {256, 4096})
+      for (int64_t out : {128, 28672}) {
+        EXPECT_EQ(sm90::pick_tuning(s, in, out).raster, sm90::pick_tuning(v, in, out).raster);
+        EXPECT_EQ(sm90::pick_tuning(s, in, out).swizzle, sm90::pick_tuning(v, in, out).swizzle);
+      }
+  }
+  for (auto v : {sm90::Variant::kDgrad, sm90::Variant::kWgrad, sm90::Variant::kWgradF32, sm90::Variant::kWgradF32Add,
+                 sm90::Variant::kFpropDirect, sm90::Variant::kFpropBiasDirect, sm90::Variant::kDgradDirect,
+                 sm90::Variant::kWgradF32Direct}) {
+    EXPECT_EQ(sm90::no_cluster(v), v);
+    EXPECT_FALSE(sm90::is_no_cluster(v));
+    EXPECT_FALSE(sm90::no_cluster_pays(v, 768));
+  }
+  for (auto v : {sm90::Variant::kFpropDirect, sm90::Variant::kFpropBiasDirect, sm90::Variant::kDgradDirect,
+                 sm90::Variant::kWgradF32Direct})
+    EXPECT_TRUE(sm90::is_direct_store(v));
+}
+
+// The one-CTA clusters where the fprop's K is short; SPARSETRAIN_SM90_CLUSTER forces either way,
+// other values refused.
+TEST(Sm90Tuning, NoClusterByTheFpropsKAndItsOverride) {
+  const int64_t k = sm90::kNoClusterMaxK;
+  for (auto v : {sm90::Variant::kFprop, sm90::Variant::kFpropBias, sm90::Variant::kFpropNoCluster}) {
+    EXPECT_TRUE(sm90::no_cluster_pays(v, 768));  // qwen fc2
+    EXPECT_TRUE(sm90::no_cluster_pays(v, k));
+    EXPECT_FALSE(sm90::no_cluster_pays(v, k + 8));
+    EXPECT_FALSE(sm90::no_cluster_pays(v, 2048));  // qwen fc1
+    EXPECT_FALSE(sm90::no_cluster_pays(v, 7168));  // deepseek fc1
+  }
+  using sparsetrain::cuda::tuning::sm90_no_cluster;
+  unsetenv("SPARSETRAIN_SM90_CLUSTER");
+  EXPECT_TRUE(sm90_no_cluster(true));
+  EXPECT_FALSE(sm90_no_cluster(false));
+  setenv("SPARSETRAIN_SM90_CLUSTER", "2", 1);
+  EXPECT_FALSE(sm90_no_cluster(true));
+  setenv("SPARSETRAIN_SM90_CLUSTER", "1", 1);
+  EXPECT_TRUE(sm90_no_cluster(false));
+  setenv("SPARSETRAIN_SM90_CLUSTER", "4", 1);
+  EXPECT_THROW(sm90_no_cluster(true), sparsetrain::Error);
+  unsetenv("SPARSETRAIN_SM90_CLUSTER");
+}
+
 // The reduce-add main_grad wgrad is a wgrad (walked as one) and has no twin: a misaligned
 // main_grad runs kWgradF32's direct-store twin instead (GroupedLinear's CUDA backend picks).
 TEST(Sm90Tuning, ReduceAddWgradIsAWgradWithoutATwin) {

@@ -63,6 +63,8 @@ template <typename E> struct Config<Variant::kWgrad, E> {
 template <typename E> struct Config<Variant::kWgradF32, E> : Config<Variant::kWgrad, E> { using C = float; using D = float; };
 template <typename E> struct Config<Variant::kWgradF32Add, E> : Config<Variant::kWgrad, E> { using D = float; };
 template <typename E> struct Config<Variant::kFpropDirect, E> : Config<Variant::kFprop, E> {};
+template <typename E> struct Config<Variant::kFpropNoCluster, E> : Config<Variant::kFprop, E> {};
+template <typename E> struct Config<Variant::kFpropBiasNoCluster, E> : Config<Variant::kFprop, E> {};
 // Direct store, biased: the bias is the epilogue's source C, read with a zero row stride.
 template <typename E> struct Config<Variant::kFpropBiasDirect, E> : Config<Variant::kFprop, E> { using C = E; };
 template <typename E> struct Config<Variant::kDgradDirect, E> : Config<Variant::kDgrad, E> {};
@@ -98,11 +100,31 @@ struct WithStoreOp<cutlass::epilogue::collective::CollectiveEpilogue<Policy, Til
                                                                  AtomC, S2R, CopyOpS2G, AtomD, R2S, CopyAtomC, R2R>;
 };
 
-template <Variant V, typename E>
+// A kernel shape: the CTA tile, the cluster, and the CUTLASS schedules that go with them
+// (cooperative: both consumer warpgroups on one tile; ping-pong: one tile each, one's epilogue
+// under the other's mainloop).
+template <int kM, int kN, int kK, int kClusterM, int kClusterN, bool kPingpong>
+struct KernelShape {
+  using Tile = Shape<Int<kM>, Int<kN>, Int<kK>>;
+  using Cluster = Shape<Int<kClusterM>, Int<kClusterN>, _1>;
+  using MainloopSchedule = std::conditional_t<kPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                                              cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
+  using TmaEpilogueSchedule = std::conditional_t<kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                                                 cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+};
+// 128x256x64 tiles, cooperative, on clusters of 2x1 or (the no-cluster twins) of one CTA
+// (grouped_gemm_tuning_sm90.h says what else was measured).
+template <Variant V>
+using KernelShapeOf = KernelShape<kTileM, kTileN, 64, is_no_cluster(V) ? 1 : 2, 1, false>;
+
+template <Variant V, typename E, class KS = KernelShapeOf<V>>
 struct Sm90GroupedGemm {
   static constexpr Variant kVariant = V;
   static constexpr Variant kComputes = computed_by(V);
   static constexpr bool kDirect = is_direct_store(V);
+  // Whose epilogue fusion it runs: a no-cluster twin its variant's; a direct-store twin its own
+  // (the biased one adds the bias as C).
+  static constexpr Variant kFused = kDirect ? V : kComputes;
   using Element = typename CutlassType<E>::type;
   using Cfg = Config<V, Element>;
   using ElementC = typename Cfg::C;
@@ -114,15 +136,13 @@ struct Sm90GroupedGemm {
   static constexpr int kAlignC =
       kDirect || std::is_void_v<ElementC> ? kAlignD : 128 / cutlass::sizeof_bits<ElementC>::value;
   using EpilogueSchedule = std::conditional_t<kDirect, cutlass::epilogue::PtrArrayNoSmemWarpSpecialized,
-                                              cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
-  // 128x256x64 tiles, cluster 2x1, cooperative (two consumer warpgroups on one tile): the large
-  // MoE GEMMs (grouped_gemm_tuning_sm90.h says what else was measured).
-  using TileShape = Shape<Int<kTileM>, Int<kTileN>, _64>;
-  using ClusterShape = Shape<_2, _1, _1>;
+                                              typename KS::TmaEpilogueSchedule>;
+  using TileShape = typename KS::Tile;
+  using ClusterShape = typename KS::Cluster;
   using BuiltEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD*, kAlignC, ElementD, LayoutD*,
-      kAlignD, EpilogueSchedule, typename Fusion<V, Element, ElementD, ElementC, TileShape>::type>::CollectiveOp;
+      kAlignD, EpilogueSchedule, typename Fusion<kFused, Element, ElementD, ElementC, TileShape>::type>::CollectiveOp;
   using CollectiveEpilogue = std::conditional_t<V == Variant::kWgradF32Add,
                                                 typename WithStoreOp<BuiltEpilogue, TmaReduceAdd>::type,
                                                 BuiltEpilogue>;
@@ -131,7 +151,7 @@ struct Sm90GroupedGemm {
       typename Cfg::B*, kAlignAB, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+      typename KS::MainloopSchedule>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::InternalStrideA;
@@ -174,7 +194,7 @@ struct Sm90GroupedGemm {
                                             float beta) {
     typename Gemm::Arguments args;
     decltype(args.epilogue.thread) fusion;
-    if constexpr (V == Variant::kFpropBias) {  // (its direct twin: C = bias, beta 1)
+    if constexpr (kFused == Variant::kFpropBias) {  // (its direct twin: C = bias, beta 1)
       fusion = {{}, {a.bias}, {}};  // EVT arguments: {AccFetch, RowBroadcast, plus}
     } else {
       fusion.alpha = 1.f;
@@ -247,8 +267,8 @@ __global__ void sm90_setup_kernel(const __grid_constant__ CappedGemmParams<Cap> 
   a.stride_d[g] = cutlass::make_cute_packed_stride(typename S::StrideD{}, cute::make_shape(m, n, 1));
 }
 
-template <Variant V, typename E>
-void Sm90GroupedGemm<V, E>::run(const GroupedGemmParams& p, const Tuning& t, void* workspace, size_t bytes,
+template <Variant V, typename E, class KS>
+void Sm90GroupedGemm<V, E, KS>::run(const GroupedGemmParams& p, const Tuning& t, void* workspace, size_t bytes,
                                    void* stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const Arrays a = carve(workspace, p.num_groups);

@@ -25,6 +25,11 @@ enum class Variant {
   kFpropBiasDirect,
   kDgradDirect,
   kWgradF32Direct,
+  // fprop (and its biased form) on clusters of one CTA, where the expert GEMMs' K (in) is short
+  // (no_cluster_pays): the same tiles, k order and TMA store, without the cluster's shared weight
+  // loads: bit-identical to kFprop / kFpropBias.
+  kFpropNoCluster,
+  kFpropBiasNoCluster,
 };
 
 // Each variant with a direct-store twin, and the twin: the one table both directions read.
@@ -36,29 +41,55 @@ constexpr DirectStoreTwin kDirectStoreTwins[] = {{Variant::kFprop, Variant::kFpr
                                                  {Variant::kDgrad, Variant::kDgradDirect},
                                                  {Variant::kWgradF32, Variant::kWgradF32Direct}};
 
-// The direct-store twin of a variant (itself if it has none), and the variant a direct-store one
-// computes (itself for the others).
+// Each variant with a one-CTA-cluster twin, and the twin.
+struct NoClusterTwin {
+  Variant cluster, single;
+};
+constexpr NoClusterTwin kNoClusterTwins[] = {{Variant::kFprop, Variant::kFpropNoCluster},
+                                             {Variant::kFpropBias, Variant::kFpropBiasNoCluster}};
+
+// The direct-store twin of a variant (itself if it has none), its one-CTA-cluster twin (itself
+// if it has none), and the variant a twin computes (itself for the others).
 constexpr Variant direct_store(Variant v) {
   for (const DirectStoreTwin& t : kDirectStoreTwins)
     if (t.tma == v) return t.direct;
   return v;
 }
+constexpr Variant no_cluster(Variant v) {
+  for (const NoClusterTwin& t : kNoClusterTwins)
+    if (t.cluster == v) return t.single;
+  return v;
+}
 constexpr Variant computed_by(Variant v) {
   for (const DirectStoreTwin& t : kDirectStoreTwins)
     if (t.direct == v) return t.tma;
+  for (const NoClusterTwin& t : kNoClusterTwins)
+    if (t.single == v) return t.cluster;
   return v;
 }
-constexpr bool is_direct_store(Variant v) { return computed_by(v) != v; }
+constexpr bool is_direct_store(Variant v) { return direct_store(computed_by(v)) == v && computed_by(v) != v; }
+constexpr bool is_no_cluster(Variant v) { return no_cluster(computed_by(v)) == v && computed_by(v) != v; }
 // The weight-gradient GEMMs (M = out, N = in, K = an expert's rows), whatever they store.
 constexpr bool is_wgrad(Variant v) {
   const Variant c = computed_by(v);
   return c == Variant::kWgrad || c == Variant::kWgradF32 || c == Variant::kWgradF32Add;
 }
 
-// Every variant runs one kernel shape: 128x256x64 tiles, cluster 2x1, the cooperative schedule
-// (both consumer warpgroups on one tile). A 128x128 pingpong schedule was built and measured on
-// all six MoE shapes and lost everywhere but within noise.
+// Every variant runs 128x256x64 tiles with the cooperative schedule (both consumer warpgroups on
+// one tile), on clusters of 2x1 (the pair shares each weight tile's load) but for the no-cluster
+// twins. Other shapes measured against it on the fprop (H200; 128x128 ping-pong and cooperative,
+// 64x128x128 and 64x256 ping-pong, 128x192, 256x128 on 1x2 clusters): none faster on any MoE
+// shape class (docs/PERF.md, GroupedLinear).
 constexpr int kTileM = 128, kTileN = 256;
+
+// One-CTA clusters for the fprop where K (in) is at most kNoClusterMaxK: with a short mainloop
+// the pair's lockstep over shared stages, and the idle partner on a group's odd last row tile,
+// cost more than the weight loads a cluster shares (H200, G 32-128: 1.05-1.20x at in = 768 and
+// 1024; mixed at 2048, slower at 7168-14336 with few experts). A shape rule: graphs stay valid.
+constexpr int64_t kNoClusterMaxK = 1024;
+constexpr bool no_cluster_pays(Variant v, int64_t in) {
+  return (no_cluster(v) != v || is_no_cluster(v)) && in <= kNoClusterMaxK;
+}
 
 enum class Raster { kAlongM, kAlongN };  // the order the persistent scheduler walks a group's tiles
 
