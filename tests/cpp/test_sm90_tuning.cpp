@@ -72,23 +72,26 @@ TEST(Sm90Tuning, NoClusterTwinsComputeTheirFpropWithItsTuning) {
                  sm90::Variant::kWgradF32Direct}) {
     EXPECT_EQ(sm90::no_cluster(v), v);
     EXPECT_FALSE(sm90::is_no_cluster(v));
-    EXPECT_FALSE(sm90::no_cluster_pays(v, 768));
+    EXPECT_FALSE(sm90::no_cluster_pays(v, 768, 2048));
   }
   for (auto v : {sm90::Variant::kFpropDirect, sm90::Variant::kFpropBiasDirect, sm90::Variant::kDgradDirect,
                  sm90::Variant::kWgradF32Direct})
     EXPECT_TRUE(sm90::is_direct_store(v));
 }
 
-// The one-CTA clusters where the fprop's K is short; SPARSETRAIN_SM90_CLUSTER forces either way,
-// other values refused.
-TEST(Sm90Tuning, NoClusterByTheFpropsKAndItsOverride) {
-  const int64_t k = sm90::kNoClusterMaxK;
+// The one-CTA clusters where an expert's weight is small; SPARSETRAIN_SM90_CLUSTER forces either
+// way, other values refused.
+TEST(Sm90Tuning, NoClusterByTheExpertsWeightAndItsOverride) {
+  const int64_t w = sm90::kNoClusterMaxWeight;
   for (auto v : {sm90::Variant::kFprop, sm90::Variant::kFpropBias, sm90::Variant::kFpropNoCluster}) {
-    EXPECT_TRUE(sm90::no_cluster_pays(v, 768));  // qwen fc2
-    EXPECT_TRUE(sm90::no_cluster_pays(v, k));
-    EXPECT_FALSE(sm90::no_cluster_pays(v, k + 8));
-    EXPECT_FALSE(sm90::no_cluster_pays(v, 2048));  // qwen fc1
-    EXPECT_FALSE(sm90::no_cluster_pays(v, 7168));  // deepseek fc1
+    EXPECT_TRUE(sm90::no_cluster_pays(v, 768, 2048));   // qwen fc2
+    EXPECT_TRUE(sm90::no_cluster_pays(v, 2048, 1536));  // qwen fc1
+    EXPECT_TRUE(sm90::no_cluster_pays(v, 1024, 4096));
+    EXPECT_TRUE(sm90::no_cluster_pays(v, w / 8, 8));
+    EXPECT_FALSE(sm90::no_cluster_pays(v, w / 8 + 8, 8));
+    EXPECT_FALSE(sm90::no_cluster_pays(v, 2048, 7168));   // deepseek fc2
+    EXPECT_FALSE(sm90::no_cluster_pays(v, 7168, 4096));   // deepseek fc1
+    EXPECT_FALSE(sm90::no_cluster_pays(v, 14336, 4096));  // mixtral fc2
   }
   using sparsetrain::cuda::tuning::sm90_no_cluster;
   unsetenv("SPARSETRAIN_SM90_CLUSTER");

@@ -25,7 +25,7 @@ enum class Variant {
   kFpropBiasDirect,
   kDgradDirect,
   kWgradF32Direct,
-  // fprop (and its biased form) on clusters of one CTA, where the expert GEMMs' K (in) is short
+  // fprop (and its biased form) on clusters of one CTA, where an expert's weight is small
   // (no_cluster_pays): the same tiles, k order and TMA store, without the cluster's shared weight
   // loads: bit-identical to kFprop / kFpropBias.
   kFpropNoCluster,
@@ -82,13 +82,16 @@ constexpr bool is_wgrad(Variant v) {
 // shape class (docs/PERF.md, GroupedLinear).
 constexpr int kTileM = 128, kTileN = 256;
 
-// One-CTA clusters for the fprop where K (in) is at most kNoClusterMaxK: with a short mainloop
-// the pair's lockstep over shared stages, and the idle partner on a group's odd last row tile,
-// cost more than the weight loads a cluster shares (H200, G 32-128: 1.05-1.20x at in = 768 and
-// 1024; mixed at 2048, slower at 7168-14336 with few experts). A shape rule: graphs stay valid.
-constexpr int64_t kNoClusterMaxK = 1024;
-constexpr bool no_cluster_pays(Variant v, int64_t in) {
-  return (no_cluster(v) != v || is_no_cluster(v)) && in <= kNoClusterMaxK;
+// One-CTA clusters for the fprop where an expert's weight holds at most kNoClusterMaxWeight
+// elements (8 MiB in bf16): the L2 then serves the CTAs that re-read it, so a 2x1 cluster's shared
+// weight load saves little DRAM traffic while the pair's lockstep over shared stages, and the idle
+// partner on a group's odd last row tile, still cost. H200, fprop, against the 2x1 kernel: 1.04-1.25x
+// at 768 x 2048, 1024 x 4096, 2048 x 768 and 2048 x 1536 (in x out) from 8 to 128 experts; even at
+// 4096 x 1024 and 2048 x 4096; 0.86-0.97x at 2048 x 7168, 7168 x 2048 and above (docs/PERF.md,
+// GroupedLinear). A shape rule: a captured graph stays valid.
+constexpr int64_t kNoClusterMaxWeight = int64_t(4) << 20;
+constexpr bool no_cluster_pays(Variant v, int64_t in, int64_t out) {
+  return (no_cluster(v) != v || is_no_cluster(v)) && in * out <= kNoClusterMaxWeight;
 }
 
 enum class Raster { kAlongM, kAlongN };  // the order the persistent scheduler walks a group's tiles
