@@ -57,6 +57,10 @@ SHAPES = [  # (name, G, T, in, out)
     ("g24_7168_2048", 24, 20000, 7168, 2048),
 ]
 # SHAPES=many: the many-expert class around the shapes above (G 32..128, N 768..4096, K 768..4096).
+# SHAPES=k2048: in = 2048 from few to many experts (deepseek fc2 among them).
+if os.environ.get("SHAPES") == "k2048":
+    SHAPES = [(f"g{G}_2048_{o}", G, T, 2048, o) for G, T in ((8, 32768), (16, 32768), (64, 65536), (128, 65536))
+              for o in (768, 1536, 4096, 7168)]
 if os.environ.get("SHAPES") == "many":
     SHAPES = [(f"g{G}_{i}_{o}", G, T, i, o) for G, T in ((128, 65536), (64, 32768), (32, 32768))
               for i, o in ((2048, 768), (2048, 1536), (768, 2048), (4096, 1024), (1024, 4096))]
@@ -64,7 +68,9 @@ if os.environ.get("SHAPES") == "many":
 
 def main():
     libs = {}
-    for path in sorted(glob.glob(os.path.join(sys.argv[1], "*.so"))):
+    # ORDER=reverse times the kernels in the other order (a later kernel may find the GPU warmer).
+    paths = sorted(glob.glob(os.path.join(sys.argv[1], "*.so")), reverse=os.environ.get("ORDER") == "reverse")
+    for path in paths:
         lib = ctypes.CDLL(path)
         lib.st_ws_bytes.restype = ctypes.c_size_t
         lib.st_ws_bytes.argtypes = [ctypes.c_int64]
