@@ -42,29 +42,26 @@ inline int64_t gemm_simt_max_macs() {
   return e != nullptr ? std::atoll(e) : arch::kSimtMaxMacs;
 }
 
+// A two-way switch: `pays` unless the environment variable `name` is set to `on` (true) or `off`
+// (false); other values are refused.
+inline bool forced_or(const char* name, bool pays, const char* on, const char* off) {
+  const char* e = std::getenv(name);
+  if (e == nullptr) return pays;
+  const std::string v(e);
+  ST_CHECK_ARG(v == on || v == off, name, std::string(on) + " or " + off, v);
+  return v == on;
+}
+
 // How the sm90 wgrad adds into an aligned fp32 main_grad: the TMA store's reduce-add
 // (sm90::Variant::kWgradF32Add) where sm90::reduce_add_pays, else the register epilogue reading
 // main_grad (kWgradF32); SPARSETRAIN_MAIN_GRAD_ADD=reduce|epilogue forces one (same bits either
-// way; bench_main_grad_add.py and bench_grouped_linear.py --sweep A / B them). Other values are
-// refused.
-inline bool main_grad_reduce_add(bool pays) {
-  const char* e = std::getenv("SPARSETRAIN_MAIN_GRAD_ADD");
-  if (e == nullptr) return pays;
-  const std::string v(e);
-  ST_CHECK_ARG(v == "reduce" || v == "epilogue", "SPARSETRAIN_MAIN_GRAD_ADD", "reduce or epilogue", v);
-  return v == "reduce";
-}
+// way; bench_main_grad_add.py and bench_grouped_linear.py --sweep A / B them).
+inline bool main_grad_reduce_add(bool pays) { return forced_or("SPARSETRAIN_MAIN_GRAD_ADD", pays, "reduce", "epilogue"); }
 
 // Whether an fprop runs its one-CTA-cluster twin (sm90::Variant::kFpropNoCluster, where built):
 // where sm90::no_cluster_pays, or as SPARSETRAIN_SM90_CLUSTER=1 (always) / 2 (never) forces (same
-// bits either way; bench_grouped_linear.py --sweep A / B them). Other values are refused.
-inline bool sm90_no_cluster(bool pays) {
-  const char* e = std::getenv("SPARSETRAIN_SM90_CLUSTER");
-  if (e == nullptr) return pays;
-  const std::string v(e);
-  ST_CHECK_ARG(v == "1" || v == "2", "SPARSETRAIN_SM90_CLUSTER", "1 or 2", v);
-  return v == "1";
-}
+// bits either way; bench_grouped_linear.py --sweep A / B them).
+inline bool sm90_no_cluster(bool pays) { return forced_or("SPARSETRAIN_SM90_CLUSTER", pays, "1", "2"); }
 
 // ---- attention ----------------------------------------------------------------------------------
 
