@@ -79,7 +79,7 @@ constexpr bool is_wgrad(Variant v) {
 // one tile), on clusters of 2x1 (the pair shares each weight tile's load) but for the no-cluster
 // twins. Other shapes measured against it on the fprop (H200; 128x128 ping-pong and cooperative,
 // 64x128x128 and 64x256 ping-pong, 128x192, 256x128 on 1x2 clusters): none faster on any MoE
-// shape class (docs/PERF.md, GroupedLinear).
+// shape class, 256x128 tying it on the large ones (docs/PERF.md, GroupedLinear).
 constexpr int kTileM = 128, kTileN = 256;
 
 // One-CTA clusters for the fprop where an expert's weight holds at most kNoClusterMaxWeight
