@@ -9,6 +9,22 @@
 
 namespace sm90 = sparsetrain::cuda::sm90;
 
+// A two-way environment switch (tuning::forced_or): unset, the rule's answer; `on` / `off` force
+// it; `bad` is refused.
+template <class F>
+void expect_two_way_switch(const char* name, F f, const char* on, const char* off, const char* bad) {
+  unsetenv(name);
+  EXPECT_TRUE(f(true));
+  EXPECT_FALSE(f(false));
+  setenv(name, off, 1);
+  EXPECT_FALSE(f(true));
+  setenv(name, on, 1);
+  EXPECT_TRUE(f(false));
+  setenv(name, bad, 1);
+  EXPECT_THROW(f(true), sparsetrain::Error);
+  unsetenv(name);
+}
+
 TEST(Sm90Tuning, WgradWalksAlongNWhenMHasManyMoreTiles) {
   // mixtral fc1's wgrad: M = out = 28672 (224 tiles of 128), N = in = 4096 (16 tiles of 256).
   EXPECT_EQ(sm90::pick_tuning(sm90::Variant::kWgrad, 4096, 28672).raster, sm90::Raster::kAlongN);
@@ -93,17 +109,7 @@ TEST(Sm90Tuning, NoClusterByTheExpertsWeightAndItsOverride) {
     EXPECT_FALSE(sm90::no_cluster_pays(v, 7168, 4096));   // deepseek fc1
     EXPECT_FALSE(sm90::no_cluster_pays(v, 14336, 4096));  // mixtral fc2
   }
-  using sparsetrain::cuda::tuning::sm90_no_cluster;
-  unsetenv("SPARSETRAIN_SM90_CLUSTER");
-  EXPECT_TRUE(sm90_no_cluster(true));
-  EXPECT_FALSE(sm90_no_cluster(false));
-  setenv("SPARSETRAIN_SM90_CLUSTER", "2", 1);
-  EXPECT_FALSE(sm90_no_cluster(true));
-  setenv("SPARSETRAIN_SM90_CLUSTER", "1", 1);
-  EXPECT_TRUE(sm90_no_cluster(false));
-  setenv("SPARSETRAIN_SM90_CLUSTER", "4", 1);
-  EXPECT_THROW(sm90_no_cluster(true), sparsetrain::Error);
-  unsetenv("SPARSETRAIN_SM90_CLUSTER");
+  expect_two_way_switch("SPARSETRAIN_SM90_CLUSTER", sparsetrain::cuda::tuning::sm90_no_cluster, "1", "2", "4");
 }
 
 // The reduce-add main_grad wgrad is a wgrad (walked as one) and has no twin: a misaligned
@@ -130,17 +136,8 @@ TEST(Sm90Tuning, MainGradAddByMeanRowsPerExpertAndItsOverride) {
   EXPECT_FALSE(sm90::reduce_add_pays(128 * 512, 128));
   EXPECT_TRUE(sm90::reduce_add_pays(8 * 16384, 8));
   EXPECT_FALSE(sm90::reduce_add_pays(0, 0));
-  using sparsetrain::cuda::tuning::main_grad_reduce_add;
-  unsetenv("SPARSETRAIN_MAIN_GRAD_ADD");
-  EXPECT_TRUE(main_grad_reduce_add(true));
-  EXPECT_FALSE(main_grad_reduce_add(false));
-  setenv("SPARSETRAIN_MAIN_GRAD_ADD", "epilogue", 1);
-  EXPECT_FALSE(main_grad_reduce_add(true));
-  setenv("SPARSETRAIN_MAIN_GRAD_ADD", "reduce", 1);
-  EXPECT_TRUE(main_grad_reduce_add(false));
-  setenv("SPARSETRAIN_MAIN_GRAD_ADD", "atomics", 1);
-  EXPECT_THROW(main_grad_reduce_add(true), sparsetrain::Error);
-  unsetenv("SPARSETRAIN_MAIN_GRAD_ADD");
+  expect_two_way_switch("SPARSETRAIN_MAIN_GRAD_ADD", sparsetrain::cuda::tuning::main_grad_reduce_add, "reduce",
+                        "epilogue", "atomics");
 }
 
 TEST(Sm90Tuning, EnvironmentOverridesOnlyValidValues) {
