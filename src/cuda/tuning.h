@@ -58,7 +58,7 @@ inline bool forced_or(const char* name, bool pays, const char* on, const char* o
 // way; bench_main_grad_add.py and bench_grouped_linear.py --sweep A / B them).
 inline bool main_grad_reduce_add(bool pays) { return forced_or("SPARSETRAIN_MAIN_GRAD_ADD", pays, "reduce", "epilogue"); }
 
-// Whether an fprop runs its one-CTA-cluster twin (sm90::Variant::kFpropNoCluster, where built):
+// Whether an fprop or dgrad runs its one-CTA-cluster twin (sm90::kNoClusterTwins, where built):
 // where sm90::no_cluster_pays, or as SPARSETRAIN_SM90_CLUSTER=1 (always) / 2 (never) forces (same
 // bits either way; bench_grouped_linear.py --sweep A / B them).
 inline bool sm90_no_cluster(bool pays) { return forced_or("SPARSETRAIN_SM90_CLUSTER", pays, "1", "2"); }

@@ -66,10 +66,10 @@ TEST(Sm90Instances, ListMatchesKernelSet) {
     for (DType t : {DType::kBF16, DType::kFP16})
       for (int64_t d : {64, 96, 128}) all.insert({t, d});
     EXPECT_EQ(attn, all);
-    EXPECT_EQ(gemm.size(), 24u);
+    EXPECT_EQ(gemm.size(), 26u);
     for (const char* v : {"kFprop", "kFpropBias", "kDgrad", "kWgrad", "kWgradF32", "kWgradF32Add", "kFpropDirect",
                           "kFpropBiasDirect", "kDgradDirect", "kWgradF32Direct", "kFpropNoCluster",
-                          "kFpropBiasNoCluster"})
+                          "kFpropBiasNoCluster", "kDgradNoCluster"})
       for (const char* e : {"bf16_t", "fp16_t"}) EXPECT_EQ(gemm.count(std::string(v) + ":" + e), 1u) << v << e;
   } else {
     EXPECT_EQ(kSet.rfind("none: ", 0), 0u) << kSet;

@@ -225,27 +225,30 @@ TEST(GroupedLinearCudaSizeRule, TinyProblemsMatchTheOracleOnBothPaths) {
   }
 }
 
-// The fprop's one-CTA-cluster twin (ALL builds; the default for this 520 x 776 weight; forced both
-// ways here, so MINIMAL builds run the 2x1 kernel twice): each against the oracle (poisoned caller
-// buffers, tails), and the two forwards bitwise equal. Several row tiles per expert, an odd count
-// in some (a 2x1 cluster's idle partner), empty experts and a prime T.
-TEST(GroupedLinearCudaTuning, NoClusterTwinIsBitIdenticalToTheClusterKernel) {
+// The fprop's and dgrad's one-CTA-cluster twins (ALL builds; the default for this 520 x 776
+// weight; forced both ways here, so MINIMAL builds run the 2x1 kernels twice): each against the
+// oracle (poisoned caller buffers, tails), and the two forwards and the two input gradients bitwise
+// equal. Several row tiles per expert, an odd count in some (a 2x1 cluster's idle partner), empty
+// experts and a prime T.
+TEST(GroupedLinearCudaTuning, NoClusterTwinsAreBitIdenticalToTheClusterKernels) {
   REQUIRE_GPU();
   for (st::DType dtype : {st::DType::kBF16, st::DType::kFP16}) {
     for (bool bias : {false, true}) {
       SCOPED_TRACE(std::string(st::dtype_name(dtype)) + (bias ? " bias" : ""));
       const Shape s{dtype, 7, 1613, 1560, 776, 520, {0, 4}, true, bias, true};
-      std::vector<HostTensor> y;
+      std::vector<HostTensor> y, dx;
       for (const char* cluster : {"1", "2"}) {
         SCOPED_TRACE(std::string("SPARSETRAIN_SM90_CLUSTER=") + cluster);
         ScopedEnv pin("SPARSETRAIN_SM90_CLUSTER", cluster);
         check_against_oracle(s);
         GroupedLinearCase c = make_case(s);
         CudaLayer L(c, c.options());
-        const DeviceTensor x(c.x);
+        const DeviceTensor x(c.x), dy(c.dy);
         y.push_back(to_host(L.layer->forward(x.view(), L.device_splits()).view()));
+        dx.push_back(to_host(L.layer->backward(x.view(), dy.view(), L.device_splits()).grad_input.view()));
       }
-      EXPECT_TRUE(y[0].bytes_equal(y[1])) << "one-CTA clusters against 2x1";
+      EXPECT_TRUE(y[0].bytes_equal(y[1])) << "forward: one-CTA clusters against 2x1";
+      EXPECT_TRUE(dx[0].bytes_equal(dx[1])) << "grad_input: one-CTA clusters against 2x1";
     }
   }
 }

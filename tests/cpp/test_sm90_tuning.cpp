@@ -64,10 +64,10 @@ TEST(Sm90Tuning, DirectStoreTwinsComputeTheirVariantWithItsTuning) {
   EXPECT_EQ(sm90::direct_store(sm90::Variant::kWgrad), sm90::Variant::kWgrad);
 }
 
-// The fprops' one-CTA-cluster twins compute their variant, walked like it; nothing else has one
-// (a direct-store twin neither), and none is a direct-store twin.
-TEST(Sm90Tuning, NoClusterTwinsComputeTheirFpropWithItsTuning) {
-  for (auto v : {sm90::Variant::kFprop, sm90::Variant::kFpropBias}) {
+// The fprops' and dgrad's one-CTA-cluster twins compute their variant, walked like it; nothing
+// else has one (a direct-store twin neither), and none is a direct-store twin.
+TEST(Sm90Tuning, NoClusterTwinsComputeTheirVariantWithItsTuning) {
+  for (auto v : {sm90::Variant::kFprop, sm90::Variant::kFpropBias, sm90::Variant::kDgrad}) {
     const sm90::Variant s = sm90::no_cluster(v);
     EXPECT_NE(s, v);
     EXPECT_TRUE(sm90::is_no_cluster(s));
@@ -83,7 +83,7 @@ TEST(Sm90Tuning, NoClusterTwinsComputeTheirFpropWithItsTuning) {
         EXPECT_EQ(sm90::pick_tuning(s, in, out).swizzle, sm90::pick_tuning(v, in, out).swizzle);
       }
   }
-  for (auto v : {sm90::Variant::kDgrad, sm90::Variant::kWgrad, sm90::Variant::kWgradF32, sm90::Variant::kWgradF32Add,
+  for (auto v : {sm90::Variant::kWgrad, sm90::Variant::kWgradF32, sm90::Variant::kWgradF32Add,
                  sm90::Variant::kFpropDirect, sm90::Variant::kFpropBiasDirect, sm90::Variant::kDgradDirect,
                  sm90::Variant::kWgradF32Direct}) {
     EXPECT_EQ(sm90::no_cluster(v), v);
@@ -99,7 +99,8 @@ TEST(Sm90Tuning, NoClusterTwinsComputeTheirFpropWithItsTuning) {
 // way, other values refused.
 TEST(Sm90Tuning, NoClusterByTheExpertsWeightAndItsOverride) {
   const int64_t w = sm90::kNoClusterMaxWeight;
-  for (auto v : {sm90::Variant::kFprop, sm90::Variant::kFpropBias, sm90::Variant::kFpropNoCluster}) {
+  for (auto v : {sm90::Variant::kFprop, sm90::Variant::kFpropBias, sm90::Variant::kDgrad, sm90::Variant::kFpropNoCluster,
+                 sm90::Variant::kDgradNoCluster}) {
     EXPECT_TRUE(sm90::no_cluster_pays(v, 768, 2048));   // qwen fc2
     EXPECT_TRUE(sm90::no_cluster_pays(v, 2048, 1536));  // qwen fc1
     EXPECT_TRUE(sm90::no_cluster_pays(v, 1024, 4096));

@@ -65,6 +65,7 @@ template <typename E> struct Config<Variant::kWgradF32Add, E> : Config<Variant::
 template <typename E> struct Config<Variant::kFpropDirect, E> : Config<Variant::kFprop, E> {};
 template <typename E> struct Config<Variant::kFpropNoCluster, E> : Config<Variant::kFprop, E> {};
 template <typename E> struct Config<Variant::kFpropBiasNoCluster, E> : Config<Variant::kFprop, E> {};
+template <typename E> struct Config<Variant::kDgradNoCluster, E> : Config<Variant::kDgrad, E> {};
 // Direct store, biased: the bias is the epilogue's source C, read with a zero row stride.
 template <typename E> struct Config<Variant::kFpropBiasDirect, E> : Config<Variant::kFprop, E> { using C = E; };
 template <typename E> struct Config<Variant::kDgradDirect, E> : Config<Variant::kDgrad, E> {};

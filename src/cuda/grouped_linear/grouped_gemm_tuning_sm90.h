@@ -25,11 +25,12 @@ enum class Variant {
   kFpropBiasDirect,
   kDgradDirect,
   kWgradF32Direct,
-  // fprop (and its biased form) on clusters of one CTA, where an expert's weight is small
-  // (no_cluster_pays): the same tiles, k order and TMA store, without the cluster's shared weight
-  // loads: bit-identical to kFprop / kFpropBias.
+  // fprop (and its biased form) and dgrad on clusters of one CTA, where an expert's weight is
+  // small (no_cluster_pays): the same tiles, k order and TMA store, without the cluster's shared
+  // weight loads: bit-identical to kFprop / kFpropBias / kDgrad.
   kFpropNoCluster,
   kFpropBiasNoCluster,
+  kDgradNoCluster,
 };
 
 // Each variant with a direct-store twin, and the twin: the one table both directions read.
@@ -46,7 +47,8 @@ struct NoClusterTwin {
   Variant cluster, single;
 };
 constexpr NoClusterTwin kNoClusterTwins[] = {{Variant::kFprop, Variant::kFpropNoCluster},
-                                             {Variant::kFpropBias, Variant::kFpropBiasNoCluster}};
+                                             {Variant::kFpropBias, Variant::kFpropBiasNoCluster},
+                                             {Variant::kDgrad, Variant::kDgradNoCluster}};
 
 // The direct-store twin of a variant (itself if it has none), its one-CTA-cluster twin (itself
 // if it has none), and the variant a twin computes (itself for the others).
@@ -82,13 +84,14 @@ constexpr bool is_wgrad(Variant v) {
 // shape class, 256x128 tying it on the large ones (docs/PERF.md, GroupedLinear).
 constexpr int kTileM = 128, kTileN = 256;
 
-// One-CTA clusters for the fprop where an expert's weight holds at most kNoClusterMaxWeight
-// elements (8 MiB in bf16): the L2 then serves the CTAs that re-read it, so a 2x1 cluster's shared
-// weight load saves little DRAM traffic while the pair's lockstep over shared stages, and the idle
-// partner on a group's odd last row tile, still cost. H200, fprop, against the 2x1 kernel: 1.04-1.25x
-// at 768 x 2048, 1024 x 4096, 2048 x 768 and 2048 x 1536 (in x out) from 8 to 128 experts; even at
-// 4096 x 1024 and 2048 x 4096; 0.86-0.97x at 2048 x 7168, 7168 x 2048 and above (docs/PERF.md,
-// GroupedLinear). A shape rule: a captured graph stays valid.
+// One-CTA clusters for the fprop and the dgrad (both stream an expert's whole weight past its row
+// tiles) where the weight holds at most kNoClusterMaxWeight elements (8 MiB in bf16): the L2 then
+// serves the CTAs that re-read it, so a 2x1 cluster's shared weight load saves little DRAM traffic
+// while the pair's lockstep over shared stages, and the idle partner on a group's odd last row
+// tile, still cost. H200, against the 2x1 kernel: the fprop 1.04-1.25x at 768 x 2048, 1024 x 4096,
+// 2048 x 768 and 2048 x 1536 (in x out) from 8 to 128 experts; even at 4096 x 1024 and 2048 x 4096;
+// 0.86-0.97x at 2048 x 7168, 7168 x 2048 and above; the dgrad 1.00-1.08x at the same small weights
+// (docs/PERF.md, GroupedLinear). A shape rule: a captured graph stays valid.
 constexpr int64_t kNoClusterMaxWeight = int64_t(4) << 20;
 constexpr bool no_cluster_pays(Variant v, int64_t in, int64_t out) {
   return (no_cluster(v) != v || is_no_cluster(v)) && in * out <= kNoClusterMaxWeight;
