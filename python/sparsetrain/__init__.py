@@ -136,10 +136,13 @@ class _CoreLayer:
 
     def _layer_grads(self, g: dict) -> LayerGrads:
         view = self._fw.view
+        packed = view(g["weight_packed"])
+        # With a packed view the core exports no per-group ones: they are its slices (unbind).
+        per_group = list(packed) if packed is not None else [view(t) for t in g["weight_per_group"]]
         return LayerGrads(
             weight_kind=g["weight_kind"],
-            weight_grads=[view(t) for t in g["weight_per_group"]] or None,
-            weight_grad_packed=view(g["weight_packed"]),
+            weight_grads=per_group or None,
+            weight_grad_packed=packed,
             grad_added_to_main_grad=g["grad_added_to_main_grad"],
             bias_grad=view(g["bias_grad"]),
         )
