@@ -99,8 +99,8 @@ TEST(Sm90Tuning, NoClusterTwinsComputeTheirVariantWithItsTuning) {
 // way, other values refused.
 TEST(Sm90Tuning, NoClusterByTheExpertsWeightAndItsOverride) {
   const int64_t w = sm90::kNoClusterMaxWeight;
-  for (auto v : {sm90::Variant::kFprop, sm90::Variant::kFpropBias, sm90::Variant::kDgrad, sm90::Variant::kFpropNoCluster,
-                 sm90::Variant::kDgradNoCluster}) {
+  for (auto v : {sm90::Variant::kFprop, sm90::Variant::kFpropBias, sm90::Variant::kDgrad,
+                 sm90::Variant::kFpropNoCluster, sm90::Variant::kDgradNoCluster}) {
     EXPECT_TRUE(sm90::no_cluster_pays(v, 768, 2048));   // qwen fc2
     EXPECT_TRUE(sm90::no_cluster_pays(v, 2048, 1536));  // qwen fc1
     EXPECT_TRUE(sm90::no_cluster_pays(v, 1024, 4096));

@@ -212,7 +212,8 @@ class CudaBackend final : public GroupedLinearBackend {
       if (t->stride(0) != t->size(1) || !aligned16(t->data())) return std::nullopt;
     for (const TensorView& w : weights)
       if (!aligned16(w.data())) return std::nullopt;
-    // The fprop's and dgrad's one-CTA-cluster twins for small expert weights (bit-identical; ALL builds have it).
+    // The fprop's and dgrad's one-CTA-cluster twins for small expert weights (bit-identical; ALL
+    // builds have them).
     const Variant single = cuda::sm90::no_cluster(k);
     if (single != k && sm90_built(single, pr.dtype) &&
         cuda::tuning::sm90_no_cluster(cuda::sm90::no_cluster_pays(k, pr.in, pr.out)))
