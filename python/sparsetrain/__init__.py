@@ -137,8 +137,14 @@ class _CoreLayer:
     def _layer_grads(self, g: dict) -> LayerGrads:
         view = self._fw.view
         packed = view(g["weight_packed"])
-        # With a packed view the core exports no per-group ones: they are its slices (unbind).
-        per_group = list(packed) if packed is not None else [view(t) for t in g["weight_per_group"]]
+        if packed is not None:  # the core exports no per-group views then: they are its slices
+            per_group = list(packed)
+        else:  # one the core exported for several groups (the dummy's) is viewed once
+            per_group, last = [], None
+            for t in g["weight_per_group"]:
+                if t is not last:
+                    last, v = t, view(t)
+                per_group.append(v)
         return LayerGrads(
             weight_kind=g["weight_kind"],
             weight_grads=per_group or None,
