@@ -140,7 +140,7 @@ class _CoreLayer:
         if packed is not None:  # the core exports no per-group views then: they are its slices
             per_group = list(packed)
         else:  # one the core exported for several groups (the dummy's) is viewed once
-            per_group, last = [], None
+            per_group, last, v = [], object(), None
             for t in g["weight_per_group"]:
                 if t is not last:
                     last, v = t, view(t)

@@ -251,8 +251,9 @@ void export_layer_grads(nb::dict& d, const st::WeightGrad& w, const st::Tensor& 
   // takes them from it in one op (G exported views cost ~5 us each: 0.7 ms a call at G = 128).
   // Otherwise (the dummy over per-group weights: G views of one tensor) each distinct view is
   // exported once and repeated, so Python views it once.
+  const nb::object packed = export_tensor(w.packed, alloc);
   nb::list per_group;
-  if (!w.packed.defined()) {
+  if (packed.is_none()) {
     const st::TensorView* last = nullptr;
     nb::object exported;
     for (const st::Tensor& t : w.per_group) {
@@ -265,7 +266,7 @@ void export_layer_grads(nb::dict& d, const st::WeightGrad& w, const st::Tensor& 
     }
   }
   d["weight_per_group"] = per_group;
-  d["weight_packed"] = export_tensor(w.packed, alloc);
+  d["weight_packed"] = packed;
   d["grad_added_to_main_grad"] = w.grad_added_to_main_grad;
   d["bias_grad"] = export_tensor(bias_grad, alloc);
 }
