@@ -101,24 +101,7 @@ struct WithStoreOp<cutlass::epilogue::collective::CollectiveEpilogue<Policy, Til
                                                                  AtomC, S2R, CopyOpS2G, AtomD, R2S, CopyAtomC, R2R>;
 };
 
-// A kernel shape: the CTA tile, the cluster, and the CUTLASS schedules that go with them
-// (cooperative: both consumer warpgroups on one tile; ping-pong: one tile each, one's epilogue
-// under the other's mainloop).
-template <int kM, int kN, int kK, int kClusterM, int kClusterN, bool kPingpong>
-struct KernelShape {
-  using Tile = Shape<Int<kM>, Int<kN>, Int<kK>>;
-  using Cluster = Shape<Int<kClusterM>, Int<kClusterN>, _1>;
-  using MainloopSchedule = std::conditional_t<kPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
-                                              cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
-  using TmaEpilogueSchedule = std::conditional_t<kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
-                                                 cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
-};
-// 128x256x64 tiles, cooperative, on clusters of 2x1 or (the no-cluster twins) of one CTA
-// (grouped_gemm_tuning_sm90.h says what else was measured).
-template <Variant V>
-using KernelShapeOf = KernelShape<kTileM, kTileN, 64, is_no_cluster(V) ? 1 : 2, 1, false>;
-
-template <Variant V, typename E, class KS = KernelShapeOf<V>>
+template <Variant V, typename E>
 struct Sm90GroupedGemm {
   static constexpr Variant kVariant = V;
   static constexpr Variant kComputes = computed_by(V);
@@ -137,9 +120,11 @@ struct Sm90GroupedGemm {
   static constexpr int kAlignC =
       kDirect || std::is_void_v<ElementC> ? kAlignD : 128 / cutlass::sizeof_bits<ElementC>::value;
   using EpilogueSchedule = std::conditional_t<kDirect, cutlass::epilogue::PtrArrayNoSmemWarpSpecialized,
-                                              typename KS::TmaEpilogueSchedule>;
-  using TileShape = typename KS::Tile;
-  using ClusterShape = typename KS::Cluster;
+                                              cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
+  // 128x256x64 tiles, cooperative (both consumer warpgroups on one tile), on clusters of 2x1 or
+  // (the no-cluster twins) of one CTA: grouped_gemm_tuning_sm90.h says what else was measured.
+  using TileShape = Shape<Int<kTileM>, Int<kTileN>, _64>;
+  using ClusterShape = Shape<Int<is_no_cluster(V) ? 1 : 2>, _1, _1>;
   using BuiltEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD*, kAlignC, ElementD, LayoutD*,
@@ -152,7 +137,7 @@ struct Sm90GroupedGemm {
       typename Cfg::B*, kAlignAB, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      typename KS::MainloopSchedule>::CollectiveOp;
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::InternalStrideA;
@@ -268,8 +253,8 @@ __global__ void sm90_setup_kernel(const __grid_constant__ CappedGemmParams<Cap> 
   a.stride_d[g] = cutlass::make_cute_packed_stride(typename S::StrideD{}, cute::make_shape(m, n, 1));
 }
 
-template <Variant V, typename E, class KS>
-void Sm90GroupedGemm<V, E, KS>::run(const GroupedGemmParams& p, const Tuning& t, void* workspace, size_t bytes,
+template <Variant V, typename E>
+void Sm90GroupedGemm<V, E>::run(const GroupedGemmParams& p, const Tuning& t, void* workspace, size_t bytes,
                                    void* stream) {
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const Arrays a = carve(workspace, p.num_groups);
