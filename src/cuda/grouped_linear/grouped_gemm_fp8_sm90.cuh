@@ -48,7 +48,7 @@ namespace sparsetrain::cuda::sm90 {
 
 using namespace cute;
 
-template <Fp8Variant V, class ClusterShape_ = Shape<_1, _2, _1>>
+template <Fp8Variant V>
 struct Sm90Fp8GroupedGemm {
   static constexpr bool kWgrad = V != Fp8Variant::kActWeight;
   using Element = cutlass::float_e4m3_t;
@@ -66,7 +66,7 @@ struct Sm90Fp8GroupedGemm {
   // (one scale per tile column) otherwise. MN-major per-row scales are what the quantizing
   // passes write (one row's tiles apart, a tile's rows adjacent).
   using TileShape = Shape<_128, _128, _128>;
-  using ClusterShape = ClusterShape_;
+  using ClusterShape = Shape<_1, _2, _1>;
   using ScaleConfig =
       cutlass::detail::Sm90BlockwiseScaleConfig<1, kWgrad ? 1 : 128, 128, cute::GMMA::Major::MN,
                                                 kWgrad ? cute::GMMA::Major::MN : cute::GMMA::Major::K>;
@@ -197,8 +197,8 @@ __global__ void sm90_fp8_setup_kernel(const __grid_constant__ Fp8GemmParams<Cap>
   a.layout_sfb[g] = S::ScaleConfig::tile_atom_to_shape_SFB(cute::make_shape(m, n, k, 1));
 }
 
-template <Fp8Variant V, class ClusterShape_>
-void Sm90Fp8GroupedGemm<V, ClusterShape_>::run(const Fp8GemmArgs& p, void* workspace, size_t bytes, cudaStream_t s) {
+template <Fp8Variant V>
+void Sm90Fp8GroupedGemm<V>::run(const Fp8GemmArgs& p, void* workspace, size_t bytes, cudaStream_t s) {
   const Arrays a = carve(workspace, p.num_groups);
   const int device = ::sparsetrain::cuda::current_device();
   const float beta = V == Fp8Variant::kWgradF32 && p.wgrad_store == WgradStore::kMainGradAccumulate ? 1.f : 0.f;
