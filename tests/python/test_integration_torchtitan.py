@@ -122,19 +122,54 @@ def fresh_seed():
 TOKENIZER = types.SimpleNamespace(eos_id=EOS)
 
 
-def run_pair(ref_args, got_args, device, dtype, tokens, seed):
-    ref = model_of(ref_args, device, dtype, seed)
+# Two models that sum in different orders route a token differently where its k-th and (k+1)-th
+# routing scores are closer than their rounding apart (~1e-7 in fp32; seen in CI: seed 171147634 of
+# the flex documents case, one token of 600 in the second layer): a different model, not a wrong
+# one. In fp32 run_pair draws its seed again until the reference's smallest such gap is past
+# kRouterGap.
+kRouterGap = 1e-6
+
+
+def router_gap(model, tokens):
+    """The smallest gap between a token's k-th and (k+1)-th routing scores over the model's routers
+    (torchtitan's softmax router: top-k of softmax(gate(x)), no expert bias here) in a forward pass."""
+    gaps = []
+
+    def hook(router, inputs, _):
+        top = torch.softmax(router.gate(inputs[0]).float(), dim=-1).topk(router.top_k + 1, dim=-1).values
+        gaps.append(float((top[:, -2] - top[:, -1]).min()))
+
+    handles = [layer.moe.router.register_forward_hook(hook) for layer in model.layers.values()]
+    with torch.no_grad():
+        masks = model.get_attention_masks(tokens, TOKENIZER) if model.model_args.attn_type != "sdpa" else None
+        model(tokens, attention_masks=masks)
+    for h in handles:
+        h.remove()
+    return min(gaps)
+
+
+def run_pair(ref_args, got_args, device, dtype, make_tokens):
+    """(seed, tokens, the reference's step, the converted model's step, the converted model) on a
+    fresh seed's weights and make_tokens(seed); in fp32 a seed whose routing has a near tie is
+    drawn again (kRouterGap)."""
+    for _ in range(20):
+        seed = fresh_seed()
+        tokens = make_tokens(seed)
+        ref = model_of(ref_args, device, dtype, seed)
+        if dtype != torch.float32 or router_gap(ref, tokens) > kRouterGap:
+            break
+    else:
+        pytest.fail(f"20 seeds in a row routed a token at a near tie (the last: {seed})")
     got = stt.convert(model_of(got_args, device, dtype, seed, state=ref.state_dict()))
-    return step(ref, tokens, TOKENIZER), step(got, tokens, TOKENIZER), got
+    return seed, tokens, step(ref, tokens, TOKENIZER), step(got, tokens, TOKENIZER), got
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_experts_and_causal_attention_match_torchtitan(device):
-    seed = fresh_seed()
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     # The peer's experts: the for-loop (fp32 matmuls) on the CPU, torch._grouped_mm on CUDA.
     a = args(grouped_mm=device == "cuda")
-    ref, got, model = run_pair(a, a, device, dtype, batch(seed, 2, 80, device), seed)
+    seed, _, ref, got, model = run_pair(a, a, device, dtype, lambda seed: batch(seed, 2, 80, device))
     compare(ref, got, seed, dtype)
     layers = list(model.layers.values())
     assert all(type(layer.moe.experts) is stt.SparsetrainGroupedExperts for layer in layers)
@@ -143,21 +178,19 @@ def test_experts_and_causal_attention_match_torchtitan(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_experts_with_empty_and_one_row_groups(device):
-    seed = fresh_seed()
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     # 32 experts for 7 tokens x top-2: most experts empty, several with one row.
     a = args(experts=32, n_layers=1, grouped_mm=device == "cuda")
-    ref, got, _ = run_pair(a, a, device, dtype, batch(seed, 1, 7, device), seed)
+    seed, _, ref, got, _ = run_pair(a, a, device, dtype, lambda seed: batch(seed, 1, 7, device))
     compare(ref, got, seed, dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_flex_documents_match_torchtitan(device):
-    seed = fresh_seed()
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     a = args("flex", "block_causal")
-    tokens = batch(seed, 2, 300, device, eos_every=40)
-    ref, got, model = run_pair(a, a, device, dtype, tokens, seed)
+    seed, tokens, ref, got, model = run_pair(a, a, device, dtype,
+                                             lambda seed: batch(seed, 2, 300, device, eos_every=40))
     compare(ref, got, seed, dtype)
     # The converted model's flex masks carry sparsetrain's own, built from the batch's documents.
     masks = model.get_attention_masks(tokens, TOKENIZER)
@@ -168,10 +201,9 @@ def test_flex_documents_match_torchtitan(device):
 def test_varlen_matches_flex_documents(device):
     """torchtitan's varlen attention (cu_seqlens of the batch, causal within each document) converted,
     against flex block_causal of the same batch unconverted (torch's varlen_attn is CUDA-only)."""
-    seed = fresh_seed()
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    tokens = batch(seed, 2, 200, device, eos_every=30)
-    ref, got, _ = run_pair(args("flex", "block_causal"), args("varlen", "block_causal"), device, dtype, tokens, seed)
+    seed, _, ref, got, _ = run_pair(args("flex", "block_causal"), args("varlen", "block_causal"), device, dtype,
+                                    lambda seed: batch(seed, 2, 200, device, eos_every=30))
     compare(ref, got, seed, dtype)
 
 
