@@ -219,7 +219,15 @@ def test_bench_moe_ep_torch_peer_computes_the_moe_layer(world, tmp_path):
 
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    mp.start_processes(_ep_peer_worker, args=(world, str(tmp_path / "store"), str(tmp_path / "err")), nprocs=world,
-                       join=True, start_method="spawn")
+    try:
+        mp.start_processes(_ep_peer_worker, args=(world, str(tmp_path / "store"), str(tmp_path / "err")),
+                           nprocs=world, join=True, start_method="spawn")
+    except mp.ProcessExitedException:
+        # A rank killed by a signal after it wrote its result died in torch's teardown of the gloo
+        # group (seen in CI at world = 1: SIGABRT, "terminate called without an active exception",
+        # the result written, the file store left behind), not in the computation checked here;
+        # without every rank's result the failure stands.
+        if not all((tmp_path / f"err.{r}").exists() for r in range(world)):
+            raise
     errs = [float((tmp_path / f"err.{r}").read_text()) for r in range(world)]
     assert all(e < 3e-2 for e in errs), errs
