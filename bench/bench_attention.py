@@ -137,6 +137,8 @@ CASES = {
     # dilated window (every DILATION-th key within 1536), each as a mask_mod.
     "flexmod_chunked_causal_2048": Case("flex_chunked_causal", 16, 16, 128, B=1, S=16384, window=2048),
     "flexmod_window_640": Case("flex_window", 16, 16, 128, B=1, S=16384, window=640),
+    # Its interval twin (the same allowed pairs, partial blocks masked by intervals, not bits).
+    "sliding_window_640": Case("sliding_window", 16, 16, 128, B=1, S=16384, window=640),
     "flexmod_dilated_window_1536": Case("flex_dilated_window", 16, 16, 128, B=1, S=16384, window=1536),
 }
 # The mask_mod kinds: a prefix LM (causal, plus the first S / PREFIX_DIV keys for every query) and

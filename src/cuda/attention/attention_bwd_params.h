@@ -62,6 +62,9 @@ struct BwdArgs {
   int32_t group;
   float scale;
   MaskColumnLists lists;  // q tiles in units of bwd_tile_q(D)
+  // The mask inside partial tiles; for bitmasks `bits` is the preprocessing's transposed copy
+  // (BwdScratch::bits_t, common/attention/bitmask_transpose.h: bit j * block_q + i of a block is
+  // key j, query i), its strides the copy's.
   KernelMaskSpec spec;
   int32_t block_q, block_kv;
   // The hand-out (sub_tiles = dq_sub_tiles(block_kv); permutation in device memory) and the work

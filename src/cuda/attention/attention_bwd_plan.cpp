@@ -10,6 +10,16 @@
 
 namespace sparsetrain::cuda::attn {
 
+BitmaskBlocks bwd_bitmask_blocks(const BlockMask& bm) {
+  BitmaskBlocks s;
+  s.block_q = int32_t(bm.block_q), s.block_kv = int32_t(bm.block_kv);
+  if (bm.spec.kind != MaskKind::kBitmask) return s;  // rows = width = 0: no blocks
+  const TensorView& bits = bm.partial_bitmasks;
+  s.lead_b = int32_t(bits.size(0)), s.lead_h = int32_t(bits.size(1));
+  s.rows = int32_t(bits.size(2)), s.width = int32_t(bits.size(3));
+  return s;
+}
+
 BwdScratch::BwdScratch(const backend::AttentionProblem& p, const BlockMask& bm, void* base) {
   const int64_t bh = p.batch * p.heads_q, tiles = bwd_q_tiles(p, bm), rows = tiles * bwd_tile_rows(p);
   char* at = static_cast<char*>(base);
@@ -25,6 +35,8 @@ BwdScratch::BwdScratch(const backend::AttentionProblem& p, const BlockMask& bm, 
   doc_q_rows = mask_has_documents(bm.spec.kind)
                    ? reinterpret_cast<int32_t*>(take(size_t(p.batch * rows) * sizeof(int32_t)))
                    : nullptr;
+  const int64_t bit_words = bwd_bitmask_blocks(bm).words();
+  bits_t = bit_words > 0 ? reinterpret_cast<uint32_t*>(take(size_t(bit_words) * sizeof(uint32_t))) : nullptr;
   const size_t sem_bytes = size_t(bh * tiles) * sizeof(int32_t);
   zeroed_bytes = sem_bytes + 5 * sizeof(int32_t);  // + the ticket and abandoned[4]
   semaphores = reinterpret_cast<int32_t*>(take(zeroed_bytes));

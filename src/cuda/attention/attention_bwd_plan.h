@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/attention/bitmask_transpose.h"
 #include "cuda/attention/attention_bwd_params.h"
 #include "ops/attention_backend.h"
 #include "sparsetrain/block_mask.h"
@@ -26,12 +27,17 @@ inline int64_t bwd_q_tiles(const backend::AttentionProblem& p, const BlockMask& 
   return (bm.seq_q + bwd_tile_rows(p) - 1) / bwd_tile_rows(p);
 }
 
+// A bitmask mask's partial blocks as the backward's transposed copy holds them (the mask's leading
+// dims as stored); blocks() 0 for other masks.
+BitmaskBlocks bwd_bitmask_blocks(const BlockMask& bm);
+
 // The backward's scratch, in order (each region 256-byte aligned); base null: the sizes alone.
 struct BwdScratch {
   float* dq_accum;
   float* lse_log2;
   float* delta;
   int32_t* doc_q_rows;  // [B, rows]: document masks' q ids, padded (BwdArgs::doc_q_rows); null for other kinds
+  uint32_t* bits_t;     // bitmask masks' partial blocks transposed (bwd_bitmask_blocks); null for other kinds
   int32_t* semaphores;  // then the ticket counter and the abandoned report: zeroed together by the preprocessing
   int32_t* counters;
   int32_t* permutation;

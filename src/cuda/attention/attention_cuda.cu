@@ -297,6 +297,20 @@ class AttentionCuda final : public backend::AttentionBackend {
     a.lists.walk = mask_walk_shape(m, m.schedule.walk);  // in both modes: dK / dV bits follow it
     a.spec = spec;
     a.block_q = int32_t(m.block_q), a.block_kv = int32_t(m.block_kv);
+    // Bitmask masks: the preprocessing copies the partial blocks transposed, and the kernel reads
+    // the copy (common/attention/bitmask_transpose.h).
+    cuda::attn::BwdBitsCopy bits;
+    if (ws.bits_t != nullptr) {
+      bits.in = spec.bits;
+      bits.in_stride_b = spec.bits_stride_b, bits.in_stride_h = spec.bits_stride_h;
+      bits.in_stride_m = spec.bits_stride_m, bits.in_stride_w = spec.bits_stride_w;
+      bits.blocks = cuda::attn::bwd_bitmask_blocks(m);
+      bits.seq_q = a.mask_seq_q;
+      bits.out = ws.bits_t;
+      a.spec.bits = reinterpret_cast<const uint8_t*>(ws.bits_t);
+      a.spec.bits_stride_b = bits.blocks.stride_b(), a.spec.bits_stride_h = bits.blocks.stride_h();
+      a.spec.bits_stride_m = bits.blocks.stride_m(), a.spec.bits_stride_w = bits.blocks.stride_w();
+    }
     DqColumnHandout& handout = a.sched.handout;
     handout.batch = p.batch;
     handout.kv_heads = p.heads_kv;
@@ -308,6 +322,12 @@ class AttentionCuda final : public backend::AttentionBackend {
     // The hand-out's L2 sections (attention_bwd_plan.h): decided here, or by the preprocessing.
     const cuda::attn::BwdSectionsOnDevice on_device =
         cuda::attn::plan_bwd_sections(p, m, bp.deterministic, device, ws.sections, a);
+    if (bits.out != nullptr) {  // a warp a tile, at most 8 blocks an SM
+      constexpr int64_t kWarps = cuda::attn::kBitsCopyThreads / 32;
+      const int64_t blocks = std::min((bits.blocks.tiles() + kWarps - 1) / kWarps, int64_t(cuda::sm_count(device)) * 8);
+      cuda::attn::bwd_bits_copy_kernel<<<unsigned(blocks), cuda::attn::kBitsCopyThreads, 0, s>>>(bits);
+      ST_CUDA_CHECK(cudaGetLastError(), "CUDA attention: backward bitmask copy launch");
+    }
     // The preprocessing: a block per tile of heads x q rows (BwdPreprocessTiling). It also zeroes
     // the semaphores, the ticket counter and the abandoned flag, so that they start at zero in
     // every run (and in every replay of a captured graph).

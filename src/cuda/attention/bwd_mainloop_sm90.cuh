@@ -18,31 +18,29 @@ using namespace cute;
 
 // ---- masking (the tile is transposed: rows are keys, columns q rows; mask_tile_sm90.cuh) ---------
 
-// A bitmask mask on a partial visit of the transposed tile. Read per element from global memory
-// after the S GEMM (16-32 loads a thread, with the registers full so that they went out a few at a
-// time), the bits were a third of a sinks-and-window mask's backward. Here each lane
-// loads whole words, coalesced: the warp's keys are one 16-key half of a 32-key group, so the warp
-// needs that group's word of each q row, and lane l loads those of rows l, l + 32, ...;
-// mask_bits_transposed spreads their bits with ballots. Rows past Sq and a corrupt entry
-// (bit_entry outside the width) get no bits: nothing allowed.
+// A bitmask mask on a partial visit of the transposed tile, from the preprocessing's transposed
+// copy of the block (BwdArgs::spec): each thread loads, for each of its keys, the key's word of each
+// 32-row group of the q tile (4 words at 64-row tiles), the 4 lanes of a key row the same. Rows
+// past Sq have no bits in the copy; a corrupt entry (bit_entry outside the width) gets none.
+// (Loading the mask's rows instead, a lane a row, and spreading them with 16 ballots a group made
+// a dilated-window mask_mod's backward 17 % slower.)
 template <int M, class TS, class TC>
 __device__ __forceinline__ void bwd_mask_bits(TS& s, TC const& coord, int q0, int kv0, const BwdArgs& a, int b, int h,
                                               int column, const BwdVisit& visit) {
   const KernelMaskSpec& m = a.spec;
-  constexpr int kGroups = M / 32;  // 32-row groups of the q tile
+  constexpr int kGroups = M / 32, kKeys = decltype(size<0>(s))::value;
   const bool ok = visit.bit_entry >= 0 && visit.bit_entry < m.bits_width;  // else a corrupt mask
   const uint32_t* block = reinterpret_cast<const uint32_t*>(bitmask_block(m, b, h, visit.q_block, visit.bit_entry));
-  // The warp's 32-key group: its first column in the block.
-  const int col = kv0 - column * a.block_kv + (int(get<0>(coord(0, 0))) & ~31);
-  const int lane = int(threadIdx.x % 32), row0 = q0 - visit.q_block * a.block_q;
-  uint32_t words[kGroups];
+  const int col0 = kv0 - column * a.block_kv, row0 = q0 - visit.q_block * a.block_q;
+  uint32_t mine[kKeys][kGroups];
   CUTLASS_PRAGMA_UNROLL
-  for (int g = 0; g < kGroups; ++g) {
-    const int i = 32 * g + lane;  // the q tile's row this lane loads
-    words[g] = ok && q0 + i < a.mask_seq_q ? __ldg(block + bitmask_word(row0 + i, col, m.block_kv)) : 0u;
+  for (int ki = 0; ki < kKeys; ++ki) {
+    const int key = col0 + int(get<0>(coord(ki, 0)));
+    CUTLASS_PRAGMA_UNROLL
+    for (int g = 0; g < kGroups; ++g)
+      mine[ki][g] = ok ? __ldg(block + bitmask_word(key, row0 + 32 * g, a.block_q)) : 0u;
   }
-  mask_bits_transposed(s, coord, a.mask_seq_kv - kv0, words,
-                       [](int, int, uint32_t pred) { return __ballot_sync(0xffffffffu, pred); });
+  mask_key_words(s, coord, a.mask_seq_kv - kv0, mine);
 }
 
 template <int M, class TS, class TC>

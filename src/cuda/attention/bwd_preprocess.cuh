@@ -3,12 +3,14 @@
 // mode; the deterministic one's first writer stores) the row of the fp32 dQ accumulator zeroed;
 // for document masks each padded q row's document id, once per batch (the kernel's loader stages a
 // visit's ids with its lse and delta); also the kernel's semaphores and counters zeroed (no memset
-// launch of their own).
+// launch of their own). Before it, for bitmask masks, the partial blocks' bits transposed
+// (bwd_bits_copy_kernel).
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 
+#include "common/attention/bitmask_transpose.h"
 #include "common/attention/bwd_preprocess_tiling.h"
 #include "common/attention/bwd_sections.h"
 #include "cuda/attention/attention_bwd_params.h"  // kBwdTileQ
@@ -24,6 +26,34 @@ static_assert(BwdPreprocessTiling<8, true>::tiles_divide(kBwdTileQ) &&
                   BwdPreprocessTiling<16, true>::tiles_divide(kBwdTileQ) &&
                   BwdPreprocessTiling<32, false>::tiles_divide(kBwdTileQ),
               "a head's padded rows split into whole tiles, at any heads");
+
+// A bitmask mask's partial blocks to copy transposed (BitmaskBlocks).
+struct BwdBitsCopy {
+  const uint8_t* in = nullptr;  // the mask's bits (KernelMaskSpec::bits and its byte strides)
+  int64_t in_stride_b = 0, in_stride_h = 0, in_stride_m = 0, in_stride_w = 0;
+  BitmaskBlocks blocks;
+  int32_t seq_q = 0;  // mask rows at or past it get no bits
+  uint32_t* out = nullptr;
+};
+
+// The copy (common/attention/bitmask_transpose.h): 32 x 32 bits a warp, the grid's warps striding
+// over the tiles. A kernel of its own, before the preprocessing, whose 48-register bound the
+// 64-bit tile arithmetic broke (spills).
+constexpr int kBitsCopyThreads = 256;
+__global__ void __launch_bounds__(kBitsCopyThreads) bwd_bits_copy_kernel(const BwdBitsCopy bits) {
+  const int64_t warps = int64_t(gridDim.x) * (kBitsCopyThreads / 32);
+  const int lane = int(threadIdx.x % 32);
+  for (int64_t t = int64_t(blockIdx.x) * (kBitsCopyThreads / 32) + threadIdx.x / 32; t < bits.blocks.tiles();
+       t += warps) {
+    const BitTile x = bit_tile(bits.blocks, t);
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(bits.in + x.b * bits.in_stride_b + x.h * bits.in_stride_h +
+                                                            x.m * bits.in_stride_m + x.w * bits.in_stride_w);
+    const bool live = x.m * bits.blocks.block_q + 32 * x.q_group + lane < bits.seq_q;
+    const uint32_t row = live ? src[bit_tile_source_word(bits.blocks, x, lane)] : 0u;
+    bits.out[x.block * bits.blocks.block_words() + bit_tile_copy_word(bits.blocks, x, lane)] =
+        transpose_bit_tile(row, lane, [](int, uint32_t pred) { return __ballot_sync(0xffffffffu, pred); });
+  }
+}
 
 // Per padded row (b, h, q): delta = rowsum(dout * o), lse * log2(e) (+inf where the row has no
 // allowed key or holds no token: past Sq, or a padding position of a padded document mask, whose

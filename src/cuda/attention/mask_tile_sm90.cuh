@@ -43,7 +43,7 @@ struct TileMaskCoords {
 // document masks; key_doc must give a value no query id has (INT32_MIN) for keys past Skv. With
 // many queries (the backward) query_doc is read for every query of the tile, past Sq too.
 // Bitmasks here are the forward's (few queries, many keys); the backward's transposed tiles take
-// theirs from mask_bits_transposed (below), whose words cross lanes.
+// theirs from mask_key_words (below), a transposed copy's words.
 template <bool kQueriesAlongRows, class TS, class TC, class QueryDoc, class KeyDoc>
 __device__ __forceinline__ void mask_partial_tile(TS& s, TC const& coord, const KernelMaskSpec& m,
                                                   const TileMaskCoords& t, QueryDoc query_doc, KeyDoc key_doc) {
@@ -149,35 +149,17 @@ __device__ __forceinline__ void mask_partial_tile(TS& s, TC const& coord, const 
   }
 }
 
-// The backward's bitmask mask on its transposed tile (rows: keys, columns: queries; S^T of a
-// q tile of 32 x kGroups rows), from whole words: words[g] is the 32-bit word of the warp's key
-// group for q-tile row 32 g + lane (0: nothing allowed), ballot(g, key, pred) the warp's ballot of
-// pred (bit l: lane l's). A warp's keys are one 16-key half of a 32-key group and a thread's query
-// column j lies in 32-row group j / 8, so one ballot per key of the half and group gives every
-// lane that key's bits for 32 queries; each thread keeps those of its own keys (kKeys x kGroups
-// registers) and masks its elements from them. Keys at or past key_end lie beyond Skv. Host and
-// device: tests/cpp/test_bwd_mask_layout.cu runs it over an emulated warp and checks the layout
-// it relies on against CuTe's partition.
-template <int kGroups, class TS, class TC, class Ballot>
-CUTE_HOST_DEVICE void mask_bits_transposed(TS& s, TC const& coord, int key_end, const uint32_t (&words)[kGroups],
-                                           Ballot&& ballot) {
-  constexpr int kKeys = decltype(size<0>(s))::value, kQueries = decltype(size<1>(s))::value;
+// The backward's bitmask mask on its transposed tile (rows: keys, columns: queries; S^T of a q
+// tile of 32 x kGroups rows): mine[ki][g], bit r, is the thread's key ki allowed for row r of the
+// tile's 32-row group g (a word of the preprocessing's transposed copy of the block,
+// common/attention/bitmask_transpose.h). A thread's query column j lies in group j / 8
+// (tests/cpp/test_bwd_mask_layout.cu checks it against CuTe's partition). Keys at or past key_end
+// lie beyond Skv.
+template <int kKeys, int kGroups, class TS, class TC>
+CUTE_HOST_DEVICE void mask_key_words(TS& s, TC const& coord, int key_end, const uint32_t (&mine)[kKeys][kGroups]) {
+  constexpr int kQueries = decltype(size<1>(s))::value;
+  static_assert(kKeys == decltype(size<0>(s))::value, "a word for each of the thread's keys");
   static_assert(kQueries == 8 * kGroups, "a thread's query columns: 8 in each 32-row group");
-  const int half = int(get<0>(coord(0, 0))) & ~15;  // the warp's first key
-  uint32_t mine[kKeys][kGroups];  // bit r: the thread's key ki allowed for row r of group g
-  CUTLASS_PRAGMA_UNROLL
-  for (int g = 0; g < kGroups; ++g) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int ki = 0; ki < kKeys; ++ki) mine[ki][g] = 0u;
-    CUTLASS_PRAGMA_UNROLL
-    for (int k = 0; k < 16; ++k) {
-      const int key = half + k;
-      const uint32_t bits = ballot(g, key, (words[g] >> (key & 31)) & 1u);
-      CUTLASS_PRAGMA_UNROLL
-      for (int ki = 0; ki < kKeys; ++ki)
-        if (int(get<0>(coord(ki, 0))) == key) mine[ki][g] = bits;
-    }
-  }
   CUTLASS_PRAGMA_UNROLL
   for (int j = 0; j < kQueries; ++j) {
     const int r = int(get<1>(coord(0, j))) & 31;  // the query's row in its group j / 8
