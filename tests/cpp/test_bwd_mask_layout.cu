@@ -3,7 +3,7 @@
 // 32-key group, the same keys in every query column, and a thread's query column j lies in
 // 32-row group j / 8 of the q tile. Checked against CuTe's partition of the S^T GEMM for every
 // head dim the kernels are built for (at D <= 64 the q tile has 128 rows); then the
-// preprocessing's transposed copy (common/attention/bitmask_transpose.h, its warps' ballots
+// backward's transposed copy (common/attention/bitmask_transpose.h, its warps' ballots
 // emulated) and the mask made from it (the words loaded as bwd_mask_bits loads them) against the
 // block's bits read one by one. Host tests: no GPU.
 #include <gtest/gtest.h>
@@ -59,8 +59,8 @@ TEST(BwdMaskLayout, WarpsHoldOneKeyHalfAndQueryColumnsInGroupsOfEight) {
   expect_bitmask_layout<BwdTraits<cutlass::half_t, 128>>();
 }
 
-// The preprocessing's transposed copy of blocks `s` (source words `src` in the compact order of
-// the mask's blocks), a warp per tile as bwd_preprocess_kernel runs it, ballots emulated.
+// The backward's transposed copy of blocks `s` (source words `src` in the compact order of the
+// mask's blocks), a warp per tile as bwd_bits_copy_kernel runs it, ballots emulated.
 std::vector<uint32_t> transposed_copy(const sparsetrain::BitmaskBlocks& s, const std::vector<uint32_t>& src,
                                       int seq_q) {
   std::vector<uint32_t> out(size_t(s.words()), 0xdeadbeefu);  // poisoned: every word must be written

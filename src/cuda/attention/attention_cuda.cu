@@ -297,8 +297,8 @@ class AttentionCuda final : public backend::AttentionBackend {
     a.lists.walk = mask_walk_shape(m, m.schedule.walk);  // in both modes: dK / dV bits follow it
     a.spec = spec;
     a.block_q = int32_t(m.block_q), a.block_kv = int32_t(m.block_kv);
-    // Bitmask masks: the preprocessing copies the partial blocks transposed, and the kernel reads
-    // the copy (common/attention/bitmask_transpose.h).
+    // Bitmask masks: a kernel before the preprocessing copies the partial blocks transposed, and
+    // the backward reads the copy (common/attention/bitmask_transpose.h).
     cuda::attn::BwdBitsCopy bits;
     if (ws.bits_t != nullptr) {
       bits.in = spec.bits;

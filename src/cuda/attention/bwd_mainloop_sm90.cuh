@@ -18,8 +18,8 @@ using namespace cute;
 
 // ---- masking (the tile is transposed: rows are keys, columns q rows; mask_tile_sm90.cuh) ---------
 
-// A bitmask mask on a partial visit of the transposed tile, from the preprocessing's transposed
-// copy of the block (BwdArgs::spec): each thread loads, for each of its keys, the key's word of each
+// A bitmask mask on a partial visit of the transposed tile, from the backward's transposed copy of
+// the block (BwdArgs::spec): each thread loads, for each of its keys, the key's word of each
 // 32-row group of the q tile (4 words at 64-row tiles), the 4 lanes of a key row the same. Rows
 // past Sq have no bits in the copy; a corrupt entry (bit_entry outside the width) gets none.
 // (Loading the mask's rows instead, a lane a row, and spreading them with 16 ballots a group made

@@ -151,7 +151,7 @@ __device__ __forceinline__ void mask_partial_tile(TS& s, TC const& coord, const 
 
 // The backward's bitmask mask on its transposed tile (rows: keys, columns: queries; S^T of a q
 // tile of 32 x kGroups rows): mine[ki][g], bit r, is the thread's key ki allowed for row r of the
-// tile's 32-row group g (a word of the preprocessing's transposed copy of the block,
+// tile's 32-row group g (a word of the backward's transposed copy of the block,
 // common/attention/bitmask_transpose.h). A thread's query column j lies in group j / 8
 // (tests/cpp/test_bwd_mask_layout.cu checks it against CuTe's partition). Keys at or past key_end
 // lie beyond Skv.
