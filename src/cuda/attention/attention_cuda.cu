@@ -301,9 +301,7 @@ class AttentionCuda final : public backend::AttentionBackend {
     // the backward reads the copy (common/attention/bitmask_transpose.h).
     cuda::attn::BwdBitsCopy bits;
     if (ws.bits_t != nullptr) {
-      bits.in = spec.bits;
-      bits.in_stride_b = spec.bits_stride_b, bits.in_stride_h = spec.bits_stride_h;
-      bits.in_stride_m = spec.bits_stride_m, bits.in_stride_w = spec.bits_stride_w;
+      bits.in = spec;
       bits.blocks = cuda::attn::bwd_bitmask_blocks(m);
       bits.seq_q = a.mask_seq_q;
       bits.out = ws.bits_t;

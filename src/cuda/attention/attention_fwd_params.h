@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "common/attention/attention_fwd_walk.h"
+#include "common/host_device.h"
 #include "sparsetrain/mask_spec.h"
 
 namespace sparsetrain::cuda::attn {
@@ -22,6 +23,13 @@ struct KernelMaskSpec {
   int32_t bits_width = 0;  // W: a partial entry at or past it (a corrupt device count) allows nothing
   int32_t block_kv = 128;  // mask block columns (bit index = row_in_block * block_kv + col_in_block)
 };
+
+// A partial block's bits: uint8 [block_q rows, block_kv / 8] of batch b, head h, mask row `row` and
+// entry `entry` of its kv list (KernelMaskSpec::bits; leading dims broadcast by zero strides).
+ST_HOST_DEVICE inline const uint8_t* bitmask_block(const KernelMaskSpec& m, int64_t b, int64_t h, int64_t row,
+                                                   int64_t entry) {
+  return m.bits + b * m.bits_stride_b + h * m.bits_stride_h + row * m.bits_stride_m + entry * m.bits_stride_w;
+}
 
 struct FwdArgs {
   const void* q;  // [B, Sq, Hq, D], strides in elements (last dim 1)

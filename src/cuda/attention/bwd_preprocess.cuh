@@ -29,8 +29,7 @@ static_assert(BwdPreprocessTiling<8, true>::tiles_divide(kBwdTileQ) &&
 
 // A bitmask mask's partial blocks to copy transposed (BitmaskBlocks).
 struct BwdBitsCopy {
-  const uint8_t* in = nullptr;  // the mask's bits (KernelMaskSpec::bits and its byte strides)
-  int64_t in_stride_b = 0, in_stride_h = 0, in_stride_m = 0, in_stride_w = 0;
+  KernelMaskSpec in;  // the mask's bits (bitmask_block)
   BitmaskBlocks blocks;
   int32_t seq_q = 0;  // mask rows at or past it get no bits
   uint32_t* out = nullptr;
@@ -46,8 +45,7 @@ __global__ void __launch_bounds__(kBitsCopyThreads) bwd_bits_copy_kernel(const B
   for (int64_t t = int64_t(blockIdx.x) * (kBitsCopyThreads / 32) + threadIdx.x / 32; t < bits.blocks.tiles();
        t += warps) {
     const BitTile x = bit_tile(bits.blocks, t);
-    const uint32_t* src = reinterpret_cast<const uint32_t*>(bits.in + x.b * bits.in_stride_b + x.h * bits.in_stride_h +
-                                                            x.m * bits.in_stride_m + x.w * bits.in_stride_w);
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(bitmask_block(bits.in, x.b, x.h, x.m, x.w));
     const bool live = x.m * bits.blocks.block_q + 32 * x.q_group + lane < bits.seq_q;
     const uint32_t row = live ? src[bit_tile_source_word(bits.blocks, x, lane)] : 0u;
     bits.out[x.block * bits.blocks.block_words() + bit_tile_copy_word(bits.blocks, x, lane)] =

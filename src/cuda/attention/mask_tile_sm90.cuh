@@ -17,13 +17,6 @@
 
 namespace sparsetrain::cuda::attn {
 
-// A partial block's bits: uint8 [block_q rows, block_kv / 8] of batch b, head h, mask row `row` and
-// entry `entry` of its kv list (KernelMaskSpec::bits; leading dims broadcast by zero strides).
-__device__ __forceinline__ const uint8_t* bitmask_block(const KernelMaskSpec& m, int64_t b, int64_t h, int64_t row,
-                                                        int64_t entry) {
-  return m.bits + b * m.bits_stride_b + h * m.bits_stride_h + row * m.bits_stride_m + entry * m.bits_stride_w;
-}
-
 // Where the tile sits and where its bits are (the forward's; the backward's: mask_bits_transposed).
 struct TileMaskCoords {
   int32_t q0, kv0;      // the first query and key the accumulator's (0, 0) stands for
