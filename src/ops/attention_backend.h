@@ -34,7 +34,8 @@ struct AttentionForwardParams {
 
 // o and dout [B, Sq, Hq, D] (last dim contiguous), lse fp32 [B, Hq, Sq] (any strides).
 // dq [B, Sq, Hq, D], dk / dv [B, Skv, Hkv, D]: contiguous, written in full (zero where nothing
-// contributes).
+// contributes); the library's own, so a backend may use their bytes as scratch before it writes
+// them (the CUDA backend: dq's, BwdScratch).
 struct AttentionBackwardParams {
   AttentionProblem problem;
   TensorView q, k, v, o, lse, dout;

@@ -20,23 +20,30 @@ BitmaskBlocks bwd_bitmask_blocks(const BlockMask& bm) {
   return s;
 }
 
-BwdScratch::BwdScratch(const backend::AttentionProblem& p, const BlockMask& bm, void* base) {
+BwdScratch::BwdScratch(const backend::AttentionProblem& p, const BlockMask& bm, void* base, void* dq) {
   const int64_t bh = p.batch * p.heads_q, tiles = bwd_q_tiles(p, bm), rows = tiles * bwd_tile_rows(p);
-  char* at = static_cast<char*>(base);
-  size_t off = 0;
-  auto take = [&](size_t n) {
-    char* r = at == nullptr ? nullptr : at + off;
-    off += (n + 255) / 256 * 256;
+  const bool docs = mask_has_documents(bm.spec.kind);
+  auto round = [](size_t n) { return (n + 255) / 256 * 256; };  // each region 256-byte aligned
+  // The regions only the kernel and its preprocessing read, and whether they all fit in dq.
+  const size_t row_bytes = size_t(bh * rows) * sizeof(float);
+  const size_t doc_bytes = docs ? size_t(p.batch * rows) * sizeof(int32_t) : 0;
+  const size_t bit_bytes = size_t(bwd_bitmask_blocks(bm).words()) * sizeof(uint32_t);
+  in_dq = 2 * round(row_bytes) + round(doc_bytes) + round(bit_bytes) <=
+          size_t(p.batch * p.seq_q * p.heads_q * p.head_dim) * dtype_size(p.dtype);
+  size_t off = 0, dq_off = 0;
+  auto take = [&](size_t n, bool kernel_only = false) {
+    const bool there = kernel_only && in_dq;
+    char* at = static_cast<char*>(there ? dq : base);
+    size_t& o = there ? dq_off : off;
+    char* r = at == nullptr ? nullptr : at + o;
+    o += round(n);
     return r;
   };
   dq_accum = reinterpret_cast<float*>(take(size_t(bh * rows * p.head_dim) * sizeof(float)));
-  lse_log2 = reinterpret_cast<float*>(take(size_t(bh * rows) * sizeof(float)));
-  delta = reinterpret_cast<float*>(take(size_t(bh * rows) * sizeof(float)));
-  doc_q_rows = mask_has_documents(bm.spec.kind)
-                   ? reinterpret_cast<int32_t*>(take(size_t(p.batch * rows) * sizeof(int32_t)))
-                   : nullptr;
-  const int64_t bit_words = bwd_bitmask_blocks(bm).words();
-  bits_t = bit_words > 0 ? reinterpret_cast<uint32_t*>(take(size_t(bit_words) * sizeof(uint32_t))) : nullptr;
+  lse_log2 = reinterpret_cast<float*>(take(row_bytes, true));
+  delta = reinterpret_cast<float*>(take(row_bytes, true));
+  doc_q_rows = docs ? reinterpret_cast<int32_t*>(take(doc_bytes, true)) : nullptr;
+  bits_t = bit_bytes > 0 ? reinterpret_cast<uint32_t*>(take(bit_bytes, true)) : nullptr;
   const size_t sem_bytes = size_t(bh * tiles) * sizeof(int32_t);
   zeroed_bytes = sem_bytes + 5 * sizeof(int32_t);  // + the ticket and abandoned[4]
   semaphores = reinterpret_cast<int32_t*>(take(zeroed_bytes));

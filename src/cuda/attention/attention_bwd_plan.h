@@ -32,6 +32,12 @@ inline int64_t bwd_q_tiles(const backend::AttentionProblem& p, const BlockMask& 
 BitmaskBlocks bwd_bitmask_blocks(const BlockMask& bm);
 
 // The backward's scratch, in order (each region 256-byte aligned); base null: the sizes alone.
+// The regions only the preprocessing and the main kernel use (lse_log2, delta, doc_q_rows, bits_t)
+// live in dq's own bytes where they fit (in_dq; always but for bitmasks larger than dq): dq, [B,
+// Sq, Hq, D] contiguous from the library, is written only after the main kernel, by the conversion
+// (bwd_convert_dq_kernel), which reads none of them. That keeps a fwd + bwd's peak memory at the
+// fp32 dQ accumulator's plus the outputs' (FlashAttention-4 holds its lse_log2 and dpsum beside
+// them). `bytes` counts the workspace alone.
 struct BwdScratch {
   float* dq_accum;
   float* lse_log2;
@@ -44,8 +50,10 @@ struct BwdScratch {
   int32_t* sections;  // the hand-out's section size where the preprocessing decides it (BwdSectionsOnDevice)
   size_t bytes;
   size_t zeroed_bytes;  // semaphores + counters
+  bool in_dq;           // lse_log2, delta, doc_q_rows and bits_t in dq's bytes (a rule of the sizes alone)
 
-  BwdScratch(const backend::AttentionProblem& p, const BlockMask& bm, void* base);
+  // base, dq null: the sizes alone.
+  BwdScratch(const backend::AttentionProblem& p, const BlockMask& bm, void* base, void* dq);
 };
 
 // The hand-out's sections for a backward on `device` over the backward mask `m`, whose arguments

@@ -209,7 +209,7 @@ class AttentionCuda final : public backend::AttentionBackend {
     return cuda::attn::fwd_order_scratch_bytes(p.batch * p.heads_q * q_tiles_of(p));
   }
   size_t backward_scratch_bytes(const AttentionProblem& p, const BlockMask& mask) const override {
-    return BwdScratch(p, bwd_mask(mask), nullptr).bytes;
+    return BwdScratch(p, bwd_mask(mask), nullptr, nullptr).bytes;
   }
 
   void forward(const backend::AttentionForwardParams& fp, void* scratch, Stream stream) override {
@@ -247,7 +247,7 @@ class AttentionCuda final : public backend::AttentionBackend {
     const cuda::DeviceGuard guard(bp.q.device().index);
     const AttentionProblem& p = bp.problem;
     const BlockMask& m = bwd_mask(*bp.mask);
-    const BwdScratch ws(p, m, scratch);
+    const BwdScratch ws(p, m, scratch, bp.dq.data());  // dq's bytes hold the kernel-only regions (in_dq)
     const int32_t q_tiles = int32_t(bwd_q_tiles(p, m)), rows = q_tiles * bwd_tile_rows(p);
     cudaStream_t s = static_cast<cudaStream_t>(stream.handle);
 
