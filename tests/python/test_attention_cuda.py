@@ -600,6 +600,13 @@ def _grad_case(name, B, H, S):
         def mod(b, h, q, kv):
             return (doc[q] == doc[kv]) & (doc[q] >= 0) & (kv <= q)
         return st.BlockMask.from_cu_seqlens(cu, seq_q=S, causal=True), mod, None, None, S, S
+    if name == "random_bitmask_every_block":  # each element allowed with p = 1/2: every block partial
+        allowed = (torch.rand(B, H, S, S, generator=torch.Generator().manual_seed(13)) < 0.5).to(DEV)
+
+        def mod(b, h, q, kv):
+            return allowed[b, h, q, kv]
+        fm = flex.create_block_mask(mod, B, H, S, S, device=DEV, BLOCK_SIZE=128)
+        return st.BlockMask.from_torch(fm), mod, B, H, S, S
     if name == "random_bitmask":
         mod = _random_blocks(B, H, S, S, 12)
         fm = flex.create_block_mask(mod, B, H, S, S, device=DEV, BLOCK_SIZE=128)
@@ -745,6 +752,17 @@ def test_backward_matches_flex_attention(name, D, deterministic):
     """bf16, GQA 8:2, B = 2, S = 1000: o, dq, dk, dv against flex_attention's in fp32."""
     _require_kernel(torch.bfloat16, D)
     _check_grads(name, torch.bfloat16, D, 8, 2, deterministic=deterministic)
+
+
+@pytest.mark.parametrize("D", [64, 128], ids=["D64", "D128"])
+def test_backward_bitmask_in_its_workspace_or_in_dq(D):
+    """A bitmask with every block partial, S = 1536: its transposed copy (2 KiB a block, 24 KiB a q
+    block row) is larger than dq's rows at D = 64 (16 KiB) and stays in the backward's workspace;
+    at D = 128 (32 KiB) it goes into dq's bytes with lse_log2 and delta (BwdScratch, checked on the
+    CPU by test_attention_bwd_plan). Both against flex, both modes."""
+    _require_kernel(torch.bfloat16, D)
+    for deterministic in (True, False):
+        _check_grads("random_bitmask_every_block", torch.bfloat16, D, 8, 2, S=1536, deterministic=deterministic)
 
 
 @pytest.mark.parametrize("dtype,D,Hq,Hkv,name", [
