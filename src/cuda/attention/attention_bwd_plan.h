@@ -34,11 +34,11 @@ BitmaskBlocks bwd_bitmask_blocks(const BlockMask& bm);
 // The backward's scratch, in order (each region 256-byte aligned); base null: the sizes alone.
 // The regions only the preprocessing and the main kernel use (lse_log2, delta, doc_q_rows, bits_t)
 // live in dq's own bytes where they fit (in_dq; not for a bitmask larger than dq, nor for a few
-// queries whose rows, padded to whole tiles, outgrow it): dq, [B,
-// Sq, Hq, D] contiguous from the library, is written only after the main kernel, by the conversion
-// (bwd_convert_dq_kernel), which reads none of them. That keeps a fwd + bwd's peak memory at the
-// fp32 dQ accumulator's plus the outputs' (FlashAttention-4 holds its lse_log2 and dpsum beside
-// them). `bytes` counts the workspace alone.
+// queries whose rows, padded to whole tiles, outgrow it): dq, [B, Sq, Hq, D] contiguous from the
+// library, is written only after the main kernel, by the conversion (bwd_convert_dq_kernel), which
+// reads none of them. That keeps a fwd + bwd's peak memory at the fp32 dQ accumulator's plus the
+// outputs' (FlashAttention-4 holds its lse_log2 and dpsum beside them). `bytes` counts the
+// workspace alone.
 struct BwdScratch {
   float* dq_accum;
   float* lse_log2;
